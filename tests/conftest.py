@@ -1,0 +1,29 @@
+"""Shared test setup: JAX on the CPU with 8 simulated devices, float32 matmuls at full precision."""
+
+from __future__ import annotations
+
+import os
+
+# Must happen before jax is imported anywhere.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import pathlib  # noqa: E402
+
+import pytest  # noqa: E402
+
+DATA = pathlib.Path(__file__).parent / "data"
+
+
+@pytest.fixture(scope="session")
+def data_dir() -> pathlib.Path:
+    return DATA
+
+
+@pytest.fixture(scope="session")
+def golden() -> dict:
+    import json
+
+    return json.loads((DATA / "smollm2_public.json").read_text())

@@ -1,0 +1,50 @@
+"""Logits of tiny random models of every registered architecture equal transformers' own.
+
+The fixtures (tests/data/arch/*) come from scripts/make_arch_fixtures.py, which runs the
+PyTorch implementations; this test needs no torch.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from jaxserve.models.arch_config import ArchConfig
+from jaxserve.models.registry import get_model_class, supported_architectures
+from jaxserve.models.weights import create_model
+from tests.models.model_utils import PagedRunner
+
+CASES = ["llama", "llama_tied", "qwen2", "qwen3", "mistral"]
+
+
+def load_fixture(data_dir, name):
+    d = data_dir / "arch" / name
+    cfg = ArchConfig.from_hf(json.loads((d / "config.json").read_text()))
+    tensors = load_file(str(d / "model.safetensors"))
+    expected = load_file(str(d / "expected.safetensors"))
+    return cfg, tensors, expected
+
+
+def test_every_architecture_has_a_fixture(data_dir):
+    archs = {json.loads((data_dir / "arch" / c / "config.json").read_text())["architectures"][0] for c in CASES}
+    assert archs == set(supported_architectures())
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_logits_match_transformers(data_dir, name):
+    cfg, tensors, expected = load_fixture(data_dir, name)
+    model = create_model(cfg, dtype=jnp.float32, get_tensor=tensors.__getitem__)
+    runner = PagedRunner(model, page_size=4, num_pages=16)
+    seqs = [expected["tokens_0"].tolist(), expected["tokens_1"].tolist()]
+    out = runner.step([(0, seqs[0], 0), (1, seqs[1], 0)], num_tokens=32, num_reqs=4, pages_per_req=8)
+    for i in range(2):
+        np.testing.assert_allclose(out[i], expected[f"logits_{i}"], atol=1e-4, rtol=0)
+
+
+def test_unknown_architecture_lists_supported():
+    with pytest.raises(ValueError, match="LlamaForCausalLM.*Qwen2ForCausalLM"):
+        get_model_class("GPTNeoXForCausalLM")
