@@ -1,0 +1,68 @@
+"""SchedulerOutput: everything the model runner needs for one step, and nothing more.
+
+One step feeds, for each scheduled request in batch order, the tokens at positions
+[start_pos, start_pos + num_scheduled_tokens) — a prefill chunk, a whole prompt, a recompute
+after preemption or the one token sampled last step, all alike — and writes their KV into the
+request's blocks. When `sample` is set, the logits at the last fed position produce one new
+token, reported back through `Scheduler.update_from_output`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from jaxserve.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledRequest:
+    request_id: str
+    # Tokens to feed this step, for positions start_pos … start_pos + num_scheduled_tokens - 1.
+    token_ids: tuple[int, ...]
+    start_pos: int  # = the request's num_computed_tokens before this step; KV exists below it
+    num_scheduled_tokens: int  # = len(token_ids) > 0
+    # The request's whole block table row: position p is slot p % block_size of
+    # block_ids[p // block_size]. Covers at least start_pos + num_scheduled_tokens tokens.
+    block_ids: tuple[int, ...]
+    # This step reaches the end of the request's known tokens: sample one token from the
+    # logits at the last fed position. False for a prefill chunk that is not the last one.
+    sample: bool
+    # First step since the request was added or resumed after preemption: (re)build any
+    # per-request runner state (sampler rows, penalty counts, seeded generators …).
+    is_new: bool
+    is_resumed: bool  # is_new because of a preemption (the request has output tokens already)
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    # The request's whole known history (prompt + output so far) when is_new, else ().
+    all_token_ids: tuple[int, ...] = ()
+
+    @property
+    def end_pos(self) -> int:
+        """One past the last fed position: the request's num_computed_tokens after the step."""
+        return self.start_pos + self.num_scheduled_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+    # Requests in batch order: the running ones first, then those admitted this step.
+    scheduled: tuple[ScheduledRequest, ...]
+    total_num_scheduled_tokens: int
+    # Requests that finished or were aborted since the previous schedule() (including any
+    # that were scheduled in the previous step): the runner drops their per-request state.
+    # Delivered even when nothing is scheduled — the engine must still pass them on.
+    finished_request_ids: frozenset[str]
+    # Requests preempted (by recompute) in this step: their per-request runner state is void;
+    # they come back later with is_new and is_resumed set.
+    preempted_request_ids: tuple[str, ...]
+
+    @property
+    def num_scheduled_requests(self) -> int:
+        return len(self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+    @property
+    def num_scheduled_tokens(self) -> dict[str, int]:
+        return {s.request_id: s.num_scheduled_tokens for s in self.scheduled}

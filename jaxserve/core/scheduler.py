@@ -1,0 +1,353 @@
+"""Scheduler: continuous batching with vLLM v1's rule.
+
+There is no prefill phase and no decode phase. Each request's `num_computed_tokens` catches up
+with its `num_tokens` (prompt + output). Every step spends a token budget
+(`max_num_batched_tokens`) on the running requests first, in order, then admits waiting ones
+while fewer than `max_num_seqs` run. A prompt longer than the remaining budget is computed in
+chunks over several steps (chunked prefill); only the step that reaches the end of a request's
+known tokens samples a token.
+
+When the KV cache cannot hold a running request's next tokens, the scheduler preempts the last
+running request (the newest under "fcfs", the lowest-priority under "priority") by recompute:
+its blocks are freed (they stay in the prefix cache until evicted), `num_computed_tokens`
+goes back to 0 and it re-enters the waiting queue at the position its key gives it (ahead of
+every request that arrived after it). No request is admitted in a step that preempted one.
+
+Step protocol (one engine step):
+    out = scheduler.schedule()          # advances num_computed_tokens of the scheduled requests
+    sampled = runner.execute(out)       # {request_id: [token]} for the rows with `sample`
+    finished = scheduler.update_from_output(out, sampled)
+`num_computed_tokens` is advanced in `schedule()` (as in vLLM v1), so a scheduled request
+already counts its step's tokens as computed; `update_from_output` only appends sampled tokens
+and applies the stop conditions the scheduler owns (max_tokens, EOS, stop_token_ids,
+max_model_len). Stop strings belong to the output processor, which calls `finish_requests`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import itertools
+import logging
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Literal
+
+from jaxserve.core.kv_cache_manager import KVCacheManager
+from jaxserve.core.sched_output import ScheduledRequest, SchedulerOutput
+from jaxserve.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+SortKey = tuple[int | float, ...]
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+    policy: Literal["fcfs", "priority"] = "fcfs"
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}.")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"Without chunked prefill, max_num_batched_tokens ({self.max_num_batched_tokens})"
+                f" must be >= max_model_len ({self.max_model_len}), or long prompts could never"
+                " be scheduled; raise it or enable chunked prefill."
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # fraction of allocatable blocks in use
+    num_free_blocks: int
+    prefix_cache_queries: int  # tokens looked up in the prefix cache (cumulative)
+    prefix_cache_hits: int  # of which found (cumulative)
+    num_preemptions: int  # cumulative
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        if not self.prefix_cache_queries:
+            return 0.0
+        return self.prefix_cache_hits / self.prefix_cache_queries
+
+
+class _WaitingQueue:
+    """Waiting (and preempted) requests, smallest key first."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[SortKey, Request]] = []  # keys are unique: Request never compared
+
+    def push(self, key: SortKey, request: Request) -> None:
+        heapq.heappush(self._heap, (key, request))
+
+    def peek(self) -> Request:
+        return self._heap[0][1]
+
+    def pop(self) -> Request:
+        return heapq.heappop(self._heap)[1]
+
+    def remove(self, request: Request) -> None:
+        self._heap = [e for e in self._heap if e[1] is not request]
+        heapq.heapify(self._heap)
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __iter__(self) -> Iterator[Request]:
+        """In scheduling order."""
+        return (r for _, r in sorted(self._heap, key=lambda e: e[0]))
+
+
+class Scheduler:
+    def __init__(self, scheduler_config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+        self.config = scheduler_config
+        self.kv = kv_cache_manager
+        if self.kv.max_model_len not in (None, scheduler_config.max_model_len):
+            raise ValueError(
+                f"KVCacheManager.max_model_len ({self.kv.max_model_len}) differs from "
+                f"SchedulerConfig.max_model_len ({scheduler_config.max_model_len})."
+            )
+        capacity = (self.kv.num_blocks - 1) * self.kv.block_size
+        if capacity < scheduler_config.max_model_len:
+            raise ValueError(
+                f"The KV cache holds {capacity} tokens, fewer than max_model_len="
+                f"{scheduler_config.max_model_len}: a long request could never run."
+            )
+        self.requests: dict[str, Request] = {}  # every unfinished request
+        self.waiting = _WaitingQueue()
+        # Ordered by scheduling key: served first to last, preempted last to first.
+        self.running: list[Request] = []
+        self._keys: dict[str, SortKey] = {}
+        self._seq = itertools.count()
+        self._finished_ids: set[str] = set()  # since the last schedule()
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------------ requests in and out
+    def add_request(self, request: Request) -> None:
+        """Queue a new request. Raises ValueError for a prompt that can never run."""
+        rid = request.request_id
+        if rid in self.requests:
+            raise ValueError(f"A request with id {rid!r} is already being processed.")
+        if request.num_prompt_tokens == 0:
+            raise ValueError("The prompt must contain at least one token.")
+        if request.num_prompt_tokens > self.config.max_model_len:
+            raise ValueError(
+                f"The prompt has {request.num_prompt_tokens} tokens, more than the model's "
+                f"maximum context length ({self.config.max_model_len}); shorten it."
+            )
+        if request.status != RequestStatus.WAITING or request.num_computed_tokens:
+            raise ValueError(f"Request {rid!r} has already been scheduled once.")
+        seq = next(self._seq)
+        if self.config.policy == "priority":
+            self._keys[rid] = (request.priority, request.arrival_time, seq)
+        else:
+            self._keys[rid] = (seq,)
+        self.requests[rid] = request
+        self.waiting.push(self._keys[rid], request)
+
+    def finish_requests(
+        self, request_ids: str | Iterable[str], status: RequestStatus
+    ) -> list[Request]:
+        """Finish requests from any state (unknown or finished ids are ignored): they leave
+        the queues and free their blocks. For the output processor (stop strings) and aborts."""
+        if not status.is_finished:
+            raise ValueError(f"{status!r} is not a finished status.")
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        done = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is not None:
+                self._finish(req, status)
+                done.append(req)
+        return done
+
+    def abort_requests(self, request_ids: str | Iterable[str]) -> list[Request]:
+        return self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self.requests.get(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv.reset_prefix_cache()
+
+    # ------------------------------------------------------------------ one step
+    def schedule(self) -> SchedulerOutput:
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens
+        scheduled: dict[str, int] = {}  # request id -> tokens this step, in batch order
+        admitted: dict[str, bool] = {}  # request id -> resumed after preemption
+        preempted: list[str] = []
+
+        # 1. Running requests, in order. The last one is the preemption victim.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = self._num_new_tokens(req, budget)
+            if n == 0:  # nothing to compute until its sampled token arrives
+                i += 1
+                continue
+            while self.kv.allocate_slots(req, n) is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is req:
+                    break
+            if req.status == RequestStatus.RUNNING:
+                scheduled[req.request_id] = n
+                budget -= n
+                i += 1
+
+        # 2. Waiting requests, in key order; head-of-line blocking keeps the order fair.
+        while (
+            not preempted and self.waiting and budget > 0
+            and len(self.running) < cfg.max_num_seqs
+        ):
+            req = self.waiting.peek()
+            hits, num_hit = self.kv.get_computed_blocks(req)
+            n = req.num_tokens - num_hit
+            if not cfg.enable_chunked_prefill and n > budget:
+                break
+            n = min(n, budget)
+            if self.kv.allocate_slots(req, n, hits) is None:
+                break
+            self.waiting.pop()
+            resumed = req.status == RequestStatus.PREEMPTED
+            if not resumed:
+                req.num_cached_tokens = num_hit
+            req.num_computed_tokens = num_hit
+            req.status = RequestStatus.RUNNING
+            bisect.insort(self.running, req, key=lambda r: self._keys[r.request_id])
+            scheduled[req.request_id] = n
+            admitted[req.request_id] = resumed
+            budget -= n
+
+        finished_ids = frozenset(self._finished_ids)
+        self._finished_ids.clear()
+        return SchedulerOutput(
+            scheduled=tuple(self._advance(rid, n, admitted) for rid, n in scheduled.items()),
+            total_num_scheduled_tokens=cfg.max_num_batched_tokens - budget,
+            finished_request_ids=finished_ids,
+            preempted_request_ids=tuple(preempted),
+        )
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, sampled_token_ids: dict[str, list[int]]
+    ) -> list[Request]:
+        """Apply one step's sampled tokens; return the requests that finished (freed already).
+
+        `sampled_token_ids` must hold a non-empty list (normally one token) for every scheduled
+        request with `sample` set; tokens for other rows are ignored (a partial prefill chunk
+        samples nothing). Rows whose request was finished, aborted or preempted since
+        `schedule()` are skipped.
+        """
+        finished = []
+        for s in scheduler_output.scheduled:
+            if not s.sample:
+                continue
+            req = self.requests.get(s.request_id)
+            if (
+                req is None or req.status != RequestStatus.RUNNING
+                or req.num_computed_tokens != s.end_pos
+            ):
+                continue
+            tokens = sampled_token_ids.get(s.request_id)
+            if not tokens:
+                raise RuntimeError(f"The runner returned no token for request {s.request_id!r}.")
+            for token in tokens:
+                req.append_output_token_ids(token)
+                status = self._check_stop(req, token)
+                if status is not None:
+                    self._finish(req, status)
+                    finished.append(req)
+                    break
+        return finished
+
+    # ------------------------------------------------------------------ metrics
+    def make_stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=self.kv.usage,
+            num_free_blocks=self.kv.get_num_free_blocks(),
+            prefix_cache_queries=self.kv.prefix_cache_queries,
+            prefix_cache_hits=self.kv.prefix_cache_hits,
+            num_preemptions=self.num_preemptions,
+        )
+
+    # ------------------------------------------------------------------ internals
+    def _num_new_tokens(self, req: Request, budget: int) -> int:
+        n = req.num_tokens - req.num_computed_tokens
+        return max(0, min(n, budget, self.config.max_model_len - req.num_computed_tokens))
+
+    def _advance(self, rid: str, n: int, admitted: dict[str, bool]) -> ScheduledRequest:
+        """Describe one scheduled request and count its tokens as computed."""
+        req = self.requests[rid]
+        start = req.num_computed_tokens
+        req.num_computed_tokens = start + n
+        is_new = rid in admitted
+        return ScheduledRequest(
+            request_id=rid,
+            token_ids=tuple(req.get_token_ids(start, start + n)),
+            start_pos=start,
+            num_scheduled_tokens=n,
+            block_ids=tuple(self.kv.get_block_ids(rid)),
+            sample=req.num_computed_tokens == req.num_tokens,
+            is_new=is_new,
+            is_resumed=admitted.get(rid, False),
+            num_prompt_tokens=req.num_prompt_tokens,
+            sampling_params=req.sampling_params,
+            all_token_ids=tuple(req.all_token_ids) if is_new else (),
+        )
+
+    def _preempt(self, req: Request) -> None:
+        logger.debug("Preempting %s (%d tokens) by recompute", req.request_id, req.num_tokens)
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.push(self._keys[req.request_id], req)
+
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        params = req.sampling_params
+        if req.num_output_tokens >= params.min_tokens:
+            if token == req.eos_token_id and not params.ignore_eos:
+                req.stop_reason = None
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:  # type: ignore[operator]
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if req.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        if params.max_tokens is not None and req.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        req.status = status
+        self.kv.free(req)
+        rid = req.request_id
+        del self.requests[rid]
+        del self._keys[rid]
+        self._finished_ids.add(rid)

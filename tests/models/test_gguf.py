@@ -1,0 +1,601 @@
+"""GGUF reading: dequantization per type (against reference decoders written from ggml's block
+layouts), shape conventions, the Q/K permutation, config and names, errors, the conversion cache,
+and the real default model."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import time
+
+import gguf
+import ml_dtypes
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT
+
+from jaxserve.models import gguf_loader, loader
+
+RNG = np.random.default_rng(1234)
+
+# ----------------------------------------------------------------------------- reference decoders
+# Written from ggml's block layouts (ggml-common.h / dequantize_row_* in ggml-quants.c), one block
+# at a time, in the same float32 operation order as ggml, so equality is exact.
+
+
+def _f16(b: np.ndarray) -> np.float32:
+    return np.float32(b[:2].copy().view(np.float16)[0])
+
+
+def _ref_block(qtype: QT, b: np.ndarray) -> np.ndarray:
+    y = np.zeros(gguf.GGML_QUANT_SIZES[qtype][0], np.float32)
+    if qtype == QT.Q8_0:
+        d = _f16(b)
+        y[:] = d * b[2:34].view(np.int8).astype(np.float32)
+    elif qtype in (QT.Q4_0, QT.Q4_1):
+        d = _f16(b)
+        qs = b[2:18] if qtype == QT.Q4_0 else b[4:20]
+        lo, hi = (qs & 0xF).astype(np.float32), (qs >> 4).astype(np.float32)
+        if qtype == QT.Q4_0:
+            y[:16], y[16:] = d * (lo - 8), d * (hi - 8)
+        else:
+            m = _f16(b[2:])
+            y[:16], y[16:] = d * lo + m, d * hi + m
+    elif qtype in (QT.Q5_0, QT.Q5_1):
+        d = _f16(b)
+        start = 2 if qtype == QT.Q5_0 else 4
+        qh = int(b[start : start + 4].copy().view("<u4")[0])
+        qs = b[start + 4 : start + 20]
+        for j in range(16):
+            q0 = (int(qs[j]) & 0xF) | (((qh >> j) & 1) << 4)
+            q1 = (int(qs[j]) >> 4) | (((qh >> (j + 16)) & 1) << 4)
+            if qtype == QT.Q5_0:
+                y[j], y[j + 16] = d * np.float32(q0 - 16), d * np.float32(q1 - 16)
+            else:
+                m = _f16(b[2:])
+                y[j], y[j + 16] = d * np.float32(q0) + m, d * np.float32(q1) + m
+    elif qtype == QT.Q4_K:
+        d, dmin, scales, q = _f16(b), _f16(b[2:]), b[4:16].astype(int), b[16:144]
+
+        def scale_min(j: int) -> tuple[int, int]:
+            if j < 4:
+                return scales[j] & 63, scales[j + 4] & 63
+            return (
+                (scales[j + 4] & 0xF) | ((scales[j - 4] >> 6) << 4),
+                (scales[j + 4] >> 4) | ((scales[j] >> 6) << 4),
+            )
+
+        out = 0
+        for i, j in enumerate(range(0, 256, 64)):
+            sc1, m1 = scale_min(2 * i)
+            sc2, m2 = scale_min(2 * i + 1)
+            d1, mm1 = d * np.float32(sc1), dmin * np.float32(m1)
+            d2, mm2 = d * np.float32(sc2), dmin * np.float32(m2)
+            chunk = q[32 * i : 32 * i + 32]
+            y[out : out + 32] = d1 * (chunk & 0xF).astype(np.float32) - mm1
+            y[out + 32 : out + 64] = d2 * (chunk >> 4).astype(np.float32) - mm2
+            out += 64
+    elif qtype == QT.Q6_K:
+        ql, qh, sc, d = b[0:128], b[128:192], b[192:208].view(np.int8), _f16(b[208:])
+        for n in range(2):
+            qln, qhn, scn = ql[64 * n :], qh[32 * n :], sc[8 * n :]
+            for l in range(32):
+                s = l // 16
+                q1 = ((int(qln[l]) & 0xF) | (((int(qhn[l]) >> 0) & 3) << 4)) - 32
+                q2 = ((int(qln[l + 32]) & 0xF) | (((int(qhn[l]) >> 2) & 3) << 4)) - 32
+                q3 = ((int(qln[l]) >> 4) | (((int(qhn[l]) >> 4) & 3) << 4)) - 32
+                q4 = ((int(qln[l + 32]) >> 4) | (((int(qhn[l]) >> 6) & 3) << 4)) - 32
+                base = 128 * n
+                for off, k, qv in ((0, 0, q1), (32, 2, q2), (64, 4, q3), (96, 6, q4)):
+                    y[base + l + off] = d * np.float32(scn[s + k]) * np.float32(qv)
+    else:
+        raise AssertionError(qtype)
+    return y
+
+
+def reference_dequantize(qtype: QT, raw: np.ndarray, rows: int, cols: int) -> np.ndarray:
+    _, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = raw.reshape(-1, block_bytes)
+    return np.concatenate([_ref_block(qtype, b) for b in blocks]).reshape(rows, cols)
+
+
+def random_k_blocks(qtype: QT, rows: int, cols: int) -> np.ndarray:
+    """Random bytes for K-quant blocks, with sane float16 scales (gguf cannot quantize these)."""
+    block_elems, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    raw = RNG.integers(0, 256, size=(rows * cols // block_elems, block_bytes), dtype=np.uint8)
+    scale = RNG.uniform(1e-3, 1e-1, size=(raw.shape[0], 2)).astype(np.float16).view(np.uint8)
+    if qtype == QT.Q4_K:
+        raw[:, 0:4] = scale  # d, dmin
+    else:  # Q6_K: d is the last two bytes
+        raw[:, 208:210] = scale[:, :2]
+    return raw.reshape(rows, -1)
+
+
+# ----------------------------------------------------------------------------- writing test files
+
+
+def write_gguf(
+    path: pathlib.Path,
+    tensors: dict[str, tuple[np.ndarray, QT | None]],
+    arch: str = "llama",
+    metadata: bool = True,
+    **cfg,
+) -> pathlib.Path:
+    w = gguf.GGUFWriter(path, arch)
+    if metadata:
+        c = {"layers": 1, "hidden": 64, "ffn": 96, "heads": 4, "kv_heads": 2, "ctx": 128}
+        c.update(cfg)
+        w.add_block_count(c["layers"])
+        w.add_context_length(c["ctx"])
+        w.add_embedding_length(c["hidden"])
+        w.add_feed_forward_length(c["ffn"])
+        w.add_head_count(c["heads"])
+        w.add_head_count_kv(c["kv_heads"])
+        w.add_layer_norm_rms_eps(1e-5)
+        w.add_rope_freq_base(10000.0)
+        w.add_rope_dimension_count(c["hidden"] // c["heads"])
+        tokens, types, merges = tiny_vocab()
+        w.add_vocab_size(len(tokens))
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("default")
+        w.add_token_list(tokens)
+        w.add_token_types(types)
+        w.add_token_merges(merges)
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+        w.add_pad_token_id(2)
+        w.add_unk_token_id(0)
+        w.add_add_bos_token(False)
+        w.add_chat_template(TEMPLATE)
+    for name, (array, raw_dtype) in tensors.items():
+        w.add_tensor(name, array, raw_dtype=raw_dtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+)
+CONTROL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def tiny_vocab() -> tuple[list[str], list[int], list[str]]:
+    from jaxserve.models.gguf_tokenizer import _bytes_to_unicode
+
+    alphabet = list(_bytes_to_unicode().values())
+    merges = ["h e", "l l", "he ll", "hell o", "Ġ w"]
+    merged = ["he", "ll", "hell", "hello", "Ġw"]
+    tokens = CONTROL + alphabet + merged
+    return tokens, [3] * len(CONTROL) + [1] * (len(tokens) - len(CONTROL)), merges
+
+
+def tiny_model(
+    layers=1, hidden=64, ffn=96, heads=4, kv_heads=2, tied=True
+) -> dict[str, np.ndarray]:
+    """Random HF-layout float32 weights of a tiny Llama."""
+    vocab = len(tiny_vocab()[0])
+    hd = hidden // heads
+    w = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
+    if not tied:
+        w["lm_head.weight"] = (vocab, hidden)
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        w |= {
+            p + "input_layernorm.weight": (hidden,),
+            p + "post_attention_layernorm.weight": (hidden,),
+            p + "self_attn.q_proj.weight": (heads * hd, hidden),
+            p + "self_attn.k_proj.weight": (kv_heads * hd, hidden),
+            p + "self_attn.v_proj.weight": (kv_heads * hd, hidden),
+            p + "self_attn.o_proj.weight": (hidden, heads * hd),
+            p + "mlp.gate_proj.weight": (ffn, hidden),
+            p + "mlp.up_proj.weight": (ffn, hidden),
+            p + "mlp.down_proj.weight": (hidden, ffn),
+        }
+    return {k: RNG.standard_normal(s).astype(np.float32) for k, s in w.items()}
+
+
+HF_TO_GGUF = {
+    "model.embed_tokens": "token_embd",
+    "model.norm": "output_norm",
+    "lm_head": "output",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def to_gguf_name(hf: str) -> str:
+    stem, kind = hf.rsplit(".", 1)
+    if stem.startswith("model.layers."):
+        _, _, layer, rest = stem.split(".", 3)
+        return f"blk.{layer}.{HF_TO_GGUF[rest]}.{kind}"
+    return f"{HF_TO_GGUF[stem]}.{kind}"
+
+
+def llama_cpp_tensors(
+    hf: dict[str, np.ndarray], heads=4, kv_heads=2
+) -> dict[str, tuple[np.ndarray, None]]:
+    """What llama.cpp's converter writes: GGUF names, Q/K rows permuted."""
+    out = {}
+    for name, w in hf.items():
+        if "q_proj" in name:
+            w = gguf_loader.permute_qk(w, heads)
+        elif "k_proj" in name:
+            w = gguf_loader.permute_qk(w, kv_heads)
+        out[to_gguf_name(name)] = (np.ascontiguousarray(w), None)
+    return out
+
+
+@pytest.fixture
+def tiny_gguf(tmp_path) -> tuple[pathlib.Path, dict[str, np.ndarray]]:
+    hf = tiny_model()
+    return write_gguf(tmp_path / "tiny.gguf", llama_cpp_tensors(hf)), hf
+
+
+# ----------------------------------------------------------------------------- dequantization
+
+
+def _read_single(path: pathlib.Path) -> gguf.ReaderTensor:
+    reader = gguf_loader.open_gguf(path)
+    (tensor,) = reader.tensors
+    return tensor
+
+
+@pytest.mark.parametrize("qtype", [QT.F32, QT.F16, QT.BF16])
+def test_dequantize_float_types(tmp_path, qtype):
+    x = RNG.standard_normal((6, 40)).astype(np.float32)  # [out, in]: GGUF dims are [40, 6]
+    if qtype == QT.F32:
+        stored, raw, expected = x, None, x
+    elif qtype == QT.F16:
+        stored, raw, expected = x.astype(np.float16), None, x.astype(np.float16).astype(np.float32)
+    else:
+        stored, raw = gguf.quants.quantize(x, QT.BF16), QT.BF16
+        expected = x.astype(ml_dtypes.bfloat16).astype(np.float32)
+    tensor = _read_single(write_gguf(tmp_path / "t.gguf", {"w": (stored, raw)}, metadata=False))
+    assert tensor.tensor_type == qtype and list(tensor.shape) == [40, 6]
+    got = gguf_loader.dequantize_tensor(tensor)
+    assert got.dtype == np.float32 and got.shape == (6, 40)
+    np.testing.assert_array_equal(got, expected)
+
+
+@pytest.mark.parametrize("qtype", [QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1])
+def test_dequantize_block_types(tmp_path, qtype):
+    rows, cols = 5, 96  # three 32-blocks per row
+    x = RNG.standard_normal((rows, cols)).astype(np.float32)
+    raw = gguf.quants.quantize(x, qtype)
+    tensor = _read_single(write_gguf(tmp_path / "t.gguf", {"w": (raw, qtype)}, metadata=False))
+    assert tensor.tensor_type == qtype and list(tensor.shape) == [cols, rows]
+    got = gguf_loader.dequantize_tensor(tensor)
+    assert got.shape == (rows, cols) and got.dtype == np.float32
+    np.testing.assert_array_equal(got, reference_dequantize(qtype, raw, rows, cols))
+    # and it approximates the input, row for row (no transposition anywhere)
+    step = {QT.Q8_0: 1 / 127, QT.Q4_0: 1 / 7, QT.Q4_1: 1 / 15, QT.Q5_0: 1 / 15, QT.Q5_1: 1 / 31}[
+        qtype
+    ]
+    assert np.all(np.abs(got - x) <= step * np.abs(x).max(axis=1, keepdims=True) * 1.1 + 1e-3)
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K])
+def test_dequantize_k_quants(tmp_path, qtype):
+    # the gguf package cannot quantize K types, so the blocks are random bytes with sane scales
+    rows, cols = 3, 512
+    raw = random_k_blocks(qtype, rows, cols)
+    tensor = _read_single(write_gguf(tmp_path / "t.gguf", {"w": (raw, qtype)}, metadata=False))
+    assert tensor.tensor_type == qtype and list(tensor.shape) == [cols, rows]
+    got = gguf_loader.dequantize_tensor(tensor)
+    assert got.shape == (rows, cols)
+    np.testing.assert_array_equal(got, reference_dequantize(qtype, raw, rows, cols))
+
+
+@pytest.mark.parametrize("qtype", [QT.Q2_K, QT.IQ4_NL])
+def test_unsupported_type_names_type_and_tensor(tmp_path, qtype):
+    block_elems, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    raw = np.zeros((2, 256 // block_elems * block_bytes), np.uint8)
+    tensor = _read_single(
+        write_gguf(tmp_path / "t.gguf", {"blk.0.ffn_up.weight": (raw, qtype)}, metadata=False)
+    )
+    with pytest.raises(ValueError, match=f"'blk.0.ffn_up.weight'.*{qtype.name}"):
+        gguf_loader.dequantize_tensor(tensor)
+
+
+def test_unsupported_type_in_model_fails_before_writing(tmp_path):
+    hf = tiny_model()
+    tensors = llama_cpp_tensors(hf)
+    _, block_bytes = gguf.GGML_QUANT_SIZES[QT.IQ4_NL]
+    tensors["blk.0.ffn_up.weight"] = (np.zeros((96, 64 // 32 * block_bytes), np.uint8), QT.IQ4_NL)
+    path = write_gguf(tmp_path / "m.gguf", tensors)
+    with pytest.raises(ValueError, match="'blk.0.ffn_up.weight'.*IQ4_NL"):
+        loader.resolve_model(path, cache_dir=tmp_path / "cache")
+    assert not any((tmp_path / "cache" / "models").iterdir())  # nothing half-written left behind
+
+
+# ----------------------------------------------------------------------------- permutation
+
+
+@pytest.mark.parametrize("n_head,head_dim", [(9, 64), (3, 64), (4, 16), (2, 128)])
+def test_qk_permutation_round_trip(n_head, head_dim):
+    w = RNG.standard_normal((n_head * head_dim, 7)).astype(np.float32)
+    permuted = gguf_loader.permute_qk(w, n_head)
+    assert not np.array_equal(permuted, w)
+    np.testing.assert_array_equal(gguf_loader.reverse_permute_qk(permuted, n_head), w)
+    np.testing.assert_array_equal(
+        gguf_loader.permute_qk(gguf_loader.reverse_permute_qk(w, n_head), n_head), w
+    )
+    # llama.cpp's layout, by index: GGUF row h*hd + 2j + s holds HF row h*hd + s*hd/2 + j
+    for h in range(n_head):
+        for j in range(head_dim // 2):
+            for s in range(2):
+                np.testing.assert_array_equal(
+                    permuted[h * head_dim + 2 * j + s], w[h * head_dim + s * head_dim // 2 + j]
+                )
+    bias = RNG.standard_normal(n_head * head_dim).astype(np.float32)
+    np.testing.assert_array_equal(
+        gguf_loader.reverse_permute_qk(gguf_loader.permute_qk(bias, n_head), n_head), bias
+    )
+
+
+def test_reverse_permute_rejects_odd_rows():
+    with pytest.raises(ValueError, match="un-permute"):
+        gguf_loader.reverse_permute_qk(np.zeros((9, 4), np.float32), 3)
+
+
+# ----------------------------------------------------------------------------- names and config
+
+
+def test_tensor_names():
+    assert gguf_loader.hf_tensor_name("token_embd.weight") == "model.embed_tokens.weight"
+    assert gguf_loader.hf_tensor_name("output.weight") == "lm_head.weight"
+    assert gguf_loader.hf_tensor_name("output_norm.weight") == "model.norm.weight"
+    assert (
+        gguf_loader.hf_tensor_name("blk.12.attn_q.bias") == "model.layers.12.self_attn.q_proj.bias"
+    )
+    assert (
+        gguf_loader.hf_tensor_name("blk.3.ffn_down.weight") == "model.layers.3.mlp.down_proj.weight"
+    )
+    assert (
+        gguf_loader.hf_tensor_name("blk.0.ffn_norm.weight")
+        == "model.layers.0.post_attention_layernorm.weight"
+    )
+    assert gguf_loader.hf_tensor_name("rope_freqs.weight") is None
+    with pytest.raises(ValueError, match="blk.0.ffn_gate_exps.weight"):
+        gguf_loader.hf_tensor_name("blk.0.ffn_gate_exps.weight")
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_tiny_model_converts_exactly(tmp_path, tied):
+    hf = tiny_model(layers=2, tied=tied)
+    path = write_gguf(tmp_path / "tiny.gguf", llama_cpp_tensors(hf), layers=2)
+    out = loader.resolve_model(path, cache_dir=tmp_path / "cache")
+    ckpt = loader.load_checkpoint(out)
+    cfg = ckpt.config
+    assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["model_type"] == "llama"
+    assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["intermediate_size"]) == (2, 64, 96)
+    assert (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]) == (4, 2, 16)
+    assert cfg["vocab_size"] == len(tiny_vocab()[0]) and cfg["max_position_embeddings"] == 128
+    assert cfg["tie_word_embeddings"] is tied and cfg["rope_theta"] == 10000.0
+    assert cfg["rms_norm_eps"] == pytest.approx(1e-5) and cfg["hidden_act"] == "silu"
+    assert (cfg["bos_token_id"], cfg["eos_token_id"], cfg["pad_token_id"]) == (1, 2, 2)
+    assert ckpt.tensor_names() == sorted(hf)
+    for name, expected in hf.items():
+        got = ckpt.get_tensor(name)
+        assert got.dtype == np.float32
+        np.testing.assert_array_equal(got, expected, err_msg=name)
+    gen = json.loads((out / "generation_config.json").read_text())
+    assert gen["eos_token_id"] == 2 and gen["bos_token_id"] == 1
+
+
+def test_tiny_tokenizer(tiny_gguf, tmp_path):
+    out = loader.resolve_model(tiny_gguf[0], cache_dir=tmp_path / "cache")
+    tok = loader.load_tokenizer(out)
+    tokens = tiny_vocab()[0]
+    ids = tok("hello world<|im_end|>", add_special_tokens=True)["input_ids"]
+    assert ids[0] == tokens.index("hello") and ids[-1] == 2 and tokens.index("Ġw") in ids
+    assert tok.decode(ids) == "hello world<|im_end|>"
+    assert tok.decode(ids, skip_special_tokens=True) == "hello world"
+    assert (
+        tok.eos_token == "<|im_end|>" and tok.bos_token == "<|im_start|>" and tok.pad_token_id == 2
+    )
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    assert text == "<|im_start|>user\nhi<|im_end|>\n"
+    tcfg = json.loads((out / "tokenizer_config.json").read_text())
+    assert tcfg["chat_template"] == TEMPLATE and tcfg["add_bos_token"] is False
+    special = json.loads((out / "special_tokens_map.json").read_text())
+    assert special["eos_token"] == "<|im_end|>"
+
+
+def test_byte_level_fallback_matches_transformers(tiny_gguf):
+    from jaxserve.models import gguf_tokenizer
+
+    reader = gguf_loader.open_gguf(tiny_gguf[0])
+    tok, _ = gguf_tokenizer.tokenizer_metadata(reader)
+    ours = gguf_tokenizer._byte_level_backend(tok)
+    theirs = gguf_tokenizer.build_backend("llama", tok)
+    assert json.loads(ours.to_str()) == json.loads(theirs.to_str())
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.gguf"):
+        gguf_loader.open_gguf(tmp_path / "nope.gguf")
+    with pytest.raises(ValueError, match="local files only"):
+        loader.resolve_model(tmp_path / "nope.gguf")
+
+
+def test_not_gguf(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"PK\x03\x04 definitely a zip")
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        gguf_loader.open_gguf(bad)
+
+
+@pytest.mark.parametrize("fraction", [0.0005, 0.01, 0.3, 0.6, 0.999])
+def test_truncated_file(tiny_gguf, tmp_path, fraction):
+    data = tiny_gguf[0].read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: max(6, int(len(data) * fraction))])
+    with pytest.raises(ValueError, match="truncated"):
+        loader.resolve_model(cut, cache_dir=tmp_path / "cache")
+
+
+def test_unsupported_architecture(tmp_path):
+    path = write_gguf(
+        tmp_path / "q.gguf",
+        {"token_embd.weight": (np.zeros((4, 8), np.float32), None)},
+        arch="qwen2",
+        metadata=False,
+    )
+    with pytest.raises(ValueError, match="architecture 'qwen2' is not supported; supported: llama"):
+        loader.resolve_model(path, cache_dir=tmp_path / "cache")
+
+
+def test_missing_tensors(tmp_path):
+    tensors = llama_cpp_tensors(tiny_model())
+    del tensors["blk.0.attn_v.weight"]
+    path = write_gguf(tmp_path / "m.gguf", tensors)
+    with pytest.raises(ValueError, match="lacks 1 tensors.*v_proj"):
+        loader.resolve_model(path, cache_dir=tmp_path / "cache")
+
+
+# ----------------------------------------------------------------------------- the cache
+
+
+def test_cache_is_atomic_and_reused(tiny_gguf, tmp_path, monkeypatch):
+    path, _ = tiny_gguf
+    cache = tmp_path / "cache"
+
+    def crash(*args, **kwargs):
+        raise RuntimeError("simulated crash while writing weights")
+
+    with monkeypatch.context() as m:
+        m.setattr(gguf_loader, "write_streaming", crash)
+        with pytest.raises(RuntimeError, match="simulated crash"):
+            loader.resolve_model(path, cache_dir=cache)
+    assert list((cache / "models").iterdir()) == []  # no half cache, no leftover tmp dir
+
+    out = loader.resolve_model(path, cache_dir=cache)
+    assert out.parent == cache / "models" and out.name.startswith("tiny-")
+    assert (out / "jaxserve_conversion.json").is_file()
+    with monkeypatch.context() as m:  # a second call must not convert again
+        m.setattr(gguf_loader, "convert_gguf", crash)
+        assert loader.resolve_model(str(path), cache_dir=cache) == out
+
+    # an incomplete directory under the final name (not ours) is replaced
+    (out / "jaxserve_conversion.json").unlink()
+    again = loader.resolve_model(path, cache_dir=cache)
+    assert again == out and (out / "jaxserve_conversion.json").is_file()
+
+    # a changed file gets a new cache entry
+    os.utime(path, ns=(time.time_ns(), time.time_ns() + 10**9))
+    assert loader.resolve_model(path, cache_dir=cache) != out
+
+
+def test_directory_with_single_gguf(tiny_gguf, tmp_path):
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    shutil.copy(tiny_gguf[0], folder / "m.gguf")
+    out = loader.resolve_model(folder, cache_dir=tmp_path / "cache")
+    assert (out / "config.json").is_file()
+
+
+def test_default_cache_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert loader.default_cache_dir() == tmp_path / "jaxserve"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert loader.default_cache_dir() == pathlib.Path.home() / ".cache" / "jaxserve"
+
+
+# ----------------------------------------------------------------------------- the default model
+
+
+@pytest.fixture(scope="module")
+def default_model(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("jaxserve-cache")
+    start = time.perf_counter()
+    first = loader.resolve_model(None, cache_dir=cache)
+    t_first = time.perf_counter() - start
+    start = time.perf_counter()
+    second = loader.resolve_model(None, cache_dir=cache)
+    t_second = time.perf_counter() - start
+    print(
+        f"\ndefault model: first resolve (GGUF -> cache) {t_first:.2f} s, "
+        f"cached {t_second * 1e3:.1f} ms"
+    )
+    return first, second, t_first, t_second
+
+
+@pytest.mark.slow
+def test_default_model_config_and_cache(default_model):
+    first, second, _, t_second = default_model
+    assert first == second and t_second < 0.5
+    cfg = loader.load_checkpoint(first).config
+    assert cfg["architectures"] == ["LlamaForCausalLM"]
+    assert cfg["num_hidden_layers"] == 30 and cfg["hidden_size"] == 576
+    assert (
+        cfg["num_attention_heads"] == 9
+        and cfg["num_key_value_heads"] == 3
+        and cfg["head_dim"] == 64
+    )
+    assert cfg["vocab_size"] == 49152 and cfg["tie_word_embeddings"] is True
+    assert cfg["rope_theta"] == 1e5 and cfg["intermediate_size"] == 1536
+    assert cfg["max_position_embeddings"] == 8192 and cfg["eos_token_id"] == 2
+    names = set(os.listdir(first))
+    assert {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "generation_config.json",
+    } <= names
+    assert not any(n.startswith(".tmp") for n in os.listdir(first.parent))
+
+
+@pytest.mark.slow
+def test_default_model_weights_bit_exact(default_model):
+    """Converted weights == ggml's block formulas on the file's own bytes, Q/K un-permuted."""
+    ckpt = loader.load_checkpoint(default_model[0])
+    reader = gguf_loader.open_gguf(loader.default_gguf_path())
+    by_name = {t.name: t for t in reader.tensors}
+    assert {t.tensor_type for t in reader.tensors} == {QT.F32, QT.Q4_1, QT.Q8_0}  # no K-quants here
+    assert len(ckpt.tensor_names()) == 272 and "lm_head.weight" not in ckpt.tensor_names()
+    cases = {
+        "token_embd.weight": "model.embed_tokens.weight",  # Q8_0
+        "blk.0.attn_q.weight": "model.layers.0.self_attn.q_proj.weight",  # Q4_1, permuted
+        "blk.7.attn_k.weight": "model.layers.7.self_attn.k_proj.weight",  # Q4_1, permuted
+        "blk.29.ffn_down.weight": "model.layers.29.mlp.down_proj.weight",  # Q4_1, [576, 1536]
+        "blk.3.attn_norm.weight": "model.layers.3.input_layernorm.weight",  # F32
+    }
+    for gname, hname in cases.items():
+        t = by_name[gname]
+        shape = tuple(reversed(t.shape.tolist()))
+        if t.tensor_type == QT.F32:
+            expected = np.asarray(t.data, np.float32).reshape(shape)
+        else:
+            rows = 128  # the first rows (two heads of Q/K) keep the Python reference quick
+            raw = np.asarray(t.data)[:rows]
+            expected = reference_dequantize(t.tensor_type, raw, rows, shape[1])
+        got = ckpt.get_tensor(hname)
+        assert got.shape == shape and got.dtype == np.float32
+        if "attn_q" in gname or "attn_k" in gname:
+            hd = 64
+            n_head = expected.shape[0] // hd  # heads are permuted independently
+            unpermuted = np.empty_like(expected)
+            for h in range(n_head):
+                for j in range(hd // 2):
+                    for s in range(2):
+                        unpermuted[h * hd + s * hd // 2 + j] = expected[h * hd + 2 * j + s]
+            expected = unpermuted
+        np.testing.assert_array_equal(got[: expected.shape[0]], expected, err_msg=gname)
