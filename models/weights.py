@@ -14,9 +14,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 
 from jaxserve.models.arch_config import ArchConfig
+from jaxserve.models.loader import load_checkpoint
+from jaxserve.models.placement import put_sharded
 from jaxserve.models.registry import get_model_class
 from jaxserve.models.sharding import single_device_mesh, state_shardings
 
@@ -29,14 +31,6 @@ def _is_var(x) -> bool:
 
 def _path_key(path) -> str:
     return ".".join(str(getattr(p, "key", getattr(p, "name", p))) for p in path)
-
-
-def place(host: np.ndarray, sharding: NamedSharding, dtype) -> jax.Array:
-    """Put a host array onto the mesh with `sharding`; each device copies only its own shard."""
-    np_dtype = jnp.dtype(dtype)
-    return jax.make_array_from_callback(
-        host.shape, sharding, lambda idx: np.asarray(host[idx], dtype=np_dtype)
-    )
 
 
 def create_model(
@@ -80,7 +74,16 @@ def create_model(
             raise ValueError(
                 f"checkpoint tensor for {key} has shape {tuple(host.shape)}, expected {tuple(expected)}"
             )
-        return var.replace(place(host, flat_shardings[key], var.get_value().dtype))
+        return var.replace(put_sharded(host, flat_shardings[key], var.get_value().dtype))
 
     state = jax.tree_util.tree_map_with_path(load, abs_state, is_leaf=_is_var)
     return nnx.merge(graphdef, state)
+
+
+def load_model(path, *, dtype=jnp.float32, mesh: Mesh | None = None, attention_impl: str = "auto"):
+    """The model in the HF directory `path` (see loader.resolve_model), weights on `mesh`."""
+    ckpt = load_checkpoint(path)
+    cfg = ArchConfig.from_hf(ckpt.config)
+    return create_model(
+        cfg, dtype=dtype, mesh=mesh, attention_impl=attention_impl, get_tensor=ckpt.get_tensor
+    )

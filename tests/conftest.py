@@ -27,3 +27,11 @@ def golden() -> dict:
     import json
 
     return json.loads((DATA / "smollm2_public.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def default_model_dir(tmp_path_factory) -> pathlib.Path:
+    """The bundled default model (SmolLM2-135M-Instruct GGUF), converted once per test session."""
+    from jaxserve.models.loader import resolve_model
+
+    return resolve_model(None, cache_dir=str(tmp_path_factory.mktemp("jaxserve-cache")))
