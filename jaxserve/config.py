@@ -1,0 +1,118 @@
+"""Engine configuration: small frozen dataclasses, one per concern, composed by EngineConfig.
+
+Every knob is a field here and a CLI flag (see server/cli.py); nothing reads the environment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+from typing import Any, Literal
+
+from jaxserve.core.scheduler import SchedulerConfig
+
+__all__ = [
+    "CacheConfig",
+    "CompileConfig",
+    "EngineConfig",
+    "ModelConfig",
+    "ParallelConfig",
+    "SchedulerConfig",
+]
+
+
+def _user_cache_dir() -> pathlib.Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return pathlib.Path(base) / "jaxserve"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    model: str | None = None  # None = the bundled default model
+    served_model_name: str | None = None
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    max_model_len: int | None = None  # None = min(model's max_position_embeddings, 2048)
+    model_cache_dir: str | None = None  # where GGUF conversions are cached
+    attention_impl: str = "auto"
+    seed: int = 0  # seeds unseeded requests' generators
+
+    def resolved_dtype(self, backend: str) -> str:
+        """float32 on the CPU (exact against references), bfloat16 on TPU/GPU, unless set."""
+        if self.dtype != "auto":
+            return self.dtype
+        return "float32" if backend == "cpu" else "bfloat16"
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    page_size: int = 16
+    # KV cache size: an explicit byte budget, or a fraction of free device memory on
+    # accelerators. On the CPU without a budget, 1 GiB.
+    kv_cache_memory_bytes: int | None = None
+    device_memory_utilization: float = 0.9
+    num_pages: int | None = None  # overrides the budget (tests)
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1 or self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size must be a power of two, got {self.page_size}.")
+        if not 0.0 < self.device_memory_utilization <= 1.0:
+            raise ValueError("device_memory_utilization must be in (0, 1].")
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    data: int = 1
+    model: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileConfig:
+    # Padded token counts and request counts compiled at start-up; None = geometric defaults.
+    token_buckets: tuple[int, ...] | None = None
+    request_buckets: tuple[int, ...] | None = None
+    compilation_cache_dir: str | None = None  # None = <user cache>/jaxserve/xla
+    enable_compilation_cache: bool = True
+    show_progress: bool = True
+
+    def cache_dir(self) -> str:
+        return self.compilation_cache_dir or str(_user_cache_dir() / "xla")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = ModelConfig()
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    compile: CompileConfig = CompileConfig()
+    max_logprobs: int = 20
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """Build from flat keyword arguments, routed to the sub-config that has the field.
+
+        `LLM(model, max_num_seqs=8, page_size=16, ...)` and the CLI use this. An unknown name
+        raises ValueError listing the accepted ones.
+        """
+        parts = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
+                 "parallel": ParallelConfig, "compile": CompileConfig}
+        own = {f.name for f in dataclasses.fields(cls) if f.name not in parts}
+        buckets: dict[str, dict[str, Any]] = {name: {} for name in parts}
+        top: dict[str, Any] = {}
+        for key, value in kwargs.items():
+            if key in own:
+                top[key] = value
+                continue
+            for name, klass in parts.items():
+                if key in {f.name for f in dataclasses.fields(klass)}:
+                    buckets[name][key] = value
+                    break
+            else:
+                known = sorted(own | {f.name for k in parts.values() for f in dataclasses.fields(k)})
+                raise ValueError(f"unknown engine option {key!r}; accepted: {', '.join(known)}")
+        for key in ("token_buckets", "request_buckets"):
+            if buckets["compile"].get(key) is not None:
+                buckets["compile"][key] = tuple(sorted(int(x) for x in buckets["compile"][key]))
+        return cls(**{name: parts[name](**vals) for name, vals in buckets.items()}, **top)

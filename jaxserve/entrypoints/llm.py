@@ -1,0 +1,92 @@
+"""The offline API: `LLM(model).generate(prompts, SamplingParams(...))` and `LLM.chat(...)`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from jaxserve.config import EngineConfig
+from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.outputs import RequestOutput
+from jaxserve.sampling_params import SamplingParams
+
+Prompt = str | Sequence[int]
+Message = dict[str, Any]
+
+
+def _is_token_ids(x: Any) -> bool:
+    return isinstance(x, Sequence) and not isinstance(x, str) and all(isinstance(t, int) for t in x) and len(x) > 0
+
+
+class LLM:
+    """An engine driven in a plain loop. `model=None` serves the bundled default model;
+    other keyword arguments are engine options (see jaxserve.config, e.g. max_num_seqs=8)."""
+
+    def __init__(self, model: str | None = None, **engine_options: Any):
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_options))
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for one prompt or a list; outputs come back in input order."""
+        if isinstance(prompts, str) or _is_token_ids(prompts):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts; pass one or one per prompt.")
+        return self._run(prompts, params, use_tqdm, priority)
+
+    def chat(
+        self,
+        messages: Sequence[Message] | Sequence[Sequence[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tok = self.engine.tokenizer
+        texts = [tok.apply_chat_template(list(c), add_generation_prompt=add_generation_prompt) for c in convs]
+        # The template already holds any BOS; do not add special tokens again.
+        ids = [tok.encode(t, add_special_tokens=False) for t in texts]
+        outs = self.generate(ids, sampling_params, use_tqdm=use_tqdm)
+        for o, t in zip(outs, texts):
+            o.prompt = t
+        return outs
+
+    def _run(self, prompts, params, use_tqdm, priority) -> list[RequestOutput]:
+        engine = self.engine
+        ids = []
+        try:
+            for i, (prompt, p) in enumerate(zip(prompts, params)):
+                ids.append(engine.add_request(None, prompt, p, priority=priority[i] if priority else 0))
+        except Exception:
+            engine.abort_request(ids)
+            raise
+        order = {rid: i for i, rid in enumerate(ids)}
+        results: list[RequestOutput | None] = [None] * len(ids)
+        with tqdm(total=len(ids), desc="generating", disable=not use_tqdm, unit="req") as bar:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished and out.request_id in order:
+                        results[order[out.request_id]] = out
+                        bar.update(1)
+        missing = [ids[i] for i, r in enumerate(results) if r is None]
+        if missing:
+            raise RuntimeError(f"requests ended without output: {missing[:5]}")
+        return results  # type: ignore[return-value]

@@ -1,0 +1,67 @@
+"""Compilation bookkeeping: the persistent XLA cache, and a counter of compilations.
+
+Every executable the engine needs is compiled at start-up. After warm-up any compilation is a
+bug (a shape that escaped the bucket grid, a non-static argument that changed): the counter
+records it, logs a warning and exposes it (`recompiles`), and tests assert it stays zero.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import jax
+
+logger = logging.getLogger(__name__)
+
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+_lock = threading.Lock()
+_counters: list[CompileCounter] = []
+_listener_installed = False
+
+
+def _on_event(event: str, duration: float, **kwargs) -> None:
+    if event != _COMPILE_EVENT:
+        return
+    with _lock:
+        counters = list(_counters)
+    for c in counters:
+        c._record(duration, kwargs.get("fun_name", "?"))
+
+
+class CompileCounter:
+    """Counts XLA compilations in this process from its creation on (thread-safe)."""
+
+    def __init__(self) -> None:
+        global _listener_installed
+        self.num_compiles = 0
+        self.compile_seconds = 0.0
+        self.recompiles = 0  # compilations after mark_warm()
+        self._warm = False
+        with _lock:
+            if not _listener_installed:
+                jax.monitoring.register_event_duration_secs_listener(_on_event)
+                _listener_installed = True
+            _counters.append(self)
+
+    def _record(self, duration: float, fun_name: str) -> None:
+        self.num_compiles += 1
+        self.compile_seconds += duration
+        if self._warm:
+            self.recompiles += 1
+            logger.warning("compilation after warm-up (%s, %.2fs): a shape escaped the bucket grid", fun_name, duration)
+
+    def mark_warm(self) -> None:
+        self._warm = True
+
+    def close(self) -> None:
+        with _lock:
+            if self in _counters:
+                _counters.remove(self)
+
+
+def enable_persistent_cache(cache_dir: str) -> None:
+    """Turn on JAX's persistent compilation cache in `cache_dir` (idempotent)."""
+    jax.config.update("jax_compilation_cache_dir", cache_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

@@ -1,0 +1,207 @@
+"""Per-step sampling inputs (a device pytree of [R] rows) and the host-side builder.
+
+Every sampling parameter travels as an array, so changing parameters, the mix of features in a
+batch, or the batch composition never changes a shape or a static argument. Padding rows
+(after the live ones) are neutral: greedy, no penalties, no logprobs.
+
+Host flow (numpy only, cheap per step): the runner calls `builder.admit(slot, params, ...)` when
+a request gets a slot (first schedule, or again after preemption: admission resets the slot's
+counts), `builder.take_slot_writes()` before dispatching the step (bias rows / bad-word tables
+for `write_slot_rows`), and `builder.build(slots, output_lens, num_rows)` every step. Per-slot
+values are cached in [S+1] tables (row S = the neutral padding row), so a step costs about a
+dozen numpy fancy-indexing operations.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+from jaxserve.sampling.config import SamplerConfig
+from jaxserve.sampling.state import PAD_WORD, SlotRowsWrite
+from jaxserve.sampling_params import SamplingParams
+
+_U64 = (1 << 64) - 1
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SamplingMetadata:
+    """One step's sampling parameters, one row per scheduled request (R rows, padded)."""
+
+    slots: jax.Array  # [R] int32 persistent slot of each row (padding rows: 0, unused)
+    temperature: jax.Array  # [R] f32   0 = greedy
+    top_k: jax.Array  # [R] int32 0 = off
+    top_p: jax.Array  # [R] f32   1 = off
+    min_p: jax.Array  # [R] f32   0 = off
+    presence_penalty: jax.Array  # [R] f32
+    frequency_penalty: jax.Array  # [R] f32
+    repetition_penalty: jax.Array  # [R] f32
+    use_slot_rows: jax.Array  # [R] bool  apply the slot's bias row and bad-word table
+    stop_ids: jax.Array  # [R, M] int32 ids suppressed by min_tokens this step, -1 padded
+    rng_seed: jax.Array  # [R, 2] uint32 per-request seed (user seed, or drawn at admission)
+    rng_pos: jax.Array  # [R] int32 output position of the token being sampled
+    logprobs: jax.Array  # [R] int32 -1 = none, k >= 0: sampled token + top k
+    reset_slots: jax.Array  # [R] int32 slots to reset in update_state_from_tokens; S = none
+
+
+def tokenize_bad_words(bad_words: Sequence[str], encode) -> list[list[int]]:
+    """Token id sequences for `SamplingParams.bad_words`, as vLLM does it: each word encoded
+    as-is and with a leading space (the spaced form is kept when it is a different token
+    sequence of the same length). `encode(text) -> list[int]` must not add special tokens."""
+    out: list[list[int]] = []
+    for word in bad_words:
+        plain = list(encode(word.lstrip()))
+        if plain:
+            out.append(plain)
+        spaced = list(encode(" " + word.lstrip()))
+        if spaced and (not plain or (spaced[0] != plain[0] and len(spaced) == len(plain))):
+            out.append(spaced)
+    return out
+
+
+class SamplingMetadataBuilder:
+    """Turns admitted requests + per-step (slot, output_len) rows into `SamplingMetadata`."""
+
+    def __init__(self, config: SamplerConfig, seed: int | None = None) -> None:
+        self.config = config
+        S, M = config.max_num_seqs, config.max_stop_ids
+        B, L = config.max_bad_words, config.max_bad_word_len
+        self._rng = np.random.default_rng(seed)
+        n = S + 1  # row S: the neutral padding row
+        self._temperature = np.zeros(n, np.float32)
+        self._top_k = np.zeros(n, np.int32)
+        self._top_p = np.ones(n, np.float32)
+        self._min_p = np.zeros(n, np.float32)
+        self._presence = np.zeros(n, np.float32)
+        self._frequency = np.zeros(n, np.float32)
+        self._repetition = np.ones(n, np.float32)
+        self._use_rows = np.zeros(n, np.bool_)
+        self._min_tokens = np.zeros(n, np.int64)
+        self._stop_ids = np.full((n, M), -1, np.int32)
+        self._seed = np.zeros((n, 2), np.uint32)
+        self._logprobs = np.full(n, -1, np.int32)
+        self._pending_reset: set[int] = set()
+        self._pending_writes: list[tuple[int, np.ndarray, np.ndarray]] = []
+        self._no_words = np.full((B, L), PAD_WORD, np.int32)
+
+    # ------------------------------------------------------------------ admission
+    def admit(
+        self,
+        slot: int,
+        params: SamplingParams,
+        eos_token_ids: Sequence[int] = (),
+        bad_words_token_ids: Sequence[Sequence[int]] | None = None,
+    ) -> None:
+        """Cache a request's sampling rows in `slot` and schedule the slot's reset. Call on
+        every admission to a slot (also when a preempted request comes back). Raises
+        ValueError when the request exceeds the config's limits (see `check_request`)."""
+        cfg = self.config
+        if not 0 <= slot < cfg.max_num_seqs:
+            raise ValueError(f"slot {slot} outside [0, {cfg.max_num_seqs}).")
+        words = [list(w) for w in (bad_words_token_ids or []) if len(w) > 0]
+        cfg.check_request(params, tuple(eos_token_ids), words)
+        greedy = params.temperature < 1e-5
+        self._temperature[slot] = 0.0 if greedy else params.temperature
+        top_k = params.top_k if 0 < params.top_k < cfg.vocab_size else 0
+        self._top_k[slot] = 0 if greedy else top_k
+        self._top_p[slot] = 1.0 if greedy else params.top_p
+        self._min_p[slot] = 0.0 if greedy else params.min_p
+        self._presence[slot] = params.presence_penalty
+        self._frequency[slot] = params.frequency_penalty
+        self._repetition[slot] = params.repetition_penalty
+        self._min_tokens[slot] = params.min_tokens
+        self._stop_ids[slot] = -1
+        if params.min_tokens > 0:
+            stops = list(dict.fromkeys(params.stop_token_ids or []))
+            if not params.ignore_eos:
+                stops += [int(t) for t in eos_token_ids if int(t) not in stops]
+            self._stop_ids[slot, : len(stops)] = stops
+        seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**63))
+        seed &= _U64
+        self._seed[slot] = (seed >> 32, seed & 0xFFFFFFFF)
+        self._logprobs[slot] = -1 if params.logprobs is None else params.logprobs
+        self._pending_reset.add(slot)
+
+        single = [w[0] for w in words if len(w) == 1]
+        multi = [w for w in words if len(w) > 1]
+        use = bool(params.allowed_token_ids or params.logit_bias or single or multi)
+        self._use_rows[slot] = use
+        self._pending_writes = [w for w in self._pending_writes if w[0] != slot]
+        if use:
+            bias = np.zeros(cfg.vocab_size, np.float32)
+            if params.allowed_token_ids:
+                bias[:] = -np.inf
+                bias[np.asarray(params.allowed_token_ids, np.int64)] = 0.0
+            for tok, b in (params.logit_bias or {}).items():
+                bias[tok] += np.float32(b)
+            if single:
+                bias[np.asarray(single, np.int64)] = -np.inf
+            table = self._no_words.copy()
+            for i, w in enumerate(multi):
+                table[i, cfg.max_bad_word_len - len(w) :] = w
+            self._pending_writes.append((slot, bias, table))
+
+    def take_slot_writes(self) -> list[SlotRowsWrite]:
+        """Pending bias/bad-word rows of admitted requests, in batches of `slot_write_batch`
+        rows (padding slot = S). Apply each with `write_slot_rows` before the next step."""
+        cfg = self.config
+        A, S = cfg.slot_write_batch, cfg.max_num_seqs
+        out = []
+        for i in range(0, len(self._pending_writes), A):
+            chunk = self._pending_writes[i : i + A]
+            slots = np.full(A, S, np.int32)
+            bias = np.zeros((A, cfg.vocab_size), np.float32)
+            words = np.full((A, cfg.max_bad_words, cfg.max_bad_word_len), PAD_WORD, np.int32)
+            for j, (slot, b, w) in enumerate(chunk):
+                slots[j], bias[j], words[j] = slot, b, w
+            out.append(SlotRowsWrite(slots=slots, logit_bias=bias, bad_words=words))
+        self._pending_writes = []
+        return out
+
+    # ------------------------------------------------------------------ per step
+    def build(
+        self,
+        slots: Sequence[int] | np.ndarray,
+        output_lens: Sequence[int] | np.ndarray,
+        num_rows: int,
+    ) -> SamplingMetadata:
+        """Numpy metadata for one step: row i samples for the request in slots[i], which has
+        generated output_lens[i] tokens so far. Rows n..num_rows-1 are padding."""
+        S = self.config.max_num_seqs
+        n = len(slots)
+        if n > num_rows:
+            raise ValueError(f"{n} rows do not fit in a bucket of {num_rows}.")
+        idx = np.full(num_rows, S, np.int64)
+        idx[:n] = slots
+        out_len = np.zeros(num_rows, np.int64)
+        out_len[:n] = output_lens
+        active = out_len < self._min_tokens[idx]
+        stop_ids = self._stop_ids[idx]
+        stop_ids[~active] = -1
+        reset = np.full(num_rows, S, np.int32)
+        if self._pending_reset:
+            live = [s for s in idx[:n].tolist() if s in self._pending_reset]
+            reset[: len(live)] = live
+            self._pending_reset.difference_update(live)
+        dev_slots = idx.astype(np.int32)
+        dev_slots[n:] = 0
+        return SamplingMetadata(
+            slots=dev_slots,
+            temperature=self._temperature[idx],
+            top_k=self._top_k[idx],
+            top_p=self._top_p[idx],
+            min_p=self._min_p[idx],
+            presence_penalty=self._presence[idx],
+            frequency_penalty=self._frequency[idx],
+            repetition_penalty=self._repetition[idx],
+            use_slot_rows=self._use_rows[idx],
+            stop_ids=stop_ids,
+            rng_seed=self._seed[idx],
+            rng_pos=out_len.astype(np.int32),
+            logprobs=self._logprobs[idx],
+            reset_slots=reset,
+        )

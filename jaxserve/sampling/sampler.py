@@ -1,0 +1,315 @@
+"""The sampler fused into the compiled step: logits [R, V] -> tokens (+ raw logprobs).
+
+Order of transforms (vLLM v1's):
+  1. per-slot row: allowed_token_ids mask, bad words (single-token: always; multi-token: when
+     the last outputs match the word's prefix) -> -inf, then + logit_bias;
+  2. min_tokens: EOS and stop_token_ids -> -inf while output_len < min_tokens;
+  3. penalties: repetition over prompt ∪ output tokens (logit > 0: / p, else * p), then
+     frequency (- f * count) and presence (- p * [count > 0]) over output tokens;
+  4. greedy rows (temperature 0) take the first argmax here (exactly argmax of the raw logits
+     when steps 1-3 do not apply);
+  5. temperature: logits / T;
+  6. min_p (keep p >= min_p * p_max), then top_k (keep values >= the k-th largest: ties at the
+     k-th value are kept, as in vLLM and HF), then top_p over the renormalised survivors: keep
+     the shortest prefix, in order (probability desc, token id asc), whose mass >= top_p (the
+     top token always survives; ties at the boundary resolve to the lower token ids);
+  7. sample by inverse CDF with one uniform per row, drawn from the key
+     fold_in(threefry(seed), output position): the token depends only on the row's logits,
+     parameters, seed and position, never on the batch composition or the row index.
+
+Logprobs, ranks and top logprobs are vLLM's "raw" ones: log_softmax of the logits the model
+produced (before steps 1-7); rank = #{tokens with logit >= the sampled token's} (1-based).
+
+Every optional feature sits behind a lax.cond on a batch-wide flag (a scalar computed from the
+[R] parameter arrays), so a batch that does not use a feature does not pay for it, and both
+branches live in the same executable: no parameter mix ever recompiles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.sampling import ops
+from jaxserve.sampling.config import SamplerConfig
+from jaxserve.sampling.metadata import SamplingMetadata
+from jaxserve.sampling.state import PAD_WORD, SamplingState
+
+NEG_INF = float("-inf")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SamplerOutput:
+    token_ids: jax.Array  # [R] int32
+    logprobs: jax.Array  # [R] f32  raw log-prob of the sampled token (0 where not requested)
+    topk_ids: jax.Array  # [R, max_logprobs] int32 (a row uses its first `logprobs` entries)
+    topk_logprobs: jax.Array  # [R, max_logprobs] f32
+    rank: jax.Array  # [R] int32 1-based rank of the sampled token (0 where not requested)
+
+
+def sample(
+    logits: jax.Array, meta: SamplingMetadata, state: SamplingState, config: SamplerConfig
+) -> SamplerOutput:
+    """logits [R, V] (any float dtype; computed in float32) -> SamplerOutput. `config` is
+    static (close over it or use functools.partial); `state` is read only."""
+    raw = logits.astype(jnp.float32)  # [R, V]
+    R, _ = raw.shape
+    greedy = meta.temperature <= 0.0  # [R]
+    any_greedy, any_random = jnp.any(greedy), jnp.any(~greedy)
+
+    def choose(x):  # steps 4-7 on the processed logits; returns tokens [R]
+        tok_greedy = jax.lax.cond(
+            any_greedy, lambda: ops.argmax_first(x), lambda: jnp.zeros((R,), jnp.int32)
+        )
+        return jax.lax.cond(
+            any_random,
+            lambda: jnp.where(greedy, tok_greedy, _sample_random(x, meta, greedy, config)),
+            lambda: tok_greedy,
+        )
+
+    # Steps 1-3 only when some row uses them. `choose` sits inside both branches, so the
+    # untouched logits are never copied through a cond.
+    pen = (
+        (meta.presence_penalty != 0.0)
+        | (meta.frequency_penalty != 0.0)
+        | (meta.repetition_penalty != 1.0)
+    )
+    use_rows, stops = jnp.any(meta.use_slot_rows), jnp.any(meta.stop_ids >= 0)
+    with jax.named_scope("sampler"):
+        tok = jax.lax.cond(
+            use_rows | stops | jnp.any(pen),
+            lambda: choose(_process(raw, meta, state, use_rows, jnp.any(pen))),
+            lambda: choose(raw),
+        )
+    with jax.named_scope("sampler_logprobs"):
+        k = config.max_logprobs
+
+        def none():
+            z = jnp.zeros((R,), jnp.float32)
+            return (z, jnp.zeros((R, k), jnp.int32), jnp.zeros((R, k), jnp.float32),
+                    jnp.zeros((R,), jnp.int32))
+
+        lp, ids, top_lp, rank = jax.lax.cond(
+            jnp.any(meta.logprobs >= 0), lambda: _raw_logprobs(raw, tok, k), none
+        )
+    return SamplerOutput(token_ids=tok, logprobs=lp, topk_ids=ids, topk_logprobs=top_lp, rank=rank)
+
+
+def prompt_logprobs(
+    logits: jax.Array, next_token_ids: jax.Array, k_max: int
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Raw logprobs at prompt positions: logits [T, V], next_token_ids [T] (the prompt token
+    that follows each position) -> (token_logprob [T], topk_ids [T, k_max],
+    topk_logprobs [T, k_max], rank [T]). Jittable; k_max static."""
+    raw = logits.astype(jnp.float32)
+    return _raw_logprobs(raw, jnp.asarray(next_token_ids, jnp.int32), k_max)
+
+
+# ---------------------------------------------------------------------------- transforms
+def _process(x, meta, state, any_rows, any_pen):
+    """Steps 1-3. The -inf bans (bad words, min_tokens) commute with the penalties (-inf stays
+    -inf), so they are scattered last, in place into the fresh buffer the other steps made."""
+    x = jax.lax.cond(
+        any_rows,
+        lambda: jax.lax.cond(
+            any_pen,
+            lambda: _apply_penalties(_apply_bias(x, meta, state), meta, state),
+            lambda: _apply_bias(x, meta, state),
+        ),
+        lambda: jax.lax.cond(
+            any_pen, lambda: _apply_penalties(x, meta, state), lambda: x + 0.0
+        ),
+    )
+    rows = jnp.arange(x.shape[0], dtype=jnp.int32)[:, None]  # [R, 1]
+    return x.at[rows, _bans(meta, state, any_rows, x.shape[1])].set(NEG_INF, mode="drop")
+
+
+def _apply_bias(x: jax.Array, meta: SamplingMetadata, state: SamplingState) -> jax.Array:
+    """Step 1, dense part: + the slot's row (logit_bias; -inf for tokens outside
+    allowed_token_ids and for single-token bad words)."""
+    bias = state.logit_bias[meta.slots]  # [R, V]
+    return jnp.where(meta.use_slot_rows[:, None], x + bias, x)
+
+
+def _bans(meta: SamplingMetadata, state: SamplingState, any_rows, V: int) -> jax.Array:
+    """[R, B+M] token ids to set to -inf (V = none): multi-token bad words whose prefix matches
+    the last outputs (step 1), and min_tokens' stop ids (step 2)."""
+    R = meta.slots.shape[0]
+    B, L = state.bad_words.shape[1:]
+
+    def words():
+        table = state.bad_words[meta.slots]  # [R, B, L]
+        recent = state.recent_outputs[meta.slots]  # [R, L-1]
+        prefix, last = table[:, :, : L - 1], table[:, :, L - 1]  # [R, B, L-1], [R, B]
+        match = jnp.all((prefix == PAD_WORD) | (prefix == recent[:, None, :]), axis=-1)
+        return jnp.where(match & (last >= 0) & meta.use_slot_rows[:, None], last, V)
+
+    word_bans = jax.lax.cond(any_rows, words, lambda: jnp.full((R, B), V, jnp.int32))
+    stop = jnp.where(meta.stop_ids >= 0, meta.stop_ids, V)  # [R, M]
+    return jnp.concatenate([word_bans, stop], axis=1)
+
+
+def _apply_penalties(x: jax.Array, meta: SamplingMetadata, state: SamplingState) -> jax.Array:
+    """Step 3, vLLM's apply_penalties (neutral parameters leave a row bit-identical)."""
+    counts = state.output_counts[meta.slots]  # [R, V] int32
+    out_mask = counts > 0
+    seen = out_mask | state.prompt_mask[meta.slots]  # [R, V]
+    rp = meta.repetition_penalty[:, None]
+    x = jnp.where(seen, jnp.where(x > 0, x / rp, x * rp), x)
+    x = x - meta.frequency_penalty[:, None] * counts.astype(jnp.float32)
+    return x - meta.presence_penalty[:, None] * out_mask.astype(jnp.float32)
+
+
+def _uniforms(seed: jax.Array, pos: jax.Array) -> jax.Array:
+    """[R, 2] uint32 seeds, [R] positions -> [R] uniforms in [0, 1), one per row."""
+
+    def one(sd, p):
+        key = jax.random.wrap_key_data(sd, impl="threefry2x32")
+        return jax.random.uniform(jax.random.fold_in(key, p), (), jnp.float32)
+
+    return jax.vmap(one)(jnp.asarray(seed, jnp.uint32), jnp.asarray(pos, jnp.int32))
+
+
+def _sample_random(
+    x: jax.Array, meta: SamplingMetadata, greedy: jax.Array, config: SamplerConfig
+) -> jax.Array:
+    """Steps 5-7 for every row (greedy rows' results are discarded by the caller).
+
+    Works on x (not x / T): the order of the tokens is the same, thresholds are mapped into
+    x's scale, and probabilities are exp((x - max) / T) — this saves passes over [R, V]."""
+    R, V = x.shape
+    K = min(config.topk_candidates, V)  # top_k <= K runs on the candidates
+    K1 = min(K + 1, V)  # one more candidate: a tie at the k-th value that runs past the list
+    b = _sample_block(V)
+    nb = V // b
+    temp = jnp.where(greedy, 1.0, meta.temperature)  # [R]
+    inv_t = (1.0 / temp)[:, None]  # [R, 1]
+    xb = x.reshape(R, nb, b)
+    block_max = xb.max(-1)  # [R, nb]
+    mx = block_max.max(-1)  # [R]
+    # min_p: p / p_max = exp((x - mx) / T) >= min_p  <=>  x >= mx + T * log(min_p)
+    tau_minp = jnp.where(
+        ~greedy & (meta.min_p > 0), mx + temp * jnp.log(jnp.maximum(meta.min_p, 1e-38)), NEG_INF
+    )
+    k = meta.top_k
+    use_k = ~greedy & (k > 0) & (k < V)
+    small_k = use_k & (k <= K)
+    use_p = ~greedy & (meta.top_p < 1.0)
+
+    def no_candidates():
+        return jnp.full((R, K1), NEG_INF, jnp.float32), jnp.zeros((R, K1), jnp.int32)
+
+    c, ci = jax.lax.cond(  # [R, K1] values desc, ids; ties: lower id first
+        jnp.any(small_k | use_p),
+        lambda: ops.top_k_exact(x, K1, block=b, block_max=block_max),
+        no_candidates,
+    )
+    kth = jnp.take_along_axis(c, jnp.clip(k - 1, 0, K1 - 1)[:, None], axis=1)[:, 0]
+    tau1 = jnp.maximum(tau_minp, jnp.where(small_k, kth, NEG_INF))  # keep x >= tau1
+    # A top-k row whose kept set may continue past the candidates (ties) takes the fallback.
+    overflow = small_k & (c.min(axis=-1) >= tau1) & (K1 < V)  # min: no slice of TopK
+
+    # Rows with top_k <= K keep a subset of the candidates: everything happens on [R, K].
+    # The others (plain temperature, min_p, top_p alone) need the mass of the whole row:
+    # exp((x - mx) / T) summed per block, masked by min_p only when some row uses it.
+    full = ~greedy & ~small_k
+
+    def block_mass_of(masked: bool):
+        def f():
+            arg = (x - mx[:, None]) * inv_t  # [R, V]
+            if masked:
+                arg = jnp.where(x >= tau1[:, None], arg, NEG_INF)
+            return jnp.exp(arg).reshape(R, nb, b).sum(-1)  # [R, nb]
+
+        return f
+
+    block_mass = jax.lax.cond(
+        jnp.any(full),
+        lambda: jax.lax.cond(
+            jnp.any(full & (tau1 > NEG_INF)), block_mass_of(True), block_mass_of(False)
+        ),
+        lambda: jnp.zeros((R, nb), jnp.float32),
+    )
+
+    # top-p on the candidates: shortest prefix of (prob desc, id asc) with mass >= top_p.
+    w = jnp.where(c >= tau1[:, None], jnp.exp((c - mx[:, None]) * inv_t), 0.0)  # [R, K]
+    cw = jnp.cumsum(w, axis=-1)
+    z = jnp.where(small_k, cw[:, -1], block_mass.sum(-1))  # [R] mass after min_p, top_k
+    jstar = jnp.sum(cw < (meta.top_p * z)[:, None], axis=-1).astype(jnp.int32)  # [R]
+    found = jstar < K1
+    last = jnp.where(use_p, jstar, K1 - 1)  # last candidate kept
+
+    u = _uniforms(meta.rng_seed, meta.rng_pos)  # [R]
+    wc = jnp.where(jnp.arange(K1, dtype=jnp.int32)[None, :] <= last[:, None], w, 0.0)
+    tok_c = jnp.take_along_axis(ci, ops.inverse_cdf(wc, u)[:, None], axis=1)[:, 0]
+
+    def kept_block(blk):  # [R] -> [R, b] probabilities of the chosen block
+        g = jnp.take_along_axis(xb, blk[:, None, None], axis=1)[:, 0]
+        return jnp.where(g >= tau1[:, None], jnp.exp((g - mx[:, None]) * inv_t), 0.0)
+
+    tok_f = ops.inverse_cdf_blocks(block_mass, kept_block, u, b)
+    tok = jnp.where(use_p | small_k, tok_c, tok_f)
+
+    fallback = (use_k & (k > K)) | overflow | (use_p & ~found)
+    return jax.lax.cond(
+        jnp.any(fallback),
+        lambda: jnp.where(
+            fallback,
+            _sample_bisect(x, mx, inv_t, tau_minp, k, use_k, meta.top_p, use_p, u, b),
+            tok,
+        ),
+        lambda: tok,
+    )
+
+
+def _sample_bisect(x, mx, inv_t, tau_minp, k, use_k, top_p, use_p, u, b):
+    """Exact min_p/top_k/top_p + sampling over the whole row by bisection on the float order
+    (32 passes per threshold): for top_k > K or a top-p nucleus wider than K tokens."""
+    R, V = x.shape
+    nb = V // b
+    keys = ops.float_key(x)  # [R, V] uint32, same order as x
+    tk = ops.bisect_threshold(keys, jnp.ones_like(x), jnp.where(use_k, k, 1).astype(jnp.float32))
+    t1 = jnp.maximum(ops.float_key(tau_minp), jnp.where(use_k, tk, jnp.uint32(0)))  # [R]
+    p1 = jnp.where(keys >= t1[:, None], jnp.exp((x - mx[:, None]) * inv_t), 0.0)
+    target = top_p * p1.sum(-1)
+    tp = ops.bisect_threshold(keys, p1, target)  # [R] boundary value (as key)
+    tie = (keys == tp[:, None]) & (p1 > 0)
+    mass_gt = jnp.sum(jnp.where(keys > tp[:, None], p1, 0.0), axis=-1)
+    pstar = jnp.max(jnp.where(tie, p1, 0.0), axis=-1)
+    n_ties = jnp.sum(tie, axis=-1).astype(jnp.int32)
+    need = jnp.ceil((target - mass_gt) / jnp.where(pstar > 0, pstar, 1.0)).astype(jnp.int32)
+    need = jnp.clip(need, 1, jnp.maximum(n_ties, 1))
+    ib = jnp.where(need < n_ties, ops.nth_true_index(tie, need), V)  # last tie kept
+    iota = jnp.arange(V, dtype=jnp.int32)[None, :]
+    cut = (keys > tp[:, None]) | (tie & (iota <= ib[:, None]))
+    pf = jnp.where(use_p[:, None], jnp.where(cut, p1, 0.0), p1)  # [R, V]
+    pb = pf.reshape(R, nb, b)
+    return ops.inverse_cdf_blocks(
+        pb.sum(-1), lambda blk: jnp.take_along_axis(pb, blk[:, None, None], axis=1)[:, 0], u, b
+    )
+
+
+def _sample_block(V: int) -> int:
+    b = ops.block_size(V, 64)
+    return V if b == 1 else b
+
+
+def _raw_logprobs(raw: jax.Array, tok: jax.Array, k: int):
+    """log_softmax of the raw logits at `tok`, its rank, and the top k."""
+    R, V = raw.shape
+    kk = max(k, 1)  # the top list also gives the max, and usually the rank
+    vals, ids = ops.top_k_exact(raw, kk)  # [R, kk]
+    m = vals.max(axis=-1)  # (a slice of the TopK output would turn it into a full sort)
+    lse = m + jnp.log(jnp.sum(jnp.exp(raw - m[:, None]), axis=-1))  # [R]
+    tv = jnp.take_along_axis(raw, tok[:, None], axis=1)[:, 0]
+    # rank = #{logit >= tv}: all of them are in the top list when tv > its smallest value.
+    in_list = tv > vals.min(axis=-1)
+    rank = jax.lax.cond(
+        jnp.all(in_list) | (kk == V),
+        lambda: jnp.sum(vals >= tv[:, None], axis=-1),
+        lambda: jnp.sum((raw >= tv[:, None]).astype(jnp.float32), axis=-1).astype(jnp.int32),
+    ).astype(jnp.int32)
+    return tv - lse, ids[:, :k], (vals - lse[:, None])[:, :k], rank
