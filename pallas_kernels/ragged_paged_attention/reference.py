@@ -1,0 +1,278 @@
+"""Pure-JAX reference ragged paged attention: the semantic spec, and the CPU serving path.
+
+Semantics (the `AttentionMetadata` conventions are in `metadata.py`). For a live token t of
+request r at sequence position p, with scaled scores `s_j = sm_scale * <q_t, k_j>` (then
+`s_j = soft_cap * tanh(s_j / soft_cap)` when `soft_cap` is set):
+
+    out_t = sum_j softmax(s)_j * v_j   over positions j of request r with  j <= p
+                                       and, when `sliding_window = W` is set,  j > p - W.
+
+The window follows the HF transformers / Mistral convention (`sliding_window_overlay` in
+`transformers.masking_utils`: `kv_idx > q_idx - sliding_window`): a window of W lets a token
+see itself and the W - 1 tokens before it. Query head h reads KV head `h // (Hq // Hkv)`.
+Softmax is computed in float32 whatever the input dtype; both matmuls accumulate in float32
+(`preferred_element_type`), the probabilities stay float32 and V is upcast for the second one;
+the result is cast to `q.dtype`. Padding tokens (flat index >= `query_start_loc[num_seqs]`)
+output exact zeros; padding requests (empty query range, kv_len 0) read nothing.
+
+Design. The caller has already written this step's K/V (`write_kv` at `slot_mapping`, which by
+contract is the block-table slot of each token's position), so every key can be read from the
+cache. Each token's keys are split into disjoint parts whose online-softmax states (running
+max, sum, accumulator) are merged by log-sum-exp:
+
+(b) this step's own tokens (positions `>= ctx_len_r = kv_len_r - q_len_r`), when T is at most
+    `DENSE_STEP_MAX_TOKENS`: gathered once through `slot_mapping` (T rows) and attended densely
+    as one [T, T] block with a same-request causal (and window) mask. A 256-token prefill never
+    gathers 256 copies of its own keys, and runs no loop at all. For larger T the [T, T] block
+    costs more than it saves (it grows quadratically, and does twice the causal work), so the
+    step's own tokens are read through the block table by the prefill path below instead.
+(a) keys read through the block table, page chunk by page chunk, in `lax.fori_loop`s whose trip
+    counts are TRACED, so one compiled executable serves every context length and short
+    contexts are cheap; nothing of size [T, max_context] is ever built:
+    - decode path, requests with exactly one query this step: one row per request. Each
+      iteration gathers `chunk_pages` pages of every such request ([R, chunk, Hkv, D]) and
+      contracts them with the request's query. Trip count: the max over those requests of the
+      chunks their (window-limited) context spans.
+    - prefill path, requests with several queries (prefill, chunked prefill, prefix-cache hits):
+      a sequential loop over work items (request, block of `query_block` consecutive queries);
+      each gathers its request's pages once per key chunk (shared by the block's queries) and
+      contracts a [query_block, chunk] tile per KV head, with an inner trip count covering just
+      the keys the block can see. Cached context is read once per query block, never once per
+      token, so chunked prefill costs about what a dense attention over the same tokens costs.
+
+GQA never materialises repeated K/V: q is viewed as [T, Hkv, G, D] and contracted per KV head.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxserve.pallas_kernels.ragged_paged_attention.metadata import (
+    AttentionMetadata,
+    token_request_index,
+)
+
+# Keys per loop iteration when chunk_pages is not given (CPU-tuned defaults, see
+# benchmarks/attention_reference_bench.py), and queries per prefill work item.
+DEFAULT_DECODE_CHUNK_TOKENS = 32
+DEFAULT_PREFILL_CHUNK_TOKENS = 64
+DEFAULT_QUERY_BLOCK = 32
+# Largest padded token count for which this step's own keys are attended as one dense [T, T]
+# block (part b) rather than through the prefill loop.
+DENSE_STEP_MAX_TOKENS = 512
+
+_F32 = jnp.float32
+_I32 = jnp.int32
+
+
+def default_chunk_pages(page_size: int, *, prefill: bool = False) -> int:
+    tokens = DEFAULT_PREFILL_CHUNK_TOKENS if prefill else DEFAULT_DECODE_CHUNK_TOKENS
+    return max(1, tokens // page_size)
+
+
+def _cdiv(a, b):
+    return (a + b - 1) // b
+
+
+def _scores(s: jax.Array, sm_scale: float, soft_cap: float | None) -> jax.Array:
+    s = s * _F32(sm_scale)
+    if soft_cap is not None:
+        s = _F32(soft_cap) * jnp.tanh(s / _F32(soft_cap))
+    return s
+
+
+def _online_update(m, l, acc, s, mask, v, pv_spec):
+    """One online-softmax step. s: f32 scores [..., K]; mask broadcastable to s; m, l: s[..., 0]."""
+    s = jnp.where(mask, s, -jnp.inf)
+    m_new = jnp.maximum(m, s.max(axis=-1))
+    # Rows that have seen no key yet keep m = -inf; use 0 as their base to avoid inf - inf.
+    # A fully masked row is left exactly unchanged (p = 0, alpha = 1, or 0 on a zero state).
+    m_base = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    p = jnp.exp(s - m_base[..., None])
+    alpha = jnp.exp(m - m_base)
+    l_new = alpha * l + p.sum(axis=-1)
+    pv = jnp.einsum(pv_spec, p, v.astype(_F32), preferred_element_type=_F32)
+    return m_new, l_new, alpha[..., None] * acc + pv
+
+
+def _finish(l, acc):
+    return acc / jnp.where(l > 0, l, 1.0)[..., None]
+
+
+def ragged_paged_attention_reference(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    layer,
+    md: AttentionMetadata,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    chunk_pages: int | None = None,
+    query_block: int | None = None,
+    dense_step: bool | None = None,
+) -> jax.Array:
+    """Ragged paged attention over the layer-stacked paged cache. See the module docstring.
+
+    q: [T, Hq, D]; k_cache, v_cache: [L, N, page_size, Hkv, D]; layer: Python int or traced
+    int32 scalar; returns [T, Hq, D] in q.dtype (zeros for padding tokens). Tuning knobs, none
+    of which changes the result beyond float rounding: `chunk_pages`, pages read per key-loop
+    iteration (default: CPU-tuned per path); `query_block`, queries per prefill work item
+    (default 32); `dense_step`, attend this step's own tokens as a dense [T, T] block (default:
+    T <= DENSE_STEP_MAX_TOKENS).
+    """
+    T, Hq, D = q.shape
+    if k_cache.ndim != 5 or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"k_cache/v_cache must both be [L, N, page_size, Hkv, D]; got {k_cache.shape} and "
+            f"{v_cache.shape}"
+        )
+    _, _, ps, Hkv, Dk = k_cache.shape
+    if Dk != D:
+        raise ValueError(f"head dim mismatch: q has D={D}, the cache has D={Dk}")
+    if Hq % Hkv:
+        raise ValueError(f"Hq={Hq} must be a multiple of Hkv={Hkv}")
+    if md.num_tokens != T:
+        raise ValueError(f"slot_mapping has {md.num_tokens} tokens, q has {T}")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+    if chunk_pages is not None and chunk_pages < 1:
+        raise ValueError(f"chunk_pages must be >= 1, got {chunk_pages}")
+    if query_block is not None and query_block < 1:
+        raise ValueError(f"query_block must be >= 1, got {query_block}")
+    G = Hq // Hkv
+    R, P = md.block_tables.shape
+    W = sliding_window
+    if dense_step is None:
+        dense_step = T <= DENSE_STEP_MAX_TOKENS
+    layer = jnp.asarray(layer, _I32)
+    score = lambda s: _scores(s, sm_scale, soft_cap)  # noqa: E731
+
+    qsl = md.query_start_loc.astype(_I32)
+    live_req = jnp.arange(R, dtype=_I32) < md.num_seqs.astype(_I32)
+    q_len = jnp.where(live_req, qsl[1:] - qsl[:-1], 0)
+    kv_len = jnp.where(live_req, md.kv_lens.astype(_I32), 0)
+    ctx_len = jnp.maximum(kv_len - q_len, 0)  # cached before this step
+    # The loops read key positions < key_end (and <= the row's own position).
+    key_end = ctx_len if dense_step else kv_len
+    block_tables = md.block_tables.astype(_I32)
+    qg = q.reshape(T, Hkv, G, D)
+    in_page = jnp.arange(ps, dtype=_I32)
+
+    # ---------------- (b) this step's tokens: one dense [T, T] block ----------------
+    m = jnp.full((T, Hkv, G), -jnp.inf, _F32)
+    l = jnp.zeros((T, Hkv, G), _F32)
+    acc = jnp.zeros((T, Hkv, G, D), _F32)
+    if dense_step:
+        t_idx = jnp.arange(T, dtype=_I32)
+        tok_req = token_request_index(md)
+        tok_live = t_idx < qsl[md.num_seqs]
+        tok_pos = kv_len[tok_req] - (qsl[tok_req + 1] - t_idx)
+        slots = md.slot_mapping.astype(_I32)
+        k_new = k_cache[layer, slots // ps, slots % ps]  # [T, Hkv, D]: one gather of T rows
+        v_new = v_cache[layer, slots // ps, slots % ps]
+        mask = (
+            (tok_req[:, None] == tok_req[None, :])
+            & (t_idx[None, :] <= t_idx[:, None])
+            & tok_live[:, None]
+            & tok_live[None, :]
+        )
+        if W is not None:
+            mask &= tok_pos[None, :] > tok_pos[:, None] - W
+        s = score(jnp.einsum("thgd,shd->thgs", qg, k_new, preferred_element_type=_F32))
+        m, l, acc = _online_update(m, l, acc, s, mask[:, None, None, :], v_new, "thgs,shd->thgd")
+
+    # ---------------- (a) prefill path: (request, query block) work items ----------------
+    C = min(chunk_pages or default_chunk_pages(ps, prefill=True), P)
+    Bq = min(query_block or DEFAULT_QUERY_BLOCK, T)
+    in_prefill = (q_len > 1) & (key_end > 0)
+    n_blocks = jnp.where(in_prefill, _cdiv(q_len, Bq), 0)
+    blocks_end = jnp.cumsum(n_blocks)  # work items of requests 0..r
+    rows_in_block = jnp.arange(Bq, dtype=_I32)
+    chunk_off = jnp.arange(C, dtype=_I32)
+
+    def work_item(w, state):
+        m_all, l_all, acc_all = state
+        r = jnp.minimum(jnp.searchsorted(blocks_end, w, side="right").astype(_I32), R - 1)
+        qb = w - (blocks_end[r] - n_blocks[r])
+        q_end, kv_r, end_r = qsl[r + 1], kv_len[r], key_end[r]
+        t0 = qsl[r] + qb * Bq  # first token of the block
+        t0c = jnp.minimum(t0, T - Bq)  # the slice start (clamped to fit inside [0, T))
+        rows = t0c + rows_in_block
+        row_ok = (rows >= t0) & (rows < q_end)
+        row_pos = kv_r - (q_end - rows)  # sequence positions of the block's rows
+        first_pos = kv_r - (q_end - t0)
+        last_pos = kv_r - (q_end - jnp.minimum(t0 + Bq, q_end))
+        lo = jnp.int32(0) if W is None else jnp.maximum(first_pos - W + 1, 0)
+        hi = jnp.minimum(last_pos + 1, end_r)  # exclusive
+        start_page = lo // ps
+        n_iter = _cdiv(jnp.maximum(_cdiv(hi, ps) - start_page, 0), C)
+        # [Hkv, Bq, G, ...]: the KV head leads, so each dot's natural output layout is the one
+        # the loop carries (no per-iteration transposes of the score tile).
+        qrows = lax.dynamic_slice_in_dim(qg, t0c, Bq, axis=0).transpose(1, 0, 2, 3)
+        bt_r = block_tables[r]
+
+        def key_chunk(c, carry):
+            m, l, acc = carry
+            page_idx = start_page + c * C + chunk_off  # [C]
+            pages = bt_r[jnp.minimum(page_idx, P - 1)]
+            kc = k_cache[layer, pages].reshape(C * ps, Hkv, D)
+            vc = v_cache[layer, pages].reshape(C * ps, Hkv, D)
+            key_pos = (page_idx[:, None] * ps + in_page).reshape(C * ps)
+            mask = (
+                (key_pos[None, :] <= row_pos[:, None]) & (key_pos[None, :] < end_r) & row_ok[:, None]
+            )
+            if W is not None:
+                mask &= key_pos[None, :] > row_pos[:, None] - W
+            s = score(jnp.einsum("hqgd,khd->hqgk", qrows, kc, preferred_element_type=_F32))
+            return _online_update(m, l, acc, s, mask[None, :, None, :], vc, "hqgk,khd->hqgd")
+
+        def rows_of(x):  # [T, Hkv, ...] -> this block's rows as [Hkv, Bq, ...]
+            return jnp.swapaxes(lax.dynamic_slice_in_dim(x, t0c, Bq, axis=0), 0, 1)
+
+        init = (rows_of(m_all), rows_of(l_all), rows_of(acc_all))
+        new = lax.fori_loop(0, n_iter, key_chunk, init)
+
+        def put(x_all, x_old, x_new):  # rows outside the block keep their state
+            ok = row_ok.reshape((1, Bq) + (1,) * (x_new.ndim - 2))
+            x = jnp.swapaxes(jnp.where(ok, x_new, x_old), 0, 1)
+            return lax.dynamic_update_slice_in_dim(x_all, x, t0c, axis=0)
+
+        return tuple(put(a, o, n) for a, o, n in zip(state, init, new))
+
+    m, l, acc = lax.fori_loop(0, blocks_end[-1], work_item, (m, l, acc))
+
+    # ---------------- (a) decode path: one row per single-query request ----------------
+    C = min(chunk_pages or default_chunk_pages(ps), P)
+    is_single = q_len == 1
+    tok = jnp.clip(qsl[1:] - 1, 0, T - 1)  # the request's (only) token
+    pos = kv_len - 1
+    lo = jnp.zeros_like(pos) if W is None else jnp.maximum(pos - W + 1, 0)
+    hi = jnp.minimum(pos + 1, key_end)  # exclusive
+    start_page = lo // ps
+    n_chunks = _cdiv(jnp.maximum(_cdiv(hi, ps) - start_page, 0), C)
+    n_iter = jnp.max(jnp.where(is_single, n_chunks, 0))
+    qd = qg[tok]  # [R, Hkv, G, D]
+    chunk_off = jnp.arange(C, dtype=_I32)
+
+    def decode_chunk(c, carry):
+        m, l, acc = carry
+        page_idx = start_page[:, None] + c * C + chunk_off  # [R, C]
+        pages = jnp.take_along_axis(block_tables, jnp.minimum(page_idx, P - 1), axis=1)
+        kc = k_cache[layer, pages].reshape(R, C * ps, Hkv, D)
+        vc = v_cache[layer, pages].reshape(R, C * ps, Hkv, D)
+        key_pos = (page_idx[:, :, None] * ps + in_page).reshape(R, C * ps)
+        mask = (key_pos >= lo[:, None]) & (key_pos < hi[:, None]) & is_single[:, None]
+        s = score(jnp.einsum("rhgd,rkhd->rhgk", qd, kc, preferred_element_type=_F32))
+        return _online_update(m, l, acc, s, mask[:, None, None, :], vc, "rhgk,rkhd->rhgd")
+
+    _, dl, dacc = lax.fori_loop(0, n_iter, decode_chunk, (m[tok], l[tok], acc[tok]))
+    dest = jnp.where(is_single, tok, T)  # out of range: dropped
+    l = l.at[dest].set(dl, mode="drop")
+    acc = acc.at[dest].set(dacc, mode="drop")
+
+    out = _finish(l, acc)  # padding tokens: acc == 0 -> exact zeros
+    return out.reshape(T, Hq, D).astype(q.dtype)
