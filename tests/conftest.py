@@ -35,3 +35,23 @@ def default_model_dir(tmp_path_factory) -> pathlib.Path:
     from jaxserve.models.loader import resolve_model
 
     return resolve_model(None, cache_dir=str(tmp_path_factory.mktemp("jaxserve-cache")))
+
+
+@pytest.fixture(scope="session")
+def compile_cache_dir(tmp_path_factory) -> str:
+    """One persistent XLA cache for every engine of the test session (identical buckets compile once)."""
+    return str(tmp_path_factory.mktemp("xla-cache"))
+
+
+@pytest.fixture(scope="session")
+def small_engine_options(default_model_dir, compile_cache_dir) -> dict:
+    """Engine options with few compiled buckets, for tests on the real default model."""
+    return dict(
+        model=str(default_model_dir),
+        max_num_seqs=8,
+        max_num_batched_tokens=512,
+        token_buckets=(16, 512),
+        request_buckets=(1, 8),
+        compilation_cache_dir=compile_cache_dir,
+        show_progress=False,
+    )
