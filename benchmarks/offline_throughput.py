@@ -1,0 +1,294 @@
+"""Offline throughput of the engine on a fixed synthetic workload, optionally against HF transformers.
+
+Workload: N prompts of random token ids (uniform lengths in [min, max], drawn from a fixed seed,
+from the default model's vocabulary minus its special/added tokens), `--output-len` new tokens
+each with ignore_eos, greedy. `--workload peers` is the preset of the peer figures in
+/work/shared/PEERS.md: 32 prompts of 96-160 tokens, 128 new tokens each.
+
+Concurrency c means at most c requests in flight: one engine per dtype (max_num_seqs = the
+largest c, prefix caching off so repeated runs never hit the cache), driven as a closed loop
+that submits the next prompt as soon as one finishes. TTFT is first_token_time - arrival_time
+with arrival = submission, so it measures prefill latency under load, not time spent queued
+behind the other N - c prompts. Wall time runs from the first submission to the last output,
+prefill included; step time is wall / engine steps. Startup (engine build, compile, one short
+warm-up request) is reported separately and excluded.
+
+    .venv/bin/python benchmarks/offline_throughput.py [--workload peers] [--concurrency 1 8 32]
+        [--dtype float32 bfloat16] [--compare-hf --hf-python /tmp/torchvenv/bin/python]
+
+`--compare-hf` runs benchmarks/hf_worker.py under `--hf-python` (torch CPU, static batches of
+size c, left-padded `generate`) on the same prompts and prints jaxserve/HF output tok/s ratios.
+One JSON line per (dtype, concurrency) goes to benchmarks/results/offline_throughput.jsonl.
+The machine may be shared: check the load average in each JSON line before trusting a figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata
+import json
+import os
+import pathlib
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+HERE = pathlib.Path(__file__).resolve().parent
+RESULTS = HERE / "results" / "offline_throughput.jsonl"
+CACHE = HERE / ".cache"
+PRESETS = {
+    "default": {"num_prompts": 64, "min_input": 64, "max_input": 512, "output_len": 128},
+    "peers": {"num_prompts": 32, "min_input": 96, "max_input": 160, "output_len": 128},
+}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workload", choices=sorted(PRESETS), default="default",
+                   help="preset for the four workload sizes below (each flag overrides it)")
+    p.add_argument("--num-prompts", type=int)
+    p.add_argument("--min-input", type=int)
+    p.add_argument("--max-input", type=int)
+    p.add_argument("--output-len", type=int)
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompt lengths and tokens")
+    p.add_argument("--model", default=None, help="model path; default: the bundled default model")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--dtype", nargs="+", default=["float32"], choices=["float32", "bfloat16"])
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--token-buckets", type=int, nargs="+", default=None)
+    p.add_argument("--request-buckets", type=int, nargs="+", default=None)
+    p.add_argument("--kv-cache-gib", type=float, default=None, help="KV cache budget (default: engine's)")
+    p.add_argument("--compilation-cache-dir", default=None)
+    p.add_argument("--results", default=str(RESULTS), help="JSONL file to append to ('' = none)")
+    p.add_argument("--compare-hf", action="store_true", help="also run HF transformers (torch CPU)")
+    p.add_argument("--hf-python", default=sys.executable, help="python with torch + transformers")
+    p.add_argument("--hf-dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--hf-threads", type=int, default=2, help="torch.set_num_threads in the worker")
+    p.add_argument("--gguf", default=None, help="GGUF to build the HF model from (default: the default model)")
+    args = p.parse_args(argv)
+    for key, value in PRESETS[args.workload].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if not 1 <= args.min_input <= args.max_input or args.num_prompts < 1 or args.output_len < 1:
+        p.error("need 1 <= --min-input <= --max-input, --num-prompts >= 1 and --output-len >= 1")
+    if min(args.concurrency) < 1:
+        p.error("--concurrency values must be >= 1")
+    return args
+
+
+def make_prompts(tokenizer, n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
+    """Deterministic random-token prompts that avoid special and added tokens."""
+    special = set(tokenizer.all_special_ids) | set(tokenizer.get_added_vocab().values())
+    allowed = np.setdiff1d(np.arange(len(tokenizer)), np.fromiter(special, dtype=np.int64))
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(lo, hi + 1, size=n)
+    return [rng.choice(allowed, size=int(k)).tolist() for k in lengths]
+
+
+def environment() -> dict:
+    import jax
+    import jaxlib
+
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=HERE, capture_output=True, text=True,
+                             check=True).stdout.strip()
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=HERE,
+                                    capture_output=True, text=True).stdout.strip())
+    except (OSError, subprocess.CalledProcessError):
+        sha, dirty = None, None
+    devs = jax.devices()
+    return {
+        "git_sha": sha, "git_dirty": dirty,
+        "versions": {"jax": jax.__version__, "jaxlib": jaxlib.__version__,
+                     "flax": importlib.metadata.version("flax"), "python": platform.python_version()},
+        "device": f"{len(devs)}x {devs[0].device_kind} ({devs[0].platform})",
+        "host": {"cpu": cpu_model(), "cpu_count": os.cpu_count()},
+    }
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+    except OSError:
+        names = []
+    return names[0] if names else platform.processor()
+
+
+def run_closed_loop(engine, prompts, concurrency: int, params, tag: str) -> dict:
+    """At most `concurrency` requests in flight; the next prompt goes in as soon as one finishes."""
+    outs: dict[int, object] = {}
+    nxt = in_flight = steps = 0
+    pre0 = engine.scheduler.num_preemptions
+    t0 = time.perf_counter()
+    while nxt < len(prompts) or engine.has_unfinished_requests():
+        while nxt < len(prompts) and in_flight < concurrency:
+            engine.add_request(f"{tag}-{nxt}", prompts[nxt], params)
+            nxt, in_flight = nxt + 1, in_flight + 1
+        for out in engine.step():
+            if out.finished:
+                outs[int(out.request_id.rsplit("-", 1)[1])] = out
+                in_flight -= 1
+        steps += 1
+    wall = time.perf_counter() - t0
+    results = [outs[i] for i in range(len(prompts))]
+    n_out = [len(o.outputs[0].token_ids) for o in results]
+    n_prompt = sum(len(p) for p in prompts)
+    ttft = [1e3 * (o.metrics.first_token_time - o.metrics.arrival_time) for o in results]
+    return {
+        "wall_s": wall, "steps": steps, "prompt_tokens": n_prompt, "output_tokens": sum(n_out),
+        "output_tok_s": sum(n_out) / wall, "total_tok_s": (n_prompt + sum(n_out)) / wall,
+        "ttft_mean_ms": statistics.fmean(ttft), "ttft_median_ms": statistics.median(ttft),
+        "step_mean_ms": 1e3 * wall / steps, "min_output_len": min(n_out), "max_output_len": max(n_out),
+        "cached_prompt_tokens": sum(o.num_cached_tokens for o in results),
+        "preemptions": engine.scheduler.num_preemptions - pre0,
+        "output_ids": [list(o.outputs[0].token_ids) for o in results],
+    }
+
+
+def run_hf(args, prompts, pad_token_id: int) -> dict:
+    gguf = args.gguf
+    if gguf is None:
+        from jaxserve.models.loader import default_gguf_path
+        gguf = str(default_gguf_path())
+    job = {"prompts": prompts, "concurrency": args.concurrency, "max_new_tokens": args.output_len,
+           "dtype": args.hf_dtype, "threads": args.hf_threads, "gguf": gguf, "cache_dir": str(CACHE),
+           "pad_token_id": pad_token_id}
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(job, f)
+    try:
+        cmd = [args.hf_python, str(HERE / "hf_worker.py"), f.name]
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)  # its stderr goes to ours
+    finally:
+        os.unlink(f.name)
+    if proc.returncode != 0:
+        sys.exit(f"the HF worker failed (exit {proc.returncode}); see its messages above.")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def check_hf_python(python: str) -> None:
+    probe = subprocess.run([python, "-c", "import torch, transformers"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        why = probe.stderr.strip().splitlines()[-1] if probe.stderr.strip() else ""
+        sys.exit(f"--compare-hf needs torch and transformers (plus accelerate and gguf) in {python}, "
+                 f"which failed to import them:\n{why}\n"
+                 "torch is an optional benchmark-only dependency: install it in another venv and pass "
+                 "--hf-python /path/to/that/venv/bin/python.")
+
+
+def prefix_match(a: list[list[int]], b: list[list[int]]) -> float:
+    """Mean fraction of each output that agrees token for token before the first difference."""
+    fracs = []
+    for x, y in zip(a, b):
+        k = next((i for i, (s, t) in enumerate(zip(x, y)) if s != t), min(len(x), len(y)))
+        fracs.append(k / max(len(x), 1))
+    return statistics.fmean(fracs)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.compare_hf:
+        check_hf_python(args.hf_python)
+    from jaxserve.entrypoints.llm import LLM
+    from jaxserve.models.loader import load_tokenizer, resolve_model
+    from jaxserve.sampling_params import SamplingParams
+
+    tokenizer = load_tokenizer(resolve_model(args.model))
+    prompts = make_prompts(tokenizer, args.num_prompts, args.min_input, args.max_input, args.seed)
+    keys = ("workload", "num_prompts", "min_input", "max_input", "output_len", "seed", "temperature")
+    workload = {k: getattr(args, k) for k in keys}
+    print(f"workload: {len(prompts)} prompts, {sum(map(len, prompts))} prompt tokens, "
+          f"{args.output_len} new tokens each", flush=True)
+    env = environment()
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len, ignore_eos=True)
+    options = {"max_num_seqs": max(args.concurrency), "enable_prefix_caching": False, "show_progress": False}
+    for key in ("max_num_batched_tokens", "token_buckets", "request_buckets", "compilation_cache_dir"):
+        if getattr(args, key) is not None:
+            options[key] = getattr(args, key)
+    if args.kv_cache_gib is not None:
+        options["kv_cache_memory_bytes"] = int(args.kv_cache_gib * (1 << 30))
+
+    rows = []
+    for dtype in args.dtype:
+        t0 = time.perf_counter()
+        llm = LLM(args.model, dtype=dtype, **options)
+        engine = llm.engine
+        build_s = time.perf_counter() - t0
+        run_closed_loop(engine, prompts[:1], 1, params.clone(max_tokens=2), f"warmup-{dtype}")
+        startup = {"build_s": build_s, "startup_s": time.perf_counter() - t0, "load_s": engine.load_seconds,
+                   "compile_s": engine.runner.compile_seconds, "num_buckets": engine.runner.num_buckets}
+        print(f"[{dtype}] startup {startup['startup_s']:.1f}s (load {startup['load_s']:.1f}s, "
+              f"compile {startup['compile_s']:.1f}s, {startup['num_buckets']} buckets)", flush=True)
+        for c in args.concurrency:
+            load0 = os.getloadavg()
+            recompiles0 = engine.num_compiles_after_warmup
+            fig = run_closed_loop(engine, prompts, c, params, f"c{c}-{dtype}")
+            fig["recompiles"] = engine.num_compiles_after_warmup - recompiles0
+            print(f"[{dtype}] c={c}: {fig['output_tok_s']:.1f} output tok/s, wall {fig['wall_s']:.1f}s",
+                  flush=True)
+            config = {"dtype": dtype, "concurrency": c, **options, "model": args.model}
+            rows.append({"benchmark": "offline_throughput", "config": config, "workload": workload,
+                         "startup": startup, "figures": fig, "load_avg_before": load0,
+                         "load_avg_after": os.getloadavg(), **env})
+        del llm, engine
+
+    hf = None
+    if args.compare_hf:
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        hf = run_hf(args, prompts, pad)
+        by_c = {r["concurrency"]: r for r in hf["runs"]}
+        for row in rows:
+            h = dict(by_c[row["config"]["concurrency"]])
+            hf_ids = h.pop("output_ids")
+            h["greedy_prefix_match"] = prefix_match(row["figures"]["output_ids"], hf_ids)
+            row["hf"] = {**h, "dtype": args.hf_dtype, "threads": args.hf_threads,
+                         "startup_s": hf["startup_s"], "versions": hf["versions"]}
+            row["ratio_output_tok_s"] = row["figures"]["output_tok_s"] / h["output_tok_s"]
+    timestamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    if args.results:
+        os.makedirs(os.path.dirname(os.path.abspath(args.results)), exist_ok=True)
+        with open(args.results, "a") as f:
+            for row in rows:
+                row["figures"] = {k: v for k, v in row["figures"].items() if k != "output_ids"}
+                f.write(json.dumps({**row, "timestamp": timestamp}) + "\n")
+    print_table(rows, env, hf)
+
+
+def print_table(rows, env, hf) -> None:
+    print(f"\n{env['device']}, jax {env['versions']['jax']}, git {str(env['git_sha'])[:10]}"
+          f"{' (dirty)' if env['git_dirty'] else ''}, load {rows[-1]['load_avg_after'][0]:.2f}")
+    head = f"{'dtype':9} {'c':>3} {'out tok/s':>10} {'total tok/s':>11} {'TTFT mean':>10} {'TTFT med':>9} " \
+           f"{'step ms':>8} {'steps':>6}"
+    if hf:
+        head += f" {'HF out tok/s':>12} {'HF TTFT':>8} {'ratio':>6} {'greedy=':>7}"
+    print(head)
+    for r in rows:
+        f = r["figures"]
+        line = (f"{r['config']['dtype']:9} {r['config']['concurrency']:>3} {f['output_tok_s']:>10.1f} "
+                f"{f['total_tok_s']:>11.1f} {f['ttft_mean_ms']:>8.0f}ms {f['ttft_median_ms']:>7.0f}ms "
+                f"{f['step_mean_ms']:>8.1f} {f['steps']:>6}")
+        if hf:
+            h = r["hf"]
+            line += (f" {h['output_tok_s']:>12.1f} {h['ttft_mean_ms']:>6.0f}ms"
+                     f" {r['ratio_output_tok_s']:>5.2f}x {100 * h['greedy_prefix_match']:>6.0f}%")
+        print(line)
+    if hf:
+        print(f"HF: transformers {hf['versions']['transformers']}, torch {hf['versions']['torch']}, "
+              f"{rows[0]['hf']['dtype']}, {rows[0]['hf']['threads']} threads, startup {hf['startup_s']:.1f}s; "
+              "ratio = jaxserve/HF output tok/s; greedy= = mean agreeing output prefix")
+    for r in rows:
+        f, cfg = r["figures"], r["config"]
+        if f["recompiles"] or f["preemptions"]:
+            print(f"note: {cfg['dtype']} c={cfg['concurrency']}: {f['recompiles']} recompiles, "
+                  f"{f['preemptions']} preemptions")
+
+
+if __name__ == "__main__":
+    main()
