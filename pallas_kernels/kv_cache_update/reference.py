@@ -68,5 +68,7 @@ def write_kv_reference(
             f"k and v must be [T={t}, Hkv={hkv}, D={d}] to match the cache and slot_mapping; "
             f"got {k.shape} and {v.shape}"
         )
+    if isinstance(layer, int) and not 0 <= layer < k_cache.shape[0]:
+        raise ValueError(f"layer {layer} out of range for a cache of {k_cache.shape[0]} layers")
     idx = scatter_indices(layer, slot_mapping, page_size)
     return _write_one(k_cache, idx, k), _write_one(v_cache, idx, v)

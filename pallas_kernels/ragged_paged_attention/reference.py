@@ -16,29 +16,30 @@ the result is cast to `q.dtype`. Padding tokens (flat index >= `query_start_loc[
 output exact zeros; padding requests (empty query range, kv_len 0) read nothing.
 
 Design. The caller has already written this step's K/V (`write_kv` at `slot_mapping`, which by
-contract is the block-table slot of each token's position), so every key can be read from the
-cache. Each token's keys are split into disjoint parts whose online-softmax states (running
-max, sum, accumulator) are merged by log-sum-exp:
+contract is the block-table slot of each token's position), so every key is read from the
+cache through the block table, page chunk by page chunk, in `lax.fori_loop`s whose trip counts
+are TRACED: one compiled executable serves every context length, short contexts are cheap, and
+nothing of size [T, max_context] is ever built. Each row keeps an online-softmax state (running
+max, sum, accumulator); parts are merged by log-sum-exp. Every live token takes one path:
 
-(b) this step's own tokens (positions `>= ctx_len_r = kv_len_r - q_len_r`), when T is at most
-    `DENSE_STEP_MAX_TOKENS`: gathered once through `slot_mapping` (T rows) and attended densely
-    as one [T, T] block with a same-request causal (and window) mask. A 256-token prefill never
-    gathers 256 copies of its own keys, and runs no loop at all. For larger T the [T, T] block
-    costs more than it saves (it grows quadratically, and does twice the causal work), so the
-    step's own tokens are read through the block table by the prefill path below instead.
-(a) keys read through the block table, page chunk by page chunk, in `lax.fori_loop`s whose trip
-    counts are TRACED, so one compiled executable serves every context length and short
-    contexts are cheap; nothing of size [T, max_context] is ever built:
-    - decode path, requests with exactly one query this step: one row per request. Each
-      iteration gathers `chunk_pages` pages of every such request ([R, chunk, Hkv, D]) and
-      contracts them with the request's query. Trip count: the max over those requests of the
-      chunks their (window-limited) context spans.
-    - prefill path, requests with several queries (prefill, chunked prefill, prefix-cache hits):
-      a sequential loop over work items (request, block of `query_block` consecutive queries);
-      each gathers its request's pages once per key chunk (shared by the block's queries) and
-      contracts a [query_block, chunk] tile per KV head, with an inner trip count covering just
-      the keys the block can see. Cached context is read once per query block, never once per
-      token, so chunked prefill costs about what a dense attention over the same tokens costs.
+- decode path, requests with exactly one query this step: one row per request. Each iteration
+  gathers `chunk_pages` pages of every such request ([R, chunk, Hkv, D]) and contracts them with
+  the request's query. Trip count: the max over those requests of the chunks their
+  (window-limited) context spans.
+- prefill path, requests with several queries (prefill, chunked prefill, prefix-cache hits): a
+  sequential loop over work items (request, block of `query_block` consecutive queries); each
+  gathers its request's pages once per key chunk, shared by the block's queries, and contracts
+  a [query_block, chunk] tile per KV head, with an inner trip count covering just the keys the
+  block can see (from the window start of its first query to its last query, causally masked).
+  Cached context is read once per query block, never once per token, so chunked prefill costs
+  about what a dense attention over the same tokens costs; and requests never pay for each
+  other's tokens.
+
+Option `dense_step=True` instead attends this step's own tokens as one dense [T, T] block
+(gathered once through `slot_mapping`, same-request causal mask) and leaves only the cached
+context to the loops. Measured on CPU (2 cores) it is at best ~20% faster for a lone prefill
+of <= 128 tokens and several times slower for batches of several prefills (the block is
+quadratic in T across requests), so it is off by default; it stays as a tested alternative.
 
 GQA never materialises repeated K/V: q is viewed as [T, Hkv, G, D] and contracted per KV head.
 """
@@ -49,19 +50,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxserve.pallas_kernels.ragged_paged_attention.metadata import (
-    AttentionMetadata,
-    token_request_index,
-)
+from jaxserve.pallas_kernels.ragged_paged_attention.metadata import AttentionMetadata
 
 # Keys per loop iteration when chunk_pages is not given (CPU-tuned defaults, see
 # benchmarks/attention_reference_bench.py), and queries per prefill work item.
 DEFAULT_DECODE_CHUNK_TOKENS = 32
 DEFAULT_PREFILL_CHUNK_TOKENS = 64
 DEFAULT_QUERY_BLOCK = 32
-# Largest padded token count for which this step's own keys are attended as one dense [T, T]
-# block (part b) rather than through the prefill loop.
-DENSE_STEP_MAX_TOKENS = 512
 
 _F32 = jnp.float32
 _I32 = jnp.int32
@@ -113,7 +108,7 @@ def ragged_paged_attention_reference(
     soft_cap: float | None = None,
     chunk_pages: int | None = None,
     query_block: int | None = None,
-    dense_step: bool | None = None,
+    dense_step: bool = False,
 ) -> jax.Array:
     """Ragged paged attention over the layer-stacked paged cache. See the module docstring.
 
@@ -121,8 +116,8 @@ def ragged_paged_attention_reference(
     int32 scalar; returns [T, Hq, D] in q.dtype (zeros for padding tokens). Tuning knobs, none
     of which changes the result beyond float rounding: `chunk_pages`, pages read per key-loop
     iteration (default: CPU-tuned per path); `query_block`, queries per prefill work item
-    (default 32); `dense_step`, attend this step's own tokens as a dense [T, T] block (default:
-    T <= DENSE_STEP_MAX_TOKENS).
+    (default 32); `dense_step`, attend this step's own tokens as one dense [T, T] block (default
+    off, see the module docstring).
     """
     T, Hq, D = q.shape
     if k_cache.ndim != 5 or v_cache.shape != k_cache.shape:
@@ -143,11 +138,11 @@ def ragged_paged_attention_reference(
         raise ValueError(f"chunk_pages must be >= 1, got {chunk_pages}")
     if query_block is not None and query_block < 1:
         raise ValueError(f"query_block must be >= 1, got {query_block}")
+    if isinstance(layer, int) and not 0 <= layer < k_cache.shape[0]:
+        raise ValueError(f"layer {layer} out of range for a cache of {k_cache.shape[0]} layers")
     G = Hq // Hkv
     R, P = md.block_tables.shape
     W = sliding_window
-    if dense_step is None:
-        dense_step = T <= DENSE_STEP_MAX_TOKENS
     layer = jnp.asarray(layer, _I32)
     score = lambda s: _scores(s, sm_scale, soft_cap)  # noqa: E731
 
@@ -160,15 +155,21 @@ def ragged_paged_attention_reference(
     key_end = ctx_len if dense_step else kv_len
     block_tables = md.block_tables.astype(_I32)
     qg = q.reshape(T, Hkv, G, D)
+    # Row state (running max m, sum l, accumulator acc) lives KV-head-major, [Hkv, T, G(, D)]:
+    # it is then the natural output layout of every dot below (batch dim h first), and the
+    # prefill path slices a block of rows without transposing.
+    qh = qg.transpose(1, 0, 2, 3)  # [Hkv, T, G, D]
     in_page = jnp.arange(ps, dtype=_I32)
 
-    # ---------------- (b) this step's tokens: one dense [T, T] block ----------------
-    m = jnp.full((T, Hkv, G), -jnp.inf, _F32)
-    l = jnp.zeros((T, Hkv, G), _F32)
-    acc = jnp.zeros((T, Hkv, G, D), _F32)
+    # ---------------- dense_step: this step's tokens as one dense [T, T] block ----------------
+    m = jnp.full((Hkv, T, G), -jnp.inf, _F32)
+    l = jnp.zeros((Hkv, T, G), _F32)
+    acc = jnp.zeros((Hkv, T, G, D), _F32)
     if dense_step:
         t_idx = jnp.arange(T, dtype=_I32)
-        tok_req = token_request_index(md)
+        # == metadata.token_request_index(md), as a compare-all count: jnp.searchsorted lowers
+        # to a while loop, which costs compile time and runs serially on CPU.
+        tok_req = jnp.minimum(jnp.sum(qsl[None, 1:] <= t_idx[:, None], axis=1, dtype=_I32), R - 1)
         tok_live = t_idx < qsl[md.num_seqs]
         tok_pos = kv_len[tok_req] - (qsl[tok_req + 1] - t_idx)
         slots = md.slot_mapping.astype(_I32)
@@ -182,10 +183,10 @@ def ragged_paged_attention_reference(
         )
         if W is not None:
             mask &= tok_pos[None, :] > tok_pos[:, None] - W
-        s = score(jnp.einsum("thgd,shd->thgs", qg, k_new, preferred_element_type=_F32))
-        m, l, acc = _online_update(m, l, acc, s, mask[:, None, None, :], v_new, "thgs,shd->thgd")
+        s = score(jnp.einsum("htgd,shd->htgs", qh, k_new, preferred_element_type=_F32))
+        m, l, acc = _online_update(m, l, acc, s, mask[None, :, None, :], v_new, "htgs,shd->htgd")
 
-    # ---------------- (a) prefill path: (request, query block) work items ----------------
+    # ---------------- prefill path: (request, query block) work items ----------------
     C = min(chunk_pages or default_chunk_pages(ps, prefill=True), P)
     Bq = min(query_block or DEFAULT_QUERY_BLOCK, T)
     in_prefill = (q_len > 1) & (key_end > 0)
@@ -196,7 +197,7 @@ def ragged_paged_attention_reference(
 
     def work_item(w, state):
         m_all, l_all, acc_all = state
-        r = jnp.minimum(jnp.searchsorted(blocks_end, w, side="right").astype(_I32), R - 1)
+        r = jnp.minimum(jnp.sum(blocks_end <= w, dtype=_I32), R - 1)  # w's request
         qb = w - (blocks_end[r] - n_blocks[r])
         q_end, kv_r, end_r = qsl[r + 1], kv_len[r], key_end[r]
         t0 = qsl[r] + qb * Bq  # first token of the block
@@ -210,9 +211,7 @@ def ragged_paged_attention_reference(
         hi = jnp.minimum(last_pos + 1, end_r)  # exclusive
         start_page = lo // ps
         n_iter = _cdiv(jnp.maximum(_cdiv(hi, ps) - start_page, 0), C)
-        # [Hkv, Bq, G, ...]: the KV head leads, so each dot's natural output layout is the one
-        # the loop carries (no per-iteration transposes of the score tile).
-        qrows = lax.dynamic_slice_in_dim(qg, t0c, Bq, axis=0).transpose(1, 0, 2, 3)
+        qrows = lax.dynamic_slice_in_dim(qh, t0c, Bq, axis=1)  # [Hkv, Bq, G, D]
         bt_r = block_tables[r]
 
         def key_chunk(c, carry):
@@ -222,30 +221,28 @@ def ragged_paged_attention_reference(
             kc = k_cache[layer, pages].reshape(C * ps, Hkv, D)
             vc = v_cache[layer, pages].reshape(C * ps, Hkv, D)
             key_pos = (page_idx[:, None] * ps + in_page).reshape(C * ps)
-            mask = (
-                (key_pos[None, :] <= row_pos[:, None]) & (key_pos[None, :] < end_r) & row_ok[:, None]
-            )
+            k_pos = key_pos[None, :]
+            mask = (k_pos <= row_pos[:, None]) & (k_pos < end_r) & row_ok[:, None]
             if W is not None:
-                mask &= key_pos[None, :] > row_pos[:, None] - W
+                mask &= k_pos > row_pos[:, None] - W
             s = score(jnp.einsum("hqgd,khd->hqgk", qrows, kc, preferred_element_type=_F32))
             return _online_update(m, l, acc, s, mask[None, :, None, :], vc, "hqgk,khd->hqgd")
 
-        def rows_of(x):  # [T, Hkv, ...] -> this block's rows as [Hkv, Bq, ...]
-            return jnp.swapaxes(lax.dynamic_slice_in_dim(x, t0c, Bq, axis=0), 0, 1)
+        def rows_of(x):  # [Hkv, T, ...] -> this block's rows, [Hkv, Bq, ...]
+            return lax.dynamic_slice_in_dim(x, t0c, Bq, axis=1)
 
         init = (rows_of(m_all), rows_of(l_all), rows_of(acc_all))
         new = lax.fori_loop(0, n_iter, key_chunk, init)
 
         def put(x_all, x_old, x_new):  # rows outside the block keep their state
             ok = row_ok.reshape((1, Bq) + (1,) * (x_new.ndim - 2))
-            x = jnp.swapaxes(jnp.where(ok, x_new, x_old), 0, 1)
-            return lax.dynamic_update_slice_in_dim(x_all, x, t0c, axis=0)
+            return lax.dynamic_update_slice_in_dim(x_all, jnp.where(ok, x_new, x_old), t0c, axis=1)
 
         return tuple(put(a, o, n) for a, o, n in zip(state, init, new))
 
     m, l, acc = lax.fori_loop(0, blocks_end[-1], work_item, (m, l, acc))
 
-    # ---------------- (a) decode path: one row per single-query request ----------------
+    # ---------------- decode path: one row per single-query request ----------------
     C = min(chunk_pages or default_chunk_pages(ps), P)
     is_single = q_len == 1
     tok = jnp.clip(qsl[1:] - 1, 0, T - 1)  # the request's (only) token
@@ -269,10 +266,11 @@ def ragged_paged_attention_reference(
         s = score(jnp.einsum("rhgd,rkhd->rhgk", qd, kc, preferred_element_type=_F32))
         return _online_update(m, l, acc, s, mask[:, None, None, :], vc, "rhgk,rkhd->rhgd")
 
-    _, dl, dacc = lax.fori_loop(0, n_iter, decode_chunk, (m[tok], l[tok], acc[tok]))
+    init = tuple(jnp.swapaxes(x[:, tok], 0, 1) for x in (m, l, acc))  # [R, Hkv, ...]
+    _, dl, dacc = lax.fori_loop(0, n_iter, decode_chunk, init)
     dest = jnp.where(is_single, tok, T)  # out of range: dropped
-    l = l.at[dest].set(dl, mode="drop")
-    acc = acc.at[dest].set(dacc, mode="drop")
+    l = l.at[:, dest].set(jnp.swapaxes(dl, 0, 1), mode="drop")
+    acc = acc.at[:, dest].set(jnp.swapaxes(dacc, 0, 1), mode="drop")
 
-    out = _finish(l, acc)  # padding tokens: acc == 0 -> exact zeros
-    return out.reshape(T, Hq, D).astype(q.dtype)
+    out = _finish(l, acc)  # [Hkv, T, G, D]; padding tokens: acc == 0 -> exact zeros
+    return out.transpose(1, 0, 2, 3).reshape(T, Hq, D).astype(q.dtype)

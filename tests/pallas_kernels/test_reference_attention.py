@@ -1,0 +1,343 @@
+"""The pure-JAX reference ragged paged attention against a naive float64 numpy attention."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+from jaxserve.pallas_kernels import AttentionMetadata, ragged_paged_attention, write_kv
+from jaxserve.pallas_kernels.ragged_paged_attention import ops as attn_ops
+from jaxserve.pallas_kernels.ragged_paged_attention.reference import (
+    ragged_paged_attention_reference,
+)
+
+STATIC = ("sm_scale", "sliding_window", "soft_cap", "impl", "chunk_pages")
+attn_jit = jax.jit(ragged_paged_attention, static_argnames=STATIC)
+
+
+# --------------------------------------------------------------------------------------------
+# Scenario builder and naive reference
+# --------------------------------------------------------------------------------------------
+
+
+def make_case(
+    reqs,
+    *,
+    page_size=16,
+    hq=4,
+    hkv=2,
+    d=64,
+    num_layers=2,
+    layer=1,
+    r_pad=8,
+    t_pad=None,
+    pages_per_req=None,
+    num_pages=None,
+    dtype=np.float32,
+    seed=0,
+):
+    """A random ragged batch. reqs: list of (cached_context_len, query_len) per live request.
+
+    Pages are shuffled and non-contiguous; everything (null page included) is random. Padding
+    requests fill up to r_pad, padding tokens up to t_pad (they write the null page).
+    """
+    rng = np.random.default_rng(seed)
+    ps = page_size
+    kv = [c + n for c, n in reqs]
+    need = [math.ceil(x / ps) for x in kv]
+    P = pages_per_req or max(max(need), 1)
+    N = num_pages or (1 + r_pad * P)
+    assert sum(need) + 1 <= N and max(need) <= P and len(reqs) <= r_pad
+    total = sum(n for _, n in reqs)
+    T = t_pad or total
+    assert total <= T
+    perm = rng.permutation(np.arange(1, N))  # page 0 is the null page
+    bt = np.zeros((r_pad, P), np.int32)
+    k = 0
+    for r, n in enumerate(need):
+        bt[r, :n] = perm[k : k + n]
+        k += n
+    qsl = np.full(r_pad + 1, total, np.int32)
+    qsl[0] = 0
+    qsl[1 : len(reqs) + 1] = np.cumsum([n for _, n in reqs])
+    kv_lens = np.zeros(r_pad, np.int32)
+    kv_lens[: len(reqs)] = kv
+    slots = np.zeros(T, np.int32)
+    t = 0
+    for r, (c, n) in enumerate(reqs):
+        for pos in range(c, c + n):
+            slots[t] = bt[r, pos // ps] * ps + pos % ps
+            t += 1
+    slots[t:] = np.arange(T - t) % ps  # padding tokens write the null page
+    shape = (num_layers, N, ps, hkv, d)
+    kc = rng.standard_normal(shape, np.float32)
+    vc = rng.standard_normal(shape, np.float32)
+    q = rng.standard_normal((T, hq, d), np.float32)
+    if dtype != np.float32:  # round once, so the naive reference sees the same inputs
+        q, kc, vc = (np.asarray(jnp.asarray(x, dtype)) for x in (q, kc, vc))
+    md = AttentionMetadata(
+        block_tables=jnp.asarray(bt),
+        kv_lens=jnp.asarray(kv_lens),
+        query_start_loc=jnp.asarray(qsl),
+        num_seqs=jnp.asarray(len(reqs), jnp.int32),
+        slot_mapping=jnp.asarray(slots),
+    )
+    return dict(q=q, kc=kc, vc=vc, md=md, layer=layer, reqs=reqs, ps=ps, bt=bt, qsl=qsl)
+
+
+def naive_attention(case, *, sm_scale, sliding_window=None, soft_cap=None):
+    """Dense float64 attention: materialise each request's K/V from its block table."""
+    q = np.asarray(case["q"], np.float64)
+    T, hq, d = q.shape
+    kc = np.asarray(case["kc"], np.float64)[case["layer"]]
+    vc = np.asarray(case["vc"], np.float64)[case["layer"]]
+    hkv = kc.shape[2]
+    g = hq // hkv
+    ps, bt, qsl = case["ps"], case["bt"], case["qsl"]
+    out = np.zeros((T, hq, d))
+    for r, (c, n) in enumerate(case["reqs"]):
+        L = c + n
+        pos = np.arange(L)
+        K = kc[bt[r, pos // ps], pos % ps]  # [L, Hkv, D]
+        V = vc[bt[r, pos // ps], pos % ps]
+        K = np.repeat(K, g, axis=1)
+        V = np.repeat(V, g, axis=1)
+        Q = q[qsl[r] : qsl[r] + n]  # [n, Hq, D]
+        qpos = np.arange(c, L)
+        s = np.einsum("qhd,khd->hqk", Q, K) * sm_scale
+        if soft_cap is not None:
+            s = soft_cap * np.tanh(s / soft_cap)
+        mask = pos[None, :] <= qpos[:, None]
+        if sliding_window is not None:
+            mask &= pos[None, :] > qpos[:, None] - sliding_window
+        s = np.where(mask[None], s, -np.inf)
+        s = s - s.max(-1, keepdims=True)
+        p = np.exp(s)
+        p /= p.sum(-1, keepdims=True)
+        out[qsl[r] : qsl[r] + n] = np.einsum("hqk,khd->qhd", p, V)
+    return out
+
+
+ref_jit = jax.jit(
+    ragged_paged_attention_reference,
+    static_argnames=("sm_scale", "sliding_window", "soft_cap", "chunk_pages", "query_block",
+                     "dense_step"),
+)
+
+
+def check(case, *, atol=1e-5, sliding_window=None, soft_cap=None, chunk_pages=None, sm_scale=None,
+          **ref_knobs):
+    """Compare with the naive attention; ref_knobs (query_block, dense_step) call the reference
+    implementation directly, otherwise the public op is called."""
+    d = case["q"].shape[-1]
+    sm_scale = sm_scale or 1.0 / math.sqrt(d)
+    fn, extra = (ref_jit, ref_knobs) if ref_knobs else (attn_jit, {})
+    out = fn(
+        jnp.asarray(case["q"]),
+        jnp.asarray(case["kc"]),
+        jnp.asarray(case["vc"]),
+        case["layer"],
+        case["md"],
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        chunk_pages=chunk_pages,
+        **extra,
+    )
+    assert out.shape == case["q"].shape and out.dtype == case["q"].dtype
+    got = np.asarray(out, np.float64)
+    want = naive_attention(
+        case, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap
+    )
+    assert np.all(np.isfinite(got))
+    np.testing.assert_allclose(got, want, atol=atol, rtol=0)
+    n_live = int(case["qsl"][len(case["reqs"])])
+    assert np.all(got[n_live:] == 0), "padding tokens must output zeros"
+    return got
+
+
+# --------------------------------------------------------------------------------------------
+# Correctness
+# --------------------------------------------------------------------------------------------
+
+# Contexts ending exactly at and just past page boundaries (page 16), plus short and long ones.
+# (Page size 8 boundaries fall mid-page here; test_gqa_head_dims_page_sizes covers page 8.)
+DECODE_KV = [1, 2, 8, 9, 15, 16, 17, 32, 33, 47, 64, 100]
+# One set of shapes for the decode-only, prefill-only, all-padding and one-executable tests, so
+# that they share a single compiled executable (compiles dominate this file's run time).
+SHAPES = dict(r_pad=14, t_pad=512, pages_per_req=7)
+
+
+def test_decode_only():
+    reqs = [(kv - 1, 1) for kv in DECODE_KV]
+    check(make_case(reqs, seed=1, **SHAPES))
+
+
+def test_prefill_only_query_lengths_1_to_64():
+    # Every query length 1..64 appears across the cases; padding requests and padding tokens.
+    lens = list(range(1, 65))
+    rng = np.random.default_rng(7)
+    rng.shuffle(lens)
+    for i in range(0, 64, 8):
+        reqs = [(0, n) for n in lens[i : i + 8]]
+        check(make_case(reqs, seed=i, **SHAPES))
+
+
+MIXED = [
+    (16, 16),  # chunked prefill starting exactly at a page boundary
+    (31, 64),  # chunked prefill starting mid-page, spanning pages
+    (48, 5),
+    (100, 1),  # decode
+    (5, 3),
+    (0, 37),  # fresh prefill, partial last page
+    (20, 1),
+]
+
+
+@pytest.mark.parametrize("dense_step", [True, False])
+def test_mixed_prefill_decode_and_chunked_prefill(dense_step):
+    # Many key-loop iterations (a chunk that does not divide the page count) and several query
+    # blocks per request; the last block of (0, 37), tokens 89..125, overruns T=129 (its slice
+    # is clamped inside the token array); 2 padding tokens and 1 padding request. This step's
+    # own tokens read through the block table like everything else (the default), or as one
+    # dense [T, T] block.
+    case = make_case(MIXED, r_pad=8, t_pad=129, seed=4)
+    check(case, chunk_pages=3, query_block=6, dense_step=dense_step)
+
+
+@pytest.mark.parametrize(
+    "hq,hkv,d,page_size",
+    [(4, 4, 64, 16), (9, 3, 64, 8), (16, 2, 128, 8)],
+    ids=["gqa1-d64-p16", "gqa3-d64-p8", "gqa8-d128-p8"],
+)
+def test_gqa_head_dims_page_sizes(hq, hkv, d, page_size):
+    reqs = [(0, 9), (33, 1), (7, 12), (16, 1), (40, 20)]
+    case = make_case(
+        reqs, hq=hq, hkv=hkv, d=d, page_size=page_size, num_layers=3, layer=2, r_pad=8,
+        t_pad=64, seed=hq * 10 + d,
+    )
+    check(case)
+
+
+@pytest.mark.parametrize(
+    "window,knobs",
+    [(1, {}), (7, dict(chunk_pages=1, query_block=6)), (16, dict(dense_step=True))],
+    ids=["w1", "w7-small-chunks", "w16-dense-step"],
+)
+def test_sliding_window(window, knobs):
+    reqs = [(0, 40), (30, 1), (15, 1), (17, 20), (64, 3), (2, 2), (49, 1)]
+    case = make_case(reqs, page_size=8, r_pad=8, t_pad=80, seed=window)
+    check(case, sliding_window=window, **knobs)
+
+
+def test_soft_cap():
+    reqs = [(0, 23), (45, 1), (9, 17)]
+    case = make_case(reqs, hq=6, hkv=2, r_pad=4, t_pad=48, seed=11)
+    # A large sm_scale makes the cap bite (scores well beyond +-soft_cap). With a window too,
+    # and this step's tokens as a dense block (test_bfloat16 covers the cap on the default path).
+    check(case, soft_cap=5.0, sm_scale=1.0, sliding_window=12, dense_step=True, query_block=8)
+
+
+def test_bfloat16():
+    reqs = [(0, 30), (40, 1), (17, 16), (64, 1)]
+    case = make_case(reqs, hq=6, hkv=2, r_pad=4, t_pad=64, dtype=jnp.bfloat16, seed=5)
+    # (One compile: the window and the cap are exercised too, with a cap that bites.)
+    check(case, atol=2e-2, sliding_window=10, soft_cap=3.0, sm_scale=0.5)
+
+
+def test_all_padding_batch():
+    case = make_case([(kv - 1, 1) for kv in DECODE_KV], seed=2, **SHAPES)
+    md = case["md"]
+    md = AttentionMetadata(
+        block_tables=md.block_tables,
+        kv_lens=jnp.zeros_like(md.kv_lens),
+        query_start_loc=jnp.zeros_like(md.query_start_loc),
+        num_seqs=jnp.asarray(0, jnp.int32),
+        slot_mapping=md.slot_mapping,
+    )
+    out = attn_jit(
+        jnp.asarray(case["q"]), jnp.asarray(case["kc"]), jnp.asarray(case["vc"]), 1, md,
+        sm_scale=0.125, sliding_window=None, soft_cap=None, chunk_pages=None,
+    )  # the same static arguments and shapes as test_decode_only: no new compile
+    assert np.all(np.asarray(out) == 0)
+
+
+# --------------------------------------------------------------------------------------------
+# Tracing, compilation and dispatch
+# --------------------------------------------------------------------------------------------
+
+
+def test_one_executable_serves_all_context_lengths():
+    # Decode at growing contexts (0 to 7 pages), then a prefill: same shapes, same executable.
+    batches = [[(0, 1)], [(5, 1), (111, 1)], [(95, 1), (31, 1), (16, 1)], [(40, 60), (3, 1)]]
+    sizes = []
+    for i, reqs in enumerate(batches):
+        case = make_case(reqs, seed=100 + i, **SHAPES)
+        check(case)  # the public op, jitted once at module level (attn_jit)
+        sizes.append(attn_jit._cache_size())
+    assert sizes[1:] == sizes[:1] * (len(sizes) - 1), f"recompiled: cache sizes {sizes}"
+
+
+def test_traced_layer_inside_scan_with_write_kv():
+    """The model's use: a layer scan carrying the caches, write_kv then attention per layer."""
+    L, hq, hkv, d = 3, 6, 2, 64
+    reqs = [(0, 11), (21, 1), (16, 5)]
+    case = make_case(reqs, hq=hq, hkv=hkv, d=d, num_layers=L, layer=0, r_pad=4, t_pad=24, seed=9)
+    rng = np.random.default_rng(19)
+    T = case["q"].shape[0]
+    qs = rng.standard_normal((L, T, hq, d), np.float32)
+    ks = rng.standard_normal((L, T, hkv, d), np.float32)
+    vs = rng.standard_normal((L, T, hkv, d), np.float32)
+    md = case["md"]
+
+    @jax.jit
+    def step(kc, vc, qs, ks, vs, md):
+        def layer_fn(carry, xs):
+            kc, vc = carry
+            layer, q, k, v = xs
+            kc, vc = write_kv(kc, vc, layer, k, v, md.slot_mapping)
+            return (kc, vc), ragged_paged_attention(q, kc, vc, layer, md, sm_scale=0.125)
+
+        xs = (jnp.arange(L, dtype=jnp.int32), qs, ks, vs)
+        (kc, vc), outs = lax.scan(layer_fn, (kc, vc), xs)
+        return kc, vc, outs
+
+    kc, vc, outs = step(jnp.asarray(case["kc"]), jnp.asarray(case["vc"]), qs, ks, vs, md)
+    # Expected: the caches with the new K/V written at slot_mapping (live tokens), then naive.
+    kc_w, vc_w = case["kc"].copy(), case["vc"].copy()
+    n_live = int(case["qsl"][len(reqs)])
+    slots = np.asarray(md.slot_mapping)[:n_live]
+    for layer in range(L):
+        kc_w[layer, slots // 16, slots % 16] = ks[layer, :n_live]
+        vc_w[layer, slots // 16, slots % 16] = vs[layer, :n_live]
+    # Live pages must match exactly (the null page holds arbitrary padding writes).
+    np.testing.assert_array_equal(np.asarray(kc)[:, 1:], kc_w[:, 1:])
+    np.testing.assert_array_equal(np.asarray(vc)[:, 1:], vc_w[:, 1:])
+    for layer in range(L):
+        want = naive_attention(
+            dict(case, q=qs[layer], kc=kc_w, vc=vc_w, layer=layer), sm_scale=0.125
+        )
+        np.testing.assert_allclose(np.asarray(outs[layer]), want, atol=1e-5, rtol=0)
+
+
+def test_dispatch():
+    assert attn_ops.resolve_impl("reference") == "reference"
+    if jax.default_backend() == "cpu":
+        assert attn_ops.resolve_impl("auto") == "reference"
+    assert attn_ops.resolve_impl("auto", backend="cpu") == "reference"
+    case = make_case([(3, 2)], r_pad=2, t_pad=4, seed=4)
+    args = (jnp.asarray(case["q"]), jnp.asarray(case["kc"]), jnp.asarray(case["vc"]), 1,
+            case["md"])
+    for impl in ("tpu", "gpu"):
+        if impl not in attn_ops.available_impls():
+            with pytest.raises(ValueError, match="not available yet"):
+                ragged_paged_attention(*args, sm_scale=0.1, impl=impl)
+    with pytest.raises(ValueError, match="unknown impl"):
+        ragged_paged_attention(*args, sm_scale=0.1, impl="cuda-graphs")
+    with pytest.raises(ValueError, match="multiple"):
+        ragged_paged_attention(args[0][:, :3], *args[1:], sm_scale=0.1)
