@@ -53,6 +53,7 @@ class LLMEngine:
         self.arch = ArchConfig.from_hf(ckpt.config)
         backend = jax.default_backend()
         self.dtype = _DTYPES[mc.resolved_dtype(backend)]
+        self.kv_dtype = _DTYPES[config.cache.resolved_kv_dtype(backend, mc.resolved_dtype(backend))]
         self.max_model_len = mc.max_model_len or min(self.arch.max_position_embeddings, 2048)
         if self.max_model_len > self.arch.max_position_embeddings:
             logger.warning("max_model_len %d exceeds the model's max_position_embeddings %d",
@@ -63,7 +64,7 @@ class LLMEngine:
                              get_tensor=ckpt.get_tensor)
         self.load_seconds = time.perf_counter() - t0
         cc = config.cache
-        num_pages = cc.num_pages or num_pages_for_budget(self.arch, cc.page_size, self.dtype, self._kv_budget(backend))
+        num_pages = cc.num_pages or num_pages_for_budget(self.arch, cc.page_size, self.kv_dtype, self._kv_budget(backend))
         self.kv_manager = KVCacheManager(cc.page_size, num_pages, enable_caching=cc.enable_prefix_caching,
                                          max_model_len=self.max_model_len)
         self.scheduler = Scheduler(sc, self.kv_manager)
@@ -74,7 +75,7 @@ class LLMEngine:
                                 config.compile.token_buckets, config.compile.request_buckets)
         self.runner = ModelRunner(
             model, mesh=self.mesh, num_pages=num_pages, page_size=cc.page_size, max_model_len=self.max_model_len,
-            max_num_seqs=sc.max_num_seqs, grid=grid, sampler_config=self.sampler_config, kv_dtype=self.dtype,
+            max_num_seqs=sc.max_num_seqs, grid=grid, sampler_config=self.sampler_config, kv_dtype=self.kv_dtype,
             seed=mc.seed, show_progress=config.compile.show_progress,
         )
         self.output_processor = OutputProcessor(self.tokenizer)

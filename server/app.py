@@ -1,0 +1,188 @@
+"""build_app: the Starlette application of the OpenAI-compatible server."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+import jaxserve
+from jaxserve.server.async_engine import AsyncEngine
+from jaxserve.server.auth import APIKeyMiddleware
+from jaxserve.server.errors import APIError, error_response, from_api_error
+from jaxserve.server.metrics import CONTENT_TYPE, ServerMetrics
+from jaxserve.server.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from jaxserve.server.serving_base import Disconnected, ServerState, parse_body
+from jaxserve.server.serving_chat import ChatHandler, render_chat
+from jaxserve.server.serving_completions import CompletionsHandler
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_BODY_BYTES = 32 << 20
+
+
+class RequestIdMiddleware:
+    """Echo X-Request-Id (or a fresh one) on every HTTP response."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        rid = dict(scope.get("headers") or []).get(b"x-request-id") or uuid.uuid4().hex.encode()
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", rid)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+def build_app(
+    engine: AsyncEngine,
+    *,
+    served_model_names: Sequence[str] | None = None,
+    api_keys: Sequence[str] | None = None,
+    allowed_origins: Sequence[str] | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    request_id_header: bool = True,
+    shutdown_grace_seconds: float = 30.0,
+) -> Starlette:
+    """The app over `engine` (an AsyncEngine, started by the app's lifespan)."""
+    names = list(served_model_names or []) or [engine.model_name]
+    state = ServerState(engine, names, max_body_bytes=max_body_bytes, request_id_header=request_id_header)
+    metrics = ServerMetrics(names[0])
+    engine.listener = metrics
+    metrics.attach(engine)
+    created = int(time.time())
+    tokenizer = engine.tokenizer
+    completions, chat = CompletionsHandler(state), ChatHandler(state)
+
+    async def health(request: Request) -> Response:
+        if engine.is_alive:
+            return Response(status_code=200)
+        return error_response(503, f"the engine is not running: {engine.error!r}")
+
+    async def version(request: Request) -> Response:
+        return JSONResponse({"version": jaxserve.__version__})
+
+    async def models(request: Request) -> Response:
+        data = [ModelCard(id=n, created=created, root=str(engine.engine.model_path), max_model_len=engine.max_model_len)
+                for n in names]
+        return JSONResponse(ModelList(data=data).model_dump())
+
+    async def metrics_endpoint(request: Request) -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    async def tokenize(request: Request) -> Response:
+        body = await parse_body(request, TokenizeRequest, max_body_bytes)
+        state.resolve_model(body.model)
+        try:
+            if body.messages is not None:
+                text = render_chat(tokenizer, body.messages, add_generation_prompt=body.add_generation_prompt,
+                                   continue_final_message=body.continue_final_message,
+                                   chat_template_kwargs=body.chat_template_kwargs)
+                ids = tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
+            else:
+                add = True if body.add_special_tokens is None else body.add_special_tokens
+                ids = tokenizer.encode(body.prompt or "", add_special_tokens=add)
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        strs = tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        return JSONResponse(TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids,
+                                             token_strs=strs).model_dump(exclude_none=True))
+
+    async def detokenize(request: Request) -> Response:
+        body = await parse_body(request, DetokenizeRequest, max_body_bytes)
+        state.resolve_model(body.model)
+        vocab = engine.engine.arch.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < max(vocab, tokenizer.vocab_size)]
+        if bad:
+            raise APIError(400, f"token ids must be in [0, {vocab}); got {bad[:5]}.", param="tokens")
+        return JSONResponse(DetokenizeResponse(prompt=tokenizer.decode(body.tokens)).model_dump())
+
+    async def tokenizer_info(request: Request) -> Response:
+        hf = tokenizer.hf_tokenizer
+        info = {
+            "tokenizer_class": type(hf).__name__,
+            "eos_token": hf.eos_token, "bos_token": hf.bos_token, "pad_token": hf.pad_token,
+            "unk_token": hf.unk_token, "eos_token_id": hf.eos_token_id, "bos_token_id": hf.bos_token_id,
+            "chat_template": hf.chat_template, "model_max_length": engine.max_model_len,
+            "vocab_size": tokenizer.vocab_size, "add_bos_token": getattr(hf, "add_bos_token", None),
+            "add_eos_token": getattr(hf, "add_eos_token", None),
+        }
+        return JSONResponse(info)
+
+    async def on_api_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, APIError)
+        return from_api_error(exc)
+
+    async def on_http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        return error_response(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
+
+    async def on_disconnect(request: Request, exc: Exception) -> Response:
+        return Response(status_code=499)
+
+    async def on_error(request: Request, exc: Exception) -> Response:
+        logger.exception("unhandled error on %s", request.url.path, exc_info=exc)
+        return error_response(500, f"internal error: {exc!r}", "InternalServerError")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        engine.start()
+        try:
+            yield
+        finally:
+            await engine.drain(shutdown_grace_seconds)
+            engine.shutdown()
+
+    middleware = []
+    if request_id_header:
+        middleware.append(Middleware(RequestIdMiddleware))
+    if allowed_origins:
+        middleware.append(Middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
+                                     allow_headers=["*"], allow_credentials=True))
+    if api_keys:
+        middleware.append(Middleware(APIKeyMiddleware, api_keys=list(api_keys)))
+    routes = [
+        Route("/health", health, methods=["GET"]),
+        Route("/version", version, methods=["GET"]),
+        Route("/metrics", metrics_endpoint, methods=["GET"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/completions", completions.handle, methods=["POST"]),
+        Route("/v1/chat/completions", chat.handle, methods=["POST"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
+        Route("/tokenizer_info", tokenizer_info, methods=["GET"]),
+    ]
+    app = Starlette(
+        routes=routes, middleware=middleware, lifespan=lifespan,
+        exception_handlers={APIError: on_api_error, HTTPException: on_http_error, Disconnected: on_disconnect,
+                            Exception: on_error},
+    )
+    app.state.server = state
+    app.state.metrics = metrics
+    app.state.engine = engine
+    return app

@@ -1,0 +1,173 @@
+"""The `jaxserve` command: `serve` (the OpenAI-compatible server) and `generate` (one prompt)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import sys
+from typing import Any
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "ki": 1 << 10, "kib": 1 << 10, "mi": 1 << 20, "mib": 1 << 20,
+          "gi": 1 << 30, "gib": 1 << 30, "ti": 1 << 40, "tib": 1 << 40}
+
+
+def parse_bytes(text: str) -> int:
+    """'2GiB' → 2147483648, '512MB' → 512000000, '1073741824' → itself."""
+    m = _SIZE.match(text)
+    if not m or m.group(2) is not None and m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (examples: 1073741824, 512MiB, 2GiB)")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in re.split(r"[,\s]+", text.strip()) if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers separated by commas, got {text!r}") from None
+
+
+def _buckets(values: list[list[int]] | None) -> tuple[int, ...] | None:
+    if not values:
+        return None
+    return tuple(sorted({x for v in values for x in v}))
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--max-model-len", type=int, default=None, help="context length (default: min(model, 2048))")
+    g.add_argument("--max-num-seqs", type=int, default=None, help="max sequences per step (default 32)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step (default 512)")
+    g.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
+                   help="KV cache size in bytes; suffixes allowed (e.g. 2GiB, 512MB)")
+    g.add_argument("--page-size", type=int, default=None, help="tokens per KV page (power of two, default 16)")
+    g.add_argument("--token-buckets", type=_int_list, nargs="+", default=None,
+                   help="padded token counts to compile, e.g. 16 64 512 or 16,64,512")
+    g.add_argument("--request-buckets", type=_int_list, nargs="+", default=None,
+                   help="padded request counts to compile, e.g. 1 8 32")
+    g.add_argument("--compilation-cache-dir", default=None, help="JAX persistent compilation cache directory")
+    g.add_argument("--no-compilation-cache", action="store_true", help="disable the persistent compilation cache")
+    g.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--attention-impl", default=None, help="auto, reference, tpu, gpu")
+    g.add_argument("--seed", type=int, default=None, help="seed for unseeded requests")
+    g.add_argument("--no-enable-prefix-caching", action="store_true", help="disable prefix caching")
+    g.add_argument("--max-logprobs", type=int, default=None, help="largest logprobs a request may ask (default 20)")
+    g.add_argument("--data-parallel-size", type=int, default=None, help="mesh 'data' axis size")
+    g.add_argument("--tensor-parallel-size", type=int, default=None, help="mesh 'model' axis size")
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    opts: dict[str, Any] = {}
+    simple = {"max_model_len": "max_model_len", "max_num_seqs": "max_num_seqs",
+              "max_num_batched_tokens": "max_num_batched_tokens", "kv_cache_memory": "kv_cache_memory_bytes",
+              "page_size": "page_size", "compilation_cache_dir": "compilation_cache_dir", "dtype": "dtype",
+              "attention_impl": "attention_impl", "seed": "seed", "max_logprobs": "max_logprobs",
+              "data_parallel_size": "data", "tensor_parallel_size": "model"}
+    for arg, key in simple.items():
+        v = getattr(args, arg, None)
+        if v is not None:
+            opts[key] = v
+    if (tb := _buckets(getattr(args, "token_buckets", None))) is not None:
+        opts["token_buckets"] = tb
+    if (rb := _buckets(getattr(args, "request_buckets", None))) is not None:
+        opts["request_buckets"] = rb
+    if getattr(args, "no_compilation_cache", False):
+        opts["enable_compilation_cache"] = False
+    if getattr(args, "no_enable_prefix_caching", False):
+        opts["enable_prefix_caching"] = False
+    return opts
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jaxserve", description="LLM inference in JAX")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    s.add_argument("model", nargs="?", default=None, help="HF model directory or .gguf file (default: bundled model)")
+    s.add_argument("--model", dest="model_flag", default=None, help=argparse.SUPPRESS)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--served-model-name", nargs="+", default=None, help="name(s) clients use; the first is reported")
+    s.add_argument("--api-key", nargs="+", action="extend", default=None, help="key(s) required on /v1/*")
+    s.add_argument("--allowed-origins", nargs="+", default=None, help="CORS origins, e.g. '*'")
+    s.add_argument("--disable-request-id-header", action="store_true", help="do not send X-Request-Id")
+    s.add_argument("--max-request-body", type=parse_bytes, default=32 << 20, help="largest request body (bytes)")
+    s.add_argument("--shutdown-grace", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish on SIGTERM/Ctrl-C before they are aborted")
+    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"])
+    _add_engine_args(s)
+
+    g = sub.add_parser("generate", help="generate text for one prompt and print it")
+    g.add_argument("prompt")
+    g.add_argument("--model", default=None)
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    g.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error", "critical"])
+    _add_engine_args(g)
+    return parser
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from jaxserve.config import EngineConfig
+    from jaxserve.engine.llm_engine import LLMEngine
+    from jaxserve.server.app import build_app
+    from jaxserve.server.async_engine import AsyncEngine
+
+    model = args.model or args.model_flag
+    names = args.served_model_name
+    opts = engine_options(args)
+    if names:
+        opts["served_model_name"] = names[0]
+    try:
+        config = EngineConfig.from_kwargs(model=model, **opts)
+    except (ValueError, TypeError) as e:
+        print(f"jaxserve serve: {e}", file=sys.stderr)
+        return 2
+    engine = LLMEngine(config)
+    aengine = AsyncEngine(engine)
+    app = build_app(aengine, served_model_names=names, api_keys=args.api_key, allowed_origins=args.allowed_origins,
+                    max_body_bytes=args.max_request_body, request_id_header=not args.disable_request_id_header,
+                    shutdown_grace_seconds=args.shutdown_grace)
+    logging.getLogger(__name__).info("serving %s on http://%s:%d", (names or [engine.model_name])[0], args.host, args.port)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=int(args.shutdown_grace) or None, timeout_keep_alive=5)
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from jaxserve.entrypoints.llm import LLM
+    from jaxserve.sampling_params import SamplingParams
+
+    opts = engine_options(args)
+    opts.setdefault("show_progress", False)
+    llm = LLM(args.model, **opts)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            seed=args.seed)
+    if args.chat:
+        outs = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)
+    else:
+        outs = llm.generate(args.prompt, params, use_tqdm=False)
+    print(outs[0].outputs[0].text)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        if args.command == "serve":
+            return _serve(args)
+        return _generate(args)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,259 @@
+"""What the completions and chat handlers share: model names, body parsing, adding requests,
+merging per-prompt output queues, disconnect handling and logprob formatting."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from jaxserve.outputs import LogprobsDict, RequestOutput
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.server import sse
+from jaxserve.server.async_engine import AsyncEngine, EngineDeadError, EngineShutdownError
+from jaxserve.server.errors import APIError, validation_message
+from jaxserve.server.protocol import (
+    ChatLogProb,
+    ChatLogProbsContent,
+    CompletionLogProbs,
+)
+
+logger = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=BaseModel)
+NEG_INF_LOGPROB = -9999.0
+
+
+class Disconnected(Exception):
+    """The client went away before the response was ready."""
+
+
+class ServerState:
+    """Everything a handler needs, built once by build_app."""
+
+    def __init__(self, engine: AsyncEngine, served_model_names: list[str], *, max_body_bytes: int,
+                 request_id_header: bool = True):
+        self.engine = engine
+        self.served_model_names = served_model_names or [engine.model_name]
+        self.max_body_bytes = max_body_bytes
+        self.request_id_header = request_id_header
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+    def resolve_model(self, name: str | None) -> str:
+        if name is None or name == "":
+            return self.model_name
+        if name not in self.served_model_names:
+            raise APIError(404, f"The model `{name}` does not exist; available: {', '.join(self.served_model_names)}.",
+                           param="model")
+        return name
+
+
+async def read_json(request: Request, max_bytes: int) -> Any:
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > max_bytes:
+        raise APIError(413, f"request body is larger than the {max_bytes}-byte limit.")
+    chunks, size = [], 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_bytes:
+                raise APIError(413, f"request body is larger than the {max_bytes}-byte limit.")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise Disconnected() from None
+    body = b"".join(chunks)
+    if not body:
+        raise APIError(400, "the request body is empty; send a JSON object.")
+    try:
+        return json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}.") from None
+
+
+async def parse_body(request: Request, model: type[M], max_bytes: int) -> M:
+    data = await read_json(request, max_bytes)
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object.")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        msg, param = validation_message(e)
+        raise APIError(400, msg, param=param) from None
+
+
+def engine_error(e: BaseException) -> APIError:
+    if isinstance(e, ValueError):
+        return APIError(400, str(e))
+    if isinstance(e, EngineShutdownError):
+        return APIError(503, str(e))
+    if isinstance(e, EngineDeadError):
+        return APIError(500, str(e), type_="InternalServerError")
+    logger.exception("request failed", exc_info=e)
+    return APIError(500, f"internal error: {e!r}", type_="InternalServerError")
+
+
+async def add_all(engine: AsyncEngine, request_ids: list[str], prompts: list[list[int]], params: SamplingParams,
+                  priority: int, arrival_time: float) -> list[asyncio.Queue]:
+    """Add one engine request per prompt; on any failure abort those already added."""
+    queues = []
+    try:
+        for rid, ids in zip(request_ids, prompts):
+            queues.append(await engine.add_request(rid, ids, params, priority=priority,
+                                                   arrival_time=arrival_time))
+    except BaseException as e:
+        for rid in request_ids[: len(queues)]:
+            engine.abort(rid)
+        if isinstance(e, Exception):
+            raise engine_error(e) from None
+        raise
+    return queues
+
+
+async def merge(queues: list[asyncio.Queue]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) as they arrive, until every request has finished; an exception
+    put in a queue is raised."""
+    if len(queues) == 1:
+        while True:
+            out = await queues[0].get()
+            if isinstance(out, BaseException):
+                raise out
+            yield 0, out
+            if out.finished:
+                return
+    getters = {i: asyncio.ensure_future(q.get()) for i, q in enumerate(queues)}
+    try:
+        while getters:
+            done, _ = await asyncio.wait(getters.values(), return_when=asyncio.FIRST_COMPLETED)
+            for i in sorted(i for i, t in getters.items() if t in done):
+                out = getters.pop(i).result()
+                if isinstance(out, BaseException):
+                    raise out
+                yield i, out
+                if not out.finished:
+                    getters[i] = asyncio.ensure_future(queues[i].get())
+    finally:
+        for t in getters.values():
+            t.cancel()
+
+
+async def until_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def run_unless_disconnected(request: Request, coro: Any) -> Any:
+    """Await `coro`; if the client disconnects first, cancel it and raise Disconnected."""
+    task = asyncio.ensure_future(coro)
+    watcher = asyncio.ensure_future(until_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        watcher.cancel()
+        raise
+    if task in done:
+        watcher.cancel()
+        return task.result()
+    task.cancel()
+    try:
+        await task
+    except (asyncio.CancelledError, Exception):  # noqa: BLE001
+        pass
+    raise Disconnected()
+
+
+class EventStream(StreamingResponse):
+    """SSE response that always runs `on_close` (aborting the engine requests), even when the
+    client disconnects before the body iterator has started."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None],
+                 headers: dict[str, str] | None = None):
+        super().__init__(content, media_type=sse.MEDIA_TYPE, headers={**sse.HEADERS, **(headers or {})})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        except (ClientDisconnect, OSError):
+            pass  # the client went away mid-stream: abort (below) and stay quiet
+        finally:
+            self._on_close()
+
+
+def abort_all(engine: AsyncEngine, request_ids: list[str]) -> Callable[[], None]:
+    def close() -> None:
+        for rid in request_ids:
+            engine.abort(rid)
+    return close
+
+
+# ---------------------------------------------------------------------------- logprobs
+def _lp(x: float) -> float:
+    return max(x, NEG_INF_LOGPROB)
+
+
+def _token_str(tokenizer: Any, tid: int, d: LogprobsDict | None) -> str:
+    if d is not None and tid in d and d[tid].decoded_token is not None:
+        return d[tid].decoded_token  # type: ignore[return-value]
+    return tokenizer.decode([tid])
+
+
+def append_completion_logprobs(
+    acc: CompletionLogProbs,
+    token_ids: list[int],
+    dicts: list[LogprobsDict | None],
+    tokenizer: Any,
+    offset: int,
+) -> int:
+    """Append tokens in the completions format; returns the next text offset."""
+    for tid, d in zip(token_ids, dicts):
+        tok = _token_str(tokenizer, tid, d)
+        acc.tokens.append(tok)
+        acc.text_offset.append(offset)
+        offset += len(tok)
+        if d is None or tid not in d:
+            acc.token_logprobs.append(None)
+            acc.top_logprobs.append(None)
+            continue
+        acc.token_logprobs.append(_lp(d[tid].logprob))
+        top: dict[str, float] = {}
+        for k, v in d.items():
+            s = v.decoded_token if v.decoded_token is not None else tokenizer.decode([k])
+            top.setdefault(s, _lp(v.logprob))
+        acc.top_logprobs.append(top)
+    return offset
+
+
+def chat_logprobs(token_ids: list[int], dicts: list[LogprobsDict], tokenizer: Any, top_k: int) -> list[ChatLogProbsContent]:
+    out = []
+    for tid, d in zip(token_ids, dicts):
+        tok = _token_str(tokenizer, tid, d)
+        lp = d[tid].logprob if tid in d else NEG_INF_LOGPROB
+        ranked = sorted(d.items(), key=lambda kv: (kv[1].rank if kv[1].rank is not None else 1 << 30, -kv[1].logprob))
+        top = []
+        for k, v in ranked[:top_k]:
+            s = v.decoded_token if v.decoded_token is not None else tokenizer.decode([k])
+            top.append(ChatLogProb(token=s, logprob=_lp(v.logprob), bytes=list(s.encode("utf-8"))))
+        out.append(ChatLogProbsContent(token=tok, logprob=_lp(lp), bytes=list(tok.encode("utf-8")), top_logprobs=top))
+    return out
+
+
+def prompt_logprobs_json(plp: list[LogprobsDict | None] | None) -> list[dict[str, Any] | None] | None:
+    """vLLM's prompt_logprobs: per prompt position {token_id: {logprob, rank, decoded_token}}, first None."""
+    if plp is None:
+        return None
+    return [None if d is None else {str(k): {"logprob": _lp(v.logprob), "rank": v.rank,
+                                             "decoded_token": v.decoded_token} for k, v in d.items()}
+            for d in plp]

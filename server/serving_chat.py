@@ -1,0 +1,177 @@
+"""POST /v1/chat/completions."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from jaxserve.server import sse
+from jaxserve.server.errors import APIError, error_body
+from jaxserve.server.protocol import (
+    ChatCompletionLogProbs,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatMessage,
+    ChatResponseMessage,
+    DeltaMessage,
+    UsageInfo,
+    random_id,
+)
+from jaxserve.server.serving_base import (
+    Disconnected,
+    EventStream,
+    ServerState,
+    abort_all,
+    add_all,
+    chat_logprobs,
+    engine_error,
+    merge,
+    parse_body,
+    prompt_logprobs_json,
+    run_unless_disconnected,
+)
+
+
+def render_chat(tokenizer: Any, messages: list[ChatMessage], *, add_generation_prompt: bool = True,
+                continue_final_message: bool = False, chat_template: str | None = None,
+                chat_template_kwargs: dict[str, Any] | None = None) -> str:
+    """The prompt text of a conversation; ValueError for anything the template cannot take."""
+    conv = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in messages]
+    kwargs = dict(chat_template_kwargs or {})
+    if chat_template is not None:
+        kwargs["chat_template"] = chat_template
+    if continue_final_message:
+        kwargs["continue_final_message"] = True
+    try:
+        return tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, **kwargs)
+    except ValueError:
+        raise
+    except Exception as e:  # noqa: BLE001 - template errors are the user's (jinja, bad roles)
+        raise ValueError(f"the chat template could not be applied to these messages: {e}") from None
+
+
+@dataclasses.dataclass(slots=True)
+class _Choice:
+    text: str = ""
+    num_tokens: int = 0
+    logprobs: list | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    role_sent: bool = False
+
+
+class ChatHandler:
+    def __init__(self, state: ServerState):
+        self.state = state
+        self.engine = state.engine
+        self.tokenizer = state.engine.tokenizer
+
+    async def handle(self, request: Request) -> Response:
+        arrival = time.time()
+        body = await parse_body(request, ChatCompletionRequest, self.state.max_body_bytes)
+        model = self.state.resolve_model(body.model)
+        try:
+            params = body.to_sampling_params()
+            text = render_chat(self.tokenizer, body.messages, add_generation_prompt=body.add_generation_prompt,
+                               continue_final_message=body.continue_final_message,
+                               chat_template=body.chat_template, chat_template_kwargs=body.chat_template_kwargs)
+            prompt = self.tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        rid = f"chatcmpl-{body.request_id}" if body.request_id else random_id("chatcmpl")
+        queues = await add_all(self.engine, [rid], [prompt], params, body.priority, arrival)
+        ctx = _Ctx(rid, int(arrival), model, body, len(prompt))
+        if body.stream:
+            return EventStream(self._stream(ctx, queues), abort_all(self.engine, [rid]))
+        try:
+            resp = await run_unless_disconnected(request, self._collect(ctx, queues))
+        except Disconnected:
+            return Response(status_code=499)
+        except APIError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise engine_error(e) from None
+        finally:
+            self.engine.abort(rid)
+        return JSONResponse(resp.model_dump())
+
+    def _usage(self, ctx: _Ctx) -> UsageInfo:
+        c = sum(ch.num_tokens for ch in ctx.choices.values())
+        return UsageInfo(prompt_tokens=ctx.num_prompt_tokens, completion_tokens=c, total_tokens=ctx.num_prompt_tokens + c)
+
+    def _delta_logprobs(self, ctx: _Ctx, o: Any) -> ChatCompletionLogProbs | None:
+        if not ctx.body.logprobs or o.logprobs is None:
+            return None
+        return ChatCompletionLogProbs(content=chat_logprobs(o.token_ids, o.logprobs, self.tokenizer,
+                                                            ctx.body.top_logprobs or 0))
+
+    async def _collect(self, ctx: _Ctx, queues: list) -> ChatCompletionResponse:
+        plp = None
+        async for _, out in merge(queues):
+            if out.finished:
+                plp = prompt_logprobs_json(out.prompt_logprobs)
+            for o in out.outputs:
+                ch = ctx.choices.setdefault(o.index, _Choice(logprobs=[] if ctx.body.logprobs else None))
+                ch.text += o.text
+                ch.num_tokens += len(o.token_ids)
+                lp = self._delta_logprobs(ctx, o)
+                if lp is not None and ch.logprobs is not None:
+                    ch.logprobs.extend(lp.content or [])
+                if o.finish_reason is not None:
+                    ch.finish_reason, ch.stop_reason = o.finish_reason, o.stop_reason
+        choices = [
+            ChatCompletionResponseChoice(
+                index=i, message=ChatResponseMessage(content=ch.text),
+                logprobs=ChatCompletionLogProbs(content=ch.logprobs) if ch.logprobs is not None else None,
+                finish_reason=ch.finish_reason, stop_reason=ch.stop_reason)
+            for i, ch in sorted(ctx.choices.items())
+        ]
+        return ChatCompletionResponse(id=ctx.id, created=ctx.created, model=ctx.model, choices=choices,
+                                      usage=self._usage(ctx), prompt_logprobs=plp)
+
+    async def _stream(self, ctx: _Ctx, queues: list) -> AsyncIterator[str]:
+        body = ctx.body
+
+        def chunk(choice: ChatCompletionStreamChoice) -> str:
+            return sse.event(ChatCompletionStreamResponse(
+                id=ctx.id, created=ctx.created, model=ctx.model, choices=[choice],
+                usage=self._usage(ctx) if body.continuous_usage else None))
+
+        try:
+            async for _, out in merge(queues):
+                for o in out.outputs:
+                    ch = ctx.choices.setdefault(o.index, _Choice())
+                    ch.num_tokens += len(o.token_ids)
+                    if not ch.role_sent:
+                        # the first chunk goes out once the first token exists (TTFT is measured from it)
+                        ch.role_sent = True
+                        yield chunk(ChatCompletionStreamChoice(index=o.index,
+                                                               delta=DeltaMessage(role="assistant", content="")))
+                    yield chunk(ChatCompletionStreamChoice(
+                        index=o.index, delta=DeltaMessage(content=o.text), logprobs=self._delta_logprobs(ctx, o),
+                        finish_reason=o.finish_reason, stop_reason=o.stop_reason))
+            if body.include_usage:
+                yield sse.event(ChatCompletionStreamResponse(id=ctx.id, created=ctx.created, model=ctx.model,
+                                                             choices=[], usage=self._usage(ctx)))
+        except Exception as e:  # noqa: BLE001 - reported in-stream
+            err = engine_error(e)
+            yield sse.event(error_body(err.status, err.message, err.type))
+        yield sse.DONE
+
+
+@dataclasses.dataclass(slots=True)
+class _Ctx:
+    id: str
+    created: int
+    model: str
+    body: ChatCompletionRequest
+    num_prompt_tokens: int
+    choices: dict[int, _Choice] = dataclasses.field(default_factory=dict)

@@ -1,0 +1,166 @@
+"""POST /v1/completions."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.server import sse
+from jaxserve.server.errors import APIError, error_body
+from jaxserve.server.protocol import (
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionStreamChoice,
+    CompletionStreamResponse,
+    UsageInfo,
+    random_id,
+)
+from jaxserve.server.serving_base import (
+    Disconnected,
+    EventStream,
+    ServerState,
+    abort_all,
+    add_all,
+    append_completion_logprobs,
+    engine_error,
+    merge,
+    parse_body,
+    prompt_logprobs_json,
+    run_unless_disconnected,
+)
+
+
+@dataclasses.dataclass(slots=True)
+class _Choice:
+    text: str = ""
+    num_tokens: int = 0
+    logprobs: CompletionLogProbs | None = None
+    offset: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    started: bool = False
+    prompt_logprobs: list | None = None
+
+
+class CompletionsHandler:
+    def __init__(self, state: ServerState):
+        self.state = state
+        self.engine = state.engine
+        self.tokenizer = state.engine.tokenizer
+
+    async def handle(self, request: Request) -> Response:
+        arrival = time.time()
+        body = await parse_body(request, CompletionRequest, self.state.max_body_bytes)
+        model = self.state.resolve_model(body.model)
+        try:
+            params = body.to_sampling_params()
+            prompts = [self.tokenizer.encode(p, add_special_tokens=body.add_special_tokens) if isinstance(p, str)
+                       else list(p) for p in body.prompts()]
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        base_id = random_id("cmpl")
+        if body.request_id:
+            base_id = f"cmpl-{body.request_id}"
+        rids = [f"{base_id}-{i}" for i in range(len(prompts))]
+        queues = await add_all(self.engine, rids, prompts, params, body.priority, arrival)
+        ctx = _Ctx(base_id, int(arrival), model, body, prompts, params.n)
+        if body.stream:
+            return EventStream(self._stream(ctx, queues), abort_all(self.engine, rids))
+        try:
+            resp = await run_unless_disconnected(request, self._collect(ctx, queues))
+        except Disconnected:
+            return Response(status_code=499)
+        except APIError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise engine_error(e) from None
+        finally:
+            abort_all(self.engine, rids)()
+        return JSONResponse(resp.model_dump())
+
+    def _prompt_text(self, ctx: _Ctx, i: int) -> str:
+        p = ctx.body.prompts()[i]
+        return p if isinstance(p, str) else self.tokenizer.decode(ctx.prompts[i])
+
+    def _fold(self, ctx: _Ctx, i: int, out: RequestOutput) -> list[tuple[int, CompletionOutput, str, CompletionLogProbs | None]]:
+        """Fold one delta output in; returns (choice index, choice, delta text, delta logprobs)."""
+        body, deltas = ctx.body, []
+        for o in out.outputs:
+            idx = i * ctx.n + o.index
+            ch = ctx.choices.setdefault(idx, _Choice(logprobs=CompletionLogProbs() if body.logprobs is not None else None))
+            text = o.text
+            delta_lp = CompletionLogProbs() if body.logprobs is not None else None
+            if not ch.started:
+                ch.started = True
+                if body.echo:
+                    text = self._prompt_text(ctx, i) + text
+                    if delta_lp is not None:
+                        plp = out.prompt_logprobs or [None] * len(ctx.prompts[i])
+                        ch.offset = append_completion_logprobs(delta_lp, ctx.prompts[i], plp, self.tokenizer, ch.offset)
+            if delta_lp is not None and o.logprobs is not None:
+                ch.offset = append_completion_logprobs(delta_lp, o.token_ids, o.logprobs, self.tokenizer, ch.offset)
+            if delta_lp is not None and ch.logprobs is not None:
+                for f in ("text_offset", "token_logprobs", "tokens", "top_logprobs"):
+                    getattr(ch.logprobs, f).extend(getattr(delta_lp, f))
+            ch.text += text
+            ch.num_tokens += len(o.token_ids)
+            if out.finished and out.prompt_logprobs is not None:
+                ch.prompt_logprobs = prompt_logprobs_json(out.prompt_logprobs)
+            if o.finish_reason is not None:
+                ch.finish_reason, ch.stop_reason = o.finish_reason, o.stop_reason
+            deltas.append((idx, o, text, delta_lp))
+        return deltas
+
+    def _usage(self, ctx: _Ctx) -> UsageInfo:
+        p = sum(len(x) for x in ctx.prompts)
+        c = sum(ch.num_tokens for ch in ctx.choices.values())
+        return UsageInfo(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
+
+    async def _collect(self, ctx: _Ctx, queues: list) -> CompletionResponse:
+        async for i, out in merge(queues):
+            self._fold(ctx, i, out)
+        choices = [
+            CompletionResponseChoice(index=idx, text=ch.text, logprobs=ch.logprobs, finish_reason=ch.finish_reason,
+                                     stop_reason=ch.stop_reason, prompt_logprobs=ch.prompt_logprobs)
+            for idx, ch in sorted(ctx.choices.items())
+        ]
+        return CompletionResponse(id=ctx.id, created=ctx.created, model=ctx.model, choices=choices,
+                                  usage=self._usage(ctx))
+
+    async def _stream(self, ctx: _Ctx, queues: list) -> AsyncIterator[str]:
+        body = ctx.body
+        try:
+            async for i, out in merge(queues):
+                for idx, o, text, lp in self._fold(ctx, i, out):
+                    chunk = CompletionStreamResponse(
+                        id=ctx.id, created=ctx.created, model=ctx.model,
+                        choices=[CompletionStreamChoice(index=idx, text=text, logprobs=lp,
+                                                        finish_reason=o.finish_reason, stop_reason=o.stop_reason)],
+                        usage=self._usage(ctx) if body.continuous_usage else None,
+                    )
+                    yield sse.event(chunk)
+            if body.include_usage:
+                yield sse.event(CompletionStreamResponse(id=ctx.id, created=ctx.created, model=ctx.model,
+                                                         choices=[], usage=self._usage(ctx)))
+        except Exception as e:  # noqa: BLE001 - reported in-stream
+            err = engine_error(e)
+            yield sse.event(error_body(err.status, err.message, err.type))
+        yield sse.DONE
+
+
+@dataclasses.dataclass(slots=True)
+class _Ctx:
+    id: str
+    created: int
+    model: str
+    body: CompletionRequest
+    prompts: list[list[int]]
+    n: int
+    choices: dict[int, _Choice] = dataclasses.field(default_factory=dict)

@@ -1,0 +1,81 @@
+"""One real server per test session: the default model with small buckets, served by uvicorn on a
+free loopback port in a background thread, protected by an API key that the clients send."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+API_KEY = "test-key"
+MODEL = "SmolLM2-135M-Instruct"
+ENGINE_OPTIONS = dict(max_num_seqs=8, max_num_batched_tokens=128, token_buckets=(16, 128), request_buckets=(1, 8),
+                      show_progress=False)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LiveServer:
+    def __init__(self, app, port: int):
+        import uvicorn
+
+        self.app = app
+        self.port = port
+        self.base_url = f"http://127.0.0.1:{port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                                    timeout_graceful_shutdown=5))
+        self.thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+        while not self.server.started:
+            if not self.thread.is_alive():
+                raise RuntimeError("the test server failed to start")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(60)
+
+    @property
+    def engine(self):
+        return self.app.state.engine
+
+
+@pytest.fixture(scope="session")
+def live_server() -> Iterator[LiveServer]:
+    from jaxserve.config import EngineConfig
+    from jaxserve.engine.llm_engine import LLMEngine
+    from jaxserve.server.app import build_app
+    from jaxserve.server.async_engine import AsyncEngine
+
+    engine = LLMEngine(EngineConfig.from_kwargs(model=None, **ENGINE_OPTIONS))
+    app = build_app(AsyncEngine(engine), served_model_names=[MODEL, "alias"], api_keys=[API_KEY],
+                    max_body_bytes=1 << 20, shutdown_grace_seconds=5)
+    srv = LiveServer(app, _free_port())
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def client(live_server):
+    import openai
+
+    return openai.OpenAI(base_url=live_server.base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="session")
+def http(live_server):
+    import httpx
+
+    with httpx.Client(base_url=live_server.base_url, headers={"Authorization": f"Bearer {API_KEY}"},
+                      timeout=300) as c:
+        yield c
