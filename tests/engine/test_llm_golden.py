@@ -122,3 +122,32 @@ def test_chat_uses_template(llm, golden):
     (out,) = llm.chat(case["messages"], greedy(case), use_tqdm=False)
     assert out.prompt == case["text"]
     assert_matches_golden(case, out.outputs[0].token_ids)
+
+
+def test_logprobs_and_prompt_logprobs_match_golden(llm, golden):
+    cases = golden["cases"]
+    params = [greedy(c).clone(logprobs=5, prompt_logprobs=1) for c in cases]
+    outs = llm.generate([c["prompt_token_ids"] for c in cases], params, use_tqdm=False)
+    for case, out in zip(cases, outs):
+        comp = out.outputs[0]
+        assert_matches_golden(case, comp.token_ids)
+        n = len(comp.token_ids)
+        for i in range(n):
+            if comp.token_ids[i] != case["completion_token_ids"][i]:
+                break  # an accepted near-tie divergence: later steps see another prefix
+            step, lp = case["steps"][i], comp.logprobs[i]
+            chosen = lp[comp.token_ids[i]]
+            assert abs(chosen.logprob - step["logprob"]) < 1e-3
+            assert chosen.rank == 1
+            top = sorted(((v.rank, t, v.logprob) for t, v in lp.items() if v.rank is not None and v.rank <= 5))
+            got_ids = [t for _, t, _ in top][:5]
+            want_ids = [t for t, _ in step["top5"]]
+            for (_, t, v), (wt, wv) in zip(top, step["top5"]):
+                assert abs(v - wv) < 1e-3
+                assert t == wt or abs(v - lp.get(wt, chosen).logprob) < 1e-4, (case["name"], i, got_ids, want_ids)
+        plp = out.prompt_logprobs
+        assert plp[0] is None and len(plp) == len(case["prompt_token_ids"])
+        want = case["prompt_logprobs"]
+        for j in range(1, len(plp)):
+            tok = case["prompt_token_ids"][j]
+            assert abs(plp[j][tok].logprob - want[j - 1]) < 1e-3, (case["name"], j)
