@@ -146,6 +146,8 @@ def _generate(args: argparse.Namespace) -> int:
 
     opts = engine_options(args)
     opts.setdefault("show_progress", False)
+    # One prompt needs one running sequence: a small request bucket keeps start-up short.
+    opts.setdefault("max_num_seqs", 8)
     llm = LLM(args.model, **opts)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             seed=args.seed)
