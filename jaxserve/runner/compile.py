@@ -7,6 +7,7 @@ records it, logs a warning and exposes it (`recompiles`), and tests assert it st
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 
@@ -16,21 +17,22 @@ logger = logging.getLogger(__name__)
 
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 _lock = threading.Lock()
-_counters: list[CompileCounter] = []
 _listener_installed = False
+# The counter whose engine is working on this thread (compilation runs on the calling thread),
+# so that engines sharing a process never count each other's compilations.
+_active = threading.local()
 
 
 def _on_event(event: str, duration: float, **kwargs) -> None:
     if event != _COMPILE_EVENT:
         return
-    with _lock:
-        counters = list(_counters)
-    for c in counters:
-        c._record(duration, kwargs.get("fun_name", "?"))
+    counter = getattr(_active, "counter", None)
+    if counter is not None:
+        counter._record(duration, kwargs.get("fun_name", "?"))
 
 
 class CompileCounter:
-    """Counts XLA compilations in this process from its creation on (thread-safe)."""
+    """Counts the XLA compilations that happen inside `with counter.active():` blocks."""
 
     def __init__(self) -> None:
         global _listener_installed
@@ -42,7 +44,16 @@ class CompileCounter:
             if not _listener_installed:
                 jax.monitoring.register_event_duration_secs_listener(_on_event)
                 _listener_installed = True
-            _counters.append(self)
+
+    @contextlib.contextmanager
+    def active(self):
+        """Attribute compilations on this thread to this counter for the block's duration."""
+        previous = getattr(_active, "counter", None)
+        _active.counter = self
+        try:
+            yield self
+        finally:
+            _active.counter = previous
 
     def _record(self, duration: float, fun_name: str) -> None:
         self.num_compiles += 1
@@ -53,11 +64,6 @@ class CompileCounter:
 
     def mark_warm(self) -> None:
         self._warm = True
-
-    def close(self) -> None:
-        with _lock:
-            if self in _counters:
-                _counters.remove(self)
 
 
 def enable_persistent_cache(cache_dir: str) -> None:

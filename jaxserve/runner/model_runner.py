@@ -113,7 +113,8 @@ class ModelRunner:
         self.counter = CompileCounter()
         self._compiled: dict[tuple[int, int], jax.stages.Compiled] = {}
         t0 = time.perf_counter()
-        self._compile_all(show_progress)
+        with self.counter.active():
+            self._compile_all(show_progress)
         self.compile_seconds = time.perf_counter() - t0
         self.counter.mark_warm()
 
@@ -200,6 +201,10 @@ class ModelRunner:
 
     def execute(self, so: SchedulerOutput, eos_ids: tuple[int, ...] = (), bad_words=None) -> RunnerOutput:
         """Run one step. `bad_words`: request id -> token-id sequences (optional)."""
+        with self.counter.active():
+            return self._execute(so, eos_ids, bad_words)
+
+    def _execute(self, so: SchedulerOutput, eos_ids: tuple[int, ...], bad_words) -> RunnerOutput:
         self.release(so.finished_request_ids)
         self.release(so.preempted_request_ids)
         if so.is_empty:
