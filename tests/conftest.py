@@ -6,7 +6,12 @@ import os
 
 # Must happen before jax is imported anywhere.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import sys  # noqa: E402
+
+# `pytest --kernel-device`: the Pallas kernel tests run on the real accelerator (no interpret
+# mode), so JAX keeps its default platform (see benchmarks/device_check.sh).
+if "--kernel-device" not in sys.argv:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
@@ -15,6 +20,19 @@ import pathlib  # noqa: E402
 import pytest  # noqa: E402
 
 DATA = pathlib.Path(__file__).parent / "data"
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--kernel-device", action="store_true", default=False,
+        help="run the Pallas kernel tests on the device backend instead of interpret mode",
+    )
+
+
+@pytest.fixture(scope="session")
+def kernel_device(request) -> bool:
+    """True under `pytest --kernel-device`: kernels run compiled on the accelerator."""
+    return bool(request.config.getoption("--kernel-device"))
 
 
 @pytest.fixture(scope="session")

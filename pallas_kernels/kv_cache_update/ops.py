@@ -3,6 +3,16 @@
 Implementations are looked up by name in `_IMPLS`. Kernels register themselves with
 `register_impl("tpu", fn)` / `register_impl("gpu", fn)`; `fn` takes the same positional
 arguments as `write_kv` (k_cache, v_cache, layer, k, v, slot_mapping).
+
+No Pallas write kernel, on purpose: "tpu", "gpu" (and their "-interpret" names, so that one
+`attention_impl` string can name both ops) are registered as the reference scatter. The write is
+one XLA scatter of T rows of `Hkv * D` contiguous elements into the donated, layer-stacked cache,
+updated in place inside the model's layer scan (tests/pallas_kernels/test_kv_write.py checks the
+HLO has no cache copy): it moves exactly the new bytes, which is all a kernel could do, and XLA
+fuses the index computation. A Pallas kernel would need `input_output_aliases` on the whole
+stacked cache plus per-token DMAs, and would break XLA's in-place scatter/while-loop buffer
+sharing analysis for no bandwidth gain. A fused write inside the attention kernel is the one
+variant that could save a launch; it is left for when profiles show the scatter matters.
 """
 
 from __future__ import annotations
@@ -16,7 +26,14 @@ from jaxserve.pallas_kernels.kv_cache_update.reference import write_kv_reference
 
 log = logging.getLogger(__name__)
 
-_IMPLS: dict[str, Callable] = {"reference": write_kv_reference}
+_IMPLS: dict[str, Callable] = {
+    "reference": write_kv_reference,
+    # Explicit fallbacks to the reference scatter (see the module docstring for why).
+    "tpu": write_kv_reference,
+    "gpu": write_kv_reference,
+    "tpu-interpret": write_kv_reference,
+    "gpu-interpret": write_kv_reference,
+}
 _KNOWN_KERNELS = ("tpu", "gpu")
 _warned_fallback: set[str] = set()
 

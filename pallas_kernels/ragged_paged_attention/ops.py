@@ -5,7 +5,14 @@ Implementations are looked up by name in `_IMPLS`. A kernel registers itself wit
 `ragged_paged_attention_reference`: `(q, k_cache, v_cache, layer, md, *, sm_scale,
 sliding_window, soft_cap, chunk_pages)` (a kernel may ignore `chunk_pages`). `impl="auto"` picks
 the kernel registered under the name of JAX's default backend, and falls back to the
-pure-JAX reference (the CPU default) when there is none.
+pure-JAX reference (the CPU default) when there is none, or when the kernel cannot take these
+shapes (e.g. a head dim that is not a power of two on GPU).
+
+Registered here: "reference"; "tpu" (Pallas Mosaic, `tpu.py`); "gpu" (Pallas Triton, `gpu.py`);
+and "tpu-interpret" / "gpu-interpret", the same kernels run by the Pallas interpreters, which
+work on any backend (CPU included: tests, and `ModelConfig.attention_impl="gpu-interpret"` to
+serve through a kernel on a CPU host; slow, for checking only). `interpret=True` on the op maps
+"tpu"/"gpu" (or "auto" resolving to one) to its interpret variant.
 """
 
 from __future__ import annotations
@@ -13,7 +20,10 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
+import functools
+
 import jax
+import jax.numpy as jnp
 
 from jaxserve.pallas_kernels.ragged_paged_attention.metadata import AttentionMetadata
 from jaxserve.pallas_kernels.ragged_paged_attention.reference import (
@@ -23,15 +33,24 @@ from jaxserve.pallas_kernels.ragged_paged_attention.reference import (
 log = logging.getLogger(__name__)
 
 _IMPLS: dict[str, Callable] = {"reference": ragged_paged_attention_reference}
-_KNOWN_KERNELS = ("tpu", "gpu")
+_KNOWN_KERNELS = ("tpu", "gpu", "tpu-interpret", "gpu-interpret")
+# Shape checks of the kernels that "auto" consults before picking one: name -> fn(q, k_cache)
+# raising ValueError when the kernel cannot take those shapes.
+_SUPPORTS: dict[str, Callable] = {}
 _warned_fallback: set[str] = set()
 
 
-def register_impl(name: str, fn: Callable) -> None:
-    """Register (or replace) implementation `name` of `ragged_paged_attention`."""
+def register_impl(name: str, fn: Callable, supports: Callable | None = None) -> None:
+    """Register (or replace) implementation `name` of `ragged_paged_attention`.
+
+    `supports(q, k_cache)`, optional, raises ValueError when the kernel cannot take those
+    shapes; `impl="auto"` then falls back to the reference.
+    """
     if name == "auto":
         raise ValueError("'auto' is a dispatch mode, not an implementation name")
     _IMPLS[name] = fn
+    if supports is not None:
+        _SUPPORTS[name] = supports
 
 
 def available_impls() -> tuple[str, ...]:
@@ -63,6 +82,63 @@ def resolve_impl(impl: str, backend: str | None = None) -> str:
     )
 
 
+def _is_int(dtype) -> bool:
+    return jnp.issubdtype(dtype, jnp.integer)
+
+
+def validate_inputs(q, k_cache, v_cache, layer, md: AttentionMetadata, *, sliding_window=None,
+                    soft_cap=None, chunk_pages=None) -> None:
+    """Static shape / dtype checks of the op's arguments; raises ValueError with the reason."""
+    if getattr(q, "ndim", None) != 3:
+        raise ValueError(f"q must be [T, Hq, D]; got shape {getattr(q, 'shape', None)}")
+    if k_cache.ndim != 5 or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"k_cache/v_cache must both be [L, N, page_size, Hkv, D]; got {k_cache.shape} and "
+            f"{v_cache.shape}"
+        )
+    T, Hq, D = q.shape
+    L, N, ps, Hkv, Dk = k_cache.shape
+    if Dk != D:
+        raise ValueError(f"head dim mismatch: q {q.shape} has D={D}, the cache {k_cache.shape} "
+                         f"has D={Dk}")
+    if Hq % Hkv:
+        raise ValueError(f"Hq={Hq} (q {q.shape}) must be a multiple of Hkv={Hkv} (cache "
+                         f"{k_cache.shape})")
+    if not jnp.issubdtype(q.dtype, jnp.floating):
+        raise ValueError(f"q must be floating point; got {q.dtype}")
+    if k_cache.dtype != v_cache.dtype or not jnp.issubdtype(k_cache.dtype, jnp.floating):
+        raise ValueError(f"k_cache and v_cache must share one floating dtype; got "
+                         f"{k_cache.dtype} and {v_cache.dtype}")
+    bt, kvl, qsl, ns, sm = (md.block_tables, md.kv_lens, md.query_start_loc, md.num_seqs,
+                            md.slot_mapping)
+    if bt.ndim != 2:
+        raise ValueError(f"block_tables must be [R, P]; got {bt.shape}")
+    R = bt.shape[0]
+    if kvl.shape != (R,):
+        raise ValueError(f"kv_lens must be [R={R}]; got {kvl.shape}")
+    if qsl.shape != (R + 1,):
+        raise ValueError(f"query_start_loc must be [R + 1 = {R + 1}]; got {qsl.shape}")
+    if ns.shape not in ((), (1,)):
+        raise ValueError(f"num_seqs must be a scalar; got shape {ns.shape}")
+    if sm.shape != (T,):
+        raise ValueError(f"slot_mapping must be [T={T}] like q's tokens; got {sm.shape}")
+    for name, x in (("block_tables", bt), ("kv_lens", kvl), ("query_start_loc", qsl),
+                    ("num_seqs", ns), ("slot_mapping", sm)):
+        if not _is_int(x.dtype):
+            raise ValueError(f"{name} must be an integer array; got {x.dtype}")
+    if isinstance(layer, int) and not 0 <= layer < L:
+        raise ValueError(f"layer {layer} out of range for a cache of {L} layers")
+    if not isinstance(layer, int) and (getattr(layer, "shape", ()) not in ((), (1,))
+                                       or not _is_int(layer.dtype)):
+        raise ValueError(f"layer must be a Python int or an int32 scalar; got {layer!r}")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+    if soft_cap is not None and not soft_cap > 0:
+        raise ValueError(f"soft_cap must be > 0, got {soft_cap}")
+    if chunk_pages is not None and chunk_pages < 1:
+        raise ValueError(f"chunk_pages must be >= 1, got {chunk_pages}")
+
+
 def ragged_paged_attention(
     q: jax.Array,
     k_cache: jax.Array,
@@ -75,6 +151,7 @@ def ragged_paged_attention(
     soft_cap: float | None = None,
     impl: str = "auto",
     chunk_pages: int | None = None,
+    interpret: bool = False,
 ) -> jax.Array:
     """Attention of a flat ragged batch of queries over the paged, layer-stacked KV cache.
 
@@ -83,9 +160,28 @@ def ragged_paged_attention(
     layer: Python int or traced int32 scalar. Returns [T, Hq, D] in q.dtype; padding tokens get
     zeros. `sliding_window=W`: a token sees itself and the W - 1 previous positions (HF
     convention). `soft_cap`: scores = soft_cap * tanh(scores / soft_cap) after scaling.
-    Exact semantics: `reference.py`.
+    Exact semantics: `reference.py`. `impl`: "auto" | "reference" | "tpu" | "gpu" |
+    "tpu-interpret" | "gpu-interpret"; `interpret=True` runs a kernel impl in interpret mode.
+    Kernels need q and the caches to share one dtype. Raises ValueError on bad shapes/dtypes.
     """
-    return _IMPLS[resolve_impl(impl)](
+    validate_inputs(q, k_cache, v_cache, layer, md, sliding_window=sliding_window,
+                    soft_cap=soft_cap, chunk_pages=chunk_pages)
+    name = resolve_impl(impl)
+    if impl == "auto" and name in _SUPPORTS:
+        try:
+            _SUPPORTS[name](q, k_cache)
+        except ValueError as e:
+            if name not in _warned_fallback:
+                _warned_fallback.add(name)
+                log.warning("ragged_paged_attention: %s kernel unsupported here (%s); using "
+                            "the pure-JAX reference", name, e)
+            name = "reference"
+    if interpret and name in ("tpu", "gpu"):
+        name = f"{name}-interpret"
+    if name != "reference" and q.dtype != k_cache.dtype:
+        raise ValueError(f"the {name} kernel needs q and the caches in one dtype; got q "
+                         f"{q.dtype}, cache {k_cache.dtype}")
+    return _IMPLS[name](
         q,
         k_cache,
         v_cache,
@@ -96,3 +192,17 @@ def ragged_paged_attention(
         soft_cap=soft_cap,
         chunk_pages=chunk_pages,
     )
+
+
+def _register_kernels() -> None:
+    from jaxserve.pallas_kernels.ragged_paged_attention import gpu, tpu
+
+    register_impl("tpu", tpu.ragged_paged_attention_tpu, tpu.supports)
+    register_impl("gpu", gpu.ragged_paged_attention_gpu, gpu.supports)
+    register_impl("tpu-interpret",
+                  functools.partial(tpu.ragged_paged_attention_tpu, interpret=True), tpu.supports)
+    register_impl("gpu-interpret",
+                  functools.partial(gpu.ragged_paged_attention_gpu, interpret=True), gpu.supports)
+
+
+_register_kernels()

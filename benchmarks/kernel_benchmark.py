@@ -1,0 +1,194 @@
+"""Time the ragged paged attention implementations on this machine's default backend.
+
+For each scenario (decode: R requests x context C; mixed: a prefill chunk plus decodes) and
+each implementation it reports the median wall time (after warm-up, calls interleaved
+round-robin), the K/V bytes the step must read, the achieved GB/s and its fraction of the
+device's measured copy bandwidth (a large on-device copy, read + write bytes / time). On a GPU
+the decode scenario also runs JAX's shipped `jax.experimental.pallas.ops.gpu.paged_attention`
+(its own head-major page layout, transposed once outside the timing). One JSON line per
+(scenario, impl) is appended to benchmarks/results/kernels.jsonl (or --out).
+
+    python benchmarks/kernel_benchmark.py                   # device sizes
+    python benchmarks/kernel_benchmark.py --small           # CPU: tiny sizes, interpret kernels
+    python benchmarks/kernel_benchmark.py --impls reference gpu --iters 50
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.pallas_kernels import AttentionMetadata, ragged_paged_attention
+
+RESULTS = os.path.join(os.path.dirname(__file__), "results", "kernels.jsonl")
+
+
+def medians_ms(cases, iters: int) -> list[float]:
+    for f, args in cases:  # compile + warm up
+        jax.block_until_ready(f(*args))
+        jax.block_until_ready(f(*args))
+    ts = [[] for _ in cases]
+    for _ in range(iters):
+        for i, (f, args) in enumerate(cases):
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(*args))
+            ts[i].append(time.perf_counter() - t0)
+    return [1e3 * float(np.median(t)) for t in ts]
+
+
+def measure_bandwidth_gbs(nbytes: int, iters: int) -> float:
+    """Device copy bandwidth: (read + write) bytes / median time of `x * 1` on nbytes."""
+    x = jnp.ones((nbytes // 4,), jnp.float32)
+    f = jax.jit(lambda x: x * 1.0)
+    (ms,) = medians_ms([(f, (x,))], iters)
+    return 2 * x.nbytes / (ms * 1e-3) / 1e9
+
+
+def paged_batch(reqs, *, hq, hkv, d, ps, dtype, t_pad, r_pad, pages_per_req, seed=0):
+    """(ctx, q_len) per request -> (q, k_cache, v_cache, md) with shuffled pages, 1 layer."""
+    rng = np.random.default_rng(seed)
+    need = [math.ceil((c + n) / ps) for c, n in reqs]
+    num_pages = 1 + sum(need)
+    perm = rng.permutation(np.arange(1, num_pages))
+    bt = np.zeros((r_pad, pages_per_req), np.int32)
+    k = 0
+    for r, n in enumerate(need):
+        bt[r, :n] = perm[k : k + n]
+        k += n
+    total = sum(n for _, n in reqs)
+    qsl = np.full(r_pad + 1, total, np.int32)
+    qsl[0] = 0
+    qsl[1 : len(reqs) + 1] = np.cumsum([n for _, n in reqs])
+    kv = np.zeros(r_pad, np.int32)
+    kv[: len(reqs)] = [c + n for c, n in reqs]
+    slots = np.zeros(t_pad, np.int32)
+    md = AttentionMetadata(
+        block_tables=jnp.asarray(bt), kv_lens=jnp.asarray(kv), query_start_loc=jnp.asarray(qsl),
+        num_seqs=jnp.asarray(len(reqs), jnp.int32), slot_mapping=jnp.asarray(slots),
+    )
+    key = jax.random.PRNGKey(seed)
+    k1, k2, k3 = jax.random.split(key, 3)
+    shape = (1, num_pages, ps, hkv, d)
+    kc = jax.random.normal(k1, shape, dtype)
+    vc = jax.random.normal(k2, shape, dtype)
+    q = jax.random.normal(k3, (t_pad, hq, d), dtype)
+    return q, kc, vc, md
+
+
+def kv_bytes(reqs, hkv, d, itemsize) -> int:
+    return sum(c + n for c, n in reqs) * hkv * d * 2 * itemsize
+
+
+def jax_gpu_paged_attention_case(q, kc, vc, md, reqs, ps, sm_scale):
+    """JAX's shipped Pallas GPU paged_attention (decode only) on the same K/V."""
+    from jax.experimental.pallas.ops.gpu import paged_attention as jpa
+
+    R = len(reqs)
+    k_pages = jnp.transpose(kc[0], (2, 0, 1, 3))  # [Hkv, N, ps, D]
+    v_pages = jnp.transpose(vc[0], (2, 0, 1, 3))
+    bt = md.block_tables[:R]
+    lengths = md.kv_lens[:R]
+    pps = bt.shape[1]
+    k_splits = max(s for s in (1, 2, 4, 8, 16) if pps % s == 0)
+    ppcb = max(c for c in (1, 2, 4, 8) if (pps // k_splits) % c == 0)
+
+    @jax.jit
+    def f(q, k_pages, v_pages, bt, lengths):
+        # sm_scale folded into q (the shipped kernel has no scale argument)
+        return jpa.paged_attention(q[:R] * sm_scale, k_pages, v_pages, bt, lengths,
+                                   pages_per_compute_block=ppcb, k_splits=k_splits)
+
+    return f, (q, k_pages, v_pages, bt, lengths)
+
+
+def scenarios(small: bool):
+    if small:
+        return [
+            ("decode", dict(hq=4, hkv=2, d=64, ps=16, r=4, ctx=64, t_pad=4)),
+            ("mixed", dict(hq=4, hkv=2, d=64, ps=16, r=4, ctx=48, t_pad=40, prefill=32)),
+        ]
+    return [
+        ("decode", dict(hq=32, hkv=8, d=128, ps=16, r=64, ctx=2048, t_pad=64)),
+        ("decode-long", dict(hq=32, hkv=8, d=128, ps=16, r=8, ctx=16384, t_pad=8)),
+        ("mixed", dict(hq=32, hkv=8, d=128, ps=16, r=32, ctx=1024, t_pad=544, prefill=512)),
+    ]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--impls", nargs="*", default=None)
+    ap.add_argument("--iters", type=int, default=None)
+    ap.add_argument("--small", action="store_true", help="tiny sizes (CPU / interpret mode)")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--out", default=RESULTS)
+    args = ap.parse_args(argv)
+    backend = jax.default_backend()
+    small = args.small or backend == "cpu"
+    iters = args.iters or (5 if small else 30)
+    impls = args.impls or {
+        "gpu": ["reference", "gpu", "jax-gpu-paged"],
+        "tpu": ["reference", "tpu"],
+    }.get(backend, ["reference", "gpu-interpret", "tpu-interpret"])
+    dtype = jnp.dtype(args.dtype)
+    bw = measure_bandwidth_gbs((16 if small else 1024) << 20, iters)
+    device = str(jax.devices()[0].device_kind)
+    print(f"backend={backend} device={device} measured copy bandwidth {bw:.1f} GB/s")
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    rows = []
+    for name, s in scenarios(small):
+        reqs = [(s["ctx"] - 1, 1)] * s["r"]
+        if "prefill" in s:  # one chunk of `prefill` queries after ctx cached, then decodes
+            reqs = [(s["ctx"], s["prefill"])] + [(s["ctx"] - 1, 1)] * (s["r"] - 1)
+        ppr = math.ceil((s["ctx"] + s.get("prefill", 1)) / s["ps"])
+        q, kc, vc, md = paged_batch(reqs, hq=s["hq"], hkv=s["hkv"], d=s["d"], ps=s["ps"],
+                                    dtype=dtype, t_pad=s["t_pad"], r_pad=s["r"],
+                                    pages_per_req=ppr)
+        sm_scale = 1.0 / math.sqrt(s["d"])
+        cases, names = [], []
+        for impl in impls:
+            if impl == "jax-gpu-paged":
+                if name.startswith("decode") and backend == "gpu":
+                    cases.append(jax_gpu_paged_attention_case(q, kc, vc, md, reqs, s["ps"],
+                                                              sm_scale))
+                    names.append(impl)
+                continue
+            f = jax.jit(lambda q, kc, vc, md, impl=impl: ragged_paged_attention(
+                q, kc, vc, 0, md, sm_scale=sm_scale, impl=impl))
+            try:
+                jax.block_until_ready(f(q, kc, vc, md))
+            except Exception as e:  # e.g. a kernel that cannot take these shapes here
+                print(f"{name:12s} {impl:14s} skipped: {type(e).__name__}: {str(e)[:200]}")
+                continue
+            cases.append((f, (q, kc, vc, md)))
+            names.append(impl)
+        times = medians_ms(cases, iters)
+        nbytes = kv_bytes(reqs, s["hkv"], s["d"], dtype.itemsize)
+        for impl, ms in zip(names, times):
+            gbs = nbytes / (ms * 1e-3) / 1e9
+            row = dict(
+                bench="ragged_paged_attention", scenario=name, impl=impl, backend=backend,
+                device=device, dtype=dtype.name, ms_median=round(ms, 4),
+                kv_bytes=nbytes, gb_per_s=round(gbs, 2), copy_bw_gb_per_s=round(bw, 1),
+                frac_of_copy_bw=round(gbs / bw, 4), iters=iters, time=time.time(),
+                load_avg=os.getloadavg()[0], host=platform.node(), **s,
+            )
+            rows.append(row)
+            print(f"{name:12s} {impl:14s} {ms:9.3f} ms  {gbs:8.1f} GB/s  "
+                  f"({100 * gbs / bw:5.1f}% of copy bw)")
+    with open(args.out, "a") as fh:
+        for row in rows:
+            fh.write(json.dumps(row) + "\n")
+    print(f"wrote {len(rows)} lines to {args.out}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
