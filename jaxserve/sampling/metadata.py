@@ -2,7 +2,8 @@
 
 Every sampling parameter travels as an array, so changing parameters, the mix of features in a
 batch, or the batch composition never changes a shape or a static argument. Padding rows
-(after the live ones) are neutral: greedy, no penalties, no logprobs.
+(after the live ones) are neutral: temperature -1 (neither greedy nor random: their token is
+meaningless), no penalties, no logprobs.
 
 Host flow (numpy only, cheap per step): the runner calls `builder.admit(slot, params, ...)` when
 a request gets a slot (first schedule, or again after preemption: admission resets the slot's
@@ -33,7 +34,7 @@ class SamplingMetadata:
     """One step's sampling parameters, one row per scheduled request (R rows, padded)."""
 
     slots: jax.Array  # [R] int32 persistent slot of each row (padding rows: 0, unused)
-    temperature: jax.Array  # [R] f32   0 = greedy
+    temperature: jax.Array  # [R] f32   0 = greedy, < 0 = padding row
     top_k: jax.Array  # [R] int32 0 = off
     top_p: jax.Array  # [R] f32   1 = off
     min_p: jax.Array  # [R] f32   0 = off
@@ -42,10 +43,32 @@ class SamplingMetadata:
     repetition_penalty: jax.Array  # [R] f32
     use_slot_rows: jax.Array  # [R] bool  apply the slot's bias row and bad-word table
     stop_ids: jax.Array  # [R, M] int32 ids suppressed by min_tokens this step, -1 padded
-    rng_seed: jax.Array  # [R, 2] uint32 per-request seed (user seed, or drawn at admission)
-    rng_pos: jax.Array  # [R] int32 output position of the token being sampled
+    uniform: jax.Array  # [R] f32 in [0, 1): the row's random number, row_uniforms(seed, pos)
     logprobs: jax.Array  # [R] int32 -1 = none, k >= 0: sampled token + top k
     reset_slots: jax.Array  # [R] int32 slots to reset in update_state_from_tokens; S = none
+
+
+def abstract_metadata(config: SamplerConfig, num_rows: int) -> SamplingMetadata:
+    """ShapeDtypeStructs of a step's metadata with `num_rows` rows (for AOT lowering)."""
+    sample = SamplingMetadataBuilder(config).build([], [], num_rows)
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), sample)
+
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+_S30, _S27, _S31, _S40 = (np.uint64(n) for n in (30, 27, 31, 40))
+
+
+def row_uniforms(seeds: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """The random number of each row: output `position` of the splitmix64 stream of the
+    request's seed, as float32 in [0, 1) with 24 random bits. It depends on nothing else, so a
+    seeded request samples the same tokens whatever the batch, the row or the bucket.
+    [n] uint64, [n] int -> [n] float32. (uint64 arithmetic wraps mod 2**64.)"""
+    z = np.asarray(seeds, np.uint64) + (np.asarray(positions, np.uint64) + np.uint64(1)) * _GOLDEN
+    z = (z ^ (z >> _S30)) * _M1
+    z = (z ^ (z >> _S27)) * _M2
+    z ^= z >> _S31
+    return (z >> _S40).astype(np.float32) * np.float32(2.0**-24)
 
 
 def tokenize_bad_words(bad_words: Sequence[str], encode) -> list[list[int]]:
@@ -71,8 +94,9 @@ class SamplingMetadataBuilder:
         S, M = config.max_num_seqs, config.max_stop_ids
         B, L = config.max_bad_words, config.max_bad_word_len
         self._rng = np.random.default_rng(seed)
-        n = S + 1  # row S: the neutral padding row
+        n = S + 1  # row S: the padding row (temperature -1: no token is computed for it)
         self._temperature = np.zeros(n, np.float32)
+        self._temperature[S] = -1.0
         self._top_k = np.zeros(n, np.int32)
         self._top_p = np.ones(n, np.float32)
         self._min_p = np.zeros(n, np.float32)
@@ -82,7 +106,7 @@ class SamplingMetadataBuilder:
         self._use_rows = np.zeros(n, np.bool_)
         self._min_tokens = np.zeros(n, np.int64)
         self._stop_ids = np.full((n, M), -1, np.int32)
-        self._seed = np.zeros((n, 2), np.uint32)
+        self._seed = np.zeros(n, np.uint64)
         self._logprobs = np.full(n, -1, np.int32)
         self._pending_reset: set[int] = set()
         self._pending_writes: list[tuple[int, np.ndarray, np.ndarray]] = []
@@ -121,9 +145,9 @@ class SamplingMetadataBuilder:
                 stops += [int(t) for t in eos_token_ids if int(t) not in stops]
             self._stop_ids[slot, : len(stops)] = stops
         seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**63))
-        seed &= _U64
-        self._seed[slot] = (seed >> 32, seed & 0xFFFFFFFF)
-        self._logprobs[slot] = -1 if params.logprobs is None else params.logprobs
+        self._seed[slot] = seed & _U64
+        k = params.logprobs
+        self._logprobs[slot] = -1 if k is None else (cfg.vocab_size if k == -1 else k)
         self._pending_reset.add(slot)
 
         single = [w[0] for w in words if len(w) == 1]
@@ -200,8 +224,7 @@ class SamplingMetadataBuilder:
             repetition_penalty=self._repetition[idx],
             use_slot_rows=self._use_rows[idx],
             stop_ids=stop_ids,
-            rng_seed=self._seed[idx],
-            rng_pos=out_len.astype(np.int32),
+            uniform=row_uniforms(self._seed[idx], out_len),
             logprobs=self._logprobs[idx],
             reset_slots=reset,
         )

@@ -13,8 +13,8 @@ Order of transforms (vLLM v1's):
      k-th value are kept, as in vLLM and HF), then top_p over the renormalised survivors: keep
      the shortest prefix, in order (probability desc, token id asc), whose mass >= top_p (the
      top token always survives; ties at the boundary resolve to the lower token ids);
-  7. sample by inverse CDF with one uniform per row, drawn from the key
-     fold_in(threefry(seed), output position): the token depends only on the row's logits,
+  7. sample by inverse CDF with the row's uniform, a host-side hash of (request seed, output
+     position) (metadata.row_uniforms): the token depends only on the row's logits,
      parameters, seed and position, never on the batch composition or the row index.
 
 Logprobs, ranks and top logprobs are vLLM's "raw" ones: log_softmax of the logits the model
@@ -57,8 +57,9 @@ def sample(
     static (close over it or use functools.partial); `state` is read only."""
     raw = logits.astype(jnp.float32)  # [R, V]
     R, _ = raw.shape
-    greedy = meta.temperature <= 0.0  # [R]
-    any_greedy, any_random = jnp.any(greedy), jnp.any(~greedy)
+    greedy = meta.temperature == 0.0  # [R]  (padding rows have temperature < 0: neither)
+    random = meta.temperature > 0.0
+    any_greedy, any_random = jnp.any(greedy), jnp.any(random)
 
     def choose(x):  # steps 4-7 on the processed logits; returns tokens [R]
         tok_greedy = jax.lax.cond(
@@ -66,7 +67,7 @@ def sample(
         )
         return jax.lax.cond(
             any_random,
-            lambda: jnp.where(greedy, tok_greedy, _sample_random(x, meta, greedy, config)),
+            lambda: jnp.where(random, _sample_random(x, meta, ~random, config), tok_greedy),
             lambda: tok_greedy,
         )
 
@@ -163,20 +164,16 @@ def _apply_penalties(x: jax.Array, meta: SamplingMetadata, state: SamplingState)
     return x - meta.presence_penalty[:, None] * out_mask.astype(jnp.float32)
 
 
-def _uniforms(seed: jax.Array, pos: jax.Array) -> jax.Array:
-    """[R, 2] uint32 seeds, [R] positions -> [R] uniforms in [0, 1), one per row."""
-
-    def one(sd, p):
-        key = jax.random.wrap_key_data(sd, impl="threefry2x32")
-        return jax.random.uniform(jax.random.fold_in(key, p), (), jnp.float32)
-
-    return jax.vmap(one)(jnp.asarray(seed, jnp.uint32), jnp.asarray(pos, jnp.int32))
-
-
 def _sample_random(
-    x: jax.Array, meta: SamplingMetadata, greedy: jax.Array, config: SamplerConfig
-) -> jax.Array:
-    """Steps 5-7 for every row (greedy rows' results are discarded by the caller).
+    x: jax.Array,
+    meta: SamplingMetadata,
+    greedy: jax.Array,
+    config: SamplerConfig,
+    with_mask: bool = False,
+):
+    """Steps 5-7 for every row; `greedy` marks the rows whose result the caller discards
+    (greedy and padding rows). With `with_mask` (tests only) also returns the [R, V] set of
+    tokens each row may emit.
 
     Works on x (not x / T): the order of the tokens is the same, thresholds are mapped into
     x's scale, and probabilities are exp((x - max) / T) — this saves passes over [R, V]."""
@@ -188,24 +185,23 @@ def _sample_random(
     temp = jnp.where(greedy, 1.0, meta.temperature)  # [R]
     inv_t = (1.0 / temp)[:, None]  # [R, 1]
     xb = x.reshape(R, nb, b)
-    block_max = xb.max(-1)  # [R, nb]
-    mx = block_max.max(-1)  # [R]
-    # min_p: p / p_max = exp((x - mx) / T) >= min_p  <=>  x >= mx + T * log(min_p)
-    tau_minp = jnp.where(
-        ~greedy & (meta.min_p > 0), mx + temp * jnp.log(jnp.maximum(meta.min_p, 1e-38)), NEG_INF
-    )
     k = meta.top_k
     use_k = ~greedy & (k > 0) & (k < V)
     small_k = use_k & (k <= K)
     use_p = ~greedy & (meta.top_p < 1.0)
 
-    def no_candidates():
-        return jnp.full((R, K1), NEG_INF, jnp.float32), jnp.zeros((R, K1), jnp.int32)
+    def candidates():  # [R, K1] values desc, ids (ties: lower id first), row max
+        c, ci = ops.top_k_exact(x, K1, block=b)
+        return c, ci, c.max(axis=-1)  # (a reduction: a slice would defeat TopK)
 
-    c, ci = jax.lax.cond(  # [R, K1] values desc, ids; ties: lower id first
-        jnp.any(small_k | use_p),
-        lambda: ops.top_k_exact(x, K1, block=b, block_max=block_max),
-        no_candidates,
+    def no_candidates():
+        return (jnp.full((R, K1), NEG_INF, jnp.float32), jnp.zeros((R, K1), jnp.int32),
+                x.max(axis=-1))
+
+    c, ci, mx = jax.lax.cond(jnp.any(small_k | use_p), candidates, no_candidates)
+    # min_p: p / p_max = exp((x - mx) / T) >= min_p  <=>  x >= mx + T * log(min_p)
+    tau_minp = jnp.where(
+        ~greedy & (meta.min_p > 0), mx + temp * jnp.log(jnp.maximum(meta.min_p, 1e-38)), NEG_INF
     )
     kth = jnp.take_along_axis(c, jnp.clip(k - 1, 0, K1 - 1)[:, None], axis=1)[:, 0]
     tau1 = jnp.maximum(tau_minp, jnp.where(small_k, kth, NEG_INF))  # keep x >= tau1
@@ -236,13 +232,13 @@ def _sample_random(
 
     # top-p on the candidates: shortest prefix of (prob desc, id asc) with mass >= top_p.
     w = jnp.where(c >= tau1[:, None], jnp.exp((c - mx[:, None]) * inv_t), 0.0)  # [R, K]
-    cw = jnp.cumsum(w, axis=-1)
+    cw = ops.cumsum(w)
     z = jnp.where(small_k, cw[:, -1], block_mass.sum(-1))  # [R] mass after min_p, top_k
     jstar = jnp.sum(cw < (meta.top_p * z)[:, None], axis=-1).astype(jnp.int32)  # [R]
     found = jstar < K1
     last = jnp.where(use_p, jstar, K1 - 1)  # last candidate kept
 
-    u = _uniforms(meta.rng_seed, meta.rng_pos)  # [R]
+    u = meta.uniform  # [R]
     wc = jnp.where(jnp.arange(K1, dtype=jnp.int32)[None, :] <= last[:, None], w, 0.0)
     tok_c = jnp.take_along_axis(ci, ops.inverse_cdf(wc, u)[:, None], axis=1)[:, 0]
 
@@ -254,42 +250,76 @@ def _sample_random(
     tok = jnp.where(use_p | small_k, tok_c, tok_f)
 
     fallback = (use_k & (k > K)) | overflow | (use_p & ~found)
-    return jax.lax.cond(
-        jnp.any(fallback),
-        lambda: jnp.where(
-            fallback,
-            _sample_bisect(x, mx, inv_t, tau_minp, k, use_k, meta.top_p, use_p, u, b),
-            tok,
-        ),
-        lambda: tok,
-    )
+    use_k_fb = use_k & ((k > K) | overflow)
+
+    def with_fallback():
+        # Top-p rows that only overflowed the candidates: everything above the smallest
+        # candidate is in the list, so the bisection may start below it.
+        cmin = c.min(axis=-1)
+        above = c > cmin[:, None]
+        upper = (
+            jnp.where(use_k_fb, jnp.inf, jnp.nextafter(cmin, jnp.full_like(cmin, jnp.inf))),
+            jnp.where(use_k_fb, 0.0, jnp.sum(jnp.where(above, w, 0.0), axis=-1)),
+            jnp.where(use_k_fb, 0.0, jnp.sum((above & (w > 0)).astype(jnp.float32), axis=-1)),
+        )
+        res = _sample_bisect(
+            x, mx, inv_t, tau_minp, k, use_k_fb, meta.top_p, use_p & fallback, u, b, K1, upper,
+            with_mask,
+        )
+        return jax.tree.map(lambda a, b_: jnp.where(fallback.reshape((R,) + (1,) * (a.ndim - 1)),
+                                                    a, b_), res, out)
+
+    if with_mask:
+        rows = jnp.arange(R, dtype=jnp.int32)[:, None]
+        mask_c = jnp.zeros((R, V), jnp.bool_).at[rows, ci].set(wc > 0)
+        mask = jnp.where((use_p | small_k)[:, None], mask_c, x >= tau1[:, None])
+        out = (tok, mask)
+    else:
+        out = tok
+    return jax.lax.cond(jnp.any(fallback), with_fallback, lambda: out)
 
 
-def _sample_bisect(x, mx, inv_t, tau_minp, k, use_k, top_p, use_p, u, b):
-    """Exact min_p/top_k/top_p + sampling over the whole row by bisection on the float order
-    (32 passes per threshold): for top_k > K or a top-p nucleus wider than K tokens."""
+def _sample_bisect(
+    x, mx, inv_t, tau_minp, k, use_k, top_p, use_p, u, b, C, upper, with_mask=False
+):
+    """Exact min_p / top_k / top_p + sampling over the whole row, for rows with top_k > K, a
+    tie at the k-th value running past the candidates, or a top-p nucleus wider than them:
+    thresholds by bisection on the value (see ops.boundary), then the block inverse CDF."""
     R, V = x.shape
     nb = V // b
-    keys = ops.float_key(x)  # [R, V] uint32, same order as x
-    tk = ops.bisect_threshold(keys, jnp.ones_like(x), jnp.where(use_k, k, 1).astype(jnp.float32))
-    t1 = jnp.maximum(ops.float_key(tau_minp), jnp.where(use_k, tk, jnp.uint32(0)))  # [R]
-    p1 = jnp.where(keys >= t1[:, None], jnp.exp((x - mx[:, None]) * inv_t), 0.0)
-    target = top_p * p1.sum(-1)
-    tp = ops.bisect_threshold(keys, p1, target)  # [R] boundary value (as key)
-    tie = (keys == tp[:, None]) & (p1 > 0)
-    mass_gt = jnp.sum(jnp.where(keys > tp[:, None], p1, 0.0), axis=-1)
-    pstar = jnp.max(jnp.where(tie, p1, 0.0), axis=-1)
-    n_ties = jnp.sum(tie, axis=-1).astype(jnp.int32)
-    need = jnp.ceil((target - mass_gt) / jnp.where(pstar > 0, pstar, 1.0)).astype(jnp.int32)
-    need = jnp.clip(need, 1, jnp.maximum(n_ties, 1))
-    ib = jnp.where(need < n_ties, ops.nth_true_index(tie, need), V)  # last tie kept
-    iota = jnp.arange(V, dtype=jnp.int32)[None, :]
-    cut = (keys > tp[:, None]) | (tie & (iota <= ib[:, None]))
-    pf = jnp.where(use_p[:, None], jnp.where(cut, p1, 0.0), p1)  # [R, V]
-    pb = pf.reshape(R, nb, b)
-    return ops.inverse_cdf_blocks(
-        pb.sum(-1), lambda blk: jnp.take_along_axis(pb, blk[:, None, None], axis=1)[:, 0], u, b
+    f32 = jnp.float32
+
+    def kth_value():
+        return ops.boundary(x, None, lambda v: jnp.ones_like(v), jnp.maximum(k, 1).astype(f32),
+                            jnp.min(x, axis=-1), use_k, C)[0]
+
+    tau_k = jax.lax.cond(jnp.any(use_k), kth_value, lambda: jnp.full((R,), NEG_INF))
+    tau1 = jnp.maximum(tau_minp, jnp.where(use_k, tau_k, NEG_INF))  # keep x >= tau1
+
+    def prob(v):  # unnormalised probability after min_p and top_k
+        return jnp.where(v >= tau1[:, None], jnp.exp((v - mx[:, None]) * inv_t), 0.0)
+
+    p = prob(x)  # [R, V]
+    z = jnp.sum(p, axis=-1)
+    # Start the top-p bracket above the tail: the (at most V) tokens below
+    # mx + T * (log((1 - top_p) * z / V) - 1) weigh at most (1 - top_p) * z / e in all (the max
+    # weighs 1), so the nucleus boundary lies above (a factor e of margin for rounding).
+    t = 1.0 / inv_t[:, 0]
+    tail = mx + t * (jnp.log(jnp.maximum((1.0 - top_p) * z / V, 1e-38)) - 1.0)
+    tau_p, ib = jax.lax.cond(
+        jnp.any(use_p),
+        lambda: ops.boundary(x, p, prob, top_p * z, jnp.maximum(tau1, tail), use_p, C, upper,
+                             (mx, inv_t[:, 0])),
+        lambda: (jnp.full((R,), NEG_INF), jnp.full((R,), V, jnp.int32)),
     )
+    iota = jnp.arange(V, dtype=jnp.int32)[None, :]
+    cut = (x > tau_p[:, None]) | ((x == tau_p[:, None]) & (iota <= ib[:, None]))
+    keep = (x >= tau1[:, None]) & (~use_p[:, None] | cut)  # [R, V]
+    pf = jnp.where(keep, p, 0.0).reshape(R, nb, b)  # [R, nb, b]
+    tok = ops.inverse_cdf_blocks(
+        pf.sum(-1), lambda blk: jnp.take_along_axis(pf, blk[:, None, None], axis=1)[:, 0], u, b
+    )
+    return (tok, keep) if with_mask else tok
 
 
 def _sample_block(V: int) -> int:
@@ -312,4 +342,6 @@ def _raw_logprobs(raw: jax.Array, tok: jax.Array, k: int):
         lambda: jnp.sum(vals >= tv[:, None], axis=-1),
         lambda: jnp.sum((raw >= tv[:, None]).astype(jnp.float32), axis=-1).astype(jnp.int32),
     ).astype(jnp.int32)
-    return tv - lse, ids[:, :k], (vals - lse[:, None])[:, :k], rank
+    if k == 0:  # (slicing the TopK outputs would turn them into a full sort)
+        ids, vals = jnp.zeros((R, 0), jnp.int32), jnp.zeros((R, 0), jnp.float32)
+    return tv - lse, ids, vals - lse[:, None], rank

@@ -73,7 +73,7 @@ def write_slot_rows(state: SamplingState, rows: SlotRowsWrite) -> SamplingState:
 
 
 def _reset(state: SamplingState, reset_slots: jax.Array) -> SamplingState:
-    S, V = state.output_counts.shape
+    V = state.output_counts.shape[1]
     W = state.recent_outputs.shape[1]
     n = reset_slots.shape[0]
     return dataclasses.replace(

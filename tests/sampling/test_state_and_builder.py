@@ -1,0 +1,144 @@
+"""SamplingState updates across steps, and the host-side metadata builder."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from scipy import stats
+
+from jaxserve.sampling import (
+    SamplerConfig,
+    SamplingMetadataBuilder,
+    abstract_metadata,
+    init_sampling_state,
+    row_uniforms,
+    tokenize_bad_words,
+)
+from jaxserve.sampling_params import SamplingParams
+from tests.sampling.harness import Req, feed, jitted
+
+V, S = 64, 6
+CFG = SamplerConfig(max_num_seqs=S, vocab_size=V, max_logprobs=4, max_bad_word_len=4,
+                    max_bad_words=3, max_stop_ids=3, topk_candidates=8, slot_write_batch=2)
+
+
+class Mirror:
+    """What the state must hold, per slot."""
+
+    def __init__(self):
+        self.prompt = {s: set() for s in range(S)}
+        self.outputs = {s: [] for s in range(S)}
+
+    def reset(self, s):
+        self.prompt[s], self.outputs[s] = set(), []
+
+    def check(self, state):
+        counts = np.asarray(state.output_counts)
+        pm = np.asarray(state.prompt_mask)
+        recent = np.asarray(state.recent_outputs)
+        W = recent.shape[1]
+        for s in range(S):
+            np.testing.assert_array_equal(counts[s], np.bincount(self.outputs[s], minlength=V))
+            want = np.zeros(V, bool)
+            want[list(self.prompt[s])] = True
+            np.testing.assert_array_equal(pm[s], want)
+            tail = self.outputs[s][-W:]
+            np.testing.assert_array_equal(recent[s], [-1] * (W - len(tail)) + tail)
+
+
+def test_state_follows_chunked_prefill_decode_reset_and_recompute():
+    rng = np.random.default_rng(0)
+    state = init_sampling_state(CFG)
+    mirror = Mirror()
+    prompts = {s: rng.integers(0, V, rng.integers(3, 12)).tolist() for s in range(S)}
+    done = {s: 0 for s in range(S)}  # prompt tokens fed so far
+    for step in range(30):
+        reqs, resets = [], []
+        for s in rng.permutation(S)[: rng.integers(1, S + 1)]:
+            s = int(s)
+            if rng.random() < 0.1:  # preempted and recomputed (or a new request): reset
+                resets.append(s)
+                mirror.reset(s)
+                outs = rng.integers(0, 5, rng.integers(0, 4)).tolist()
+                prompts[s] = rng.integers(0, V, rng.integers(3, 12)).tolist()
+                reqs.append(Req(SamplingParams(), s, prompts[s], outs))  # prompt + re-fed outputs
+                done[s] = len(prompts[s])
+                mirror.prompt[s].update(prompts[s])
+                mirror.outputs[s] += outs
+            elif done[s] < len(prompts[s]):  # next prefill chunk
+                chunk = prompts[s][done[s]: done[s] + int(rng.integers(1, 5))]
+                done[s] += len(chunk)
+                reqs.append(Req(SamplingParams(), s, chunk, []))
+                mirror.prompt[s].update(chunk)
+            else:  # decode: feed the token sampled last step
+                tok = int(rng.integers(0, 5))  # small ids: repeated tokens
+                reqs.append(Req(SamplingParams(), s, [], [tok]))
+                mirror.outputs[s].append(tok)
+        state = feed(CFG, state, reqs, resets + [S] * (S - len(resets)), num_tokens=128)
+        mirror.check(state)
+    assert jitted(CFG)[1]._cache_size() == 1
+
+
+def test_builder_rows_padding_and_limits():
+    b = SamplingMetadataBuilder(CFG, seed=0)
+    b.admit(2, SamplingParams(temperature=0.5, top_k=3, top_p=0.9, min_p=0.1, seed=2**40 + 5,
+                              min_tokens=2, stop_token_ids=[7], max_tokens=5, logprobs=2,
+                              presence_penalty=0.5), eos_token_ids=(1,))
+    b.admit(4, SamplingParams(temperature=0.0, logit_bias={3: 1.0}), bad_words_token_ids=[[5, 6]])
+    m = b.build([4, 2], [0, 1], 4)
+    assert m.slots.tolist() == [4, 2, 0, 0]
+    assert m.temperature.tolist() == [0.0, 0.5, -1.0, -1.0]
+    assert m.top_k.tolist() == [0, 3, 0, 0] and m.logprobs.tolist() == [-1, 2, -1, -1]
+    assert m.use_slot_rows.tolist() == [True, False, False, False]
+    assert sorted(m.stop_ids[1].tolist()) == [-1, 1, 7] and (m.stop_ids[[0, 2, 3]] == -1).all()
+    assert m.uniform[1] == row_uniforms([2**40 + 5], [1])[0]
+    assert sorted(m.reset_slots.tolist()) == [2, 4, S, S]
+    m2 = b.build([2], [2], 2)  # min_tokens reached; no more resets
+    assert (m2.stop_ids == -1).all() and m2.reset_slots.tolist() == [S, S]
+    writes = b.take_slot_writes()
+    assert len(writes) == 1 and writes[0].slots.tolist() == [4, S]
+    assert writes[0].logit_bias[0, 3] == 1.0 and writes[0].bad_words[0, 0].tolist() == [-2, -2, 5, 6]
+    assert b.take_slot_writes() == []
+    with pytest.raises(ValueError, match="logprobs"):
+        b.admit(0, SamplingParams(logprobs=5))
+    with pytest.raises(ValueError, match="bad word"):
+        b.admit(0, SamplingParams(), bad_words_token_ids=[[1, 2, 3, 4, 5]])
+    with pytest.raises(ValueError, match="stop token"):
+        b.admit(0, SamplingParams(min_tokens=1, stop_token_ids=[1, 2, 3]), eos_token_ids=(9,))
+    with pytest.raises(ValueError, match="outside"):
+        b.admit(0, SamplingParams(allowed_token_ids=[V]))
+
+
+def test_built_metadata_always_matches_the_abstract_shapes():
+    want = jax.tree.map(lambda a: (a.shape, a.dtype), abstract_metadata(CFG, 4))
+    b = SamplingMetadataBuilder(CFG)
+    for s, p in enumerate([SamplingParams(), SamplingParams(temperature=0, seed=3, logprobs=2),
+                           SamplingParams(min_tokens=2, max_tokens=3, stop_token_ids=[1])]):
+        b.admit(s, p, eos_token_ids=(0,))
+        got = b.build(list(range(s + 1)), [0] * (s + 1), 4)
+        assert jax.tree.map(lambda a: (a.shape, a.dtype), got) == want
+
+
+def test_unseeded_requests_draw_different_seeds():
+    b = SamplingMetadataBuilder(CFG)
+    for s in range(S):
+        b.admit(s, SamplingParams())
+    u = b.build(list(range(S)), [0] * S, S).uniform
+    assert len(set(u.tolist())) == S
+
+
+def test_row_uniforms_depend_on_seed_and_position_only():
+    seeds = np.arange(20000, dtype=np.uint64) * np.uint64(7919)
+    u = row_uniforms(seeds, np.zeros(20000))
+    assert u.dtype == np.float32 and (u >= 0).all() and (u < 1).all()
+    assert stats.kstest(u, "uniform").pvalue > 1e-3
+    v = row_uniforms(np.full(20000, 42, np.uint64), np.arange(20000))
+    assert stats.kstest(v, "uniform").pvalue > 1e-3
+    np.testing.assert_array_equal(row_uniforms(seeds[:5], [3] * 5), row_uniforms(seeds[:5], [3] * 5))
+
+
+def test_tokenize_bad_words_adds_the_spaced_form():
+    vocab = {"bad": [10], " bad": [11], "two words": [12, 13], " two words": [14, 13]}
+    assert tokenize_bad_words(["bad", " two words"], vocab.__getitem__) == [[10], [11], [12, 13],
+                                                                            [14, 13]]
