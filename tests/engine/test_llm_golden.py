@@ -151,3 +151,19 @@ def test_logprobs_and_prompt_logprobs_match_golden(llm, golden):
         for j in range(1, len(plp)):
             tok = case["prompt_token_ids"][j]
             assert abs(plp[j][tok].logprob - want[j - 1]) < 1e-3, (case["name"], j)
+
+
+def test_parallel_samples_share_the_prompt(llm, golden):
+    case = next(c for c in golden["cases"] if c["name"] == "plain_long")  # 279 prompt tokens
+    hits_before = llm.engine.scheduler.make_stats().prefix_cache_hits
+    p = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=6, ignore_eos=True)
+    (out,) = llm.generate([case["prompt_token_ids"]], p, use_tqdm=False)
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert all(len(c.token_ids) == 6 for c in out.outputs)
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1, "each sample has its own random stream"
+    # the children after the first read the prompt's full blocks from the cache
+    assert llm.engine.scheduler.make_stats().prefix_cache_hits - hits_before >= 2 * (278 // 16) * 16
+    (again,) = llm.generate([case["prompt_token_ids"]], p, use_tqdm=False)
+    assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
+    with pytest.raises(ValueError, match="n > 1"):
+        SamplingParams(n=2, temperature=0.0)
