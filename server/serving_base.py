@@ -11,14 +11,14 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from jaxserve.outputs import LogprobsDict, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server import sse
 from jaxserve.server.async_engine import AsyncEngine, EngineDeadError, EngineShutdownError
-from jaxserve.server.errors import APIError, validation_message
+from jaxserve.server.errors import APIError, error_body, validation_message
 from jaxserve.server.protocol import (
     ChatLogProb,
     ChatLogProbsContent,
@@ -257,3 +257,31 @@ def prompt_logprobs_json(plp: list[LogprobsDict | None] | None) -> list[dict[str
     return [None if d is None else {str(k): {"logprob": _lp(v.logprob), "rank": v.rank,
                                              "decoded_token": v.decoded_token} for k, v in d.items()}
             for d in plp]
+
+
+async def respond_json(request: Request, collect: Any, on_done: Callable[[], None]) -> Response:
+    """Await a non-streaming handler's result as JSON; a client that goes away gets its
+    requests aborted (499), an engine failure becomes its API error. `on_done` always runs."""
+    try:
+        resp = await run_unless_disconnected(request, collect)
+    except Disconnected:
+        return Response(status_code=499)
+    except APIError:
+        raise
+    except Exception as e:  # noqa: BLE001
+        raise engine_error(e) from None
+    finally:
+        on_done()
+    return JSONResponse(resp.model_dump())
+
+
+async def sse_stream(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Pass a handler's SSE events through; an error after the stream started is sent as an
+    in-stream error event; `[DONE]` always ends the stream."""
+    try:
+        async for event in events:
+            yield event
+    except Exception as e:  # noqa: BLE001 - reported in-stream
+        err = engine_error(e)
+        yield sse.event(error_body(err.status, err.message, err.type))
+    yield sse.DONE

@@ -8,10 +8,10 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from jaxserve.server import sse
-from jaxserve.server.errors import APIError, error_body
+from jaxserve.server.errors import APIError
 from jaxserve.server.protocol import (
     ChatCompletionLogProbs,
     ChatCompletionRequest,
@@ -26,17 +26,16 @@ from jaxserve.server.protocol import (
     random_id,
 )
 from jaxserve.server.serving_base import (
-    Disconnected,
     EventStream,
     ServerState,
     abort_all,
     add_all,
     chat_logprobs,
-    engine_error,
     merge,
     parse_body,
     prompt_logprobs_json,
-    run_unless_disconnected,
+    respond_json,
+    sse_stream,
 )
 
 
@@ -90,18 +89,8 @@ class ChatHandler:
         queues = await add_all(self.engine, [rid], [prompt], params, body.priority, arrival)
         ctx = _Ctx(rid, int(arrival), model, body, len(prompt))
         if body.stream:
-            return EventStream(self._stream(ctx, queues), abort_all(self.engine, [rid]))
-        try:
-            resp = await run_unless_disconnected(request, self._collect(ctx, queues))
-        except Disconnected:
-            return Response(status_code=499)
-        except APIError:
-            raise
-        except Exception as e:  # noqa: BLE001
-            raise engine_error(e) from None
-        finally:
-            self.engine.abort(rid)
-        return JSONResponse(resp.model_dump())
+            return EventStream(sse_stream(self._stream(ctx, queues)), abort_all(self.engine, [rid]))
+        return await respond_json(request, self._collect(ctx, queues), abort_all(self.engine, [rid]))
 
     def _usage(self, ctx: _Ctx) -> UsageInfo:
         c = sum(ch.num_tokens for ch in ctx.choices.values())
@@ -145,26 +134,21 @@ class ChatHandler:
                 id=ctx.id, created=ctx.created, model=ctx.model, choices=[choice],
                 usage=self._usage(ctx) if body.continuous_usage else None))
 
-        try:
-            async for _, out in merge(queues):
-                for o in out.outputs:
-                    ch = ctx.choices.setdefault(o.index, _Choice())
-                    ch.num_tokens += len(o.token_ids)
-                    if not ch.role_sent:
-                        # the first chunk goes out once the first token exists (TTFT is measured from it)
-                        ch.role_sent = True
-                        yield chunk(ChatCompletionStreamChoice(index=o.index,
-                                                               delta=DeltaMessage(role="assistant", content="")))
-                    yield chunk(ChatCompletionStreamChoice(
-                        index=o.index, delta=DeltaMessage(content=o.text), logprobs=self._delta_logprobs(ctx, o),
-                        finish_reason=o.finish_reason, stop_reason=o.stop_reason))
-            if body.include_usage:
-                yield sse.event(ChatCompletionStreamResponse(id=ctx.id, created=ctx.created, model=ctx.model,
-                                                             choices=[], usage=self._usage(ctx)))
-        except Exception as e:  # noqa: BLE001 - reported in-stream
-            err = engine_error(e)
-            yield sse.event(error_body(err.status, err.message, err.type))
-        yield sse.DONE
+        async for _, out in merge(queues):
+            for o in out.outputs:
+                ch = ctx.choices.setdefault(o.index, _Choice())
+                ch.num_tokens += len(o.token_ids)
+                if not ch.role_sent:
+                    # the first chunk goes out once the first token exists (TTFT is measured from it)
+                    ch.role_sent = True
+                    yield chunk(ChatCompletionStreamChoice(index=o.index,
+                                                           delta=DeltaMessage(role="assistant", content="")))
+                yield chunk(ChatCompletionStreamChoice(
+                    index=o.index, delta=DeltaMessage(content=o.text), logprobs=self._delta_logprobs(ctx, o),
+                    finish_reason=o.finish_reason, stop_reason=o.stop_reason))
+        if body.include_usage:
+            yield sse.event(ChatCompletionStreamResponse(id=ctx.id, created=ctx.created, model=ctx.model,
+                                                         choices=[], usage=self._usage(ctx)))
 
 
 @dataclasses.dataclass(slots=True)

@@ -7,11 +7,11 @@ import time
 from collections.abc import AsyncIterator
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.server import sse
-from jaxserve.server.errors import APIError, error_body
+from jaxserve.server.errors import APIError
 from jaxserve.server.protocol import (
     CompletionLogProbs,
     CompletionRequest,
@@ -23,17 +23,16 @@ from jaxserve.server.protocol import (
     random_id,
 )
 from jaxserve.server.serving_base import (
-    Disconnected,
     EventStream,
     ServerState,
     abort_all,
     add_all,
     append_completion_logprobs,
-    engine_error,
     merge,
     parse_body,
     prompt_logprobs_json,
-    run_unless_disconnected,
+    respond_json,
+    sse_stream,
 )
 
 
@@ -72,18 +71,8 @@ class CompletionsHandler:
         queues = await add_all(self.engine, rids, prompts, params, body.priority, arrival)
         ctx = _Ctx(base_id, int(arrival), model, body, prompts, params.n)
         if body.stream:
-            return EventStream(self._stream(ctx, queues), abort_all(self.engine, rids))
-        try:
-            resp = await run_unless_disconnected(request, self._collect(ctx, queues))
-        except Disconnected:
-            return Response(status_code=499)
-        except APIError:
-            raise
-        except Exception as e:  # noqa: BLE001
-            raise engine_error(e) from None
-        finally:
-            abort_all(self.engine, rids)()
-        return JSONResponse(resp.model_dump())
+            return EventStream(sse_stream(self._stream(ctx, queues)), abort_all(self.engine, rids))
+        return await respond_json(request, self._collect(ctx, queues), abort_all(self.engine, rids))
 
     def _prompt_text(self, ctx: _Ctx, i: int) -> str:
         p = ctx.body.prompts()[i]
@@ -136,23 +125,18 @@ class CompletionsHandler:
 
     async def _stream(self, ctx: _Ctx, queues: list) -> AsyncIterator[str]:
         body = ctx.body
-        try:
-            async for i, out in merge(queues):
-                for idx, o, text, lp in self._fold(ctx, i, out):
-                    chunk = CompletionStreamResponse(
-                        id=ctx.id, created=ctx.created, model=ctx.model,
-                        choices=[CompletionStreamChoice(index=idx, text=text, logprobs=lp,
-                                                        finish_reason=o.finish_reason, stop_reason=o.stop_reason)],
-                        usage=self._usage(ctx) if body.continuous_usage else None,
-                    )
-                    yield sse.event(chunk)
-            if body.include_usage:
-                yield sse.event(CompletionStreamResponse(id=ctx.id, created=ctx.created, model=ctx.model,
-                                                         choices=[], usage=self._usage(ctx)))
-        except Exception as e:  # noqa: BLE001 - reported in-stream
-            err = engine_error(e)
-            yield sse.event(error_body(err.status, err.message, err.type))
-        yield sse.DONE
+        async for i, out in merge(queues):
+            for idx, o, text, lp in self._fold(ctx, i, out):
+                chunk = CompletionStreamResponse(
+                    id=ctx.id, created=ctx.created, model=ctx.model,
+                    choices=[CompletionStreamChoice(index=idx, text=text, logprobs=lp,
+                                                    finish_reason=o.finish_reason, stop_reason=o.stop_reason)],
+                    usage=self._usage(ctx) if body.continuous_usage else None,
+                )
+                yield sse.event(chunk)
+        if body.include_usage:
+            yield sse.event(CompletionStreamResponse(id=ctx.id, created=ctx.created, model=ctx.model,
+                                                     choices=[], usage=self._usage(ctx)))
 
 
 @dataclasses.dataclass(slots=True)
