@@ -1,6 +1,6 @@
 """The single entry point for writing new K/V into the paged KV cache.
 
-Implementations are looked up by name in `_IMPLS`. Kernels register themselves with
+Implementations are looked up by name in a registry (`pallas_kernels/registry.py`). Kernels register themselves with
 `register_impl("tpu", fn)` / `register_impl("gpu", fn)`; `fn` takes the same positional
 arguments as `write_kv` (k_cache, v_cache, layer, k, v, slot_mapping).
 
@@ -17,56 +17,39 @@ variant that could save a launch; it is left for when profiles show the scatter 
 
 from __future__ import annotations
 
-import logging
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 
 from jaxserve.pallas_kernels.kv_cache_update.reference import write_kv_reference
+from jaxserve.pallas_kernels.registry import ImplRegistry
 
-log = logging.getLogger(__name__)
-
-_IMPLS: dict[str, Callable] = {
-    "reference": write_kv_reference,
-    # Explicit fallbacks to the reference scatter (see the module docstring for why).
-    "tpu": write_kv_reference,
-    "gpu": write_kv_reference,
-    "tpu-interpret": write_kv_reference,
-    "gpu-interpret": write_kv_reference,
-}
-_KNOWN_KERNELS = ("tpu", "gpu")
-_warned_fallback: set[str] = set()
+_REGISTRY = ImplRegistry(
+    "write_kv",
+    {
+        "reference": write_kv_reference,
+        # Explicit fallbacks to the reference scatter (see the module docstring for why).
+        "tpu": write_kv_reference,
+        "gpu": write_kv_reference,
+        "tpu-interpret": write_kv_reference,
+        "gpu-interpret": write_kv_reference,
+    },
+    known_kernels=("tpu", "gpu"),
+)
 
 
 def register_impl(name: str, fn: Callable) -> None:
     """Register (or replace) implementation `name` of `write_kv`."""
-    if name == "auto":
-        raise ValueError("'auto' is a dispatch mode, not an implementation name")
-    _IMPLS[name] = fn
+    _REGISTRY.register(name, fn)
 
 
 def available_impls() -> tuple[str, ...]:
-    return tuple(_IMPLS)
+    return _REGISTRY.available()
 
 
 def resolve_impl(impl: str, backend: str | None = None) -> str:
     """The implementation name `impl` dispatches to on `backend` (default: JAX's default)."""
-    if impl == "auto":
-        backend = backend or jax.default_backend()
-        if backend in _IMPLS:
-            return backend
-        if backend != "cpu" and backend not in _warned_fallback:
-            _warned_fallback.add(backend)
-            log.warning("write_kv: no %r kernel registered; using the pure-JAX reference", backend)
-        return "reference"
-    if impl in _IMPLS:
-        return impl
-    if impl in _KNOWN_KERNELS:
-        raise ValueError(
-            f"write_kv impl={impl!r}: the {impl} kernel is not available yet (not implemented); "
-            f"available: {sorted(_IMPLS)} or 'auto'"
-        )
-    raise ValueError(f"write_kv: unknown impl {impl!r}; available: {sorted(_IMPLS)} or 'auto'")
+    return _REGISTRY.resolve(impl, backend)
 
 
 def write_kv(
@@ -85,4 +68,4 @@ def write_kv(
     the updated `(k_cache, v_cache)`; the update is in place when the caches are donated (or are
     a `lax.scan` carry). See `kv_cache_update/reference.py` for the exact semantics.
     """
-    return _IMPLS[resolve_impl(impl)](k_cache, v_cache, layer, k, v, slot_mapping)
+    return _REGISTRY.impls[resolve_impl(impl)](k_cache, v_cache, layer, k, v, slot_mapping)

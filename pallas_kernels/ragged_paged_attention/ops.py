@@ -1,6 +1,6 @@
 """The single attention entry point the models call: `ragged_paged_attention(..., impl=...)`.
 
-Implementations are looked up by name in `_IMPLS`. A kernel registers itself with
+Implementations are looked up by name in a registry (`pallas_kernels/registry.py`). A kernel registers itself with
 `register_impl("tpu", fn)` (or "gpu", or any new name); `fn` must accept the same arguments as
 `ragged_paged_attention_reference`: `(q, k_cache, v_cache, layer, md, *, sm_scale,
 sliding_window, soft_cap, chunk_pages)` (a kernel may ignore `chunk_pages`). `impl="auto"` picks
@@ -17,10 +17,8 @@ serve through a kernel on a CPU host; slow, for checking only). `interpret=True`
 
 from __future__ import annotations
 
-import logging
-from typing import Callable
-
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -29,15 +27,16 @@ from jaxserve.pallas_kernels.ragged_paged_attention.metadata import AttentionMet
 from jaxserve.pallas_kernels.ragged_paged_attention.reference import (
     ragged_paged_attention_reference,
 )
+from jaxserve.pallas_kernels.registry import ImplRegistry
 
-log = logging.getLogger(__name__)
-
-_IMPLS: dict[str, Callable] = {"reference": ragged_paged_attention_reference}
-_KNOWN_KERNELS = ("tpu", "gpu", "tpu-interpret", "gpu-interpret")
+_REGISTRY = ImplRegistry(
+    "ragged_paged_attention",
+    {"reference": ragged_paged_attention_reference},
+    known_kernels=("tpu", "gpu", "tpu-interpret", "gpu-interpret"),
+)
 # Shape checks of the kernels that "auto" consults before picking one: name -> fn(q, k_cache)
 # raising ValueError when the kernel cannot take those shapes.
 _SUPPORTS: dict[str, Callable] = {}
-_warned_fallback: set[str] = set()
 
 
 def register_impl(name: str, fn: Callable, supports: Callable | None = None) -> None:
@@ -46,40 +45,18 @@ def register_impl(name: str, fn: Callable, supports: Callable | None = None) -> 
     `supports(q, k_cache)`, optional, raises ValueError when the kernel cannot take those
     shapes; `impl="auto"` then falls back to the reference.
     """
-    if name == "auto":
-        raise ValueError("'auto' is a dispatch mode, not an implementation name")
-    _IMPLS[name] = fn
+    _REGISTRY.register(name, fn)
     if supports is not None:
         _SUPPORTS[name] = supports
 
 
 def available_impls() -> tuple[str, ...]:
-    return tuple(_IMPLS)
+    return _REGISTRY.available()
 
 
 def resolve_impl(impl: str, backend: str | None = None) -> str:
     """The implementation name `impl` dispatches to on `backend` (default: JAX's default)."""
-    if impl == "auto":
-        backend = backend or jax.default_backend()
-        if backend in _IMPLS:
-            return backend
-        if backend != "cpu" and backend not in _warned_fallback:
-            _warned_fallback.add(backend)
-            log.warning(
-                "ragged_paged_attention: no %r kernel registered; using the pure-JAX reference",
-                backend,
-            )
-        return "reference"
-    if impl in _IMPLS:
-        return impl
-    if impl in _KNOWN_KERNELS:
-        raise ValueError(
-            f"ragged_paged_attention impl={impl!r}: the {impl} kernel is not available yet "
-            f"(not implemented); available: {sorted(_IMPLS)} or 'auto'"
-        )
-    raise ValueError(
-        f"ragged_paged_attention: unknown impl {impl!r}; available: {sorted(_IMPLS)} or 'auto'"
-    )
+    return _REGISTRY.resolve(impl, backend)
 
 
 def _is_int(dtype) -> bool:
@@ -171,17 +148,15 @@ def ragged_paged_attention(
         try:
             _SUPPORTS[name](q, k_cache)
         except ValueError as e:
-            if name not in _warned_fallback:
-                _warned_fallback.add(name)
-                log.warning("ragged_paged_attention: %s kernel unsupported here (%s); using "
-                            "the pure-JAX reference", name, e)
+            _REGISTRY.warn_once(f"unsupported-{name}", "ragged_paged_attention: %s kernel unsupported "
+                                "here (%s); using the pure-JAX reference", name, e)
             name = "reference"
     if interpret and name in ("tpu", "gpu"):
         name = f"{name}-interpret"
     if name != "reference" and q.dtype != k_cache.dtype:
         raise ValueError(f"the {name} kernel needs q and the caches in one dtype; got q "
                          f"{q.dtype}, cache {k_cache.dtype}")
-    return _IMPLS[name](
+    return _REGISTRY.impls[name](
         q,
         k_cache,
         v_cache,
