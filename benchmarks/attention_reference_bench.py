@@ -47,7 +47,8 @@ def interleaved_medians_ms(cases, iters: int) -> list[float]:
 
 
 def paged_batch(reqs, rng, t_pad=None):
-    """(ctx, q_len) per request -> q, caches, metadata; pages shuffled."""
+    """(ctx, q_len) per request -> q, one layer's caches [N, PS, HKV, D], metadata; pages
+    shuffled."""
     kv = [c + n for c, n in reqs]
     need = [math.ceil(x / PS) for x in kv]
     R, P = len(reqs), max(need)
@@ -66,8 +67,8 @@ def paged_batch(reqs, rng, t_pad=None):
         for pos in range(c, c + n):
             slots[t] = bt[r, pos // PS] * PS + pos % PS
             t += 1
-    kc = jnp.asarray(rng.standard_normal((1, N, PS, HKV, D), np.float32))
-    vc = jnp.asarray(rng.standard_normal((1, N, PS, HKV, D), np.float32))
+    kc = jnp.asarray(rng.standard_normal((N, PS, HKV, D), np.float32))
+    vc = jnp.asarray(rng.standard_normal((N, PS, HKV, D), np.float32))
     q = jnp.asarray(rng.standard_normal((T, HQ, D), np.float32))
     md = AttentionMetadata(
         block_tables=jnp.asarray(bt),
@@ -118,7 +119,7 @@ def dense_prefill(q, k, v):
 def attn_fn(chunk_pages):
     def f(q, kc, vc, md):
         return ragged_paged_attention(
-            q, kc, vc, 0, md, sm_scale=1 / math.sqrt(D), impl="reference", chunk_pages=chunk_pages
+            q, kc, vc, md, sm_scale=1 / math.sqrt(D), impl="reference", chunk_pages=chunk_pages
         )
 
     return jax.jit(f)
@@ -158,8 +159,8 @@ def main():
         jnp.pad(md2.block_tables, ((0, 0), (0, md.block_tables.shape[1] - 8))),
         md2.kv_lens, md2.query_start_loc, md2.num_seqs, md2.slot_mapping,
     )
-    kc2 = jnp.pad(kc2, ((0, 0), (0, kc.shape[1] - kc2.shape[1]), (0, 0), (0, 0), (0, 0)))
-    vc2 = jnp.pad(vc2, ((0, 0), (0, vc.shape[1] - vc2.shape[1]), (0, 0), (0, 0), (0, 0)))
+    kc2 = jnp.pad(kc2, ((0, kc.shape[0] - kc2.shape[0]), (0, 0), (0, 0), (0, 0)))
+    vc2 = jnp.pad(vc2, ((0, vc.shape[0] - vc2.shape[0]), (0, 0), (0, 0), (0, 0)))
     base = "dense decode 32x128"
     cases.append((base, None, dense_decode, (q2, kd[:, :128], vd[:, :128]), None))
     for cp, f in fns.items():
@@ -171,7 +172,7 @@ def main():
         qp, kcp, vcp, mdp = paged_batch([(ctx, 256)], rng)
         pos = jnp.arange(ctx + 256)
         slots = mdp.block_tables[0, pos // PS] * PS + pos % PS
-        kp, vp = kcp[0, slots // PS, slots % PS], vcp[0, slots // PS, slots % PS]
+        kp, vp = kcp[slots // PS, slots % PS], vcp[slots // PS, slots % PS]
         base = f"dense causal {name}"
         cases.append((base, None, dense_prefill, (qp, kp, vp), None))
         for cp, f in fns.items():

@@ -53,7 +53,8 @@ def measure_bandwidth_gbs(nbytes: int, iters: int) -> float:
 
 
 def paged_batch(reqs, *, hq, hkv, d, ps, dtype, t_pad, r_pad, pages_per_req, seed=0):
-    """(ctx, q_len) per request -> (q, k_cache, v_cache, md) with shuffled pages, 1 layer."""
+    """(ctx, q_len) per request -> (q, k_cache, v_cache, md) with shuffled pages, one layer's
+    caches [N, page_size, Hkv, D]."""
     rng = np.random.default_rng(seed)
     need = [math.ceil((c + n) / ps) for c, n in reqs]
     num_pages = 1 + sum(need)
@@ -76,7 +77,7 @@ def paged_batch(reqs, *, hq, hkv, d, ps, dtype, t_pad, r_pad, pages_per_req, see
     )
     key = jax.random.PRNGKey(seed)
     k1, k2, k3 = jax.random.split(key, 3)
-    shape = (1, num_pages, ps, hkv, d)
+    shape = (num_pages, ps, hkv, d)
     kc = jax.random.normal(k1, shape, dtype)
     vc = jax.random.normal(k2, shape, dtype)
     q = jax.random.normal(k3, (t_pad, hq, d), dtype)
@@ -92,8 +93,8 @@ def jax_gpu_paged_attention_case(q, kc, vc, md, reqs, ps, sm_scale):
     from jax.experimental.pallas.ops.gpu import paged_attention as jpa
 
     R = len(reqs)
-    k_pages = jnp.transpose(kc[0], (2, 0, 1, 3))  # [Hkv, N, ps, D]
-    v_pages = jnp.transpose(vc[0], (2, 0, 1, 3))
+    k_pages = jnp.transpose(kc, (2, 0, 1, 3))  # [Hkv, N, ps, D]
+    v_pages = jnp.transpose(vc, (2, 0, 1, 3))
     bt = md.block_tables[:R]
     lengths = md.kv_lens[:R]
     pps = bt.shape[1]
@@ -161,7 +162,7 @@ def main(argv=None):
                     names.append(impl)
                 continue
             f = jax.jit(lambda q, kc, vc, md, impl=impl: ragged_paged_attention(
-                q, kc, vc, 0, md, sm_scale=sm_scale, impl=impl))
+                q, kc, vc, md, sm_scale=sm_scale, impl=impl))
             try:
                 jax.block_until_ready(f(q, kc, vc, md))
             except Exception as e:  # e.g. a kernel that cannot take these shapes here

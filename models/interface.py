@@ -6,7 +6,8 @@ A model is called once per step on one flat, padded token batch:
     logits = model.compute_logits(hidden[selected])        # [N, V] float32
 
 `AttentionMetadata` (defined with the kernels) describes the ragged batch; `KVCache` holds the
-paged keys and values of every layer. The runner owns both and donates the cache to the step.
+paged keys and values, one array per layer. The runner owns both and donates the cache to
+the step.
 """
 
 from __future__ import annotations
@@ -21,23 +22,29 @@ from jaxserve.pallas_kernels.ragged_paged_attention.metadata import AttentionMet
 
 __all__ = ["AttentionMetadata", "CausalLM", "KVCache", "KV_CACHE_AXES"]
 
-# Logical axes of k and v: [layers, pages, page_size, kv_heads, head_dim].
-KV_CACHE_AXES = ("layers", "pages", None, "kv_heads", "head_dim")
+# Logical axes of each layer's k and v: [pages, page_size, kv_heads, head_dim].
+KV_CACHE_AXES = ("pages", None, "kv_heads", "head_dim")
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    k: jax.Array  # [L, N, page_size, Hkv, D]
-    v: jax.Array  # [L, N, page_size, Hkv, D]
+    """One K and one V array per layer (separate arrays, so each is updated in place)."""
+
+    k: tuple[jax.Array, ...]  # L x [N, page_size, Hkv, D]
+    v: tuple[jax.Array, ...]  # L x [N, page_size, Hkv, D]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.k)
 
     @property
     def num_pages(self) -> int:
-        return self.k.shape[1]
+        return self.k[0].shape[0]
 
     @property
     def page_size(self) -> int:
-        return self.k.shape[2]
+        return self.k[0].shape[1]
 
 
 class CausalLM(Protocol):

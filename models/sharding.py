@@ -22,7 +22,6 @@ Q_HEADS = "q_heads"
 KV_HEADS = "kv_heads"
 HEAD_DIM = "head_dim"
 MLP = "mlp"
-LAYERS = "layers"
 PAGES = "pages"  # KV cache page axis (never sharded today)
 
 LogicalAxes = tuple[str | None, ...]
@@ -36,7 +35,6 @@ DEFAULT_RULES: Mapping[str, str | None] = {
     KV_HEADS: "model",
     HEAD_DIM: None,
     MLP: "model",
-    LAYERS: None,
     PAGES: None,
 }
 

@@ -12,7 +12,8 @@ from jaxserve.models.sharding import named_sharding
 
 
 def kv_cache_shape(cfg: ArchConfig, num_pages: int, page_size: int) -> tuple[int, ...]:
-    return (cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+    """The shape of one layer's K (or V) array."""
+    return (num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
 
 
 def bytes_per_page(cfg: ArchConfig, page_size: int, dtype) -> int:
@@ -35,8 +36,9 @@ def kv_cache_sharding(cfg: ArchConfig, num_pages: int, page_size: int, mesh: Mes
 
 
 def allocate_kv_cache(cfg: ArchConfig, num_pages: int, page_size: int, dtype, mesh: Mesh) -> KVCache:
-    """Zeroed K and V pages, created directly in their sharding."""
+    """Zeroed K and V pages (one array each per layer), created directly in their sharding."""
     shape = kv_cache_shape(cfg, num_pages, page_size)
     sharding = kv_cache_sharding(cfg, num_pages, page_size, mesh)
     zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
-    return KVCache(k=zeros(), v=zeros())
+    L = cfg.num_layers
+    return KVCache(k=tuple(zeros() for _ in range(L)), v=tuple(zeros() for _ in range(L)))

@@ -23,7 +23,7 @@ from tqdm import tqdm
 from jaxserve.core.sched_output import ScheduledRequest, SchedulerOutput
 from jaxserve.runner.buckets import BucketGrid
 from jaxserve.runner.compile import CompileCounter
-from jaxserve.runner.kv_cache import allocate_kv_cache, kv_cache_sharding
+from jaxserve.runner.kv_cache import allocate_kv_cache
 from jaxserve.runner.step_inputs import ModelInputs, StepRequest, pack_step
 from jaxserve.sampling.config import SamplerConfig
 from jaxserve.sampling.metadata import SamplingMetadata, SamplingMetadataBuilder

@@ -1,4 +1,4 @@
-"""Paged attention for one layer: write this step's K/V into the cache, then attend.
+"""Paged attention for one layer (its own cache arrays): write this step's K/V into the cache, then attend.
 
 The kernels are mesh-agnostic; this is where the `shard_map` over KV heads lives. When the
 model axis of the mesh divides the number of KV heads, each device writes and reads only its
@@ -31,17 +31,16 @@ def paged_attention(
     q: jax.Array,  # [T, Hq, D]
     k: jax.Array,  # [T, Hkv, D]
     v: jax.Array,  # [T, Hkv, D]
-    k_cache: jax.Array,  # [L, N, page_size, Hkv, D]
+    k_cache: jax.Array,  # [N, page_size, Hkv, D], this layer's
     v_cache: jax.Array,
-    layer: jax.Array,  # [] int32
     md: AttentionMetadata,
     spec: AttentionSpec,
     mesh: Mesh | None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    def local(q, k, v, k_cache, v_cache, layer, md):
-        k_cache, v_cache = write_kv(k_cache, v_cache, layer, k, v, md.slot_mapping)
+    def local(q, k, v, k_cache, v_cache, md):
+        k_cache, v_cache = write_kv(k_cache, v_cache, k, v, md.slot_mapping)
         out = ragged_paged_attention(
-            q, k_cache, v_cache, layer, md,
+            q, k_cache, v_cache, md,
             sm_scale=spec.sm_scale,
             sliding_window=spec.sliding_window,
             soft_cap=spec.soft_cap,
@@ -52,14 +51,14 @@ def paged_attention(
     tp = 1 if mesh is None else mesh.shape.get("model", 1)
     num_kv_heads = k.shape[1]
     if tp == 1 or num_kv_heads % tp:
-        return local(q, k, v, k_cache, v_cache, layer, md)
+        return local(q, k, v, k_cache, v_cache, md)
     heads = P(None, "model", None)
-    cache = P(None, None, None, "model", None)
+    cache = P(None, None, "model", None)
     md_spec = jax.tree.map(lambda _: P(), md)
     return jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=(heads, heads, heads, cache, cache, P(), md_spec),
+        in_specs=(heads, heads, heads, cache, cache, md_spec),
         out_specs=(heads, cache, cache),
         check_vma=False,
-    )(q, k, v, k_cache, v_cache, layer, md)
+    )(q, k, v, k_cache, v_cache, md)

@@ -1,18 +1,18 @@
-"""The single entry point for writing new K/V into the paged KV cache.
+"""The single entry point for writing new K/V into one layer's paged KV cache.
 
 Implementations are looked up by name in a registry (`pallas_kernels/registry.py`). Kernels register themselves with
 `register_impl("tpu", fn)` / `register_impl("gpu", fn)`; `fn` takes the same positional
-arguments as `write_kv` (k_cache, v_cache, layer, k, v, slot_mapping).
+arguments as `write_kv` (k_cache, v_cache, k, v, slot_mapping).
 
 No Pallas write kernel, on purpose: "tpu", "gpu" (and their "-interpret" names, so that one
 `attention_impl` string can name both ops) are registered as the reference scatter. The write is
-one XLA scatter of T rows of `Hkv * D` contiguous elements into the donated, layer-stacked cache,
-updated in place inside the model's layer scan (tests/pallas_kernels/test_kv_write.py checks the
-HLO has no cache copy): it moves exactly the new bytes, which is all a kernel could do, and XLA
-fuses the index computation. A Pallas kernel would need `input_output_aliases` on the whole
-stacked cache plus per-token DMAs, and would break XLA's in-place scatter/while-loop buffer
-sharing analysis for no bandwidth gain. A fused write inside the attention kernel is the one
-variant that could save a launch; it is left for when profiles show the scatter matters.
+one XLA scatter of T rows of `Hkv * D` contiguous elements into the donated per-layer cache,
+updated in place (tests/pallas_kernels/test_kv_write.py checks the HLO has no cache copy): it
+moves exactly the new bytes, which is all a kernel could do, and XLA fuses the index
+computation. A Pallas kernel would need `input_output_aliases` on the cache plus per-token DMAs,
+and would break XLA's in-place scatter buffer sharing analysis for no bandwidth gain. A fused
+write inside the attention kernel is the one variant that could save a launch; it is left for
+when profiles show the scatter matters.
 """
 
 from __future__ import annotations
@@ -55,17 +55,16 @@ def resolve_impl(impl: str, backend: str | None = None) -> str:
 def write_kv(
     k_cache: jax.Array,
     v_cache: jax.Array,
-    layer,
     k: jax.Array,
     v: jax.Array,
     slot_mapping: jax.Array,
     *,
     impl: str = "auto",
 ) -> tuple[jax.Array, jax.Array]:
-    """Write `k`, `v` ([T, Hkv, D]) into the caches ([L, N, page_size, Hkv, D]) at `slot_mapping`.
+    """Write `k`, `v` ([T, Hkv, D]) into one layer's caches ([N, page_size, Hkv, D]).
 
-    `slot = page * page_size + offset`; `layer` is a Python int or a traced int32 scalar. Returns
-    the updated `(k_cache, v_cache)`; the update is in place when the caches are donated (or are
-    a `lax.scan` carry). See `kv_cache_update/reference.py` for the exact semantics.
+    Token t goes to `slot_mapping[t] = page * page_size + offset`. Returns the updated
+    `(k_cache, v_cache)`; the update is in place when the caches are donated (or are a loop
+    carry). See `kv_cache_update/reference.py` for the exact semantics.
     """
-    return _REGISTRY.impls[resolve_impl(impl)](k_cache, v_cache, layer, k, v, slot_mapping)
+    return _REGISTRY.impls[resolve_impl(impl)](k_cache, v_cache, k, v, slot_mapping)

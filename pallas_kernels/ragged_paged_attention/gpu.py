@@ -15,8 +15,8 @@ batch becomes query blocks: block b holds up to `Bq` consecutive queries of one 
 block layout `[NB, Hkv, M = Bq * Gp, D]`, rows (query, group head). A program loads its rows
 once, then walks its request's keys in chunks of `block_k = chunk_pages * page_size` tokens:
 the chunk's pages come from the block table (clamped), the keys are gathered straight from the
-layer-stacked cache (viewed as `[L * N * page_size, Hkv, D]`, a free reshape) and it runs an
-online softmax. Only the keys the block can see are visited: from the sliding-window start of
+layer's cache (viewed as `[N * page_size, Hkv, D]`, a free reshape) and it runs an online
+softmax. Only the keys the block can see are visited: from the sliding-window start of
 its first query to its last query. Split s of S takes an equal share of those chunks (decode
 over long contexts then uses S programs per request and KV head); each split writes its
 normalised partial output and log-sum-exp, and a small JAX combine merges them (one pass over
@@ -53,14 +53,14 @@ _MIN_DOT = 16  # tl.dot needs every operand dim >= 16
 
 def _kernel(
     # inputs (whole arrays in global memory unless blocked)
-    layer_ref, blk_req_ref, blk_idx_ref, qsl_ref, kvl_ref, bt_ref,
+    blk_req_ref, blk_idx_ref, qsl_ref, kvl_ref, bt_ref,
     q_ref,  # [M, D] block
-    k_ref, v_ref,  # [L * N * page_size, Hkv, D]
+    k_ref, v_ref,  # [N * page_size, Hkv, D]
     # outputs
     o_ref,  # [M, D] block (float32, normalised)
     lse_ref,  # [M] block (float32)
-    *, block_q, group, group_pad, page_size, num_pages, chunk_pages, num_splits, sm_scale,
-    sliding_window, soft_cap,
+    *, block_q, group, group_pad, page_size, chunk_pages, num_splits, sm_scale, sliding_window,
+    soft_cap,
 ):
     b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     M, D = q_ref.shape
@@ -70,7 +70,6 @@ def _kernel(
 
     r = blk_req_ref[b]
     j = blk_idx_ref[b]
-    layer = layer_ref[0]
     q_end = qsl_ref[r + 1]
     t0 = qsl_ref[r] + jnp.maximum(j, 0) * block_q
     nq = jnp.where(j >= 0, jnp.minimum(block_q, q_end - t0), 0)
@@ -97,8 +96,8 @@ def _kernel(
         kpos = key0 + kk  # [K] sequence positions
         page_idx = jnp.minimum(kpos // ps, P - 1)
         page = bt_ref[r, page_idx]  # [K] gather from the block table row
-        tok = (layer * num_pages + page) * ps + kpos % ps
-        k = k_ref[tok, h, :]  # [K, D] gathered rows of the stacked cache
+        tok = page * ps + kpos % ps
+        k = k_ref[tok, h, :]  # [K, D] gathered rows of the cache
         v = v_ref[tok, h, :]
         v = jnp.where((kpos < hi)[:, None], v, jnp.zeros_like(v))  # never 0 * garbage
         sc = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
@@ -131,7 +130,7 @@ def _kernel(
 
 def supports(q: jax.Array, k_cache: jax.Array) -> None:
     """Raise ValueError when the kernel cannot take these shapes."""
-    D, ps = q.shape[-1], k_cache.shape[2]
+    D, ps = q.shape[-1], k_cache.shape[1]
     if D & (D - 1) or D < _MIN_DOT:
         raise ValueError(f"the gpu kernel needs a power-of-two head dim >= 16, got D={D}")
     if ps & (ps - 1):
@@ -148,7 +147,6 @@ def ragged_paged_attention_gpu(
     q: jax.Array,
     k_cache: jax.Array,
     v_cache: jax.Array,
-    layer,
     md: AttentionMetadata,
     *,
     sm_scale: float,
@@ -169,7 +167,7 @@ def ragged_paged_attention_gpu(
     `num_stages`. `interpret=True` runs the kernel with the Pallas interpreter (any backend).
     """
     T, Hq, D = q.shape
-    L, N, ps, Hkv, _ = k_cache.shape
+    N, ps, Hkv, _ = k_cache.shape
     R, P = md.block_tables.shape
     G = Hq // Hkv
     supports(q, k_cache)
@@ -193,13 +191,12 @@ def ragged_paged_attention_gpu(
     blk_req, blk_idx, NB = blocks.plan_blocks(md, Bq)
     tokens = blocks.block_tokens(md, blk_req, blk_idx, Bq)
     q_blk = blocks.gather_queries(q, tokens, Hkv, Gp)  # [NB, Hkv, M, D]
-    k_rows = k_cache.reshape(L * N * ps, Hkv, D)  # free: contiguous
-    v_rows = v_cache.reshape(L * N * ps, Hkv, D)
-    layer_arr = jnp.asarray(layer, _I32).reshape(1)
+    k_rows = k_cache.reshape(N * ps, Hkv, D)  # free: contiguous
+    v_rows = v_cache.reshape(N * ps, Hkv, D)
 
     kernel = functools.partial(
-        _kernel, block_q=Bq, group=G, group_pad=Gp, page_size=ps, num_pages=N,
-        chunk_pages=C, num_splits=S, sm_scale=float(sm_scale), sliding_window=sliding_window,
+        _kernel, block_q=Bq, group=G, group_pad=Gp, page_size=ps, chunk_pages=C, num_splits=S,
+        sm_scale=float(sm_scale), sliding_window=sliding_window,
         soft_cap=None if soft_cap is None else float(soft_cap),
     )
     whole = pl.no_block_spec
@@ -207,7 +204,7 @@ def ragged_paged_attention_gpu(
         kernel,
         grid=(NB, Hkv, S),
         in_specs=[
-            whole, whole, whole, whole, whole, whole,
+            whole, whole, whole, whole, whole,
             pl.BlockSpec((None, None, M, D), lambda b, h, s: (b, h, 0, 0)),
             whole, whole,
         ],
@@ -223,8 +220,8 @@ def ragged_paged_attention_gpu(
         interpret=interpret,
         name="ragged_paged_attention_gpu",
     )(
-        layer_arr, blk_req, blk_idx, md.query_start_loc.astype(_I32),
-        md.kv_lens.astype(_I32), md.block_tables.astype(_I32), q_blk, k_rows, v_rows,
+        blk_req, blk_idx, md.query_start_loc.astype(_I32), md.kv_lens.astype(_I32),
+        md.block_tables.astype(_I32), q_blk, k_rows, v_rows,
     )
     if S == 1:
         o_blk = o_part[0]

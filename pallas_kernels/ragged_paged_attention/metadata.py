@@ -18,9 +18,9 @@ Conventions (T = padded token count, R = padded request count, P = pages per req
 - `slot_mapping[t] = page * page_size + offset` is where token t's new K/V is written.
   Padding tokens write into the null page (slots `0 .. page_size-1`), which nobody reads.
 
-The KV cache is a pair of arrays stacked over layers: `k_cache, v_cache: [L, N, page_size, Hkv, D]`
-(N pages). Attention ops take the whole stack plus a layer index so that a layer scan can keep
-the cache in its carry and update it in place.
+The KV cache is one pair of arrays per layer, `k_cache, v_cache: [N, page_size, Hkv, D]` (N
+pages); the ops take one layer's pair. Separate arrays (not one [L, ...] stack indexed by layer)
+let XLA update each in place: on XLA:CPU, slicing or updating a stack at a layer index copies it.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Implementations are looked up by name in a registry (`pallas_kernels/registry.py`). A kernel registers itself with
 `register_impl("tpu", fn)` (or "gpu", or any new name); `fn` must accept the same arguments as
-`ragged_paged_attention_reference`: `(q, k_cache, v_cache, layer, md, *, sm_scale,
+`ragged_paged_attention_reference`: `(q, k_cache, v_cache, md, *, sm_scale,
 sliding_window, soft_cap, chunk_pages)` (a kernel may ignore `chunk_pages`). `impl="auto"` picks
 the kernel registered under the name of JAX's default backend, and falls back to the
 pure-JAX reference (the CPU default) when there is none, or when the kernel cannot take these
@@ -63,18 +63,18 @@ def _is_int(dtype) -> bool:
     return jnp.issubdtype(dtype, jnp.integer)
 
 
-def validate_inputs(q, k_cache, v_cache, layer, md: AttentionMetadata, *, sliding_window=None,
+def validate_inputs(q, k_cache, v_cache, md: AttentionMetadata, *, sliding_window=None,
                     soft_cap=None, chunk_pages=None) -> None:
     """Static shape / dtype checks of the op's arguments; raises ValueError with the reason."""
     if getattr(q, "ndim", None) != 3:
         raise ValueError(f"q must be [T, Hq, D]; got shape {getattr(q, 'shape', None)}")
-    if k_cache.ndim != 5 or v_cache.shape != k_cache.shape:
+    if getattr(k_cache, "ndim", None) != 4 or getattr(v_cache, "shape", None) != k_cache.shape:
         raise ValueError(
-            f"k_cache/v_cache must both be [L, N, page_size, Hkv, D]; got {k_cache.shape} and "
-            f"{v_cache.shape}"
+            f"k_cache/v_cache must both be [N, page_size, Hkv, D] (one layer); got "
+            f"{getattr(k_cache, 'shape', None)} and {getattr(v_cache, 'shape', None)}"
         )
     T, Hq, D = q.shape
-    L, N, ps, Hkv, Dk = k_cache.shape
+    _, _, Hkv, Dk = k_cache.shape
     if Dk != D:
         raise ValueError(f"head dim mismatch: q {q.shape} has D={D}, the cache {k_cache.shape} "
                          f"has D={Dk}")
@@ -103,11 +103,6 @@ def validate_inputs(q, k_cache, v_cache, layer, md: AttentionMetadata, *, slidin
                     ("num_seqs", ns), ("slot_mapping", sm)):
         if not _is_int(x.dtype):
             raise ValueError(f"{name} must be an integer array; got {x.dtype}")
-    if isinstance(layer, int) and not 0 <= layer < L:
-        raise ValueError(f"layer {layer} out of range for a cache of {L} layers")
-    if not isinstance(layer, int) and (getattr(layer, "shape", ()) not in ((), (1,))
-                                       or not _is_int(layer.dtype)):
-        raise ValueError(f"layer must be a Python int or an int32 scalar; got {layer!r}")
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
     if soft_cap is not None and not soft_cap > 0:
@@ -120,7 +115,6 @@ def ragged_paged_attention(
     q: jax.Array,
     k_cache: jax.Array,
     v_cache: jax.Array,
-    layer,
     md: AttentionMetadata,
     *,
     sm_scale: float,
@@ -130,18 +124,18 @@ def ragged_paged_attention(
     chunk_pages: int | None = None,
     interpret: bool = False,
 ) -> jax.Array:
-    """Attention of a flat ragged batch of queries over the paged, layer-stacked KV cache.
+    """Attention of a flat ragged batch of queries over one layer's paged KV cache.
 
     q: [T, Hq, D] (Hq a multiple of Hkv; query head h reads KV head h // (Hq // Hkv)).
-    k_cache, v_cache: [L, N, page_size, Hkv, D], already holding this step's K/V (`write_kv`).
-    layer: Python int or traced int32 scalar. Returns [T, Hq, D] in q.dtype; padding tokens get
-    zeros. `sliding_window=W`: a token sees itself and the W - 1 previous positions (HF
-    convention). `soft_cap`: scores = soft_cap * tanh(scores / soft_cap) after scaling.
+    k_cache, v_cache: [N, page_size, Hkv, D], this layer's cache, already holding this step's
+    K/V (`write_kv`). Returns [T, Hq, D] in q.dtype; padding tokens get zeros.
+    `sliding_window=W`: a token sees itself and the W - 1 previous positions (HF convention).
+    `soft_cap`: scores = soft_cap * tanh(scores / soft_cap) after scaling.
     Exact semantics: `reference.py`. `impl`: "auto" | "reference" | "tpu" | "gpu" |
     "tpu-interpret" | "gpu-interpret"; `interpret=True` runs a kernel impl in interpret mode.
     Kernels need q and the caches to share one dtype. Raises ValueError on bad shapes/dtypes.
     """
-    validate_inputs(q, k_cache, v_cache, layer, md, sliding_window=sliding_window,
+    validate_inputs(q, k_cache, v_cache, md, sliding_window=sliding_window,
                     soft_cap=soft_cap, chunk_pages=chunk_pages)
     name = resolve_impl(impl)
     if impl == "auto" and name in _SUPPORTS:
@@ -160,7 +154,6 @@ def ragged_paged_attention(
         q,
         k_cache,
         v_cache,
-        layer,
         md,
         sm_scale=sm_scale,
         sliding_window=sliding_window,

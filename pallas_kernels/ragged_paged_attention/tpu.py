@@ -3,19 +3,19 @@
 Grid and raggedness. The grid is 1-D over query blocks (`blocks.py`): block b holds up to `Bq`
 consecutive queries of one request, `NB = cdiv(T, Bq) + R` blocks in all (a static bound; the
 blocks past the live ones are empty and cost one grid step each). The scalar-prefetch operands
-(SMEM, available to the kernel before its body runs) are the layer index, each block's request
-and in-request index, `query_start_loc`, `kv_lens` and the flattened block table; from them the
-kernel derives the block's first token, its live row count and the sequence position of its
-first query, so one compiled kernel serves every mix of prefills and decodes and every context
-length (all loop trip counts are traced).
+(SMEM, available to the kernel before its body runs) are each block's request and in-request
+index, `query_start_loc`, `kv_lens` and the flattened block table; from them the kernel derives
+the block's first token, its live row count and the sequence position of its first query, so
+one compiled kernel serves every mix of prefills and decodes and every context length (all loop
+trip counts are traced).
 
 Queries come in block layout `[NB, Hkv, Bq * G, D]` (one VMEM block per grid step, through a
 normal BlockSpec: its last two dims are whole, so any Bq * G is legal); outputs leave the same
 way and `blocks.scatter_outputs` puts them back in token order.
 
-K/V streaming. The caches stay in HBM (`memory_space=ANY`), viewed as `[L, N, ps, Hkv * D]` (a
-free reshape, so a page of one layer is ONE contiguous DMA of `ps * Hkv * D` elements, all KV
-heads at once, lane-dense). A KV block is `chunk_pages` pages (`block_k = chunk_pages * ps`
+K/V streaming. The layer's caches stay in HBM (`memory_space=ANY`), viewed as `[N, ps, Hkv * D]`
+(a free reshape, so a page is ONE contiguous DMA of `ps * Hkv * D` elements, all KV heads at
+once, lane-dense). A KV block is `chunk_pages` pages (`block_k = chunk_pages * ps`
 keys). The kernel visits only the keys the query block can see (sliding-window start of its
 first query .. its last query) and double-buffers: before computing on KV block c it starts the
 DMAs of block c + 1 into the other VMEM slot (`pltpu.make_async_copy`, one DMA semaphore per
@@ -78,7 +78,7 @@ def validate_tpu_shapes(page_size: int, num_kv_heads: int, head_dim: int, dtype)
 
 def supports(q: jax.Array, k_cache: jax.Array) -> None:
     """Raise ValueError when the kernel cannot take these shapes."""
-    _, _, ps, hkv, d = k_cache.shape
+    _, ps, hkv, d = k_cache.shape
     validate_tpu_shapes(ps, hkv, d, k_cache.dtype)
 
 
@@ -89,10 +89,10 @@ def default_chunk_pages(page_size: int, num_kv_heads: int, head_dim: int) -> int
 
 def _kernel(
     # scalar prefetch (SMEM)
-    layer_ref, blk_req_ref, blk_idx_ref, qsl_ref, kvl_ref, bt_ref,
+    blk_req_ref, blk_idx_ref, qsl_ref, kvl_ref, bt_ref,
     # blocked inputs / HBM refs
     q_ref,  # VMEM [Hkv, M, D]
-    k_hbm, v_hbm,  # HBM [L, N, ps, Hkv * D]
+    k_hbm, v_hbm,  # HBM [N, ps, Hkv * D]
     # outputs
     o_ref,  # VMEM [Hkv, M, D]
     # scratch
@@ -110,7 +110,6 @@ def _kernel(
 
     r = blk_req_ref[b]
     j = blk_idx_ref[b]
-    layer = layer_ref[0]
     q_end = qsl_ref[r + 1]
     t0 = qsl_ref[r] + jnp.maximum(j, 0) * block_q
     nq = jnp.where(j >= 0, jnp.minimum(block_q, q_end - t0), 0)
@@ -130,8 +129,8 @@ def _kernel(
             dst = pl.ds(i * ps, ps)
             out.append((
                 page_idx < end_page,
-                pltpu.make_async_copy(k_hbm.at[layer, page], k_buf.at[slot, dst], sem.at[slot]),
-                pltpu.make_async_copy(v_hbm.at[layer, page], v_buf.at[slot, dst], sem.at[slot]),
+                pltpu.make_async_copy(k_hbm.at[page], k_buf.at[slot, dst], sem.at[slot]),
+                pltpu.make_async_copy(v_hbm.at[page], v_buf.at[slot, dst], sem.at[slot]),
             ))
         return out
 
@@ -208,7 +207,6 @@ def ragged_paged_attention_tpu(
     q: jax.Array,
     k_cache: jax.Array,
     v_cache: jax.Array,
-    layer,
     md: AttentionMetadata,
     *,
     sm_scale: float,
@@ -226,7 +224,7 @@ def ragged_paged_attention_tpu(
     simulated).
     """
     T, Hq, D = q.shape
-    L, N, ps, Hkv, _ = k_cache.shape
+    N, ps, Hkv, _ = k_cache.shape
     R, P = md.block_tables.shape
     G = Hq // Hkv
     validate_tpu_shapes(ps, Hkv, D, k_cache.dtype)
@@ -238,8 +236,8 @@ def ragged_paged_attention_tpu(
     blk_req, blk_idx, NB = blocks.plan_blocks(md, Bq)
     tokens = blocks.block_tokens(md, blk_req, blk_idx, Bq)
     q_blk = blocks.gather_queries(q, tokens, Hkv, G)  # [NB, Hkv, M, D]
-    k_pages = k_cache.reshape(L, N, ps, Hkv * D)  # free: contiguous
-    v_pages = v_cache.reshape(L, N, ps, Hkv * D)
+    k_pages = k_cache.reshape(N, ps, Hkv * D)  # free: contiguous
+    v_pages = v_cache.reshape(N, ps, Hkv * D)
 
     kernel = functools.partial(
         _kernel, block_q=Bq, group=G, page_size=ps, pages_per_req=P, chunk_pages=C,
@@ -248,7 +246,7 @@ def ragged_paged_attention_tpu(
     )
     q_spec = pl.BlockSpec((None, Hkv, M, D), lambda b, *_: (b, 0, 0, 0))
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=6,
+        num_scalar_prefetch=5,
         grid=(NB,),
         in_specs=[q_spec, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
         out_specs=q_spec,
@@ -271,8 +269,7 @@ def ragged_paged_attention_tpu(
         interpret=pltpu.InterpretParams() if interpret else False,
         name="ragged_paged_attention_tpu",
     )(
-        jnp.asarray(layer, _I32).reshape(1), blk_req, blk_idx,
-        md.query_start_loc.astype(_I32), md.kv_lens.astype(_I32),
+        blk_req, blk_idx, md.query_start_loc.astype(_I32), md.kv_lens.astype(_I32),
         md.block_tables.astype(_I32).reshape(R * P), q_blk, k_pages, v_pages,
     )
     return blocks.scatter_outputs(o_blk, tokens, T, Hq)

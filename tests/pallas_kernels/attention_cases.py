@@ -21,8 +21,6 @@ def make_case(
     hq=4,
     hkv=2,
     d=64,
-    num_layers=2,
-    layer=1,
     r_pad=8,
     t_pad=None,
     pages_per_req=None,
@@ -32,8 +30,9 @@ def make_case(
 ):
     """A random ragged batch. reqs: list of (cached_context_len, query_len) per live request.
 
-    Pages are shuffled and non-contiguous; everything (null page included) is random. Padding
-    requests fill up to r_pad, padding tokens up to t_pad (they write the null page).
+    The caches `kc`, `vc` are one layer's, [N, page_size, hkv, d]. Pages are shuffled and
+    non-contiguous; everything (null page included) is random. Padding requests fill up to
+    r_pad, padding tokens up to t_pad (they write the null page).
     """
     rng = np.random.default_rng(seed)
     ps = page_size
@@ -63,7 +62,7 @@ def make_case(
             slots[t] = bt[r, pos // ps] * ps + pos % ps
             t += 1
     slots[t:] = np.arange(T - t) % ps  # padding tokens write the null page
-    shape = (num_layers, N, ps, hkv, d)
+    shape = (N, ps, hkv, d)
     kc = rng.standard_normal(shape, np.float32)
     vc = rng.standard_normal(shape, np.float32)
     q = rng.standard_normal((T, hq, d), np.float32)
@@ -76,15 +75,15 @@ def make_case(
         num_seqs=jnp.asarray(len(reqs), jnp.int32),
         slot_mapping=jnp.asarray(slots),
     )
-    return dict(q=q, kc=kc, vc=vc, md=md, layer=layer, reqs=reqs, ps=ps, bt=bt, qsl=qsl)
+    return dict(q=q, kc=kc, vc=vc, md=md, reqs=reqs, ps=ps, bt=bt, qsl=qsl)
 
 
 def naive_attention(case, *, sm_scale, sliding_window=None, soft_cap=None):
     """Dense float64 attention: materialise each request's K/V from its block table."""
     q = np.asarray(case["q"], np.float64)
     T, hq, d = q.shape
-    kc = np.asarray(case["kc"], np.float64)[case["layer"]]
-    vc = np.asarray(case["vc"], np.float64)[case["layer"]]
+    kc = np.asarray(case["kc"], np.float64)  # [N, page_size, Hkv, D]
+    vc = np.asarray(case["vc"], np.float64)
     hkv = kc.shape[2]
     g = hq // hkv
     ps, bt, qsl = case["ps"], case["bt"], case["qsl"]

@@ -32,19 +32,18 @@ def random_batches(cfg: dict, n: int, seed0: int):
         reqs = random_reqs(rng, kind, page_size=ps, max_tokens=T_PAD - (i % 2) * 8,
                            max_reqs=R_PAD - (i % 2), max_kv=MAX_KV)
         yield kind, make_case(
-            reqs, page_size=ps, hq=cfg["hq"], hkv=cfg["hkv"], d=cfg["d"], num_layers=2,
-            layer=i % 2, r_pad=R_PAD, t_pad=T_PAD, pages_per_req=P, dtype=cfg["dtype"],
-            seed=seed0 + 1000 + i,
+            reqs, page_size=ps, hq=cfg["hq"], hkv=cfg["hkv"], d=cfg["d"], r_pad=R_PAD,
+            t_pad=T_PAD, pages_per_req=P, dtype=cfg["dtype"], seed=seed0 + 1000 + i,
         )
 
 
 def check_random_batches(attn, cfg: dict, n: int, seed0: int, **static):
-    """attn(q, kc, vc, layer, md, sm_scale=..., **static) on n random batches; returns errors."""
+    """attn(q, kc, vc, md, sm_scale=..., **static) on n random batches; returns errors."""
     errs = []
     sm_scale = 1.0 / math.sqrt(cfg["d"])
     for _, case in random_batches(cfg, n, seed0):
         out = attn(jnp.asarray(case["q"]), jnp.asarray(case["kc"]), jnp.asarray(case["vc"]),
-                   case["layer"], case["md"], sm_scale=sm_scale, **static)
+                   case["md"], sm_scale=sm_scale, **static)
         errs.append(assert_close_to_naive(
             out, case, atol=TOL[cfg["dtype"]], sm_scale=sm_scale,
             sliding_window=static.get("sliding_window"), soft_cap=static.get("soft_cap")))

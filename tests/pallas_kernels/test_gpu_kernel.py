@@ -71,7 +71,7 @@ def test_query_lengths_1_to_64(impl):
     cfg = CONFIGS["gqa1-d64-p8-f32"]
     for case in query_length_sweep_cases(cfg, seed=5):
         out = attn_jit(jnp.asarray(case["q"]), jnp.asarray(case["kc"]), jnp.asarray(case["vc"]),
-                       case["layer"], case["md"], sm_scale=0.125, impl=impl)
+                       case["md"], sm_scale=0.125, impl=impl)
         assert_close_to_naive(out, case, atol=1e-5, sm_scale=0.125)
 
 
@@ -81,7 +81,7 @@ def test_block_size_knobs_and_all_padding(impl):
                      r_pad=6, t_pad=64, seed=3)
     for bq, chunk in ((4, 2), (16, 8)):
         out = kernel_jit(jnp.asarray(case["q"]), jnp.asarray(case["kc"]), jnp.asarray(case["vc"]),
-                         1, case["md"], sm_scale=0.2, queries_per_block=bq, chunk_pages=chunk,
+                         case["md"], sm_scale=0.2, queries_per_block=bq, chunk_pages=chunk,
                          interpret=interp)
         assert_close_to_naive(out, case, atol=1e-5, sm_scale=0.2)
     md = case["md"]
@@ -89,7 +89,7 @@ def test_block_size_knobs_and_all_padding(impl):
                      query_start_loc=jnp.zeros_like(md.query_start_loc),
                      num_seqs=jnp.asarray(0, jnp.int32), slot_mapping=md.slot_mapping)
     out = kernel_jit(jnp.asarray(case["q"]), jnp.asarray(case["kc"]), jnp.asarray(case["vc"]),
-                     1, empty, sm_scale=0.2, interpret=interp)
+                     empty, sm_scale=0.2, interpret=interp)
     assert np.all(np.asarray(out) == 0)
 
 
@@ -97,7 +97,7 @@ def test_block_size_knobs_and_all_padding(impl):
 def test_lowers_to_triton(dtype, d):
     """The Triton lowering (Pallas -> Triton IR) runs on any host; only compiling needs a GPU."""
     case = make_case([(20, 1), (0, 12)], page_size=16, hq=8, hkv=1, d=d, r_pad=4, t_pad=16)
-    args = [jnp.asarray(case[k], dtype) for k in ("q", "kc", "vc")] + [case["layer"], case["md"]]
+    args = [jnp.asarray(case[k], dtype) for k in ("q", "kc", "vc")] + [case["md"]]
     lowered = kernel_jit.trace(*args, sm_scale=0.1, sliding_window=8, soft_cap=5.0,
                                kv_splits=2).lower(lowering_platforms=("cuda",))
     assert "xla.gpu.triton" in lowered.as_text()
@@ -109,26 +109,28 @@ def test_validation_errors():
     md = case["md"]
     call = functools.partial(ragged_paged_attention, sm_scale=0.1, impl="gpu-interpret")
     with pytest.raises(ValueError, match="head dim mismatch"):
-        call(q[..., :32], kc, vc, 0, md)
+        call(q[..., :32], kc, vc, md)
     with pytest.raises(ValueError, match="multiple of Hkv"):
-        call(q[:, :3], kc, vc, 0, md)
+        call(q[:, :3], kc, vc, md)
     with pytest.raises(ValueError, match=r"\[T, Hq, D\]"):
-        call(q[0], kc, vc, 0, md)
+        call(q[0], kc, vc, md)
     with pytest.raises(ValueError, match="one dtype"):
-        call(q.astype(jnp.bfloat16), kc, vc, 0, md)
+        call(q.astype(jnp.bfloat16), kc, vc, md)
+    with pytest.raises(ValueError, match=r"\[N, page_size, Hkv, D\]"):  # a layer-stacked cache
+        call(q, kc[None], vc[None], md)
     with pytest.raises(ValueError, match="slot_mapping"):
-        call(q[:3], kc, vc, 0, md)
+        call(q[:3], kc, vc, md)
     with pytest.raises(ValueError, match="kv_lens"):
-        call(q, kc, vc, 0, type(md)(md.block_tables, md.kv_lens[:1], md.query_start_loc,
+        call(q, kc, vc, type(md)(md.block_tables, md.kv_lens[:1], md.query_start_loc,
                                     md.num_seqs, md.slot_mapping))
     with pytest.raises(ValueError, match="integer"):
-        call(q, kc, vc, 0, type(md)(md.block_tables, md.kv_lens.astype(jnp.float32),
+        call(q, kc, vc, type(md)(md.block_tables, md.kv_lens.astype(jnp.float32),
                                     md.query_start_loc, md.num_seqs, md.slot_mapping))
     with pytest.raises(ValueError, match="power-of-two head dim"):
-        ragged_paged_attention_gpu(q[..., :48], kc[..., :48], vc[..., :48], 0, md, sm_scale=0.1)
+        ragged_paged_attention_gpu(q[..., :48], kc[..., :48], vc[..., :48], md, sm_scale=0.1)
     # auto never picks an unsupported kernel; interpret=True maps "gpu" to "gpu-interpret".
     assert attn_ops.resolve_impl("auto", backend="gpu") == "gpu"
-    out = ragged_paged_attention(q, kc, vc, 0, md, sm_scale=0.1, impl="gpu", interpret=True)
+    out = ragged_paged_attention(q, kc, vc, md, sm_scale=0.1, impl="gpu", interpret=True)
     assert out.shape == q.shape
 
 

@@ -1,4 +1,4 @@
-"""write_kv: one in-place scatter into the layer-stacked paged KV cache."""
+"""write_kv: one in-place scatter into one layer's paged KV cache."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import lax
 
 from jaxserve.pallas_kernels import AttentionMetadata, ragged_paged_attention, write_kv
 from jaxserve.pallas_kernels.kv_cache_update import ops as kv_ops
 
 L, N, PS, HKV, D = 4, 9, 8, 2, 16
+CACHE_SHAPE = f"f32[{N},{PS},{HKV},{D}]"  # one layer's cache in HLO text
 
 
 def cache_copies(hlo: str, cache_shape: str) -> list[str]:
@@ -23,20 +23,27 @@ def cache_copies(hlo: str, cache_shape: str) -> list[str]:
 
 
 def random_cache(rng, dtype=np.float32):
-    shape = (L, N, PS, HKV, D)
+    """One layer's (k_cache, v_cache), each [N, PS, HKV, D]."""
+    shape = (N, PS, HKV, D)
     return (rng.standard_normal(shape).astype(dtype), rng.standard_normal(shape).astype(dtype))
 
 
-def naive_write(kc, vc, layer, k, v, slots):
+def random_caches(rng):
+    """L layers' caches: a tuple of L k arrays and a tuple of L v arrays."""
+    kcs, vcs = zip(*(random_cache(rng) for _ in range(L)))
+    return kcs, vcs
+
+
+def naive_write(kc, vc, k, v, slots):
     kc, vc = kc.copy(), vc.copy()
     for t, s in enumerate(slots):
         if 0 <= s < N * PS:
-            kc[layer, s // PS, s % PS] = k[t]
-            vc[layer, s // PS, s % PS] = v[t]
+            kc[s // PS, s % PS] = k[t]
+            vc[s // PS, s % PS] = v[t]
     return kc, vc
 
 
-def test_write_layer_python_int_and_traced():
+def test_write_eager_and_jitted():
     rng = np.random.default_rng(0)
     kc, vc = random_cache(rng)
     T = 13
@@ -44,18 +51,15 @@ def test_write_layer_python_int_and_traced():
     slots = rng.permutation(np.arange(PS, N * PS))[:T].astype(np.int32)
     k = rng.standard_normal((T, HKV, D), np.float32)
     v = rng.standard_normal((T, HKV, D), np.float32)
-    want_k, want_v = naive_write(kc, vc, 2, k, v, slots)
+    # (The whole arrays are compared: every slot not written is untouched, bit for bit.)
+    want_k, want_v = naive_write(kc, vc, k, v, slots)
 
-    got_k, got_v = write_kv(jnp.asarray(kc), jnp.asarray(vc), 2, k, v, jnp.asarray(slots))
+    got_k, got_v = write_kv(jnp.asarray(kc), jnp.asarray(vc), k, v, jnp.asarray(slots))
     np.testing.assert_array_equal(np.asarray(got_k), want_k)
     np.testing.assert_array_equal(np.asarray(got_v), want_v)
-    # Other layers are untouched, bit for bit.
-    for other in (0, 1, 3):
-        np.testing.assert_array_equal(np.asarray(got_k)[other], kc[other])
-        np.testing.assert_array_equal(np.asarray(got_v)[other], vc[other])
 
     jitted = jax.jit(write_kv)
-    got_k, got_v = jitted(jnp.asarray(kc), jnp.asarray(vc), jnp.int32(2), k, v, jnp.asarray(slots))
+    got_k, got_v = jitted(jnp.asarray(kc), jnp.asarray(vc), k, v, jnp.asarray(slots))
     np.testing.assert_array_equal(np.asarray(got_k), want_k)
     np.testing.assert_array_equal(np.asarray(got_v), want_v)
 
@@ -70,74 +74,72 @@ def test_padding_tokens_and_dtype_cast_and_out_of_range():
     T = len(slots)
     k = rng.standard_normal((T, HKV, D), np.float32)
     v = rng.standard_normal((T, HKV, D), np.float32)
-    got_k, got_v = jax.jit(write_kv)(kc, vc, jnp.int32(3), k, v, jnp.asarray(slots))
+    got_k, got_v = jax.jit(write_kv)(kc, vc, k, v, jnp.asarray(slots))
     assert got_k.dtype == jnp.bfloat16 and got_v.dtype == jnp.bfloat16
     want_k, want_v = naive_write(
-        np.asarray(kc, np.float32), np.asarray(vc, np.float32), 3,
+        np.asarray(kc, np.float32), np.asarray(vc, np.float32),
         np.asarray(jnp.asarray(k, jnp.bfloat16), np.float32),
         np.asarray(jnp.asarray(v, jnp.bfloat16), np.float32), live,
     )
-    # Everything but the null page of layer 3 is exactly as expected (padding writes land there,
-    # the out-of-range slot is dropped).
+    # Everything but the null page is exactly as expected (padding writes land there, the
+    # out-of-range slot is dropped).
     gk, gv = np.asarray(got_k, np.float32), np.asarray(got_v, np.float32)
-    np.testing.assert_array_equal(gk[:3], want_k[:3])
-    np.testing.assert_array_equal(gk[3, 1:], want_k[3, 1:])
-    np.testing.assert_array_equal(gv[3, 1:], want_v[3, 1:])
-    np.testing.assert_array_equal(gk[3, 0, 3:], want_k[3, 0, 3:])  # null slots 3.. untouched
+    np.testing.assert_array_equal(gk[1:], want_k[1:])
+    np.testing.assert_array_equal(gv[1:], want_v[1:])
+    np.testing.assert_array_equal(gk[0, 3:], want_k[0, 3:])  # null slots 3.. untouched
 
 
-def _scan_step(kc, vc, ks, vs, slots):
-    def body(carry, xs):
-        kc, vc = carry
-        layer, k, v = xs
-        kc, vc = write_kv(kc, vc, layer, k, v, slots)
-        # Read the layer back (as attention would), so the carry is both read and written.
-        return (kc, vc), kc[layer, slots // PS, slots % PS].sum()
-
-    (kc, vc), sums = lax.scan(body, (kc, vc), (jnp.arange(L, dtype=jnp.int32), ks, vs))
-    return kc, vc, sums
+def _layers_step(kcs, vcs, ks, vs, slots):
+    """The model's layer loop: one write per layer, each into that layer's own arrays."""
+    kcs, vcs, sums = list(kcs), list(vcs), []
+    for i in range(L):
+        kcs[i], vcs[i] = write_kv(kcs[i], vcs[i], ks[i], vs[i], slots)
+        # Read the layer back (as attention would), so each cache is both read and written.
+        sums.append(kcs[i][slots // PS, slots % PS].sum())
+    return tuple(kcs), tuple(vcs), jnp.stack(sums)
 
 
-def test_scan_carry_donated_updates_in_place():
+def test_per_layer_caches_donated_update_in_place():
     rng = np.random.default_rng(2)
-    kc, vc = random_cache(rng)
+    kcs, vcs = random_caches(rng)
     T = 5
     slots = jnp.asarray(rng.permutation(np.arange(PS, N * PS))[:T].astype(np.int32))
     ks = rng.standard_normal((L, T, HKV, D), np.float32)
     vs = rng.standard_normal((L, T, HKV, D), np.float32)
-    step = jax.jit(_scan_step, donate_argnums=(0, 1))
+    step = jax.jit(_layers_step, donate_argnums=(0, 1))
+    as_jax = lambda xs: tuple(jnp.asarray(x) for x in xs)  # noqa: E731
 
-    compiled = step.lower(jnp.asarray(kc), jnp.asarray(vc), ks, vs, slots).compile()
+    compiled = step.lower(as_jax(kcs), as_jax(vcs), ks, vs, slots).compile()
     hlo = compiled.as_text()
-    cache_shape = f"f32[{L},{N},{PS},{HKV},{D}]"
-    copies = cache_copies(hlo, cache_shape)
-    assert not copies, "the cache is copied:\n" + "\n".join(copies)
+    copies = cache_copies(hlo, CACHE_SHAPE)
+    assert not copies, "a cache is copied:\n" + "\n".join(copies)
     scatters = [
-        ln for ln in hlo.splitlines() if "scatter(" in ln and cache_shape in ln.split("=")[1][:80]
+        ln for ln in hlo.splitlines() if "scatter(" in ln and CACHE_SHAPE in ln.split("=")[1][:80]
     ]
-    assert scatters, "expected a scatter on the full stacked cache"
+    assert scatters, "expected a scatter on a layer's cache"
     mem = compiled.memory_analysis()
-    if mem is not None:  # both caches are aliased input->output, and no cache-sized temporary
-        assert mem.alias_size_in_bytes >= 2 * kc.nbytes
-        assert mem.temp_size_in_bytes < kc.nbytes
+    layer_bytes = kcs[0].nbytes
+    if mem is not None:  # all 2 L caches are aliased input->output, no cache-sized temporary
+        assert mem.alias_size_in_bytes >= 2 * L * layer_bytes
+        assert mem.temp_size_in_bytes < layer_bytes
 
-    kc_in, vc_in = jnp.asarray(kc), jnp.asarray(vc)
-    ptr = kc_in.unsafe_buffer_pointer()
+    kc_in, vc_in = as_jax(kcs), as_jax(vcs)
+    ptrs = [x.unsafe_buffer_pointer() for x in kc_in + vc_in]
     got_k, got_v, _ = step(kc_in, vc_in, ks, vs, slots)
-    assert kc_in.is_deleted()  # donated
+    assert all(x.is_deleted() for x in kc_in + vc_in)  # donated
     if jax.default_backend() == "cpu":
-        assert got_k.unsafe_buffer_pointer() == ptr, "the cache was not updated in place"
-    want_k, want_v = kc, vc
-    for layer in range(L):
-        want_k, want_v = naive_write(want_k, want_v, layer, ks[layer], vs[layer], np.asarray(slots))
-    np.testing.assert_array_equal(np.asarray(got_k), want_k)
-    np.testing.assert_array_equal(np.asarray(got_v), want_v)
+        got_ptrs = [x.unsafe_buffer_pointer() for x in got_k + got_v]
+        assert got_ptrs == ptrs, "a cache was not updated in place"
+    for i in range(L):
+        want_k, want_v = naive_write(kcs[i], vcs[i], ks[i], vs[i], np.asarray(slots))
+        np.testing.assert_array_equal(np.asarray(got_k[i]), want_k)
+        np.testing.assert_array_equal(np.asarray(got_v[i]), want_v)
 
 
-def test_scan_with_attention_keeps_cache_in_place():
-    """The model's layer scan: write_kv then attention (which reads the cache in while loops)."""
+def test_layer_loop_with_attention_keeps_caches_in_place():
+    """The model's layer loop: write_kv then attention (which reads the cache in while loops)."""
     rng = np.random.default_rng(4)
-    kc, vc = random_cache(rng)
+    kcs, vcs = random_caches(rng)
     # Two requests: a 3-token chunk after 9 cached tokens (pages 5, 2) and a decode (pages 7, 1).
     md = AttentionMetadata(
         block_tables=jnp.asarray([[5, 2], [7, 1]], jnp.int32),
@@ -152,27 +154,23 @@ def test_scan_with_attention_keeps_cache_in_place():
     ks = rng.standard_normal((L, T, HKV, D), np.float32)
     vs = rng.standard_normal((L, T, HKV, D), np.float32)
 
-    def step(kc, vc, qs, ks, vs, md):
-        def body(carry, xs):
-            kc, vc = carry
-            layer, q, k, v = xs
-            kc, vc = write_kv(kc, vc, layer, k, v, md.slot_mapping)
-            return (kc, vc), ragged_paged_attention(q, kc, vc, layer, md, sm_scale=0.25)
-
-        xs = (jnp.arange(L, dtype=jnp.int32), qs, ks, vs)
-        (kc, vc), out = lax.scan(body, (kc, vc), xs)
-        return kc, vc, out
+    def step(kcs, vcs, qs, ks, vs, md):
+        kcs, vcs, outs = list(kcs), list(vcs), []
+        for i in range(L):
+            kcs[i], vcs[i] = write_kv(kcs[i], vcs[i], ks[i], vs[i], md.slot_mapping)
+            outs.append(ragged_paged_attention(qs[i], kcs[i], vcs[i], md, sm_scale=0.25))
+        return tuple(kcs), tuple(vcs), jnp.stack(outs)
 
     step = jax.jit(step, donate_argnums=(0, 1))
-    hlo = step.lower(jnp.asarray(kc), jnp.asarray(vc), qs, ks, vs, md).compile().as_text()
-    cache_shape = f"f32[{L},{N},{PS},{HKV},{D}]"
-    copies = cache_copies(hlo, cache_shape)
-    assert not copies, "the cache is copied:\n" + "\n".join(copies)
-    kc_in, vc_in = jnp.asarray(kc), jnp.asarray(vc)
-    ptrs = kc_in.unsafe_buffer_pointer(), vc_in.unsafe_buffer_pointer()
+    as_jax = lambda xs: tuple(jnp.asarray(x) for x in xs)  # noqa: E731
+    hlo = step.lower(as_jax(kcs), as_jax(vcs), qs, ks, vs, md).compile().as_text()
+    copies = cache_copies(hlo, CACHE_SHAPE)
+    assert not copies, "a cache is copied:\n" + "\n".join(copies)
+    kc_in, vc_in = as_jax(kcs), as_jax(vcs)
+    ptrs = [x.unsafe_buffer_pointer() for x in kc_in + vc_in]
     got_k, got_v, out = step(kc_in, vc_in, qs, ks, vs, md)
     if jax.default_backend() == "cpu":
-        assert (got_k.unsafe_buffer_pointer(), got_v.unsafe_buffer_pointer()) == ptrs
+        assert [x.unsafe_buffer_pointer() for x in got_k + got_v] == ptrs
     assert np.all(np.isfinite(np.asarray(out))) and np.all(np.asarray(out)[:, 4:] == 0)
 
 
@@ -186,10 +184,10 @@ def test_dispatch_and_shape_errors():
     for impl in ("tpu", "gpu"):
         if impl not in kv_ops.available_impls():
             with pytest.raises(ValueError, match="not available yet"):
-                write_kv(kc, vc, 0, k, k, slots, impl=impl)
+                write_kv(kc, vc, k, k, slots, impl=impl)
     with pytest.raises(ValueError, match="unknown impl"):
-        write_kv(kc, vc, 0, k, k, slots, impl="nope")
-    with pytest.raises(ValueError, match="out of range"):
-        write_kv(kc, vc, L, k, k, slots)
+        write_kv(kc, vc, k, k, slots, impl="nope")
+    with pytest.raises(ValueError, match=r"\[N, page_size, Hkv, D\]"):  # a layer-stacked cache
+        write_kv(kc[None], vc[None], k, k, slots)
     with pytest.raises(ValueError, match=r"\[T=2"):
-        write_kv(kc, vc, 0, k[:, :1], k, slots)
+        write_kv(kc, vc, k[:, :1], k, slots)

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import lax
 
 from jaxserve.pallas_kernels import AttentionMetadata, ragged_paged_attention, write_kv
 from jaxserve.pallas_kernels.ragged_paged_attention import ops as attn_ops
@@ -39,7 +39,6 @@ def check(case, *, atol=1e-5, sliding_window=None, soft_cap=None, chunk_pages=No
         jnp.asarray(case["q"]),
         jnp.asarray(case["kc"]),
         jnp.asarray(case["vc"]),
-        case["layer"],
         case["md"],
         sm_scale=sm_scale,
         sliding_window=sliding_window,
@@ -116,8 +115,7 @@ def test_mixed_prefill_decode_and_chunked_prefill(dense_step):
 def test_gqa_head_dims_page_sizes(hq, hkv, d, page_size):
     reqs = [(0, 9), (33, 1), (7, 12), (16, 1), (40, 20)]
     case = make_case(
-        reqs, hq=hq, hkv=hkv, d=d, page_size=page_size, num_layers=3, layer=2, r_pad=8,
-        t_pad=64, seed=hq * 10 + d,
+        reqs, hq=hq, hkv=hkv, d=d, page_size=page_size, r_pad=8, t_pad=64, seed=hq * 10 + d,
     )
     check(case)
 
@@ -159,7 +157,7 @@ def test_all_padding_batch():
         slot_mapping=md.slot_mapping,
     )
     out = attn_jit(
-        jnp.asarray(case["q"]), jnp.asarray(case["kc"]), jnp.asarray(case["vc"]), 1, md,
+        jnp.asarray(case["q"]), jnp.asarray(case["kc"]), jnp.asarray(case["vc"]), md,
         sm_scale=0.125, sliding_window=None, soft_cap=None, chunk_pages=None,
     )  # the same static arguments and shapes as test_decode_only: no new compile
     assert np.all(np.asarray(out) == 0)
@@ -181,46 +179,45 @@ def test_one_executable_serves_all_context_lengths():
     assert sizes[1:] == sizes[:1] * (len(sizes) - 1), f"recompiled: cache sizes {sizes}"
 
 
-def test_traced_layer_inside_scan_with_write_kv():
-    """The model's use: a layer scan carrying the caches, write_kv then attention per layer."""
+def test_per_layer_caches_with_write_kv():
+    """The model's use: one cache pair per layer, a loop over layers, write_kv then attention.
+    Every layer's cache holds different values, so each layer's output checks that it read its
+    own arrays."""
     L, hq, hkv, d = 3, 6, 2, 64
     reqs = [(0, 11), (21, 1), (16, 5)]
-    case = make_case(reqs, hq=hq, hkv=hkv, d=d, num_layers=L, layer=0, r_pad=4, t_pad=24, seed=9)
+    case = make_case(reqs, hq=hq, hkv=hkv, d=d, r_pad=4, t_pad=24, seed=9)
     rng = np.random.default_rng(19)
     T = case["q"].shape[0]
+    shape = case["kc"].shape
+    kcs = [case["kc"]] + [rng.standard_normal(shape, np.float32) for _ in range(L - 1)]
+    vcs = [case["vc"]] + [rng.standard_normal(shape, np.float32) for _ in range(L - 1)]
     qs = rng.standard_normal((L, T, hq, d), np.float32)
     ks = rng.standard_normal((L, T, hkv, d), np.float32)
     vs = rng.standard_normal((L, T, hkv, d), np.float32)
     md = case["md"]
 
-    @jax.jit
-    def step(kc, vc, qs, ks, vs, md):
-        def layer_fn(carry, xs):
-            kc, vc = carry
-            layer, q, k, v = xs
-            kc, vc = write_kv(kc, vc, layer, k, v, md.slot_mapping)
-            return (kc, vc), ragged_paged_attention(q, kc, vc, layer, md, sm_scale=0.125)
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def step(kcs, vcs, qs, ks, vs, md):
+        kcs, vcs, outs = list(kcs), list(vcs), []
+        for i in range(L):
+            kcs[i], vcs[i] = write_kv(kcs[i], vcs[i], ks[i], vs[i], md.slot_mapping)
+            outs.append(ragged_paged_attention(qs[i], kcs[i], vcs[i], md, sm_scale=0.125))
+        return tuple(kcs), tuple(vcs), outs
 
-        xs = (jnp.arange(L, dtype=jnp.int32), qs, ks, vs)
-        (kc, vc), outs = lax.scan(layer_fn, (kc, vc), xs)
-        return kc, vc, outs
-
-    kc, vc, outs = step(jnp.asarray(case["kc"]), jnp.asarray(case["vc"]), qs, ks, vs, md)
+    kc_out, vc_out, outs = step(tuple(map(jnp.asarray, kcs)), tuple(map(jnp.asarray, vcs)),
+                                qs, ks, vs, md)
     # Expected: the caches with the new K/V written at slot_mapping (live tokens), then naive.
-    kc_w, vc_w = case["kc"].copy(), case["vc"].copy()
     n_live = int(case["qsl"][len(reqs)])
     slots = np.asarray(md.slot_mapping)[:n_live]
-    for layer in range(L):
-        kc_w[layer, slots // 16, slots % 16] = ks[layer, :n_live]
-        vc_w[layer, slots // 16, slots % 16] = vs[layer, :n_live]
-    # Live pages must match exactly (the null page holds arbitrary padding writes).
-    np.testing.assert_array_equal(np.asarray(kc)[:, 1:], kc_w[:, 1:])
-    np.testing.assert_array_equal(np.asarray(vc)[:, 1:], vc_w[:, 1:])
-    for layer in range(L):
-        want = naive_attention(
-            dict(case, q=qs[layer], kc=kc_w, vc=vc_w, layer=layer), sm_scale=0.125
-        )
-        np.testing.assert_allclose(np.asarray(outs[layer]), want, atol=1e-5, rtol=0)
+    for i in range(L):
+        kc_w, vc_w = kcs[i].copy(), vcs[i].copy()
+        kc_w[slots // 16, slots % 16] = ks[i, :n_live]
+        vc_w[slots // 16, slots % 16] = vs[i, :n_live]
+        # Live pages must match exactly (the null page holds arbitrary padding writes).
+        np.testing.assert_array_equal(np.asarray(kc_out[i])[1:], kc_w[1:])
+        np.testing.assert_array_equal(np.asarray(vc_out[i])[1:], vc_w[1:])
+        want = naive_attention(dict(case, q=qs[i], kc=kc_w, vc=vc_w), sm_scale=0.125)
+        np.testing.assert_allclose(np.asarray(outs[i]), want, atol=1e-5, rtol=0)
 
 
 def test_dispatch():
@@ -229,8 +226,7 @@ def test_dispatch():
         assert attn_ops.resolve_impl("auto") == "reference"
     assert attn_ops.resolve_impl("auto", backend="cpu") == "reference"
     case = make_case([(3, 2)], r_pad=2, t_pad=4, seed=4)
-    args = (jnp.asarray(case["q"]), jnp.asarray(case["kc"]), jnp.asarray(case["vc"]), 1,
-            case["md"])
+    args = (jnp.asarray(case["q"]), jnp.asarray(case["kc"]), jnp.asarray(case["vc"]), case["md"])
     for impl in ("tpu", "gpu"):
         if impl not in attn_ops.available_impls():
             with pytest.raises(ValueError, match="not available yet"):

@@ -73,7 +73,7 @@ def test_query_lengths_1_to_64(tpu_mode):
     cfg = CONFIGS["gqa1-d64-p8-f32"]
     for case in query_length_sweep_cases(cfg, seed=6):
         out = attn_jit(jnp.asarray(case["q"]), jnp.asarray(case["kc"]), jnp.asarray(case["vc"]),
-                       case["layer"], case["md"], sm_scale=0.125, impl="tpu")
+                       case["md"], sm_scale=0.125, impl="tpu")
         assert_close_to_naive(out, case, atol=1e-5, sm_scale=0.125)
 
 
@@ -85,7 +85,7 @@ def test_all_padding_batch(tpu_mode):
                      query_start_loc=jnp.zeros_like(md.query_start_loc),
                      num_seqs=jnp.asarray(0, jnp.int32), slot_mapping=md.slot_mapping)
     out = kernel_jit(jnp.asarray(case["q"]), jnp.asarray(case["kc"]), jnp.asarray(case["vc"]),
-                     1, empty, sm_scale=0.2)
+                     empty, sm_scale=0.2)
     assert np.all(np.asarray(out) == 0)
 
 
@@ -111,7 +111,7 @@ def test_lowers_to_mosaic(dtype, d, hkv, v5e_target):
     Mosaic's own layout passes run only when a TPU compiles the kernel."""
     case = make_case([(20, 1), (0, 12)], page_size=16, hq=4 * hkv, hkv=hkv, d=d, r_pad=4,
                      t_pad=16)
-    args = [jnp.asarray(case[k], dtype) for k in ("q", "kc", "vc")] + [case["layer"], case["md"]]
+    args = [jnp.asarray(case[k], dtype) for k in ("q", "kc", "vc")] + [case["md"]]
     lowered = kernel_jit.trace(*args, sm_scale=0.1, sliding_window=8, soft_cap=5.0).lower(
         lowering_platforms=("tpu",))
     assert "tpu_custom_call" in lowered.as_text()
@@ -121,11 +121,11 @@ def test_validation_errors():
     case = make_case([(3, 2)], page_size=16, hq=4, hkv=1, d=64, r_pad=2, t_pad=4)
     q, kc, vc = (jnp.asarray(case[k]) for k in ("q", "kc", "vc"))
     with pytest.raises(ValueError, match="multiple of 128"):
-        ragged_paged_attention(q, kc, vc, 0, case["md"], sm_scale=0.1, impl="tpu-interpret")
+        ragged_paged_attention(q, kc, vc, case["md"], sm_scale=0.1, impl="tpu-interpret")
     case = make_case([(3, 2)], page_size=8, hq=4, hkv=2, d=64, r_pad=2, t_pad=4)
     q, kc, vc = (jnp.asarray(case[k], jnp.bfloat16) for k in ("q", "kc", "vc"))
     with pytest.raises(ValueError, match="multiple of 16"):  # bf16 pages: whole (16, 128) tiles
-        ragged_paged_attention_tpu(q, kc, vc, 0, case["md"], sm_scale=0.1)
+        ragged_paged_attention_tpu(q, kc, vc, case["md"], sm_scale=0.1)
     assert attn_ops.resolve_impl("auto", backend="tpu") == "tpu"
 
 
