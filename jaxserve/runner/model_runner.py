@@ -103,7 +103,10 @@ class ModelRunner:
         self.grid = grid
         self.sampler_config = sampler_config
         self.max_num_seqs = max_num_seqs
-        self.graphdef, self.params = nnx.split(model)
+        self.graphdef, state = nnx.split(model)
+        # The weights travel to the step as a flat list of arrays: flattening the nnx State (one
+        # Variable per weight) on every call costs milliseconds of host time per step.
+        self.params, self._params_treedef = jax.tree.flatten(state)
         self.kv = allocate_kv_cache(self.cfg, num_pages, page_size, kv_dtype, mesh)
         self.replicated = NamedSharding(mesh, P())
         self.sstate = jax.device_put(init_sampling_state(sampler_config), self.replicated)
@@ -121,7 +124,7 @@ class ModelRunner:
     # ------------------------------------------------------------------ compilation
     def _step_fn(self, params, kv, sstate, inputs: ModelInputs, meta: SamplingMetadata, tok: TokenInfo):
         sstate = update_state_from_tokens(sstate, tok.slots, inputs.input_ids, tok.is_prompt, tok.valid, meta.reset_slots)
-        model = nnx.merge(self.graphdef, params)
+        model = nnx.merge(self.graphdef, jax.tree.unflatten(self._params_treedef, params))
         hidden, kv = model(inputs.input_ids, inputs.positions, kv, inputs.md)  # [T, E]
         logits = model.compute_logits(hidden[inputs.logits_indices])  # [R, V]
         out = sample(logits, meta, sstate, self.sampler_config)
@@ -153,7 +156,7 @@ class ModelRunner:
 
     def _compile_all(self, show_progress: bool) -> None:
         shaped = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
-        params = jax.tree.map(shaped, self.params)
+        params = [shaped(x) for x in self.params]
         kv = jax.tree.map(shaped, self.kv)
         sstate = jax.tree.map(shaped, self.sstate)
         jitted = jax.jit(self._step_fn, donate_argnums=(1, 2))
