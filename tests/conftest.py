@@ -66,6 +66,7 @@ def small_engine_options(default_model_dir, compile_cache_dir) -> dict:
     """Engine options with few compiled buckets, for tests on the real default model."""
     return dict(
         model=str(default_model_dir),
+        dtype="float32",  # compared against the float32 golden data
         max_num_seqs=8,
         max_num_batched_tokens=512,
         token_buckets=(16, 512),

@@ -12,8 +12,8 @@ import pytest
 
 API_KEY = "test-key"
 MODEL = "SmolLM2-135M-Instruct"
-ENGINE_OPTIONS = dict(max_num_seqs=8, max_num_batched_tokens=128, token_buckets=(16, 128), request_buckets=(1, 8),
-                      show_progress=False)
+ENGINE_OPTIONS = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=128, token_buckets=(16, 128),
+                      request_buckets=(1, 8), show_progress=False)
 
 
 def _free_port() -> int:
