@@ -86,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     s.add_argument("model", nargs="?", default=None, help="HF model directory or .gguf file (default: bundled model)")
-    s.add_argument("--model", dest="model_flag", default=None, help=argparse.SUPPRESS)
+    s.add_argument("--model", dest="model_flag", default=None,
+                   help="the model as an option; it can follow multi-value flags such as --token-buckets")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--served-model-name", nargs="+", default=None, help="name(s) clients use; the first is reported")
@@ -119,7 +120,7 @@ def _serve(args: argparse.Namespace) -> int:
     from jaxserve.server.app import build_app
     from jaxserve.server.async_engine import AsyncEngine
 
-    model = args.model or args.model_flag
+    model = serve_model(args)
     names = args.served_model_name
     opts = engine_options(args)
     if names:
@@ -157,6 +158,14 @@ def _generate(args: argparse.Namespace) -> int:
         outs = llm.generate(args.prompt, params, use_tqdm=False)
     print(outs[0].outputs[0].text)
     return 0
+
+
+def serve_model(args: argparse.Namespace) -> str | None:
+    """The model `serve` was given, positionally or with --model (not two different ones)."""
+    if args.model and args.model_flag and args.model != args.model_flag:
+        raise SystemExit(f"jaxserve serve: two models given ({args.model!r} and --model "
+                         f"{args.model_flag!r}); pass one")
+    return args.model or args.model_flag
 
 
 def main(argv: list[str] | None = None) -> int:
