@@ -24,12 +24,20 @@ from jaxserve.models import sharding as ax
 from jaxserve.models.arch_config import ArchConfig
 from jaxserve.models.interface import AttentionMetadata, KVCache
 from jaxserve.models.layers.attention import AttentionSpec, paged_attention
-from jaxserve.models.layers.linear import dense
+from jaxserve.models.layers.linear import dense, pack_linear_weights, weight_value
 from jaxserve.models.layers.norm import rms_norm
 from jaxserve.models.layers.rotary import apply_rotary, inverse_frequencies
 
 # A checkpoint tensor getter: HF tensor name -> numpy array.
 TensorGetter = Callable[[str], np.ndarray]
+
+# The `dense` spec of each decoder-layer matmul weight, and of the LM head (separate [E, V];
+# tied to the [V, E] embedding).
+LAYER_SPECS = {
+    "wq": "te,ehd->thd", "wk": "te,ehd->thd", "wv": "te,ehd->thd", "wo": "thd,hde->te",
+    "w_gate": "te,ef->tf", "w_up": "te,ef->tf", "w_down": "tf,fe->te",
+}
+HEAD_SPECS = ("ne,ev->nv", "ne,ve->nv")
 
 
 def _param(rngs: nnx.Rngs | None, shape, axes, dtype, scale: float, ones: bool = False) -> nnx.Param:
@@ -117,7 +125,8 @@ class LlamaForCausalLM(nnx.Module):
         k_caches, v_caches = list(kv_cache.k), list(kv_cache.v)
         for i, layer in enumerate(self.layers):
             with jax.named_scope(f"layer_{i}"):
-                p = {name: var[...] for name, var in vars(layer).items() if isinstance(var, nnx.Param)}
+                p = {name: weight_value(var) for name, var in vars(layer).items()
+                     if isinstance(var, nnx.Param)}
                 h, k_caches[i], v_caches[i] = self._layer(
                     p, h, positions, inv_freq, k_caches[i], v_caches[i], md
                 )
@@ -129,9 +138,9 @@ class LlamaForCausalLM(nnx.Module):
         cfg = self.config
         with jax.named_scope("attention"):
             x = rms_norm(h, p["input_norm"], cfg.rms_norm_eps)  # [T, E]
-            q = dense("te,ehd->thd", x, p["wq"])  # [T, Hq, D]
-            k = dense("te,ehd->thd", x, p["wk"])  # [T, Hkv, D]
-            v = dense("te,ehd->thd", x, p["wv"])
+            q = dense(LAYER_SPECS["wq"], x, p["wq"])  # [T, Hq, D]
+            k = dense(LAYER_SPECS["wk"], x, p["wk"])  # [T, Hkv, D]
+            v = dense(LAYER_SPECS["wv"], x, p["wv"])
             if cfg.qkv_bias:
                 q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
             if cfg.qk_norm:
@@ -144,17 +153,17 @@ class LlamaForCausalLM(nnx.Module):
                 q.astype(cache_dtype), k.astype(cache_dtype), v.astype(cache_dtype),
                 k_cache, v_cache, md, self.attn_spec, self.mesh,
             )  # attn: [T, Hq, D]
-            o = dense("thd,hde->te", attn, p["wo"])  # [T, E]
+            o = dense(LAYER_SPECS["wo"], attn, p["wo"])  # [T, E]
             if cfg.o_bias:
                 o = o + p["bo"]
             h = h + o
         with jax.named_scope("mlp"):
             x = rms_norm(h, p["post_norm"], cfg.rms_norm_eps)
-            gate = dense("te,ef->tf", x, p["w_gate"])  # [T, F]
-            up = dense("te,ef->tf", x, p["w_up"])
+            gate = dense(LAYER_SPECS["w_gate"], x, p["w_gate"])  # [T, F]
+            up = dense(LAYER_SPECS["w_up"], x, p["w_up"])
             if cfg.mlp_bias:
                 gate, up = gate + p["b_gate"], up + p["b_up"]
-            down = dense("tf,fe->te", jax.nn.silu(gate) * up, p["w_down"])  # [T, E]
+            down = dense(LAYER_SPECS["w_down"], jax.nn.silu(gate) * up, p["w_down"])  # [T, E]
             if cfg.mlp_bias:
                 down = down + p["b_down"]
             h = h + down
@@ -163,9 +172,15 @@ class LlamaForCausalLM(nnx.Module):
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         """hidden: [N, E] (after the final norm) -> float32 logits [N, V]."""
         with jax.named_scope("lm_head"):
-            if self.config.tie_word_embeddings:
-                return dense("ne,ve->nv", hidden, self.embed[...])
-            return dense("ne,ev->nv", hidden, self.lm_head[...])
+            head = getattr(self, "lm_head", None)  # a tied model has one only when packed
+            if head is not None:
+                return dense(HEAD_SPECS[0], hidden, weight_value(head))
+            return dense(HEAD_SPECS[1], hidden, self.embed[...])
+
+    def pack_for_amx(self) -> int:
+        """Pack the bfloat16 matmul weights for the CPU AMX kernel, in place (see
+        `models/layers/linear.py`); returns the number of weights packed."""
+        return pack_linear_weights(self, LAYER_SPECS, HEAD_SPECS)
 
     # ------------------------------------------------------------------ weights
     @classmethod

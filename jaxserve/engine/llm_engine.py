@@ -23,6 +23,7 @@ from jaxserve.models.arch_config import ArchConfig
 from jaxserve.models.loader import load_checkpoint, resolve_model
 from jaxserve.models.weights import create_model
 from jaxserve.outputs import OutputKind, RequestOutput
+from jaxserve.pallas_kernels.cpu.matmul import resolve_matmul_impl
 from jaxserve.parallel.mesh import make_mesh
 from jaxserve.request import Request, RequestStatus
 from jaxserve.runner.buckets import BucketGrid
@@ -62,6 +63,9 @@ class LLMEngine:
         self.mesh = make_mesh(config.parallel.data, config.parallel.model)
         model = create_model(self.arch, dtype=self.dtype, mesh=self.mesh, attention_impl=mc.attention_impl,
                              get_tensor=ckpt.get_tensor)
+        self.matmul_impl = resolve_matmul_impl(mc.matmul_impl, backend, self.dtype, self.mesh)
+        if self.matmul_impl == "amx":
+            logger.info("packed %d weights for the AMX matmul kernel", model.pack_for_amx())
         self.load_seconds = time.perf_counter() - t0
         cc = config.cache
         num_pages = cc.num_pages or num_pages_for_budget(self.arch, cc.page_size, self.kv_dtype, self._kv_budget(backend))

@@ -3,14 +3,112 @@
 On XLA:CPU a bfloat16 product with `preferred_element_type=float32` is about twice as fast as
 float32 (with >= 8 rows), while a bfloat16 output is much slower; on TPU/GPU this is the
 standard mixed-precision pattern. Activations are cast to the weight dtype at the product.
+
+On CPUs with AMX, bfloat16 weights can instead be packed once at load time
+(`pack_linear_weights`) into the tile layout of the native AMX kernel
+(`pallas_kernels/cpu/matmul.py`); `dense` then calls that kernel. A packed weight lives in a
+`PackedParam` (an `nnx.Param` whose value is the packed array, with the logical output shape as
+metadata), and the model reads it through `weight_value`, which hands `dense` a `PackedWeight`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import jax
 import jax.numpy as jnp
+import numpy as np
+from flax import nnx
 
 
-def dense(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+class PackedParam(nnx.Param):
+    """A matmul weight in the AMX kernel's tile layout; metadata `out_shape`: its output dims."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedWeight:
+    blocks: jax.Array  # [N / 16, K / 32, 16, 32] bfloat16
+    out_shape: tuple[int, ...]
+
+
+def weight_value(var: nnx.Variable) -> jax.Array | PackedWeight:
+    """What `dense` takes for weight variable `var`."""
+    if isinstance(var, PackedParam):
+        return PackedWeight(var[...], tuple(var.get_metadata()["out_shape"]))
+    return var[...]
+
+
+def _parse(spec: str) -> tuple[str, str, str, str]:
+    """'te,ehd->thd' -> (x letters, w letters, output letters, contracted letters)."""
+    inputs, out = spec.split("->")
+    xs, ws = inputs.split(",")
+    contract = "".join(c for c in xs if c in ws and c not in out)
+    return xs, ws, out, contract
+
+
+def dense(spec: str, x: jax.Array, w: jax.Array | PackedWeight) -> jax.Array:
     """einsum(spec, x, w) with x cast to w's dtype and a float32 result."""
+    if isinstance(w, PackedWeight):
+        from jaxserve.pallas_kernels.cpu.matmul import amx_matmul
+
+        nc = len(_parse(spec)[3])
+        lead = x.shape[: x.ndim - nc]
+        y = amx_matmul(x.reshape(math.prod(lead), -1), w.blocks)
+        return y.reshape(*lead, *w.out_shape)
     return jnp.einsum(spec, x.astype(w.dtype), w, preferred_element_type=jnp.float32)
+
+
+def pack_for_spec(spec: str, w: np.ndarray) -> tuple[np.ndarray, tuple[int, ...]] | None:
+    """The AMX tile layout of weight `w` as used by `dense(spec, x, w)`, and its output dims;
+    None when the product does not fit the kernel (K or N not a multiple of 32, or the
+    contracted dims not trailing in x)."""
+    from jaxserve.pallas_kernels.cpu.matmul import pack_weight, packable
+
+    xs, ws, out, contract = _parse(spec)
+    w_out = "".join(c for c in out if c in ws)
+    if not xs.endswith(contract) or out != xs[: len(xs) - len(contract)] + w_out:
+        return None
+    perm = [ws.index(c) for c in contract + w_out]
+    out_shape = tuple(w.shape[ws.index(c)] for c in w_out)
+    k, n = math.prod(w.shape[ws.index(c)] for c in contract), math.prod(out_shape)
+    if not packable(k, n):
+        return None
+    return pack_weight(np.transpose(w, perm).reshape(k, n)), out_shape
+
+
+def pack_linear_weights(model, specs: dict[str, str], head_specs: tuple[str, str]) -> int:
+    """Replace `model`'s bfloat16 matmul weights by AMX-packed ones, in place; returns how many.
+
+    specs: decoder-layer weight name -> its `dense` spec. head_specs: the LM head's spec with a
+    separate `lm_head` [E, V] and with the tied embedding [V, E]; a tied model gets a packed
+    `lm_head` (the embedding stays, for the lookup).
+    """
+    count = 0
+
+    def packed(spec: str, value: jax.Array) -> PackedParam | None:
+        if value.dtype != jnp.bfloat16:
+            return None
+        res = pack_for_spec(spec, np.asarray(value))
+        if res is None:
+            return None
+        blocks, out_shape = res
+        return PackedParam(jax.device_put(blocks, value.sharding), out_shape=out_shape)
+
+    for layer in model.layers:
+        for name, spec in specs.items():
+            var = getattr(layer, name, None)
+            if var is None or isinstance(var, PackedParam):
+                continue
+            p = packed(spec, var[...])
+            if p is not None:
+                setattr(layer, name, p)
+                count += 1
+    head = getattr(model, "lm_head", None)
+    if not isinstance(head, PackedParam):
+        p = (packed(head_specs[0], head[...]) if head is not None
+             else packed(head_specs[1], model.embed[...]))
+        if p is not None:
+            model.lm_head = p
+            count += 1
+    return count

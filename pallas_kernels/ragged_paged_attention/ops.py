@@ -32,7 +32,7 @@ from jaxserve.pallas_kernels.registry import ImplRegistry
 _REGISTRY = ImplRegistry(
     "ragged_paged_attention",
     {"reference": ragged_paged_attention_reference},
-    known_kernels=("tpu", "gpu", "tpu-interpret", "gpu-interpret"),
+    known_kernels=("cpu", "tpu", "gpu", "tpu-interpret", "gpu-interpret"),
 )
 # Shape checks of the kernels that "auto" consults before picking one: name -> fn(q, k_cache)
 # raising ValueError when the kernel cannot take those shapes.
@@ -147,7 +147,7 @@ def ragged_paged_attention(
             name = "reference"
     if interpret and name in ("tpu", "gpu"):
         name = f"{name}-interpret"
-    if name != "reference" and q.dtype != k_cache.dtype:
+    if name not in ("reference", "cpu") and q.dtype != k_cache.dtype:
         raise ValueError(f"the {name} kernel needs q and the caches in one dtype; got q "
                          f"{q.dtype}, cache {k_cache.dtype}")
     return _REGISTRY.impls[name](
@@ -163,8 +163,9 @@ def ragged_paged_attention(
 
 
 def _register_kernels() -> None:
-    from jaxserve.pallas_kernels.ragged_paged_attention import gpu, tpu
+    from jaxserve.pallas_kernels.ragged_paged_attention import cpu, gpu, tpu
 
+    register_impl("cpu", cpu.ragged_paged_attention_cpu, cpu.supports)
     register_impl("tpu", tpu.ragged_paged_attention_tpu, tpu.supports)
     register_impl("gpu", gpu.ragged_paged_attention_gpu, gpu.supports)
     register_impl("tpu-interpret",

@@ -1,0 +1,462 @@
+// Ragged paged attention for XLA:CPU, called through the XLA FFI
+// (see pallas_kernels/ragged_paged_attention/cpu.py).
+//
+// Same semantics as reference.py: token t of request r sits at position
+// p = kv_lens[r] - (query_start_loc[r + 1] - t) and attends to positions j <= p of its request
+// (and j > p - W with a sliding window W), read from the paged cache through the block table.
+// Query head h reads KV head h / G (G = Hq / Hkv). Padding tokens output zeros.
+//
+// Work items are (request, KV head, block of up to kQueryBlock consecutive queries). An item
+// holds the G query heads of its KV head for each of its tokens as rows, walks the keys its
+// rows can see in chunks of kKeyChunk, and keeps an online softmax (running max, sum and
+// float32 accumulator) per row, so each key and value vector is read once per item and used
+// by all of its rows. Items are spread over XLA's intra-op thread pool.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include "parallel.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kQueryBlock = 16;  // tokens per work item
+constexpr int kKeyChunk = 64;    // keys per online-softmax update
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// exp(x) for float32, Cephes-style: 2^n * e^r with |r| <= ln2/2 and a degree-6 polynomial
+// (relative error ~2e-7). Branch-free so that loops over it vectorize. exp(-inf) = 0.
+inline float fast_exp(float x) {
+  const bool neg_inf = x < -87.0f;
+  x = std::min(std::max(x, -87.0f), 88.0f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return neg_inf ? 0.0f : p * scale;
+}
+
+// max of x[lo..hi) (non-empty).
+inline float range_max(const float* x, int lo, int hi) {
+#if defined(__AVX512F__)
+  __m512 mv = _mm512_set1_ps(kNegInf);
+  for (int j = lo; j < hi; j += 16) {
+    const __mmask16 mk = static_cast<__mmask16>((1u << std::min(16, hi - j)) - 1);
+    mv = _mm512_mask_max_ps(mv, mk, mv, _mm512_maskz_loadu_ps(mk, x + j));
+  }
+  return _mm512_reduce_max_ps(mv);
+#else
+  float mv = kNegInf;
+  for (int j = lo; j < hi; ++j) mv = std::max(mv, x[j]);
+  return mv;
+#endif
+}
+
+#if defined(__AVX512F__)
+inline __m512 exp512(__m512 x) {  // fast_exp on 16 lanes
+  const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  const __m512 n = _mm512_roundscale_ps(
+      _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  const __m512i e = _mm512_slli_epi32(
+      _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mul_ps(static_cast<__mmask16>(~tiny), p, _mm512_castsi512_ps(e));
+}
+#endif
+
+// x[j] = exp(x[j] - m) for j in [lo, hi); returns their sum.
+inline float exp_sum(float* x, int lo, int hi, float m) {
+#if defined(__AVX512F__)
+  __m512 sum = _mm512_setzero_ps();
+  const __m512 mv = _mm512_set1_ps(m);
+  for (int j = lo; j < hi; j += 16) {
+    const __mmask16 mk = static_cast<__mmask16>((1u << std::min(16, hi - j)) - 1);
+    const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, x + j), mv));
+    _mm512_mask_storeu_ps(x + j, mk, e);
+    sum = _mm512_mask_add_ps(sum, mk, sum, e);
+  }
+  return _mm512_reduce_add_ps(sum);
+#else
+  float sum = 0.0f;
+  for (int j = lo; j < hi; ++j) {
+    x[j] = fast_exp(x[j] - m);
+    sum += x[j];
+  }
+  return sum;
+#endif
+}
+
+inline void load_row(const uint16_t* src, float* dst, int d) {
+#pragma omp simd
+  for (int i = 0; i < d; ++i) {
+    const uint32_t u = static_cast<uint32_t>(src[i]) << 16;
+    std::memcpy(&dst[i], &u, sizeof(float));
+  }
+}
+
+// s[i * ld + j] = <q_i, k[j]> for rows i < rows and keys j < n (q: [rows, d]; k[j] points to
+// key j's d floats; with AVX-512, k must hold a multiple of 16 pointers, the extra ones to zeros).
+inline void qk_scores(const float* q, int rows, const float* const* k, int n, int d, float* s,
+                      int ld) {
+#if defined(__AVX512F__)
+  if (d % 16 == 0) {
+    for (int i = 0; i < rows; ++i) {
+      const float* qi = q + i * d;
+      for (int j0 = 0; j0 < n; j0 += 16) {
+        __m512 a[16];
+        for (int j = 0; j < 16; ++j) a[j] = _mm512_setzero_ps();
+        for (int c = 0; c < d; c += 16) {
+          const __m512 qv = _mm512_loadu_ps(qi + c);
+          for (int j = 0; j < 16; ++j) {
+            a[j] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k[j0 + j] + c), a[j]);
+          }
+        }
+        // Transpose-reduce: lane j of r is the sum of a[j]'s 16 lanes.
+        __m512 x[8];
+        for (int p = 0; p < 8; ++p) {
+          x[p] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * p], a[2 * p + 1]),
+                               _mm512_unpackhi_ps(a[2 * p], a[2 * p + 1]));
+        }
+        __m512 y[4];
+        for (int p = 0; p < 4; ++p) {
+          y[p] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * p], x[2 * p + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                               _mm512_shuffle_ps(x[2 * p], x[2 * p + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+        }
+        const __m512 u0 = _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                        _mm512_shuffle_f32x4(y[0], y[1], _MM_SHUFFLE(3, 1, 3, 1)));
+        const __m512 u1 = _mm512_add_ps(_mm512_shuffle_f32x4(y[2], y[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                        _mm512_shuffle_f32x4(y[2], y[3], _MM_SHUFFLE(3, 1, 3, 1)));
+        const __m512 r = _mm512_add_ps(_mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(2, 0, 2, 0)),
+                                       _mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(3, 1, 3, 1)));
+        const int m = std::min(16, n - j0);
+        _mm512_mask_storeu_ps(s + i * ld + j0, static_cast<__mmask16>((1u << m) - 1), r);
+      }
+    }
+    return;
+  }
+#endif
+  for (int i = 0; i < rows; ++i) {
+    for (int j = 0; j < n; ++j) {
+      float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+      for (int c = 0; c < d; ++c) acc += q[i * d + c] * k[j][c];
+      s[i * ld + j] = acc;
+    }
+  }
+}
+
+// acc_i += sum_j p[i * ld + j] * v[j] for rows i < rows and keys j < n (v[j]: d floats).
+inline void pv_accumulate(const float* p, int rows, const float* const* v, int n, int d,
+                          float* acc, int ld) {
+#if defined(__AVX512F__)
+  if (d % 64 == 0) {
+    constexpr int kRows = 4;  // 4 rows x 64 columns of accumulators stay in registers
+    for (int c = 0; c < d; c += 64) {
+      for (int i0 = 0; i0 < rows; i0 += kRows) {
+        const int nr = std::min(kRows, rows - i0);
+        __m512 a[kRows][4];
+        for (int r = 0; r < nr; ++r) {
+          for (int x = 0; x < 4; ++x) a[r][x] = _mm512_loadu_ps(acc + (i0 + r) * d + c + 16 * x);
+        }
+        for (int j = 0; j < n; ++j) {
+          const float* vj = v[j] + c;
+          const __m512 v0 = _mm512_loadu_ps(vj), v1 = _mm512_loadu_ps(vj + 16);
+          const __m512 v2 = _mm512_loadu_ps(vj + 32), v3 = _mm512_loadu_ps(vj + 48);
+          for (int r = 0; r < nr; ++r) {
+            const __m512 pr = _mm512_set1_ps(p[(i0 + r) * ld + j]);
+            a[r][0] = _mm512_fmadd_ps(pr, v0, a[r][0]);
+            a[r][1] = _mm512_fmadd_ps(pr, v1, a[r][1]);
+            a[r][2] = _mm512_fmadd_ps(pr, v2, a[r][2]);
+            a[r][3] = _mm512_fmadd_ps(pr, v3, a[r][3]);
+          }
+        }
+        for (int r = 0; r < nr; ++r) {
+          for (int x = 0; x < 4; ++x) _mm512_storeu_ps(acc + (i0 + r) * d + c + 16 * x, a[r][x]);
+        }
+      }
+    }
+    return;
+  }
+#endif
+  for (int i = 0; i < rows; ++i) {
+    float* ai = acc + i * d;
+    for (int j = 0; j < n; ++j) {
+      const float pj = p[i * ld + j];
+#pragma omp simd
+      for (int c = 0; c < d; ++c) ai[c] += pj * v[j][c];
+    }
+  }
+}
+
+struct Problem {
+  const float* q;        // [T, Hq, D]
+  const void* k_cache;   // [N, page_size, Hkv, D], float32 or bfloat16
+  const void* v_cache;
+  const int32_t* block_tables;  // [R, pages_per_row]
+  const int32_t* kv_lens;       // [R]
+  const int32_t* query_start_loc;  // [R + 1]
+  float* out;            // [T, Hq, D]
+  int64_t pages_per_row, num_pages, page_size, hq, hkv, d, g;
+  float sm_scale, soft_cap;  // soft_cap <= 0: none
+  int32_t window;            // <= 0: none
+};
+
+struct WorkItem {
+  int32_t r, h, t0, t1;
+};
+
+template <typename KT>
+void run_item(const Problem& p, const WorkItem& w, std::vector<float>& scratch) {
+  const int nt = w.t1 - w.t0, G = static_cast<int>(p.g), D = static_cast<int>(p.d);
+  const int rows = nt * G;
+  const bool convert = !std::is_same_v<KT, float>;  // bfloat16 rows are widened into buffers
+  scratch.resize(static_cast<size_t>(rows) * (2 * D + 3 + kKeyChunk) + (convert ? 2 : 0) * kKeyChunk * D + D);
+  float* qrows = scratch.data();             // [rows, D], pre-scaled when there is no soft cap
+  float* acc = qrows + rows * D;             // [rows, D]
+  float* m = acc + rows * D;                 // [rows] running max
+  float* l = m + rows;                       // [rows] running sum
+  float* corr = l + rows;                    // [rows] rescale of this chunk
+  float* s = corr + rows;                    // [rows, kKeyChunk] scores, then probabilities
+  float* zeros = s + rows * kKeyChunk;       // [D] of zeros: padding keys
+  float* kbuf = zeros + D;                   // [kKeyChunk, D] widened keys (bfloat16 caches)
+  float* vbuf = kbuf + kKeyChunk * D;        // [kKeyChunk, D] and values
+  const float* krow[kKeyChunk];              // this chunk's key and value rows
+  const float* vrow[kKeyChunk];
+  std::fill(zeros, zeros + D, 0.0f);
+  int32_t pos[kQueryBlock];                  // sequence position of each token
+
+  const int32_t q_end = p.query_start_loc[w.r + 1];
+  const int32_t kv_len = p.kv_lens[w.r];
+  for (int ti = 0; ti < nt; ++ti) pos[ti] = kv_len - (q_end - (w.t0 + ti));
+  const bool capped = p.soft_cap > 0.0f;
+  const float q_scale = capped ? 1.0f : p.sm_scale;
+  for (int ti = 0; ti < nt; ++ti) {
+    for (int gi = 0; gi < G; ++gi) {
+      const float* src = p.q + ((static_cast<int64_t>(w.t0 + ti) * p.hq) + w.h * G + gi) * D;
+      float* dst = qrows + (ti * G + gi) * D;
+#pragma omp simd
+      for (int i = 0; i < D; ++i) dst[i] = src[i] * q_scale;
+    }
+  }
+  std::fill(acc, acc + rows * D, 0.0f);
+  std::fill(m, m + rows, kNegInf);
+  std::fill(l, l + rows, 0.0f);
+
+  const int32_t lo = p.window > 0 ? std::max(0, pos[0] - p.window + 1) : 0;
+  const int32_t hi = pos[nt - 1] + 1;
+  const int32_t* bt = p.block_tables + static_cast<int64_t>(w.r) * p.pages_per_row;
+  const KT* kc = static_cast<const KT*>(p.k_cache);
+  const KT* vc = static_cast<const KT*>(p.v_cache);
+  const int64_t ps = p.page_size, row_stride = p.hkv * D;
+
+  // Ask for a chunk's K/V rows ahead of use: pages are scattered, so the hardware prefetchers
+  // cannot see where the next rows are.
+  const int64_t row_bytes = static_cast<int64_t>(D) * sizeof(KT);
+  auto prefetch_chunk = [&](int32_t c) {
+    const int32_t end = std::min<int32_t>(hi, c + kKeyChunk);
+    for (int32_t kp = c; kp < end; ++kp) {
+      const int64_t off = (bt[kp / ps] * ps + kp % ps) * row_stride + static_cast<int64_t>(w.h) * D;
+      const char* kr = reinterpret_cast<const char*>(kc + off);
+      const char* vr = reinterpret_cast<const char*>(vc + off);
+      for (int64_t b = 0; b < row_bytes; b += 64) {
+        __builtin_prefetch(kr + b);
+        __builtin_prefetch(vr + b);
+      }
+    }
+  };
+  prefetch_chunk(lo);
+  for (int32_t c0 = lo; c0 < hi; c0 += kKeyChunk) {
+    const int n = std::min<int32_t>(kKeyChunk, hi - c0);
+    if (c0 + kKeyChunk < hi) prefetch_chunk(c0 + kKeyChunk);
+    for (int j = 0; j < n;) {  // copy the chunk's keys and values, a page run at a time
+      const int32_t kp = c0 + j;
+      const int64_t page = bt[kp / ps], in_page = kp % ps;
+      const int run = static_cast<int>(std::min<int64_t>(ps - in_page, n - j));
+      int64_t off = (page * ps + in_page) * row_stride + static_cast<int64_t>(w.h) * D;
+      for (int t = 0; t < run; ++t, ++j, off += row_stride) {
+        if constexpr (std::is_same_v<KT, float>) {
+          krow[j] = kc + off;
+          vrow[j] = vc + off;
+        } else {
+          load_row(kc + off, kbuf + j * D, D);
+          load_row(vc + off, vbuf + j * D, D);
+          krow[j] = kbuf + j * D;
+          vrow[j] = vbuf + j * D;
+        }
+      }
+    }
+    for (int j = n; j < (n + 15) / 16 * 16; ++j) krow[j] = zeros;
+    qk_scores(qrows, rows, krow, n, D, s, kKeyChunk);
+    for (int i = 0; i < rows; ++i) {
+      // The keys this row sees in the chunk: positions first..pi, chunk indices [jlo, jhi).
+      const int32_t pi = pos[i / G];
+      const int32_t first = p.window > 0 ? pi - p.window + 1 : 0;
+      const int jlo = std::clamp(first - c0, 0, n), jhi = std::clamp(pi - c0 + 1, 0, n);
+      float* si = s + i * kKeyChunk;
+      if (jlo >= jhi) {  // nothing visible in this chunk
+        corr[i] = 1.0f;
+        std::fill(si, si + n, 0.0f);
+        continue;
+      }
+      if (capped) {
+        for (int j = jlo; j < jhi; ++j) {
+          si[j] = p.soft_cap * std::tanh(si[j] * p.sm_scale / p.soft_cap);
+        }
+      }
+      const float m_new = std::max(m[i], range_max(si, jlo, jhi));
+      const float sum = exp_sum(si, jlo, jhi, m_new);
+      std::fill(si, si + jlo, 0.0f);
+      std::fill(si + jhi, si + n, 0.0f);
+      corr[i] = fast_exp(m[i] - m_new);
+      l[i] = l[i] * corr[i] + sum;
+      m[i] = m_new;
+      if (corr[i] != 1.0f) {
+        float* ai = acc + i * D;
+        const float c = corr[i];
+#pragma omp simd
+        for (int x = 0; x < D; ++x) ai[x] *= c;
+      }
+    }
+    pv_accumulate(s, rows, vrow, n, D, acc, kKeyChunk);
+  }
+
+  for (int ti = 0; ti < nt; ++ti) {
+    for (int gi = 0; gi < G; ++gi) {
+      const int i = ti * G + gi;
+      float* dst = p.out + ((static_cast<int64_t>(w.t0 + ti) * p.hq) + w.h * G + gi) * D;
+      const float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
+      const float* ai = acc + i * D;
+#pragma omp simd
+      for (int x = 0; x < D; ++x) dst[x] = ai[x] * inv;
+    }
+  }
+}
+
+class AttentionJob : public jaxserve::ParallelJob {
+ public:
+  AttentionJob(const Problem& p, bool bf16) : p_(p), bf16_(bf16) {}
+  std::vector<WorkItem> items;
+
+  void run(int64_t i) override {
+    thread_local std::vector<float> scratch;
+    if (bf16_) {
+      run_item<uint16_t>(p_, items[i], scratch);
+    } else {
+      run_item<float>(p_, items[i], scratch);
+    }
+  }
+
+ private:
+  const Problem& p_;
+  bool bf16_;
+};
+
+ffi::Error RaggedPagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                                    ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache,
+                                    ffi::Buffer<ffi::S32> block_tables,
+                                    ffi::Buffer<ffi::S32> kv_lens,
+                                    ffi::Buffer<ffi::S32> query_start_loc,
+                                    ffi::Buffer<ffi::S32> num_seqs,
+                                    ffi::ResultBuffer<ffi::F32> out, float sm_scale,
+                                    int32_t sliding_window, float soft_cap) {
+  const auto qd = q.dimensions();
+  const auto kd = k_cache.dimensions();
+  const auto btd = block_tables.dimensions();
+  if (qd.size() != 3 || kd.size() != 4 || btd.size() != 2) {
+    return ffi::Error::InvalidArgument("ragged_paged_attention: bad ranks");
+  }
+  const auto et = k_cache.element_type();
+  if (et != v_cache.element_type() || (et != ffi::DataType::F32 && et != ffi::DataType::BF16)) {
+    return ffi::Error::InvalidArgument("ragged_paged_attention: caches must be f32 or bf16");
+  }
+  Problem p;
+  p.q = q.typed_data();
+  p.k_cache = k_cache.untyped_data();
+  p.v_cache = v_cache.untyped_data();
+  p.block_tables = block_tables.typed_data();
+  p.kv_lens = kv_lens.typed_data();
+  p.query_start_loc = query_start_loc.typed_data();
+  p.out = out->typed_data();
+  p.pages_per_row = btd[1];
+  p.num_pages = kd[0];
+  p.page_size = kd[1];
+  p.hkv = kd[2];
+  p.d = kd[3];
+  p.hq = qd[1];
+  p.g = p.hq / p.hkv;
+  p.sm_scale = sm_scale;
+  p.soft_cap = soft_cap;
+  p.window = sliding_window;
+  AttentionJob job(p, et == ffi::DataType::BF16);
+
+  const int64_t T = qd[0];
+  const int64_t R = btd[0];
+  const int32_t ns = std::min<int64_t>(num_seqs.typed_data()[0], R);
+  const int32_t live = ns > 0 ? p.query_start_loc[ns] : 0;
+  // Padding tokens get zeros.
+  if (live < T) {
+    std::fill(p.out + live * p.hq * p.d, p.out + T * p.hq * p.d, 0.0f);
+  }
+  for (int32_t r = 0; r < ns; ++r) {
+    const int32_t t_begin = p.query_start_loc[r], t_end = p.query_start_loc[r + 1];
+    if (t_end <= t_begin || p.kv_lens[r] <= 0) {
+      for (int32_t t = t_begin; t < t_end; ++t) {
+        std::fill(p.out + t * p.hq * p.d, p.out + (t + 1) * p.hq * p.d, 0.0f);
+      }
+      continue;
+    }
+    for (int32_t t0 = t_begin; t0 < t_end; t0 += kQueryBlock) {
+      const int32_t t1 = std::min(t_end, t0 + kQueryBlock);
+      for (int32_t h = 0; h < p.hkv; ++h) job.items.push_back({r, h, t0, t1});
+    }
+  }
+
+  jaxserve::parallel_for(pool, static_cast<int64_t>(job.items.size()), job);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRaggedPagedAttention, RaggedPagedAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
+                                  .Arg<ffi::AnyBuffer>()         // k_cache
+                                  .Arg<ffi::AnyBuffer>()         // v_cache
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // block_tables
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // query_start_loc
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out
+                                  .Attr<float>("sm_scale")
+                                  .Attr<int32_t>("sliding_window")
+                                  .Attr<float>("soft_cap"));

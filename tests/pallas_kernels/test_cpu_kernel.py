@@ -1,0 +1,147 @@
+"""The native CPU ragged paged attention kernel (XLA FFI) vs the naive float64 attention, and
+how the native kernel library is built, cached and replaced by XLA when it cannot be."""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.pallas_kernels import ragged_paged_attention
+from jaxserve.pallas_kernels import cpu as native
+from jaxserve.pallas_kernels.ragged_paged_attention import cpu
+from jaxserve.pallas_kernels.ragged_paged_attention import ops as attn_ops
+from tests.pallas_kernels.attention_cases import assert_close_to_naive, make_case
+from tests.pallas_kernels.kernel_checks import (
+    check_random_batches,
+    query_length_sweep_cases,
+    tiny_llama_run,
+)
+
+STATIC = ("sm_scale", "sliding_window", "soft_cap", "impl", "chunk_pages", "interpret")
+attn_jit = jax.jit(ragged_paged_attention, static_argnames=STATIC)
+cpu_attn = functools.partial(attn_jit, impl="cpu")
+
+CONFIGS = {  # GQA ratios 1, 3 (SmolLM2's 9 / 3 heads), 8; head dims 64, 128, 80; page sizes
+    "gqa1-d64-p8-f32": dict(hq=2, hkv=2, d=64, page_size=8, dtype=np.float32),
+    "gqa3-d64-p16-f32": dict(hq=9, hkv=3, d=64, page_size=16, dtype=np.float32),
+    "gqa8-d128-p8-f32": dict(hq=8, hkv=1, d=128, page_size=8, dtype=np.float32),
+    "gqa2-d80-p4-f32": dict(hq=4, hkv=2, d=80, page_size=4, dtype=np.float32),
+    "gqa3-d128-p16-bf16": dict(hq=6, hkv=2, d=128, page_size=16, dtype=jnp.bfloat16),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_random_ragged_batches(name):
+    # 6 seeded batches per config: decode-only, prefill-only and mixed in turn, with padding.
+    errs = check_random_batches(cpu_attn, CONFIGS[name], n=6, seed0=31 * len(name))
+    assert len(errs) == 6
+
+
+@pytest.mark.parametrize("window,cap", [(7, None), (None, 3.0), (20, 2.0), (1, None)])
+def test_sliding_window_and_soft_cap(window, cap):
+    check_random_batches(cpu_attn, CONFIGS["gqa3-d64-p16-f32"], n=3, seed0=11 + (window or 0),
+                         sliding_window=window, soft_cap=cap)
+
+
+def test_query_lengths_1_to_64_and_long_context():
+    cfg = CONFIGS["gqa1-d64-p8-f32"]
+    for case in query_length_sweep_cases(cfg, seed=5):
+        out = cpu_attn(jnp.asarray(case["q"]), jnp.asarray(case["kc"]), jnp.asarray(case["vc"]),
+                       case["md"], sm_scale=0.125)
+        assert_close_to_naive(out, case, atol=1e-5, sm_scale=0.125)
+    # Contexts spanning many key chunks, with chunked prefill on top of a long cache.
+    case = make_case([(700, 1), (513, 40), (0, 3), (64, 1)], page_size=16, hq=4, hkv=2, d=64,
+                     r_pad=5, t_pad=48, seed=9)
+    out = cpu_attn(jnp.asarray(case["q"]), jnp.asarray(case["kc"]), jnp.asarray(case["vc"]),
+                   case["md"], sm_scale=0.125)
+    assert_close_to_naive(out, case, atol=1e-5, sm_scale=0.125)
+
+
+def test_mixed_dtypes_and_padding():
+    """bfloat16 queries over a float32 cache (the CPU bfloat16 serving layout), and a batch
+    with no live request at all (every output exactly zero)."""
+    case = make_case([(31, 33), (15, 1), (16, 1), (0, 17)], page_size=8, hq=8, hkv=2, d=64,
+                     r_pad=6, t_pad=64, seed=3)
+    q = jnp.asarray(case["q"], jnp.bfloat16)
+    out = cpu_attn(q, jnp.asarray(case["kc"]), jnp.asarray(case["vc"]), case["md"], sm_scale=0.2)
+    assert out.dtype == jnp.bfloat16
+    case_bf16q = dict(case, q=np.asarray(q.astype(jnp.float32)))
+    assert_close_to_naive(out.astype(jnp.float32), case_bf16q, atol=2e-2, sm_scale=0.2)
+    md = case["md"]
+    empty = type(md)(block_tables=md.block_tables, kv_lens=jnp.zeros_like(md.kv_lens),
+                     query_start_loc=jnp.zeros_like(md.query_start_loc),
+                     num_seqs=jnp.asarray(0, jnp.int32), slot_mapping=md.slot_mapping)
+    out = cpu_attn(jnp.asarray(case["q"]), jnp.asarray(case["kc"]), jnp.asarray(case["vc"]),
+                   empty, sm_scale=0.2)
+    assert np.all(np.asarray(out) == 0)
+
+
+def test_auto_picks_the_kernel_on_cpu():
+    assert jax.default_backend() == "cpu"
+    assert attn_ops.resolve_impl("auto") == "cpu"
+    case = make_case([(5, 3)], page_size=16, hq=4, hkv=2, d=64, r_pad=2, t_pad=4)
+    lowered = attn_jit.trace(jnp.asarray(case["q"]), jnp.asarray(case["kc"]),
+                             jnp.asarray(case["vc"]), case["md"], sm_scale=0.1).lower()
+    assert cpu.TARGET in lowered.as_text()
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        ragged_paged_attention(jnp.asarray(case["q"], jnp.float16),
+                               jnp.asarray(case["kc"], jnp.float16),
+                               jnp.asarray(case["vc"], jnp.float16), case["md"], sm_scale=0.1,
+                               impl="cpu")
+
+
+def test_library_is_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXSERVE_KERNEL_CACHE", str(tmp_path))
+    first = native.library_path()
+    assert first.parent == tmp_path and first.exists()
+    mtime = first.stat().st_mtime_ns
+    assert native.library_path() == first and first.stat().st_mtime_ns == mtime  # not rebuilt
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary files left
+
+
+def test_no_compiler_falls_back_to_the_reference(tmp_path):
+    """Without a C++ compiler (and no cached library) `auto` serves attention through the
+    reference, with a warning, and products through XLA; naming the kernel is a clear error."""
+    code = """
+import jax.numpy as jnp, numpy as np
+from jaxserve.pallas_kernels import ragged_paged_attention
+from jaxserve.pallas_kernels import cpu as native
+from jaxserve.pallas_kernels import cpu
+from tests.pallas_kernels.attention_cases import make_case, assert_close_to_naive
+case = make_case([(5, 3), (9, 1)], page_size=16, hq=4, hkv=2, d=64, r_pad=2, t_pad=4)
+args = [jnp.asarray(case[k]) for k in ("q", "kc", "vc")] + [case["md"]]
+out = ragged_paged_attention(*args, sm_scale=0.1)
+assert_close_to_naive(out, case, atol=1e-5, sm_scale=0.1)
+try:
+    ragged_paged_attention(*args, sm_scale=0.1, impl="cpu")
+except cpu.KernelUnavailable as e:
+    print("ERROR", e)
+from jaxserve.pallas_kernels.cpu.matmul import amx_available, resolve_matmul_impl
+print("AMX", amx_available(), resolve_matmul_impl("auto", "cpu", jnp.bfloat16, None))
+"""
+    env = dict(os.environ, CXX="no-such-compiler-here", JAXSERVE_KERNEL_CACHE=str(tmp_path))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    res = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "ERROR no C++ compiler" in res.stdout
+    assert "AMX False xla" in res.stdout  # and products stay on XLA
+    assert "using the pure-JAX reference" in res.stderr
+
+
+def test_tiny_llama_end_to_end():
+    ref_logits, ref_greedy = tiny_llama_run("reference")
+    logits, greedy = tiny_llama_run("cpu")
+    assert greedy == ref_greedy
+    for a, b in zip(logits, ref_logits):
+        assert np.abs(b).max() > 0.1
+        np.testing.assert_allclose(a, b, atol=1e-4, rtol=0)
+    assert math.isfinite(float(np.abs(logits[-1]).max()))
