@@ -76,14 +76,16 @@ class CacheConfig:
     device_memory_utilization: float = 0.9
     num_pages: int | None = None  # overrides the budget (tests)
     enable_prefix_caching: bool = True
-    # "auto": the model dtype on TPU/GPU; float32 on the CPU, where XLA's bfloat16 scatter
-    # into the cache is orders of magnitude slower than float32.
+    # "auto": the model dtype, except float32 on a CPU without the native attention kernel
+    # (there XLA writes the cache, and its bfloat16 scatter is orders of magnitude slower).
     kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
 
-    def resolved_kv_dtype(self, backend: str, model_dtype: str) -> str:
+    def resolved_kv_dtype(self, backend: str, model_dtype: str, native_cpu_attention: bool = False) -> str:
+        """The model dtype, except on a CPU whose attention is not the native kernel: XLA
+        writes the cache there, and its bfloat16 scatter is slow, so float32."""
         if self.kv_cache_dtype != "auto":
             return self.kv_cache_dtype
-        return "float32" if backend == "cpu" else model_dtype
+        return "float32" if backend == "cpu" and not native_cpu_attention else model_dtype
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):

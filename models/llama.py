@@ -24,7 +24,7 @@ from jaxserve.models import sharding as ax
 from jaxserve.models.arch_config import ArchConfig
 from jaxserve.models.interface import AttentionMetadata, KVCache
 from jaxserve.models.layers.attention import AttentionSpec, paged_attention
-from jaxserve.models.layers.linear import dense, pack_linear_weights, weight_value
+from jaxserve.models.layers.linear import dense, dense_group, pack_linear_weights, weight_value
 from jaxserve.models.layers.norm import rms_norm
 from jaxserve.models.layers.rotary import apply_rotary, inverse_frequencies
 
@@ -38,6 +38,8 @@ LAYER_SPECS = {
     "w_gate": "te,ef->tf", "w_up": "te,ef->tf", "w_down": "tf,fe->te",
 }
 HEAD_SPECS = ("ne,ev->nv", "ne,ve->nv")
+# Weights sharing an input that `pack_for_amx` fuses into one product.
+FUSED = {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}
 
 
 def _param(rngs: nnx.Rngs | None, shape, axes, dtype, scale: float, ones: bool = False) -> nnx.Param:
@@ -138,9 +140,12 @@ class LlamaForCausalLM(nnx.Module):
         cfg = self.config
         with jax.named_scope("attention"):
             x = rms_norm(h, p["input_norm"], cfg.rms_norm_eps)  # [T, E]
-            q = dense(LAYER_SPECS["wq"], x, p["wq"])  # [T, Hq, D]
-            k = dense(LAYER_SPECS["wk"], x, p["wk"])  # [T, Hkv, D]
-            v = dense(LAYER_SPECS["wv"], x, p["wv"])
+            if "wqkv" in p:  # packed together for the AMX kernel
+                q, k, v = dense_group(LAYER_SPECS["wq"], x, p["wqkv"])
+            else:
+                q = dense(LAYER_SPECS["wq"], x, p["wq"])  # [T, Hq, D]
+                k = dense(LAYER_SPECS["wk"], x, p["wk"])  # [T, Hkv, D]
+                v = dense(LAYER_SPECS["wv"], x, p["wv"])
             if cfg.qkv_bias:
                 q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
             if cfg.qk_norm:
@@ -159,8 +164,11 @@ class LlamaForCausalLM(nnx.Module):
             h = h + o
         with jax.named_scope("mlp"):
             x = rms_norm(h, p["post_norm"], cfg.rms_norm_eps)
-            gate = dense(LAYER_SPECS["w_gate"], x, p["w_gate"])  # [T, F]
-            up = dense(LAYER_SPECS["w_up"], x, p["w_up"])
+            if "w_gate_up" in p:
+                gate, up = dense_group(LAYER_SPECS["w_gate"], x, p["w_gate_up"])
+            else:
+                gate = dense(LAYER_SPECS["w_gate"], x, p["w_gate"])  # [T, F]
+                up = dense(LAYER_SPECS["w_up"], x, p["w_up"])
             if cfg.mlp_bias:
                 gate, up = gate + p["b_gate"], up + p["b_up"]
             down = dense(LAYER_SPECS["w_down"], jax.nn.silu(gate) * up, p["w_down"])  # [T, E]
@@ -178,9 +186,9 @@ class LlamaForCausalLM(nnx.Module):
             return dense(HEAD_SPECS[1], hidden, self.embed[...])
 
     def pack_for_amx(self) -> int:
-        """Pack the bfloat16 matmul weights for the CPU AMX kernel, in place (see
-        `models/layers/linear.py`); returns the number of weights packed."""
-        return pack_linear_weights(self, LAYER_SPECS, HEAD_SPECS)
+        """Pack the bfloat16 matmul weights for the CPU AMX kernel, in place (q/k/v and
+        gate/up fused; see `models/layers/linear.py`); returns the products per step."""
+        return pack_linear_weights(self, LAYER_SPECS, FUSED, HEAD_SPECS)
 
     # ------------------------------------------------------------------ weights
     @classmethod

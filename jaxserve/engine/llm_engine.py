@@ -24,6 +24,8 @@ from jaxserve.models.loader import load_checkpoint, resolve_model
 from jaxserve.models.weights import create_model
 from jaxserve.outputs import OutputKind, RequestOutput
 from jaxserve.pallas_kernels.cpu.matmul import resolve_matmul_impl
+from jaxserve.pallas_kernels.ragged_paged_attention import cpu as cpu_attention
+from jaxserve.pallas_kernels.ragged_paged_attention.ops import resolve_impl as resolve_attention_impl
 from jaxserve.parallel.mesh import make_mesh
 from jaxserve.request import Request, RequestStatus
 from jaxserve.runner.buckets import BucketGrid
@@ -54,7 +56,10 @@ class LLMEngine:
         self.arch = ArchConfig.from_hf(ckpt.config)
         backend = jax.default_backend()
         self.dtype = _DTYPES[mc.resolved_dtype(backend)]
-        self.kv_dtype = _DTYPES[config.cache.resolved_kv_dtype(backend, mc.resolved_dtype(backend))]
+        native_attention = (backend == "cpu" and resolve_attention_impl(mc.attention_impl) == "cpu"
+                            and cpu_attention.available())
+        self.kv_dtype = _DTYPES[config.cache.resolved_kv_dtype(backend, mc.resolved_dtype(backend),
+                                                               native_attention)]
         self.max_model_len = mc.max_model_len or min(self.arch.max_position_embeddings, 2048)
         if self.max_model_len > self.arch.max_position_embeddings:
             logger.warning("max_model_len %d exceeds the model's max_position_embeddings %d",

@@ -13,8 +13,8 @@ import dataclasses
 import jax
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jaxserve.pallas_kernels import ragged_paged_attention, write_kv
 from jaxserve.pallas_kernels.ragged_paged_attention.metadata import AttentionMetadata
+from jaxserve.pallas_kernels.ragged_paged_attention.ops import write_kv_and_attend
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,15 +38,13 @@ def paged_attention(
     mesh: Mesh | None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     def local(q, k, v, k_cache, v_cache, md):
-        k_cache, v_cache = write_kv(k_cache, v_cache, k, v, md.slot_mapping)
-        out = ragged_paged_attention(
-            q, k_cache, v_cache, md,
+        return write_kv_and_attend(
+            q, k, v, k_cache, v_cache, md,
             sm_scale=spec.sm_scale,
             sliding_window=spec.sliding_window,
             soft_cap=spec.soft_cap,
             impl=spec.impl,
         )
-        return out, k_cache, v_cache
 
     tp = 1 if mesh is None else mesh.shape.get("model", 1)
     num_kv_heads = k.shape[1]

@@ -23,19 +23,20 @@ from flax import nnx
 
 
 class PackedParam(nnx.Param):
-    """A matmul weight in the AMX kernel's tile layout; metadata `out_shape`: its output dims."""
+    """Matmul weights in the AMX kernel's tile layout, one or several sharing an input (q/k/v,
+    gate/up) concatenated along the output; metadata `out_shapes`: each one's output dims."""
 
 
 @dataclasses.dataclass(frozen=True)
 class PackedWeight:
     blocks: jax.Array  # [N / 16, K / 32, 16, 32] bfloat16
-    out_shape: tuple[int, ...]
+    out_shapes: tuple[tuple[int, ...], ...]
 
 
 def weight_value(var: nnx.Variable) -> jax.Array | PackedWeight:
     """What `dense` takes for weight variable `var`."""
     if isinstance(var, PackedParam):
-        return PackedWeight(var[...], tuple(var.get_metadata()["out_shape"]))
+        return PackedWeight(var[...], tuple(tuple(s) for s in var.get_metadata()["out_shapes"]))
     return var[...]
 
 
@@ -50,13 +51,21 @@ def _parse(spec: str) -> tuple[str, str, str, str]:
 def dense(spec: str, x: jax.Array, w: jax.Array | PackedWeight) -> jax.Array:
     """einsum(spec, x, w) with x cast to w's dtype and a float32 result."""
     if isinstance(w, PackedWeight):
-        from jaxserve.pallas_kernels.cpu.matmul import amx_matmul
-
-        nc = len(_parse(spec)[3])
-        lead = x.shape[: x.ndim - nc]
-        y = amx_matmul(x.reshape(math.prod(lead), -1), w.blocks)
-        return y.reshape(*lead, *w.out_shape)
+        (y,) = dense_group(spec, x, w)
+        return y
     return jnp.einsum(spec, x.astype(w.dtype), w, preferred_element_type=jnp.float32)
+
+
+def dense_group(spec: str, x: jax.Array, w: PackedWeight) -> list[jax.Array]:
+    """`dense(spec, x, w_i)` for each weight w_i packed together in `w`, in one product."""
+    from jaxserve.pallas_kernels.cpu.matmul import amx_matmul
+
+    nc = len(_parse(spec)[3])
+    lead = x.shape[: x.ndim - nc]
+    y = amx_matmul(x.reshape(math.prod(lead), -1), w.blocks)
+    sizes = [math.prod(s) for s in w.out_shapes]
+    parts = jnp.split(y, list(np.cumsum(sizes)[:-1]), axis=-1) if len(sizes) > 1 else [y]
+    return [p.reshape(*lead, *s) for p, s in zip(parts, w.out_shapes)]
 
 
 def pack_for_spec(spec: str, w: np.ndarray) -> tuple[np.ndarray, tuple[int, ...]] | None:
@@ -77,38 +86,55 @@ def pack_for_spec(spec: str, w: np.ndarray) -> tuple[np.ndarray, tuple[int, ...]
     return pack_weight(np.transpose(w, perm).reshape(k, n)), out_shape
 
 
-def pack_linear_weights(model, specs: dict[str, str], head_specs: tuple[str, str]) -> int:
-    """Replace `model`'s bfloat16 matmul weights by AMX-packed ones, in place; returns how many.
+def pack_linear_weights(model, specs: dict[str, str], groups: dict[str, tuple[str, ...]],
+                        head_specs: tuple[str, str]) -> int:
+    """Replace `model`'s bfloat16 matmul weights by AMX-packed ones, in place; returns how many
+    products a step now runs on the kernel per layer stack (fused groups count once).
 
-    specs: decoder-layer weight name -> its `dense` spec. head_specs: the LM head's spec with a
-    separate `lm_head` [E, V] and with the tied embedding [V, E]; a tied model gets a packed
-    `lm_head` (the embedding stays, for the lookup).
+    specs: decoder-layer weight name -> its `dense` spec. groups: fused name -> weights that
+    share one input (e.g. "wqkv": ("wq", "wk", "wv")), packed together when all of them pack;
+    the fused weight replaces them. head_specs: the LM head's spec with a separate `lm_head`
+    [E, V] and with the tied embedding [V, E]; a tied model gets a packed `lm_head` (the
+    embedding stays, for the lookup).
     """
     count = 0
 
-    def packed(spec: str, value: jax.Array) -> PackedParam | None:
+    def packed(spec: str, value: jax.Array):
         if value.dtype != jnp.bfloat16:
             return None
-        res = pack_for_spec(spec, np.asarray(value))
-        if res is None:
-            return None
-        blocks, out_shape = res
-        return PackedParam(jax.device_put(blocks, value.sharding), out_shape=out_shape)
+        return pack_for_spec(spec, np.asarray(value))
+
+    def param(value: jax.Array, parts) -> PackedParam:
+        blocks = np.concatenate([b for b, _ in parts], axis=0)  # N blocks lead: concatenation
+        return PackedParam(jax.device_put(blocks, value.sharding),
+                           out_shapes=tuple(s for _, s in parts))
 
     for layer in model.layers:
+        grouped = set()
+        for fused, names in groups.items():
+            vars_ = [getattr(layer, n, None) for n in names]
+            if any(v is None or isinstance(v, PackedParam) for v in vars_):
+                continue
+            parts = [packed(specs[n], v[...]) for n, v in zip(names, vars_)]
+            if all(p is not None for p in parts):
+                setattr(layer, fused, param(vars_[0][...], parts))
+                for n in names:
+                    delattr(layer, n)
+                grouped.update(names)
+                count += 1
         for name, spec in specs.items():
             var = getattr(layer, name, None)
-            if var is None or isinstance(var, PackedParam):
+            if name in grouped or var is None or isinstance(var, PackedParam):
                 continue
-            p = packed(spec, var[...])
-            if p is not None:
-                setattr(layer, name, p)
+            res = packed(spec, var[...])
+            if res is not None:
+                setattr(layer, name, param(var[...], [res]))
                 count += 1
     head = getattr(model, "lm_head", None)
     if not isinstance(head, PackedParam):
-        p = (packed(head_specs[0], head[...]) if head is not None
-             else packed(head_specs[1], model.embed[...]))
-        if p is not None:
-            model.lm_head = p
+        value = head[...] if head is not None else model.embed[...]
+        res = packed(head_specs[0] if head is not None else head_specs[1], value)
+        if res is not None:
+            model.lm_head = param(value, [res])
             count += 1
     return count

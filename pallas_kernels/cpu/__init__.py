@@ -31,6 +31,7 @@ _FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-std=c++1
 # FFI target name -> exported handler symbol.
 TARGETS = {
     "jaxserve_ragged_paged_attention": "JaxserveRaggedPagedAttention",
+    "jaxserve_write_kv_and_attend": "JaxserveWriteKvAndAttend",
     "jaxserve_amx_matmul": "JaxserveAmxMatmul",
 }
 

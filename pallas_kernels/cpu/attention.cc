@@ -380,32 +380,28 @@ class AttentionJob : public jaxserve::ParallelJob {
   bool bf16_;
 };
 
-ffi::Error RaggedPagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
-                                    ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache,
-                                    ffi::Buffer<ffi::S32> block_tables,
-                                    ffi::Buffer<ffi::S32> kv_lens,
-                                    ffi::Buffer<ffi::S32> query_start_loc,
-                                    ffi::Buffer<ffi::S32> num_seqs,
-                                    ffi::ResultBuffer<ffi::F32> out, float sm_scale,
-                                    int32_t sliding_window, float soft_cap) {
+// Attention over caches that already hold this step's K/V (shared by both handlers).
+ffi::Error attend(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, const void* k_cache,
+                  const void* v_cache, ffi::Span<const int64_t> kd, ffi::DataType et,
+                  ffi::Buffer<ffi::S32>& block_tables, ffi::Buffer<ffi::S32>& kv_lens,
+                  ffi::Buffer<ffi::S32>& query_start_loc, ffi::Buffer<ffi::S32>& num_seqs,
+                  float* out, float sm_scale, int32_t sliding_window, float soft_cap) {
   const auto qd = q.dimensions();
-  const auto kd = k_cache.dimensions();
   const auto btd = block_tables.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || btd.size() != 2) {
     return ffi::Error::InvalidArgument("ragged_paged_attention: bad ranks");
   }
-  const auto et = k_cache.element_type();
-  if (et != v_cache.element_type() || (et != ffi::DataType::F32 && et != ffi::DataType::BF16)) {
+  if (et != ffi::DataType::F32 && et != ffi::DataType::BF16) {
     return ffi::Error::InvalidArgument("ragged_paged_attention: caches must be f32 or bf16");
   }
   Problem p;
   p.q = q.typed_data();
-  p.k_cache = k_cache.untyped_data();
-  p.v_cache = v_cache.untyped_data();
+  p.k_cache = k_cache;
+  p.v_cache = v_cache;
   p.block_tables = block_tables.typed_data();
   p.kv_lens = kv_lens.typed_data();
   p.query_start_loc = query_start_loc.typed_data();
-  p.out = out->typed_data();
+  p.out = out;
   p.pages_per_row = btd[1];
   p.num_pages = kd[0];
   p.page_size = kd[1];
@@ -444,6 +440,63 @@ ffi::Error RaggedPagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> 
   return ffi::Error::Success();
 }
 
+
+ffi::Error RaggedPagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                                    ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache,
+                                    ffi::Buffer<ffi::S32> block_tables,
+                                    ffi::Buffer<ffi::S32> kv_lens,
+                                    ffi::Buffer<ffi::S32> query_start_loc,
+                                    ffi::Buffer<ffi::S32> num_seqs,
+                                    ffi::ResultBuffer<ffi::F32> out, float sm_scale,
+                                    int32_t sliding_window, float soft_cap) {
+  if (k_cache.element_type() != v_cache.element_type()) {
+    return ffi::Error::InvalidArgument("ragged_paged_attention: k and v caches differ in dtype");
+  }
+  return attend(pool, q, k_cache.untyped_data(), v_cache.untyped_data(), k_cache.dimensions(),
+                k_cache.element_type(), block_tables, kv_lens, query_start_loc, num_seqs,
+                out->typed_data(), sm_scale, sliding_window, soft_cap);
+}
+
+// Writes this step's K/V rows (k, v: [T, Hkv, D] in the caches' dtype) at `slot_mapping` into
+// the caches, which are aliased to the outputs (updated in place), then attends.
+ffi::Error WriteKvAndAttendImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
+                                ffi::AnyBuffer v, ffi::AnyBuffer k_cache_in,
+                                ffi::AnyBuffer v_cache_in, ffi::Buffer<ffi::S32> block_tables,
+                                ffi::Buffer<ffi::S32> kv_lens,
+                                ffi::Buffer<ffi::S32> query_start_loc,
+                                ffi::Buffer<ffi::S32> num_seqs,
+                                ffi::Buffer<ffi::S32> slot_mapping,
+                                ffi::ResultBuffer<ffi::F32> out,
+                                ffi::Result<ffi::AnyBuffer> k_cache,
+                                ffi::Result<ffi::AnyBuffer> v_cache, float sm_scale,
+                                int32_t sliding_window, float soft_cap) {
+  const auto et = k_cache->element_type();
+  const auto kd = k_cache->dimensions();
+  if (k.element_type() != et || v.element_type() != et || v_cache->element_type() != et ||
+      k_cache_in.untyped_data() != k_cache->untyped_data() ||
+      v_cache_in.untyped_data() != v_cache->untyped_data() || kd.size() != 4) {
+    return ffi::Error::InvalidArgument(
+        "write_kv_and_attend: k, v and the (aliased) caches must share one dtype");
+  }
+  const int64_t row = kd[2] * kd[3] * static_cast<int64_t>(ffi::ByteWidth(et));
+  const int64_t slots = kd[0] * kd[1];
+  const int64_t T = slot_mapping.dimensions()[0];
+  char* kc = static_cast<char*>(k_cache->untyped_data());
+  char* vc = static_cast<char*>(v_cache->untyped_data());
+  const char* kn = static_cast<const char*>(k.untyped_data());
+  const char* vn = static_cast<const char*>(v.untyped_data());
+  const int32_t* sm = slot_mapping.typed_data();
+  for (int64_t t = 0; t < T; ++t) {
+    if (sm[t] < 0 || sm[t] >= slots) {
+      return ffi::Error::InvalidArgument("write_kv_and_attend: slot out of range");
+    }
+    std::memcpy(kc + sm[t] * row, kn + t * row, row);
+    std::memcpy(vc + sm[t] * row, vn + t * row, row);
+  }
+  return attend(pool, q, kc, vc, kd, et, block_tables, kv_lens, query_start_loc, num_seqs,
+                out->typed_data(), sm_scale, sliding_window, soft_cap);
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRaggedPagedAttention, RaggedPagedAttentionImpl,
@@ -457,6 +510,26 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRaggedPagedAttention, RaggedPagedAttention
                                   .Arg<ffi::Buffer<ffi::S32>>()  // query_start_loc
                                   .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out
+                                  .Attr<float>("sm_scale")
+                                  .Attr<int32_t>("sliding_window")
+                                  .Attr<float>("soft_cap"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveWriteKvAndAttend, WriteKvAndAttendImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
+                                  .Arg<ffi::AnyBuffer>()         // k (new rows)
+                                  .Arg<ffi::AnyBuffer>()         // v
+                                  .Arg<ffi::AnyBuffer>()         // k_cache (aliased to ret 1)
+                                  .Arg<ffi::AnyBuffer>()         // v_cache (aliased to ret 2)
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // block_tables
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // query_start_loc
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // slot_mapping
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out
+                                  .Ret<ffi::AnyBuffer>()         // k_cache
+                                  .Ret<ffi::AnyBuffer>()         // v_cache
                                   .Attr<float>("sm_scale")
                                   .Attr<int32_t>("sliding_window")
                                   .Attr<float>("soft_cap"));

@@ -21,6 +21,16 @@ from jaxserve.pallas_kernels import cpu
 from jaxserve.pallas_kernels.ragged_paged_attention.metadata import AttentionMetadata
 
 TARGET = "jaxserve_ragged_paged_attention"
+FUSED_TARGET = "jaxserve_write_kv_and_attend"
+
+
+def available() -> bool:
+    """True when the kernel library builds and loads on this host."""
+    try:
+        cpu.ensure_loaded()
+    except cpu.KernelUnavailable:
+        return False
+    return True
 
 
 def supports(q: jax.Array, k_cache: jax.Array) -> None:
@@ -45,12 +55,48 @@ def ragged_paged_attention_cpu(
 ) -> jax.Array:
     """The op on the native CPU kernel. Same arguments and result as the reference."""
     supports(q, k_cache)
-    i32 = lambda x: x.astype(jnp.int32)  # noqa: E731
     out = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
-        q.astype(jnp.float32), k_cache, v_cache, i32(md.block_tables), i32(md.kv_lens),
-        i32(md.query_start_loc), i32(md.num_seqs).reshape(()),
-        sm_scale=np.float32(sm_scale),
-        sliding_window=np.int32(sliding_window or 0),
-        soft_cap=np.float32(soft_cap or 0.0),
-    )
+        q.astype(jnp.float32), k_cache, v_cache, *_metadata(md),
+        **_attrs(sm_scale, sliding_window, soft_cap))
     return out.astype(q.dtype)
+
+
+def write_kv_and_attend_cpu(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    md: AttentionMetadata,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`write_kv` then the op, in one kernel call that updates the caches in place (aliased).
+
+    XLA never scatters into the caches, so they can be bfloat16 on the CPU (XLA:CPU's bfloat16
+    scatter converts the whole array). k, v: [T, Hkv, D], cast to the caches' dtype.
+    """
+    supports(q, k_cache)
+    out, k_cache, v_cache = jax.ffi.ffi_call(
+        FUSED_TARGET,
+        (jax.ShapeDtypeStruct(q.shape, jnp.float32),
+         jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+         jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)),
+        input_output_aliases={3: 1, 4: 2},
+    )(q.astype(jnp.float32), k.astype(k_cache.dtype), v.astype(v_cache.dtype), k_cache, v_cache,
+      *_metadata(md), md.slot_mapping.astype(jnp.int32),
+      **_attrs(sm_scale, sliding_window, soft_cap))
+    return out.astype(q.dtype), k_cache, v_cache
+
+
+def _metadata(md: AttentionMetadata) -> tuple[jax.Array, ...]:
+    i32 = lambda x: x.astype(jnp.int32)  # noqa: E731
+    return (i32(md.block_tables), i32(md.kv_lens), i32(md.query_start_loc),
+            i32(md.num_seqs).reshape(()))
+
+
+def _attrs(sm_scale, sliding_window, soft_cap) -> dict:
+    return dict(sm_scale=np.float32(sm_scale), sliding_window=np.int32(sliding_window or 0),
+                soft_cap=np.float32(soft_cap or 0.0))

@@ -23,6 +23,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from jaxserve.pallas_kernels.kv_cache_update.ops import write_kv
 from jaxserve.pallas_kernels.ragged_paged_attention.metadata import AttentionMetadata
 from jaxserve.pallas_kernels.ragged_paged_attention.reference import (
     ragged_paged_attention_reference,
@@ -37,6 +38,8 @@ _REGISTRY = ImplRegistry(
 # Shape checks of the kernels that "auto" consults before picking one: name -> fn(q, k_cache)
 # raising ValueError when the kernel cannot take those shapes.
 _SUPPORTS: dict[str, Callable] = {}
+# Implementations that write the new K/V and attend in one call (see write_kv_and_attend).
+_FUSED_WRITE: dict[str, Callable] = {}
 
 
 def register_impl(name: str, fn: Callable, supports: Callable | None = None) -> None:
@@ -111,6 +114,49 @@ def validate_inputs(q, k_cache, v_cache, md: AttentionMetadata, *, sliding_windo
         raise ValueError(f"chunk_pages must be >= 1, got {chunk_pages}")
 
 
+def dispatch_name(impl: str, q, k_cache, *, interpret: bool = False) -> str:
+    """The implementation `impl` runs for these inputs ("auto": the backend's kernel when it
+    supports them, else the reference, with a warning)."""
+    name = resolve_impl(impl)
+    if impl == "auto" and name in _SUPPORTS:
+        try:
+            _SUPPORTS[name](q, k_cache)
+        except ValueError as e:
+            _REGISTRY.warn_once(f"unsupported-{name}", "ragged_paged_attention: %s kernel unsupported "
+                                "here (%s); using the pure-JAX reference", name, e)
+            name = "reference"
+    if interpret and name in ("tpu", "gpu"):
+        name = f"{name}-interpret"
+    return name
+
+
+def write_kv_and_attend(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    md: AttentionMetadata,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    impl: str = "auto",
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`write_kv(k_cache, v_cache, k, v, md.slot_mapping)` then `ragged_paged_attention`;
+    returns (out, k_cache, v_cache). One fused call where the implementation has one (the CPU
+    kernel, which writes in place), else the two ops."""
+    validate_inputs(q, k_cache, v_cache, md, sliding_window=sliding_window, soft_cap=soft_cap)
+    name = dispatch_name(impl, q, k_cache)
+    if name in _FUSED_WRITE:
+        return _FUSED_WRITE[name](q, k, v, k_cache, v_cache, md, sm_scale=sm_scale,
+                                  sliding_window=sliding_window, soft_cap=soft_cap)
+    k_cache, v_cache = write_kv(k_cache, v_cache, k, v, md.slot_mapping)
+    out = ragged_paged_attention(q, k_cache, v_cache, md, sm_scale=sm_scale,
+                                 sliding_window=sliding_window, soft_cap=soft_cap, impl=impl)
+    return out, k_cache, v_cache
+
+
 def ragged_paged_attention(
     q: jax.Array,
     k_cache: jax.Array,
@@ -137,16 +183,7 @@ def ragged_paged_attention(
     """
     validate_inputs(q, k_cache, v_cache, md, sliding_window=sliding_window,
                     soft_cap=soft_cap, chunk_pages=chunk_pages)
-    name = resolve_impl(impl)
-    if impl == "auto" and name in _SUPPORTS:
-        try:
-            _SUPPORTS[name](q, k_cache)
-        except ValueError as e:
-            _REGISTRY.warn_once(f"unsupported-{name}", "ragged_paged_attention: %s kernel unsupported "
-                                "here (%s); using the pure-JAX reference", name, e)
-            name = "reference"
-    if interpret and name in ("tpu", "gpu"):
-        name = f"{name}-interpret"
+    name = dispatch_name(impl, q, k_cache, interpret=interpret)
     if name not in ("reference", "cpu") and q.dtype != k_cache.dtype:
         raise ValueError(f"the {name} kernel needs q and the caches in one dtype; got q "
                          f"{q.dtype}, cache {k_cache.dtype}")
@@ -166,6 +203,7 @@ def _register_kernels() -> None:
     from jaxserve.pallas_kernels.ragged_paged_attention import cpu, gpu, tpu
 
     register_impl("cpu", cpu.ragged_paged_attention_cpu, cpu.supports)
+    _FUSED_WRITE["cpu"] = cpu.write_kv_and_attend_cpu
     register_impl("tpu", tpu.ragged_paged_attention_tpu, tpu.supports)
     register_impl("gpu", gpu.ragged_paged_attention_gpu, gpu.supports)
     register_impl("tpu-interpret",

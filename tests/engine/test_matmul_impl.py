@@ -1,5 +1,6 @@
 """`matmul_impl`: which engines pack their weights for the CPU AMX kernel, and a bfloat16 engine
-on AMX agreeing with the same engine on XLA's dot (on the real default model)."""
+(bfloat16 KV cache, written by the native attention kernel) on AMX agreeing with the same engine
+on XLA's dot (on the real default model)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ def test_bfloat16_engine_on_amx_agrees_with_xla(small_engine_options, golden):
     opts = dict(small_engine_options, dtype="bfloat16")
     amx, xla = LLM(**opts), LLM(**opts, matmul_impl="xla")
     assert (amx.engine.matmul_impl, xla.engine.matmul_impl) == ("amx", "xla")
+    # The native attention kernel writes the cache itself, so the cache is bfloat16 too.
+    assert amx.engine.kv_dtype == xla.engine.kv_dtype == jnp.bfloat16
     cases = golden["cases"]
     sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
     prompts = [c["prompt_token_ids"] for c in cases]

@@ -145,3 +145,46 @@ def test_tiny_llama_end_to_end():
         assert np.abs(b).max() > 0.1
         np.testing.assert_allclose(a, b, atol=1e-4, rtol=0)
     assert math.isfinite(float(np.abs(logits[-1]).max()))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_fused_write_and_attend_matches_the_two_ops(dtype):
+    """`write_kv_and_attend` on the kernel (one call, caches updated in place) equals write_kv
+    + the reference: the same caches bit for bit, the same attention. Compiled with the caches
+    donated, there is no copy of a cache."""
+    from jaxserve.pallas_kernels import write_kv, write_kv_and_attend
+    from jaxserve.pallas_kernels.ragged_paged_attention.reference import (
+        ragged_paged_attention_reference,
+    )
+    from tests.pallas_kernels.test_kv_write import cache_copies
+
+    case = make_case([(31, 33), (15, 1), (0, 17)], page_size=8, hq=6, hkv=2, d=64, r_pad=4,
+                     t_pad=56, seed=8)
+    rng = np.random.default_rng(0)
+    T = case["q"].shape[0]
+    q = jnp.asarray(case["q"], dtype)
+    k, v = (jnp.asarray(rng.standard_normal((T, 2, 64)), dtype) for _ in range(2))
+    kc, vc = jnp.asarray(case["kc"], dtype), jnp.asarray(case["vc"], dtype)
+    md = case["md"]
+
+    def fused(q, k, v, kc, vc, md):
+        return write_kv_and_attend(q, k, v, kc, vc, md, sm_scale=0.125, impl="cpu")
+
+    def two_ops(q, k, v, kc, vc, md):
+        kc, vc = write_kv(kc, vc, k, v, md.slot_mapping)
+        return ragged_paged_attention_reference(q, kc, vc, md, sm_scale=0.125), kc, vc
+
+    want = jax.jit(two_ops)(q, k, v, kc, vc, md)
+    fused_jit = jax.jit(fused, donate_argnums=(3, 4))
+    hlo = fused_jit.lower(q, k, v, kc, vc, md).compile().as_text()
+    assert cpu.FUSED_TARGET in hlo
+    shape = f"{'bf16' if dtype == jnp.bfloat16 else 'f32'}[{kc.shape[0]},8,2,64]"
+    assert cache_copies(hlo, shape) == []
+    got = fused_jit(q, k, v, kc, vc, md)
+    np.testing.assert_array_equal(np.asarray(got[1], np.float32)[1:],
+                                  np.asarray(want[1], np.float32)[1:])  # page 0: padding writes
+    np.testing.assert_array_equal(np.asarray(got[2], np.float32)[1:],
+                                  np.asarray(want[2], np.float32)[1:])
+    atol = 1e-5 if dtype == jnp.float32 else 2e-2
+    np.testing.assert_allclose(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32),
+                               atol=atol, rtol=0)

@@ -8,7 +8,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jaxserve.models.layers.linear import PackedWeight, dense, pack_for_spec
+from jaxserve.models.layers.linear import PackedWeight, dense, dense_group, pack_for_spec
 from jaxserve.pallas_kernels.cpu.matmul import amx_available, amx_matmul, pack_weight
 
 needs_amx = pytest.mark.skipif(not amx_available(), reason="this CPU has no AMX-BF16")
@@ -64,7 +64,7 @@ def test_dense_with_packed_weights_matches_einsum(spec, x_shape, w_shape):
     x = jnp.asarray(rng.standard_normal(x_shape), jnp.float32)
     w = _bf16(rng, *w_shape, scale=0.1)
     blocks, out_shape = pack_for_spec(spec, w)
-    got = jax.jit(lambda x, b: dense(spec, x, PackedWeight(b, out_shape)))(x, jnp.asarray(blocks))
+    got = jax.jit(lambda x, b: dense(spec, x, PackedWeight(b, (out_shape,))))(x, jnp.asarray(blocks))
     want = dense(spec, x, jnp.asarray(w))
     assert got.shape == want.shape and got.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
@@ -80,3 +80,48 @@ def test_bad_shapes_are_errors():
     x = jnp.zeros((4, 64), jnp.bfloat16)
     with pytest.raises(ValueError, match="does not match"):
         amx_matmul(x, jnp.zeros((2, 3, 16, 32), jnp.bfloat16))
+
+
+@needs_amx
+def test_fused_group_splits_like_separate_products():
+    rng = np.random.default_rng(5)
+    spec = "te,ehd->thd"
+    x = jnp.asarray(rng.standard_normal((9, 64)), jnp.float32)
+    ws = [_bf16(rng, 64, h, 16, scale=0.1) for h in (4, 2, 2)]
+    packed = [pack_for_spec(spec, w) for w in ws]
+    fused = PackedWeight(jnp.asarray(np.concatenate([b for b, _ in packed])),
+                         tuple(s for _, s in packed))
+    outs = dense_group(spec, x, fused)
+    for got, w in zip(outs, ws):
+        want = dense(spec, x, jnp.asarray(w))
+        assert got.shape == want.shape
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+@needs_amx
+def test_packed_tiny_llama_matches_unpacked():
+    """A tiny bfloat16 Llama with its weights packed (q/k/v and gate/up fused, tied LM head)
+    gives the logits of the same model on XLA's dot, to float32 summation order."""
+    from jaxserve.models.arch_config import ArchConfig
+    from jaxserve.models.layers.linear import PackedParam
+    from jaxserve.models.weights import create_model
+    from tests.models.model_utils import PagedRunner
+    from tests.pallas_kernels.kernel_checks import TINY_LLAMA
+
+    cfg = ArchConfig.from_hf(TINY_LLAMA)
+    models = [create_model(cfg, dtype=jnp.bfloat16, seed=3) for _ in range(2)]
+    assert models[1].pack_for_amx() == 2 * 4 + 1  # qkv, o, gate_up, down per layer; LM head
+    layer = models[1].layers[0]
+    assert isinstance(layer.wqkv, PackedParam) and not hasattr(layer, "wq")
+    rng = np.random.default_rng(2)
+    seqs = [rng.integers(0, cfg.vocab_size, size=n).tolist() for n in (13, 6)]
+    logits = []
+    for model in models:
+        run = PagedRunner(model, page_size=16, num_pages=16, seed=1)
+        kw = dict(num_tokens=32, num_reqs=4, pages_per_req=2)
+        out = run.step([(0, seqs[0], 0), (1, seqs[1], 0)], **kw)
+        out += run.step([(0, [5], 13), (1, [7], 6)], **kw)
+        logits.append([np.asarray(o, np.float32) for o in out])
+    for a, b in zip(*logits):
+        assert np.abs(b).max() > 0.1
+        np.testing.assert_allclose(a, b, atol=3e-2, rtol=0)
