@@ -1,9 +1,9 @@
 """Native CPU kernels called through the XLA FFI: paged attention and AMX bfloat16 matmul.
 
 Pallas has no CPU code generator (only its interpreter), so the CPU serving path's two hot ops
-are C++ (`attention.cc`, `matmul.cc`, sharing `parallel.h`), compiled on first use with the host's
-C++ compiler (`$CXX`, default `g++`, `-O3 -march=native`) against the FFI headers shipped in
-jaxlib, into one library under `<user cache>/jaxserve/kernels` (or `$JAXSERVE_KERNEL_CACHE`),
+are C++ (`attention.cc` with its `simd.h`, `matmul.cc`; both use `parallel.h`), compiled on
+first use with the host's C++ compiler (`$CXX`, default `g++`, `-O3 -march=native`) against the
+FFI headers shipped in jaxlib, into one library under `<user cache>/jaxserve/kernels` (or `$JAXSERVE_KERNEL_CACHE`),
 keyed by the sources, the flags, jaxlib's version and the CPU. Later processes load the cached
 library. Without a compiler, `ensure_loaded()` raises `KernelUnavailable` and callers fall back
 to XLA (the pure-JAX reference attention, XLA's dot).
@@ -25,7 +25,7 @@ import jax
 
 _DIR = pathlib.Path(__file__).parent
 SOURCES = (_DIR / "attention.cc", _DIR / "matmul.cc")
-_HEADERS = (_DIR / "parallel.h",)
+_HEADERS = (_DIR / "parallel.h", _DIR / "simd.h")
 _FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-std=c++17", "-fPIC",
           "-shared")
 # FFI target name -> exported handler symbol.

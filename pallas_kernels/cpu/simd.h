@@ -1,0 +1,204 @@
+// SIMD building blocks of the CPU attention kernel (attention.cc): exp, row max, the two
+// products of a key chunk. AVX-512 where the compiler targets it, portable loops elsewhere.
+#ifndef JAXSERVE_PALLAS_KERNELS_CPU_SIMD_H_
+#define JAXSERVE_PALLAS_KERNELS_CPU_SIMD_H_
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace jaxserve {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// exp(x) for float32, Cephes-style: 2^n * e^r with |r| <= ln2/2 and a degree-6 polynomial
+// (relative error ~2e-7). Branch-free so that loops over it vectorize. exp(-inf) = 0.
+inline float fast_exp(float x) {
+  const bool neg_inf = x < -87.0f;
+  x = std::min(std::max(x, -87.0f), 88.0f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return neg_inf ? 0.0f : p * scale;
+}
+
+// max of x[lo..hi) (non-empty).
+inline float range_max(const float* x, int lo, int hi) {
+#if defined(__AVX512F__)
+  __m512 mv = _mm512_set1_ps(kNegInf);
+  for (int j = lo; j < hi; j += 16) {
+    const __mmask16 mk = static_cast<__mmask16>((1u << std::min(16, hi - j)) - 1);
+    mv = _mm512_mask_max_ps(mv, mk, mv, _mm512_maskz_loadu_ps(mk, x + j));
+  }
+  return _mm512_reduce_max_ps(mv);
+#else
+  float mv = kNegInf;
+  for (int j = lo; j < hi; ++j) mv = std::max(mv, x[j]);
+  return mv;
+#endif
+}
+
+#if defined(__AVX512F__)
+inline __m512 exp512(__m512 x) {  // fast_exp on 16 lanes
+  const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  const __m512 n = _mm512_roundscale_ps(
+      _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  const __m512i e = _mm512_slli_epi32(
+      _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mul_ps(static_cast<__mmask16>(~tiny), p, _mm512_castsi512_ps(e));
+}
+#endif
+
+// x[j] = exp(x[j] - m) for j in [lo, hi); returns their sum.
+inline float exp_sum(float* x, int lo, int hi, float m) {
+#if defined(__AVX512F__)
+  __m512 sum = _mm512_setzero_ps();
+  const __m512 mv = _mm512_set1_ps(m);
+  for (int j = lo; j < hi; j += 16) {
+    const __mmask16 mk = static_cast<__mmask16>((1u << std::min(16, hi - j)) - 1);
+    const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, x + j), mv));
+    _mm512_mask_storeu_ps(x + j, mk, e);
+    sum = _mm512_mask_add_ps(sum, mk, sum, e);
+  }
+  return _mm512_reduce_add_ps(sum);
+#else
+  float sum = 0.0f;
+  for (int j = lo; j < hi; ++j) {
+    x[j] = fast_exp(x[j] - m);
+    sum += x[j];
+  }
+  return sum;
+#endif
+}
+
+inline void load_row(const uint16_t* src, float* dst, int d) {
+#pragma omp simd
+  for (int i = 0; i < d; ++i) {
+    const uint32_t u = static_cast<uint32_t>(src[i]) << 16;
+    std::memcpy(&dst[i], &u, sizeof(float));
+  }
+}
+
+// s[i * ld + j] = <q_i, k[j]> for rows i < rows and keys j < n (q: [rows, d]; k[j] points to
+// key j's d floats; with AVX-512, k must hold a multiple of 16 pointers, the extra ones to zeros).
+inline void qk_scores(const float* q, int rows, const float* const* k, int n, int d, float* s,
+                      int ld) {
+#if defined(__AVX512F__)
+  if (d % 16 == 0) {
+    for (int i = 0; i < rows; ++i) {
+      const float* qi = q + i * d;
+      for (int j0 = 0; j0 < n; j0 += 16) {
+        __m512 a[16];
+        for (int j = 0; j < 16; ++j) a[j] = _mm512_setzero_ps();
+        for (int c = 0; c < d; c += 16) {
+          const __m512 qv = _mm512_loadu_ps(qi + c);
+          for (int j = 0; j < 16; ++j) {
+            a[j] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k[j0 + j] + c), a[j]);
+          }
+        }
+        // Transpose-reduce: lane j of r is the sum of a[j]'s 16 lanes.
+        __m512 x[8];
+        for (int p = 0; p < 8; ++p) {
+          x[p] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * p], a[2 * p + 1]),
+                               _mm512_unpackhi_ps(a[2 * p], a[2 * p + 1]));
+        }
+        __m512 y[4];
+        for (int p = 0; p < 4; ++p) {
+          y[p] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * p], x[2 * p + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                               _mm512_shuffle_ps(x[2 * p], x[2 * p + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+        }
+        const __m512 u0 = _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                        _mm512_shuffle_f32x4(y[0], y[1], _MM_SHUFFLE(3, 1, 3, 1)));
+        const __m512 u1 = _mm512_add_ps(_mm512_shuffle_f32x4(y[2], y[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                        _mm512_shuffle_f32x4(y[2], y[3], _MM_SHUFFLE(3, 1, 3, 1)));
+        const __m512 r = _mm512_add_ps(_mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(2, 0, 2, 0)),
+                                       _mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(3, 1, 3, 1)));
+        const int m = std::min(16, n - j0);
+        _mm512_mask_storeu_ps(s + i * ld + j0, static_cast<__mmask16>((1u << m) - 1), r);
+      }
+    }
+    return;
+  }
+#endif
+  for (int i = 0; i < rows; ++i) {
+    for (int j = 0; j < n; ++j) {
+      float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+      for (int c = 0; c < d; ++c) acc += q[i * d + c] * k[j][c];
+      s[i * ld + j] = acc;
+    }
+  }
+}
+
+// acc_i += sum_j p[i * ld + j] * v[j] for rows i < rows and keys j < n (v[j]: d floats).
+inline void pv_accumulate(const float* p, int rows, const float* const* v, int n, int d,
+                          float* acc, int ld) {
+#if defined(__AVX512F__)
+  if (d % 64 == 0) {
+    constexpr int kRows = 4;  // 4 rows x 64 columns of accumulators stay in registers
+    for (int c = 0; c < d; c += 64) {
+      for (int i0 = 0; i0 < rows; i0 += kRows) {
+        const int nr = std::min(kRows, rows - i0);
+        __m512 a[kRows][4];
+        for (int r = 0; r < nr; ++r) {
+          for (int x = 0; x < 4; ++x) a[r][x] = _mm512_loadu_ps(acc + (i0 + r) * d + c + 16 * x);
+        }
+        for (int j = 0; j < n; ++j) {
+          const float* vj = v[j] + c;
+          const __m512 v0 = _mm512_loadu_ps(vj), v1 = _mm512_loadu_ps(vj + 16);
+          const __m512 v2 = _mm512_loadu_ps(vj + 32), v3 = _mm512_loadu_ps(vj + 48);
+          for (int r = 0; r < nr; ++r) {
+            const __m512 pr = _mm512_set1_ps(p[(i0 + r) * ld + j]);
+            a[r][0] = _mm512_fmadd_ps(pr, v0, a[r][0]);
+            a[r][1] = _mm512_fmadd_ps(pr, v1, a[r][1]);
+            a[r][2] = _mm512_fmadd_ps(pr, v2, a[r][2]);
+            a[r][3] = _mm512_fmadd_ps(pr, v3, a[r][3]);
+          }
+        }
+        for (int r = 0; r < nr; ++r) {
+          for (int x = 0; x < 4; ++x) _mm512_storeu_ps(acc + (i0 + r) * d + c + 16 * x, a[r][x]);
+        }
+      }
+    }
+    return;
+  }
+#endif
+  for (int i = 0; i < rows; ++i) {
+    float* ai = acc + i * d;
+    for (int j = 0; j < n; ++j) {
+      const float pj = p[i * ld + j];
+#pragma omp simd
+      for (int c = 0; c < d; ++c) ai[c] += pj * v[j][c];
+    }
+  }
+}
+
+}  // namespace jaxserve
+
+#endif  // JAXSERVE_PALLAS_KERNELS_CPU_SIMD_H_
