@@ -26,7 +26,7 @@ from jaxserve.models.interface import AttentionMetadata, KVCache
 from jaxserve.models.layers.attention import AttentionSpec, paged_attention
 from jaxserve.models.layers.linear import dense, dense_group, pack_linear_weights, weight_value
 from jaxserve.models.layers.norm import rms_norm
-from jaxserve.models.layers.rotary import apply_rotary, inverse_frequencies
+from jaxserve.models.layers.rotary import apply_rotary, inverse_frequencies, rotary_tables
 
 # A checkpoint tensor getter: HF tensor name -> numpy array.
 TensorGetter = Callable[[str], np.ndarray]
@@ -124,19 +124,20 @@ class LlamaForCausalLM(nnx.Module):
         with jax.named_scope("embed"):
             h = self.embed[...][input_ids].astype(jnp.float32)  # [T, E]
         inv_freq = jnp.asarray(inverse_frequencies(cfg))  # [D/2], a compile-time constant
+        rope = rotary_tables(positions, inv_freq)  # cos, sin: [T, 1, D/2], shared by the layers
         k_caches, v_caches = list(kv_cache.k), list(kv_cache.v)
         for i, layer in enumerate(self.layers):
             with jax.named_scope(f"layer_{i}"):
                 p = {name: weight_value(var) for name, var in vars(layer).items()
                      if isinstance(var, nnx.Param)}
                 h, k_caches[i], v_caches[i] = self._layer(
-                    p, h, positions, inv_freq, k_caches[i], v_caches[i], md
+                    p, h, rope, k_caches[i], v_caches[i], md
                 )
         with jax.named_scope("final_norm"):
             h = rms_norm(h, self.final_norm[...], cfg.rms_norm_eps)
         return h, KVCache(k=tuple(k_caches), v=tuple(v_caches))
 
-    def _layer(self, p, h, positions, inv_freq, k_cache, v_cache, md):
+    def _layer(self, p, h, rope, k_cache, v_cache, md):
         cfg = self.config
         with jax.named_scope("attention"):
             x = rms_norm(h, p["input_norm"], cfg.rms_norm_eps)  # [T, E]
@@ -151,8 +152,8 @@ class LlamaForCausalLM(nnx.Module):
             if cfg.qk_norm:
                 q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
                 k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
-            q = apply_rotary(q, positions, inv_freq)
-            k = apply_rotary(k, positions, inv_freq)
+            q = apply_rotary(q, *rope)
+            k = apply_rotary(k, *rope)
             cache_dtype = k_cache.dtype
             attn, k_cache, v_cache = paged_attention(
                 q.astype(cache_dtype), k.astype(cache_dtype), v.astype(cache_dtype),

@@ -32,11 +32,15 @@ def inverse_frequencies(cfg: ArchConfig) -> np.ndarray:
     return inv_freq
 
 
-def apply_rotary(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """x: [T, H, D], positions: [T] int32, inv_freq: [D/2] -> float32 [T, H, D]."""
+def rotary_tables(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos, sin of each token's angles: [T, 1, D/2] float32 each. Computed once per step and
+    shared by every layer (recomputing them per layer costs a sin/cos per element each time)."""
     freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
-    cos = jnp.cos(freqs)[:, None, :]  # [T, 1, D/2]
-    sin = jnp.sin(freqs)[:, None, :]
+    return jnp.cos(freqs)[:, None, :], jnp.sin(freqs)[:, None, :]
+
+
+def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x: [T, H, D]; cos, sin: [T, 1, D/2] from `rotary_tables` -> float32 [T, H, D]."""
     x = x.astype(jnp.float32)
     x1, x2 = jnp.split(x, 2, axis=-1)  # [T, H, D/2] each
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
