@@ -137,7 +137,7 @@ def main(argv=None):
     impls = args.impls or {
         "gpu": ["reference", "gpu", "jax-gpu-paged"],
         "tpu": ["reference", "tpu"],
-    }.get(backend, ["reference", "gpu-interpret", "tpu-interpret"])
+    }.get(backend, ["reference", "cpu", "gpu-interpret", "tpu-interpret"])
     dtype = jnp.dtype(args.dtype)
     bw = measure_bandwidth_gbs((16 if small else 1024) << 20, iters)
     device = str(jax.devices()[0].device_kind)
