@@ -3,7 +3,8 @@
 Pallas has no CPU code generator (only its interpreter), so the CPU serving path's two hot ops
 are C++ (`attention.cc` with its `simd.h`, `matmul.cc`; both use `parallel.h`), compiled on
 first use with the host's C++ compiler (`$CXX`, default `g++`, `-O3 -march=native`) against the
-FFI headers shipped in jaxlib, into one library under `<user cache>/jaxserve/kernels` (or `$JAXSERVE_KERNEL_CACHE`),
+FFI headers shipped in jaxlib, into one library under `<user cache>/jaxserve/kernels` (the user
+cache is `$XDG_CACHE_HOME` or `~/.cache`, as for models and compiled executables),
 keyed by the sources, the flags, jaxlib's version and the CPU. Later processes load the cached
 library. Without a compiler, `ensure_loaded()` raises `KernelUnavailable` and callers fall back
 to XLA (the pure-JAX reference attention, XLA's dot).
@@ -41,9 +42,6 @@ class KernelUnavailable(ValueError):
 
 
 def _cache_dir() -> pathlib.Path:
-    explicit = os.environ.get("JAXSERVE_KERNEL_CACHE")
-    if explicit:
-        return pathlib.Path(explicit)
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return pathlib.Path(base) / "jaxserve" / "kernels"
 

@@ -99,12 +99,12 @@ def test_auto_picks_the_kernel_on_cpu():
 
 
 def test_library_is_cached(tmp_path, monkeypatch):
-    monkeypatch.setenv("JAXSERVE_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     first = native.library_path()
-    assert first.parent == tmp_path and first.exists()
+    assert first.parent == tmp_path / "jaxserve" / "kernels" and first.exists()
     mtime = first.stat().st_mtime_ns
     assert native.library_path() == first and first.stat().st_mtime_ns == mtime  # not rebuilt
-    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary files left
+    assert [p.name for p in first.parent.iterdir()] == [first.name]  # no temporary files left
 
 
 def test_no_compiler_falls_back_to_the_reference(tmp_path):
@@ -127,7 +127,7 @@ except cpu.KernelUnavailable as e:
 from jaxserve.pallas_kernels.cpu.matmul import amx_available, resolve_matmul_impl
 print("AMX", amx_available(), resolve_matmul_impl("auto", "cpu", jnp.bfloat16, None))
 """
-    env = dict(os.environ, CXX="no-such-compiler-here", JAXSERVE_KERNEL_CACHE=str(tmp_path))
+    env = dict(os.environ, CXX="no-such-compiler-here", XDG_CACHE_HOME=str(tmp_path))
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     res = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True,
                          text=True, timeout=300)
