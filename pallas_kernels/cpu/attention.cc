@@ -47,7 +47,7 @@ struct Problem {
   const int32_t* kv_lens;       // [R]
   const int32_t* query_start_loc;  // [R + 1]
   float* out;            // [T, Hq, D]
-  int64_t pages_per_row, num_pages, page_size, hq, hkv, d, g;
+  int64_t pages_per_row, page_size, hq, hkv, d, g;
   float sm_scale, soft_cap;  // soft_cap <= 0: none
   int32_t window;            // <= 0: none
 };
@@ -225,7 +225,6 @@ ffi::Error attend(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, const void* k
   p.query_start_loc = query_start_loc.typed_data();
   p.out = out;
   p.pages_per_row = btd[1];
-  p.num_pages = kd[0];
   p.page_size = kd[1];
   p.hkv = kd[2];
   p.d = kd[3];

@@ -148,7 +148,7 @@ ffi::Error AmxMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
     return ffi::Error(ffi::ErrorCode::kUnavailable, "amx_matmul: AMX tile data not permitted");
   }
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.typed_data());
-  std::vector<uint16_t> tail;
+  thread_local std::vector<uint16_t> tail;  // reused: no allocation per call
   if (m % 32 != 0) {  // the last partial block of rows, zero-padded to 32 rows
     const int64_t m0 = m / 32 * 32;
     tail.assign(32 * k, 0);
