@@ -6,11 +6,14 @@
 // (and j > p - W with a sliding window W), read from the paged cache through the block table.
 // Query head h reads KV head h / G (G = Hq / Hkv). Padding tokens output zeros.
 //
-// Work items are (request, KV head, block of up to kQueryBlock consecutive queries). An item
-// holds the G query heads of its KV head for each of its tokens as rows, walks the keys its
-// rows can see in chunks of kKeyChunk, and keeps an online softmax (running max, sum and
-// float32 accumulator) per row, so each key and value vector is read once per item and used
-// by all of its rows. Items are spread over XLA's intra-op thread pool.
+// Work items are (request, block of up to kQueryBlock consecutive queries), spread over the
+// cores (parallel.h). An item takes its KV heads one after another: for each, it holds the G
+// query heads of that KV head for each of its tokens as rows, walks the keys its rows can see
+// in chunks of kKeyChunk, and keeps an online softmax (running max, sum and float32
+// accumulator) per row, so each key and value vector is read once per head pass and used by
+// all of its rows. Running a request's heads back to back on one core reads its pages (all
+// heads side by side) while they are still cached: per-(request, head) items measured about
+// 20 % slower at 32 requests.
 
 #include <algorithm>
 #include <cmath>
@@ -53,7 +56,7 @@ struct Problem {
 };
 
 struct WorkItem {
-  int32_t r, h, t0, t1;
+  int32_t r, h, t0, t1;  // h: the KV head of the current pass
 };
 
 template <typename KT>
@@ -190,10 +193,13 @@ class AttentionJob : public jaxserve::ParallelJob {
 
   void run(int64_t i) override {
     thread_local std::vector<float> scratch;
-    if (bf16_) {
-      run_item<uint16_t>(p_, items[i], scratch);
-    } else {
-      run_item<float>(p_, items[i], scratch);
+    WorkItem w = items[i];
+    for (w.h = 0; w.h < p_.hkv; ++w.h) {
+      if (bf16_) {
+        run_item<uint16_t>(p_, w, scratch);
+      } else {
+        run_item<float>(p_, w, scratch);
+      }
     }
   }
 
@@ -203,7 +209,7 @@ class AttentionJob : public jaxserve::ParallelJob {
 };
 
 // Attention over caches that already hold this step's K/V (shared by both handlers).
-ffi::Error attend(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, const void* k_cache,
+ffi::Error attend(ffi::Buffer<ffi::F32>& q, const void* k_cache,
                   const void* v_cache, ffi::Span<const int64_t> kd, ffi::DataType et,
                   ffi::Buffer<ffi::S32>& block_tables, ffi::Buffer<ffi::S32>& kv_lens,
                   ffi::Buffer<ffi::S32>& query_start_loc, ffi::Buffer<ffi::S32>& num_seqs,
@@ -253,16 +259,15 @@ ffi::Error attend(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, const void* k
     }
     for (int32_t t0 = t_begin; t0 < t_end; t0 += kQueryBlock) {
       const int32_t t1 = std::min(t_end, t0 + kQueryBlock);
-      for (int32_t h = 0; h < p.hkv; ++h) job.items.push_back({r, h, t0, t1});
+      job.items.push_back({r, 0, t0, t1});  // all KV heads
     }
   }
 
-  jaxserve::parallel_for(pool, static_cast<int64_t>(job.items.size()), job);
+  jaxserve::parallel_for(static_cast<int64_t>(job.items.size()), job);
   return ffi::Error::Success();
 }
 
-
-ffi::Error RaggedPagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+ffi::Error RaggedPagedAttentionImpl(ffi::Buffer<ffi::F32> q,
                                     ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache,
                                     ffi::Buffer<ffi::S32> block_tables,
                                     ffi::Buffer<ffi::S32> kv_lens,
@@ -273,14 +278,14 @@ ffi::Error RaggedPagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> 
   if (k_cache.element_type() != v_cache.element_type()) {
     return ffi::Error::InvalidArgument("ragged_paged_attention: k and v caches differ in dtype");
   }
-  return attend(pool, q, k_cache.untyped_data(), v_cache.untyped_data(), k_cache.dimensions(),
+  return attend(q, k_cache.untyped_data(), v_cache.untyped_data(), k_cache.dimensions(),
                 k_cache.element_type(), block_tables, kv_lens, query_start_loc, num_seqs,
                 out->typed_data(), sm_scale, sliding_window, soft_cap);
 }
 
 // Writes this step's K/V rows (k, v: [T, Hkv, D] in the caches' dtype) at `slot_mapping` into
 // the caches, which are aliased to the outputs (updated in place), then attends.
-ffi::Error WriteKvAndAttendImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
+ffi::Error WriteKvAndAttendImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
                                 ffi::AnyBuffer v, ffi::AnyBuffer k_cache_in,
                                 ffi::AnyBuffer v_cache_in, ffi::Buffer<ffi::S32> block_tables,
                                 ffi::Buffer<ffi::S32> kv_lens,
@@ -314,7 +319,7 @@ ffi::Error WriteKvAndAttendImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, f
     std::memcpy(kc + sm[t] * row, kn + t * row, row);
     std::memcpy(vc + sm[t] * row, vn + t * row, row);
   }
-  return attend(pool, q, kc, vc, kd, et, block_tables, kv_lens, query_start_loc, num_seqs,
+  return attend(q, kc, vc, kd, et, block_tables, kv_lens, query_start_loc, num_seqs,
                 out->typed_data(), sm_scale, sliding_window, soft_cap);
 }
 
@@ -322,7 +327,6 @@ ffi::Error WriteKvAndAttendImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, f
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRaggedPagedAttention, RaggedPagedAttentionImpl,
                               ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q
                                   .Arg<ffi::AnyBuffer>()         // k_cache
                                   .Arg<ffi::AnyBuffer>()         // v_cache
@@ -337,7 +341,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRaggedPagedAttention, RaggedPagedAttention
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveWriteKvAndAttend, WriteKvAndAttendImpl,
                               ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q
                                   .Arg<ffi::AnyBuffer>()         // k (new rows)
                                   .Arg<ffi::AnyBuffer>()         // v

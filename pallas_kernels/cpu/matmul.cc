@@ -72,6 +72,21 @@ class MatmulJob : public jaxserve::ParallelJob {
 
   void end() override { _tile_release(); }
 
+  // Tile loads stall on weights coming from L3 or memory; asking for the blocks a few steps
+  // ahead keeps them in flight (the weights are read once per call, so nothing else hides it).
+  inline void prefetch_ahead(const uint16_t* b0, const uint16_t* b1, int64_t kb) const {
+    const uint16_t* w_end = w_ + k_ * n_;
+    constexpr int64_t kAhead = 4;
+    // Past the strip's end, b0's lookahead lands in b1's blocks and b1's in the next strip's
+    // first blocks; past the last strip it is dropped.
+    const uint16_t* p0 = b0 + (kb + kAhead) * 512;
+    const uint16_t* p1 = b1 + (kb + kAhead) * 512;
+    for (int c = 0; c < 512; c += 32) {
+      _mm_prefetch(reinterpret_cast<const char*>(p0 + c), _MM_HINT_T0);
+      if (p1 + c < w_end) _mm_prefetch(reinterpret_cast<const char*>(p1 + c), _MM_HINT_T0);
+    }
+  }
+
   void run(int64_t strip) override {
     const int64_t kb_count = k_ / 32;
     const uint16_t* b0 = w_ + (2 * strip) * kb_count * 512;  // a packed block is 16 x 32 values
@@ -86,6 +101,7 @@ class MatmulJob : public jaxserve::ParallelJob {
         _tile_zero(2);
         _tile_zero(3);
         for (int64_t kb = 0; kb < kb_count; ++kb) {
+          prefetch_ahead(b0, b1, kb);
           _tile_loadd(6, b0 + kb * 512, 64);
           _tile_loadd(7, b1 + kb * 512, 64);
           _tile_loadd(4, a + kb * 32, lda);
@@ -97,6 +113,7 @@ class MatmulJob : public jaxserve::ParallelJob {
         }
       } else {
         for (int64_t kb = 0; kb < kb_count; ++kb) {
+          prefetch_ahead(b0, b1, kb);
           _tile_loadd(6, b0 + kb * 512, 64);
           _tile_loadd(7, b1 + kb * 512, 64);
           _tile_loadd(4, a + kb * 32, lda);
@@ -132,7 +149,7 @@ class MatmulJob : public jaxserve::ParallelJob {
 };
 #endif  // JAXSERVE_HAVE_AMX
 
-ffi::Error AmxMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
+ffi::Error AmxMatmulImpl(ffi::Buffer<ffi::BF16> x,
                          ffi::Buffer<ffi::BF16> w, ffi::ResultBuffer<ffi::F32> out) {
 #if JAXSERVE_HAVE_AMX
   const auto xd = x.dimensions();
@@ -156,7 +173,7 @@ ffi::Error AmxMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
   }
   MatmulJob job(xp, tail.data(), reinterpret_cast<const uint16_t*>(w.typed_data()),
                 out->typed_data(), m, k, n);
-  jaxserve::parallel_for(pool, n / 32, job);
+  jaxserve::parallel_for(n / 32, job);
   return ffi::Error::Success();
 #else
   return ffi::Error(ffi::ErrorCode::kUnimplemented, "amx_matmul: built without AMX support");
@@ -176,7 +193,6 @@ extern "C" int JaxserveAmxAvailable() {
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveAmxMatmul, AmxMatmulImpl,
                               ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()  // x [M, K]
                                   .Arg<ffi::Buffer<ffi::BF16>>()  // w, packed
                                   .Ret<ffi::Buffer<ffi::F32>>()); // out [M, N]

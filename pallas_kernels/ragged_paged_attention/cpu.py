@@ -4,7 +4,7 @@ The pure-JAX reference spends most of a CPU decode step gathering and transposin
 small batched products (about 150 ms of a 250 ms SmolLM2 step at 32 requests). The kernel
 reads each key and value row once per (request, KV head, block of up to 16 queries) straight
 from the paged cache, keeps an online softmax per row in float32 with AVX-512 inner loops
-(portable loops elsewhere), and spreads its work items over XLA's intra-op thread pool.
+(portable loops elsewhere), and spreads its work items over the cores (`parallel.h`).
 Semantics are the reference's (`reference.py`), sliding window and soft cap included; q may be
 float32 or bfloat16 (computed in float32), the caches float32 or bfloat16. How the library is
 built and loaded: `pallas_kernels/cpu/__init__.py`; without a C++ compiler, `supports()` raises
