@@ -23,8 +23,15 @@ from jax.sharding import Mesh
 from jaxserve.models import sharding as ax
 from jaxserve.models.arch_config import ArchConfig
 from jaxserve.models.interface import AttentionMetadata, KVCache
-from jaxserve.models.layers.attention import AttentionSpec, paged_attention
-from jaxserve.models.layers.linear import dense, dense_group, pack_linear_weights, weight_value
+from jaxserve.models.layers.attention import AttentionSpec, paged_attention, paged_attention_qkv
+from jaxserve.models.layers.linear import (
+    PackedWeight,
+    dense,
+    dense_fused,
+    dense_group,
+    pack_linear_weights,
+    weight_value,
+)
 from jaxserve.models.layers.norm import rms_norm
 from jaxserve.models.layers.rotary import apply_rotary, inverse_frequencies, rotary_tables
 
@@ -139,6 +146,8 @@ class LlamaForCausalLM(nnx.Module):
 
     def _layer(self, p, h, rope, k_cache, v_cache, md):
         cfg = self.config
+        if self._fusable(p):
+            return self._fused_layer(p, h, rope, k_cache, v_cache, md)
         with jax.named_scope("attention"):
             x = rms_norm(h, p["input_norm"], cfg.rms_norm_eps)  # [T, E]
             if "wqkv" in p:  # packed together for the AMX kernel
@@ -176,6 +185,30 @@ class LlamaForCausalLM(nnx.Module):
             if cfg.mlp_bias:
                 down = down + p["b_down"]
             h = h + down
+        return h, k_cache, v_cache
+
+    def _fusable(self, p) -> bool:
+        """Whether every product of the layer is packed for the AMX kernel and the layer has
+        no biases or q/k norms, so that `_fused_layer` applies."""
+        cfg = self.config
+        return (all(isinstance(p.get(n), PackedWeight) for n in ("wqkv", "wo", "w_gate_up", "w_down"))
+                and not (cfg.qkv_bias or cfg.qk_norm or cfg.o_bias or cfg.mlp_bias))
+
+    def _fused_layer(self, p, h, rope, k_cache, v_cache, md):
+        """`_layer` on packed weights with the ops around each product inside the kernels:
+        the RMSNorms, residual adds and silu(gate) * up in the AMX products, the rotary
+        embedding, casts and cache write in the attention call. Five kernel calls per layer
+        instead of about twenty ops (each small XLA:CPU op costs 20-60 us)."""
+        cfg = self.config
+        T, eps = h.shape[0], cfg.rms_norm_eps
+        with jax.named_scope("attention"):
+            qkv = dense_fused(h, p["wqkv"], norm=p["input_norm"], eps=eps)
+            attn, k_cache, v_cache = paged_attention_qkv(
+                qkv, rope, k_cache, v_cache, md, self.attn_spec, cfg.num_heads)
+            h = dense_fused(attn.reshape(T, -1), p["wo"], residual=h)
+        with jax.named_scope("mlp"):
+            act = dense_fused(h, p["w_gate_up"], norm=p["post_norm"], eps=eps, glu=True)
+            h = dense_fused(act, p["w_down"], residual=h)
         return h, k_cache, v_cache
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:

@@ -68,6 +68,17 @@ def dense_group(spec: str, x: jax.Array, w: PackedWeight) -> list[jax.Array]:
     return [p.reshape(*lead, *s) for p, s in zip(parts, w.out_shapes)]
 
 
+def dense_fused(x: jax.Array, w: PackedWeight, *, norm: jax.Array | None = None,
+                eps: float = 0.0, residual: jax.Array | None = None,
+                glu: bool = False) -> jax.Array:
+    """The packed product of x [T, K] with the ops around it done inside the kernel (see
+    `amx_matmul`): RMSNorm(x) * norm first; + residual, or silu(gate) * up of a packed
+    [gate | up], after. Returns float32 [T, N] ([T, N / 2] with glu)."""
+    from jaxserve.pallas_kernels.cpu.matmul import amx_matmul
+
+    return amx_matmul(x, w.blocks, norm=norm, eps=eps, residual=residual, glu=glu)
+
+
 def pack_for_spec(spec: str, w: np.ndarray) -> tuple[np.ndarray, tuple[int, ...]] | None:
     """The AMX tile layout of weight `w` as used by `dense(spec, x, w)`, and its output dims;
     None when the product does not fit the kernel (K or N not a multiple of 32, or the

@@ -33,6 +33,7 @@ _FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-std=c++1
 TARGETS = {
     "jaxserve_ragged_paged_attention": "JaxserveRaggedPagedAttention",
     "jaxserve_write_kv_and_attend": "JaxserveWriteKvAndAttend",
+    "jaxserve_rope_write_kv_and_attend": "JaxserveRopeWriteKvAndAttend",
     "jaxserve_amx_matmul": "JaxserveAmxMatmul",
 }
 

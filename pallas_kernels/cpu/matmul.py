@@ -5,7 +5,8 @@ tile unit does several times that, and at small batch the product is bound by re
 weights, which AMX streams once per 32 rows. The kernel wants each weight pre-packed into tile
 order (`pack_weight`, done once at load time by `models/layers/linear.py: pack_linear_weights`);
 activations are cast to bfloat16 and the result is float32 (the products' accumulator dtype
-everywhere in the models).
+everywhere in the models). The ops around a decoder layer's products (RMSNorm before, residual
+add or silu(gate) * up after) can run inside the kernel (`amx_matmul`'s keyword arguments).
 """
 
 from __future__ import annotations
@@ -54,16 +55,46 @@ def pack_weight(w: np.ndarray) -> np.ndarray:
                                 .reshape(n // 16, k // 32, 16, 32))
 
 
-def amx_matmul(x: jax.Array, packed: jax.Array) -> jax.Array:
-    """x [M, K] @ the packed weight ([N/16, K/32, 16, 32] bfloat16) -> float32 [M, N]."""
+def amx_matmul(
+    x: jax.Array,
+    packed: jax.Array,
+    *,
+    norm: jax.Array | None = None,
+    eps: float = 0.0,
+    residual: jax.Array | None = None,
+    glu: bool = False,
+) -> jax.Array:
+    """x [M, K] @ the packed weight ([N/16, K/32, 16, 32] bfloat16) -> float32 [M, N].
+
+    x may be float32 or bfloat16 (cast to bfloat16 in the kernel). With `norm` ([K]) the
+    product takes RMSNorm(x) * norm (float32, `eps`, as `models/layers/norm.py`) instead of x.
+    With `residual` ([M, N]) the result is residual + product. With `glu` the weight holds
+    [gate | up] (N/2 columns each, N/2 a multiple of 32) and the result is silu(gate) * up,
+    float32 [M, N/2].
+    """
     cpu.ensure_loaded()
     m, k = x.shape
     nb, kb, p, c = packed.shape
+    n = nb * 16
     if (kb * 32, p, c) != (k, 16, 32) or packed.dtype != jnp.bfloat16:
         raise ValueError(f"amx_matmul: x {x.shape} does not match the packed weight "
                          f"{packed.shape} {packed.dtype}")
-    return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((m, nb * 16), jnp.float32))(
-        x.astype(jnp.bfloat16), packed)
+    if norm is not None and norm.shape != (k,):
+        raise ValueError(f"amx_matmul: norm must be [{k}], got {norm.shape}")
+    if residual is not None and (glu or residual.shape != (m, n)):
+        raise ValueError(f"amx_matmul: residual must be [{m}, {n}] (and not with glu), "
+                         f"got {residual.shape}")
+    if glu and n % 64:
+        raise ValueError(f"amx_matmul: glu needs N/2 a multiple of 32, got N={n}")
+    if x.dtype not in (jnp.float32, jnp.bfloat16):
+        x = x.astype(jnp.float32)
+    empty = jnp.zeros((0,), jnp.float32)
+    out_n = n // 2 if glu else n
+    return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((m, out_n), jnp.float32))(
+        x, packed,
+        empty if norm is None else norm.astype(jnp.float32),
+        empty if residual is None else residual.astype(jnp.float32),
+        eps=np.float32(eps), glu=np.int32(bool(glu)))
 
 
 def resolve_matmul_impl(impl: str, backend: str, dtype, mesh) -> str:

@@ -1,5 +1,5 @@
-// SIMD building blocks of the CPU attention kernel (attention.cc): exp, row max, the two
-// products of a key chunk. AVX-512 where the compiler targets it, portable loops elsewhere.
+// SIMD building blocks of the CPU kernels: exp, row max, bfloat16 rows, the two products of
+// an attention key chunk. AVX-512 where the compiler targets it, portable loops elsewhere.
 #ifndef JAXSERVE_PALLAS_KERNELS_CPU_SIMD_H_
 #define JAXSERVE_PALLAS_KERNELS_CPU_SIMD_H_
 
@@ -102,6 +102,28 @@ inline void load_row(const uint16_t* src, float* dst, int d) {
   for (int i = 0; i < d; ++i) {
     const uint32_t u = static_cast<uint32_t>(src[i]) << 16;
     std::memcpy(&dst[i], &u, sizeof(float));
+  }
+}
+
+// The bfloat16 bits of x, rounded to nearest even as XLA's convert (NaN stays NaN).
+inline uint16_t to_bf16(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof(u));
+  const bool nan = (u & 0x7fffffffu) > 0x7f800000u;
+  return static_cast<uint16_t>(nan ? ((u >> 16) | 0x40u) : (u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+inline void store_row_bf16(const float* src, uint16_t* dst, int d) {
+#pragma omp simd
+  for (int i = 0; i < d; ++i) dst[i] = to_bf16(src[i]);
+}
+
+// x[i] = float32(bfloat16(x[i])).
+inline void round_row_bf16(float* x, int d) {
+#pragma omp simd
+  for (int i = 0; i < d; ++i) {
+    const uint32_t u = static_cast<uint32_t>(to_bf16(x[i])) << 16;
+    std::memcpy(&x[i], &u, sizeof(float));
   }
 }
 

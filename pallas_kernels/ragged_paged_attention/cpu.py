@@ -22,6 +22,7 @@ from jaxserve.pallas_kernels.ragged_paged_attention.metadata import AttentionMet
 
 TARGET = "jaxserve_ragged_paged_attention"
 FUSED_TARGET = "jaxserve_write_kv_and_attend"
+ROPE_TARGET = "jaxserve_rope_write_kv_and_attend"
 
 
 def available() -> bool:
@@ -89,6 +90,43 @@ def write_kv_and_attend_cpu(
       *_metadata(md), md.slot_mapping.astype(jnp.int32),
       **_attrs(sm_scale, sliding_window, soft_cap))
     return out.astype(q.dtype), k_cache, v_cache
+
+
+def rope_write_kv_and_attend_cpu(
+    qkv: jax.Array,
+    cos: jax.Array,
+    sin: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    md: AttentionMetadata,
+    *,
+    num_heads: int,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """A decoder layer's attention after its fused q/k/v product, in one kernel call.
+
+    qkv: [T, (Hq + 2 Hkv) * D] float32 (q heads, then k, then v); cos, sin: [T, D/2] (from
+    `models/layers/rotary.py: rotary_tables`). Same result as `apply_rotary` on q and k, q
+    cast to the caches' dtype, then `write_kv_and_attend_cpu`: (out [T, Hq, D] float32, caches).
+    """
+    supports(qkv, k_cache)
+    T = qkv.shape[0]
+    hkv, d = k_cache.shape[2], k_cache.shape[3]
+    if qkv.shape[1] != (num_heads + 2 * hkv) * d or cos.shape != (T, d // 2) or sin.shape != cos.shape:
+        raise ValueError(f"rope_write_kv_and_attend: qkv {qkv.shape}, cos {cos.shape} do not fit "
+                         f"{num_heads} + 2 x {hkv} heads of {d}")
+    out, k_cache, v_cache = jax.ffi.ffi_call(
+        ROPE_TARGET,
+        (jax.ShapeDtypeStruct((T, num_heads, d), jnp.float32),
+         jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+         jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)),
+        input_output_aliases={3: 1, 4: 2},
+    )(qkv.astype(jnp.float32).reshape(T, num_heads + 2 * hkv, d), cos.astype(jnp.float32),
+      sin.astype(jnp.float32), k_cache, v_cache, *_metadata(md), md.slot_mapping.astype(jnp.int32),
+      **_attrs(sm_scale, sliding_window, soft_cap))
+    return out, k_cache, v_cache
 
 
 def _metadata(md: AttentionMetadata) -> tuple[jax.Array, ...]:

@@ -40,6 +40,8 @@ _REGISTRY = ImplRegistry(
 _SUPPORTS: dict[str, Callable] = {}
 # Implementations that write the new K/V and attend in one call (see write_kv_and_attend).
 _FUSED_WRITE: dict[str, Callable] = {}
+# Implementations that also apply the rotary embedding (see rope_write_kv_and_attend).
+_FUSED_ROPE: dict[str, Callable] = {}
 
 
 def register_impl(name: str, fn: Callable, supports: Callable | None = None) -> None:
@@ -157,6 +159,14 @@ def write_kv_and_attend(
     return out, k_cache, v_cache
 
 
+def fused_rope_kernel(impl: str, q: jax.Array, k_cache: jax.Array) -> Callable | None:
+    """The kernel `impl` dispatches to for these inputs when it also applies the rotary
+    embedding to a layer's fused q/k/v product, writes K/V and attends, in one call (the
+    signature of `cpu.rope_write_kv_and_attend_cpu`); None when it has no such entry point
+    (the model then composes `apply_rotary` and `write_kv_and_attend`)."""
+    return _FUSED_ROPE.get(dispatch_name(impl, q, k_cache))
+
+
 def ragged_paged_attention(
     q: jax.Array,
     k_cache: jax.Array,
@@ -204,6 +214,7 @@ def _register_kernels() -> None:
 
     register_impl("cpu", cpu.ragged_paged_attention_cpu, cpu.supports)
     _FUSED_WRITE["cpu"] = cpu.write_kv_and_attend_cpu
+    _FUSED_ROPE["cpu"] = cpu.rope_write_kv_and_attend_cpu
     register_impl("tpu", tpu.ragged_paged_attention_tpu, tpu.supports)
     register_impl("gpu", gpu.ragged_paged_attention_gpu, gpu.supports)
     register_impl("tpu-interpret",

@@ -188,3 +188,41 @@ def test_fused_write_and_attend_matches_the_two_ops(dtype):
     atol = 1e-5 if dtype == jnp.float32 else 2e-2
     np.testing.assert_allclose(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32),
                                atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_rope_write_and_attend_matches_the_composed_ops(dtype):
+    """The kernel's whole attention block (rotary on q and k of a fused q/k/v product, casts,
+    cache write, attention; one call) equals `apply_rotary` + casts + `write_kv_and_attend`:
+    the caches bit for bit, the output to float32 rounding."""
+    from jaxserve.models.layers.attention import AttentionSpec, paged_attention_qkv
+    from jaxserve.models.layers.rotary import rotary_tables
+
+    hq, hkv, d = 6, 2, 64
+    case = make_case([(31, 33), (15, 1), (0, 17)], page_size=8, hq=hq, hkv=hkv, d=d, r_pad=4,
+                     t_pad=56, seed=9)
+    rng = np.random.default_rng(1)
+    T = case["q"].shape[0]
+    qkv = jnp.asarray(rng.standard_normal((T, (hq + 2 * hkv) * d)), jnp.float32)
+    positions = jnp.asarray(rng.integers(0, 2000, size=T), jnp.int32)
+    inv_freq = jnp.asarray(10000.0 ** -(np.arange(0, d, 2) / d), jnp.float32)
+    rope = rotary_tables(positions, inv_freq)
+    kc, vc = jnp.asarray(case["kc"], dtype), jnp.asarray(case["vc"], dtype)
+    md = case["md"]
+
+    def run(impl):
+        spec = AttentionSpec(sm_scale=0.125, impl=impl)
+        f = jax.jit(lambda qkv, rope, kc, vc, md: paged_attention_qkv(qkv, rope, kc, vc, md, spec, hq))
+        return f, f(qkv, rope, kc, vc, md)
+
+    fused, got = run("cpu")
+    _, want = run("reference")  # no fused entry point: apply_rotary + write_kv + reference
+    hlo = fused.lower(qkv, rope, kc, vc, md).compile().as_text()
+    assert cpu.ROPE_TARGET in hlo and cpu.FUSED_TARGET not in hlo
+    for i in (1, 2):  # page 0 takes the padding tokens' writes
+        np.testing.assert_array_equal(np.asarray(got[i], np.float32)[1:],
+                                      np.asarray(want[i], np.float32)[1:])
+    atol = 1e-5 if dtype == jnp.float32 else 2e-2
+    np.testing.assert_allclose(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32),
+                               atol=atol, rtol=0)
+    assert np.abs(np.asarray(want[0], np.float32)).max() > 0.1

@@ -8,7 +8,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jaxserve.models.layers.linear import PackedWeight, dense, dense_group, pack_for_spec
+from flax import nnx
+
+from jaxserve.models.layers.linear import PackedWeight, dense, dense_group, pack_for_spec, weight_value
 from jaxserve.pallas_kernels.cpu.matmul import amx_available, amx_matmul, pack_weight
 
 needs_amx = pytest.mark.skipif(not amx_available(), reason="this CPU has no AMX-BF16")
@@ -105,7 +107,6 @@ def test_packed_tiny_llama_matches_unpacked():
     from jaxserve.models.arch_config import ArchConfig
     from jaxserve.models.layers.linear import PackedParam
     from jaxserve.models.weights import create_model
-    from tests.models.model_utils import PagedRunner
     from tests.pallas_kernels.kernel_checks import TINY_LLAMA
 
     cfg = ArchConfig.from_hf(TINY_LLAMA)
@@ -113,15 +114,97 @@ def test_packed_tiny_llama_matches_unpacked():
     assert models[1].pack_for_amx() == 2 * 4 + 1  # qkv, o, gate_up, down per layer; LM head
     layer = models[1].layers[0]
     assert isinstance(layer.wqkv, PackedParam) and not hasattr(layer, "wq")
+    a, b = _tiny_llama_logits(models[0]), _tiny_llama_logits(models[1])
+    for x, y in zip(a, b):
+        assert np.abs(x).max() > 0.1
+        np.testing.assert_allclose(x, y, atol=3e-2, rtol=0)
+
+
+def _tiny_llama_logits(model):
+    from tests.models.model_utils import PagedRunner
+
     rng = np.random.default_rng(2)
-    seqs = [rng.integers(0, cfg.vocab_size, size=n).tolist() for n in (13, 6)]
-    logits = []
-    for model in models:
-        run = PagedRunner(model, page_size=16, num_pages=16, seed=1)
-        kw = dict(num_tokens=32, num_reqs=4, pages_per_req=2)
-        out = run.step([(0, seqs[0], 0), (1, seqs[1], 0)], **kw)
-        out += run.step([(0, [5], 13), (1, [7], 6)], **kw)
-        logits.append([np.asarray(o, np.float32) for o in out])
-    for a, b in zip(*logits):
-        assert np.abs(b).max() > 0.1
-        np.testing.assert_allclose(a, b, atol=3e-2, rtol=0)
+    seqs = [rng.integers(0, model.config.vocab_size, size=n).tolist() for n in (13, 6)]
+    run = PagedRunner(model, page_size=16, num_pages=16, seed=1)
+    kw = dict(num_tokens=32, num_reqs=4, pages_per_req=2)
+    out = run.step([(0, seqs[0], 0), (1, seqs[1], 0)], **kw)
+    out += run.step([(0, [5], 13), (1, [7], 6)], **kw)
+    return [np.asarray(o, np.float32) for o in out]
+
+
+@needs_amx
+def test_fused_layer_matches_the_composed_packed_layer(monkeypatch):
+    """With every product packed, a layer runs as five kernel calls (`_fused_layer`: norms,
+    residuals, GLU, rotary and casts inside the kernels); it gives the logits of the composed
+    layer on the same packed weights."""
+    from jaxserve.models.arch_config import ArchConfig
+    from jaxserve.models.llama import LlamaForCausalLM
+    from jaxserve.models.weights import create_model
+    from tests.pallas_kernels.kernel_checks import TINY_LLAMA
+
+    model = create_model(ArchConfig.from_hf(TINY_LLAMA), dtype=jnp.bfloat16, seed=4)
+    model.pack_for_amx()
+    p = {n: weight_value(v) for n, v in vars(model.layers[0]).items() if isinstance(v, nnx.Param)}
+    assert model._fusable(p)
+    fused = _tiny_llama_logits(model)
+    monkeypatch.setattr(LlamaForCausalLM, "_fusable", lambda self, p: False)
+    composed = _tiny_llama_logits(model)
+    for x, y in zip(fused, composed):
+        assert np.abs(y).max() > 0.1
+        np.testing.assert_allclose(x, y, atol=3e-2, rtol=0)
+
+
+def _rms_norm_bf16(x, norm, eps):
+    """The kernel's prologue in numpy: float32 RMSNorm times norm, rounded to bfloat16."""
+    x32 = x.astype(np.float32)
+    inv = np.float32(1.0) / np.sqrt(np.mean(x32 * x32, axis=-1, keepdims=True) + np.float32(eps))
+    return (x32 * inv * norm.astype(np.float32)).astype(ml_dtypes.bfloat16)
+
+
+@needs_amx
+@pytest.mark.parametrize("m", [1, 17, 40])
+@pytest.mark.parametrize("x_dtype", [np.float32, ml_dtypes.bfloat16])
+def test_fused_norm_and_residual(m, x_dtype):
+    rng = np.random.default_rng(m)
+    k, n = 96, 160
+    x = (3.0 * rng.standard_normal((m, k))).astype(x_dtype)
+    norm = (1.0 + 0.1 * rng.standard_normal(k)).astype(np.float32)
+    res = rng.standard_normal((m, n)).astype(np.float32)
+    w = _bf16(rng, k, n, scale=0.1)
+    a = _rms_norm_bf16(x, norm, 1e-5).astype(np.float32)
+    fn = jax.jit(lambda x, w, nrm, r: amx_matmul(x, w, norm=nrm, eps=1e-5, residual=r))
+    got = np.asarray(fn(jnp.asarray(x), jnp.asarray(pack_weight(w)), jnp.asarray(norm),
+                        jnp.asarray(res)))
+    np.testing.assert_allclose(got, res + a @ w.astype(np.float32), rtol=1e-4, atol=1e-4)
+    # Without the norm a float32 x is rounded to bfloat16 (not truncated).
+    got = np.asarray(amx_matmul(jnp.asarray(x), jnp.asarray(pack_weight(w))))
+    want = x.astype(ml_dtypes.bfloat16).astype(np.float32) @ w.astype(np.float32)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@needs_amx
+@pytest.mark.parametrize("m", [2, 33])
+def test_fused_glu(m):
+    rng = np.random.default_rng(100 + m)
+    k, f = 64, 96  # gate and up: 96 columns each
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    wg, wu = _bf16(rng, k, f, scale=0.3), _bf16(rng, k, f, scale=0.3)
+    norm = (1.0 + 0.1 * rng.standard_normal(k)).astype(np.float32)
+    packed = np.concatenate([pack_weight(wg), pack_weight(wu)], axis=0)
+    got = np.asarray(amx_matmul(jnp.asarray(x), jnp.asarray(packed), norm=jnp.asarray(norm),
+                                eps=1e-6, glu=True))
+    a = _rms_norm_bf16(x, norm, 1e-6).astype(np.float64)
+    g, u = a @ wg.astype(np.float64), a @ wu.astype(np.float64)
+    assert got.shape == (m, f)
+    np.testing.assert_allclose(got, g / (1 + np.exp(-g)) * u, rtol=1e-4, atol=1e-4)
+
+
+def test_fused_bad_arguments_are_errors():
+    x = jnp.zeros((4, 64), jnp.float32)
+    w = jnp.zeros((6, 2, 16, 32), jnp.bfloat16)  # K = 64, N = 96
+    with pytest.raises(ValueError, match="norm must be"):
+        amx_matmul(x, w, norm=jnp.ones((32,)))
+    with pytest.raises(ValueError, match="residual must be"):
+        amx_matmul(x, w, residual=jnp.zeros((4, 64)))
+    with pytest.raises(ValueError, match="glu needs"):
+        amx_matmul(x, w, glu=True)
