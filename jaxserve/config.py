@@ -51,9 +51,10 @@ class ModelConfig:
     max_model_len: int | None = None  # None = min(model's max_position_embeddings, 2048)
     model_cache_dir: str | None = None  # where GGUF conversions are cached
     attention_impl: str = "auto"
-    # "amx": bfloat16 products on the native AMX kernel (CPU, one device; weights packed at
-    # load time); "xla": XLA's dot; "auto": amx where it can run, else xla.
-    matmul_impl: Literal["auto", "xla", "amx"] = "auto"
+    # Native CPU product kernels (one device; weights packed at load time): "amx" for bfloat16
+    # weights on CPUs with AMX, "avx512" for float32 weights on CPUs with AVX-512; "xla": XLA's
+    # dot; "auto": the kernel that fits the weights' dtype where it can run, else xla.
+    matmul_impl: Literal["auto", "xla", "amx", "avx512"] = "auto"
     seed: int = 0  # seeds unseeded requests' generators
 
     def resolved_dtype(self, backend: str) -> str:

@@ -45,7 +45,7 @@ LAYER_SPECS = {
     "w_gate": "te,ef->tf", "w_up": "te,ef->tf", "w_down": "tf,fe->te",
 }
 HEAD_SPECS = ("ne,ev->nv", "ne,ve->nv")
-# Weights sharing an input that `pack_for_amx` fuses into one product.
+# Weights sharing an input that `pack_for_cpu` fuses into one product.
 FUSED = {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}
 
 
@@ -188,7 +188,7 @@ class LlamaForCausalLM(nnx.Module):
         return h, k_cache, v_cache
 
     def _fusable(self, p) -> bool:
-        """Whether every product of the layer is packed for the AMX kernel and the layer has
+        """Whether every product of the layer is packed for the CPU kernel and the layer has
         no biases or q/k norms, so that `_fused_layer` applies."""
         cfg = self.config
         return (all(isinstance(p.get(n), PackedWeight) for n in ("wqkv", "wo", "w_gate_up", "w_down"))
@@ -196,7 +196,7 @@ class LlamaForCausalLM(nnx.Module):
 
     def _fused_layer(self, p, h, rope, k_cache, v_cache, md):
         """`_layer` on packed weights with the ops around each product inside the kernels:
-        the RMSNorms, residual adds and silu(gate) * up in the AMX products, the rotary
+        the RMSNorms, residual adds and silu(gate) * up in the products, the rotary
         embedding, casts and cache write in the attention call. Five kernel calls per layer
         instead of about twenty ops (each small XLA:CPU op costs 20-60 us)."""
         cfg = self.config
@@ -219,9 +219,10 @@ class LlamaForCausalLM(nnx.Module):
                 return dense(HEAD_SPECS[0], hidden, weight_value(head))
             return dense(HEAD_SPECS[1], hidden, self.embed[...])
 
-    def pack_for_amx(self) -> int:
-        """Pack the bfloat16 matmul weights for the CPU AMX kernel, in place (q/k/v and
-        gate/up fused; see `models/layers/linear.py`); returns the products per step."""
+    def pack_for_cpu(self) -> int:
+        """Pack the matmul weights for the CPU product kernel (bfloat16: AMX, float32:
+        AVX-512), in place (q/k/v and gate/up fused; see `models/layers/linear.py`); returns
+        the products per step."""
         return pack_linear_weights(self, LAYER_SPECS, FUSED, HEAD_SPECS)
 
     # ------------------------------------------------------------------ weights

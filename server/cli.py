@@ -51,7 +51,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-compilation-cache", action="store_true", help="disable the persistent compilation cache")
     g.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--attention-impl", default=None, help="auto, reference, tpu, gpu; tpu-interpret and gpu-interpret run the kernels on any host (slow, for checking)")
-    g.add_argument("--matmul-impl", default=None, choices=["auto", "xla", "amx"],
+    g.add_argument("--matmul-impl", default=None, choices=["auto", "xla", "amx", "avx512"],
                    help="amx: bfloat16 products on the CPU's AMX unit (default where available)")
     g.add_argument("--seed", type=int, default=None, help="seed for unseeded requests")
     g.add_argument("--no-enable-prefix-caching", action="store_true", help="disable prefix caching")

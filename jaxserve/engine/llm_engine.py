@@ -69,8 +69,9 @@ class LLMEngine:
         model = create_model(self.arch, dtype=self.dtype, mesh=self.mesh, attention_impl=mc.attention_impl,
                              get_tensor=ckpt.get_tensor)
         self.matmul_impl = resolve_matmul_impl(mc.matmul_impl, backend, self.dtype, self.mesh)
-        if self.matmul_impl == "amx":
-            logger.info("packed %d weights for the AMX matmul kernel", model.pack_for_amx())
+        if self.matmul_impl != "xla":
+            logger.info("packed %d weights for the %s matmul kernel", model.pack_for_cpu(),
+                        self.matmul_impl)
         self.load_seconds = time.perf_counter() - t0
         cc = config.cache
         num_pages = cc.num_pages or num_pages_for_budget(self.arch, cc.page_size, self.kv_dtype, self._kv_budget(backend))

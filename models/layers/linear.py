@@ -4,11 +4,11 @@ On XLA:CPU a bfloat16 product with `preferred_element_type=float32` is about twi
 float32 (with >= 8 rows), while a bfloat16 output is much slower; on TPU/GPU this is the
 standard mixed-precision pattern. Activations are cast to the weight dtype at the product.
 
-On CPUs with AMX, bfloat16 weights can instead be packed once at load time
-(`pack_linear_weights`) into the tile layout of the native AMX kernel
-(`pallas_kernels/cpu/matmul.py`); `dense` then calls that kernel. A packed weight lives in a
-`PackedParam` (an `nnx.Param` whose value is the packed array, with the logical output shape as
-metadata), and the model reads it through `weight_value`, which hands `dense` a `PackedWeight`.
+On the CPU, weights can instead be packed once at load time (`pack_linear_weights`) into the
+layout of the native product kernel (`pallas_kernels/cpu/matmul.py`: bfloat16 on AMX, float32
+with AVX-512); `dense` then calls that kernel. A packed weight lives in a `PackedParam` (an
+`nnx.Param` whose value is the packed array, with the logical output shape as metadata), and
+the model reads it through `weight_value`, which hands `dense` a `PackedWeight`.
 """
 
 from __future__ import annotations
@@ -23,13 +23,14 @@ from flax import nnx
 
 
 class PackedParam(nnx.Param):
-    """Matmul weights in the AMX kernel's tile layout, one or several sharing an input (q/k/v,
-    gate/up) concatenated along the output; metadata `out_shapes`: each one's output dims."""
+    """Matmul weights in the CPU product kernel's layout, one or several sharing an input
+    (q/k/v, gate/up) concatenated along the output; metadata `out_shapes`: each one's output
+    dims."""
 
 
 @dataclasses.dataclass(frozen=True)
 class PackedWeight:
-    blocks: jax.Array  # [N / 16, K / 32, 16, 32] bfloat16
+    blocks: jax.Array  # `pack_weight`'s layout: bfloat16 [N/16, K/32, 16, 32], float32 [N/32, K, 32]
     out_shapes: tuple[tuple[int, ...], ...]
 
 
@@ -58,11 +59,11 @@ def dense(spec: str, x: jax.Array, w: jax.Array | PackedWeight) -> jax.Array:
 
 def dense_group(spec: str, x: jax.Array, w: PackedWeight) -> list[jax.Array]:
     """`dense(spec, x, w_i)` for each weight w_i packed together in `w`, in one product."""
-    from jaxserve.pallas_kernels.cpu.matmul import amx_matmul
+    from jaxserve.pallas_kernels.cpu.matmul import packed_matmul
 
     nc = len(_parse(spec)[3])
     lead = x.shape[: x.ndim - nc]
-    y = amx_matmul(x.reshape(math.prod(lead), -1), w.blocks)
+    y = packed_matmul(x.reshape(math.prod(lead), -1), w.blocks)
     sizes = [math.prod(s) for s in w.out_shapes]
     parts = jnp.split(y, list(np.cumsum(sizes)[:-1]), axis=-1) if len(sizes) > 1 else [y]
     return [p.reshape(*lead, *s) for p, s in zip(parts, w.out_shapes)]
@@ -72,15 +73,15 @@ def dense_fused(x: jax.Array, w: PackedWeight, *, norm: jax.Array | None = None,
                 eps: float = 0.0, residual: jax.Array | None = None,
                 glu: bool = False) -> jax.Array:
     """The packed product of x [T, K] with the ops around it done inside the kernel (see
-    `amx_matmul`): RMSNorm(x) * norm first; + residual, or silu(gate) * up of a packed
+    `packed_matmul`): RMSNorm(x) * norm first; + residual, or silu(gate) * up of a packed
     [gate | up], after. Returns float32 [T, N] ([T, N / 2] with glu)."""
-    from jaxserve.pallas_kernels.cpu.matmul import amx_matmul
+    from jaxserve.pallas_kernels.cpu.matmul import packed_matmul
 
-    return amx_matmul(x, w.blocks, norm=norm, eps=eps, residual=residual, glu=glu)
+    return packed_matmul(x, w.blocks, norm=norm, eps=eps, residual=residual, glu=glu)
 
 
 def pack_for_spec(spec: str, w: np.ndarray) -> tuple[np.ndarray, tuple[int, ...]] | None:
-    """The AMX tile layout of weight `w` as used by `dense(spec, x, w)`, and its output dims;
+    """The product kernel's layout of weight `w` as used by `dense(spec, x, w)`, and its output dims;
     None when the product does not fit the kernel (K or N not a multiple of 32, or the
     contracted dims not trailing in x)."""
     from jaxserve.pallas_kernels.cpu.matmul import pack_weight, packable
@@ -99,8 +100,9 @@ def pack_for_spec(spec: str, w: np.ndarray) -> tuple[np.ndarray, tuple[int, ...]
 
 def pack_linear_weights(model, specs: dict[str, str], groups: dict[str, tuple[str, ...]],
                         head_specs: tuple[str, str]) -> int:
-    """Replace `model`'s bfloat16 matmul weights by AMX-packed ones, in place; returns how many
-    products a step now runs on the kernel per layer stack (fused groups count once).
+    """Replace `model`'s bfloat16 or float32 matmul weights by packed ones (the CPU product
+    kernel's layout), in place; returns how many products a step now runs on the kernel per
+    layer stack (fused groups count once).
 
     specs: decoder-layer weight name -> its `dense` spec. groups: fused name -> weights that
     share one input (e.g. "wqkv": ("wq", "wk", "wv")), packed together when all of them pack;
@@ -111,7 +113,7 @@ def pack_linear_weights(model, specs: dict[str, str], groups: dict[str, tuple[st
     count = 0
 
     def packed(spec: str, value: jax.Array):
-        if value.dtype != jnp.bfloat16:
+        if value.dtype not in (jnp.bfloat16, jnp.float32):
             return None
         return pack_for_spec(spec, np.asarray(value))
 

@@ -34,7 +34,7 @@ TARGETS = {
     "jaxserve_ragged_paged_attention": "JaxserveRaggedPagedAttention",
     "jaxserve_write_kv_and_attend": "JaxserveWriteKvAndAttend",
     "jaxserve_rope_write_kv_and_attend": "JaxserveRopeWriteKvAndAttend",
-    "jaxserve_amx_matmul": "JaxserveAmxMatmul",
+    "jaxserve_packed_matmul": "JaxservePackedMatmul",
 }
 
 

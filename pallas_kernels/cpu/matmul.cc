@@ -1,16 +1,19 @@
-// bfloat16 matrix product on Intel AMX for XLA:CPU, called through the XLA FFI (see matmul.py).
+// Matrix products on pre-packed weights for XLA:CPU, called through the XLA FFI (see matmul.py).
 //
-// out[M, N] (float32) = A[M, K] (bfloat16) @ W[K, N] (bfloat16), with W pre-packed once into
-// AMX B-tile order: blocks[N / 16][K / 32][16][32], where block (nb, kb) row p holds, for each
-// of its 16 columns n, the pair (W[32 kb + 2 p, 16 nb + n], W[32 kb + 2 p + 1, 16 nb + n]).
-// K and N must be multiples of 32. A is x (float32 or bfloat16) cast to bfloat16, or with
-// `norm` RMSNorm(x) * norm computed in float32 and then cast. The result can be added to a
-// float32 `residual`, or with `glu` (W = [gate | up], N/2 columns each) be silu(gate) * up.
-// These are the ops around each product of a decoder layer: fusing them saves XLA ops of
-// 20-60 us each, ~150 per step. Work items are 32-column strips of the output; each item walks
-// all rows in blocks of 32 (two A tiles) with four float32 accumulator tiles, so every weight
-// tile is loaded once per 32 rows. Requires the process to be granted AMX tile data
-// (arch_prctl), done once on first use.
+// out[M, N] (float32) = A[M, K] @ W[K, N], W packed once at load time:
+// - bfloat16 W, on Intel AMX: AMX B-tile order, blocks[N / 16][K / 32][16][32], where block
+//   (nb, kb) row p holds, for each of its 16 columns n, the pair (W[32 kb + 2 p, 16 nb + n],
+//   W[32 kb + 2 p + 1, 16 nb + n]). A is cast to bfloat16. Requires the process to be granted
+//   AMX tile data (arch_prctl), done once on first use.
+// - float32 W, with AVX-512 FMAs: column strips, strips[N / 32][K][32].
+// K and N must be multiples of 32. A is x (float32 or bfloat16), or with `norm` RMSNorm(x) *
+// norm computed in float32. The result can be added to a float32 `residual`, or with `glu`
+// (W = [gate | up], N/2 columns each) be silu(gate) * up. These are the ops around each
+// product of a decoder layer: fusing them saves XLA ops of 20-60 us each, ~150 per step.
+// Work items are runs of 32-column strips of the output; each strip walks the rows in blocks
+// (32 rows on AMX: two A tiles and four accumulator tiles, so a weight tile is loaded once per
+// 32 rows; 12 rows with AVX-512: 24 accumulator registers) and finishes each block through a
+// small buffer (plain copy, + residual, or the GLU).
 
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -25,8 +28,10 @@
 #include "simd.h"
 #include "xla/ffi/api/ffi.h"
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(__AVX512F__) || (defined(__AMX_TILE__) && defined(__AMX_BF16__))
 #include <immintrin.h>
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define JAXSERVE_HAVE_AMX 1
 #else
 #define JAXSERVE_HAVE_AMX 0
@@ -52,23 +57,23 @@ struct alignas(64) TileConfig {
   uint16_t colsb[16] = {};
   uint8_t rows[16] = {};
 };
+#endif  // JAXSERVE_HAVE_AMX
 
-// x rows -> bfloat16 A rows (the rows past m, up to the padded count, are zeros), optionally
-// through an RMSNorm in float32 first: a = bf16(x * (1 / sqrt(mean(x^2) + eps)) * norm).
+// x rows -> A rows (bfloat16 for AMX, float32 otherwise), optionally through an RMSNorm in
+// float32 first: a = x * (1 / sqrt(mean(x^2) + eps)) * norm.
 class PrologueJob : public jaxserve::ParallelJob {
  public:
   PrologueJob(const void* x, bool x_bf16, const float* norm, float eps, int64_t k,
-              uint16_t* a)
-      : x_(x), x_bf16_(x_bf16), norm_(norm), eps_(eps), k_(k), a_(a) {}
+              uint16_t* a_bf16, float* a_f32)
+      : x_(x), x_bf16_(x_bf16), norm_(norm), eps_(eps), k_(k), a_bf16_(a_bf16), a_f32_(a_f32) {}
 
   void run(int64_t row) override {
-    float* xf = buf_(k_);
+    float* xf = a_f32_ != nullptr ? a_f32_ + row * k_ : buf_(k_);
     if (x_bf16_) {
       jaxserve::load_row(static_cast<const uint16_t*>(x_) + row * k_, xf, static_cast<int>(k_));
     } else {
       std::memcpy(xf, static_cast<const float*>(x_) + row * k_, k_ * sizeof(float));
     }
-    uint16_t* dst = a_ + row * k_;
     if (norm_ != nullptr) {
       float ss = 0.0f;
 #pragma omp simd reduction(+ : ss)
@@ -77,7 +82,7 @@ class PrologueJob : public jaxserve::ParallelJob {
 #pragma omp simd
       for (int64_t j = 0; j < k_; ++j) xf[j] = xf[j] * inv * norm_[j];
     }
-    jaxserve::store_row_bf16(xf, dst, static_cast<int>(k_));
+    if (a_bf16_ != nullptr) jaxserve::store_row_bf16(xf, a_bf16_ + row * k_, static_cast<int>(k_));
   }
 
  private:
@@ -91,44 +96,40 @@ class PrologueJob : public jaxserve::ParallelJob {
   const float* norm_;
   float eps_;
   int64_t k_;
-  uint16_t* a_;
+  uint16_t* a_bf16_;
+  float* a_f32_;
 };
 
-// Tiles 0-3: float32 accumulators (rows 0-15 / 16-31 x columns 0-15 / 16-31 of a strip);
-// 4-5: the two 16-row blocks of A; 6-7: the strip's two weight blocks. All 16 rows x 64 bytes.
-// A work item is one 32-column strip of the output: of the product, or with `glu` of
-// silu(gate) * up, where the item computes gate strip s and up strip s + N / 64 and combines
-// them. Each item walks the rows in blocks of 32 and finishes each block through a small
-// buffer (plain copy, + residual, or the GLU).
-class MatmulJob : public jaxserve::ParallelJob {
+// The strip walk and epilogues shared by both products; block() computes one row block.
+class StripJob : public jaxserve::ParallelJob {
  public:
-  MatmulJob(const uint16_t* a, const uint16_t* w, const float* residual, bool glu, float* out,
-            int64_t m, int64_t k, int64_t n)
-      : a_(a), w_(w), residual_(residual), glu_(glu), out_(out), m_(m), k_(k), n_(n) {}
+  static constexpr int64_t kItems = 8;  // runs of consecutive strips (a thread's reads continue)
 
-  void begin() override {
-    static const TileConfig cfg = [] {
-      TileConfig c;
-      for (int t = 0; t < 8; ++t) {
-        c.rows[t] = 16;
-        c.colsb[t] = 64;
-      }
-      return c;
-    }();
-    // Some GCC versions do not see that ldtilecfg reads its operand and drop the stores
-    // filling it; the barrier keeps them.
-    asm volatile("" : : "r"(&cfg) : "memory");
-    _tile_loadconfig(&cfg);
+  StripJob(const float* residual, bool glu, float* out, int64_t m, int64_t k, int64_t n,
+           int64_t block_rows)
+      : residual_(residual), glu_(glu), out_(out), m_(m), k_(k), n_(n), block_rows_(block_rows) {}
+
+  int64_t items() const { return std::min<int64_t>(kItems, strips()); }
+
+  void run(int64_t item) override {
+    const int64_t per = (strips() + kItems - 1) / kItems;
+    for (int64_t s = item * per; s < std::min(strips(), (item + 1) * per); ++s) run_strip(s);
   }
 
-  void end() override { _tile_release(); }
+ protected:
+  // c[rows x 32] (row stride 32) = rows [m0, m0 + rows) of A @ columns [32 s, 32 s + 32).
+  virtual void block(int64_t s, int64_t m0, int64_t rows, float* c) const = 0;
+  int64_t k_, n_;
 
-  void run(int64_t strip) override {
+ private:
+  int64_t strips() const { return glu_ ? n_ / 64 : n_ / 32; }
+
+  void run_strip(int64_t strip) {
     alignas(64) float c0[32 * 32];
     alignas(64) float c1[32 * 32];
     const int64_t out_n = glu_ ? n_ / 2 : n_;
-    for (int64_t m0 = 0; m0 < m_; m0 += 32) {
-      const int64_t rows = std::min<int64_t>(32, m_ - m0);
+    for (int64_t m0 = 0; m0 < m_; m0 += block_rows_) {
+      const int64_t rows = std::min<int64_t>(block_rows_, m_ - m0);
       block(strip, m0, rows, c0);
       if (glu_) block(strip + n_ / 64, m0, rows, c1);
       for (int64_t r = 0; r < rows; ++r) {
@@ -149,6 +150,39 @@ class MatmulJob : public jaxserve::ParallelJob {
     }
   }
 
+  const float* residual_;  // [M, N] or null
+  bool glu_;
+  float* out_;
+  int64_t m_;
+  int64_t block_rows_;
+};
+
+#if JAXSERVE_HAVE_AMX
+// Tiles 0-3: float32 accumulators (rows 0-15 / 16-31 x columns 0-15 / 16-31 of a strip);
+// 4-5: the two 16-row blocks of A; 6-7: the strip's two weight blocks. All 16 rows x 64 bytes.
+class AmxJob : public StripJob {
+ public:
+  AmxJob(const uint16_t* a, const uint16_t* w, const float* residual, bool glu, float* out,
+         int64_t m, int64_t k, int64_t n)
+      : StripJob(residual, glu, out, m, k, n, 32), a_(a), w_(w) {}
+
+  void begin() override {
+    static const TileConfig cfg = [] {
+      TileConfig c;
+      for (int t = 0; t < 8; ++t) {
+        c.rows[t] = 16;
+        c.colsb[t] = 64;
+      }
+      return c;
+    }();
+    // Some GCC versions do not see that ldtilecfg reads its operand and drop the stores
+    // filling it; the barrier keeps them.
+    asm volatile("" : : "r"(&cfg) : "memory");
+    _tile_loadconfig(&cfg);
+  }
+
+  void end() override { _tile_release(); }
+
  private:
   // Tile loads stall on weights coming from L3 or memory; asking for the blocks a few steps
   // ahead keeps them in flight (the weights are read once per call, so nothing else hides it).
@@ -164,8 +198,7 @@ class MatmulJob : public jaxserve::ParallelJob {
     }
   }
 
-  // c[32 x 32] (row stride 32) = rows [m0, m0 + rows) of A @ columns [32 s, 32 s + 32).
-  void block(int64_t s, int64_t m0, int64_t rows, float* c) const {
+  void block(int64_t s, int64_t m0, int64_t rows, float* c) const override {
     const int64_t kb_count = k_ / 32;
     const uint16_t* b0 = w_ + (2 * s) * kb_count * 512;  // a packed block is 16 x 32 values
     const uint16_t* b1 = b0 + kb_count * 512;
@@ -205,54 +238,115 @@ class MatmulJob : public jaxserve::ParallelJob {
 
   const uint16_t* a_;
   const uint16_t* w_;
-  const float* residual_;  // [M, N] or null
-  bool glu_;
-  float* out_;
-  int64_t m_, k_, n_;
 };
 #endif  // JAXSERVE_HAVE_AMX
 
-ffi::Error AmxMatmulImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::BF16> w, ffi::Buffer<ffi::F32> norm,
-                         ffi::Buffer<ffi::F32> residual, ffi::ResultBuffer<ffi::F32> out,
-                         float eps, int32_t glu) {
-#if JAXSERVE_HAVE_AMX
+#if defined(__AVX512F__)
+// c[R x 32] = a[R rows, stride k] @ b[k][32]: 2R accumulator registers, one broadcast of A per
+// row and two weight loads per k.
+template <int R>
+void f32_rows(const float* a, int64_t k, const float* b, float* c) {
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t kk = 0; kk < k; ++kk) {
+    _mm_prefetch(reinterpret_cast<const char*>(b + (kk + 16) * 32), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(b + (kk + 16) * 32 + 16), _MM_HINT_T0);
+    const __m512 b0 = _mm512_loadu_ps(b + kk * 32), b1 = _mm512_loadu_ps(b + kk * 32 + 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512 av = _mm512_set1_ps(a[r * k + kk]);
+      acc[r][0] = _mm512_fmadd_ps(av, b0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(av, b1, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(c + r * 32, acc[r][0]);
+    _mm512_storeu_ps(c + r * 32 + 16, acc[r][1]);
+  }
+}
+
+class F32Job : public StripJob {
+ public:
+  static constexpr int64_t kRows = 12;
+
+  F32Job(const float* a, const float* w, const float* residual, bool glu, float* out, int64_t m,
+         int64_t k, int64_t n)
+      : StripJob(residual, glu, out, m, k, n, kRows), a_(a), w_(w) {}
+
+ private:
+  void block(int64_t s, int64_t m0, int64_t rows, float* c) const override {
+    using Fn = void (*)(const float*, int64_t, const float*, float*);
+    static constexpr Fn kFns[kRows] = {f32_rows<1>, f32_rows<2>, f32_rows<3>, f32_rows<4>,
+                                       f32_rows<5>, f32_rows<6>, f32_rows<7>, f32_rows<8>,
+                                       f32_rows<9>, f32_rows<10>, f32_rows<11>, f32_rows<12>};
+    kFns[rows - 1](a_ + m0 * k_, k_, w_ + s * k_ * 32, c);
+  }
+
+  const float* a_;
+  const float* w_;
+};
+#endif  // __AVX512F__
+
+ffi::Error PackedMatmulImpl(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::F32> norm,
+                            ffi::Buffer<ffi::F32> residual, ffi::ResultBuffer<ffi::F32> out,
+                            float eps, int32_t glu) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 4 || wd[2] != 16 || wd[3] != 32) {
-    return ffi::Error::InvalidArgument("amx_matmul: x must be [M, K], w [N/16, K/32, 16, 32]");
-  }
-  const int64_t m = xd[0], k = xd[1], n = wd[0] * 16;
-  if (wd[1] * 32 != k || n % 32 != 0 || (glu != 0 && n % 64 != 0)) {
+  const bool amx = w.element_type() == ffi::DataType::BF16;
+  if (xd.size() != 2 || !((amx && wd.size() == 4 && wd[2] == 16 && wd[3] == 32) ||
+                          (w.element_type() == ffi::DataType::F32 && wd.size() == 3 &&
+                           wd[2] == 32))) {
     return ffi::Error::InvalidArgument(
-        "amx_matmul: K, N must be multiples of 32 (of 64 with glu) and match w");
+        "packed_matmul: x must be [M, K], w bf16 [N/16, K/32, 16, 32] or f32 [N/32, K, 32]");
+  }
+  const int64_t m = xd[0], k = xd[1], n = amx ? wd[0] * 16 : wd[0] * 32;
+  if ((amx ? wd[1] * 32 : wd[1]) != k || k % 32 != 0 || n % 32 != 0 ||
+      (glu != 0 && n % 64 != 0)) {
+    return ffi::Error::InvalidArgument(
+        "packed_matmul: K, N must be multiples of 32 (N of 64 with glu) and match w");
   }
   const bool x_bf16 = x.element_type() == ffi::DataType::BF16;
   if (!x_bf16 && x.element_type() != ffi::DataType::F32) {
-    return ffi::Error::InvalidArgument("amx_matmul: x must be float32 or bfloat16");
+    return ffi::Error::InvalidArgument("packed_matmul: x must be float32 or bfloat16");
   }
   const bool has_norm = norm.element_count() != 0, has_res = residual.element_count() != 0;
   if ((has_norm && static_cast<int64_t>(norm.element_count()) != k) ||
       (has_res && (glu != 0 || static_cast<int64_t>(residual.element_count()) != m * n))) {
     return ffi::Error::InvalidArgument(
-        "amx_matmul: norm must be [K] and residual [M, N] (and not with glu)");
+        "packed_matmul: norm must be [K] and residual [M, N] (and not with glu)");
   }
-  if (!amx_permitted()) {
-    return ffi::Error(ffi::ErrorCode::kUnavailable, "amx_matmul: AMX tile data not permitted");
+  const float* res = has_res ? residual.typed_data() : nullptr;
+  const float* nrm = has_norm ? norm.typed_data() : nullptr;
+  if (amx) {
+#if JAXSERVE_HAVE_AMX
+    if (!amx_permitted()) {
+      return ffi::Error(ffi::ErrorCode::kUnavailable, "packed_matmul: AMX tile data not permitted");
+    }
+    // A: bfloat16 rows padded with zeros to whole 32-row blocks; reused, not allocated per call.
+    thread_local std::vector<uint16_t> a;
+    const int64_t m_pad = (m + 31) / 32 * 32;
+    if (static_cast<int64_t>(a.size()) < m_pad * k) a.resize(m_pad * k);
+    std::fill(a.begin() + m * k, a.begin() + m_pad * k, 0);
+    PrologueJob prologue(x.untyped_data(), x_bf16, nrm, eps, k, a.data(), nullptr);
+    jaxserve::parallel_for(m, prologue);
+    AmxJob job(a.data(), reinterpret_cast<const uint16_t*>(w.untyped_data()), res, glu != 0,
+               out->typed_data(), m, k, n);
+    jaxserve::parallel_for(job.items(), job);
+    return ffi::Error::Success();
+#else
+    return ffi::Error(ffi::ErrorCode::kUnimplemented, "packed_matmul: built without AMX");
+#endif
   }
-  // A: bfloat16 rows padded with zeros to whole 32-row blocks; reused, not allocated per call.
-  thread_local std::vector<uint16_t> a;
-  const int64_t m_pad = (m + 31) / 32 * 32;
-  if (static_cast<int64_t>(a.size()) < m_pad * k) a.resize(m_pad * k);
-  std::fill(a.begin() + m * k, a.begin() + m_pad * k, 0);
-  PrologueJob prologue(x.untyped_data(), x_bf16, has_norm ? norm.typed_data() : nullptr, eps, k,
-                       a.data());
+#if defined(__AVX512F__)
+  thread_local std::vector<float> a;
+  if (static_cast<int64_t>(a.size()) < m * k) a.resize(m * k);
+  PrologueJob prologue(x.untyped_data(), x_bf16, nrm, eps, k, nullptr, a.data());
   jaxserve::parallel_for(m, prologue);
-  MatmulJob job(a.data(), reinterpret_cast<const uint16_t*>(w.typed_data()),
-                has_res ? residual.typed_data() : nullptr, glu != 0, out->typed_data(), m, k, n);
-  jaxserve::parallel_for(glu != 0 ? n / 64 : n / 32, job);
+  F32Job job(a.data(), static_cast<const float*>(w.untyped_data()), res, glu != 0,
+             out->typed_data(), m, k, n);
+  jaxserve::parallel_for(job.items(), job);
   return ffi::Error::Success();
 #else
-  return ffi::Error(ffi::ErrorCode::kUnimplemented, "amx_matmul: built without AMX support");
+  return ffi::Error(ffi::ErrorCode::kUnimplemented, "packed_matmul: built without AVX-512");
 #endif
 }
 
@@ -267,12 +361,21 @@ extern "C" int JaxserveAmxAvailable() {
 #endif
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveAmxMatmul, AmxMatmulImpl,
+// 1 when this library was built with AVX-512 (the float32 product), else 0.
+extern "C" int JaxserveAvx512Available() {
+#if defined(__AVX512F__)
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePackedMatmul, PackedMatmulImpl,
                               ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()          // x [M, K] f32 or bf16
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // w, packed
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // norm [K] or [0]
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // residual [M, N] or [0]
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // out [M, N] ([M, N/2]: glu)
+                                  .Arg<ffi::AnyBuffer>()         // x [M, K] f32 or bf16
+                                  .Arg<ffi::AnyBuffer>()         // w, packed (bf16 or f32)
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // norm [K] or [0]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // residual [M, N] or [0]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out [M, N] ([M, N/2]: glu)
                                   .Attr<float>("eps")
                                   .Attr<int32_t>("glu"));

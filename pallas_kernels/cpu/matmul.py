@@ -1,12 +1,14 @@
-"""bfloat16 matrix products on Intel AMX (`matmul.cc`), for the CPU serving path.
+"""Matrix products on pre-packed weights (`matmul.cc`), for the CPU serving path: bfloat16 on
+Intel AMX, float32 with AVX-512 FMAs.
 
 XLA:CPU runs SmolLM2's bfloat16 decode products at about 130 GFLOP/s on two cores; the AMX
 tile unit does several times that, and at small batch the product is bound by reading the
-weights, which AMX streams once per 32 rows. The kernel wants each weight pre-packed into tile
-order (`pack_weight`, done once at load time by `models/layers/linear.py: pack_linear_weights`);
-activations are cast to bfloat16 and the result is float32 (the products' accumulator dtype
-everywhere in the models). The ops around a decoder layer's products (RMSNorm before, residual
-add or silu(gate) * up after) can run inside the kernel (`amx_matmul`'s keyword arguments).
+weights, which AMX streams once per 32 rows. XLA's float32 products with 8-32 rows run at
+35-80 GFLOP/s here, about half of what a register-blocked AVX-512 loop does. The kernel wants
+each weight pre-packed (`pack_weight`, done once at load time by `models/layers/linear.py:
+pack_linear_weights`); the result is float32 (the products' accumulator dtype everywhere in
+the models). The ops around a decoder layer's products (RMSNorm before, residual
+add or silu(gate) * up after) can run inside the kernel (`packed_matmul`'s keyword arguments).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import numpy as np
 
 from jaxserve.pallas_kernels import cpu
 
-TARGET = "jaxserve_amx_matmul"
+TARGET = "jaxserve_packed_matmul"
 
 
 @functools.cache
@@ -36,26 +38,50 @@ def amx_available() -> bool:
     return bool(lib.JaxserveAmxAvailable())
 
 
+@functools.cache
+def avx512_available() -> bool:
+    """True when this CPU has AVX-512F and the kernels build with it (the float32 product)."""
+    if "avx512f" not in cpu.cpu_flags().split():
+        return False
+    try:
+        lib = cpu.ensure_loaded()
+    except cpu.KernelUnavailable:
+        return False
+    return bool(lib.JaxserveAvx512Available())
+
+
 def packable(k: int, n: int) -> bool:
     return k % 32 == 0 and n % 32 == 0 and k > 0 and n > 0
 
 
 def pack_weight(w: np.ndarray) -> np.ndarray:
-    """[K, N] -> the kernel's bfloat16 tile layout [N/16, K/32, 16, 32] (K, N multiples of 32).
+    """[K, N] (K, N multiples of 32) -> the kernel's layout, by dtype.
 
-    Block (nb, kb), row p, holds for each of its 16 columns c the pair
-    (w[32 kb + 2 p, 16 nb + c], w[32 kb + 2 p + 1, 16 nb + c]).
+    bfloat16: AMX tile order [N/16, K/32, 16, 32]; block (nb, kb), row p, holds for each of its
+    16 columns c the pair (w[32 kb + 2 p, 16 nb + c], w[32 kb + 2 p + 1, 16 nb + c]).
+    float32: column strips [N/32, K, 32].
     """
     k, n = w.shape
     if not packable(k, n):
         raise ValueError(f"pack_weight: K={k} and N={n} must be positive multiples of 32")
+    if w.dtype == np.float32:
+        return np.ascontiguousarray(np.asarray(w).reshape(k, n // 32, 32).transpose(1, 0, 2))
     w = np.asarray(w).astype(ml_dtypes.bfloat16)
     # [kb, p, e, nb, c] -> [nb, kb, p, c, e]
     return np.ascontiguousarray(w.reshape(k // 32, 16, 2, n // 16, 16).transpose(3, 0, 1, 4, 2)
                                 .reshape(n // 16, k // 32, 16, 32))
 
 
-def amx_matmul(
+def packed_shape(packed: jax.Array) -> tuple[int, int]:
+    """(K, N) of a packed weight."""
+    if packed.dtype == jnp.bfloat16 and packed.ndim == 4 and packed.shape[2:] == (16, 32):
+        return packed.shape[1] * 32, packed.shape[0] * 16
+    if packed.dtype == jnp.float32 and packed.ndim == 3 and packed.shape[2] == 32:
+        return packed.shape[1], packed.shape[0] * 32
+    raise ValueError(f"not a packed weight: {packed.shape} {packed.dtype}")
+
+
+def packed_matmul(
     x: jax.Array,
     packed: jax.Array,
     *,
@@ -64,28 +90,30 @@ def amx_matmul(
     residual: jax.Array | None = None,
     glu: bool = False,
 ) -> jax.Array:
-    """x [M, K] @ the packed weight ([N/16, K/32, 16, 32] bfloat16) -> float32 [M, N].
+    """x [M, K] @ a packed weight (`pack_weight`) -> float32 [M, N].
 
-    x may be float32 or bfloat16 (cast to bfloat16 in the kernel). With `norm` ([K]) the
-    product takes RMSNorm(x) * norm (float32, `eps`, as `models/layers/norm.py`) instead of x.
-    With `residual` ([M, N]) the result is residual + product. With `glu` the weight holds
-    [gate | up] (N/2 columns each, N/2 a multiple of 32) and the result is silu(gate) * up,
-    float32 [M, N/2].
+    x may be float32 or bfloat16 (cast to bfloat16 in the kernel for a bfloat16 weight). With
+    `norm` ([K]) the product takes RMSNorm(x) * norm (float32, `eps`, as
+    `models/layers/norm.py`) instead of x. With `residual` ([M, N]) the result is residual +
+    product. With `glu` the weight holds [gate | up] (N/2 columns each, N/2 a multiple of 32)
+    and the result is silu(gate) * up, float32 [M, N/2].
     """
     cpu.ensure_loaded()
     m, k = x.shape
-    nb, kb, p, c = packed.shape
-    n = nb * 16
-    if (kb * 32, p, c) != (k, 16, 32) or packed.dtype != jnp.bfloat16:
-        raise ValueError(f"amx_matmul: x {x.shape} does not match the packed weight "
+    try:
+        pk, n = packed_shape(packed)
+    except ValueError:
+        pk = n = None
+    if pk != k:
+        raise ValueError(f"packed_matmul: x {x.shape} does not match the packed weight "
                          f"{packed.shape} {packed.dtype}")
     if norm is not None and norm.shape != (k,):
-        raise ValueError(f"amx_matmul: norm must be [{k}], got {norm.shape}")
+        raise ValueError(f"packed_matmul: norm must be [{k}], got {norm.shape}")
     if residual is not None and (glu or residual.shape != (m, n)):
-        raise ValueError(f"amx_matmul: residual must be [{m}, {n}] (and not with glu), "
+        raise ValueError(f"packed_matmul: residual must be [{m}, {n}] (and not with glu), "
                          f"got {residual.shape}")
     if glu and n % 64:
-        raise ValueError(f"amx_matmul: glu needs N/2 a multiple of 32, got N={n}")
+        raise ValueError(f"packed_matmul: glu needs N/2 a multiple of 32, got N={n}")
     if x.dtype not in (jnp.float32, jnp.bfloat16):
         x = x.astype(jnp.float32)
     empty = jnp.zeros((0,), jnp.float32)
@@ -98,26 +126,35 @@ def amx_matmul(
 
 
 def resolve_matmul_impl(impl: str, backend: str, dtype, mesh) -> str:
-    """"amx" or "xla" for ModelConfig.matmul_impl `impl` ("auto" | "xla" | "amx").
+    """"amx", "avx512" or "xla" for ModelConfig.matmul_impl `impl` ("auto" | "xla" | "amx" |
+    "avx512").
 
-    AMX needs the CPU backend, bfloat16 weights, a one-device mesh (the packed weights are not
-    sharded) and a CPU that has it; "auto" falls back to "xla", "amx" raises ValueError.
+    The kernels need the CPU backend, a one-device mesh (the packed weights are not sharded),
+    and: "amx" bfloat16 weights and a CPU with AMX; "avx512" float32 weights and a CPU with
+    AVX-512. "auto" picks the one that fits the weights' dtype, else "xla"; an explicit one
+    that cannot run raises ValueError.
     """
-    if impl not in ("auto", "xla", "amx"):
-        raise ValueError(f"matmul_impl must be 'auto', 'xla' or 'amx'; got {impl!r}")
+    if impl not in ("auto", "xla", "amx", "avx512"):
+        raise ValueError(f"matmul_impl must be 'auto', 'xla', 'amx' or 'avx512'; got {impl!r}")
     if impl == "xla":
         return "xla"
+    dt = jnp.dtype(dtype)
+    candidates = [impl] if impl != "auto" else ["amx" if dt == jnp.bfloat16 else "avx512"]
+    want = {"amx": jnp.bfloat16, "avx512": jnp.float32}
     reasons = []
-    if backend != "cpu":
-        reasons.append(f"the backend is {backend}, not cpu")
-    if jnp.dtype(dtype) != jnp.bfloat16:
-        reasons.append(f"the weights are {jnp.dtype(dtype).name}, not bfloat16")
-    if mesh is not None and mesh.size != 1:
-        reasons.append(f"the mesh has {mesh.size} devices")
-    if not reasons and not amx_available():
-        reasons.append("this CPU has no usable AMX-BF16 (or the kernels cannot be built)")
-    if reasons:
-        if impl == "amx":
-            raise ValueError("matmul_impl='amx' cannot run here: " + "; ".join(reasons))
-        return "xla"
-    return "amx"
+    for name in candidates:
+        if backend != "cpu":
+            reasons.append(f"the backend is {backend}, not cpu")
+        if dt != want[name]:
+            reasons.append(f"the weights are {dt.name}, not {jnp.dtype(want[name]).name}")
+        if mesh is not None and mesh.size != 1:
+            reasons.append(f"the mesh has {mesh.size} devices")
+        if not reasons and name == "amx" and not amx_available():
+            reasons.append("this CPU has no usable AMX-BF16 (or the kernels cannot be built)")
+        if not reasons and name == "avx512" and not avx512_available():
+            reasons.append("this CPU has no AVX-512 (or the kernels cannot be built)")
+        if not reasons:
+            return name
+    if impl != "auto":
+        raise ValueError(f"matmul_impl={impl!r} cannot run here: " + "; ".join(reasons))
+    return "xla"

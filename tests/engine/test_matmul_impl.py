@@ -1,4 +1,4 @@
-"""`matmul_impl`: which engines pack their weights for the CPU AMX kernel, and a bfloat16 engine
+"""`matmul_impl`: which engines pack their weights for the CPU product kernels, and a bfloat16 engine
 (bfloat16 KV cache, written by the native attention kernel) on AMX agreeing with the same engine
 on XLA's dot (on the real default model)."""
 
@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.pallas_kernels.cpu.matmul import amx_available, resolve_matmul_impl
+from jaxserve.pallas_kernels.cpu.matmul import amx_available, avx512_available, resolve_matmul_impl
 
 needs_amx = pytest.mark.skipif(not amx_available(), reason="this CPU has no AMX-BF16")
 ONE = types.SimpleNamespace(size=1)
@@ -18,15 +18,25 @@ ONE = types.SimpleNamespace(size=1)
 
 def test_resolve_matmul_impl():
     assert resolve_matmul_impl("xla", "cpu", jnp.bfloat16, ONE) == "xla"
+    eight = types.SimpleNamespace(size=8)
     for backend, dtype, mesh in (("gpu", jnp.bfloat16, ONE), ("cpu", jnp.float32, ONE),
-                                 ("cpu", jnp.bfloat16, types.SimpleNamespace(size=8))):
-        assert resolve_matmul_impl("auto", backend, dtype, mesh) == "xla"
+                                 ("cpu", jnp.bfloat16, eight)):
+        if dtype == jnp.bfloat16:
+            assert resolve_matmul_impl("auto", backend, dtype, mesh) == "xla"
         with pytest.raises(ValueError, match="matmul_impl='amx' cannot run here"):
             resolve_matmul_impl("amx", backend, dtype, mesh)
-    with pytest.raises(ValueError, match="'auto', 'xla' or 'amx'"):
+    for backend, dtype, mesh in (("gpu", jnp.float32, ONE), ("cpu", jnp.bfloat16, ONE),
+                                 ("cpu", jnp.float32, eight)):
+        if dtype == jnp.float32:
+            assert resolve_matmul_impl("auto", backend, dtype, mesh) == "xla"
+        with pytest.raises(ValueError, match="matmul_impl='avx512' cannot run here"):
+            resolve_matmul_impl("avx512", backend, dtype, mesh)
+    with pytest.raises(ValueError, match="'auto', 'xla', 'amx' or 'avx512'"):
         resolve_matmul_impl("onednn", "cpu", jnp.bfloat16, ONE)
-    want = "amx" if amx_available() else "xla"
-    assert resolve_matmul_impl("auto", "cpu", jnp.bfloat16, ONE) == want
+    assert resolve_matmul_impl("auto", "cpu", jnp.bfloat16, ONE) == (
+        "amx" if amx_available() else "xla")
+    assert resolve_matmul_impl("auto", "cpu", jnp.float32, ONE) == (
+        "avx512" if avx512_available() else "xla")
 
 
 @needs_amx

@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from jaxserve.models.layers.linear import PackedWeight, dense, dense_group, pack_for_spec, weight_value
-from jaxserve.pallas_kernels.cpu.matmul import amx_available, amx_matmul, pack_weight
+from jaxserve.pallas_kernels.cpu.matmul import amx_available, avx512_available, pack_weight, packed_matmul
 
 needs_amx = pytest.mark.skipif(not amx_available(), reason="this CPU has no AMX-BF16")
 
@@ -39,7 +39,7 @@ def test_matches_float32_product(m):
     k, n = 96, 160
     x, w = _bf16(rng, m, k), _bf16(rng, k, n, scale=0.1)
     want = x.astype(np.float32) @ w.astype(np.float32)
-    got = jax.jit(amx_matmul)(jnp.asarray(x), jnp.asarray(pack_weight(w)))
+    got = jax.jit(packed_matmul)(jnp.asarray(x), jnp.asarray(pack_weight(w)))
     assert got.shape == (m, n) and got.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
 
@@ -49,7 +49,7 @@ def test_large_output_uses_every_strip():
     # An LM-head-like product (many 32-column strips spread over the thread pool).
     rng = np.random.default_rng(1)
     x, w = _bf16(rng, 3, 64), _bf16(rng, 64, 32 * 150, scale=0.1)
-    got = np.asarray(amx_matmul(jnp.asarray(x), jnp.asarray(pack_weight(w))))
+    got = np.asarray(packed_matmul(jnp.asarray(x), jnp.asarray(pack_weight(w))))
     np.testing.assert_allclose(got, x.astype(np.float32) @ w.astype(np.float32), rtol=1e-5,
                                atol=1e-5)
 
@@ -81,7 +81,7 @@ def test_unpackable_products_stay_on_xla():
 def test_bad_shapes_are_errors():
     x = jnp.zeros((4, 64), jnp.bfloat16)
     with pytest.raises(ValueError, match="does not match"):
-        amx_matmul(x, jnp.zeros((2, 3, 16, 32), jnp.bfloat16))
+        packed_matmul(x, jnp.zeros((2, 3, 16, 32), jnp.bfloat16))
 
 
 @needs_amx
@@ -111,7 +111,7 @@ def test_packed_tiny_llama_matches_unpacked():
 
     cfg = ArchConfig.from_hf(TINY_LLAMA)
     models = [create_model(cfg, dtype=jnp.bfloat16, seed=3) for _ in range(2)]
-    assert models[1].pack_for_amx() == 2 * 4 + 1  # qkv, o, gate_up, down per layer; LM head
+    assert models[1].pack_for_cpu() == 2 * 4 + 1  # qkv, o, gate_up, down per layer; LM head
     layer = models[1].layers[0]
     assert isinstance(layer.wqkv, PackedParam) and not hasattr(layer, "wq")
     a, b = _tiny_llama_logits(models[0]), _tiny_llama_logits(models[1])
@@ -143,7 +143,7 @@ def test_fused_layer_matches_the_composed_packed_layer(monkeypatch):
     from tests.pallas_kernels.kernel_checks import TINY_LLAMA
 
     model = create_model(ArchConfig.from_hf(TINY_LLAMA), dtype=jnp.bfloat16, seed=4)
-    model.pack_for_amx()
+    model.pack_for_cpu()
     p = {n: weight_value(v) for n, v in vars(model.layers[0]).items() if isinstance(v, nnx.Param)}
     assert model._fusable(p)
     fused = _tiny_llama_logits(model)
@@ -172,12 +172,12 @@ def test_fused_norm_and_residual(m, x_dtype):
     res = rng.standard_normal((m, n)).astype(np.float32)
     w = _bf16(rng, k, n, scale=0.1)
     a = _rms_norm_bf16(x, norm, 1e-5).astype(np.float32)
-    fn = jax.jit(lambda x, w, nrm, r: amx_matmul(x, w, norm=nrm, eps=1e-5, residual=r))
+    fn = jax.jit(lambda x, w, nrm, r: packed_matmul(x, w, norm=nrm, eps=1e-5, residual=r))
     got = np.asarray(fn(jnp.asarray(x), jnp.asarray(pack_weight(w)), jnp.asarray(norm),
                         jnp.asarray(res)))
     np.testing.assert_allclose(got, res + a @ w.astype(np.float32), rtol=1e-4, atol=1e-4)
     # Without the norm a float32 x is rounded to bfloat16 (not truncated).
-    got = np.asarray(amx_matmul(jnp.asarray(x), jnp.asarray(pack_weight(w))))
+    got = np.asarray(packed_matmul(jnp.asarray(x), jnp.asarray(pack_weight(w))))
     want = x.astype(ml_dtypes.bfloat16).astype(np.float32) @ w.astype(np.float32)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
@@ -191,7 +191,7 @@ def test_fused_glu(m):
     wg, wu = _bf16(rng, k, f, scale=0.3), _bf16(rng, k, f, scale=0.3)
     norm = (1.0 + 0.1 * rng.standard_normal(k)).astype(np.float32)
     packed = np.concatenate([pack_weight(wg), pack_weight(wu)], axis=0)
-    got = np.asarray(amx_matmul(jnp.asarray(x), jnp.asarray(packed), norm=jnp.asarray(norm),
+    got = np.asarray(packed_matmul(jnp.asarray(x), jnp.asarray(packed), norm=jnp.asarray(norm),
                                 eps=1e-6, glu=True))
     a = _rms_norm_bf16(x, norm, 1e-6).astype(np.float64)
     g, u = a @ wg.astype(np.float64), a @ wu.astype(np.float64)
@@ -203,8 +203,51 @@ def test_fused_bad_arguments_are_errors():
     x = jnp.zeros((4, 64), jnp.float32)
     w = jnp.zeros((6, 2, 16, 32), jnp.bfloat16)  # K = 64, N = 96
     with pytest.raises(ValueError, match="norm must be"):
-        amx_matmul(x, w, norm=jnp.ones((32,)))
+        packed_matmul(x, w, norm=jnp.ones((32,)))
     with pytest.raises(ValueError, match="residual must be"):
-        amx_matmul(x, w, residual=jnp.zeros((4, 64)))
+        packed_matmul(x, w, residual=jnp.zeros((4, 64)))
     with pytest.raises(ValueError, match="glu needs"):
-        amx_matmul(x, w, glu=True)
+        packed_matmul(x, w, glu=True)
+
+
+needs_avx512 = pytest.mark.skipif(not avx512_available(), reason="this CPU has no AVX-512")
+
+
+@needs_avx512
+@pytest.mark.parametrize("m", [1, 12, 13, 40])
+def test_float32_product_and_fused_ops(m):
+    """float32 weights: column-strip packing and the AVX-512 product, plain and with the norm
+    prologue and residual / GLU epilogues, against float64 numpy (no bfloat16 rounding)."""
+    rng = np.random.default_rng(200 + m)
+    k, n = 96, 128
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = (0.1 * rng.standard_normal((k, n))).astype(np.float32)
+    packed = pack_weight(w)
+    assert packed.shape == (n // 32, k, 32) and packed.dtype == np.float32
+    assert packed[2, 5, 7] == w[5, 2 * 32 + 7]
+    x64, w64 = x.astype(np.float64), w.astype(np.float64)
+    got = np.asarray(jax.jit(packed_matmul)(jnp.asarray(x), jnp.asarray(packed)))
+    np.testing.assert_allclose(got, x64 @ w64, rtol=1e-5, atol=1e-5)
+    norm = (1.0 + 0.1 * rng.standard_normal(k)).astype(np.float32)
+    res = rng.standard_normal((m, n)).astype(np.float32)
+    a = x64 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + 1e-5) * norm
+    got = np.asarray(packed_matmul(jnp.asarray(x), jnp.asarray(packed), norm=jnp.asarray(norm),
+                                   eps=1e-5, residual=jnp.asarray(res)))
+    np.testing.assert_allclose(got, res + a @ w64, rtol=1e-5, atol=1e-5)
+    got = np.asarray(packed_matmul(jnp.asarray(x), jnp.asarray(packed), glu=True))
+    g, u = x64 @ w64[:, : n // 2], x64 @ w64[:, n // 2:]
+    np.testing.assert_allclose(got, g / (1 + np.exp(-g)) * u, rtol=1e-5, atol=1e-5)
+
+
+@needs_avx512
+def test_float32_tiny_llama_packed_matches_unpacked():
+    from jaxserve.models.arch_config import ArchConfig
+    from jaxserve.models.weights import create_model
+    from tests.pallas_kernels.kernel_checks import TINY_LLAMA
+
+    cfg = ArchConfig.from_hf(TINY_LLAMA)
+    models = [create_model(cfg, dtype=jnp.float32, seed=3) for _ in range(2)]
+    assert models[1].pack_for_cpu() == 2 * 4 + 1
+    for x, y in zip(_tiny_llama_logits(models[0]), _tiny_llama_logits(models[1])):
+        assert np.abs(x).max() > 0.1
+        np.testing.assert_allclose(x, y, atol=1e-4, rtol=0)
