@@ -201,14 +201,16 @@ class LlamaForCausalLM(nnx.Module):
         instead of about twenty ops (each small XLA:CPU op costs 20-60 us)."""
         cfg = self.config
         T, eps = h.shape[0], cfg.rms_norm_eps
+        # The step's real tokens come first; the products skip the bucket's padding after them.
+        live = md.query_start_loc[jnp.reshape(md.num_seqs, ())]
         with jax.named_scope("attention"):
-            qkv = dense_fused(h, p["wqkv"], norm=p["input_norm"], eps=eps)
+            qkv = dense_fused(h, p["wqkv"], norm=p["input_norm"], eps=eps, live=live)
             attn, k_cache, v_cache = paged_attention_qkv(
                 qkv, rope, k_cache, v_cache, md, self.attn_spec, cfg.num_heads)
-            h = dense_fused(attn.reshape(T, -1), p["wo"], residual=h)
+            h = dense_fused(attn.reshape(T, -1), p["wo"], residual=h, live=live)
         with jax.named_scope("mlp"):
-            act = dense_fused(h, p["w_gate_up"], norm=p["post_norm"], eps=eps, glu=True)
-            h = dense_fused(act, p["w_down"], residual=h)
+            act = dense_fused(h, p["w_gate_up"], norm=p["post_norm"], eps=eps, glu=True, live=live)
+            h = dense_fused(act, p["w_down"], residual=h, live=live)
         return h, k_cache, v_cache
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:

@@ -9,7 +9,9 @@
 // K and N must be multiples of 32. A is x (float32 or bfloat16), or with `norm` RMSNorm(x) *
 // norm computed in float32. The result can be added to a float32 `residual`, or with `glu`
 // (W = [gate | up], N/2 columns each) be silu(gate) * up. These are the ops around each
-// product of a decoder layer: fusing them saves XLA ops of 20-60 us each, ~150 per step.
+// product of a decoder layer: fusing them saves XLA ops of 20-60 us each, ~150 per step. Given
+// `live`, only the first `live` rows are computed (a padded bucket's padding rows get zeros,
+// or the residual's rows).
 // Work items are runs of 32-column strips of the output; each strip walks the rows in blocks
 // (32 rows on AMX: two A tiles and four accumulator tiles, so a weight tile is loaded once per
 // 32 rows; 12 rows with AVX-512: 24 accumulator registers) and finishes each block through a
@@ -286,9 +288,18 @@ class F32Job : public StripJob {
 };
 #endif  // __AVX512F__
 
+// Rows [live, m) of the output: the residual's rows, or zeros.
+void fill_dead_rows(float* out, const float* residual, int64_t live, int64_t m, int64_t out_n) {
+  if (residual != nullptr) {
+    std::memcpy(out + live * out_n, residual + live * out_n, (m - live) * out_n * sizeof(float));
+  } else {
+    std::fill(out + live * out_n, out + m * out_n, 0.0f);
+  }
+}
+
 ffi::Error PackedMatmulImpl(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::F32> norm,
-                            ffi::Buffer<ffi::F32> residual, ffi::ResultBuffer<ffi::F32> out,
-                            float eps, int32_t glu) {
+                            ffi::Buffer<ffi::F32> residual, ffi::Buffer<ffi::S32> live_rows,
+                            ffi::ResultBuffer<ffi::F32> out, float eps, int32_t glu) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
   const bool amx = w.element_type() == ffi::DataType::BF16;
@@ -316,6 +327,11 @@ ffi::Error PackedMatmulImpl(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi:
   }
   const float* res = has_res ? residual.typed_data() : nullptr;
   const float* nrm = has_norm ? norm.typed_data() : nullptr;
+  // Only the first `live` rows are computed (the rest are a padded bucket's padding tokens).
+  const int64_t live = live_rows.element_count() == 0
+                           ? m
+                           : std::clamp<int64_t>(live_rows.typed_data()[0], 0, m);
+  fill_dead_rows(out->typed_data(), res, live, m, glu != 0 ? n / 2 : n);
   if (amx) {
 #if JAXSERVE_HAVE_AMX
     if (!amx_permitted()) {
@@ -323,13 +339,13 @@ ffi::Error PackedMatmulImpl(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi:
     }
     // A: bfloat16 rows padded with zeros to whole 32-row blocks; reused, not allocated per call.
     thread_local std::vector<uint16_t> a;
-    const int64_t m_pad = (m + 31) / 32 * 32;
+    const int64_t m_pad = (live + 31) / 32 * 32;
     if (static_cast<int64_t>(a.size()) < m_pad * k) a.resize(m_pad * k);
-    std::fill(a.begin() + m * k, a.begin() + m_pad * k, 0);
+    std::fill(a.begin() + live * k, a.begin() + m_pad * k, 0);
     PrologueJob prologue(x.untyped_data(), x_bf16, nrm, eps, k, a.data(), nullptr);
-    jaxserve::parallel_for(m, prologue);
+    jaxserve::parallel_for(live, prologue);
     AmxJob job(a.data(), reinterpret_cast<const uint16_t*>(w.untyped_data()), res, glu != 0,
-               out->typed_data(), m, k, n);
+               out->typed_data(), live, k, n);
     jaxserve::parallel_for(job.items(), job);
     return ffi::Error::Success();
 #else
@@ -338,11 +354,11 @@ ffi::Error PackedMatmulImpl(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi:
   }
 #if defined(__AVX512F__)
   thread_local std::vector<float> a;
-  if (static_cast<int64_t>(a.size()) < m * k) a.resize(m * k);
+  if (static_cast<int64_t>(a.size()) < live * k) a.resize(live * k);
   PrologueJob prologue(x.untyped_data(), x_bf16, nrm, eps, k, nullptr, a.data());
-  jaxserve::parallel_for(m, prologue);
+  jaxserve::parallel_for(live, prologue);
   F32Job job(a.data(), static_cast<const float*>(w.untyped_data()), res, glu != 0,
-             out->typed_data(), m, k, n);
+             out->typed_data(), live, k, n);
   jaxserve::parallel_for(job.items(), job);
   return ffi::Error::Success();
 #else
@@ -376,6 +392,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePackedMatmul, PackedMatmulImpl,
                                   .Arg<ffi::AnyBuffer>()         // w, packed (bf16 or f32)
                                   .Arg<ffi::Buffer<ffi::F32>>()  // norm [K] or [0]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // residual [M, N] or [0]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // live rows [1] or [0]: all
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out [M, N] ([M, N/2]: glu)
                                   .Attr<float>("eps")
                                   .Attr<int32_t>("glu"));

@@ -89,6 +89,7 @@ def packed_matmul(
     eps: float = 0.0,
     residual: jax.Array | None = None,
     glu: bool = False,
+    live: jax.Array | None = None,
 ) -> jax.Array:
     """x [M, K] @ a packed weight (`pack_weight`) -> float32 [M, N].
 
@@ -96,7 +97,9 @@ def packed_matmul(
     `norm` ([K]) the product takes RMSNorm(x) * norm (float32, `eps`, as
     `models/layers/norm.py`) instead of x. With `residual` ([M, N]) the result is residual +
     product. With `glu` the weight holds [gate | up] (N/2 columns each, N/2 a multiple of 32)
-    and the result is silu(gate) * up, float32 [M, N/2].
+    and the result is silu(gate) * up, float32 [M, N/2]. With `live` (an int32 scalar, traced)
+    only rows [0, live) are computed; the others are zeros (the residual's rows with one): a
+    padded bucket's padding tokens cost nothing.
     """
     cpu.ensure_loaded()
     m, k = x.shape
@@ -122,6 +125,7 @@ def packed_matmul(
         x, packed,
         empty if norm is None else norm.astype(jnp.float32),
         empty if residual is None else residual.astype(jnp.float32),
+        jnp.zeros((0,), jnp.int32) if live is None else jnp.reshape(live, (1,)).astype(jnp.int32),
         eps=np.float32(eps), glu=np.int32(bool(glu)))
 
 

@@ -251,3 +251,25 @@ def test_float32_tiny_llama_packed_matches_unpacked():
     for x, y in zip(_tiny_llama_logits(models[0]), _tiny_llama_logits(models[1])):
         assert np.abs(x).max() > 0.1
         np.testing.assert_allclose(x, y, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("live", [0, 5, 40])
+def test_live_rows_skip_the_padding(dtype, live):
+    """With `live`, rows past it are not computed: zeros, or the residual's rows."""
+    if not (amx_available() if dtype == jnp.bfloat16 else avx512_available()):
+        pytest.skip("no kernel for this dtype on this CPU")
+    rng = np.random.default_rng(live)
+    m, k, n = 40, 64, 96
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = (0.1 * rng.standard_normal((k, n))).astype(dtype)
+    res = rng.standard_normal((m, n)).astype(np.float32)
+    packed = jnp.asarray(pack_weight(np.asarray(w)))
+    fn = jax.jit(lambda x, r, live: (packed_matmul(x, packed, live=live),
+                                     packed_matmul(x, packed, residual=r, live=live)))
+    plain, with_res = (np.asarray(a) for a in fn(jnp.asarray(x), jnp.asarray(res), live))
+    full = np.asarray(packed_matmul(jnp.asarray(x), packed))
+    np.testing.assert_array_equal(plain[:live], full[:live])
+    np.testing.assert_array_equal(plain[live:], 0.0)
+    np.testing.assert_allclose(with_res[:live], res[:live] + full[:live], rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(with_res[live:], res[live:])
