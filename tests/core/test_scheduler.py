@@ -19,9 +19,16 @@ def make(
     return Scheduler(cfg, kv)
 
 
+# A distinct token offset per request id (7 is coprime with 50: the first 50 ids differ), so
+# that requests' prompts never share a prefix by accident. (Python's str hash is salted per
+# process, which made prompts collide in about one run in fifty.)
+_OFFSETS: dict[str, int] = {}
+
+
 def mk(rid, prompt, *, max_tokens=4, priority=0, arrival=0.0, eos=None, **sp) -> Request:
     if isinstance(prompt, int):
-        prompt = [(hash(rid) + i) % 50 + 10 for i in range(prompt)]
+        off = _OFFSETS.setdefault(rid, 7 * len(_OFFSETS))
+        prompt = [(off + i) % 50 + 10 for i in range(prompt)]
     params = SamplingParams(max_tokens=max_tokens, **sp)
     return Request(rid, prompt, params, arrival_time=arrival, priority=priority, eos_token_id=eos)
 
