@@ -63,8 +63,8 @@ template <typename KT>
 void run_item(const Problem& p, const WorkItem& w, std::vector<float>& scratch) {
   const int nt = w.t1 - w.t0, G = static_cast<int>(p.g), D = static_cast<int>(p.d);
   const int rows = nt * G;
-  const bool convert = !std::is_same_v<KT, float>;  // bfloat16 rows are widened into buffers
-  scratch.resize(static_cast<size_t>(rows) * (2 * D + 3 + kKeyChunk) + (convert ? 2 : 0) * kKeyChunk * D + D);
+  const bool convert = !std::is_same_v<KT, float>;  // bfloat16 keys are widened into a buffer
+  scratch.resize(static_cast<size_t>(rows) * (2 * D + 3 + kKeyChunk) + (convert ? 1 : 0) * kKeyChunk * D + D);
   float* qrows = scratch.data();             // [rows, D], pre-scaled when there is no soft cap
   float* acc = qrows + rows * D;             // [rows, D]
   float* m = acc + rows * D;                 // [rows] running max
@@ -73,9 +73,8 @@ void run_item(const Problem& p, const WorkItem& w, std::vector<float>& scratch) 
   float* s = corr + rows;                    // [rows, kKeyChunk] scores, then probabilities
   float* zeros = s + rows * kKeyChunk;       // [D] of zeros: padding keys
   float* kbuf = zeros + D;                   // [kKeyChunk, D] widened keys (bfloat16 caches)
-  float* vbuf = kbuf + kKeyChunk * D;        // [kKeyChunk, D] and values
-  const float* krow[kKeyChunk];              // this chunk's key and value rows
-  const float* vrow[kKeyChunk];
+  const float* krow[kKeyChunk];              // this chunk's key rows (widened: reused per row)
+  const KT* vrow[kKeyChunk];                 // and value rows, straight from the cache
   std::fill(zeros, zeros + D, 0.0f);
   int32_t pos[kQueryBlock];                  // sequence position of each token
 
@@ -128,14 +127,12 @@ void run_item(const Problem& p, const WorkItem& w, std::vector<float>& scratch) 
       const int run = static_cast<int>(std::min<int64_t>(ps - in_page, n - j));
       int64_t off = (page * ps + in_page) * row_stride + static_cast<int64_t>(w.h) * D;
       for (int t = 0; t < run; ++t, ++j, off += row_stride) {
+        vrow[j] = vc + off;
         if constexpr (std::is_same_v<KT, float>) {
           krow[j] = kc + off;
-          vrow[j] = vc + off;
         } else {
           load_row(kc + off, kbuf + j * D, D);
-          load_row(vc + off, vbuf + j * D, D);
           krow[j] = kbuf + j * D;
-          vrow[j] = vbuf + j * D;
         }
       }
     }

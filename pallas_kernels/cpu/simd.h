@@ -178,8 +178,26 @@ inline void qk_scores(const float* q, int rows, const float* const* k, int n, in
   }
 }
 
-// acc_i += sum_j p[i * ld + j] * v[j] for rows i < rows and keys j < n (v[j]: d floats).
-inline void pv_accumulate(const float* p, int rows, const float* const* v, int n, int d,
+inline float widen(float x) { return x; }
+inline float widen(uint16_t x) {  // bfloat16 bits -> float
+  const uint32_t u = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+#if defined(__AVX512F__)
+inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
+inline __m512 load16(const uint16_t* x) {  // 16 bfloat16 -> 16 floats
+  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+#endif
+
+// acc_i += sum_j p[i * ld + j] * v[j] for rows i < rows and keys j < n (v[j]: d values, float32
+// or bfloat16 widened as they are loaded).
+template <typename T>
+inline void pv_accumulate(const float* p, int rows, const T* const* v, int n, int d,
                           float* acc, int ld) {
 #if defined(__AVX512F__)
   if (d % 64 == 0) {
@@ -192,9 +210,9 @@ inline void pv_accumulate(const float* p, int rows, const float* const* v, int n
           for (int x = 0; x < 4; ++x) a[r][x] = _mm512_loadu_ps(acc + (i0 + r) * d + c + 16 * x);
         }
         for (int j = 0; j < n; ++j) {
-          const float* vj = v[j] + c;
-          const __m512 v0 = _mm512_loadu_ps(vj), v1 = _mm512_loadu_ps(vj + 16);
-          const __m512 v2 = _mm512_loadu_ps(vj + 32), v3 = _mm512_loadu_ps(vj + 48);
+          const T* vj = v[j] + c;
+          const __m512 v0 = load16(vj), v1 = load16(vj + 16);
+          const __m512 v2 = load16(vj + 32), v3 = load16(vj + 48);
           for (int r = 0; r < nr; ++r) {
             const __m512 pr = _mm512_set1_ps(p[(i0 + r) * ld + j]);
             a[r][0] = _mm512_fmadd_ps(pr, v0, a[r][0]);
@@ -216,7 +234,7 @@ inline void pv_accumulate(const float* p, int rows, const float* const* v, int n
     for (int j = 0; j < n; ++j) {
       const float pj = p[i * ld + j];
 #pragma omp simd
-      for (int c = 0; c < d; ++c) ai[c] += pj * v[j][c];
+      for (int c = 0; c < d; ++c) ai[c] += pj * widen(v[j][c]);
     }
   }
 }
