@@ -353,11 +353,16 @@ ffi::Error PackedMatmulImpl(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi:
 #endif
   }
 #if defined(__AVX512F__)
-  thread_local std::vector<float> a;
-  if (static_cast<int64_t>(a.size()) < live * k) a.resize(live * k);
-  PrologueJob prologue(x.untyped_data(), x_bf16, nrm, eps, k, nullptr, a.data());
-  jaxserve::parallel_for(live, prologue);
-  F32Job job(a.data(), static_cast<const float*>(w.untyped_data()), res, glu != 0,
+  // A float32 x without a norm is A itself; otherwise A is built in a reused buffer.
+  const float* a_rows = static_cast<const float*>(x.untyped_data());
+  if (x_bf16 || nrm != nullptr) {
+    thread_local std::vector<float> a;
+    if (static_cast<int64_t>(a.size()) < live * k) a.resize(live * k);
+    PrologueJob prologue(x.untyped_data(), x_bf16, nrm, eps, k, nullptr, a.data());
+    jaxserve::parallel_for(live, prologue);
+    a_rows = a.data();
+  }
+  F32Job job(a_rows, static_cast<const float*>(w.untyped_data()), res, glu != 0,
              out->typed_data(), live, k, n);
   jaxserve::parallel_for(job.items(), job);
   return ffi::Error::Success();

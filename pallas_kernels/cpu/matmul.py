@@ -143,22 +143,21 @@ def resolve_matmul_impl(impl: str, backend: str, dtype, mesh) -> str:
     if impl == "xla":
         return "xla"
     dt = jnp.dtype(dtype)
-    candidates = [impl] if impl != "auto" else ["amx" if dt == jnp.bfloat16 else "avx512"]
-    want = {"amx": jnp.bfloat16, "avx512": jnp.float32}
+    name = impl if impl != "auto" else ("amx" if dt == jnp.bfloat16 else "avx512")
+    want = {"amx": jnp.bfloat16, "avx512": jnp.float32}[name]
     reasons = []
-    for name in candidates:
-        if backend != "cpu":
-            reasons.append(f"the backend is {backend}, not cpu")
-        if dt != want[name]:
-            reasons.append(f"the weights are {dt.name}, not {jnp.dtype(want[name]).name}")
-        if mesh is not None and mesh.size != 1:
-            reasons.append(f"the mesh has {mesh.size} devices")
-        if not reasons and name == "amx" and not amx_available():
-            reasons.append("this CPU has no usable AMX-BF16 (or the kernels cannot be built)")
-        if not reasons and name == "avx512" and not avx512_available():
-            reasons.append("this CPU has no AVX-512 (or the kernels cannot be built)")
-        if not reasons:
-            return name
+    if backend != "cpu":
+        reasons.append(f"the backend is {backend}, not cpu")
+    if dt != want:
+        reasons.append(f"the weights are {dt.name}, not {jnp.dtype(want).name}")
+    if mesh is not None and mesh.size != 1:
+        reasons.append(f"the mesh has {mesh.size} devices")
+    if not reasons and name == "amx" and not amx_available():
+        reasons.append("this CPU has no usable AMX-BF16 (or the kernels cannot be built)")
+    if not reasons and name == "avx512" and not avx512_available():
+        reasons.append("this CPU has no AVX-512 (or the kernels cannot be built)")
+    if not reasons:
+        return name
     if impl != "auto":
         raise ValueError(f"matmul_impl={impl!r} cannot run here: " + "; ".join(reasons))
     return "xla"

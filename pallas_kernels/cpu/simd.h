@@ -97,12 +97,19 @@ inline float exp_sum(float* x, int lo, int hi, float m) {
 #endif
 }
 
+
+inline float widen(float x) { return x; }
+inline float widen(uint16_t x) {  // bfloat16 bits -> float
+  const uint32_t u = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+// dst[i] = src[i] (bfloat16 bits) as float.
 inline void load_row(const uint16_t* src, float* dst, int d) {
 #pragma omp simd
-  for (int i = 0; i < d; ++i) {
-    const uint32_t u = static_cast<uint32_t>(src[i]) << 16;
-    std::memcpy(&dst[i], &u, sizeof(float));
-  }
+  for (int i = 0; i < d; ++i) dst[i] = widen(src[i]);
 }
 
 // The bfloat16 bits of x, rounded to nearest even as XLA's convert (NaN stays NaN).
@@ -178,13 +185,6 @@ inline void qk_scores(const float* q, int rows, const float* const* k, int n, in
   }
 }
 
-inline float widen(float x) { return x; }
-inline float widen(uint16_t x) {  // bfloat16 bits -> float
-  const uint32_t u = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
 
 #if defined(__AVX512F__)
 inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
