@@ -1,13 +1,15 @@
-"""Native CPU kernels called through the XLA FFI: paged attention and AMX bfloat16 matmul.
+"""Native CPU kernels called through the XLA FFI: paged attention, products on packed weights
+(AMX bfloat16, AVX-512 float32) and the sampler's random draws.
 
-Pallas has no CPU code generator (only its interpreter), so the CPU serving path's two hot ops
-are C++ (`attention.cc` with its `simd.h`, `matmul.cc`; both use `parallel.h`), compiled on
-first use with the host's C++ compiler (`$CXX`, default `g++`, `-O3 -march=native`) against the
-FFI headers shipped in jaxlib, into one library under `<user cache>/jaxserve/kernels` (the user
-cache is `$XDG_CACHE_HOME` or `~/.cache`, as for models and compiled executables),
-keyed by the sources, the flags, jaxlib's version and the CPU. Later processes load the cached
-library. Without a compiler, `ensure_loaded()` raises `KernelUnavailable` and callers fall back
-to XLA (the pure-JAX reference attention, XLA's dot).
+Pallas has no CPU code generator (only its interpreter), so the CPU serving path's hot ops
+are C++ (`attention.cc` with its `simd.h`, `matmul.cc`, `sample.cc`; all use `parallel.h`),
+compiled on first use with the host's C++ compiler (`$CXX`, default `g++`, `-O3
+-march=native`) against the FFI headers shipped in jaxlib, into one library under
+`<user cache>/jaxserve/kernels` (the user cache is `$XDG_CACHE_HOME` or `~/.cache`, as for
+models and compiled executables), keyed by the sources, the flags, jaxlib's version and the
+CPU. Later processes load the cached library. Without a compiler, `ensure_loaded()` raises
+`KernelUnavailable` and callers fall back to XLA (the pure-JAX reference attention, XLA's
+dot, the JAX sampler).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import tempfile
 import jax
 
 _DIR = pathlib.Path(__file__).parent
-SOURCES = (_DIR / "attention.cc", _DIR / "matmul.cc")
+SOURCES = (_DIR / "attention.cc", _DIR / "matmul.cc", _DIR / "sample.cc")
 _HEADERS = (_DIR / "parallel.h", _DIR / "simd.h")
 _FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-std=c++17", "-fPIC",
           "-shared")
@@ -35,6 +37,7 @@ TARGETS = {
     "jaxserve_write_kv_and_attend": "JaxserveWriteKvAndAttend",
     "jaxserve_rope_write_kv_and_attend": "JaxserveRopeWriteKvAndAttend",
     "jaxserve_packed_matmul": "JaxservePackedMatmul",
+    "jaxserve_sample_rows": "JaxserveSampleRows",
 }
 
 
