@@ -23,6 +23,7 @@ from jaxserve.models.arch_config import ArchConfig
 from jaxserve.models.loader import load_checkpoint, resolve_model
 from jaxserve.models.weights import create_model
 from jaxserve.outputs import OutputKind, RequestOutput
+from jaxserve.pallas_kernels.cpu import sample as cpu_sample
 from jaxserve.pallas_kernels.cpu.matmul import resolve_matmul_impl
 from jaxserve.pallas_kernels.ragged_paged_attention import cpu as cpu_attention
 from jaxserve.pallas_kernels.ragged_paged_attention.ops import resolve_impl as resolve_attention_impl
@@ -79,8 +80,10 @@ class LLMEngine:
                                          max_model_len=self.max_model_len)
         self.scheduler = Scheduler(sc, self.kv_manager)
         self.eos_token_id = self.tokenizer.eos_token_id
+        native_sampling = (backend == "cpu" and self.mesh.devices.size == 1
+                           and cpu_sample.native_sampling_available())
         self.sampler_config = SamplerConfig(max_num_seqs=sc.max_num_seqs, vocab_size=self.arch.vocab_size,
-                                            max_logprobs=config.max_logprobs)
+                                            max_logprobs=config.max_logprobs, native=native_sampling)
         grid = BucketGrid.build(sc.max_num_batched_tokens, sc.max_num_seqs,
                                 config.compile.token_buckets, config.compile.request_buckets)
         self.runner = ModelRunner(

@@ -16,6 +16,7 @@ Order of transforms (vLLM v1's):
   7. sample by inverse CDF with the row's uniform, a host-side hash of (request seed, output
      position) (metadata.row_uniforms): the token depends only on the row's logits,
      parameters, seed and position, never on the batch composition or the row index.
+     (With SamplerConfig.native, steps 5-7 run in the CPU kernel pallas_kernels/cpu/sample.py.)
 
 Logprobs, ranks and top logprobs are vLLM's "raw" ones: log_softmax of the logits the model
 produced (before steps 1-7); rank = #{tokens with logit >= the sampled token's} (1-based).
@@ -32,6 +33,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxserve.pallas_kernels.cpu import sample as cpu_sample
 from jaxserve.sampling import ops
 from jaxserve.sampling.config import SamplerConfig
 from jaxserve.sampling.metadata import SamplingMetadata
@@ -176,7 +178,12 @@ def _sample_random(
     tokens each row may emit.
 
     Works on x (not x / T): the order of the tokens is the same, thresholds are mapped into
-    x's scale, and probabilities are exp((x - max) / T) — this saves passes over [R, V]."""
+    x's scale, and probabilities are exp((x - max) / T) — this saves passes over [R, V].
+    With config.native the CPU kernel does all of it (its draw walks the kept set in id order)."""
+    if config.native:
+        tok, mask = cpu_sample.sample_rows(x, meta.temperature, meta.top_k, meta.top_p,
+                                           meta.min_p, meta.uniform, ~greedy, with_mask)
+        return (tok, mask) if with_mask else tok
     R, V = x.shape
     K = min(config.topk_candidates, V)  # top_k <= K runs on the candidates
     K1 = min(K + 1, V)  # one more candidate: a tie at the k-th value that runs past the list

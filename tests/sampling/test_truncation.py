@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from jaxserve.pallas_kernels.cpu import sample as cpu_sample
 from jaxserve.sampling import SamplerConfig, SamplingMetadata, row_uniforms, sampler
 from tests.sampling import reference as ref
 
@@ -41,9 +42,27 @@ def _meta(R, temperature, top_k, top_p, min_p, seeds=None, pos=None):
     )
 
 
-@functools.cache
+@pytest.fixture(params=["jax", "native"], autouse=True)
+def impl(request):
+    """Every test runs on the JAX steps and on the CPU kernel (SamplerConfig.native)."""
+    if request.param == "native" and not cpu_sample.native_sampling_available():
+        pytest.skip("the CPU kernels cannot be built on this host")
+    global _IMPL
+    _IMPL = request.param
+    yield request.param
+
+
+_IMPL = "jax"
+
+
 def _random_fn(V):
-    cfg = SamplerConfig(max_num_seqs=1, vocab_size=V, topk_candidates=K, max_logprobs=4)
+    return _random_fn_for(V, _IMPL == "native")
+
+
+@functools.cache
+def _random_fn_for(V, native):
+    cfg = SamplerConfig(max_num_seqs=1, vocab_size=V, topk_candidates=K, max_logprobs=4,
+                        native=native)
 
     @jax.jit
     def f(x, meta):
@@ -173,3 +192,28 @@ def test_huge_tie_groups_at_the_boundary(tie_value):
         want, _ = ref.kept_tokens(xi.astype(np.float64), temperature, min_p, top_k, top_p)
         np.testing.assert_array_equal(mask[i], want, err_msg=str(rows[i][1:]))
         assert want[int(tok[i])]
+
+
+def test_wide_nucleus_on_a_real_vocabulary():
+    """V = 49152 (the default model's vocabulary) with nuclei of hundreds to thousands of
+    tokens, as at temperature 1 with top_p 0.95 (the CPU kernel bounds its search by the
+    tail's mass). A tolerance of 1e-6 skips the rows that float32 sums could flip."""
+    V = 49152
+    rng = np.random.default_rng(11)
+    rows = []
+    for temperature, top_k, top_p, min_p in [(1.0, 0, 0.95, 0.0), (0.8, 0, 0.9, 0.0),
+                                             (1.0, 2000, 0.99, 0.0), (1.2, 0, 0.5, 0.001)]:
+        for _ in range(5):
+            x = (rng.standard_normal(V) * 2.5).astype(np.float32)
+            if not ref.near_boundary(x.astype(np.float64), temperature, min_p, top_p, top_k,
+                                     tol=1e-6):
+                rows.append((x, temperature, top_k, top_p, min_p))
+                break
+    assert len(rows) == 4
+    tok, mask = _run(rows)
+    for i, (xi, temperature, top_k, top_p, min_p) in enumerate(rows):
+        want, _ = ref.kept_tokens(xi.astype(np.float64), temperature, min_p, top_k, top_p)
+        assert want.sum() > 300  # a wide nucleus
+        np.testing.assert_array_equal(mask[i], want, err_msg=str(rows[i][1:]))
+        assert want[tok[i]]
+
