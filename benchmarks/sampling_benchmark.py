@@ -1,6 +1,8 @@
 """Time the jitted sampler at R=32 rows, V=49152 (the default model's vocabulary).
 
-One executable serves every case below (the parameters travel as arrays); cases run
+One executable per implementation serves every case below (the parameters travel as arrays):
+the JAX steps, and on the CPU (when the kernels build) the native kernel for steps 5-7
+(SamplerConfig.native, what the engine uses there). Cases and implementations run
 interleaved, in rounds, and the table reports the median and the minimum per call. Also times
 the host-side metadata build (per step) and the compile. Prints a table and appends one JSON
 line to benchmarks/results/sampling.jsonl.
@@ -15,6 +17,8 @@ other processes on a 2-core machine inflate them.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import json
 import os
 import platform
@@ -24,6 +28,8 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jaxserve.pallas_kernels.cpu.sample import native_sampling_available
 
 from jaxserve.sampling import (
     SamplerConfig,
@@ -47,6 +53,7 @@ CASES = {
     "all_features": {"temperature": 0.8, "top_k": 50, "top_p": 0.9, "min_p": 0.05, "presence_penalty": 0.5,
                          "frequency_penalty": 0.5, "repetition_penalty": 1.1,
                          "logit_bias": {100: 2.0, 200: -3.0}, "logprobs": 5},
+    "top_p0.95": {"temperature": 1.0, "top_p": 0.95},  # nucleus wider than the candidates
     "wide_nucleus(top_p0.95,flat)": {"temperature": 1.0, "top_p": 0.95},  # bisection fallback
 }
 
@@ -70,6 +77,9 @@ def main() -> None:
     R, V, S = args.rows, args.vocab, args.max_num_seqs
     cfg = SamplerConfig(max_num_seqs=S, vocab_size=V, max_logprobs=20,
                         topk_candidates=args.topk_candidates)
+    impls = {"jax": cfg}
+    if jax.default_backend() == "cpu" and native_sampling_available():
+        impls["native"] = dataclasses.replace(cfg, native=True)
     rng = np.random.default_rng(0)
     # LM-like logits: a few strong candidates over a long tail; and a flat row for the
     # wide-nucleus case.
@@ -77,7 +87,7 @@ def main() -> None:
     peaky[np.arange(R)[:, None], rng.integers(0, V, (R, 20))] += rng.uniform(4, 10, (R, 20))
     flat = (rng.standard_normal((R, V)) * 0.5).astype(np.float32)
 
-    f = jax.jit(lambda logits, meta, state: sample(logits, meta, state, cfg))
+    fns = {name: jax.jit(functools.partial(sample, config=c)) for name, c in impls.items()}
     update = jax.jit(update_state_from_tokens, donate_argnums=0)
     write = jax.jit(write_slot_rows, donate_argnums=0)
 
@@ -111,11 +121,12 @@ def main() -> None:
     jax.block_until_ready(lm_head(hidden, head))
 
     t0 = time.perf_counter()
-    jax.block_until_ready(f(*inputs["greedy"]))
+    jax.block_until_ready(fns["jax"](*inputs["greedy"]))
     compile_s = time.perf_counter() - t0
-    for a in inputs.values():  # warm every branch
-        jax.block_until_ready(f(*a))
-    times = {k: [] for k in CASES}
+    for f in fns.values():
+        for a in inputs.values():  # warm every branch
+            jax.block_until_ready(f(*a))
+    times = {f"{k} [{i}]": [] for k in CASES for i in fns}
     times["(reference) lm_head matmul"] = []
     for _ in range(args.rounds):
         for _ in range(3):
@@ -123,23 +134,25 @@ def main() -> None:
             jax.block_until_ready(lm_head(hidden, head))
             times["(reference) lm_head matmul"].append(time.perf_counter() - t)
         for name, a in inputs.items():
-            for _ in range(3):
-                t = time.perf_counter()
-                jax.block_until_ready(f(*a))
-                times[name].append(time.perf_counter() - t)
-    assert f._cache_size() == 1, "a parameter mix recompiled the sampler"
+            for impl, f in fns.items():
+                for _ in range(3):
+                    t = time.perf_counter()
+                    jax.block_until_ready(f(*a))
+                    times[f"{name} [{impl}]"].append(time.perf_counter() - t)
+    for f in fns.values():
+        assert f._cache_size() == 1, "a parameter mix recompiled the sampler"
 
     load = os.getloadavg()[0]
     figures = {
         k: {"median_ms": 1e3 * float(np.median(v)), "min_ms": 1e3 * float(np.min(v)),
-            "build_us": build_us.get(k, 0.0)}
+            "build_us": build_us.get(k.split(" [")[0], 0.0)}
         for k, v in times.items()
     }
     print(f"sampler R={R} V={V} S={S} K={cfg.topk_candidates} on {jax.devices()[0].platform} "
           f"(load average {load:.1f}; compile {compile_s:.1f} s)")
-    print(f"{'case':30s} {'median ms':>10s} {'min ms':>8s} {'build us':>9s}")
+    print(f"{'case [implementation]':39s} {'median ms':>10s} {'min ms':>8s} {'build us':>9s}")
     for k, v in figures.items():
-        print(f"{k:30s} {v['median_ms']:10.2f} {v['min_ms']:8.2f} {v['build_us']:9.1f}")
+        print(f"{k:39s} {v['median_ms']:10.2f} {v['min_ms']:8.2f} {v['build_us']:9.1f}")
     record = {
         "bench": "sampling",
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
