@@ -61,6 +61,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--dtype", nargs="+", default=["float32"], choices=["float32", "bfloat16"])
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (with --temperature)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--token-buckets", type=int, nargs="+", default=None)
     p.add_argument("--request-buckets", type=int, nargs="+", default=None)
@@ -202,12 +203,14 @@ def main(argv=None) -> None:
 
     tokenizer = load_tokenizer(resolve_model(args.model))
     prompts = make_prompts(tokenizer, args.num_prompts, args.min_input, args.max_input, args.seed)
-    keys = ("workload", "num_prompts", "min_input", "max_input", "output_len", "seed", "temperature")
+    keys = ("workload", "num_prompts", "min_input", "max_input", "output_len", "seed", "temperature",
+            "top_p")
     workload = {k: getattr(args, k) for k in keys}
     print(f"workload: {len(prompts)} prompts, {sum(map(len, prompts))} prompt tokens, "
           f"{args.output_len} new tokens each", flush=True)
     env = environment()
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len, ignore_eos=True)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.output_len,
+                            ignore_eos=True)
     options = {"max_num_seqs": max(args.concurrency), "enable_prefix_caching": False, "show_progress": False}
     for key in ("max_num_batched_tokens", "token_buckets", "request_buckets", "compilation_cache_dir"):
         if getattr(args, key) is not None:
