@@ -38,6 +38,7 @@ TARGETS = {
     "jaxserve_rope_write_kv_and_attend": "JaxserveRopeWriteKvAndAttend",
     "jaxserve_packed_matmul": "JaxservePackedMatmul",
     "jaxserve_sample_rows": "JaxserveSampleRows",
+    "jaxserve_raw_logprobs": "JaxserveRawLogprobs",
 }
 
 

@@ -1,5 +1,6 @@
 """Random sampling of the CPU serving path (`sample.cc`): temperature, min_p, top_k, top_p and
-the inverse-CDF draw of jaxserve/sampling/sampler.py (steps 5-7), one row per core at a time.
+the inverse-CDF draw of jaxserve/sampling/sampler.py (steps 5-7), one row per core at a time;
+and the raw logprobs (`raw_logprobs`: log_softmax at a token, its rank, the top k).
 
 XLA:CPU has no fast selection: the JAX sampler keeps an exact top-64 candidate list and, for a
 row whose top-p nucleus is wider (common at temperature 0.8-1 with top_p 0.9-0.95), bisects
@@ -49,3 +50,19 @@ def sample_rows(x, temperature, top_k, top_p, min_p, u, active, with_mask: bool 
     )(x.astype(f32), temperature.astype(f32), top_k.astype(jnp.int32), top_p.astype(f32),
       min_p.astype(f32), u.astype(f32), active.astype(jnp.bool_))
     return tok, (mask if with_mask else None)
+
+
+TARGET_LOGPROBS = "jaxserve_raw_logprobs"
+
+
+def raw_logprobs(raw, tok, k: int):
+    """raw [N, V] float32 logits, tok [N] -> (log_softmax(raw)[tok] [N], the k largest logits'
+    ids [N, k] (ties: lower id first) and logprobs [N, k], rank of tok [N] (#{raw >= raw[tok]},
+    1-based)). k static, 0 <= k <= V. Runs on the CPU backend only."""
+    cpu.ensure_loaded()
+    N, V = raw.shape
+    return jax.ffi.ffi_call(
+        TARGET_LOGPROBS,
+        (jax.ShapeDtypeStruct((N,), jnp.float32), jax.ShapeDtypeStruct((N, k), jnp.int32),
+         jax.ShapeDtypeStruct((N, k), jnp.float32), jax.ShapeDtypeStruct((N,), jnp.int32)),
+    )(raw.astype(jnp.float32), tok.astype(jnp.int32))

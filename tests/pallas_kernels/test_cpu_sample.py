@@ -50,3 +50,25 @@ def test_a_row_samples_the_same_token_in_any_batch():
     for i in range(8):
         alone, _ = _sample(x[i : i + 1], temperature=0.9, top_p=0.9, u=0.37)
         assert alone[0] == tok[i]
+
+
+@pytest.mark.parametrize("k", [0, 1, 7, 64])
+def test_raw_logprobs_with_ties(k):
+    """log_softmax at the token, rank = #{logits >= its logit}, the top k with ties to the lower
+    id, on rows of few distinct values (ties everywhere) and a V that is no multiple of 16."""
+    rng = np.random.default_rng(k)
+    N, V = 37, 1003
+    x = rng.integers(-4, 5, (N, V)).astype(np.float32)
+    x[:5] = rng.standard_normal((5, V)).astype(np.float32) * 3
+    tok = rng.integers(0, V, N).astype(np.int32)
+    lp, ids, top, rank = jax.jit(cpu_sample.raw_logprobs, static_argnums=2)(x, tok, k)
+    x64 = x.astype(np.float64)
+    lsm = x64 - (x64.max(1, keepdims=True) +
+                 np.log(np.exp(x64 - x64.max(1, keepdims=True)).sum(1, keepdims=True)))
+    rows = np.arange(N)
+    np.testing.assert_allclose(np.asarray(lp), lsm[rows, tok], atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(rank), (x >= x[rows, tok][:, None]).sum(1))
+    want = np.stack([np.lexsort((np.arange(V), -x[i]))[:k] for i in range(N)])
+    np.testing.assert_array_equal(np.asarray(ids), want.reshape(N, k))
+    np.testing.assert_allclose(np.asarray(top), np.take_along_axis(lsm, want.reshape(N, k), 1),
+                               atol=1e-5)
