@@ -133,7 +133,8 @@ class ModelRunner:
         wants = tok.next_prompt_token >= 0
 
         def with_prompt_lp():
-            lp, ids, top, rank = prompt_logprobs(model.compute_logits(hidden), jnp.maximum(tok.next_prompt_token, 0), k)
+            lp, ids, top, rank = prompt_logprobs(model.compute_logits(hidden), jnp.maximum(tok.next_prompt_token, 0), k,
+                                                 self.sampler_config.native)
             return PromptLogprobs(lp, ids, top, rank)
 
         def without():

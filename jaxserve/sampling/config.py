@@ -23,9 +23,9 @@ class SamplerConfig:
         bisection path over the whole vocabulary (lax.cond on a batch-wide flag).
     slot_write_batch (A): rows per call of `write_slot_rows` (admissions with a bias row or bad
         words are written A at a time; padding rows are dropped).
-    native: run steps 5-7 (temperature, min_p, top_k, top_p, the draw) in the CPU kernel
-        (pallas_kernels/cpu/sample.py) instead of JAX ops. The engine sets it on the CPU backend
-        with a one-device mesh when the kernels load.
+    native: run steps 5-7 (temperature, min_p, top_k, top_p, the draw) and the raw logprobs
+        in the CPU kernels (pallas_kernels/cpu/sample.py) instead of JAX ops. The engine sets it
+        on the CPU backend with a one-device mesh when the kernels load.
     """
 
     max_num_seqs: int

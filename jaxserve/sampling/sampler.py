@@ -96,19 +96,20 @@ def sample(
                     jnp.zeros((R,), jnp.int32))
 
         lp, ids, top_lp, rank = jax.lax.cond(
-            jnp.any(meta.logprobs >= 0), lambda: _raw_logprobs(raw, tok, k), none
+            jnp.any(meta.logprobs >= 0), lambda: _raw_logprobs(raw, tok, k, config.native), none
         )
     return SamplerOutput(token_ids=tok, logprobs=lp, topk_ids=ids, topk_logprobs=top_lp, rank=rank)
 
 
 def prompt_logprobs(
-    logits: jax.Array, next_token_ids: jax.Array, k_max: int
+    logits: jax.Array, next_token_ids: jax.Array, k_max: int, native: bool = False
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """Raw logprobs at prompt positions: logits [T, V], next_token_ids [T] (the prompt token
     that follows each position) -> (token_logprob [T], topk_ids [T, k_max],
-    topk_logprobs [T, k_max], rank [T]). Jittable; k_max static."""
+    topk_logprobs [T, k_max], rank [T]). Jittable; k_max static; `native`: the CPU kernel
+    (SamplerConfig.native)."""
     raw = logits.astype(jnp.float32)
-    return _raw_logprobs(raw, jnp.asarray(next_token_ids, jnp.int32), k_max)
+    return _raw_logprobs(raw, jnp.asarray(next_token_ids, jnp.int32), k_max, native)
 
 
 # ---------------------------------------------------------------------------- transforms
@@ -334,8 +335,11 @@ def _sample_block(V: int) -> int:
     return V if b == 1 else b
 
 
-def _raw_logprobs(raw: jax.Array, tok: jax.Array, k: int):
+def _raw_logprobs(raw: jax.Array, tok: jax.Array, k: int, native: bool = False):
     """log_softmax of the raw logits at `tok`, its rank, and the top k."""
+    if native:
+        lp, ids, top, rank = cpu_sample.raw_logprobs(raw, tok, k)
+        return lp, ids, top, rank
     R, V = raw.shape
     kk = max(k, 1)  # the top list also gives the max, and usually the rank
     vals, ids = ops.top_k_exact(raw, kk)  # [R, kk]

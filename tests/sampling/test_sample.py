@@ -1,11 +1,15 @@
-"""End-to-end `sample`: seeds, raw logprobs and ranks, prompt logprobs, zero recompiles."""
+"""End-to-end `sample`: seeds, raw logprobs and ranks, prompt logprobs, zero recompiles. Every
+test runs on the JAX steps and on the CPU kernels (SamplerConfig.native)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import numpy as np
 import pytest
 
+from jaxserve.pallas_kernels.cpu import sample as cpu_sample
 from jaxserve.sampling import SamplerConfig, prompt_logprobs
 from jaxserve.sampling_params import SamplingParams
 from tests.sampling import reference as ref
@@ -13,6 +17,19 @@ from tests.sampling.harness import Req, build, jitted
 
 V = 2048
 CFG = SamplerConfig(max_num_seqs=16, vocab_size=V, max_logprobs=6, topk_candidates=16)
+NATIVE = False
+
+
+@pytest.fixture(params=["jax", "native"], autouse=True)
+def impl(request):
+    if request.param == "native" and not cpu_sample.native_sampling_available():
+        pytest.skip("the CPU kernels cannot be built on this host")
+    global CFG, NATIVE
+    saved = CFG, NATIVE
+    NATIVE = request.param == "native"
+    CFG = dataclasses.replace(CFG, native=NATIVE)
+    yield request.param
+    CFG, NATIVE = saved
 
 
 def _sample(reqs, raw, R=8, seed=0):
@@ -100,7 +117,7 @@ def test_prompt_logprobs():
     rng = np.random.default_rng(3)
     raw = _logits(rng, 37)
     nxt = rng.integers(0, V, 37).astype(np.int32)
-    lp, ids, top_lp, rank = jax.jit(prompt_logprobs, static_argnums=2)(raw, nxt, 5)
+    lp, ids, top_lp, rank = jax.jit(prompt_logprobs, static_argnums=(2, 3))(raw, nxt, 5, NATIVE)
     lsm = ref.log_softmax(raw)
     np.testing.assert_allclose(np.asarray(lp), lsm[np.arange(37), nxt], atol=1e-5)
     np.testing.assert_array_equal(np.asarray(ids), ref.top_ids(raw, 5))
@@ -112,7 +129,8 @@ def test_prompt_logprobs():
 
 def test_no_recompilation_across_parameter_mixes():
     """One executable for every mix of features, batch composition and parameter values."""
-    cfg = SamplerConfig(max_num_seqs=16, vocab_size=V, max_logprobs=6, topk_candidates=16)
+    cfg = SamplerConfig(max_num_seqs=16, vocab_size=V, max_logprobs=6, topk_candidates=16,
+                        native=NATIVE)
     f, update, write = jitted(cfg)
     rng = np.random.default_rng(4)
     menu = [

@@ -50,6 +50,7 @@ def impl(request):
     global _IMPL
     _IMPL = request.param
     yield request.param
+    _IMPL = "jax"
 
 
 _IMPL = "jax"
