@@ -4,7 +4,8 @@ One executable per implementation serves every case below (the parameters travel
 the JAX steps, and on the CPU (when the kernels build) the native kernel for steps 5-7
 (SamplerConfig.native, what the engine uses there). Cases and implementations run
 interleaved, in rounds, and the table reports the median and the minimum per call. Also times
-the host-side metadata build (per step) and the compile. Prints a table and appends one JSON
+the host-side metadata build (per step) and the compile, and prompt logprobs (top 5) over
+--prompt-rows rows of logits (a prefill step's worth). Prints a table and appends one JSON
 line to benchmarks/results/sampling.jsonl.
 
     .venv/bin/python benchmarks/sampling_benchmark.py [--rows 32] [--rounds 20]
@@ -35,6 +36,7 @@ from jaxserve.sampling import (
     SamplerConfig,
     SamplingMetadataBuilder,
     init_sampling_state,
+    prompt_logprobs,
     sample,
     update_state_from_tokens,
     write_slot_rows,
@@ -73,6 +75,7 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--topk-candidates", type=int, default=64)
+    ap.add_argument("--prompt-rows", type=int, default=512)
     args = ap.parse_args()
     R, V, S = args.rows, args.vocab, args.max_num_seqs
     cfg = SamplerConfig(max_num_seqs=S, vocab_size=V, max_logprobs=20,
@@ -88,6 +91,10 @@ def main() -> None:
     flat = (rng.standard_normal((R, V)) * 0.5).astype(np.float32)
 
     fns = {name: jax.jit(functools.partial(sample, config=c)) for name, c in impls.items()}
+    plp_fns = {name: jax.jit(functools.partial(prompt_logprobs, k_max=5, native=c.native))
+               for name, c in impls.items()}
+    plp_logits = jnp.asarray(rng.standard_normal((args.prompt_rows, V)).astype(np.float32) * 2.0)
+    plp_next = jnp.asarray(rng.integers(0, V, args.prompt_rows).astype(np.int32))
     update = jax.jit(update_state_from_tokens, donate_argnums=0)
     write = jax.jit(write_slot_rows, donate_argnums=0)
 
@@ -128,7 +135,14 @@ def main() -> None:
             jax.block_until_ready(f(*a))
     times = {f"{k} [{i}]": [] for k in CASES for i in fns}
     times["(reference) lm_head matmul"] = []
+    for impl, f in plp_fns.items():
+        jax.block_until_ready(f(plp_logits, plp_next))
+        times[f"prompt_logprobs5 x{args.prompt_rows} [{impl}]"] = []
     for _ in range(args.rounds):
+        for impl, f in plp_fns.items():
+            t = time.perf_counter()
+            jax.block_until_ready(f(plp_logits, plp_next))
+            times[f"prompt_logprobs5 x{args.prompt_rows} [{impl}]"].append(time.perf_counter() - t)
         for _ in range(3):
             t = time.perf_counter()
             jax.block_until_ready(lm_head(hidden, head))
