@@ -8,10 +8,11 @@
 //   the order (x desc, id asc) of the kept tokens whose mass reaches top_p * (their mass);
 //   token: inverse CDF of the kept p_i in id order at u_r * (their mass): the first id whose
 //   cumulative mass exceeds it (the last kept token with mass when rounding runs past).
-// Masses are summed in double. The top-p boundary comes from a histogram of the kept values:
-// the bin where the cumulative mass crosses the target is sorted and walked, so a row costs a
-// few passes over V whatever the width of its nucleus (XLA:CPU's sort of a [32, 49152] batch
-// takes ~400 ms, the JAX sampler's bisection 25-30 ms). Rows run in parallel (parallel.h).
+// Masses are summed in double. The k-th largest value comes from a min-heap; the top-p
+// boundary from a histogram of the kept tokens above a bound on the tail's mass: the bin where
+// the cumulative mass crosses the target is sorted and walked, so a row costs a few passes
+// over V whatever the width of its nucleus (XLA:CPU's sort of a [32, 49152] batch takes
+// ~400 ms, the JAX sampler's bisection 25-30 ms). Rows run in parallel (parallel.h).
 //
 // Also the raw logprobs of jaxserve/sampling/sampler.py:_raw_logprobs for rows of logits (the
 // sampled tokens' at decode, every prompt token's for prompt_logprobs): log_softmax at a given
