@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.pallas_kernels.cpu.sample import native_sampling_available
+from jaxserve.pallas_kernels import cpu as cpu_kernels
 
 from jaxserve.sampling import (
     SamplerConfig,
@@ -81,7 +81,7 @@ def main() -> None:
     cfg = SamplerConfig(max_num_seqs=S, vocab_size=V, max_logprobs=20,
                         topk_candidates=args.topk_candidates)
     impls = {"jax": cfg}
-    if jax.default_backend() == "cpu" and native_sampling_available():
+    if jax.default_backend() == "cpu" and cpu_kernels.available():
         impls["native"] = dataclasses.replace(cfg, native=True)
     rng = np.random.default_rng(0)
     # LM-like logits: a few strong candidates over a long tail; and a flat row for the

@@ -23,9 +23,8 @@ from jaxserve.models.arch_config import ArchConfig
 from jaxserve.models.loader import load_checkpoint, resolve_model
 from jaxserve.models.weights import create_model
 from jaxserve.outputs import OutputKind, RequestOutput
-from jaxserve.pallas_kernels.cpu import sample as cpu_sample
+from jaxserve.pallas_kernels import cpu as cpu_kernel_library
 from jaxserve.pallas_kernels.cpu.matmul import resolve_matmul_impl
-from jaxserve.pallas_kernels.ragged_paged_attention import cpu as cpu_attention
 from jaxserve.pallas_kernels.ragged_paged_attention.ops import resolve_impl as resolve_attention_impl
 from jaxserve.parallel.mesh import make_mesh
 from jaxserve.request import Request, RequestStatus
@@ -57,8 +56,8 @@ class LLMEngine:
         self.arch = ArchConfig.from_hf(ckpt.config)
         backend = jax.default_backend()
         self.dtype = _DTYPES[mc.resolved_dtype(backend)]
-        native_attention = (backend == "cpu" and resolve_attention_impl(mc.attention_impl) == "cpu"
-                            and cpu_attention.available())
+        cpu_kernels = backend == "cpu" and cpu_kernel_library.available()
+        native_attention = cpu_kernels and resolve_attention_impl(mc.attention_impl) == "cpu"
         self.kv_dtype = _DTYPES[config.cache.resolved_kv_dtype(backend, mc.resolved_dtype(backend),
                                                                native_attention)]
         self.max_model_len = mc.max_model_len or min(self.arch.max_position_embeddings, 2048)
@@ -80,8 +79,7 @@ class LLMEngine:
                                          max_model_len=self.max_model_len)
         self.scheduler = Scheduler(sc, self.kv_manager)
         self.eos_token_id = self.tokenizer.eos_token_id
-        native_sampling = (backend == "cpu" and self.mesh.devices.size == 1
-                           and cpu_sample.native_sampling_available())
+        native_sampling = cpu_kernels and self.mesh.devices.size == 1
         self.sampler_config = SamplerConfig(max_num_seqs=sc.max_num_seqs, vocab_size=self.arch.vocab_size,
                                             max_logprobs=config.max_logprobs, native=native_sampling)
         grid = BucketGrid.build(sc.max_num_batched_tokens, sc.max_num_seqs,

@@ -338,8 +338,7 @@ def _sample_block(V: int) -> int:
 def _raw_logprobs(raw: jax.Array, tok: jax.Array, k: int, native: bool = False):
     """log_softmax of the raw logits at `tok`, its rank, and the top k."""
     if native:
-        lp, ids, top, rank = cpu_sample.raw_logprobs(raw, tok, k)
-        return lp, ids, top, rank
+        return cpu_sample.raw_logprobs(raw, tok, k)
     R, V = raw.shape
     kk = max(k, 1)  # the top list also gives the max, and usually the rank
     vals, ids = ops.top_k_exact(raw, kk)  # [R, kk]

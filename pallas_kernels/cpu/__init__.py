@@ -98,6 +98,16 @@ def _load() -> ctypes.CDLL:
     return lib
 
 
+@functools.cache
+def available() -> bool:
+    """True when the kernel library builds and loads on this host (tried once per process)."""
+    try:
+        ensure_loaded()
+    except KernelUnavailable:
+        return False
+    return True
+
+
 def ensure_loaded() -> ctypes.CDLL:
     """Build (once) and register the kernels; raises KernelUnavailable when they cannot be."""
     try:

@@ -8,7 +8,7 @@
 //   the order (x desc, id asc) of the kept tokens whose mass reaches top_p * (their mass);
 //   token: inverse CDF of the kept p_i in id order at u_r * (their mass): the first id whose
 //   cumulative mass exceeds it (the last kept token with mass when rounding runs past).
-// Masses are summed in double. The k-th largest value comes from a min-heap; the top-p
+// Masses are summed in double. The k-th largest value comes from a heap of the top k; the top-p
 // boundary from a histogram of the kept tokens above a bound on the tail's mass: the bin where
 // the cumulative mass crosses the target is sorted and walked, so a row costs a few passes
 // over V whatever the width of its nucleus (XLA:CPU's sort of a [32, 49152] batch takes
@@ -102,35 +102,42 @@ double probabilities(const float* x, int64_t v, float mx, float inv_t, float lo,
   return z;
 }
 
-// The k-th largest of x[0..v) (1 <= k < v), duplicates counted: a min-heap of the k largest
-// so far; blocks of 16 with nothing above the heap's minimum are skipped with one compare.
-float kth_largest(const float* x, int64_t v, int64_t k, std::vector<float>& heap) {
-  heap.assign(x, x + k);
-  std::make_heap(heap.begin(), heap.end(), std::greater<float>());
-  auto offer = [&](float xi) {
-    if (xi > heap.front()) {
-      std::pop_heap(heap.begin(), heap.end(), std::greater<float>());
-      heap.back() = xi;
-      std::push_heap(heap.begin(), heap.end(), std::greater<float>());
-    }
-  };
-  int64_t i = k;
-#if defined(__AVX512F__)
-  for (; i + 16 <= v; i += 16) {
-    __mmask16 m = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + i), _mm512_set1_ps(heap.front()),
-                                     _CMP_GT_OQ);
-    for (; m != 0; m &= m - 1) offer(x[i + __builtin_ctz(m)]);
-  }
-#endif
-  for (; i < v; ++i) offer(x[i]);
-  return heap.front();
-}
-
 struct Entry {
   float x;
   int32_t id;
   float p;
 };
+
+// Heap order of top_k_heap: a before b when a is the better entry (larger, or equal with the
+// lower id), so the heap's root is the worst.
+inline bool better(const Entry& a, const Entry& b) {
+  return a.x > b.x || (a.x == b.x && a.id < b.id);
+}
+
+// The k (1 <= k <= v) largest of x, ties to the lower id, as a heap whose root is the k-th
+// (duplicates counted); std::sort_heap(..., better) lists them largest first. Scanning ids in
+// order, an equal value never displaces an entry, so only x > root needs a look.
+void top_k_heap(const float* x, int64_t v, int64_t k, std::vector<Entry>& heap) {
+  heap.clear();
+  for (int64_t i = 0; i < k; ++i) heap.push_back({x[i], static_cast<int32_t>(i), 0.0f});
+  std::make_heap(heap.begin(), heap.end(), better);
+  auto offer = [&](int64_t i) {
+    if (x[i] > heap.front().x) {
+      std::pop_heap(heap.begin(), heap.end(), better);
+      heap.back() = {x[i], static_cast<int32_t>(i), 0.0f};
+      std::push_heap(heap.begin(), heap.end(), better);
+    }
+  };
+  int64_t i = k;
+#if defined(__AVX512F__)
+  for (; i + 16 <= v; i += 16) {
+    __mmask16 m = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + i), _mm512_set1_ps(heap.front().x),
+                                     _CMP_GT_OQ);
+    for (; m != 0; m &= m - 1) offer(i + __builtin_ctz(m));
+  }
+#endif
+  for (; i < v; ++i) offer(i);
+}
 
 // Scratch of a row's top-p search: the tokens above a threshold, as columns.
 struct Candidates {
@@ -213,9 +220,7 @@ std::pair<float, int64_t> top_p_cut(const float* x, const float* p, int64_t v, f
   for (; j < n; ++j) {
     if (c.bin[j] == b) c.sorted.push_back({c.x[j], c.id[j], c.p[j]});
   }
-  std::sort(c.sorted.begin(), c.sorted.end(), [](const Entry& e, const Entry& f) {
-    return e.x > f.x || (e.x == f.x && e.id < f.id);
-  });
+  std::sort(c.sorted.begin(), c.sorted.end(), better);
   for (const Entry& e : c.sorted) {
     before += e.p;
     if (before >= target) return {e.x, e.id};
@@ -223,7 +228,7 @@ std::pair<float, int64_t> top_p_cut(const float* x, const float* p, int64_t v, f
   return {-std::numeric_limits<float>::infinity(), v};
 }
 
-void sample_row(const Problem& pr, int64_t r, std::vector<float>& p, std::vector<float>& heap,
+void sample_row(const Problem& pr, int64_t r, std::vector<float>& p, std::vector<Entry>& heap,
                 Candidates& cand, std::vector<double>& blocks) {
   const int64_t V = pr.v;
   const float* x = pr.x + r * V;
@@ -242,7 +247,10 @@ void sample_row(const Problem& pr, int64_t r, std::vector<float>& p, std::vector
           static_cast<double>(T) * std::log(static_cast<double>(pr.min_p[r]));
   }
   const int32_t k = pr.top_k[r];
-  if (k > 0 && k < V) tau = std::max(tau, static_cast<double>(kth_largest(x, V, k, heap)));
+  if (k > 0 && k < V) {
+    top_k_heap(x, V, k, heap);
+    tau = std::max(tau, static_cast<double>(heap.front().x));
+  }
   const float lo = float_ceil(tau);
   p.resize(V);
   const double z = probabilities(x, V, mx, 1.0f / T, lo, p.data());
@@ -320,7 +328,8 @@ class SampleJob : public jaxserve::ParallelJob {
  public:
   explicit SampleJob(const Problem& p) : p_(p) {}
   void run(int64_t r) override {
-    thread_local std::vector<float> p, heap;
+    thread_local std::vector<float> p;
+    thread_local std::vector<Entry> heap;
     thread_local Candidates cand;
     thread_local std::vector<double> blocks;
     sample_row(p_, r, p, heap, cand, blocks);
@@ -387,35 +396,6 @@ int64_t count_at_least(const float* x, int64_t v, float t) {
   return n;
 }
 
-// The k (<= v) largest of x, ties to the lower id, largest first, into top (value, id) pairs:
-// a heap of the best k so far, its root the worst; scanning ids in order, an equal value never
-// displaces an entry, so only x > root needs a look.
-void top_k(const float* x, int64_t v, int64_t k, std::vector<Entry>& heap) {
-  auto worse = [](const Entry& a, const Entry& b) {  // heap order: the root is the worst
-    return a.x > b.x || (a.x == b.x && a.id < b.id);
-  };
-  heap.clear();
-  for (int64_t i = 0; i < k; ++i) heap.push_back({x[i], static_cast<int32_t>(i), 0.0f});
-  std::make_heap(heap.begin(), heap.end(), worse);
-  auto offer = [&](int64_t i) {
-    if (x[i] > heap.front().x) {
-      std::pop_heap(heap.begin(), heap.end(), worse);
-      heap.back() = {x[i], static_cast<int32_t>(i), 0.0f};
-      std::push_heap(heap.begin(), heap.end(), worse);
-    }
-  };
-  int64_t i = k;
-#if defined(__AVX512F__)
-  for (; i + 16 <= v; i += 16) {
-    __mmask16 m = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + i), _mm512_set1_ps(heap.front().x),
-                                     _CMP_GT_OQ);
-    for (; m != 0; m &= m - 1) offer(i + __builtin_ctz(m));
-  }
-#endif
-  for (; i < v; ++i) offer(i);
-  std::sort_heap(heap.begin(), heap.end(), worse);  // best first
-}
-
 struct LogprobProblem {
   const float* x;
   const int32_t* tok;
@@ -437,7 +417,8 @@ class LogprobJob : public jaxserve::ParallelJob {
     p_.lp[r] = x[t] - lse;
     p_.rank[r] = static_cast<int32_t>(count_at_least(x, p_.v, x[t]));
     if (p_.k == 0) return;
-    top_k(x, p_.v, p_.k, heap);
+    top_k_heap(x, p_.v, p_.k, heap);
+    std::sort_heap(heap.begin(), heap.end(), better);  // largest first
     for (int64_t j = 0; j < p_.k; ++j) {
       p_.ids[r * p_.k + j] = heap[j].id;
       p_.top[r * p_.k + j] = heap[j].x - lse;

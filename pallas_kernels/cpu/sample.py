@@ -16,24 +16,12 @@ accelerator.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
 from jaxserve.pallas_kernels import cpu
 
 TARGET = "jaxserve_sample_rows"
-
-
-@functools.cache
-def native_sampling_available() -> bool:
-    """True when the CPU kernels build and load on this host."""
-    try:
-        cpu.ensure_loaded()
-    except cpu.KernelUnavailable:
-        return False
-    return True
 
 
 def sample_rows(x, temperature, top_k, top_p, min_p, u, active, with_mask: bool = False):

@@ -25,15 +25,6 @@ FUSED_TARGET = "jaxserve_write_kv_and_attend"
 ROPE_TARGET = "jaxserve_rope_write_kv_and_attend"
 
 
-def available() -> bool:
-    """True when the kernel library builds and loads on this host."""
-    try:
-        cpu.ensure_loaded()
-    except cpu.KernelUnavailable:
-        return False
-    return True
-
-
 def supports(q: jax.Array, k_cache: jax.Array) -> None:
     """Raise ValueError when the kernel cannot take these inputs on this host."""
     if k_cache.dtype not in (jnp.float32, jnp.bfloat16):

@@ -9,9 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxserve.pallas_kernels import cpu as cpu_kernels
 from jaxserve.pallas_kernels.cpu import sample as cpu_sample
 
-pytestmark = pytest.mark.skipif(not cpu_sample.native_sampling_available(),
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(),
                                 reason="the CPU kernels cannot be built on this host")
 
 

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxserve.pallas_kernels.cpu import sample as cpu_sample
+from jaxserve.pallas_kernels import cpu as cpu_kernels
 from jaxserve.sampling import SamplerConfig, prompt_logprobs
 from jaxserve.sampling_params import SamplingParams
 from tests.sampling import reference as ref
@@ -22,7 +22,7 @@ NATIVE = False
 
 @pytest.fixture(params=["jax", "native"], autouse=True)
 def impl(request):
-    if request.param == "native" and not cpu_sample.native_sampling_available():
+    if request.param == "native" and not cpu_kernels.available():
         pytest.skip("the CPU kernels cannot be built on this host")
     global CFG, NATIVE
     saved = CFG, NATIVE

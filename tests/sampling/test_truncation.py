@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from jaxserve.pallas_kernels.cpu import sample as cpu_sample
+from jaxserve.pallas_kernels import cpu as cpu_kernels
 from jaxserve.sampling import SamplerConfig, SamplingMetadata, row_uniforms, sampler
 from tests.sampling import reference as ref
 
@@ -45,7 +45,7 @@ def _meta(R, temperature, top_k, top_p, min_p, seeds=None, pos=None):
 @pytest.fixture(params=["jax", "native"], autouse=True)
 def impl(request):
     """Every test runs on the JAX steps and on the CPU kernel (SamplerConfig.native)."""
-    if request.param == "native" and not cpu_sample.native_sampling_available():
+    if request.param == "native" and not cpu_kernels.available():
         pytest.skip("the CPU kernels cannot be built on this host")
     global _IMPL
     _IMPL = request.param
