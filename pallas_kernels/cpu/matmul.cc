@@ -138,9 +138,7 @@ class StripJob : public jaxserve::ParallelJob {
         float* dst = out_ + (m0 + r) * out_n + strip * 32;
         const float* g = c0 + r * 32;
         if (glu_) {
-          const float* u = c1 + r * 32;
-#pragma omp simd
-          for (int j = 0; j < 32; ++j) dst[j] = g[j] / (1.0f + jaxserve::fast_exp(-g[j])) * u[j];
+          jaxserve::silu_mul(g, c1 + r * 32, dst, 32);
         } else if (residual_ != nullptr) {
           const float* res = residual_ + (m0 + r) * n_ + strip * 32;
 #pragma omp simd
