@@ -78,8 +78,9 @@ class Request:
     num_preemptions: int = 0
     # The stop token id (or, set by the output processor, the stop string); None for EOS.
     stop_reason: int | str | None = None
-    # Hash chain over this request's full blocks, filled lazily by the KVCacheManager.
-    block_hashes: list[int] = field(default_factory=list)
+    # Hash chain (SHA-256 digests) over this request's full blocks, filled lazily by the
+    # KVCacheManager.
+    block_hashes: list[bytes] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)

@@ -16,7 +16,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 
 NULL_BLOCK_ID = 0
@@ -26,7 +26,7 @@ NULL_BLOCK_ID = 0
 class KVCacheBlock:
     block_id: int
     ref_cnt: int = 0
-    block_hash: int | None = None  # set while the block is registered in the prefix cache
+    block_hash: Hashable | None = None  # set while the block is registered in the prefix cache
 
     @property
     def is_null(self) -> bool:
@@ -47,7 +47,7 @@ class BlockPool:
         self._free: OrderedDict[int, KVCacheBlock] = OrderedDict(
             (b.block_id, b) for b in self.blocks[1:]
         )
-        self._cached: dict[int, KVCacheBlock] = {}  # block hash -> block
+        self._cached: dict[Hashable, KVCacheBlock] = {}  # block hash -> block
 
     # ------------------------------------------------------------------ queries
     def get_num_free_blocks(self) -> int:
@@ -63,7 +63,7 @@ class BlockPool:
     def num_cached_blocks(self) -> int:
         return len(self._cached)
 
-    def get_cached_block(self, block_hash: int) -> KVCacheBlock | None:
+    def get_cached_block(self, block_hash: Hashable) -> KVCacheBlock | None:
         return self._cached.get(block_hash)
 
     def is_free(self, block: KVCacheBlock) -> bool:
@@ -111,7 +111,7 @@ class BlockPool:
     def cache_full_blocks(
         self,
         blocks: list[KVCacheBlock],
-        block_hashes: list[int],
+        block_hashes: list[Hashable],
         num_cached_blocks: int,
         num_full_blocks: int,
     ) -> None:

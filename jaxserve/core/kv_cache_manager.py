@@ -2,8 +2,8 @@
 
 Each request owns a list of blocks (its block table row): token at position `p` lives in
 slot `p % block_size` of block `blocks[p // block_size]`. Full blocks are identified by a hash
-chain, `hash((parent_hash, tuple(block_token_ids), cache_salt))`, so equal hashes mean equal
-prefixes; a request admitted later whose prefix hashes match takes those blocks by reference
+chain, SHA-256 over (parent digest, the block's token ids, cache_salt), so equal hashes mean
+equal prefixes; a request admitted later whose prefix hashes match takes those blocks by reference
 (`get_computed_blocks`, then `allocate_slots(..., new_computed_blocks)`).
 
 Blocks are registered in the prefix cache at allocation time, for every block that will be
@@ -20,15 +20,35 @@ full blocks into the child's table); until then the prefix cache gives the same 
 
 from __future__ import annotations
 
+import hashlib
+import struct
+from collections.abc import Sequence
+
 from jaxserve.core.block_pool import BlockPool, KVCacheBlock
 from jaxserve.request import Request
 
 
+_NO_PARENT = bytes(32)
+
+
 def hash_block_tokens(
-    parent_hash: int | None, token_ids: tuple[int, ...], extra_key: object
-) -> int:
-    """Hash of one full block, chained on the hash of the block before it (None for the first)."""
-    return hash((parent_hash, token_ids, extra_key))
+    parent_hash: bytes | None, token_ids: Sequence[int], extra_key: str | None
+) -> bytes:
+    """SHA-256 digest of one full block, chained on the digest of the block before it (None for
+    the first) and keyed by `extra_key` (the request's cache_salt).
+
+    A cryptographic hash because a hit hands over another request's KV: with a 64-bit hash such
+    as Python's `hash`, a client could craft a prompt whose blocks collide with someone else's
+    and be served (or leak) their context. vLLM hashes blocks with SHA-256 for the same reason.
+    The encoding is unambiguous: 32 bytes of parent, 8 bytes per token, then the salt, tagged.
+    """
+    h = hashlib.sha256(parent_hash if parent_hash is not None else _NO_PARENT)
+    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    if extra_key is None:
+        h.update(b"\x00")
+    else:
+        h.update(b"\x01" + extra_key.encode("utf-8"))
+    return h.digest()
 
 
 def cdiv(a: int, b: int) -> int:

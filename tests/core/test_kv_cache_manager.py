@@ -2,7 +2,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxserve.core.kv_cache_manager import KVCacheManager
+from jaxserve.core.kv_cache_manager import KVCacheManager, hash_block_tokens
 from jaxserve.request import Request
 from jaxserve.sampling_params import SamplingParams
 
@@ -225,3 +225,31 @@ def test_random_admit_grow_free(ops):
         kv.free(r)
     assert kv.get_num_free_blocks() == 9
     assert all(b.ref_cnt == 0 for b in kv.pool.blocks)
+
+
+def test_block_hash_is_a_sha256_chain():
+    a = hash_block_tokens(None, [1, 2, 3, 4], None)
+    assert isinstance(a, bytes) and len(a) == 32
+    assert hash_block_tokens(None, (1, 2, 3, 4), None) == a  # any sequence, same digest
+    b = hash_block_tokens(a, [5, 6, 7, 8], None)
+    # Every input counts: parent, tokens, their order, the salt (None differs from "").
+    others = [
+        hash_block_tokens(None, [5, 6, 7, 8], None),
+        hash_block_tokens(b, [5, 6, 7, 8], None),
+        hash_block_tokens(a, [5, 6, 8, 7], None),
+        hash_block_tokens(a, [5, 6, 7, 8], ""),
+        hash_block_tokens(a, [5, 6, 7, 8], "salt"),
+    ]
+    assert len({b, *others}) == 6
+
+
+def test_blocks_that_collide_under_builtin_hash_do_not_share():
+    # Python's hash maps 0 and 2**61 - 1 to the same value, so the old hash((parent, tokens,
+    # salt)) gave these two prompts the same chain; a hit would have served one the other's KV.
+    big = 2**61 - 1
+    assert hash((None, (0,) * BS, None)) == hash((None, (big,) * BS, None))
+    assert hash_block_tokens(None, [0] * BS, None) != hash_block_tokens(None, [big] * BS, None)
+    kv = KVCacheManager(BS, 16)
+    assert admit(kv, req("a", [0] * (2 * BS))) is not None
+    assert kv.get_computed_blocks(req("b", [big] * (2 * BS)))[1] == 0
+    assert kv.get_computed_blocks(req("c", [0] * (2 * BS)))[1] == BS
