@@ -18,6 +18,8 @@ warm-up request) is reported separately and excluded.
 
 `--compare-hf` runs benchmarks/hf_worker.py under `--hf-python` (torch CPU, static batches of
 size c, left-padded `generate`) on the same prompts and prints jaxserve/HF output tok/s ratios.
+`--compare-vllm` runs benchmarks/vllm_worker.py under `--vllm-python` (vLLM's CPU build: the
+same closed loop, one engine per dtype) and prints jaxserve/vLLM ratios.
 One JSON line per (dtype, concurrency) goes to benchmarks/results/offline_throughput.jsonl.
 The machine may be shared: check the load average in each JSON line before trusting a figure.
 """
@@ -72,6 +74,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--hf-python", default=sys.executable, help="python with torch + transformers")
     p.add_argument("--hf-dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--hf-threads", type=int, default=2, help="torch.set_num_threads in the worker")
+    p.add_argument("--compare-vllm", action="store_true",
+                   help="also run vLLM (its CPU build) on the same prompts, same closed loop")
+    p.add_argument("--vllm-python", default=sys.executable, help="python with vLLM")
+    p.add_argument("--vllm-threads", type=int, default=None, help="cores vLLM binds (default: all)")
     p.add_argument("--gguf", default=None, help="GGUF to build the HF model from (default: the default model)")
     args = p.parse_args(argv)
     for key, value in PRESETS[args.workload].items():
@@ -154,34 +160,48 @@ def run_closed_loop(engine, prompts, concurrency: int, params, tag: str) -> dict
     }
 
 
-def run_hf(args, prompts, pad_token_id: int) -> dict:
-    gguf = args.gguf
-    if gguf is None:
-        from jaxserve.models.loader import default_gguf_path
-        gguf = str(default_gguf_path())
-    job = {"prompts": prompts, "concurrency": args.concurrency, "max_new_tokens": args.output_len,
-           "dtype": args.hf_dtype, "threads": args.hf_threads, "gguf": gguf, "cache_dir": str(CACHE),
-           "pad_token_id": pad_token_id}
+def run_worker(script: str, job: dict, python: str) -> dict:
+    """Run a peer's worker script on `job` under `python`; return the JSON line it prints."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(job, f)
     try:
-        cmd = [args.hf_python, str(HERE / "hf_worker.py"), f.name]
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)  # its stderr goes to ours
+        proc = subprocess.run([python, str(HERE / script), f.name], stdout=subprocess.PIPE, text=True)
     finally:
         os.unlink(f.name)
     if proc.returncode != 0:
-        sys.exit(f"the HF worker failed (exit {proc.returncode}); see its messages above.")
+        sys.exit(f"{script} failed (exit {proc.returncode}); see its messages above.")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def check_hf_python(python: str) -> None:
-    probe = subprocess.run([python, "-c", "import torch, transformers"], capture_output=True, text=True)
+def default_gguf(args) -> str:
+    if args.gguf is not None:
+        return args.gguf
+    from jaxserve.models.loader import default_gguf_path
+    return str(default_gguf_path())
+
+
+def run_vllm(args, prompts) -> dict:
+    job = {"prompts": prompts, "concurrency": args.concurrency, "max_new_tokens": args.output_len,
+           "dtypes": args.dtype, "gguf": default_gguf(args), "cache_dir": str(CACHE),
+           "threads": args.vllm_threads}
+    return run_worker("vllm_worker.py", job, args.vllm_python)
+
+
+def check_peer_python(python: str, modules: str, peer: str, what: str) -> None:
+    """Exit with a clear message unless `python` imports `modules` (for --compare-`peer`)."""
+    probe = subprocess.run([python, "-c", f"import {modules}"], capture_output=True, text=True)
     if probe.returncode != 0:
         why = probe.stderr.strip().splitlines()[-1] if probe.stderr.strip() else ""
-        sys.exit(f"--compare-hf needs torch and transformers (plus accelerate and gguf) in {python}, "
-                 f"which failed to import them:\n{why}\n"
-                 "torch is an optional benchmark-only dependency: install it in another venv and pass "
-                 "--hf-python /path/to/that/venv/bin/python.")
+        sys.exit(f"--compare-{peer} needs {what} in {python}, which failed to import them:\n{why}\n"
+                 "Peers are optional benchmark-only dependencies: install them in another venv and "
+                 f"pass --{peer}-python /path/to/that/venv/bin/python.")
+
+
+def run_hf(args, prompts, pad_token_id: int) -> dict:
+    job = {"prompts": prompts, "concurrency": args.concurrency, "max_new_tokens": args.output_len,
+           "dtype": args.hf_dtype, "threads": args.hf_threads, "gguf": default_gguf(args),
+           "cache_dir": str(CACHE), "pad_token_id": pad_token_id}
+    return run_worker("hf_worker.py", job, args.hf_python)
 
 
 def prefix_match(a: list[list[int]], b: list[list[int]]) -> float:
@@ -196,7 +216,10 @@ def prefix_match(a: list[list[int]], b: list[list[int]]) -> float:
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.compare_hf:
-        check_hf_python(args.hf_python)
+        check_peer_python(args.hf_python, "torch, transformers", "hf",
+                          "torch and transformers (plus accelerate and gguf)")
+    if args.compare_vllm:
+        check_peer_python(args.vllm_python, "vllm", "vllm", "vLLM")
     from jaxserve.entrypoints.llm import LLM
     from jaxserve.models.loader import load_tokenizer, resolve_model
     from jaxserve.sampling_params import SamplingParams
@@ -254,6 +277,15 @@ def main(argv=None) -> None:
             row["hf"] = {**h, "dtype": args.hf_dtype, "threads": args.hf_threads,
                          "startup_s": hf["startup_s"], "versions": hf["versions"]}
             row["ratio_output_tok_s"] = row["figures"]["output_tok_s"] / h["output_tok_s"]
+    vl = None
+    if args.compare_vllm:
+        vl = run_vllm(args, prompts)
+        by = {(r["dtype"], r["concurrency"]): r for r in vl["runs"]}
+        for row in rows:
+            v = dict(by[(row["config"]["dtype"], row["config"]["concurrency"])])
+            v["greedy_prefix_match"] = prefix_match(row["figures"]["output_ids"], v.pop("output_ids"))
+            row["vllm"] = {**v, "versions": vl["versions"], "env": vl["env"]}
+            row["ratio_vllm_output_tok_s"] = row["figures"]["output_tok_s"] / v["output_tok_s"]
     timestamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     if args.results:
         os.makedirs(os.path.dirname(os.path.abspath(args.results)), exist_ok=True)
@@ -261,16 +293,18 @@ def main(argv=None) -> None:
             for row in rows:
                 row["figures"] = {k: v for k, v in row["figures"].items() if k != "output_ids"}
                 f.write(json.dumps({**row, "timestamp": timestamp}) + "\n")
-    print_table(rows, env, hf)
+    print_table(rows, env, hf, vl)
 
 
-def print_table(rows, env, hf) -> None:
+def print_table(rows, env, hf, vl=None) -> None:
     print(f"\n{env['device']}, jax {env['versions']['jax']}, git {str(env['git_sha'])[:10]}"
           f"{' (dirty)' if env['git_dirty'] else ''}, load {rows[-1]['load_avg_after'][0]:.2f}")
     head = f"{'dtype':9} {'c':>3} {'out tok/s':>10} {'total tok/s':>11} {'TTFT mean':>10} {'TTFT med':>9} " \
            f"{'step ms':>8} {'steps':>6}"
     if hf:
         head += f" {'HF out tok/s':>12} {'HF TTFT':>8} {'ratio':>6} {'greedy=':>7}"
+    if vl:
+        head += f" {'vLLM tok/s':>10} {'vLLM TTFT':>9} {'ratio':>6} {'greedy=':>7}"
     print(head)
     for r in rows:
         f = r["figures"]
@@ -281,11 +315,18 @@ def print_table(rows, env, hf) -> None:
             h = r["hf"]
             line += (f" {h['output_tok_s']:>12.1f} {h['ttft_mean_ms']:>6.0f}ms"
                      f" {r['ratio_output_tok_s']:>5.2f}x {100 * h['greedy_prefix_match']:>6.0f}%")
+        if vl:
+            v = r["vllm"]
+            line += (f" {v['output_tok_s']:>10.1f} {v['ttft_mean_ms']:>7.0f}ms"
+                     f" {r['ratio_vllm_output_tok_s']:>5.2f}x {100 * v['greedy_prefix_match']:>6.0f}%")
         print(line)
     if hf:
         print(f"HF: transformers {hf['versions']['transformers']}, torch {hf['versions']['torch']}, "
               f"{rows[0]['hf']['dtype']}, {rows[0]['hf']['threads']} threads, startup {hf['startup_s']:.1f}s; "
               "ratio = jaxserve/HF output tok/s; greedy= = mean agreeing output prefix")
+    if vl:
+        print(f"vLLM {vl['versions']['vllm']} ({', '.join(f'{k}={v}' for k, v in vl['env'].items())}); "
+              "ratio = jaxserve/vLLM output tok/s")
     for r in rows:
         f, cfg = r["figures"], r["config"]
         if f["recompiles"] or f["preemptions"]:
