@@ -57,8 +57,9 @@ def closed_loop(engine, prompts, c: int, params, tag: str, TokensPrompt) -> dict
     ttft = [1e3 * (first[r] - submitted[r]) for r in submitted]
     n_prompt, n_out = sum(map(len, prompts)), sum(map(len, rows))
     return {"concurrency": c, "wall_s": wall, "steps": steps, "prompt_tokens": n_prompt,
-            "output_tokens": n_out, "output_tok_s": n_out / wall, "total_tok_s": (n_prompt + n_out) / wall,
-            "ttft_mean_ms": statistics.fmean(ttft), "step_mean_ms": 1e3 * wall / steps, "output_ids": rows}
+            "output_tokens": n_out, "output_tok_s": n_out / wall,
+            "total_tok_s": (n_prompt + n_out) / wall, "ttft_mean_ms": statistics.fmean(ttft),
+            "step_mean_ms": 1e3 * wall / steps, "output_ids": rows}
 
 
 def main(job_path: str) -> None:
@@ -81,17 +82,17 @@ def main(job_path: str) -> None:
     hf_dir = build_hf_dir(pathlib.Path(job["gguf"]), pathlib.Path(job["cache_dir"]))
     max_len = max(map(len, prompts)) + n
     params = SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n, ignore_eos=True)
+    env_keys = ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU",
+                "VLLM_CPU_KVCACHE_SPACE")
     result = {"hf_dir": str(hf_dir), "versions": {"vllm": vllm.__version__},
-              "env": {k: os.environ[k] for k in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU",
-                                                 "VLLM_CPU_KVCACHE_SPACE")},
-              "runs": []}
+              "env": {k: os.environ[k] for k in env_keys}, "runs": []}
     for dtype in job["dtypes"]:
         t0 = time.perf_counter()
-        llm = LLM(model=str(hf_dir), dtype=dtype, max_model_len=max(1024, max_len), max_num_seqs=max(cs),
-                  enable_prefix_caching=False)
+        llm = LLM(model=str(hf_dir), dtype=dtype, max_model_len=max(1024, max_len),
+                  max_num_seqs=max(cs), enable_prefix_caching=False)
         engine = llm.llm_engine
-        closed_loop(engine, prompts[:1], 1, SamplingParams(temperature=0.0, max_tokens=2), f"warmup-{dtype}",
-                    TokensPrompt)
+        warmup = SamplingParams(temperature=0.0, max_tokens=2)
+        closed_loop(engine, prompts[:1], 1, warmup, f"warmup-{dtype}", TokensPrompt)
         startup = time.perf_counter() - t0
         for c in cs:
             run = closed_loop(engine, prompts, c, params, f"c{c}-{dtype}", TokensPrompt)
