@@ -61,15 +61,26 @@ struct alignas(64) TileConfig {
 };
 #endif  // JAXSERVE_HAVE_AMX
 
-// x rows -> A rows (bfloat16 for AMX, float32 otherwise), optionally through an RMSNorm in
-// float32 first: a = x * (1 / sqrt(mean(x^2) + eps)) * norm.
+// x rows [0, m) -> A rows (bfloat16 for AMX, float32 otherwise), optionally through an RMSNorm
+// in float32 first: a = x * (1 / sqrt(mean(x^2) + eps)) * norm. An item is kRows rows: one row
+// is less work than handing an item over.
 class PrologueJob : public jaxserve::ParallelJob {
  public:
-  PrologueJob(const void* x, bool x_bf16, const float* norm, float eps, int64_t k,
-              uint16_t* a_bf16, float* a_f32)
-      : x_(x), x_bf16_(x_bf16), norm_(norm), eps_(eps), k_(k), a_bf16_(a_bf16), a_f32_(a_f32) {}
+  static constexpr int64_t kRows = 16;
 
-  void run(int64_t row) override {
+  PrologueJob(const void* x, bool x_bf16, const float* norm, float eps, int64_t m, int64_t k,
+              uint16_t* a_bf16, float* a_f32)
+      : x_(x), x_bf16_(x_bf16), norm_(norm), eps_(eps), m_(m), k_(k), a_bf16_(a_bf16),
+        a_f32_(a_f32) {}
+
+  int64_t items() const { return (m_ + kRows - 1) / kRows; }
+
+  void run(int64_t item) override {
+    for (int64_t row = item * kRows; row < std::min(m_, (item + 1) * kRows); ++row) convert(row);
+  }
+
+ private:
+  void convert(int64_t row) {
     float* xf = a_f32_ != nullptr ? a_f32_ + row * k_ : buf_(k_);
     if (x_bf16_) {
       jaxserve::load_row(static_cast<const uint16_t*>(x_) + row * k_, xf, static_cast<int>(k_));
@@ -87,7 +98,6 @@ class PrologueJob : public jaxserve::ParallelJob {
     if (a_bf16_ != nullptr) jaxserve::store_row_bf16(xf, a_bf16_ + row * k_, static_cast<int>(k_));
   }
 
- private:
   static float* buf_(int64_t k) {
     thread_local std::vector<float> buf;
     if (static_cast<int64_t>(buf.size()) < k) buf.resize(k);
@@ -97,7 +107,7 @@ class PrologueJob : public jaxserve::ParallelJob {
   bool x_bf16_;
   const float* norm_;
   float eps_;
-  int64_t k_;
+  int64_t m_, k_;
   uint16_t* a_bf16_;
   float* a_f32_;
 };
@@ -340,8 +350,8 @@ ffi::Error PackedMatmulImpl(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi:
     const int64_t m_pad = (live + 31) / 32 * 32;
     if (static_cast<int64_t>(a.size()) < m_pad * k) a.resize(m_pad * k);
     std::fill(a.begin() + live * k, a.begin() + m_pad * k, 0);
-    PrologueJob prologue(x.untyped_data(), x_bf16, nrm, eps, k, a.data(), nullptr);
-    jaxserve::parallel_for(live, prologue);
+    PrologueJob prologue(x.untyped_data(), x_bf16, nrm, eps, live, k, a.data(), nullptr);
+    jaxserve::parallel_for(prologue.items(), prologue);
     AmxJob job(a.data(), reinterpret_cast<const uint16_t*>(w.untyped_data()), res, glu != 0,
                out->typed_data(), live, k, n);
     jaxserve::parallel_for(job.items(), job);
@@ -356,8 +366,8 @@ ffi::Error PackedMatmulImpl(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi:
   if (x_bf16 || nrm != nullptr) {
     thread_local std::vector<float> a;
     if (static_cast<int64_t>(a.size()) < live * k) a.resize(live * k);
-    PrologueJob prologue(x.untyped_data(), x_bf16, nrm, eps, k, nullptr, a.data());
-    jaxserve::parallel_for(live, prologue);
+    PrologueJob prologue(x.untyped_data(), x_bf16, nrm, eps, live, k, nullptr, a.data());
+    jaxserve::parallel_for(prologue.items(), prologue);
     a_rows = a.data();
   }
   F32Job job(a_rows, static_cast<const float*>(w.untyped_data()), res, glu != 0,
