@@ -209,7 +209,7 @@ class KVCacheManager:
         bs = self.block_size
         parent = hashes[-1] if hashes else None
         for i in range(len(hashes), num_blocks):
-            tokens = tuple(request.get_token_ids(i * bs, (i + 1) * bs))
+            tokens = request.get_token_ids(i * bs, (i + 1) * bs)
             assert len(tokens) == bs
             parent = hash_block_tokens(parent, tokens, request.cache_salt)
             hashes.append(parent)
