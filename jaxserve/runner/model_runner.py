@@ -23,6 +23,7 @@ from tqdm import tqdm
 from jaxserve.core.sched_output import ScheduledRequest, SchedulerOutput
 from jaxserve.runner.buckets import BucketGrid
 from jaxserve.runner.compile import CompileCounter
+from jaxserve.runner.huge_pages import advise_in_background
 from jaxserve.runner.kv_cache import allocate_kv_cache
 from jaxserve.runner.step_inputs import ModelInputs, StepRequest, pack_step
 from jaxserve.sampling.config import SamplerConfig
@@ -108,6 +109,9 @@ class ModelRunner:
         # Variable per weight) on every call costs milliseconds of host time per step.
         self.params, self._params_treedef = jax.tree.flatten(state)
         self.kv = allocate_kv_cache(self.cfg, num_pages, page_size, kv_dtype, mesh)
+        self.huge_pages = None  # the thread advising huge pages under host buffers (CPU)
+        if mesh.devices.flat[0].platform == "cpu":
+            self.huge_pages = advise_in_background([*self.params, *self.kv.k, *self.kv.v])
         self.replicated = NamedSharding(mesh, P())
         self.sstate = jax.device_put(init_sampling_state(sampler_config), self.replicated)
         self.builder = SamplingMetadataBuilder(sampler_config, seed=seed)

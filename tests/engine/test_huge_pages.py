@@ -1,0 +1,66 @@
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.runner.huge_pages import HUGE_PAGE, advise_huge_pages, host_ranges
+
+
+def thp_available() -> bool:
+    path = pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    return sys.platform.startswith("linux") and path.exists() and "[never]" not in path.read_text()
+
+
+def anon_huge_bytes(ptr: int) -> int:
+    """AnonHugePages of the mapping holding address ptr, from /proc/self/smaps."""
+    inside = False
+    for line in pathlib.Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(v, 16) for v in head.split("-"))
+            inside = lo <= ptr < hi
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def test_ranges_are_whole_aligned_huge_pages_inside_the_buffer():
+    x = jnp.arange(5 * HUGE_PAGE // 4, dtype=jnp.float32)  # 5 huge pages of bytes
+    ptr, n = x.unsafe_buffer_pointer(), x.nbytes
+    ranges = host_ranges([x, jnp.ones(16)])  # the small one holds no whole huge page
+    assert len(ranges) == 1
+    start, length = ranges[0]
+    assert start % HUGE_PAGE == 0 and length % HUGE_PAGE == 0
+    assert ptr <= start and start + length <= ptr + n
+    assert length >= n - 2 * HUGE_PAGE + HUGE_PAGE  # all but the two partial ends
+
+
+def test_collapsing_keeps_contents_and_backs_the_buffer_with_huge_pages():
+    x = jax.random.normal(jax.random.key(0), (4 * HUGE_PAGE // 4 + 123,), jnp.float32)
+    before = np.asarray(x).copy()
+    done = advise_huge_pages([x])
+    np.testing.assert_array_equal(np.asarray(x), before)
+    np.testing.assert_array_equal(np.asarray(x * 2), before * 2)  # XLA still reads it right
+    if not thp_available():
+        assert done == 0
+        return
+    assert done >= 3 * HUGE_PAGE
+    assert anon_huge_bytes(host_ranges([x])[0][0]) >= done
+
+
+@pytest.mark.skipif(not thp_available(), reason="no transparent huge pages on this system")
+def test_the_engine_puts_its_kv_cache_and_weights_on_huge_pages(small_engine_options):
+    llm = LLM(**small_engine_options)
+    runner = llm.engine.runner
+    runner.huge_pages.join()
+    for arrays in (runner.kv.k, runner.params):
+        start, length = max(host_ranges(arrays), key=lambda r: r[1])
+        assert anon_huge_bytes(start) >= length
+    out = llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
