@@ -1,37 +1,50 @@
-"""Backing the CPU's large buffers (KV cache, weights) with transparent huge pages.
+"""Backing the CPU's large buffers (weights, KV cache) with transparent huge pages.
 
-Decode attention reads K/V rows scattered over pages of the cache, and the products stream
-every weight once per step; with 4 KiB pages each few KiB read is a TLB miss (a costly page
-walk under virtualization). Measured here in one process, huge pages make decode attention
-over a 32-request step 1.16-1.20x faster and a 32-row product 1.06-1.22x (1-row: 1.13x).
-
-XLA allocates the buffers, so they are advised after the fact: MADV_HUGEPAGE, then
-MADV_COLLAPSE (Linux 6.1+) to move the already-touched pages now rather than whenever the
-kernel's background scanner gets there. Only whole aligned 2 MiB ranges inside a buffer can
-be huge pages. Collapsing copies the memory (~0.15 s per 100 MB here), so the engine does it
-on a background thread; it never changes contents, so steps may run meanwhile. Where the
-system has transparent huge pages off, or is not Linux, this does nothing.
+With 4 KiB pages, the scattered K/V reads of decode attention and the weight streams of the
+products miss the TLB every few KiB (see docs/DESIGN.md §9, "Huge pages on the CPU", for the
+measurements). Two ways in:
+- The weights (read-only) are copied into one anonymous arena advised MADV_HUGEPAGE before it
+  is touched, and handed to XLA without a copy. Most weights alone are smaller than a huge
+  page, so in XLA's own buffers only about half of their bytes could be huge pages.
+- The KV cache (donated to every step) stays XLA's buffer and is advised after the fact:
+  MADV_HUGEPAGE, then MADV_COLLAPSE (Linux 6.1+) on its whole aligned 2 MiB ranges, which
+  copies the touched pages into huge ones now, on a background thread. It never changes
+  contents, so steps may run meanwhile.
+Where transparent huge pages are off, or the system is not Linux, both do nothing.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import mmap
+import pathlib
 import sys
 import threading
 from typing import Iterable
 
 import jax
+import numpy as np
 
 logger = logging.getLogger(__name__)
 
 HUGE_PAGE = 2 << 20
+PAGE = 4096
 MADV_HUGEPAGE = 14
 MADV_COLLAPSE = 25
 
 
+def thp_enabled() -> bool:
+    """Whether this system gives transparent huge pages to memory advised MADV_HUGEPAGE."""
+    path = pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    try:
+        return sys.platform.startswith("linux") and "[never]" not in path.read_text()
+    except OSError:
+        return False
+
+
 def _madvise():
-    if not sys.platform.startswith("linux"):
+    if not thp_enabled():
         return None
     libc = ctypes.CDLL(None, use_errno=True)
     fn = libc.madvise
@@ -67,6 +80,42 @@ def advise_huge_pages(arrays: Iterable[jax.Array]) -> int:
         if madvise(start, length, MADV_COLLAPSE) == 0:
             done += length
     return done
+
+
+def place_on_huge_pages(arrays: list[jax.Array]) -> tuple[list[jax.Array], int]:
+    """The arrays, those on a single CPU device moved into a huge-page arena (see above).
+
+    Returns the new list (the others unchanged) and the bytes now backed by the arena. The
+    arena lives as long as any array in it (each holds its host view, which holds the arena).
+    """
+    madvise = _madvise()
+    picked = [i for i, x in enumerate(arrays) if x.nbytes > 0 and _on_one_cpu(x)]
+    if madvise is None or not picked:
+        return list(arrays), 0
+    offsets, total = [], 0
+    for i in picked:
+        offsets.append(total)
+        total += -(-arrays[i].nbytes // PAGE) * PAGE
+    total = -(-total // HUGE_PAGE) * HUGE_PAGE
+    arena = mmap.mmap(-1, total + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    raw = np.frombuffer(arena, np.uint8)
+    shift = -raw.ctypes.data % HUGE_PAGE  # the arena proper starts on a huge page
+    if madvise(raw.ctypes.data + shift, total, MADV_HUGEPAGE) != 0:
+        return list(arrays), 0
+    out, aliased = list(arrays), 0
+    for i, off in zip(picked, offsets):
+        x = arrays[i]
+        view = raw[shift + off : shift + off + x.nbytes].view(x.dtype).reshape(x.shape)
+        view[...] = np.asarray(x)
+        out[i] = jax.device_put(view, x.sharding, may_alias=True)
+        if out[i].unsafe_buffer_pointer() == view.ctypes.data:
+            aliased += x.nbytes
+    return out, aliased
+
+
+def _on_one_cpu(x: jax.Array) -> bool:
+    devices = x.sharding.device_set
+    return len(devices) == 1 and next(iter(devices)).platform == "cpu"
 
 
 def advise_in_background(arrays: Iterable[jax.Array]) -> threading.Thread:

@@ -23,7 +23,7 @@ from tqdm import tqdm
 from jaxserve.core.sched_output import ScheduledRequest, SchedulerOutput
 from jaxserve.runner.buckets import BucketGrid
 from jaxserve.runner.compile import CompileCounter
-from jaxserve.runner.huge_pages import advise_in_background
+from jaxserve.runner.huge_pages import advise_in_background, place_on_huge_pages
 from jaxserve.runner.kv_cache import allocate_kv_cache
 from jaxserve.runner.step_inputs import ModelInputs, StepRequest, pack_step
 from jaxserve.sampling.config import SamplerConfig
@@ -111,6 +111,9 @@ class ModelRunner:
         self.kv = allocate_kv_cache(self.cfg, num_pages, page_size, kv_dtype, mesh)
         self.huge_pages = None  # the thread advising huge pages under host buffers (CPU)
         if mesh.devices.flat[0].platform == "cpu":
+            self.params, moved = place_on_huge_pages(self.params)
+            logger.debug("huge pages: %.0f MiB of weights in the arena", moved / 2**20)
+            # The cache, and weights sharded over several devices, are XLA's own buffers.
             self.huge_pages = advise_in_background([*self.params, *self.kv.k, *self.kv.v])
         self.replicated = NamedSharding(mesh, P())
         self.sstate = jax.device_put(init_sampling_state(sampler_config), self.replicated)

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
+import gc
 import pathlib
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -9,12 +9,13 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.runner.huge_pages import HUGE_PAGE, advise_huge_pages, host_ranges
-
-
-def thp_available() -> bool:
-    path = pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled")
-    return sys.platform.startswith("linux") and path.exists() and "[never]" not in path.read_text()
+from jaxserve.runner.huge_pages import (
+    HUGE_PAGE,
+    advise_huge_pages,
+    host_ranges,
+    place_on_huge_pages,
+    thp_enabled,
+)
 
 
 def anon_huge_bytes(ptr: int) -> int:
@@ -47,20 +48,44 @@ def test_collapsing_keeps_contents_and_backs_the_buffer_with_huge_pages():
     done = advise_huge_pages([x])
     np.testing.assert_array_equal(np.asarray(x), before)
     np.testing.assert_array_equal(np.asarray(x * 2), before * 2)  # XLA still reads it right
-    if not thp_available():
+    if not thp_enabled():
         assert done == 0
         return
     assert done >= 3 * HUGE_PAGE
     assert anon_huge_bytes(host_ranges([x])[0][0]) >= done
 
 
-@pytest.mark.skipif(not thp_available(), reason="no transparent huge pages on this system")
+def test_the_weight_arena_aliases_xla_buffers_and_keeps_them_alive():
+    xs = [jax.random.normal(jax.random.key(i), (1000 + 777 * i, 96), dt)
+          for i, dt in enumerate([jnp.float32, jnp.bfloat16, jnp.float32])]
+    xs.append(jnp.zeros((0, 4)))
+    ref = [np.asarray(x).copy() for x in xs]
+    ys, moved = place_on_huge_pages(xs)
+    del xs
+    gc.collect()
+    junk = [np.ones(1 << 20) for _ in range(20)]  # reuse freed memory, were anything freed
+    del junk
+    for y, r in zip(ys, ref):
+        assert y.dtype == r.dtype and y.shape == r.shape
+        np.testing.assert_array_equal(np.asarray(y), r)
+        np.testing.assert_array_equal(np.asarray(jax.jit(lambda a: a * 2)(y)), r * 2)
+    if not thp_enabled():
+        assert moved == 0
+        return
+    assert moved == sum(r.nbytes for r in ref)
+    first, last = ys[0].unsafe_buffer_pointer(), ys[2].unsafe_buffer_pointer()
+    assert first % HUGE_PAGE == 0 and anon_huge_bytes(first) >= last - first
+
+
+@pytest.mark.skipif(not thp_enabled(), reason="no transparent huge pages on this system")
 def test_the_engine_puts_its_kv_cache_and_weights_on_huge_pages(small_engine_options):
     llm = LLM(**small_engine_options)
     runner = llm.engine.runner
     runner.huge_pages.join()
-    for arrays in (runner.kv.k, runner.params):
-        start, length = max(host_ranges(arrays), key=lambda r: r[1])
-        assert anon_huge_bytes(start) >= length
+    start, length = max(host_ranges(runner.kv.k), key=lambda r: r[1])
+    assert anon_huge_bytes(start) >= length
+    weights = [x.unsafe_buffer_pointer() for x in runner.params]
+    lo, hi = min(weights), max(weights)  # one arena: every weight in one huge-page mapping
+    assert anon_huge_bytes(lo) >= hi - lo - HUGE_PAGE
     out = llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
