@@ -23,7 +23,7 @@ from tqdm import tqdm
 from jaxserve.core.sched_output import ScheduledRequest, SchedulerOutput
 from jaxserve.runner.buckets import BucketGrid
 from jaxserve.runner.compile import CompileCounter
-from jaxserve.runner.huge_pages import advise_in_background, place_on_huge_pages
+from jaxserve.runner.huge_pages import advise_in_background, place_on_huge_pages, release_freed_host_memory
 from jaxserve.runner.kv_cache import allocate_kv_cache
 from jaxserve.runner.step_inputs import ModelInputs, StepRequest, pack_step
 from jaxserve.sampling.config import SamplerConfig
@@ -113,6 +113,10 @@ class ModelRunner:
         if mesh.devices.flat[0].platform == "cpu":
             self.params, moved = place_on_huge_pages(self.params)
             logger.debug("huge pages: %.0f MiB of weights in the arena", moved / 2**20)
+            # The model holds the moved weights too, so XLA's copies are freed now.
+            nnx.update(model, jax.tree.unflatten(self._params_treedef, self.params))
+            del state
+            release_freed_host_memory()
             # The cache, and weights sharded over several devices, are XLA's own buffers.
             self.huge_pages = advise_in_background([*self.params, *self.kv.k, *self.kv.v])
         self.replicated = NamedSharding(mesh, P())

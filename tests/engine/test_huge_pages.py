@@ -87,5 +87,10 @@ def test_the_engine_puts_its_kv_cache_and_weights_on_huge_pages(small_engine_opt
     weights = [x.unsafe_buffer_pointer() for x in runner.params]
     lo, hi = min(weights), max(weights)  # one arena: every weight in one huge-page mapping
     assert anon_huge_bytes(lo) >= hi - lo - HUGE_PAGE
+    # XLA's own copies of the moved weights are gone: no weight is held twice.
+    held = {a.unsafe_buffer_pointer(): a.nbytes for a in jax.live_arrays()}
+    ours = {x.unsafe_buffer_pointer() for x in (*runner.params, *runner.kv.k, *runner.kv.v)}
+    weight_bytes = sum(x.nbytes for x in runner.params)
+    assert sum(n for p, n in held.items() if p not in ours) < 0.1 * weight_bytes
     out = llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
