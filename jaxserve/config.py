@@ -1,12 +1,13 @@
 """Engine configuration: small frozen dataclasses, one per concern, composed by EngineConfig.
 
-Every knob is a field here and a CLI flag (see server/cli.py); nothing reads the environment.
+Every knob is a field here and a CLI flag (see server/cli.py). "auto" values are resolved by
+the engine's backend (jaxserve/backends), once. The only environment read is the user cache
+directory (`$XDG_CACHE_HOME`, else `~/.cache`), as other tools locate it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import pathlib
 from typing import Any, Literal
@@ -21,21 +22,6 @@ __all__ = [
     "ParallelConfig",
     "SchedulerConfig",
 ]
-
-
-@functools.cache
-def cpu_has_bfloat16_matmul() -> bool:
-    """Whether this CPU multiplies bfloat16 natively (AMX or AVX512-BF16; Linux /proc/cpuinfo).
-
-    With it, XLA:CPU's bfloat16 products (float32 accumulation, >= 8 rows) run ~2x faster than
-    float32 ones; without it they are emulated and slower.
-    """
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
 def _user_cache_dir() -> pathlib.Path:
@@ -57,16 +43,6 @@ class ModelConfig:
     matmul_impl: Literal["auto", "xla", "amx", "avx512"] = "auto"
     seed: int = 0  # seeds unseeded requests' generators
 
-    def resolved_dtype(self, backend: str) -> str:
-        """bfloat16 on TPU/GPU, and on CPUs that multiply bfloat16 natively (measured there:
-        1.3-1.4x the output tok/s of float32 at 8-32 concurrent requests, 0.85x at one);
-        float32 on other CPUs. Set "float32" to match float32 references to the last digits."""
-        if self.dtype != "auto":
-            return self.dtype
-        if backend == "cpu" and not cpu_has_bfloat16_matmul():
-            return "float32"
-        return "bfloat16"
-
 
 @dataclasses.dataclass(frozen=True)
 class CacheConfig:
@@ -80,13 +56,6 @@ class CacheConfig:
     # "auto": the model dtype, except float32 on a CPU without the native attention kernel
     # (there XLA writes the cache, and its bfloat16 scatter is orders of magnitude slower).
     kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-
-    def resolved_kv_dtype(self, backend: str, model_dtype: str, native_cpu_attention: bool = False) -> str:
-        """The model dtype, except on a CPU whose attention is not the native kernel: XLA
-        writes the cache there, and its bfloat16 scatter is slow, so float32."""
-        if self.kv_cache_dtype != "auto":
-            return self.kv_cache_dtype
-        return "float32" if backend == "cpu" and not native_cpu_attention else model_dtype
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):

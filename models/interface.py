@@ -22,6 +22,21 @@ from jaxserve.pallas_kernels.ragged_paged_attention.metadata import AttentionMet
 
 __all__ = ["AttentionMetadata", "CausalLM", "KVCache", "KV_CACHE_AXES"]
 
+# Layer features: what a model's decoder layer computes, declared by the model as
+# `layer_features` (a frozenset of these names). A backend may replace the model's layer by a
+# fused implementation only when it implements every declared feature (a positive check: a
+# model with a feature the backend does not know keeps its own layer). New architectures add
+# names here for what they do differently (e.g. "gelu_tanh_mlp", "attn_soft_cap").
+RMS_NORM = "rms_norm"  # pre-attention and pre-MLP RMSNorm with weight w (x * w)
+ROPE = "rope"  # rotary embedding of q and k (tables from the model)
+GQA = "gqa"  # grouped-query attention over the paged cache
+SILU_GLU = "silu_glu"  # MLP: down(silu(gate(x)) * up(x))
+SLIDING_WINDOW = "sliding_window"
+QKV_BIAS = "qkv_bias"
+O_BIAS = "o_bias"
+MLP_BIAS = "mlp_bias"
+QK_NORM = "qk_norm"  # RMSNorm of q and k per head
+
 # Logical axes of each layer's k and v: [pages, page_size, kv_heads, head_dim].
 KV_CACHE_AXES = ("pages", None, "kv_heads", "head_dim")
 
@@ -49,6 +64,11 @@ class KVCache:
 
 class CausalLM(Protocol):
     config: ArchConfig
+    # What the decoder layer computes (names above); backends check it before fusing.
+    layer_features: frozenset[str]
+    # The matmul weights for packing: (decoder-layer weight name -> `dense` spec, fused groups,
+    # LM head specs); see models/layers/linear.py:pack_linear_weights.
+    product_specs: tuple
 
     def __call__(
         self,
@@ -56,6 +76,7 @@ class CausalLM(Protocol):
         positions: jax.Array,
         kv_cache: KVCache,
         md: AttentionMetadata,
+        layer_impl=None,  # a backend's replacement for the decoder layer (see jaxserve/backends)
     ) -> tuple[jax.Array, KVCache]: ...
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array: ...

@@ -20,18 +20,12 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from jaxserve.models import interface as features
 from jaxserve.models import sharding as ax
 from jaxserve.models.arch_config import ArchConfig
 from jaxserve.models.interface import AttentionMetadata, KVCache
-from jaxserve.models.layers.attention import AttentionSpec, paged_attention, paged_attention_qkv
-from jaxserve.models.layers.linear import (
-    PackedWeight,
-    dense,
-    dense_fused,
-    dense_group,
-    pack_linear_weights,
-    weight_value,
-)
+from jaxserve.models.layers.attention import AttentionSpec, paged_attention
+from jaxserve.models.layers.linear import dense, dense_group, weight_value
 from jaxserve.models.layers.norm import rms_norm
 from jaxserve.models.layers.rotary import apply_rotary, inverse_frequencies, rotary_tables
 
@@ -45,8 +39,19 @@ LAYER_SPECS = {
     "w_gate": "te,ef->tf", "w_up": "te,ef->tf", "w_down": "tf,fe->te",
 }
 HEAD_SPECS = ("ne,ev->nv", "ne,ve->nv")
-# Weights sharing an input that `pack_for_cpu` fuses into one product.
+# Weights sharing an input that a packing backend fuses into one product.
 FUSED = {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}
+
+
+def layer_features(cfg: ArchConfig) -> frozenset[str]:
+    """What this family's decoder layer computes (see models/interface.py)."""
+    out = {features.RMS_NORM, features.ROPE, features.GQA, features.SILU_GLU}
+    for flag, name in ((cfg.sliding_window, features.SLIDING_WINDOW), (cfg.qkv_bias, features.QKV_BIAS),
+                       (cfg.o_bias, features.O_BIAS), (cfg.mlp_bias, features.MLP_BIAS),
+                       (cfg.qk_norm, features.QK_NORM)):
+        if flag:
+            out.add(name)
+    return frozenset(out)
 
 
 def _param(rngs: nnx.Rngs | None, shape, axes, dtype, scale: float, ones: bool = False) -> nnx.Param:
@@ -94,6 +99,8 @@ class DecoderLayer(nnx.Module):
 class LlamaForCausalLM(nnx.Module):
     """Decoder-only transformer on the paged runner contract (see models/interface.py)."""
 
+    product_specs = (LAYER_SPECS, FUSED, HEAD_SPECS)
+
     def __init__(
         self,
         config: ArchConfig,
@@ -105,6 +112,7 @@ class LlamaForCausalLM(nnx.Module):
     ):
         cfg = config
         self.config = cfg
+        self.layer_features = layer_features(cfg)
         self.dtype = dtype
         self.mesh = mesh
         self.attn_spec = AttentionSpec(
@@ -126,7 +134,10 @@ class LlamaForCausalLM(nnx.Module):
         positions: jax.Array,  # [T] int32
         kv_cache: KVCache,
         md: AttentionMetadata,
+        layer_impl=None,
     ) -> tuple[jax.Array, KVCache]:
+        """`layer_impl(model, params, h, rope, k_cache, v_cache, md)`: a backend's replacement
+        for `_layer` (see jaxserve/backends), used only after its capability check."""
         cfg = self.config
         with jax.named_scope("embed"):
             h = self.embed[...][input_ids].astype(jnp.float32)  # [T, E]
@@ -137,20 +148,19 @@ class LlamaForCausalLM(nnx.Module):
             with jax.named_scope(f"layer_{i}"):
                 p = {name: weight_value(var) for name, var in vars(layer).items()
                      if isinstance(var, nnx.Param)}
-                h, k_caches[i], v_caches[i] = self._layer(
-                    p, h, rope, k_caches[i], v_caches[i], md
-                )
+                if layer_impl is None:
+                    h, k_caches[i], v_caches[i] = self._layer(p, h, rope, k_caches[i], v_caches[i], md)
+                else:
+                    h, k_caches[i], v_caches[i] = layer_impl(self, p, h, rope, k_caches[i], v_caches[i], md)
         with jax.named_scope("final_norm"):
             h = rms_norm(h, self.final_norm[...], cfg.rms_norm_eps)
         return h, KVCache(k=tuple(k_caches), v=tuple(v_caches))
 
     def _layer(self, p, h, rope, k_cache, v_cache, md):
         cfg = self.config
-        if self._fusable(p):
-            return self._fused_layer(p, h, rope, k_cache, v_cache, md)
         with jax.named_scope("attention"):
             x = rms_norm(h, p["input_norm"], cfg.rms_norm_eps)  # [T, E]
-            if "wqkv" in p:  # packed together for the AMX kernel
+            if "wqkv" in p:  # packed together for a CPU product kernel
                 q, k, v = dense_group(LAYER_SPECS["wq"], x, p["wqkv"])
             else:
                 q = dense(LAYER_SPECS["wq"], x, p["wq"])  # [T, Hq, D]
@@ -187,32 +197,6 @@ class LlamaForCausalLM(nnx.Module):
             h = h + down
         return h, k_cache, v_cache
 
-    def _fusable(self, p) -> bool:
-        """Whether every product of the layer is packed for the CPU kernel and the layer has
-        no biases or q/k norms, so that `_fused_layer` applies."""
-        cfg = self.config
-        return (all(isinstance(p.get(n), PackedWeight) for n in ("wqkv", "wo", "w_gate_up", "w_down"))
-                and not (cfg.qkv_bias or cfg.qk_norm or cfg.o_bias or cfg.mlp_bias))
-
-    def _fused_layer(self, p, h, rope, k_cache, v_cache, md):
-        """`_layer` on packed weights with the ops around each product inside the kernels:
-        the RMSNorms, residual adds and silu(gate) * up in the products, the rotary
-        embedding, casts and cache write in the attention call. Five kernel calls per layer
-        instead of about twenty ops (each small XLA:CPU op costs 20-60 us)."""
-        cfg = self.config
-        T, eps = h.shape[0], cfg.rms_norm_eps
-        # The step's real tokens come first; the products skip the bucket's padding after them.
-        live = md.query_start_loc[jnp.reshape(md.num_seqs, ())]
-        with jax.named_scope("attention"):
-            qkv = dense_fused(h, p["wqkv"], norm=p["input_norm"], eps=eps, live=live)
-            attn, k_cache, v_cache = paged_attention_qkv(
-                qkv, rope, k_cache, v_cache, md, self.attn_spec, cfg.num_heads)
-            h = dense_fused(attn.reshape(T, -1), p["wo"], residual=h, live=live)
-        with jax.named_scope("mlp"):
-            act = dense_fused(h, p["w_gate_up"], norm=p["post_norm"], eps=eps, glu=True, live=live)
-            h = dense_fused(act, p["w_down"], residual=h, live=live)
-        return h, k_cache, v_cache
-
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         """hidden: [N, E] (after the final norm) -> float32 logits [N, V]."""
         with jax.named_scope("lm_head"):
@@ -220,12 +204,6 @@ class LlamaForCausalLM(nnx.Module):
             if head is not None:
                 return dense(HEAD_SPECS[0], hidden, weight_value(head))
             return dense(HEAD_SPECS[1], hidden, self.embed[...])
-
-    def pack_for_cpu(self) -> int:
-        """Pack the matmul weights for the CPU product kernel (bfloat16: AMX, float32:
-        AVX-512), in place (q/k/v and gate/up fused; see `models/layers/linear.py`); returns
-        the products per step."""
-        return pack_linear_weights(self, LAYER_SPECS, FUSED, HEAD_SPECS)
 
     # ------------------------------------------------------------------ weights
     @classmethod

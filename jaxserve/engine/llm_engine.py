@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
+from jaxserve.backends import select_backend
 from jaxserve.config import EngineConfig
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.scheduler import Scheduler
@@ -23,9 +24,6 @@ from jaxserve.models.arch_config import ArchConfig
 from jaxserve.models.loader import load_checkpoint, resolve_model
 from jaxserve.models.weights import create_model
 from jaxserve.outputs import OutputKind, RequestOutput
-from jaxserve.pallas_kernels import cpu as cpu_kernel_library
-from jaxserve.pallas_kernels.cpu.matmul import resolve_matmul_impl
-from jaxserve.pallas_kernels.ragged_paged_attention.ops import resolve_impl as resolve_attention_impl
 from jaxserve.parallel.mesh import make_mesh
 from jaxserve.request import Request, RequestStatus
 from jaxserve.runner.buckets import BucketGrid
@@ -39,7 +37,6 @@ from jaxserve.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-_CPU_KV_BYTES = 1 << 30
 
 
 class LLMEngine:
@@ -54,38 +51,33 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_pretrained(self.model_path)
         ckpt = load_checkpoint(self.model_path)
         self.arch = ArchConfig.from_hf(ckpt.config)
-        backend = jax.default_backend()
-        self.dtype = _DTYPES[mc.resolved_dtype(backend)]
-        cpu_kernels = backend == "cpu" and cpu_kernel_library.available()
-        native_attention = cpu_kernels and resolve_attention_impl(mc.attention_impl) == "cpu"
-        self.kv_dtype = _DTYPES[config.cache.resolved_kv_dtype(backend, mc.resolved_dtype(backend),
-                                                               native_attention)]
+        self.backend = select_backend()
         self.max_model_len = mc.max_model_len or min(self.arch.max_position_embeddings, 2048)
         if self.max_model_len > self.arch.max_position_embeddings:
             logger.warning("max_model_len %d exceeds the model's max_position_embeddings %d",
                            self.max_model_len, self.arch.max_position_embeddings)
         sc = dataclasses.replace(config.scheduler, max_model_len=self.max_model_len)
         self.mesh = make_mesh(config.parallel.data, config.parallel.model)
+        self.plan = self.backend.plan(mc, config.cache, self.mesh)
+        self.dtype, self.kv_dtype = _DTYPES[self.plan.dtype], _DTYPES[self.plan.kv_dtype]
+        self.matmul_impl = self.plan.matmul_impl
         model = create_model(self.arch, dtype=self.dtype, mesh=self.mesh, attention_impl=mc.attention_impl,
                              get_tensor=ckpt.get_tensor)
-        self.matmul_impl = resolve_matmul_impl(mc.matmul_impl, backend, self.dtype, self.mesh)
-        if self.matmul_impl != "xla":
-            logger.info("packed %d weights for the %s matmul kernel", model.pack_for_cpu(),
-                        self.matmul_impl)
+        self.backend.prepare_model(model, self.plan)
         self.load_seconds = time.perf_counter() - t0
         cc = config.cache
-        num_pages = cc.num_pages or num_pages_for_budget(self.arch, cc.page_size, self.kv_dtype, self._kv_budget(backend))
+        num_pages = cc.num_pages or num_pages_for_budget(self.arch, cc.page_size, self.kv_dtype,
+                                                         self.backend.kv_cache_budget(cc))
         self.kv_manager = KVCacheManager(cc.page_size, num_pages, enable_caching=cc.enable_prefix_caching,
                                          max_model_len=self.max_model_len)
         self.scheduler = Scheduler(sc, self.kv_manager)
         self.eos_token_id = self.tokenizer.eos_token_id
-        native_sampling = cpu_kernels and self.mesh.devices.size == 1
         self.sampler_config = SamplerConfig(max_num_seqs=sc.max_num_seqs, vocab_size=self.arch.vocab_size,
-                                            max_logprobs=config.max_logprobs, native=native_sampling)
+                                            max_logprobs=config.max_logprobs, native=self.plan.native_sampling)
         grid = BucketGrid.build(sc.max_num_batched_tokens, sc.max_num_seqs,
                                 config.compile.token_buckets, config.compile.request_buckets)
         self.runner = ModelRunner(
-            model, mesh=self.mesh, num_pages=num_pages, page_size=cc.page_size, max_model_len=self.max_model_len,
+            model, backend=self.backend, mesh=self.mesh, num_pages=num_pages, page_size=cc.page_size, max_model_len=self.max_model_len,
             max_num_seqs=sc.max_num_seqs, grid=grid, sampler_config=self.sampler_config, kv_dtype=self.kv_dtype,
             seed=mc.seed, show_progress=config.compile.show_progress,
         )
@@ -95,16 +87,6 @@ class LLMEngine:
         logger.info("engine ready: %s, %s, %d KV pages of %d, %d buckets compiled in %.1fs (load %.1fs)",
                     self.model_name, jnp.dtype(self.dtype).name, num_pages, cc.page_size,
                     self.runner.num_buckets, self.runner.compile_seconds, self.load_seconds)
-
-    def _kv_budget(self, backend: str) -> int:
-        cc = self.config.cache
-        if cc.kv_cache_memory_bytes is not None:
-            return cc.kv_cache_memory_bytes
-        if backend == "cpu":
-            return _CPU_KV_BYTES
-        stats = jax.devices()[0].memory_stats() or {}
-        limit, used = stats.get("bytes_limit", 0), stats.get("bytes_in_use", 0)
-        return max(int(limit * cc.device_memory_utilization) - used, 0)
 
     # ------------------------------------------------------------------ requests
     def encode_prompt(self, prompt: str | Sequence[int], add_special_tokens: bool = True) -> list[int]:

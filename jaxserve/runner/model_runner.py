@@ -23,7 +23,6 @@ from tqdm import tqdm
 from jaxserve.core.sched_output import ScheduledRequest, SchedulerOutput
 from jaxserve.runner.buckets import BucketGrid
 from jaxserve.runner.compile import CompileCounter
-from jaxserve.runner.huge_pages import advise_in_background, place_on_huge_pages, release_freed_host_memory
 from jaxserve.runner.kv_cache import allocate_kv_cache
 from jaxserve.runner.step_inputs import ModelInputs, StepRequest, pack_step
 from jaxserve.sampling.config import SamplerConfig
@@ -86,6 +85,7 @@ class ModelRunner:
         self,
         model,
         *,
+        backend,
         mesh: Mesh,
         num_pages: int,
         page_size: int,
@@ -108,17 +108,12 @@ class ModelRunner:
         # The weights travel to the step as a flat list of arrays: flattening the nnx State (one
         # Variable per weight) on every call costs milliseconds of host time per step.
         self.params, self._params_treedef = jax.tree.flatten(state)
+        del state
+        self.layer_impl = backend.layer_impl(model)
+        backend.place_weights(model, self.params, self._params_treedef)
         self.kv = allocate_kv_cache(self.cfg, num_pages, page_size, kv_dtype, mesh)
-        self.huge_pages = None  # the thread advising huge pages under host buffers (CPU)
-        if mesh.devices.flat[0].platform == "cpu":
-            self.params, moved = place_on_huge_pages(self.params)
-            logger.debug("huge pages: %.0f MiB of weights in the arena", moved / 2**20)
-            # The model holds the moved weights too, so XLA's copies are freed now.
-            nnx.update(model, jax.tree.unflatten(self._params_treedef, self.params))
-            del state
-            release_freed_host_memory()
-            # The cache, and weights sharded over several devices, are XLA's own buffers.
-            self.huge_pages = advise_in_background([*self.params, *self.kv.k, *self.kv.v])
+        # The thread advising huge pages under the host buffers (CPU), if any.
+        self.huge_pages = backend.place_kv_cache([*self.params, *self.kv.k, *self.kv.v])
         self.replicated = NamedSharding(mesh, P())
         self.sstate = jax.device_put(init_sampling_state(sampler_config), self.replicated)
         self.builder = SamplingMetadataBuilder(sampler_config, seed=seed)
@@ -136,7 +131,7 @@ class ModelRunner:
     def _step_fn(self, params, kv, sstate, inputs: ModelInputs, meta: SamplingMetadata, tok: TokenInfo):
         sstate = update_state_from_tokens(sstate, tok.slots, inputs.input_ids, tok.is_prompt, tok.valid, meta.reset_slots)
         model = nnx.merge(self.graphdef, jax.tree.unflatten(self._params_treedef, params))
-        hidden, kv = model(inputs.input_ids, inputs.positions, kv, inputs.md)  # [T, E]
+        hidden, kv = model(inputs.input_ids, inputs.positions, kv, inputs.md, self.layer_impl)  # [T, E]
         logits = model.compute_logits(hidden[inputs.logits_indices])  # [R, V]
         out = sample(logits, meta, sstate, self.sampler_config)
         k = self.sampler_config.max_logprobs

@@ -14,11 +14,7 @@ import jax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxserve.pallas_kernels.ragged_paged_attention.metadata import AttentionMetadata
-from jaxserve.models.layers.rotary import apply_rotary
-from jaxserve.pallas_kernels.ragged_paged_attention.ops import (
-    fused_rope_kernel,
-    write_kv_and_attend,
-)
+from jaxserve.pallas_kernels.ragged_paged_attention.ops import write_kv_and_attend
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,29 +61,3 @@ def paged_attention(
         check_vma=False,
     )(q, k, v, k_cache, v_cache, md)
 
-
-def paged_attention_qkv(
-    qkv: jax.Array,  # [T, (Hq + 2 Hkv) * D] float32: a fused q/k/v product
-    rope: tuple[jax.Array, jax.Array],  # cos, sin [T, 1, D/2] from `rotary_tables`
-    k_cache: jax.Array,
-    v_cache: jax.Array,
-    md: AttentionMetadata,
-    spec: AttentionSpec,
-    num_heads: int,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Rotary on q and k, then `paged_attention` (one device): one kernel call where the
-    attention kernel takes the whole block (the CPU kernel), else the composed ops. Returns
-    (out [T, Hq, D], k_cache, v_cache)."""
-    T = qkv.shape[0]
-    hkv, d = k_cache.shape[2], k_cache.shape[3]
-    x = qkv.reshape(T, num_heads + 2 * hkv, d)
-    q, k, v = x[:, :num_heads], x[:, num_heads:num_heads + hkv], x[:, num_heads + hkv:]
-    kernel = fused_rope_kernel(spec.impl, q, k_cache)
-    if kernel is not None:
-        cos, sin = (t.reshape(T, d // 2) for t in rope)
-        return kernel(qkv, cos, sin, k_cache, v_cache, md, num_heads=num_heads,
-                      sm_scale=spec.sm_scale, sliding_window=spec.sliding_window,
-                      soft_cap=spec.soft_cap)
-    dt = k_cache.dtype
-    return paged_attention(apply_rotary(q, *rope).astype(dt), apply_rotary(k, *rope).astype(dt),
-                           v.astype(dt), k_cache, v_cache, md, spec, None)

@@ -69,18 +69,6 @@ def dense_group(spec: str, x: jax.Array, w: PackedWeight) -> list[jax.Array]:
     return [p.reshape(*lead, *s) for p, s in zip(parts, w.out_shapes)]
 
 
-def dense_fused(x: jax.Array, w: PackedWeight, *, norm: jax.Array | None = None,
-                eps: float = 0.0, residual: jax.Array | None = None, glu: bool = False,
-                live: jax.Array | None = None) -> jax.Array:
-    """The packed product of x [T, K] with the ops around it done inside the kernel (see
-    `packed_matmul`): RMSNorm(x) * norm first; + residual, or silu(gate) * up of a packed
-    [gate | up], after; only the first `live` rows when given. Returns float32 [T, N]
-    ([T, N / 2] with glu)."""
-    from jaxserve.pallas_kernels.cpu.matmul import packed_matmul
-
-    return packed_matmul(x, w.blocks, norm=norm, eps=eps, residual=residual, glu=glu, live=live)
-
-
 def pack_for_spec(spec: str, w: np.ndarray) -> tuple[np.ndarray, tuple[int, ...]] | None:
     """The product kernel's layout of weight `w` as used by `dense(spec, x, w)`, and its output dims;
     None when the product does not fit the kernel (K or N not a multiple of 32, or the

@@ -128,36 +128,3 @@ def packed_matmul(
         jnp.zeros((0,), jnp.int32) if live is None else jnp.reshape(live, (1,)).astype(jnp.int32),
         eps=np.float32(eps), glu=np.int32(bool(glu)))
 
-
-def resolve_matmul_impl(impl: str, backend: str, dtype, mesh) -> str:
-    """"amx", "avx512" or "xla" for ModelConfig.matmul_impl `impl` ("auto" | "xla" | "amx" |
-    "avx512").
-
-    The kernels need the CPU backend, a one-device mesh (the packed weights are not sharded),
-    and: "amx" bfloat16 weights and a CPU with AMX; "avx512" float32 weights and a CPU with
-    AVX-512. "auto" picks the one that fits the weights' dtype, else "xla"; an explicit one
-    that cannot run raises ValueError.
-    """
-    if impl not in ("auto", "xla", "amx", "avx512"):
-        raise ValueError(f"matmul_impl must be 'auto', 'xla', 'amx' or 'avx512'; got {impl!r}")
-    if impl == "xla":
-        return "xla"
-    dt = jnp.dtype(dtype)
-    name = impl if impl != "auto" else ("amx" if dt == jnp.bfloat16 else "avx512")
-    want = {"amx": jnp.bfloat16, "avx512": jnp.float32}[name]
-    reasons = []
-    if backend != "cpu":
-        reasons.append(f"the backend is {backend}, not cpu")
-    if dt != want:
-        reasons.append(f"the weights are {dt.name}, not {jnp.dtype(want).name}")
-    if mesh is not None and mesh.size != 1:
-        reasons.append(f"the mesh has {mesh.size} devices")
-    if not reasons and name == "amx" and not amx_available():
-        reasons.append("this CPU has no usable AMX-BF16 (or the kernels cannot be built)")
-    if not reasons and name == "avx512" and not avx512_available():
-        reasons.append("this CPU has no AVX-512 (or the kernels cannot be built)")
-    if not reasons:
-        return name
-    if impl != "auto":
-        raise ValueError(f"matmul_impl={impl!r} cannot run here: " + "; ".join(reasons))
-    return "xla"

@@ -1,42 +1,69 @@
-"""Engine configuration: the dtype "auto" resolves per backend and per CPU."""
+"""The backends' "auto" resolution: dtype per backend and per CPU, the matmul kernel choice."""
 
 from __future__ import annotations
 
+import types
+
 import pytest
 
-from jaxserve import config
-from jaxserve.config import ModelConfig
+from jaxserve.backends import Backend, cpu as cpu_backend, select_backend
+from jaxserve.backends.cpu import CpuBackend
+from jaxserve.pallas_kernels.cpu.matmul import amx_available, avx512_available
+
+ONE, EIGHT = types.SimpleNamespace(size=1), types.SimpleNamespace(size=8)
 
 
 @pytest.mark.parametrize("native_bf16, expected", [(True, "bfloat16"), (False, "float32")])
 def test_auto_dtype_on_cpu_follows_native_bfloat16(monkeypatch, native_bf16, expected):
-    monkeypatch.setattr(config, "cpu_has_bfloat16_matmul", lambda: native_bf16)
-    assert ModelConfig().resolved_dtype("cpu") == expected
+    monkeypatch.setattr(cpu_backend, "cpu_has_bfloat16_matmul", lambda: native_bf16)
+    assert CpuBackend().resolve_dtype("auto") == expected
 
 
-@pytest.mark.parametrize("backend", ["tpu", "gpu"])
-def test_auto_dtype_on_accelerators_is_bfloat16(monkeypatch, backend):
-    monkeypatch.setattr(config, "cpu_has_bfloat16_matmul", lambda: False)
-    assert ModelConfig().resolved_dtype(backend) == "bfloat16"
+@pytest.mark.parametrize("platform", ["tpu", "gpu", "cuda"])
+def test_auto_dtype_on_accelerators_is_bfloat16(platform):
+    backend = select_backend(platform)
+    assert type(backend) is Backend and backend.resolve_dtype("auto") == "bfloat16"
+    assert backend.resolve_kv_dtype("auto", "bfloat16", "tpu") == "bfloat16"
+    assert backend.resolve_matmul_impl("auto", "bfloat16", EIGHT) == "xla"
+    with pytest.raises(ValueError, match="matmul_impl='amx' cannot run here"):
+        backend.resolve_matmul_impl("amx", "bfloat16", ONE)
 
 
 def test_explicit_dtype_wins(monkeypatch):
-    monkeypatch.setattr(config, "cpu_has_bfloat16_matmul", lambda: True)
-    assert ModelConfig(dtype="float32").resolved_dtype("cpu") == "float32"
-    assert ModelConfig(dtype="bfloat16").resolved_dtype("cpu") == "bfloat16"
+    monkeypatch.setattr(cpu_backend, "cpu_has_bfloat16_matmul", lambda: True)
+    assert CpuBackend().resolve_dtype("float32") == "float32"
+    assert CpuBackend().resolve_dtype("bfloat16") == "bfloat16"
 
 
-def test_cpu_flag_detection_reads_cpuinfo(monkeypatch, tmp_path):
-    import builtins
+def test_cpu_kv_dtype_is_float32_without_the_native_attention():
+    b = CpuBackend()
+    assert b.resolve_kv_dtype("auto", "bfloat16", "reference") == "float32"
+    assert b.resolve_kv_dtype("bfloat16", "float32", "reference") == "bfloat16"
 
-    real_open = builtins.open
+
+def test_cpu_flag_detection_reads_cpuinfo(monkeypatch):
     for text, want in (("flags : fpu avx512f amx_bf16 amx_tile\n", True),
                        ("flags : fpu avx2 fma\n", False)):
-        fake = tmp_path / "cpuinfo"
-        fake.write_text(text)
-        monkeypatch.setattr(builtins, "open",
-                            lambda p, *a, **k: real_open(fake if p == "/proc/cpuinfo" else p, *a, **k))
-        config.cpu_has_bfloat16_matmul.cache_clear()
-        assert config.cpu_has_bfloat16_matmul() is want
-    monkeypatch.setattr(builtins, "open", real_open)
-    config.cpu_has_bfloat16_matmul.cache_clear()
+        monkeypatch.setattr(cpu_backend.kernels, "cpu_flags", lambda text=text: text)
+        cpu_backend.cpu_has_bfloat16_matmul.cache_clear()
+        assert cpu_backend.cpu_has_bfloat16_matmul() is want
+    cpu_backend.cpu_has_bfloat16_matmul.cache_clear()
+
+
+def test_resolve_matmul_impl():
+    b = CpuBackend()
+    assert b.resolve_matmul_impl("xla", "bfloat16", ONE) == "xla"
+    for dtype, mesh in (("float32", ONE), ("bfloat16", EIGHT)):
+        if dtype == "bfloat16":
+            assert b.resolve_matmul_impl("auto", dtype, mesh) == "xla"
+        with pytest.raises(ValueError, match="matmul_impl='amx' cannot run here"):
+            b.resolve_matmul_impl("amx", dtype, mesh)
+    for dtype, mesh in (("bfloat16", ONE), ("float32", EIGHT)):
+        if dtype == "float32":
+            assert b.resolve_matmul_impl("auto", dtype, mesh) == "xla"
+        with pytest.raises(ValueError, match="matmul_impl='avx512' cannot run here"):
+            b.resolve_matmul_impl("avx512", dtype, mesh)
+    with pytest.raises(ValueError, match="'auto', 'xla', 'amx' or 'avx512'"):
+        b.resolve_matmul_impl("onednn", "bfloat16", ONE)
+    assert b.resolve_matmul_impl("auto", "bfloat16", ONE) == ("amx" if amx_available() else "xla")
+    assert b.resolve_matmul_impl("auto", "float32", ONE) == ("avx512" if avx512_available() else "xla")

@@ -4,39 +4,13 @@ on XLA's dot (on the real default model)."""
 
 from __future__ import annotations
 
-import types
-
 import jax.numpy as jnp
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.pallas_kernels.cpu.matmul import amx_available, avx512_available, resolve_matmul_impl
+from jaxserve.pallas_kernels.cpu.matmul import amx_available
 
 needs_amx = pytest.mark.skipif(not amx_available(), reason="this CPU has no AMX-BF16")
-ONE = types.SimpleNamespace(size=1)
-
-
-def test_resolve_matmul_impl():
-    assert resolve_matmul_impl("xla", "cpu", jnp.bfloat16, ONE) == "xla"
-    eight = types.SimpleNamespace(size=8)
-    for backend, dtype, mesh in (("gpu", jnp.bfloat16, ONE), ("cpu", jnp.float32, ONE),
-                                 ("cpu", jnp.bfloat16, eight)):
-        if dtype == jnp.bfloat16:
-            assert resolve_matmul_impl("auto", backend, dtype, mesh) == "xla"
-        with pytest.raises(ValueError, match="matmul_impl='amx' cannot run here"):
-            resolve_matmul_impl("amx", backend, dtype, mesh)
-    for backend, dtype, mesh in (("gpu", jnp.float32, ONE), ("cpu", jnp.bfloat16, ONE),
-                                 ("cpu", jnp.float32, eight)):
-        if dtype == jnp.float32:
-            assert resolve_matmul_impl("auto", backend, dtype, mesh) == "xla"
-        with pytest.raises(ValueError, match="matmul_impl='avx512' cannot run here"):
-            resolve_matmul_impl("avx512", backend, dtype, mesh)
-    with pytest.raises(ValueError, match="'auto', 'xla', 'amx' or 'avx512'"):
-        resolve_matmul_impl("onednn", "cpu", jnp.bfloat16, ONE)
-    assert resolve_matmul_impl("auto", "cpu", jnp.bfloat16, ONE) == (
-        "amx" if amx_available() else "xla")
-    assert resolve_matmul_impl("auto", "cpu", jnp.float32, ONE) == (
-        "avx512" if avx512_available() else "xla")
 
 
 @needs_amx

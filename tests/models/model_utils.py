@@ -11,14 +11,15 @@ from jaxserve.runner.kv_cache import allocate_kv_cache
 from jaxserve.runner.step_inputs import StepRequest, pack_step
 
 
-def make_forward(model):
-    """A jitted (state, kv_cache, inputs) -> (logits at every token [T, V], kv_cache)."""
+def make_forward(model, layer_impl=None):
+    """A jitted (state, kv_cache, inputs) -> (logits at every token [T, V], kv_cache);
+    `layer_impl`: a backend's replacement decoder layer (jaxserve/backends)."""
     graphdef, state = nnx.split(model)
 
     @jax.jit
     def fwd(state, kv, inputs):
         m = nnx.merge(graphdef, state)
-        h, kv = m(inputs.input_ids, inputs.positions, kv, inputs.md)
+        h, kv = m(inputs.input_ids, inputs.positions, kv, inputs.md, layer_impl=layer_impl)
         return m.compute_logits(h), kv
 
     return lambda kv, inputs: fwd(state, kv, inputs)
@@ -27,14 +28,15 @@ def make_forward(model):
 class PagedRunner:
     """Feeds chunks of several sequences through a model with shuffled block tables."""
 
-    def __init__(self, model, *, page_size: int, num_pages: int, seed: int = 0, dtype=jnp.float32, mesh=None):
+    def __init__(self, model, *, page_size: int, num_pages: int, seed: int = 0, dtype=jnp.float32, mesh=None,
+                 layer_impl=None):
         from jaxserve.models.sharding import single_device_mesh
 
         self.cfg = model.config
         self.page_size = page_size
         self.num_pages = num_pages
         self.kv = allocate_kv_cache(self.cfg, num_pages, page_size, dtype, mesh or single_device_mesh())
-        self.fwd = make_forward(model)
+        self.fwd = make_forward(model, layer_impl)
         rng = np.random.default_rng(seed)
         self.free = list(rng.permutation(np.arange(1, num_pages)))  # page 0 is the null page
         self.blocks: dict[int, list[int]] = {}

@@ -111,7 +111,7 @@ def test_no_compiler_falls_back_to_the_reference(tmp_path):
     """Without a C++ compiler (and no cached library) `auto` serves attention through the
     reference, with a warning, and products through XLA; naming the kernel is a clear error."""
     code = """
-import jax.numpy as jnp, numpy as np
+import jax, jax.numpy as jnp, numpy as np
 from jaxserve.pallas_kernels import ragged_paged_attention
 from jaxserve.pallas_kernels import cpu as native
 from jaxserve.pallas_kernels import cpu
@@ -124,8 +124,10 @@ try:
     ragged_paged_attention(*args, sm_scale=0.1, impl="cpu")
 except cpu.KernelUnavailable as e:
     print("ERROR", e)
-from jaxserve.pallas_kernels.cpu.matmul import amx_available, resolve_matmul_impl
-print("AMX", amx_available(), resolve_matmul_impl("auto", "cpu", jnp.bfloat16, None))
+from jaxserve.backends.cpu import CpuBackend
+from jaxserve.pallas_kernels.cpu.matmul import amx_available
+one = jax.sharding.Mesh(jax.devices()[:1], ("model",))
+print("AMX", amx_available(), CpuBackend().resolve_matmul_impl("auto", "bfloat16", one))
 """
     env = dict(os.environ, CXX="no-such-compiler-here", XDG_CACHE_HOME=str(tmp_path))
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -195,7 +197,8 @@ def test_rope_write_and_attend_matches_the_composed_ops(dtype):
     """The kernel's whole attention block (rotary on q and k of a fused q/k/v product, casts,
     cache write, attention; one call) equals `apply_rotary` + casts + `write_kv_and_attend`:
     the caches bit for bit, the output to float32 rounding."""
-    from jaxserve.models.layers.attention import AttentionSpec, paged_attention_qkv
+    from jaxserve.backends.cpu_layer import attention_qkv
+    from jaxserve.models.layers.attention import AttentionSpec
     from jaxserve.models.layers.rotary import rotary_tables
 
     hq, hkv, d = 6, 2, 64
@@ -212,7 +215,7 @@ def test_rope_write_and_attend_matches_the_composed_ops(dtype):
 
     def run(impl):
         spec = AttentionSpec(sm_scale=0.125, impl=impl)
-        f = jax.jit(lambda qkv, rope, kc, vc, md: paged_attention_qkv(qkv, rope, kc, vc, md, spec, hq))
+        f = jax.jit(lambda qkv, rope, kc, vc, md: attention_qkv(qkv, rope, kc, vc, md, spec, hq))
         return f, f(qkv, rope, kc, vc, md)
 
     fused, got = run("cpu")

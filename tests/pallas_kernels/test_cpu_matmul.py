@@ -8,9 +8,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from flax import nnx
-
-from jaxserve.models.layers.linear import PackedWeight, dense, dense_group, pack_for_spec, weight_value
+from jaxserve.models.layers.linear import PackedWeight, dense, dense_group, pack_for_spec, pack_linear_weights
 from jaxserve.pallas_kernels.cpu.matmul import amx_available, avx512_available, pack_weight, packed_matmul
 
 needs_amx = pytest.mark.skipif(not amx_available(), reason="this CPU has no AMX-BF16")
@@ -111,7 +109,7 @@ def test_packed_tiny_llama_matches_unpacked():
 
     cfg = ArchConfig.from_hf(TINY_LLAMA)
     models = [create_model(cfg, dtype=jnp.bfloat16, seed=3) for _ in range(2)]
-    assert models[1].pack_for_cpu() == 2 * 4 + 1  # qkv, o, gate_up, down per layer; LM head
+    assert pack_linear_weights(models[1], *models[1].product_specs) == 2 * 4 + 1  # qkv, o, gate_up, down per layer; LM head
     layer = models[1].layers[0]
     assert isinstance(layer.wqkv, PackedParam) and not hasattr(layer, "wq")
     a, b = _tiny_llama_logits(models[0]), _tiny_llama_logits(models[1])
@@ -120,38 +118,45 @@ def test_packed_tiny_llama_matches_unpacked():
         np.testing.assert_allclose(x, y, atol=3e-2, rtol=0)
 
 
-def _tiny_llama_logits(model):
+def _tiny_llama_logits(model, layer_impl=None):
     from tests.models.model_utils import PagedRunner
 
     rng = np.random.default_rng(2)
     seqs = [rng.integers(0, model.config.vocab_size, size=n).tolist() for n in (13, 6)]
-    run = PagedRunner(model, page_size=16, num_pages=16, seed=1)
+    run = PagedRunner(model, page_size=16, num_pages=16, seed=1, layer_impl=layer_impl)
     kw = dict(num_tokens=32, num_reqs=4, pages_per_req=2)
     out = run.step([(0, seqs[0], 0), (1, seqs[1], 0)], **kw)
     out += run.step([(0, [5], 13), (1, [7], 6)], **kw)
     return [np.asarray(o, np.float32) for o in out]
 
 
-@needs_amx
-def test_fused_layer_matches_the_composed_packed_layer(monkeypatch):
-    """With every product packed, a layer runs as five kernel calls (`_fused_layer`: norms,
-    residuals, GLU, rotary and casts inside the kernels); it gives the logits of the composed
-    layer on the same packed weights."""
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_fused_layer_matches_the_composed_packed_layer(dtype):
+    """With every product packed, the CPU backend runs a layer as five kernel calls
+    (`cpu_layer.fused_layer`: norms, residuals, GLU, rotary and casts inside the kernels); it
+    gives the logits of the model's own layer on the same packed weights."""
+    from jaxserve.backends import cpu_layer
+    from jaxserve.backends.base import DevicePlan
+    from jaxserve.backends.cpu import CpuBackend
     from jaxserve.models.arch_config import ArchConfig
-    from jaxserve.models.llama import LlamaForCausalLM
     from jaxserve.models.weights import create_model
     from tests.pallas_kernels.kernel_checks import TINY_LLAMA
 
-    model = create_model(ArchConfig.from_hf(TINY_LLAMA), dtype=jnp.bfloat16, seed=4)
-    model.pack_for_cpu()
-    p = {n: weight_value(v) for n, v in vars(model.layers[0]).items() if isinstance(v, nnx.Param)}
-    assert model._fusable(p)
-    fused = _tiny_llama_logits(model)
-    monkeypatch.setattr(LlamaForCausalLM, "_fusable", lambda self, p: False)
+    impl = "amx" if dtype == jnp.bfloat16 else "avx512"
+    if not (amx_available() if dtype == jnp.bfloat16 else avx512_available()):
+        pytest.skip(f"no {impl} product kernel on this CPU")
+    model = create_model(ArchConfig.from_hf(TINY_LLAMA), dtype=dtype, seed=4)
+    backend = CpuBackend()
+    assert backend.layer_impl(model) is None  # nothing packed yet: the model's own layer
+    name = jnp.dtype(dtype).name
+    backend.prepare_model(model, DevicePlan(name, name, "cpu", impl, True))
+    assert backend.layer_impl(model) is cpu_layer.fused_layer
+    fused = _tiny_llama_logits(model, cpu_layer.fused_layer)
     composed = _tiny_llama_logits(model)
+    atol = 3e-2 if dtype == jnp.bfloat16 else 1e-4
     for x, y in zip(fused, composed):
         assert np.abs(y).max() > 0.1
-        np.testing.assert_allclose(x, y, atol=3e-2, rtol=0)
+        np.testing.assert_allclose(x, y, atol=atol, rtol=0)
 
 
 def _rms_norm_bf16(x, norm, eps):
@@ -247,7 +252,7 @@ def test_float32_tiny_llama_packed_matches_unpacked():
 
     cfg = ArchConfig.from_hf(TINY_LLAMA)
     models = [create_model(cfg, dtype=jnp.float32, seed=3) for _ in range(2)]
-    assert models[1].pack_for_cpu() == 2 * 4 + 1
+    assert pack_linear_weights(models[1], *models[1].product_specs) == 2 * 4 + 1
     for x, y in zip(_tiny_llama_logits(models[0]), _tiny_llama_logits(models[1])):
         assert np.abs(x).max() > 0.1
         np.testing.assert_allclose(x, y, atol=1e-4, rtol=0)

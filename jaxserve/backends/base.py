@@ -1,0 +1,133 @@
+"""Backend: every decision that depends on the kind of device, in one object per engine.
+
+The engine asks its backend (chosen once, from JAX's platform) for the dtype and KV dtype an
+"auto" setting means, the KV cache budget per device, the product kernel and how the weights are
+laid out for it, where host buffers live, whether the sampler's draws run in a native kernel,
+and whether a decoder layer may be replaced by a fused implementation. The accelerators (TPU,
+GPU) share this base; the CPU backend (`cpu.py`) adds its native kernels.
+
+A fused decoder layer replaces a model's pure-JAX layer only after a positive capability check:
+the backend lists the layer features its implementation covers, the model declares the ones
+it uses (`layer_features`, see models/interface.py), and the replacement applies only when the
+model's set is a subset of the backend's. A model that declares nothing, or a feature the
+backend does not list, runs its own layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from jaxserve.config import CacheConfig, ModelConfig
+from jaxserve.pallas_kernels.ragged_paged_attention.ops import resolve_impl as resolve_attention_impl
+
+logger = logging.getLogger(__name__)
+
+# (model, layer params, h, rope, k_cache, v_cache, md) -> (h, k_cache, v_cache)
+LayerImpl = Callable
+
+
+@dataclasses.dataclass(frozen=True)
+class DevicePlan:
+    """What the backend resolved for one engine: the "auto" settings made concrete."""
+
+    dtype: str  # the weights' dtype
+    kv_dtype: str
+    attention_impl: str  # the attention implementation "auto" dispatches to
+    matmul_impl: str  # "xla", or a native CPU product kernel ("amx", "avx512")
+    native_sampling: bool  # the sampler's random draws and logprobs in the CPU kernel
+
+
+class Backend:
+    """The accelerator policy (TPU, GPU); the CPU backend overrides what differs."""
+
+    name = "accelerator"
+    # Layer features a fused decoder layer of this backend implements (none here).
+    fused_layer_features: frozenset[str] = frozenset()
+
+    def __init__(self, platform: str):
+        self.platform = platform
+
+    # ------------------------------------------------------------------ resolution
+    def resolve_dtype(self, requested: str) -> str:
+        """bfloat16 for "auto" (the accelerators' native product dtype)."""
+        return "bfloat16" if requested == "auto" else requested
+
+    def resolve_kv_dtype(self, requested: str, model_dtype: str, attention_impl: str) -> str:
+        return model_dtype if requested == "auto" else requested
+
+    def resolve_matmul_impl(self, requested: str, dtype: str, mesh: Mesh) -> str:
+        if requested not in ("auto", "xla"):
+            raise ValueError(f"matmul_impl={requested!r} cannot run here: the backend is "
+                             f"{self.platform}, not cpu")
+        return "xla"
+
+    def native_sampling(self, mesh: Mesh) -> bool:
+        return False
+
+    def plan(self, mc: ModelConfig, cc: CacheConfig, mesh: Mesh) -> DevicePlan:
+        dtype = self.resolve_dtype(mc.dtype)
+        attention = resolve_attention_impl(mc.attention_impl, self.platform)
+        return DevicePlan(
+            dtype=dtype,
+            kv_dtype=self.resolve_kv_dtype(cc.kv_cache_dtype, dtype, attention),
+            attention_impl=attention,
+            matmul_impl=self.resolve_matmul_impl(mc.matmul_impl, dtype, mesh),
+            native_sampling=self.native_sampling(mesh),
+        )
+
+    # ------------------------------------------------------------------ memory
+    def kv_cache_budget(self, cc: CacheConfig) -> int:
+        """Bytes of KV cache per device: the explicit budget, else the configured fraction of
+        each local device's memory minus what it already holds, the least over this process's
+        devices and, in a multi-process run, over every process (a remote device's
+        `memory_stats()` cannot be read, so each process measures its own)."""
+        if cc.kv_cache_memory_bytes is not None:
+            return cc.kv_cache_memory_bytes
+        return min_over_processes(self.local_kv_budget(cc))
+
+    def local_kv_budget(self, cc: CacheConfig) -> int:
+        budgets = []
+        for device in jax.local_devices():
+            stats = device.memory_stats() or {}
+            limit, used = stats.get("bytes_limit", 0), stats.get("bytes_in_use", 0)
+            budgets.append(max(int(limit * cc.device_memory_utilization) - used, 0))
+        return min(budgets)
+
+    # ------------------------------------------------------------------ the model
+    def prepare_model(self, model, plan: DevicePlan) -> None:
+        """Lay the weights out for the product kernel in `plan` (nothing to do on XLA's dot)."""
+
+    def layer_impl(self, model) -> LayerImpl | None:
+        """A fused replacement for `model`'s decoder layer, or None to run the model's own."""
+        return None
+
+    def place_weights(self, model, params: list[jax.Array], treedef) -> None:
+        """Move the weights (`model`'s flattened state, in place in `params`) to where steps read
+        them best; nothing to do on accelerators."""
+
+    def place_kv_cache(self, arrays: list[jax.Array]):
+        """Advise the memory under the KV cache and the weights; returns the thread doing it,
+        if any (nothing on accelerators)."""
+        return None
+
+
+def layer_features_covered(model, supported: frozenset[str]) -> bool:
+    """The positive capability check: the model declares its layer features and every one of
+    them is in `supported`."""
+    declared = getattr(model, "layer_features", None)
+    return declared is not None and frozenset(declared) <= supported
+
+
+def min_over_processes(value: int) -> int:
+    """The least of `value` over the processes of a multi-process run (itself in one process)."""
+    if jax.process_count() == 1:
+        return int(value)
+    from jax.experimental import multihost_utils
+
+    return int(np.min(multihost_utils.process_allgather(np.asarray(value, np.int64))))

@@ -1,0 +1,137 @@
+"""The CPU backend: native kernels (pallas_kernels/cpu/) where the host can build them.
+
+What differs from the accelerators (see docs/DESIGN.md §9 for the measurements):
+- dtype "auto": bfloat16 where the CPU multiplies bfloat16 natively, else float32;
+- KV dtype "auto": the model dtype when the native attention kernel writes the cache, else
+  float32 (XLA:CPU's bfloat16 scatter is orders of magnitude slower);
+- the KV budget: 1 GiB unless given (host memory has no useful "free" figure);
+- products on weights packed once at load time (AMX bfloat16, AVX-512 float32), one device;
+- a fused decoder layer (`cpu_layer.py`) when the model's layer features are all covered;
+- weights in a huge-page arena and the KV cache advised onto huge pages;
+- the sampler's random draws and logprobs in a native kernel (one device).
+Without a C++ compiler every native path is off and the engine runs XLA's ops (same results).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh
+
+from jaxserve.backends import cpu_layer
+from jaxserve.backends.base import Backend, DevicePlan, LayerImpl, layer_features_covered
+from jaxserve.config import CacheConfig
+from jaxserve.models.layers.linear import PackedParam, pack_linear_weights
+from jaxserve.pallas_kernels import cpu as kernels
+from jaxserve.pallas_kernels.cpu.matmul import amx_available, avx512_available
+from jaxserve.runner import huge_pages
+
+logger = logging.getLogger(__name__)
+
+CPU_KV_BYTES = 1 << 30
+MATMUL_IMPLS = ("auto", "xla", "amx", "avx512")
+
+
+@functools.cache
+def cpu_has_bfloat16_matmul() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AMX or AVX512-BF16; Linux /proc/cpuinfo).
+
+    With it, XLA:CPU's bfloat16 products (float32 accumulation, >= 8 rows) run ~2x faster than
+    float32 ones; without it they are emulated and slower.
+    """
+    flags = kernels.cpu_flags().split()
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+class CpuBackend(Backend):
+    name = "cpu"
+    fused_layer_features = cpu_layer.FEATURES
+
+    def __init__(self, platform: str = "cpu"):
+        super().__init__(platform)
+
+    def resolve_dtype(self, requested: str) -> str:
+        """bfloat16 on CPUs that multiply bfloat16 natively (measured there: 1.3-1.4x the output
+        tok/s of float32 at 8-32 concurrent requests), else float32. Set "float32" to match
+        float32 references to the last digits."""
+        if requested != "auto":
+            return requested
+        return "bfloat16" if cpu_has_bfloat16_matmul() else "float32"
+
+    def resolve_kv_dtype(self, requested: str, model_dtype: str, attention_impl: str) -> str:
+        if requested != "auto":
+            return requested
+        native = attention_impl == "cpu" and kernels.available()
+        return model_dtype if native else "float32"
+
+    def resolve_matmul_impl(self, requested: str, dtype: str, mesh: Mesh) -> str:
+        """"amx", "avx512" or "xla" for `requested` ("auto" | "xla" | "amx" | "avx512").
+
+        The kernels need a one-device mesh (packed weights are not sharded), and: "amx" bfloat16
+        weights and a CPU with AMX; "avx512" float32 weights and a CPU with AVX-512. "auto"
+        picks the one that fits the weights' dtype, else "xla"; an explicit one that cannot run
+        raises ValueError."""
+        if requested not in MATMUL_IMPLS:
+            raise ValueError(f"matmul_impl must be 'auto', 'xla', 'amx' or 'avx512'; got {requested!r}")
+        if requested == "xla":
+            return "xla"
+        dt = jnp.dtype(dtype)
+        name = requested if requested != "auto" else ("amx" if dt == jnp.bfloat16 else "avx512")
+        want = {"amx": jnp.bfloat16, "avx512": jnp.float32}[name]
+        reasons = []
+        if dt != want:
+            reasons.append(f"the weights are {dt.name}, not {jnp.dtype(want).name}")
+        if mesh.size != 1:
+            reasons.append(f"the mesh has {mesh.size} devices")
+        if not reasons and name == "amx" and not amx_available():
+            reasons.append("this CPU has no usable AMX-BF16 (or the kernels cannot be built)")
+        if not reasons and name == "avx512" and not avx512_available():
+            reasons.append("this CPU has no AVX-512 (or the kernels cannot be built)")
+        if not reasons:
+            return name
+        if requested != "auto":
+            raise ValueError(f"matmul_impl={requested!r} cannot run here: " + "; ".join(reasons))
+        return "xla"
+
+    def native_sampling(self, mesh: Mesh) -> bool:
+        return mesh.size == 1 and kernels.available()
+
+    def kv_cache_budget(self, cc: CacheConfig) -> int:
+        return cc.kv_cache_memory_bytes if cc.kv_cache_memory_bytes is not None else CPU_KV_BYTES
+
+    # ------------------------------------------------------------------ the model
+    def prepare_model(self, model, plan: DevicePlan) -> None:
+        if plan.matmul_impl == "xla":
+            return
+        n = pack_linear_weights(model, *model.product_specs)
+        logger.info("packed %d weights for the %s matmul kernel", n, plan.matmul_impl)
+
+    def layer_impl(self, model) -> LayerImpl | None:
+        """The fused layer when the model's layer features are all covered and every product of
+        every layer is packed (`prepare_model` with a native product kernel)."""
+        if not layer_features_covered(model, self.fused_layer_features):
+            return None
+        for layer in model.layers:
+            if not all(isinstance(getattr(layer, n, None), PackedParam) for n in cpu_layer.PACKED):
+                return None
+        return cpu_layer.fused_layer
+
+    def place_weights(self, model, params: list[jax.Array], treedef) -> None:
+        """Copy the weights into one huge-page arena (see runner/huge_pages.py), in place in
+        `params`, and point `model`'s variables at them, so that XLA's copies are freed; the
+        freed memory goes back to the system."""
+        moved_params, moved = huge_pages.place_on_huge_pages(params)
+        logger.debug("huge pages: %.0f MiB of weights in the arena", moved / 2**20)
+        if moved:
+            params[:] = moved_params
+            del moved_params
+            nnx.update(model, jax.tree.unflatten(treedef, params))
+            huge_pages.release_freed_host_memory()
+
+    def place_kv_cache(self, arrays: list[jax.Array]):
+        return huge_pages.advise_in_background(arrays)
+
