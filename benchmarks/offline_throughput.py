@@ -69,6 +69,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--request-buckets", type=int, nargs="+", default=None)
     p.add_argument("--kv-cache-gib", type=float, default=None, help="KV cache budget (default: engine's)")
     p.add_argument("--compilation-cache-dir", default=None)
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="overlapped steps (default: the engine's, on)")
     p.add_argument("--results", default=str(RESULTS), help="JSONL file to append to ('' = none)")
     p.add_argument("--compare-hf", action="store_true", help="also run HF transformers (torch CPU)")
     p.add_argument("--hf-python", default=sys.executable, help="python with torch + transformers")
@@ -235,7 +237,8 @@ def main(argv=None) -> None:
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.output_len,
                             ignore_eos=True)
     options = {"max_num_seqs": max(args.concurrency), "enable_prefix_caching": False, "show_progress": False}
-    for key in ("max_num_batched_tokens", "token_buckets", "request_buckets", "compilation_cache_dir"):
+    for key in ("max_num_batched_tokens", "token_buckets", "request_buckets", "compilation_cache_dir",
+                "async_scheduling"):
         if getattr(args, key) is not None:
             options[key] = getattr(args, key)
     if args.kv_cache_gib is not None:
@@ -248,7 +251,7 @@ def main(argv=None) -> None:
         engine = llm.engine
         build_s = time.perf_counter() - t0
         run_closed_loop(engine, prompts[:1], 1, params.clone(max_tokens=2), f"warmup-{dtype}")
-        startup = {"build_s": build_s, "startup_s": time.perf_counter() - t0, "load_s": engine.load_seconds,
+        startup = {"build_s": build_s, "startup_s": time.perf_counter() - t0, "load_s": engine.parts.load_seconds,
                    "compile_s": engine.runner.compile_seconds, "num_buckets": engine.runner.num_buckets}
         print(f"[{dtype}] startup {startup['startup_s']:.1f}s (load {startup['load_s']:.1f}s, "
               f"compile {startup['compile_s']:.1f}s, {startup['num_buckets']} buckets)", flush=True)

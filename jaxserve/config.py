@@ -42,13 +42,17 @@ class ModelConfig:
     # dot; "auto": the kernel that fits the weights' dtype where it can run, else xla.
     matmul_impl: Literal["auto", "xla", "amx", "avx512"] = "auto"
     seed: int = 0  # seeds unseeded requests' generators
+    # Default sampling settings and EOS ids: "auto" (the model's generation_config.json),
+    # "vllm" (ignore its sampling defaults) or a folder / file path (see
+    # jaxserve/engine/generation_config.py).
+    generation_config: str = "auto"
 
 
 @dataclasses.dataclass(frozen=True)
 class CacheConfig:
     page_size: int = 16
-    # KV cache size: an explicit byte budget, or a fraction of free device memory on
-    # accelerators. On the CPU without a budget, 1 GiB.
+    # KV cache size per device: an explicit byte budget, or a fraction of free device memory on
+    # accelerators (the least over devices and processes). On the CPU without a budget, 1 GiB.
     kv_cache_memory_bytes: int | None = None
     device_memory_utilization: float = 0.9
     num_pages: int | None = None  # overrides the budget (tests)

@@ -10,6 +10,18 @@ LogprobsDict = dict[int, "Logprob"]
 
 
 @dataclasses.dataclass(slots=True)
+class SampleLogprobs:
+    """The engine's log-probs of one token (sampled, or a prompt token): its raw log-prob, its
+    1-based rank and the top-k alternatives, most likely first. The output processor turns
+    them into one `LogprobsDict` (the form clients read)."""
+
+    logprob: float
+    rank: int
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclasses.dataclass(slots=True)
 class Logprob:
     logprob: float
     rank: int | None = None  # 1-based rank in the model's distribution

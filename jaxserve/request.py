@@ -1,14 +1,21 @@
-"""Request: the engine's host-side state for one sequence being generated.
+"""Request: the engine core's host-side state for one sequence being generated.
 
-A `Request` is created by the engine (one per sequence; a request with `n > 1` becomes `n`
-requests) and is then owned by the scheduler: it moves WAITING → RUNNING (→ PREEMPTED →
-RUNNING …) → FINISHED_*. vLLM v1's bookkeeping: `num_computed_tokens` counts the tokens whose
-KV is in the cache (or will be once the step scheduled last has run) and catches up with
-`num_tokens` (prompt + output); there are no prefill or decode phases.
+A `Request` is created by the engine core from an `EngineRequest` (one per sequence; the input
+processor turns a request with `n > 1` into `n` of them) and is then owned by the scheduler: it
+moves WAITING → RUNNING (→ PREEMPTED → RUNNING …) → FINISHED_*. vLLM v1's bookkeeping:
+`num_computed_tokens` counts the tokens whose KV is in the cache (or will be once the steps
+scheduled so far have run) and catches up with `num_tokens` (prompt + output); there are no
+prefill or decode phases.
+
+With overlapped steps the scheduler plans step t+1 before step t's sampled tokens are known:
+`num_output_placeholders` counts the tokens sampled by steps in flight. Positions past
+`num_tokens` hold such a pending token; the step that feeds one reads it on the device
+(see runner/model_runner.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import time
 from dataclasses import dataclass, field
@@ -23,7 +30,6 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 3
     FINISHED_LENGTH_CAPPED = 4
     FINISHED_ABORTED = 5
-    FINISHED_IGNORED = 6
 
     @property
     def is_finished(self) -> bool:
@@ -39,17 +45,30 @@ _FINISH_REASONS: dict[RequestStatus, str] = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
-    # vLLM's "ignored" (prompt too long) is reported as a length stop.
-    RequestStatus.FINISHED_IGNORED: "length",
 }
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EngineRequest:
+    """One sequence as the input processor hands it to the engine core: validated and
+    tokenized, nothing left to look up."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling_params: SamplingParams  # n == 1; max_tokens resolved; extra EOS ids in stop_token_ids
+    eos_token_id: int | None  # the model's primary EOS (stop_reason None when it stops)
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    arrival_time: float = 0.0
+    priority: int = 0
+    cache_salt: str | None = None
 
 
 def needs_full_prompt_compute(params: SamplingParams) -> bool:
     """True when the prompt must be run through the model in full (never read from the cache).
 
     Prompt logprobs need the logits at every prompt position. Penalties do not: a request's
-    first scheduled step carries its whole token history (`ScheduledRequest.all_token_ids`),
-    from which the runner builds its counts.
+    first scheduled step feeds its whole token history, from which the runner rebuilds its
+    counts.
     """
     return params.prompt_logprobs is not None
 
@@ -65,6 +84,8 @@ class Request:
     arrival_time: float = field(default_factory=time.time)
     priority: int = 0  # lower is scheduled sooner (vLLM convention); used by policy="priority"
     eos_token_id: int | None = None
+    # Token id sequences that must not be generated (multi-token ones via the sampler's table).
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     # Never read this request's prompt from the prefix cache (its own full blocks are still
     # cached for others). Forced on when `needs_full_prompt_compute(sampling_params)`.
     skip_prefix_cache: bool = False
@@ -74,18 +95,28 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    num_output_placeholders: int = 0  # tokens sampled by steps in flight, not known yet
     num_cached_tokens: int = 0  # prefix-cache hit (tokens) at first scheduling, for metrics
+    first_scheduled_time: float | None = None  # time.time() at first scheduling, for metrics
     num_preemptions: int = 0
     # The stop token id (or, set by the output processor, the stop string); None for EOS.
     stop_reason: int | str | None = None
     # Hash chain (SHA-256 digests) over this request's full blocks, filled lazily by the
     # KVCacheManager.
     block_hashes: list[bytes] = field(default_factory=list)
+    stop_token_ids: frozenset[int] = frozenset()  # from sampling_params, for the stop check
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)
+        self.stop_token_ids = frozenset(self.sampling_params.stop_token_ids or ())
         if needs_full_prompt_compute(self.sampling_params):
             self.skip_prefix_cache = True
+
+    @classmethod
+    def from_engine_request(cls, r: EngineRequest) -> Request:
+        return cls(r.request_id, list(r.prompt_token_ids), r.sampling_params, arrival_time=r.arrival_time,
+                   priority=r.priority, eos_token_id=r.eos_token_id, bad_words_token_ids=r.bad_words_token_ids,
+                   cache_salt=r.cache_salt)
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -100,10 +131,6 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
-    @property
-    def max_tokens(self) -> int | None:
-        return self.sampling_params.max_tokens
-
     # ------------------------------------------------------------------ tokens
     @property
     def all_token_ids(self) -> list[int]:
@@ -111,7 +138,7 @@ class Request:
         return self.prompt_token_ids + self.output_token_ids
 
     def get_token_ids(self, start: int, end: int) -> list[int]:
-        """Tokens at positions [start, end) of prompt + output, without building the whole."""
+        """Known tokens at positions [start, end) of prompt + output, without building the whole."""
         p = len(self.prompt_token_ids)
         if end <= p:
             return self.prompt_token_ids[start:end]

@@ -68,6 +68,7 @@ def build_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     request_id_header: bool = True,
     shutdown_grace_seconds: float = 30.0,
+    enable_sleep_mode: bool = False,
 ) -> Starlette:
     """The app over `engine` (an AsyncEngine, started by the app's lifespan)."""
     names = list(served_model_names or []) or [engine.model_name]
@@ -88,7 +89,7 @@ def build_app(
         return JSONResponse({"version": jaxserve.__version__})
 
     async def models(request: Request) -> Response:
-        data = [ModelCard(id=n, created=created, root=str(engine.engine.model_path), max_model_len=engine.max_model_len)
+        data = [ModelCard(id=n, created=created, root=engine.model_name, max_model_len=engine.max_model_len)
                 for n in names]
         return JSONResponse(ModelList(data=data).model_dump())
 
@@ -116,7 +117,7 @@ def build_app(
     async def detokenize(request: Request) -> Response:
         body = await parse_body(request, DetokenizeRequest, max_body_bytes)
         state.resolve_model(body.model)
-        vocab = engine.engine.arch.vocab_size
+        vocab = engine.info.vocab_size
         bad = [t for t in body.tokens if not 0 <= t < max(vocab, tokenizer.vocab_size)]
         if bad:
             raise APIError(400, f"token ids must be in [0, {vocab}); got {bad[:5]}.", param="tokens")
@@ -133,6 +134,29 @@ def build_app(
             "add_eos_token": getattr(hf, "add_eos_token", None),
         }
         return JSONResponse(info)
+
+    async def reset_prefix_cache(request: Request) -> Response:
+        if not await engine.call("reset_prefix_cache"):
+            raise APIError(409, "the prefix cache cannot be reset while requests hold blocks; retry when idle.")
+        return Response(status_code=200)
+
+    async def sleep(request: Request) -> Response:
+        level = request.query_params.get("level", "1")
+        if level != "1":
+            raise APIError(400, f"sleep level {level!r} is not supported; use 1 (weights kept on the host, "
+                                "KV cache dropped).", param="level")
+        try:
+            await engine.call("sleep")
+        except RuntimeError as e:
+            raise APIError(409, str(e)) from None
+        return Response(status_code=200)
+
+    async def wake_up(request: Request) -> Response:
+        await engine.call("wake_up")
+        return Response(status_code=200)
+
+    async def is_sleeping(request: Request) -> Response:
+        return JSONResponse({"is_sleeping": (await engine.call("stats")).is_sleeping})
 
     async def on_api_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, APIError)
@@ -176,7 +200,11 @@ def build_app(
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/tokenizer_info", tokenizer_info, methods=["GET"]),
+        Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
     ]
+    if enable_sleep_mode:
+        routes += [Route("/sleep", sleep, methods=["POST"]), Route("/wake_up", wake_up, methods=["POST"]),
+                   Route("/is_sleeping", is_sleeping, methods=["GET"])]
     app = Starlette(
         routes=routes, middleware=middleware, lifespan=lifespan,
         exception_handlers={APIError: on_api_error, HTTPException: on_http_error, Disconnected: on_disconnect,

@@ -1,11 +1,18 @@
-"""AsyncEngine: an `LLMEngine` driven by its own thread, served to asyncio handlers.
+"""AsyncEngine: the engine as the server drives it, split over two threads.
 
-The engine thread owns every call into the engine (and so all JAX work). It sleeps on a
-condition variable while there is nothing to do; adds and aborts are handed to it under the
-condition's lock. Each request has an asyncio.Queue on the server's loop; the engine thread
-delivers outputs with `loop.call_soon_threadsafe` (one call per step for all requests).
-If the engine loop raises, the engine is marked dead: every pending request gets the error,
-new requests are refused and /health answers 503.
+- The frontend runs on the server's asyncio event loop: requests are validated and tokenized
+  by the input processor in a worker thread (never on the loop itself), registered with the
+  output processor, and handed to the engine core as one command per client request (all of
+  a multi-prompt request's sequences at once). The core's outputs come back to the loop, where
+  the output processor detokenizes them, matches stop strings and puts RequestOutputs (DELTA)
+  on each request's queue.
+- The engine core runs on its own thread ("jaxserve-engine"), which owns every JAX call. It
+  sleeps on a condition variable while there is nothing to do, and takes commands in order:
+  add, abort, and calls of the core's methods (stats, reset_prefix_cache, sleep, wake_up).
+
+If the engine thread raises, the engine is marked dead: every pending request gets the error,
+new requests are refused and /health answers 503. Every method here is for the event loop's
+thread.
 """
 
 from __future__ import annotations
@@ -15,16 +22,21 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-from jaxserve.core.scheduler import SchedulerStats
-from jaxserve.engine.llm_engine import LLMEngine
-from jaxserve.outputs import OutputKind, RequestOutput
-from jaxserve.request import RequestStatus
+from jaxserve.engine.core import EngineStats
+from jaxserve.engine.input_processor import InputProcessor, ProcessedRequest
+from jaxserve.engine.output_processor import OutputProcessor, StatsListener
+from jaxserve.engine.setup import EngineParts
+from jaxserve.outputs import OutputKind
+from jaxserve.request import EngineRequest
 from jaxserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+# The core's methods a command may call on the engine thread.
+CORE_CALLS = frozenset({"stats", "reset_prefix_cache", "sleep", "wake_up"})
 
 
 class EngineDeadError(RuntimeError):
@@ -37,64 +49,64 @@ class EngineShutdownError(RuntimeError):
 
 @dataclasses.dataclass(slots=True)
 class _Add:
-    request_id: str
-    prompt: str | list[int]
-    params: SamplingParams
-    priority: int
-    add_special_tokens: bool
-    arrival_time: float
-    queue: asyncio.Queue
-    ack: asyncio.Future
+    sequences: list[EngineRequest]
 
 
 @dataclasses.dataclass(slots=True)
-class _Track:
-    """Per-request bookkeeping the engine thread keeps for metrics."""
-
-    arrival_time: float
-    child_id: str
-    scheduled: bool = False
-    last_token_time: float | None = None
+class _Abort:
+    sequence_ids: list[str]
 
 
-class StatsListener:
-    """What the engine thread reports to (metrics); all methods are called on the engine thread."""
+@dataclasses.dataclass(slots=True)
+class _Call:
+    method: str
+    args: tuple
+    future: asyncio.Future
 
-    def on_scheduled(self, queue_seconds: float) -> None: ...
-    def on_first_token(self, ttft_seconds: float) -> None: ...
-    def on_tokens(self, itl_seconds: float) -> None: ...
-    def on_output(self, out: RequestOutput) -> None: ...
-    def on_finished(self, out: RequestOutput, e2e_seconds: float) -> None: ...
+
+@dataclasses.dataclass(slots=True)
+class RequestStream:
+    """One added request: its id, prompt tokens and the queue its outputs arrive on (an
+    exception instance in the queue means the request failed)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    queue: asyncio.Queue
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, stats_listener: StatsListener | None = None):
-        self.engine = engine
-        self.listener = stats_listener or StatsListener()
+    def __init__(self, parts: EngineParts, stats_listener: StatsListener | None = None):
+        self.parts = parts
+        self.info = parts.info
+        self.tokenizer = parts.tokenizer
+        self.core = parts.core
+        self.input_processor = InputProcessor(parts.tokenizer, parts.info)
+        self.output_processor = OutputProcessor(parts.tokenizer, stats_listener)
         self._cond = threading.Condition()
-        self._adds: list[_Add] = []
-        self._aborts: list[str] = []
-        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._track: dict[str, _Track] = {}
+        self._commands: list[_Add | _Abort | _Call] = []
         self._stop = False
-        self._drain_abort = False
-        self.error: BaseException | None = None
-        self.stats: SchedulerStats = engine.scheduler.make_stats()
         self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.error: BaseException | None = None
+        self.stats: EngineStats = self.core.stats()  # refreshed by the engine thread each step
         self.accepting = True
 
     # ------------------------------------------------------------------ facts
     @property
     def model_name(self) -> str:
-        return self.engine.model_name
-
-    @property
-    def tokenizer(self):
-        return self.engine.tokenizer
+        return self.info.name
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.max_model_len
+        return self.info.max_model_len
+
+    @property
+    def listener(self) -> StatsListener:
+        return self.output_processor.listener
+
+    @listener.setter
+    def listener(self, listener: StatsListener) -> None:
+        self.output_processor.listener = listener
 
     @property
     def is_alive(self) -> bool:
@@ -102,17 +114,21 @@ class AsyncEngine:
 
     @property
     def num_in_flight(self) -> int:
-        return len(self._queues)
+        return len(self.output_processor.unfinished())
+
+    def default_sampling_params(self) -> SamplingParams:
+        return self.input_processor.default_sampling_params()
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
         if self._thread is not None:
             return
+        self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
         self._thread.start()
 
     def shutdown(self, timeout: float = 30.0) -> None:
-        """Stop the loop: abort whatever is still running and join the thread."""
+        """Stop the engine thread (it aborts whatever still runs) and join it."""
         self.accepting = False
         with self._cond:
             self._stop = True
@@ -121,79 +137,81 @@ class AsyncEngine:
             self._thread.join(timeout)
 
     async def drain(self, grace_seconds: float) -> None:
-        """Refuse new requests, wait up to grace_seconds for in-flight ones, abort the rest."""
+        """Refuse new requests, wait up to grace_seconds for in-flight ones, abort the rest
+        (their clients get a final output with finish_reason "abort")."""
         self.accepting = False
         deadline = time.monotonic() + grace_seconds
-        while self._queues and time.monotonic() < deadline and self.is_alive:
+        while self.output_processor.unfinished() and time.monotonic() < deadline and self.is_alive:
             await asyncio.sleep(0.05)
-        for rid in list(self._queues):
+        for rid in self.output_processor.unfinished():
             self.abort(rid)
 
     # ------------------------------------------------------------------ requests
-    async def add_request(
+    async def add_requests(
         self,
-        request_id: str,
-        prompt: str | list[int],
+        request_ids: Sequence[str],
+        prompts: Sequence[str | Sequence[int]],
         params: SamplingParams,
         *,
         priority: int = 0,
         add_special_tokens: bool = True,
         arrival_time: float | None = None,
-    ) -> asyncio.Queue:
-        """Hand a request to the engine thread; raises ValueError (bad input) or EngineDeadError.
-        Returns the queue its RequestOutputs (DELTA) arrive on; an exception instance in the
-        queue means the request failed."""
+    ) -> list[RequestStream]:
+        """Validate and tokenize every prompt (in a worker thread), then hand all of them to
+        the engine in one command, so that they can share the next step. Raises ValueError
+        (bad input: nothing is queued), EngineDeadError or EngineShutdownError."""
         self._check_alive()
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        ack = loop.create_future()
-        item = _Add(request_id, prompt, params, priority, add_special_tokens,
-                    arrival_time or time.time(), queue, ack)
-        with self._cond:
-            self._adds.append(item)
-            self._cond.notify()
-        try:
-            await ack  # raises the engine's ValueError
-        except asyncio.CancelledError:
-            self.abort(request_id)  # the client left while the request was being added
-            raise
-        return queue
+        arrival = arrival_time or time.time()
+        ip = self.input_processor
+
+        def process() -> list[ProcessedRequest]:
+            return [ip.process(rid, p, params, arrival_time=arrival, priority=priority,
+                               add_special_tokens=add_special_tokens) for rid, p in zip(request_ids, prompts)]
+
+        processed = await asyncio.to_thread(process)
+        self._check_alive()
+        op = self.output_processor
+        for req in processed:
+            if op.has(req.request_id):
+                raise ValueError(f"request id {req.request_id!r} is already in use")
+        streams = []
+        for req in processed:
+            queue: asyncio.Queue = asyncio.Queue()
+            op.add(req, OutputKind.DELTA, arrival, queue)
+            streams.append(RequestStream(req.request_id, req.prompt_token_ids, queue))
+        self._send(_Add([seq for req in processed for seq in req.sequences]))
+        return streams
+
+    async def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
+                          **kwargs: Any) -> RequestStream:
+        (stream,) = await self.add_requests([request_id], [prompt], params, **kwargs)
+        return stream
 
     def abort(self, request_id: str) -> None:
-        """Thread-safe, idempotent: the request's KV blocks are freed at the engine's next turn."""
-        with self._cond:
-            if self.error is None and not self._stop:
-                self._aborts.append(request_id)
-                self._cond.notify()
+        """Idempotent: the request's client gets a final "abort" output (if still listening)
+        and its KV blocks are freed at the engine's next turn."""
+        op = self.output_processor
+        if not op.has(request_id):
+            return
+        ids = op.sequence_ids(request_id)
+        op.abort(request_id)
+        if self.error is None:
+            self._send(_Abort(ids))
 
-    async def generate(
-        self,
-        request_id: str,
-        prompt: str | list[int],
-        params: SamplingParams,
-        *,
-        priority: int = 0,
-        add_special_tokens: bool = True,
-        arrival_time: float | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Stream DELTA outputs. Leaving early (cancel, close, exception) aborts the request."""
-        queue = await self.add_request(request_id, prompt, params, priority=priority,
-                                       add_special_tokens=add_special_tokens, arrival_time=arrival_time)
-        finished = False
-        try:
-            while True:
-                out = await queue.get()
-                if isinstance(out, BaseException):
-                    finished = True
-                    raise out
-                if out.finished:
-                    finished = True
-                yield out
-                if finished:
-                    return
-        finally:
-            if not finished:
-                self.abort(request_id)
+    async def call(self, method: str, *args: Any) -> Any:
+        """Run one of the engine core's commands (CORE_CALLS) on the engine thread, in order
+        with adds and aborts; returns its result or raises its exception."""
+        if method not in CORE_CALLS:
+            raise ValueError(f"unknown engine command {method!r}")
+        self._check_alive()
+        future = asyncio.get_running_loop().create_future()
+        self._send(_Call(method, args, future))
+        return await future
+
+    def _send(self, command: _Add | _Abort | _Call) -> None:
+        with self._cond:
+            self._commands.append(command)
+            self._cond.notify()
 
     def _check_alive(self) -> None:
         if self.error is not None:
@@ -204,127 +222,74 @@ class AsyncEngine:
     # ------------------------------------------------------------------ engine thread
     def _run(self) -> None:
         try:
-            self._loop()
+            self._engine_loop()
         except BaseException as e:  # noqa: BLE001 - any failure kills the engine
             logger.exception("engine loop failed")
-            self._fail(e)
+            self.error = e
+            self._post(self._fail, e)
 
-    def _loop(self) -> None:
-        engine = self.engine
+    def _engine_loop(self) -> None:
+        core = self.core
         while True:
             with self._cond:
-                while not (self._adds or self._aborts or self._stop or engine.has_unfinished_requests()):
+                while not (self._commands or self._stop or core.has_work()):
                     self._cond.wait()
-                adds, self._adds = self._adds, []
-                aborts, self._aborts = self._aborts, []
+                commands, self._commands = self._commands, []
                 stop = self._stop
-            deliveries: list[tuple[asyncio.AbstractEventLoop, Callable[..., Any], tuple]] = []
-            for item in adds:
-                self._do_add(item, stop)
+            for cmd in commands:
+                if isinstance(cmd, _Add):
+                    for seq in cmd.sequences:
+                        try:
+                            core.add_request(seq)
+                        except (ValueError, RuntimeError) as e:  # e.g. sleeping: this request fails
+                            self._post(self._reject, seq.request_id, e)
+                elif isinstance(cmd, _Abort):
+                    core.abort_requests(cmd.sequence_ids)
+                else:
+                    self._run_call(cmd)
             if stop:
-                aborts = list(self._queues)
-            for rid in aborts:
-                if rid in self._queues:
-                    for out in engine.abort_request(rid):
-                        self._collect(out, deliveries, time.time())
-                    self._finish(rid)
-            if stop:
-                self._deliver(deliveries)
-                self.stats = engine.scheduler.make_stats()
+                core.abort_requests(list(core.scheduler.requests))
+                self.stats = core.stats()
                 return
-            if engine.has_unfinished_requests():
-                t0 = time.time()
-                outputs = engine.step()
-                now = time.time()
-                self._note_scheduled(t0)
-                for out in outputs:
-                    self._collect(out, deliveries, now)
-            self.stats = engine.scheduler.make_stats()
-            self._deliver(deliveries)
+            if core.has_work():
+                outputs = core.step()
+                if outputs:
+                    self._post(self._on_outputs, outputs)
+            self.stats = core.stats()
 
-    def _do_add(self, item: _Add, stop: bool) -> None:
-        loop = item.ack.get_loop()
-        if stop:
-            loop.call_soon_threadsafe(_set_exception, item.ack, EngineShutdownError("the server is shutting down"))
-            return
+    def _run_call(self, cmd: _Call) -> None:
         try:
-            self.engine.add_request(item.request_id, item.prompt, item.params, arrival_time=item.arrival_time,
-                                    priority=item.priority, output_kind=OutputKind.DELTA,
-                                    add_special_tokens=item.add_special_tokens)
-        except Exception as e:  # noqa: BLE001 - ValueError = bad input; reported to the caller
-            loop.call_soon_threadsafe(_set_exception, item.ack, e)
-            return
-        self._queues[item.request_id] = (loop, item.queue)
-        children = self.engine.output_processor.child_ids(item.request_id)
-        self._track[item.request_id] = _Track(item.arrival_time, children[0] if children else item.request_id)
-        loop.call_soon_threadsafe(_set_result, item.ack, None)
+            result = getattr(self.core, cmd.method)(*cmd.args)
+        except Exception as e:  # noqa: BLE001 - reported to the caller
+            self._post(_set_exception, cmd.future, e)
+        else:
+            self._post(_set_result, cmd.future, result)
 
-    def _note_scheduled(self, step_start: float) -> None:
-        sched = self.engine.scheduler
-        for t in self._track.values():
-            if t.scheduled:
-                continue
-            req = sched.get_request(t.child_id)
-            if req is None or req.status == RequestStatus.RUNNING or req.num_computed_tokens > 0:
-                t.scheduled = True
-                self.listener.on_scheduled(max(0.0, step_start - t.arrival_time))
+    def _post(self, fn, *args) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
 
-    def _collect(self, out: RequestOutput, deliveries: list, now: float) -> None:
-        entry = self._queues.get(out.request_id)
-        if entry is None:
-            return
-        track = self._track.get(out.request_id)
-        if track is not None and any(o.token_ids for o in out.outputs):
-            if track.last_token_time is None:
-                self.listener.on_first_token(max(0.0, now - track.arrival_time))
-            else:
-                self.listener.on_tokens(now - track.last_token_time)
-            track.last_token_time = now
-        self.listener.on_output(out)
-        loop, queue = entry
-        deliveries.append((loop, queue.put_nowait, (out,)))
-        if out.finished:
-            if track is not None:
-                self.listener.on_finished(out, max(0.0, now - track.arrival_time))
-            self._finish(out.request_id)
+    # ------------------------------------------------------------------ event loop side
+    def _on_outputs(self, outputs) -> None:
+        _, stopped = self.output_processor.process(outputs)  # delivered to the requests' queues
+        if stopped and self.error is None:
+            self._send(_Abort(stopped))
 
-    def _finish(self, rid: str) -> None:
-        self._queues.pop(rid, None)
-        self._track.pop(rid, None)
-
-    @staticmethod
-    def _deliver(deliveries: Sequence[tuple[asyncio.AbstractEventLoop, Callable[..., Any], tuple]]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        for loop, fn, args in deliveries:
-            by_loop.setdefault(loop, []).append((fn, args))
-        for loop, calls in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_run_all, calls)
-            except RuntimeError:  # the loop is closed: nobody is listening any more
-                pass
+    def _reject(self, sequence_id: str, error: BaseException) -> None:
+        others = self.output_processor.fail_sequence(sequence_id, error)
+        if others:
+            self._send(_Abort(others))
 
     def _fail(self, error: BaseException) -> None:
-        with self._cond:
-            self.error = error
-            adds, self._adds = self._adds, []
         dead = EngineDeadError(f"the engine has failed: {error!r}")
-        for item in adds:
-            try:
-                item.ack.get_loop().call_soon_threadsafe(_set_exception, item.ack, dead)
-            except RuntimeError:
-                pass
-        for loop, queue in list(self._queues.values()):
-            try:
-                loop.call_soon_threadsafe(queue.put_nowait, dead)
-            except RuntimeError:
-                pass
-        self._queues.clear()
-        self._track.clear()
-
-
-def _run_all(calls: list) -> None:
-    for fn, args in calls:
-        fn(*args)
+        self.output_processor.fail(dead)
+        with self._cond:
+            for cmd in self._commands:
+                if isinstance(cmd, _Call):
+                    _set_exception(cmd.future, dead)
+            self._commands.clear()
 
 
 def _set_result(fut: asyncio.Future, value: Any) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import re
 import sys
 from typing import Any
@@ -12,6 +13,16 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "ki": 1 << 10, "kib": 1 << 10, "mi": 1 << 20, "mib": 1 << 20,
           "gi": 1 << 30, "gib": 1 << 30, "ti": 1 << 40, "tib": 1 << 40}
+
+
+def _non_negative(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number of seconds >= 0, got {text!r}")
+    return value
 
 
 def parse_bytes(text: str) -> int:
@@ -56,6 +67,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=None, help="seed for unseeded requests")
     g.add_argument("--no-enable-prefix-caching", action="store_true", help="disable prefix caching")
     g.add_argument("--max-logprobs", type=int, default=None, help="largest logprobs a request may ask (default 20)")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="overlap host and device: plan and launch step t+1 while step t runs (default: on)")
+    g.add_argument("--generation-config", default=None,
+                   help="'auto' (the model's generation_config.json: default sampling settings and EOS ids), "
+                        "'vllm' (ignore its sampling defaults) or a folder holding a generation_config.json")
     g.add_argument("--data-parallel-size", type=int, default=None, help="mesh 'data' axis size")
     g.add_argument("--tensor-parallel-size", type=int, default=None, help="mesh 'model' axis size")
 
@@ -66,6 +82,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
               "max_num_batched_tokens": "max_num_batched_tokens", "kv_cache_memory": "kv_cache_memory_bytes",
               "page_size": "page_size", "compilation_cache_dir": "compilation_cache_dir", "dtype": "dtype",
               "attention_impl": "attention_impl", "matmul_impl": "matmul_impl", "seed": "seed", "max_logprobs": "max_logprobs",
+              "async_scheduling": "async_scheduling", "generation_config": "generation_config",
               "data_parallel_size": "data", "tensor_parallel_size": "model"}
     for arg, key in simple.items():
         v = getattr(args, arg, None)
@@ -97,8 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--allowed-origins", nargs="+", default=None, help="CORS origins, e.g. '*'")
     s.add_argument("--disable-request-id-header", action="store_true", help="do not send X-Request-Id")
     s.add_argument("--max-request-body", type=parse_bytes, default=32 << 20, help="largest request body (bytes)")
-    s.add_argument("--shutdown-grace", type=float, default=30.0,
+    s.add_argument("--shutdown-grace", type=_non_negative, default=30.0,
                    help="seconds in-flight requests get to finish on SIGTERM/Ctrl-C before they are aborted")
+    s.add_argument("--enable-sleep-mode", action="store_true",
+                   help="serve POST /sleep, POST /wake_up and GET /is_sleeping (free and restore the device memory)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"])
     _add_engine_args(s)
 
@@ -118,9 +137,10 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from jaxserve.config import EngineConfig
-    from jaxserve.engine.llm_engine import LLMEngine
+    from jaxserve.engine.setup import build_engine
     from jaxserve.server.app import build_app
     from jaxserve.server.async_engine import AsyncEngine
+    from jaxserve.server.draining import DrainingServer
 
     model = serve_model(args)
     names = args.served_model_name
@@ -132,15 +152,21 @@ def _serve(args: argparse.Namespace) -> int:
     except (ValueError, TypeError) as e:
         print(f"jaxserve serve: {e}", file=sys.stderr)
         return 2
-    engine = LLMEngine(config)
-    aengine = AsyncEngine(engine)
+    aengine = AsyncEngine(build_engine(config))
     app = build_app(aengine, served_model_names=names, api_keys=args.api_key, allowed_origins=args.allowed_origins,
                     max_body_bytes=args.max_request_body, request_id_header=not args.disable_request_id_header,
-                    shutdown_grace_seconds=args.shutdown_grace)
-    logging.getLogger(__name__).info("serving %s on http://%s:%d", (names or [engine.model_name])[0], args.host, args.port)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=int(args.shutdown_grace) or None, timeout_keep_alive=5)
+                    shutdown_grace_seconds=args.shutdown_grace, enable_sleep_mode=args.enable_sleep_mode)
+    logging.getLogger(__name__).info("serving %s on http://%s:%d", (names or [aengine.model_name])[0], args.host, args.port)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=5,
+                            timeout_graceful_shutdown=graceful_shutdown_timeout(args.shutdown_grace))
+    DrainingServer(config, aengine, args.shutdown_grace).run()
     return 0
+
+
+def graceful_shutdown_timeout(grace_seconds: float) -> int:
+    """uvicorn's limit on open connections at shutdown: the drain's grace plus a margin for the
+    last responses, in whole seconds (uvicorn takes an int, and None would wait forever)."""
+    return math.ceil(grace_seconds) + 5
 
 
 def _generate(args: argparse.Namespace) -> int:

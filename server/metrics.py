@@ -1,8 +1,8 @@
 """Prometheus metrics (prefix `jaxserve:`, vLLM's meanings), one CollectorRegistry per app.
 
 Gauges and engine-cumulative counters are read from the engine's latest stats snapshot at scrape
-time (a custom collector); request histograms and token counters are fed by the engine thread
-through the StatsListener interface.
+time (a custom collector); request histograms and token counters are fed by the output
+processor, on the event loop, through the StatsListener interface.
 """
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from jaxserve.engine.output_processor import StatsListener
 from jaxserve.outputs import RequestOutput
-from jaxserve.server.async_engine import AsyncEngine, StatsListener
+from jaxserve.server.async_engine import AsyncEngine
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -32,7 +33,8 @@ class _EngineCollector(Collector):
         self.model_name = model_name
 
     def collect(self) -> Iterator:
-        s = self.engine.stats
+        stats = self.engine.stats
+        s = stats.scheduler
         labels = ["model_name"]
         value = [self.model_name]
 
@@ -51,14 +53,15 @@ class _EngineCollector(Collector):
         yield gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", s.kv_cache_usage)
         yield gauge("num_free_kv_blocks", "Number of free KV-cache blocks.", s.num_free_blocks)
         yield gauge("engine_healthy", "1 while the engine loop is alive.", 1.0 if self.engine.is_alive else 0.0)
+        yield gauge("engine_sleeping", "1 while the engine sleeps (device memory freed).",
+                    1.0 if stats.is_sleeping else 0.0)
         yield counter("prefix_cache_queries", "Prefix-cache queries, in tokens.", s.prefix_cache_queries)
         yield counter("prefix_cache_hits", "Prefix-cache hits, in tokens.", s.prefix_cache_hits)
         yield counter("num_preemptions", "Cumulative number of preemptions.", s.num_preemptions)
-        runner = self.engine.engine.runner
-        yield counter("compile_seconds", "Seconds spent compiling step executables.",
-                      float(getattr(runner.counter, "compile_seconds", runner.compile_seconds)))
-        yield counter("recompiles", "Compilations after warm-up (should stay 0).", float(runner.counter.recompiles))
-        yield counter("compiles", "Step executables compiled, warm-up included.", float(runner.counter.num_compiles))
+        yield counter("compile_seconds", "Seconds spent compiling step executables.", stats.compile_seconds)
+        yield counter("recompiles", "Compilations after warm-up (should stay 0).", float(stats.recompiles))
+        yield counter("compiles", "Step executables compiled, warm-up included.", float(stats.num_compiles))
+        yield counter("engine_steps", "Engine steps run.", float(stats.num_steps))
 
 
 class ServerMetrics(StatsListener):
@@ -91,7 +94,7 @@ class ServerMetrics(StatsListener):
     def attach(self, engine: AsyncEngine) -> None:
         self.registry.register(_EngineCollector(engine, self.model_name))
 
-    # StatsListener (engine thread)
+    # StatsListener (called by the output processor, on the event loop)
     def on_scheduled(self, queue_seconds: float) -> None:
         self._queue.observe(queue_seconds)
 

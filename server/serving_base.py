@@ -17,7 +17,8 @@ from starlette.types import Receive, Scope, Send
 from jaxserve.outputs import LogprobsDict, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server import sse
-from jaxserve.server.async_engine import AsyncEngine, EngineDeadError, EngineShutdownError
+from jaxserve.engine.core import EngineSleepingError
+from jaxserve.server.async_engine import AsyncEngine, EngineDeadError, EngineShutdownError, RequestStream
 from jaxserve.server.errors import APIError, error_body, validation_message
 from jaxserve.server.protocol import (
     ChatLogProb,
@@ -94,7 +95,7 @@ async def parse_body(request: Request, model: type[M], max_bytes: int) -> M:
 def engine_error(e: BaseException) -> APIError:
     if isinstance(e, ValueError):
         return APIError(400, str(e))
-    if isinstance(e, EngineShutdownError):
+    if isinstance(e, (EngineShutdownError, EngineSleepingError)):
         return APIError(503, str(e))
     if isinstance(e, EngineDeadError):
         return APIError(500, str(e), type_="InternalServerError")
@@ -102,21 +103,23 @@ def engine_error(e: BaseException) -> APIError:
     return APIError(500, f"internal error: {e!r}", type_="InternalServerError")
 
 
-async def add_all(engine: AsyncEngine, request_ids: list[str], prompts: list[list[int]], params: SamplingParams,
-                  priority: int, arrival_time: float) -> list[asyncio.Queue]:
-    """Add one engine request per prompt; on any failure abort those already added."""
-    queues = []
+async def add_all(engine: AsyncEngine, request_ids: list[str], prompts: list[str | list[int]],
+                  params: SamplingParams, priority: int, arrival_time: float,
+                  add_special_tokens: bool = True) -> list[RequestStream]:
+    """Add one engine request per prompt, all in one command (they can share the next step);
+    bad input raises the 400 before anything is queued."""
     try:
-        for rid, ids in zip(request_ids, prompts):
-            queues.append(await engine.add_request(rid, ids, params, priority=priority,
-                                                   arrival_time=arrival_time))
-    except BaseException as e:
-        for rid in request_ids[: len(queues)]:
-            engine.abort(rid)
-        if isinstance(e, Exception):
-            raise engine_error(e) from None
-        raise
-    return queues
+        return await engine.add_requests(request_ids, prompts, params, priority=priority,
+                                         arrival_time=arrival_time, add_special_tokens=add_special_tokens)
+    except Exception as e:  # noqa: BLE001 - mapped to its API error
+        raise engine_error(e) from None
+
+
+def with_defaults(params: SamplingParams, body: BaseModel, defaults: dict[str, Any]) -> SamplingParams:
+    """`params` with the model's default sampling settings (generation_config.json) for the
+    fields the client did not send."""
+    unset = {k: v for k, v in defaults.items() if k not in body.model_fields_set}
+    return params.clone(**unset) if unset else params
 
 
 async def merge(queues: list[asyncio.Queue]) -> AsyncIterator[tuple[int, RequestOutput]]:

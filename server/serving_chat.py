@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from collections.abc import AsyncIterator
@@ -36,6 +37,7 @@ from jaxserve.server.serving_base import (
     prompt_logprobs_json,
     respond_json,
     sse_stream,
+    with_defaults,
 )
 
 
@@ -78,16 +80,19 @@ class ChatHandler:
         body = await parse_body(request, ChatCompletionRequest, self.state.max_body_bytes)
         model = self.state.resolve_model(body.model)
         try:
-            params = body.to_sampling_params()
-            text = render_chat(self.tokenizer, body.messages, add_generation_prompt=body.add_generation_prompt,
-                               continue_final_message=body.continue_final_message,
-                               chat_template=body.chat_template, chat_template_kwargs=body.chat_template_kwargs)
-            prompt = self.tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
+            params = with_defaults(body.to_sampling_params(), body, self.engine.info.sampling_defaults)
+            # Templates can be slow (and are the client's input): off the event loop.
+            text = await asyncio.to_thread(
+                render_chat, self.tokenizer, body.messages, add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message, chat_template=body.chat_template,
+                chat_template_kwargs=body.chat_template_kwargs)
         except ValueError as e:
             raise APIError(400, str(e)) from None
         rid = f"chatcmpl-{body.request_id}" if body.request_id else random_id("chatcmpl")
-        queues = await add_all(self.engine, [rid], [prompt], params, body.priority, arrival)
-        ctx = _Ctx(rid, int(arrival), model, body, len(prompt))
+        (stream,) = await add_all(self.engine, [rid], [text], params, body.priority, arrival,
+                                  body.add_special_tokens)
+        queues = [stream.queue]
+        ctx = _Ctx(rid, int(arrival), model, body, len(stream.prompt_token_ids))
         if body.stream:
             return EventStream(sse_stream(self._stream(ctx, queues)), abort_all(self.engine, [rid]))
         return await respond_json(request, self._collect(ctx, queues), abort_all(self.engine, [rid]))

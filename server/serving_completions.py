@@ -33,6 +33,7 @@ from jaxserve.server.serving_base import (
     prompt_logprobs_json,
     respond_json,
     sse_stream,
+    with_defaults,
 )
 
 
@@ -59,17 +60,17 @@ class CompletionsHandler:
         body = await parse_body(request, CompletionRequest, self.state.max_body_bytes)
         model = self.state.resolve_model(body.model)
         try:
-            params = body.to_sampling_params()
-            prompts = [self.tokenizer.encode(p, add_special_tokens=body.add_special_tokens) if isinstance(p, str)
-                       else list(p) for p in body.prompts()]
+            params = with_defaults(body.to_sampling_params(), body, self.engine.info.sampling_defaults)
         except ValueError as e:
             raise APIError(400, str(e)) from None
         base_id = random_id("cmpl")
         if body.request_id:
             base_id = f"cmpl-{body.request_id}"
+        prompts = [p if isinstance(p, str) else list(p) for p in body.prompts()]
         rids = [f"{base_id}-{i}" for i in range(len(prompts))]
-        queues = await add_all(self.engine, rids, prompts, params, body.priority, arrival)
-        ctx = _Ctx(base_id, int(arrival), model, body, prompts, params.n)
+        streams = await add_all(self.engine, rids, prompts, params, body.priority, arrival, body.add_special_tokens)
+        queues = [st.queue for st in streams]
+        ctx = _Ctx(base_id, int(arrival), model, body, [st.prompt_token_ids for st in streams], params.n)
         if body.stream:
             return EventStream(sse_stream(self._stream(ctx, queues)), abort_all(self.engine, rids))
         return await respond_json(request, self._collect(ctx, queues), abort_all(self.engine, rids))

@@ -7,7 +7,8 @@ equal prefixes; a request admitted later whose prefix hashes match takes those b
 (`get_computed_blocks`, then `allocate_slots(..., new_computed_blocks)`).
 
 Blocks are registered in the prefix cache at allocation time, for every block that will be
-full once the step being scheduled has run. A request scheduled later *in the same step* may
+full once the step being scheduled has run and whose tokens are all known (with overlapped
+steps the last token may still be in flight: its block is registered at the next allocation). A request scheduled later *in the same step* may
 therefore read a block that another request of that step is writing. Runner contract: in each
 layer, write the KV of every scheduled token into the cache before any attention reads it
 (this is what lets `n > 1` samples of one prompt, added together, share the prompt's blocks
@@ -101,14 +102,6 @@ class KVCacheManager:
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self._req_to_blocks.get(request_id, ())]
 
-    def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
-        """The request's block table (a copy of the list; the blocks themselves are live)."""
-        return list(self._req_to_blocks.get(request_id, ()))
-
-    def request_ids(self) -> list[str]:
-        """Requests that currently hold blocks."""
-        return list(self._req_to_blocks)
-
     # ------------------------------------------------------------------ prefix cache
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest cached prefix of `request`, as (blocks, number of tokens).
@@ -155,7 +148,8 @@ class KVCacheManager:
         assert not hits or not req_blocks, "prefix hits are only taken at admission"
         num_computed = request.num_computed_tokens + len(hits) * self.block_size
         num_total = num_computed + num_new_tokens  # tokens with KV after this step
-        assert num_total <= request.num_tokens, (num_total, request.num_tokens)
+        assert num_total <= request.num_tokens + request.num_output_placeholders, (
+            num_total, request.num_tokens)
         if self.max_model_len is not None:
             assert num_total <= self.max_model_len, (num_total, self.max_model_len)
 
@@ -195,7 +189,9 @@ class KVCacheManager:
         self, request: Request, req_blocks: list[KVCacheBlock], num_total: int
     ) -> None:
         rid = request.request_id
-        num_full = num_total // self.block_size
+        # Only blocks whose tokens are all known can be hashed (a token sampled by a step in
+        # flight is not); such a block is cached at a later allocation.
+        num_full = min(num_total, request.num_tokens) // self.block_size
         num_cached = self._num_cached_blocks[rid]
         if num_full <= num_cached:
             return

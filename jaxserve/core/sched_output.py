@@ -5,36 +5,46 @@ One step feeds, for each scheduled request in batch order, the tokens at positio
 after preemption or the one token sampled last step, all alike — and writes their KV into the
 request's blocks. When `sample` is set, the logits at the last fed position produce one new
 token, reported back through `Scheduler.update_from_output`.
+
+A token the scheduler does not know yet (sampled by a step still in flight) is `PENDING` in
+`token_ids`; the runner reads it on the device from the request's slot.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.request import Request
+
+PENDING = -1  # a token id sampled by an earlier step that has not reached the host yet
 
 
 @dataclass(frozen=True, slots=True)
 class ScheduledRequest:
-    request_id: str
-    # Tokens to feed this step, for positions start_pos … start_pos + num_scheduled_tokens - 1.
+    request: Request
+    # Tokens to feed this step, for positions start_pos … start_pos + num_scheduled_tokens - 1;
+    # PENDING where the token was sampled by a step still in flight.
     token_ids: tuple[int, ...]
     start_pos: int  # = the request's num_computed_tokens before this step; KV exists below it
     num_scheduled_tokens: int  # = len(token_ids) > 0
-    # The request's whole block table row: position p is slot p % block_size of
-    # block_ids[p // block_size]. Covers at least start_pos + num_scheduled_tokens tokens.
-    block_ids: tuple[int, ...]
-    # This step reaches the end of the request's known tokens: sample one token from the
-    # logits at the last fed position. False for a prefill chunk that is not the last one.
+    # The blocks appended to the request's block table this step (its whole table when
+    # is_new). Position p is slot p % block_size of table[p // block_size].
+    new_block_ids: tuple[int, ...]
+    # This step reaches the end of the request's tokens: sample one token from the logits at
+    # the last fed position. False for a prefill chunk that is not the last one.
     sample: bool
     # First step since the request was added or resumed after preemption: (re)build any
-    # per-request runner state (sampler rows, penalty counts, seeded generators …).
+    # per-request runner state (block table row, sampler rows, penalty counts …).
     is_new: bool
     is_resumed: bool  # is_new because of a preemption (the request has output tokens already)
-    num_prompt_tokens: int
-    sampling_params: SamplingParams
-    # The request's whole known history (prompt + output so far) when is_new, else ().
-    all_token_ids: tuple[int, ...] = ()
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.request.prompt_token_ids)
 
     @property
     def end_pos(self) -> int:
@@ -56,13 +66,5 @@ class SchedulerOutput:
     preempted_request_ids: tuple[str, ...]
 
     @property
-    def num_scheduled_requests(self) -> int:
-        return len(self.scheduled)
-
-    @property
     def is_empty(self) -> bool:
         return not self.scheduled
-
-    @property
-    def num_scheduled_tokens(self) -> dict[str, int]:
-        return {s.request_id: s.num_scheduled_tokens for s in self.scheduled}

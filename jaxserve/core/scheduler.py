@@ -16,11 +16,18 @@ every request that arrived after it). No request is admitted in a step that pree
 Step protocol (one engine step):
     out = scheduler.schedule()          # advances num_computed_tokens of the scheduled requests
     sampled = runner.execute(out)       # {request_id: [token]} for the rows with `sample`
-    finished = scheduler.update_from_output(out, sampled)
+    updated = scheduler.update_from_output(out, sampled)   # [(request, new tokens)]
 `num_computed_tokens` is advanced in `schedule()` (as in vLLM v1), so a scheduled request
-already counts its step's tokens as computed; `update_from_output` only appends sampled tokens
-and applies the stop conditions the scheduler owns (max_tokens, EOS, stop_token_ids,
+already counts its step's tokens as computed, and a row that samples adds a placeholder for
+its token (`Request.num_output_placeholders`); `update_from_output` replaces it by the sampled
+token and applies the stop conditions the scheduler owns (max_tokens, EOS, stop_token_ids,
 max_model_len). Stop strings belong to the output processor, which calls `finish_requests`.
+
+Overlapped steps (vLLM v1's async scheduling) call schedule() for step t+1 before
+update_from_output() of step t: a request whose last token is still pending is scheduled to
+feed it (`PENDING` in its token ids) unless that token may be its last (max_tokens or
+max_model_len reached). A request finished by a token that arrives late has had one more step
+computed for nothing; its output is dropped. Nothing is resumed while a token of it is pending.
 """
 
 from __future__ import annotations
@@ -29,12 +36,13 @@ import bisect
 import heapq
 import itertools
 import logging
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Literal
 
 from jaxserve.core.kv_cache_manager import KVCacheManager
-from jaxserve.core.sched_output import ScheduledRequest, SchedulerOutput
+from jaxserve.core.sched_output import PENDING, ScheduledRequest, SchedulerOutput
 from jaxserve.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -49,6 +57,8 @@ class SchedulerConfig:
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
     policy: Literal["fcfs", "priority"] = "fcfs"
+    # Overlap host and device: plan and launch step t+1 while step t runs (the engine core).
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -181,18 +191,15 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    def get_num_unfinished_requests(self) -> int:
-        return len(self.requests)
-
     def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (False while some request holds blocks)."""
         return self.kv.reset_prefix_cache()
 
     # ------------------------------------------------------------------ one step
     def schedule(self) -> SchedulerOutput:
         cfg = self.config
         budget = cfg.max_num_batched_tokens
-        scheduled: dict[str, int] = {}  # request id -> tokens this step, in batch order
-        admitted: dict[str, bool] = {}  # request id -> resumed after preemption
+        scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
 
         # 1. Running requests, in order. The last one is the preemption victim.
@@ -203,14 +210,16 @@ class Scheduler:
             if n == 0:  # nothing to compute until its sampled token arrives
                 i += 1
                 continue
-            while self.kv.allocate_slots(req, n) is None:
+            new_blocks = self.kv.allocate_slots(req, n)
+            while new_blocks is None:
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is req:
                     break
-            if req.status == RequestStatus.RUNNING:
-                scheduled[req.request_id] = n
+                new_blocks = self.kv.allocate_slots(req, n)
+            if new_blocks is not None:
+                scheduled.append(self._advance(req, n, new_blocks, is_new=False, resumed=False))
                 budget -= n
                 i += 1
 
@@ -220,6 +229,8 @@ class Scheduler:
             and len(self.running) < cfg.max_num_seqs
         ):
             req = self.waiting.peek()
+            if req.num_output_placeholders:  # preempted while its last token was in flight
+                break
             hits, num_hit = self.kv.get_computed_blocks(req)
             n = req.num_tokens - num_hit
             if not cfg.enable_chunked_prefill and n > budget:
@@ -231,17 +242,18 @@ class Scheduler:
             resumed = req.status == RequestStatus.PREEMPTED
             if not resumed:
                 req.num_cached_tokens = num_hit
+                req.first_scheduled_time = time.time()
             req.num_computed_tokens = num_hit
             req.status = RequestStatus.RUNNING
             bisect.insort(self.running, req, key=lambda r: self._keys[r.request_id])
-            scheduled[req.request_id] = n
-            admitted[req.request_id] = resumed
+            table = self.kv.get_block_ids(req.request_id)
+            scheduled.append(self._advance(req, n, table, is_new=True, resumed=resumed))
             budget -= n
 
         finished_ids = frozenset(self._finished_ids)
         self._finished_ids.clear()
         return SchedulerOutput(
-            scheduled=tuple(self._advance(rid, n, admitted) for rid, n in scheduled.items()),
+            scheduled=tuple(scheduled),
             total_num_scheduled_tokens=cfg.max_num_batched_tokens - budget,
             finished_request_ids=finished_ids,
             preempted_request_ids=tuple(preempted),
@@ -249,35 +261,37 @@ class Scheduler:
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, sampled_token_ids: dict[str, list[int]]
-    ) -> list[Request]:
-        """Apply one step's sampled tokens; return the requests that finished (freed already).
+    ) -> list[tuple[Request, int]]:
+        """Apply one step's sampled tokens. Returns (request, number of tokens taken) for each
+        row that took tokens, in batch order; finished requests (freed already) are among them
+        with a finished status.
 
         `sampled_token_ids` must hold a non-empty list (normally one token) for every scheduled
-        request with `sample` set; tokens for other rows are ignored (a partial prefill chunk
-        samples nothing). Rows whose request was finished, aborted or preempted since
-        `schedule()` are skipped.
+        row with `sample` set; tokens for other rows are ignored (a partial prefill chunk
+        samples nothing). Rows whose request was finished or aborted since `schedule()` are
+        skipped; a request preempted since still takes its token.
         """
-        finished = []
+        updated = []
         for s in scheduler_output.scheduled:
             if not s.sample:
                 continue
-            req = self.requests.get(s.request_id)
-            if (
-                req is None or req.status != RequestStatus.RUNNING
-                or req.num_computed_tokens != s.end_pos
-            ):
+            req = s.request
+            req.num_output_placeholders -= 1
+            if req.status >= RequestStatus.FINISHED_STOPPED:
                 continue
-            tokens = sampled_token_ids.get(s.request_id)
+            tokens = sampled_token_ids.get(req.request_id)
             if not tokens:
-                raise RuntimeError(f"The runner returned no token for request {s.request_id!r}.")
+                raise RuntimeError(f"The runner returned no token for request {req.request_id!r}.")
+            taken = 0
             for token in tokens:
-                req.append_output_token_ids(token)
+                req.output_token_ids.append(token)
+                taken += 1
                 status = self._check_stop(req, token)
                 if status is not None:
                     self._finish(req, status)
-                    finished.append(req)
                     break
-        return finished
+            updated.append((req, taken))
+        return updated
 
     # ------------------------------------------------------------------ metrics
     def make_stats(self) -> SchedulerStats:
@@ -293,28 +307,32 @@ class Scheduler:
 
     # ------------------------------------------------------------------ internals
     def _num_new_tokens(self, req: Request, budget: int) -> int:
-        n = req.num_tokens - req.num_computed_tokens
+        pending = req.num_output_placeholders
+        if pending:
+            # Feeding a pending token samples the one after it: not when the pending one
+            # may be the last (it finishes the request when it arrives).
+            max_tokens = req.sampling_params.max_tokens
+            if (req.num_tokens + pending >= self.config.max_model_len
+                    or max_tokens is not None and req.num_output_tokens + pending >= max_tokens):
+                return 0
+        n = req.num_tokens + pending - req.num_computed_tokens
         return max(0, min(n, budget, self.config.max_model_len - req.num_computed_tokens))
 
-    def _advance(self, rid: str, n: int, admitted: dict[str, bool]) -> ScheduledRequest:
+    def _advance(self, req: Request, n: int, block_ids: list[int], *, is_new: bool,
+                 resumed: bool) -> ScheduledRequest:
         """Describe one scheduled request and count its tokens as computed."""
-        req = self.requests[rid]
         start = req.num_computed_tokens
-        req.num_computed_tokens = start + n
-        is_new = rid in admitted
-        return ScheduledRequest(
-            request_id=rid,
-            token_ids=tuple(req.get_token_ids(start, start + n)),
-            start_pos=start,
-            num_scheduled_tokens=n,
-            block_ids=tuple(self.kv.get_block_ids(rid)),
-            sample=req.num_computed_tokens == req.num_tokens,
-            is_new=is_new,
-            is_resumed=admitted.get(rid, False),
-            num_prompt_tokens=req.num_prompt_tokens,
-            sampling_params=req.sampling_params,
-            all_token_ids=tuple(req.all_token_ids) if is_new else (),
-        )
+        end = start + n
+        req.num_computed_tokens = end
+        known = req.num_tokens
+        if end <= known:
+            tokens = tuple(req.get_token_ids(start, end))
+        else:
+            tokens = (*req.get_token_ids(start, known), *(PENDING,) * (end - max(start, known)))
+        sample = end == known + req.num_output_placeholders
+        if sample:
+            req.num_output_placeholders += 1
+        return ScheduledRequest(req, tokens, start, n, tuple(block_ids), sample, is_new, resumed)
 
     def _preempt(self, req: Request) -> None:
         logger.debug("Preempting %s (%d tokens) by recompute", req.request_id, req.num_tokens)
@@ -331,7 +349,7 @@ class Scheduler:
             if token == req.eos_token_id and not params.ignore_eos:
                 req.stop_reason = None
                 return RequestStatus.FINISHED_STOPPED
-            if token in params.stop_token_ids:  # type: ignore[operator]
+            if token in req.stop_token_ids:
                 req.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
         if req.num_tokens >= self.config.max_model_len:

@@ -1,15 +1,24 @@
-"""Output processing: incremental detokenization, stop strings, log-probs, RequestOutputs.
+"""OutputProcessor: the engine core's token ids -> RequestOutputs (frontend side).
+
+It owns everything the frontend keeps per request: incremental detokenization, stop strings,
+log-prob dictionaries, the gathering of n > 1 samples under their parent, per-request metrics,
+and (in the server) the queue the request's outputs go to. It never runs on the engine's
+thread: the offline `LLMEngine` calls it after each step, the server's `AsyncEngine` on its
+event loop.
 
 The scheduler owns the token-level stop rules (EOS, stop_token_ids, max_tokens); stop *strings*
-are matched here on the detokenized text, across token boundaries, and the finished request is
-handed back to the scheduler. For n > 1 a parent gathers its children's CompletionOutputs.
+are matched here on the detokenized text, across token boundaries; `process` returns the ids
+of the sequences a stop string finished, for the caller to abort in the engine core (tokens it
+produces for them meanwhile are dropped).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Any
 
+from jaxserve.engine.input_processor import ProcessedRequest
 from jaxserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from jaxserve.outputs import (
     CompletionOutput,
@@ -18,10 +27,19 @@ from jaxserve.outputs import (
     OutputKind,
     RequestMetrics,
     RequestOutput,
+    SampleLogprobs,
 )
-from jaxserve.request import Request
-from jaxserve.runner.model_runner import RunnerOutput, SampleLogprobs
 from jaxserve.sampling_params import SamplingParams
+
+
+class StatsListener:
+    """What the output processor reports per request (metrics); called where it runs."""
+
+    def on_scheduled(self, queue_seconds: float) -> None: ...
+    def on_first_token(self, ttft_seconds: float) -> None: ...
+    def on_tokens(self, itl_seconds: float) -> None: ...
+    def on_output(self, out: RequestOutput) -> None: ...
+    def on_finished(self, out: RequestOutput, e2e_seconds: float) -> None: ...
 
 
 @dataclasses.dataclass(slots=True)
@@ -32,6 +50,7 @@ class _Seq:
     index: int
     params: SamplingParams
     detok: IncrementalDetokenizer
+    parent: _Parent | None = None
     token_ids: list[int] = dataclasses.field(default_factory=list)
     text: str = ""
     logprobs: list[LogprobsDict] | None = None
@@ -55,6 +74,7 @@ class _Parent:
     kind: OutputKind
     seqs: list[_Seq]
     metrics: RequestMetrics
+    queue: Any = None  # where the server delivers this request's outputs (asyncio.Queue)
     prompt_logprobs: list[LogprobsDict | None] | None = None
     num_cached_tokens: int = 0
 
@@ -63,7 +83,9 @@ class _Parent:
         return all(s.finished for s in self.seqs)
 
 
-def _logprob_dict(tok: int, lp: SampleLogprobs, tokenizer: Tokenizer) -> LogprobsDict:
+def logprob_dict(tok: int, lp: SampleLogprobs, tokenizer: Tokenizer) -> LogprobsDict:
+    """One position's log-probs as clients read them: {token id: Logprob}, the chosen token
+    first (as vLLM orders it), then the top-k by rank."""
     out: LogprobsDict = {}
     for rank, (tid, val) in enumerate(zip(lp.top_ids, lp.top_logprobs), start=1):
         out[int(tid)] = Logprob(float(val), rank, tokenizer.decode([int(tid)]))
@@ -71,50 +93,48 @@ def _logprob_dict(tok: int, lp: SampleLogprobs, tokenizer: Tokenizer) -> Logprob
         out[tok] = Logprob(lp.logprob, lp.rank, tokenizer.decode([tok]))
     else:
         out[tok].rank = lp.rank
-    # the chosen token first, as vLLM orders it
     return {tok: out[tok], **{k: v for k, v in out.items() if k != tok}}
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer):
+    def __init__(self, tokenizer: Tokenizer, listener: StatsListener | None = None):
         self.tokenizer = tokenizer
+        self.listener = listener or StatsListener()
         self.parents: dict[str, _Parent] = {}
-        self.seq_parent: dict[str, str] = {}  # child request id -> parent id
-        self.seqs: dict[str, _Seq] = {}
+        self.seqs: dict[str, _Seq] = {}  # sequence (engine request) id -> its state
 
-    def add(
-        self,
-        parent_id: str,
-        children: list[Request],
-        prompt: str | None,
-        kind: OutputKind,
-        arrival_time: float,
-    ) -> None:
+    def add(self, req: ProcessedRequest, kind: OutputKind, arrival_time: float, queue: Any = None) -> None:
+        if req.request_id in self.parents:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
         seqs = []
-        for i, req in enumerate(children):
-            p = req.sampling_params
-            detok = self.tokenizer.detokenizer(skip_special_tokens=p.skip_special_tokens, prompt_token_ids=req.prompt_token_ids)
-            seq = _Seq(req.request_id, i, p, detok, logprobs=[] if p.logprobs is not None else None,
-                       cumulative_logprob=0.0 if p.logprobs is not None else None)
-            seqs.append(seq)
-            self.seqs[req.request_id] = seq
-            self.seq_parent[req.request_id] = parent_id
-        first = children[0]
-        wants_plp = first.sampling_params.prompt_logprobs is not None
-        self.parents[parent_id] = _Parent(
-            parent_id, prompt, list(first.prompt_token_ids), kind, seqs, RequestMetrics(arrival_time),
-            prompt_logprobs=[None] + [None] * (len(first.prompt_token_ids) - 1) if wants_plp else None,
+        for i, r in enumerate(req.sequences):
+            p = r.sampling_params
+            detok = self.tokenizer.detokenizer(skip_special_tokens=p.skip_special_tokens,
+                                               prompt_token_ids=req.prompt_token_ids)
+            seqs.append(_Seq(r.request_id, i, p, detok, logprobs=[] if p.logprobs is not None else None,
+                             cumulative_logprob=0.0 if p.logprobs is not None else None))
+        wants_plp = req.params.prompt_logprobs is not None
+        parent = _Parent(
+            req.request_id, req.prompt, list(req.prompt_token_ids), kind, seqs, RequestMetrics(arrival_time),
+            queue=queue, prompt_logprobs=[None] * len(req.prompt_token_ids) if wants_plp else None,
         )
+        for s in seqs:
+            s.parent = parent
+            self.seqs[s.request_id] = s
+        self.parents[req.request_id] = parent
 
     def has(self, parent_id: str) -> bool:
         return parent_id in self.parents
 
-    def child_ids(self, parent_id: str) -> list[str]:
+    def sequence_ids(self, parent_id: str) -> list[str]:
         p = self.parents.get(parent_id)
         return [s.request_id for s in p.seqs] if p else []
 
+    def unfinished(self) -> list[str]:
+        return list(self.parents)
+
     def abort(self, parent_id: str) -> RequestOutput | None:
-        """Mark every unfinished sample aborted and return the final output."""
+        """Mark every unfinished sample aborted and return the final output (None if unknown)."""
         p = self.parents.get(parent_id)
         if p is None:
             return None
@@ -123,62 +143,80 @@ class OutputProcessor:
                 s.finish_reason = "abort"
         return self._emit(p, force=True)
 
+    def fail_sequence(self, sequence_id: str, error: BaseException) -> list[str]:
+        """The engine could not take this sequence: its request gets `error` (on its queue)
+        and is forgotten; returns the request's other sequence ids (for the engine to drop)."""
+        seq = self.seqs.get(sequence_id)
+        if seq is None:
+            return []
+        self._forget(seq.parent, error)
+        return [s.request_id for s in seq.parent.seqs if s.request_id != sequence_id]
+
+    def fail(self, error: BaseException) -> None:
+        """Every request gets `error` (on its queue) and is forgotten (the engine is dead)."""
+        for p in list(self.parents.values()):
+            self._forget(p, error)
+
+    def _forget(self, p: _Parent, error: BaseException) -> None:
+        if p.queue is not None:
+            p.queue.put_nowait(error)
+        for s in p.seqs:
+            self.seqs.pop(s.request_id, None)
+        self.parents.pop(p.request_id, None)
+
     # ------------------------------------------------------------------ per step
-    def process(
-        self,
-        ro: RunnerOutput,
-        finished: list[Request],
-        requests: dict[str, Request],
-    ) -> tuple[list[RequestOutput], list[str]]:
-        """Fold one step in. Returns the outputs to deliver and the ids of requests that a
-        stop string finished (the engine tells the scheduler)."""
+    def process(self, core_outputs) -> tuple[list[RequestOutput], list[str]]:
+        """Fold one step's EngineCoreOutputs in. Returns the outputs to deliver and the
+        sequence ids a stop string finished (to abort in the engine core)."""
         now = time.time()
         touched: dict[str, _Parent] = {}
         stopped: list[str] = []
-        for rid, (start, rows) in ro.prompt_logprobs.items():
-            parent = self.parents.get(self.seq_parent.get(rid, ""))
-            if parent is None or parent.prompt_logprobs is None or parent.seqs[0].request_id != rid:
-                continue
-            for j, lp in enumerate(rows):
-                pos = start + j
-                parent.prompt_logprobs[pos] = _logprob_dict(parent.prompt_token_ids[pos], lp, self.tokenizer)
-        for rid, toks in ro.sampled.items():
-            seq = self.seqs.get(rid)
+        tokenizer = self.tokenizer
+        for o in core_outputs:
+            seq = self.seqs.get(o.request_id)
             if seq is None or seq.finished:
                 continue
-            parent = self.parents[self.seq_parent[rid]]
-            if parent.metrics.first_token_time is None:
-                parent.metrics.first_token_time = now
-            parent.metrics.last_token_time = now
-            if rid in requests:
-                parent.num_cached_tokens = max(parent.num_cached_tokens, requests[rid].num_cached_tokens)
-            for tok in toks:
-                seq.token_ids.append(tok)
-                if seq.logprobs is not None and rid in ro.logprobs:
-                    lp = ro.logprobs[rid]
-                    seq.logprobs.append(_logprob_dict(tok, lp, self.tokenizer))
-                    seq.cumulative_logprob += lp.logprob
-                before = len(seq.text)
-                seq.text += seq.detok.add_tokens([tok])
-                if self._check_stop_strings(seq, before):
-                    stopped.append(rid)
-                    break
+            parent = seq.parent
+            m = parent.metrics
+            if m.first_scheduled_time is None:
+                m.first_scheduled_time = o.first_scheduled_time or now
+                self.listener.on_scheduled(max(0.0, m.first_scheduled_time - m.arrival_time))
+            if o.prompt_logprobs is not None and parent.prompt_logprobs is not None and parent.seqs[0] is seq:
+                start, rows = o.prompt_logprobs
+                for j, lp in enumerate(rows):
+                    pos = start + j
+                    parent.prompt_logprobs[pos] = logprob_dict(parent.prompt_token_ids[pos], lp, tokenizer)
+            if o.new_token_ids:
+                if m.first_token_time is None:
+                    m.first_token_time = now
+                    self.listener.on_first_token(max(0.0, now - m.arrival_time))
+                else:
+                    self.listener.on_tokens(now - m.last_token_time)
+                m.last_token_time = now
+                parent.num_cached_tokens = max(parent.num_cached_tokens, o.num_cached_tokens)
+                for j, tok in enumerate(o.new_token_ids):
+                    seq.token_ids.append(tok)
+                    if seq.logprobs is not None and o.logprobs:
+                        lp = o.logprobs[j]
+                        seq.logprobs.append(logprob_dict(tok, lp, tokenizer))
+                        seq.cumulative_logprob += lp.logprob
+                    before = len(seq.text)
+                    seq.text += seq.detok.add_tokens((tok,))
+                    if seq.params.stop and self._check_stop_strings(seq, before):
+                        stopped.append(seq.request_id)
+                        break
+            if o.finish_reason is not None and not seq.finished:
+                seq.finish_reason, seq.stop_reason = o.finish_reason, o.stop_reason
+            if seq.finished:
+                seq.text += seq.detok.flush()
             touched[parent.request_id] = parent
-        for req in finished:
-            seq = self.seqs.get(req.request_id)
-            if seq is None or seq.finished:
-                continue
-            seq.finish_reason = req.get_finished_reason()
-            seq.stop_reason = req.stop_reason
-            seq.text += seq.detok.flush()
-            touched[self.seq_parent[req.request_id]] = self.parents[self.seq_parent[req.request_id]]
-        outputs = [o for p in touched.values() if (o := self._emit(p)) is not None]
+        outputs = [out for p in touched.values() if (out := self._emit(p)) is not None]
         return outputs, stopped
 
     def _check_stop_strings(self, seq: _Seq, before: int) -> bool:
-        stops = seq.params.stop
-        if not stops or len(seq.token_ids) < seq.params.min_tokens:
+        if len(seq.token_ids) < seq.params.min_tokens:
             return False
+        stops = seq.params.stop
         longest = max(len(s) for s in stops)
         lo = max(0, before - longest + 1)
         best: tuple[int, str] | None = None
@@ -228,9 +266,12 @@ class OutputProcessor:
             num_cached_tokens=p.num_cached_tokens,
             metrics=p.metrics,
         )
+        self.listener.on_output(out)
+        if p.queue is not None:
+            p.queue.put_nowait(out)
         if finished:
+            self.listener.on_finished(out, max(0.0, p.metrics.finished_time - p.metrics.arrival_time))
             for s in p.seqs:
                 self.seqs.pop(s.request_id, None)
-                self.seq_parent.pop(s.request_id, None)
             self.parents.pop(p.request_id, None)
         return out

@@ -124,8 +124,6 @@ class IncrementalDetokenizer:
         self._ids: list[int] = context[-INITIAL_CONTEXT_TOKENS:]
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
-        self.token_ids: list[int] = []  # every generated id fed so far, special ones included
-        self.output_text = ""  # every delta returned so far
 
     def _skipped(self, token_id: int) -> bool:
         return self._skip and token_id in self._tokenizer.special_ids
@@ -138,7 +136,6 @@ class IncrementalDetokenizer:
         pieces = []
         for token_id in token_ids:
             token_id = int(token_id)
-            self.token_ids.append(token_id)
             if self._skipped(token_id):
                 continue
             self._ids.append(token_id)
@@ -148,9 +145,7 @@ class IncrementalDetokenizer:
                 pieces.append(new_text[len(prefix_text) :])
                 self._prefix_offset = self._read_offset
                 self._read_offset = len(self._ids)
-        delta = "".join(pieces)
-        self.output_text += delta
-        return delta
+        return "".join(pieces)
 
     def flush(self) -> str:
         """Release text held back at the end of the stream (an unfinished UTF-8 sequence decodes
@@ -160,5 +155,4 @@ class IncrementalDetokenizer:
         delta = new_text[len(prefix_text) :] if len(new_text) > len(prefix_text) else ""
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
-        self.output_text += delta
         return delta

@@ -25,10 +25,15 @@ class LLM:
     other keyword arguments are engine options (see jaxserve.config, e.g. max_num_seqs=8)."""
 
     def __init__(self, model: str | None = None, **engine_options: Any):
-        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_options))
+        self.engine = LLMEngine.from_config(EngineConfig.from_kwargs(model=model, **engine_options))
 
     def get_tokenizer(self):
         return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's defaults, overridden by the model's generation_config.json (see
+        `--generation-config`); what `generate` uses when given no SamplingParams."""
+        return self.engine.default_sampling_params()
 
     def generate(
         self,
@@ -42,7 +47,7 @@ class LLM:
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
         else:

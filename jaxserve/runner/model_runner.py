@@ -1,10 +1,23 @@
 """ModelRunner: turns a SchedulerOutput into one call of a precompiled step executable.
 
-One executable per (T tokens, R requests) bucket does: fold the input tokens into the sampling
-state (penalty counts) -> model forward over the flat token batch (KV cache updated in place,
-donated) -> logits at each request's last scheduled token -> sampling (+ raw logprobs, and
-prompt logprobs when some row asks). Every bucket is compiled at start-up from abstract inputs
-that carry the real shardings; a step whose shape misses the grid raises.
+One executable per (T tokens, R requests) bucket does: replace pending input tokens by the
+tokens their slots sampled last -> fold the input tokens into the sampling state (penalty
+counts) -> model forward over the flat token batch (KV cache updated in place, donated) ->
+logits at each request's last scheduled token -> sampling (+ raw logprobs, and prompt
+logprobs when some row asks) -> keep each row's sampled token in its slot. Every bucket is
+compiled at start-up from abstract inputs that carry the real shardings; a step whose shape
+misses the grid raises.
+
+A step runs in three parts, so that the engine can prepare and launch step t+1 while the
+device still computes step t:
+
+    plan = runner.prepare(scheduler_output)   # host only: slots, packing (numpy)
+    step = runner.launch(plan)                # the JAX calls; returns once dispatched
+    out = runner.collect(step)                # the one device->host transfer; waits for it
+
+`prepare` reads the scheduler output and the runner's per-slot host state; `launch` needs only
+the plan (a multi-host follower would run it on a plan received from the leader); `collect`
+needs only the launched step.
 """
 
 from __future__ import annotations
@@ -21,28 +34,24 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tqdm import tqdm
 
 from jaxserve.core.sched_output import ScheduledRequest, SchedulerOutput
+from jaxserve.outputs import SampleLogprobs
 from jaxserve.runner.buckets import BucketGrid
 from jaxserve.runner.compile import CompileCounter
 from jaxserve.runner.kv_cache import allocate_kv_cache
-from jaxserve.runner.step_inputs import ModelInputs, StepRequest, pack_step
+from jaxserve.runner.step_inputs import ModelInputs, TokenInfo, pack_rows
 from jaxserve.sampling.config import SamplerConfig
 from jaxserve.sampling.metadata import SamplingMetadata, SamplingMetadataBuilder
 from jaxserve.sampling.sampler import SamplerOutput, prompt_logprobs, sample
-from jaxserve.sampling.state import SamplingState, init_sampling_state, update_state_from_tokens, write_slot_rows
+from jaxserve.sampling.state import (
+    SlotRowsWrite,
+    init_sampling_state,
+    record_sampled_tokens,
+    resolve_pending_tokens,
+    update_state_from_tokens,
+    write_slot_rows,
+)
 
 logger = logging.getLogger(__name__)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class TokenInfo:
-    """Per input token: which slot it belongs to and what it is (for the sampling state), and
-    the next prompt token when its prompt log-probs are wanted (-1 otherwise)."""
-
-    slots: np.ndarray  # [T] int32
-    is_prompt: np.ndarray  # [T] bool
-    valid: np.ndarray  # [T] bool
-    next_prompt_token: np.ndarray  # [T] int32
 
 
 @jax.tree_util.register_dataclass
@@ -55,16 +64,6 @@ class PromptLogprobs:
 
 
 @dataclasses.dataclass(slots=True)
-class SampleLogprobs:
-    """Log-probs of one sampled token: its own, its rank and the top-k alternatives."""
-
-    logprob: float
-    rank: int
-    top_ids: list[int]
-    top_logprobs: list[float]
-
-
-@dataclasses.dataclass(slots=True)
 class RunnerOutput:
     sampled: dict[str, list[int]]
     logprobs: dict[str, SampleLogprobs]
@@ -73,11 +72,26 @@ class RunnerOutput:
 
 
 @dataclasses.dataclass(slots=True)
-class _ReqState:
-    slot: int
-    prompt_ids: tuple[int, ...]
-    wants_prompt_logprobs: int | None
-    wants_logprobs: int | None
+class StepPlan:
+    """One prepared step: the bucket and its numpy inputs, and what `collect` reads back."""
+
+    bucket: tuple[int, int]  # (T, R)
+    slot_writes: list[SlotRowsWrite]  # sampler rows of admitted requests, written first
+    inputs: ModelInputs
+    meta: SamplingMetadata
+    tok: TokenInfo
+    sample_ids: list[str]  # the request of each row that samples, in row order
+    sample_rows: np.ndarray  # [n] int: those rows
+    logprob_rows: list[tuple[int, str, int]]  # (row, request id, top k)
+    # (request id, first flat token, count, first position, top k)
+    prompt_logprob_rows: list[tuple[str, int, int, int, int]]
+
+
+@dataclasses.dataclass(slots=True)
+class LaunchedStep:
+    plan: StepPlan
+    out: SamplerOutput
+    plp: PromptLogprobs
 
 
 class ModelRunner:
@@ -99,11 +113,14 @@ class ModelRunner:
     ):
         self.mesh = mesh
         self.cfg = model.config
+        self.num_pages = num_pages
         self.page_size = page_size
+        self.kv_dtype = kv_dtype
         self.pages_per_req = -(-max_model_len // page_size)
         self.grid = grid
         self.sampler_config = sampler_config
         self.max_num_seqs = max_num_seqs
+        self.backend = backend
         self.graphdef, state = nnx.split(model)
         # The weights travel to the step as a flat list of arrays: flattening the nnx State (one
         # Variable per weight) on every call costs milliseconds of host time per step.
@@ -111,14 +128,11 @@ class ModelRunner:
         del state
         self.layer_impl = backend.layer_impl(model)
         backend.place_weights(model, self.params, self._params_treedef)
-        self.kv = allocate_kv_cache(self.cfg, num_pages, page_size, kv_dtype, mesh)
-        # The thread advising huge pages under the host buffers (CPU), if any.
-        self.huge_pages = backend.place_kv_cache([*self.params, *self.kv.k, *self.kv.v])
         self.replicated = NamedSharding(mesh, P())
-        self.sstate = jax.device_put(init_sampling_state(sampler_config), self.replicated)
+        self._allocate_state()
         self.builder = SamplingMetadataBuilder(sampler_config, seed=seed)
-        self.free_slots = list(range(max_num_seqs - 1, -1, -1))
-        self.requests: dict[str, _ReqState] = {}
+        self._reset_slots()
+        self._host_params: list[np.ndarray] | None = None  # the weights while asleep
         self.counter = CompileCounter()
         self._compiled: dict[tuple[int, int], jax.stages.Compiled] = {}
         t0 = time.perf_counter()
@@ -127,13 +141,34 @@ class ModelRunner:
         self.compile_seconds = time.perf_counter() - t0
         self.counter.mark_warm()
 
+    def _allocate_state(self) -> None:
+        """The KV cache and the sampling state (device), zeroed."""
+        self.kv = allocate_kv_cache(self.cfg, self.num_pages, self.page_size, self.kv_dtype, self.mesh)
+        # The thread advising huge pages under the host buffers (CPU), if any.
+        self.huge_pages = self.backend.place_kv_cache([*self.params, *self.kv.k, *self.kv.v])
+        self.sstate = jax.device_put(init_sampling_state(self.sampler_config), self.replicated)
+
+    def _reset_slots(self) -> None:
+        """Per-slot host state: which request holds each sampling slot, and its block table."""
+        S = self.max_num_seqs
+        self.free_slots = list(range(S - 1, -1, -1))
+        self.slot_of: dict[str, int] = {}
+        self.block_table = np.zeros((S, self.pages_per_req), np.int32)
+        self.num_blocks = np.zeros(S, np.int64)
+        self.prompt_len = np.zeros(S, np.int64)
+        self._logprobs_k: list[int | None] = [None] * S
+        self._prompt_logprobs_k: list[int | None] = [None] * S
+        self._prompt_ids: list[list[int] | None] = [None] * S
+
     # ------------------------------------------------------------------ compilation
     def _step_fn(self, params, kv, sstate, inputs: ModelInputs, meta: SamplingMetadata, tok: TokenInfo):
-        sstate = update_state_from_tokens(sstate, tok.slots, inputs.input_ids, tok.is_prompt, tok.valid, meta.reset_slots)
+        input_ids = resolve_pending_tokens(sstate, inputs.input_ids, tok.slots)
+        sstate = update_state_from_tokens(sstate, tok.slots, input_ids, tok.is_prompt, tok.valid, meta.reset_slots)
         model = nnx.merge(self.graphdef, jax.tree.unflatten(self._params_treedef, params))
-        hidden, kv = model(inputs.input_ids, inputs.positions, kv, inputs.md, self.layer_impl)  # [T, E]
+        hidden, kv = model(input_ids, inputs.positions, kv, inputs.md, self.layer_impl)  # [T, E]
         logits = model.compute_logits(hidden[inputs.logits_indices])  # [R, V]
         out = sample(logits, meta, sstate, self.sampler_config)
+        sstate = record_sampled_tokens(sstate, out.token_ids, tok.sample_slots)
         k = self.sampler_config.max_logprobs
         T = hidden.shape[0]
         wants = tok.next_prompt_token >= 0
@@ -150,16 +185,16 @@ class ModelRunner:
         plp = jax.lax.cond(jnp.any(wants), with_prompt_lp, without)
         return kv, sstate, out, plp
 
-    def _abstract_inputs(self, T: int, R: int):
+    def abstract_inputs(self, T: int, R: int) -> tuple[ModelInputs, SamplingMetadata, TokenInfo]:
+        """ShapeDtypeStructs of one (T, R) step's inputs, with the shardings real ones get."""
         rep = self.replicated
-        i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32, sharding=rep)  # noqa: E731
-        dummy = pack_step([], num_tokens=T, num_reqs=R, pages_per_req=self.pages_per_req, page_size=self.page_size)
-        inputs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep), dummy)
-        meta_np = self.builder.build([], [], R)
-        meta = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep), meta_np)
-        tok = TokenInfo(slots=i32(T), is_prompt=jax.ShapeDtypeStruct((T,), jnp.bool_, sharding=rep),
-                        valid=jax.ShapeDtypeStruct((T,), jnp.bool_, sharding=rep), next_prompt_token=i32(T))
-        return inputs, meta, tok
+        empty = np.zeros(0, np.int32)
+        dummy = pack_rows(empty, empty, empty, np.zeros((0, self.pages_per_req), np.int32),
+                          num_tokens=T, num_reqs=R, page_size=self.page_size)
+        tok = TokenInfo(slots=np.zeros(T, np.int32), is_prompt=np.zeros(T, np.bool_), valid=np.zeros(T, np.bool_),
+                        next_prompt_token=np.zeros(T, np.int32), sample_slots=np.zeros(R, np.int32))
+        meta = SamplingMetadataBuilder(self.sampler_config).build([], [], R)
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep), (dummy, meta, tok))
 
     def _compile_all(self, show_progress: bool) -> None:
         shaped = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
@@ -169,14 +204,12 @@ class ModelRunner:
         jitted = jax.jit(self._step_fn, donate_argnums=(1, 2))
         shapes = self.grid.shapes()
         for T, R in tqdm(shapes, desc="compiling buckets", disable=not show_progress, unit="bucket"):
-            self._compiled[(T, R)] = jitted.lower(params, kv, sstate, *self._abstract_inputs(T, R)).compile()
+            self._compiled[(T, R)] = jitted.lower(params, kv, sstate, *self.abstract_inputs(T, R)).compile()
         rows = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.replicated),
                             self._empty_slot_write())
         self._write_rows = jax.jit(write_slot_rows, donate_argnums=(0,)).lower(sstate, rows).compile()
 
-    def _empty_slot_write(self):
-        from jaxserve.sampling.state import SlotRowsWrite
-
+    def _empty_slot_write(self) -> SlotRowsWrite:
         c = self.sampler_config
         return SlotRowsWrite(
             slots=np.full(c.slot_write_batch, c.max_num_seqs, np.int32),
@@ -189,101 +222,148 @@ class ModelRunner:
         return len(self._compiled)
 
     # ------------------------------------------------------------------ per step
-    def _admit(self, s: ScheduledRequest, eos_ids: tuple[int, ...], bad_words) -> None:
-        old = self.requests.pop(s.request_id, None)
-        if old is not None:
-            self.free_slots.append(old.slot)
+    def _admit(self, s: ScheduledRequest) -> int:
+        """Give a (re)admitted request a sampling slot and its rows; returns the slot."""
+        req = s.request
+        self._release(req.request_id)
         slot = self.free_slots.pop()
-        p = s.sampling_params
-        self.builder.admit(slot, p, eos_ids, bad_words)
-        self.requests[s.request_id] = _ReqState(
-            slot=slot,
-            prompt_ids=tuple(s.all_token_ids[: s.num_prompt_tokens]),
-            wants_prompt_logprobs=p.prompt_logprobs,
-            wants_logprobs=p.logprobs,
-        )
+        p = req.sampling_params
+        eos = () if req.eos_token_id is None else (req.eos_token_id,)
+        self.builder.admit(slot, p, eos, req.bad_words_token_ids)
+        self.slot_of[req.request_id] = slot
+        ids = s.new_block_ids
+        self.block_table[slot, : len(ids)] = ids
+        self.num_blocks[slot] = len(ids)
+        self.prompt_len[slot] = req.num_prompt_tokens
+        self._logprobs_k[slot] = p.logprobs
+        self._prompt_logprobs_k[slot] = p.prompt_logprobs
+        self._prompt_ids[slot] = req.prompt_token_ids if p.prompt_logprobs is not None else None
+        return slot
 
-    def release(self, request_ids) -> None:
-        for rid in request_ids:
-            st = self.requests.pop(rid, None)
-            if st is not None:
-                self.free_slots.append(st.slot)
+    def _release(self, request_id: str) -> None:
+        slot = self.slot_of.pop(request_id, None)
+        if slot is not None:
+            self.free_slots.append(slot)
 
-    def execute(self, so: SchedulerOutput, eos_ids: tuple[int, ...] = (), bad_words=None) -> RunnerOutput:
-        """Run one step. `bad_words`: request id -> token-id sequences (optional)."""
-        with self.counter.active():
-            return self._execute(so, eos_ids, bad_words)
-
-    def _execute(self, so: SchedulerOutput, eos_ids: tuple[int, ...], bad_words) -> RunnerOutput:
-        self.release(so.finished_request_ids)
-        self.release(so.preempted_request_ids)
+    def prepare(self, so: SchedulerOutput) -> StepPlan | None:
+        """The host half of a step (numpy only); None when nothing is scheduled."""
+        for rid in so.finished_request_ids:
+            self._release(rid)
+        for rid in so.preempted_request_ids:
+            self._release(rid)
         if so.is_empty:
-            return RunnerOutput({}, {}, {})
-        for s in so.scheduled:
+            return None
+        n = len(so.scheduled)
+        slots, starts, lens, samples, tokens = [0] * n, [0] * n, [0] * n, [False] * n, []
+        slot_of, table, num_blocks = self.slot_of, self.block_table, self.num_blocks
+        for i, s in enumerate(so.scheduled):
             if s.is_new:
-                self._admit(s, eos_ids, (bad_words or {}).get(s.request_id))
-        for w in self.builder.take_slot_writes():
-            self.sstate = self._write_rows(self.sstate, w)
-        n_tok = so.total_num_scheduled_tokens
-        T, R = self.grid.pick(n_tok, len(so.scheduled))
-        inputs = pack_step(
-            [StepRequest(s.token_ids, s.start_pos, s.block_ids) for s in so.scheduled],
-            num_tokens=T, num_reqs=R, pages_per_req=self.pages_per_req, page_size=self.page_size,
-        )
-        tok = self._token_info(so, T)
-        states = [self.requests[s.request_id] for s in so.scheduled]
-        meta = self.builder.build([st.slot for st in states], [s.end_pos - s.num_prompt_tokens for s in so.scheduled], R)
-        self.kv, self.sstate, out, plp = self._compiled[(T, R)](self.params, self.kv, self.sstate, inputs, meta, tok)
-        return self._collect(so, states, out, plp, tok)
-
-    def _token_info(self, so: SchedulerOutput, T: int) -> TokenInfo:
-        slots = np.zeros(T, np.int32)
-        is_prompt = np.zeros(T, np.bool_)
+                slot = self._admit(s)
+            else:
+                slot = slot_of[s.request.request_id]
+                if s.new_block_ids:
+                    nb = num_blocks[slot]
+                    table[slot, nb : nb + len(s.new_block_ids)] = s.new_block_ids
+                    num_blocks[slot] = nb + len(s.new_block_ids)
+            slots[i], starts[i], lens[i], samples[i] = slot, s.start_pos, s.num_scheduled_tokens, s.sample
+            tokens.extend(s.token_ids)
+        total = len(tokens)
+        T, R = self.grid.pick(total, n)
+        slots_np = np.asarray(slots, np.int32)
+        starts_np, lens_np = np.asarray(starts, np.int64), np.asarray(lens, np.int64)
+        inputs = pack_rows(np.asarray(tokens, np.int32), starts_np, lens_np, table[slots_np],
+                           num_tokens=T, num_reqs=R, page_size=self.page_size)
+        tok_slots = np.zeros(T, np.int32)
+        tok_slots[:total] = np.repeat(slots_np, lens_np)
         valid = np.zeros(T, np.bool_)
+        valid[:total] = True
+        is_prompt = valid & (inputs.positions < self.prompt_len[tok_slots])
+        samples_np = np.asarray(samples, np.bool_)
+        sample_rows = np.flatnonzero(samples_np)
+        sample_slots = np.full(R, self.max_num_seqs, np.int32)
+        sample_slots[sample_rows] = slots_np[sample_rows]
         nxt = np.full(T, -1, np.int32)
+        logprob_rows, prompt_rows = [], []
         lo = 0
-        for s in so.scheduled:
-            st = self.requests[s.request_id]
-            n = s.num_scheduled_tokens
-            pos = np.arange(s.start_pos, s.end_pos)
-            slots[lo : lo + n] = st.slot
-            is_prompt[lo : lo + n] = pos < s.num_prompt_tokens
-            valid[lo : lo + n] = True
-            if st.wants_prompt_logprobs is not None:
-                m = pos + 1 < s.num_prompt_tokens
-                nxt[lo : lo + n][m] = np.asarray(st.prompt_ids, np.int32)[pos[m] + 1]
-            lo += n
-        return TokenInfo(slots=slots, is_prompt=is_prompt, valid=valid, next_prompt_token=nxt)
+        for i, slot in enumerate(slots):
+            if samples[i] and self._logprobs_k[slot] is not None:
+                logprob_rows.append((i, so.scheduled[i].request.request_id, self._k(self._logprobs_k[slot])))
+            if self._prompt_logprobs_k[slot] is not None:
+                pos = starts[i] + np.arange(lens[i])
+                has_next = pos + 1 < self.prompt_len[slot]
+                count = int(has_next.sum())  # the leading positions of the row
+                if count:
+                    nxt[lo : lo + count] = np.asarray(self._prompt_ids[slot], np.int32)[pos[:count] + 1]
+                    prompt_rows.append((so.scheduled[i].request.request_id, lo, count, starts[i] + 1,
+                                        self._k(self._prompt_logprobs_k[slot])))
+            lo += lens[i]
+        tok = TokenInfo(slots=tok_slots, is_prompt=is_prompt, valid=valid, next_prompt_token=nxt,
+                        sample_slots=sample_slots)
+        meta = self.builder.build(slots_np, starts_np + lens_np - self.prompt_len[slots_np], R)
+        sample_ids = [so.scheduled[i].request.request_id for i in sample_rows.tolist()]
+        return StepPlan((T, R), self.builder.take_slot_writes(), inputs, meta, tok, sample_ids, sample_rows,
+                        logprob_rows, prompt_rows)
 
-    def _collect(self, so, states, out: SamplerOutput, plp: PromptLogprobs, tok: TokenInfo) -> RunnerOutput:
+    def launch(self, plan: StepPlan) -> LaunchedStep:
+        """Dispatch the step (the sampler rows of admitted requests first); returns at once."""
+        with self.counter.active():
+            for w in plan.slot_writes:
+                self.sstate = self._write_rows(self.sstate, w)
+            self.kv, self.sstate, out, plp = self._compiled[plan.bucket](
+                self.params, self.kv, self.sstate, plan.inputs, plan.meta, plan.tok)
+        return LaunchedStep(plan, out, plp)
+
+    def collect(self, step: LaunchedStep) -> RunnerOutput:
+        """The step's sampled tokens (and log-probs) on the host; waits for the device."""
+        plan, out, plp = step.plan, step.out, step.plp
         token_ids = np.asarray(out.token_ids)  # the one device->host transfer of a plain step
-        want_lp = any(st.wants_logprobs is not None for st in states)
-        want_plp = bool((tok.next_prompt_token >= 0).any())
-        if want_lp:
+        sampled = {rid: [t] for rid, t in zip(plan.sample_ids, token_ids[plan.sample_rows].tolist())}
+        logprobs, prompt_lps = {}, {}
+        if plan.logprob_rows:
             lp, rank, ids, top = jax.device_get((out.logprobs, out.rank, out.topk_ids, out.topk_logprobs))
-        if want_plp:
+            for row, rid, k in plan.logprob_rows:
+                logprobs[rid] = SampleLogprobs(float(lp[row]), int(rank[row]), ids[row, :k].tolist(),
+                                               top[row, :k].tolist())
+        if plan.prompt_logprob_rows:
             p_lp, p_rank, p_ids, p_top = jax.device_get((plp.logprob, plp.rank, plp.topk_ids, plp.topk_logprobs))
-        sampled, logprobs, prompt_lps = {}, {}, {}
-        lo = 0
-        for i, (s, st) in enumerate(zip(so.scheduled, states)):
-            if s.sample:
-                sampled[s.request_id] = [int(token_ids[i])]
-                if st.wants_logprobs is not None:
-                    k = _k(st.wants_logprobs, self.sampler_config.max_logprobs)
-                    logprobs[s.request_id] = SampleLogprobs(float(lp[i]), int(rank[i]), ids[i, :k].tolist(), top[i, :k].tolist())
-            if st.wants_prompt_logprobs is not None:
-                k = _k(st.wants_prompt_logprobs, self.sampler_config.max_logprobs)
-                rows = [
-                    SampleLogprobs(float(p_lp[t]), int(p_rank[t]), p_ids[t, :k].tolist(), p_top[t, :k].tolist())
-                    for t in range(lo, lo + s.num_scheduled_tokens)
-                    if tok.next_prompt_token[t] >= 0
-                ]
-                if rows:
-                    prompt_lps[s.request_id] = (s.start_pos + 1, rows)
-            lo += s.num_scheduled_tokens
+            for rid, lo, count, first, k in plan.prompt_logprob_rows:
+                prompt_lps[rid] = (first, [SampleLogprobs(float(p_lp[t]), int(p_rank[t]), p_ids[t, :k].tolist(),
+                                                          p_top[t, :k].tolist()) for t in range(lo, lo + count)])
         return RunnerOutput(sampled, logprobs, prompt_lps)
 
+    def execute(self, so: SchedulerOutput) -> RunnerOutput:
+        """prepare, launch and collect one step."""
+        plan = self.prepare(so)
+        if plan is None:
+            return RunnerOutput({}, {}, {})
+        return self.collect(self.launch(plan))
 
-def _k(requested: int, max_logprobs: int) -> int:
-    return max_logprobs if requested < 0 else min(requested, max_logprobs)
+    def _k(self, requested: int) -> int:
+        return self.sampler_config.max_logprobs if requested < 0 else min(requested, self.sampler_config.max_logprobs)
 
+    # ------------------------------------------------------------------ sleep mode
+    @property
+    def is_sleeping(self) -> bool:
+        return self._host_params is not None
+
+    def sleep(self) -> None:
+        """Free the device memory of the weights (kept on the host) and the KV cache (dropped).
+        Only while no request holds a slot."""
+        if self.is_sleeping:
+            return
+        if self.slot_of:
+            raise RuntimeError("the runner cannot sleep while requests hold slots")
+        self._shardings = [x.sharding for x in self.params]
+        self._host_params = [np.array(x) for x in self.params]
+        for x in (*self.params, *self.kv.k, *self.kv.v, *jax.tree.leaves(self.sstate)):
+            x.delete()
+        self.params = []
+
+    def wake_up(self) -> None:
+        """Put the weights back on the devices and allocate a fresh KV cache."""
+        if not self.is_sleeping:
+            return
+        self.params = [jax.device_put(h, s) for h, s in zip(self._host_params, self._shardings)]
+        self._host_params = None
+        self._allocate_state()
+        self._reset_slots()

@@ -121,13 +121,12 @@ class SamplingMetadataBuilder:
         bad_words_token_ids: Sequence[Sequence[int]] | None = None,
     ) -> None:
         """Cache a request's sampling rows in `slot` and schedule the slot's reset. Call on
-        every admission to a slot (also when a preempted request comes back). Raises
-        ValueError when the request exceeds the config's limits (see `check_request`)."""
+        every admission to a slot (also when a preempted request comes back). The request
+        must have passed `SamplerConfig.check_request` (the input processor's validation)."""
         cfg = self.config
         if not 0 <= slot < cfg.max_num_seqs:
             raise ValueError(f"slot {slot} outside [0, {cfg.max_num_seqs}).")
         words = [list(w) for w in (bad_words_token_ids or []) if len(w) > 0]
-        cfg.check_request(params, tuple(eos_token_ids), words)
         greedy = params.temperature < 1e-5
         self._temperature[slot] = 0.0 if greedy else params.temperature
         top_k = params.top_k if 0 < params.top_k < cfg.vocab_size else 0

@@ -35,6 +35,9 @@ class SamplingState:
     logit_bias: jax.Array  # [S, V] float32 bias, -inf for disallowed / single-token bad words
     bad_words: jax.Array  # [S, B, L] int32 multi-token bad words, right-aligned, PAD_WORD-filled
     recent_outputs: jax.Array  # [S, L-1] int32 last L-1 output tokens (oldest first), -1 = none
+    # [S] int32 the token the slot's request sampled last: the input of its next step when the
+    # host has not seen it yet (overlapped steps; see runner/model_runner.py)
+    last_tokens: jax.Array
 
 
 @jax.tree_util.register_dataclass
@@ -56,7 +59,19 @@ def init_sampling_state(config: SamplerConfig) -> SamplingState:
         logit_bias=jnp.zeros((S, V), jnp.float32),
         bad_words=jnp.full((S, B, L), PAD_WORD, jnp.int32),
         recent_outputs=jnp.full((S, L - 1), -1, jnp.int32),
+        last_tokens=jnp.zeros((S,), jnp.int32),
     )
+
+
+def resolve_pending_tokens(state: SamplingState, token_ids: jax.Array, slots: jax.Array) -> jax.Array:
+    """The step's input tokens with every pending one (< 0) replaced by the token its slot's
+    request sampled last. token_ids, slots: [T] int32."""
+    return jnp.where(token_ids < 0, state.last_tokens[slots], token_ids)
+
+
+def record_sampled_tokens(state: SamplingState, token_ids: jax.Array, sample_slots: jax.Array) -> SamplingState:
+    """Keep each row's sampled token in its slot (rows with slot >= S keep nothing)."""
+    return dataclasses.replace(state, last_tokens=state.last_tokens.at[sample_slots].set(token_ids, mode="drop"))
 
 
 def write_slot_rows(state: SamplingState, rows: SlotRowsWrite) -> SamplingState:

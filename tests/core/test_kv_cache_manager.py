@@ -28,7 +28,7 @@ def snapshot(kv: KVCacheManager):
     return (
         pool.free_block_ids(),
         [(b.ref_cnt, b.block_hash) for b in pool.blocks],
-        {rid: kv.get_block_ids(rid) for rid in kv.request_ids()},
+        {rid: kv.get_block_ids(rid) for rid in kv._req_to_blocks},
         kv.prefix_cache_queries,
         kv.prefix_cache_hits,
     )

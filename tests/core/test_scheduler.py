@@ -36,14 +36,15 @@ def mk(rid, prompt, *, max_tokens=4, priority=0, arrival=0.0, eos=None, **sp) ->
 def step(
     s: Scheduler, token: int | Callable[[str], int] = 5
 ) -> tuple[SchedulerOutput, list[Request]]:
+    """One synchronous step; returns the output and the requests that finished."""
     out = s.schedule()
     tok = token if callable(token) else (lambda _rid: token)
     sampled = {x.request_id: [tok(x.request_id)] for x in out.scheduled if x.sample}
-    return out, s.update_from_output(out, sampled)
+    return out, [r for r, _ in s.update_from_output(out, sampled) if r.is_finished]
 
 
 def sched_map(out: SchedulerOutput) -> dict[str, int]:
-    return out.num_scheduled_tokens
+    return {x.request_id: x.num_scheduled_tokens for x in out.scheduled}
 
 
 # ---------------------------------------------------------------------- config and admission
@@ -80,17 +81,17 @@ def test_single_request_lifecycle():
     (x,) = out.scheduled
     assert (x.start_pos, x.num_scheduled_tokens, x.sample) == (0, 5, True)
     assert x.is_new and not x.is_resumed
-    assert list(x.token_ids) == r.prompt_token_ids and list(x.all_token_ids) == r.prompt_token_ids
-    assert x.block_ids == (1, 2) and x.num_prompt_tokens == 5 and x.end_pos == 5
+    assert list(x.token_ids) == r.prompt_token_ids and x.request is r
+    assert x.new_block_ids == (1, 2) and x.num_prompt_tokens == 5 and x.end_pos == 5
     assert out.total_num_scheduled_tokens == 5 and not fin
     assert r.output_token_ids == [7] and r.num_computed_tokens == 5 and r.status == S.RUNNING
 
     out, fin = step(s, 8)
     (x,) = out.scheduled
     assert (x.token_ids, x.start_pos, x.sample) == ((7,), 5, True)
-    assert not x.is_new and x.all_token_ids == ()
+    assert not x.is_new and x.new_block_ids == () and s.kv.get_block_ids("a") == [1, 2]
     out, fin = step(s, 9)
-    assert out.scheduled[0].token_ids == (8,) and out.scheduled[0].block_ids == (1, 2)
+    assert out.scheduled[0].token_ids == (8,) and out.scheduled[0].new_block_ids == ()
     assert fin == [r] and r.status == S.FINISHED_LENGTH_CAPPED
     assert r.get_finished_reason() == "length"
     assert r.output_token_ids == [7, 8, 9]
@@ -183,9 +184,9 @@ def test_prefix_hit_in_scheduler_and_stats():
     out, _ = step(s)
     x = out.scheduled[-1]
     assert (x.request_id, x.start_pos, x.num_scheduled_tokens, x.sample) == ("b", 12, 1, True)
-    assert x.token_ids == (22,) and x.all_token_ids == tuple(prompt)
+    assert x.token_ids == (22,) and x.is_new and x.request.prompt_token_ids == prompt
     assert b.num_cached_tokens == 12
-    assert x.block_ids[:3] == out.scheduled[0].block_ids[:3]
+    assert x.new_block_ids[:3] == (1, 2, 3)  # its whole table: first the blocks a filled
     st = s.make_stats()
     assert (st.prefix_cache_queries, st.prefix_cache_hits) == (26, 12)
     assert st.prefix_cache_hit_rate == pytest.approx(12 / 26)
@@ -200,7 +201,7 @@ def test_parallel_samples_share_prompt_in_first_step():
         s.add_request(mk(f"p{i}", prompt, max_tokens=2, temperature=1.0))
     out, _ = step(s)
     assert sched_map(out) == {"p0": 9, "p1": 1, "p2": 1}
-    rows = [x.block_ids for x in out.scheduled]
+    rows = [x.new_block_ids for x in out.scheduled]  # new requests: their whole tables
     assert rows[0][:2] == rows[1][:2] == rows[2][:2]
     assert len({r[2] for r in rows}) == 3  # each its own partial block
     assert [x.start_pos for x in out.scheduled] == [0, 8, 8]
@@ -247,7 +248,7 @@ def test_preemption_picks_newest_and_requeues_it_first():
     x = out.scheduled[-1]
     assert (x.request_id, x.is_new, x.is_resumed) == ("c", True, True)
     assert (x.start_pos, x.num_scheduled_tokens) == (0, 9)
-    assert list(x.all_token_ids) == c.all_token_ids[:9] and x.sample
+    assert list(x.token_ids) == c.all_token_ids[:9] and x.sample
 
 
 def test_finished_request_frees_room_without_preemption():

@@ -5,7 +5,10 @@ position p is a hash of the state at p - 1 (read back through the block table) a
 at p, so a sampled token depends on the request's whole history *as read from the cache*.
 A wrong block table, a stale or clobbered cached block, or a wrongly fed token changes the
 output. Each run is compared with the outputs the same model gives when run on each request
-alone, so preemption, chunking and prefix caching must not change any token.
+alone, so preemption, chunking and prefix caching must not change any token. Every workload
+runs twice: with plain steps, and overlapped (vLLM v1's async scheduling: step t+1 is
+scheduled and run before step t's tokens reach the scheduler; the fake model reads a pending
+token from what the request sampled last, as the device does).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from jaxserve.core.kv_cache_manager import KVCacheManager, cdiv
-from jaxserve.core.sched_output import SchedulerOutput
+from jaxserve.core.sched_output import PENDING, SchedulerOutput
 from jaxserve.core.scheduler import Scheduler, SchedulerConfig
 from jaxserve.request import Request, RequestStatus
 from jaxserve.sampling_params import SamplingParams
@@ -36,13 +39,17 @@ def sample(state: int) -> int:
 
 
 class FakeRunner:
-    """Writes every scheduled token's state into its slot, then samples from the cache."""
+    """Writes every scheduled token's state into its slot, then samples from the cache. It
+    keeps each request's block table from the scheduler's deltas, and the token each request
+    sampled last (what a PENDING input token is)."""
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.bs = block_size
         self.cache: list[list[tuple[int, int] | None]] = [
             [None] * block_size for _ in range(num_blocks)
         ]
+        self.tables: dict[str, list[int]] = {}
+        self.last: dict[str, int] = {}
 
     def _slot(self, block_ids: tuple[int, ...], pos: int) -> tuple[int, int]:
         block = block_ids[pos // self.bs]
@@ -56,21 +63,32 @@ class FakeRunner:
         return entry[1]
 
     def execute(self, out: SchedulerOutput) -> dict[str, list[int]]:
+        for rid in (*out.finished_request_ids, *out.preempted_request_ids):
+            self.tables.pop(rid, None)
         written: set[tuple[int, int]] = set()
         for x in out.scheduled:
-            state = self._read(x.block_ids, x.start_pos - 1) if x.start_pos else 0
+            if x.is_new:
+                self.tables[x.request_id] = list(x.new_block_ids)
+            else:
+                self.tables[x.request_id] += x.new_block_ids
+            table = tuple(self.tables[x.request_id])
+            state = self._read(table, x.start_pos - 1) if x.start_pos else 0
             for j, tok in enumerate(x.token_ids):
+                if tok == PENDING:
+                    tok = self.last[x.request_id]
                 pos = x.start_pos + j
                 state = mix(state, tok, pos)
-                slot = self._slot(x.block_ids, pos)
+                slot = self._slot(table, pos)
                 assert slot not in written, "two requests wrote one slot in a step"
                 written.add(slot)
                 self.cache[slot[0]][slot[1]] = (pos, state)
-        return {
-            x.request_id: [sample(self._read(x.block_ids, x.end_pos - 1))]
-            for x in out.scheduled
-            if x.sample
-        }
+        sampled = {}
+        for x in out.scheduled:
+            if x.sample:
+                tok = sample(self._read(tuple(self.tables[x.request_id]), x.end_pos - 1))
+                sampled[x.request_id] = [tok]
+                self.last[x.request_id] = tok
+        return sampled
 
 
 def reference(req: Request, max_model_len: int) -> tuple[list[int], RequestStatus, int | None]:
@@ -100,7 +118,7 @@ def reference(req: Request, max_model_len: int) -> tuple[list[int], RequestStatu
 def check_state(s: Scheduler) -> None:
     kv, pool, cfg = s.kv, s.kv.pool, s.config
     running_ids = {r.request_id for r in s.running}
-    assert set(kv.request_ids()) == running_ids, "only running requests hold blocks"
+    assert set(kv._req_to_blocks) == running_ids, "only running requests hold blocks"
     assert len(s.running) <= cfg.max_num_seqs
     assert set(s.requests) == running_ids | {r.request_id for r in s.waiting}
     holders = [0] * pool.num_blocks
@@ -108,7 +126,8 @@ def check_state(s: Scheduler) -> None:
         ids = kv.get_block_ids(r.request_id)
         assert r.status == S.RUNNING
         assert 0 not in ids and len(set(ids)) == len(ids)
-        assert r.num_computed_tokens <= r.num_tokens <= cfg.max_model_len
+        assert r.num_computed_tokens <= r.num_tokens + r.num_output_placeholders
+        assert r.num_tokens <= cfg.max_model_len and 0 <= r.num_output_placeholders <= 2
         assert len(ids) * kv.block_size >= r.num_computed_tokens
         for i in ids:
             holders[i] += 1
@@ -125,7 +144,8 @@ def check_state(s: Scheduler) -> None:
             assert pool.get_cached_block(b.block_hash) is b
 
 
-def check_output(s: Scheduler, out: SchedulerOutput) -> None:
+def check_output(s: Scheduler, out: SchedulerOutput, runner: FakeRunner) -> None:
+    """After the runner took `out`: the rows, and the runner's block tables (from deltas)."""
     cfg, bs = s.config, s.kv.block_size
     assert out.total_num_scheduled_tokens == sum(x.num_scheduled_tokens for x in out.scheduled)
     assert out.total_num_scheduled_tokens <= cfg.max_num_batched_tokens
@@ -133,15 +153,16 @@ def check_output(s: Scheduler, out: SchedulerOutput) -> None:
     assert len({x.request_id for x in out.scheduled}) == len(out.scheduled)
     for x in out.scheduled:
         r = s.requests[x.request_id]
-        assert x.num_scheduled_tokens == len(x.token_ids) > 0
-        assert r.num_computed_tokens == x.end_pos <= r.num_tokens
-        assert list(x.token_ids) == r.get_token_ids(x.start_pos, x.end_pos)
-        assert list(x.block_ids) == s.kv.get_block_ids(x.request_id)
-        assert len(x.block_ids) * bs >= x.end_pos
-        assert x.sample == (x.end_pos == r.num_tokens)
-        assert x.is_new == bool(x.all_token_ids)
+        assert x.request is r and x.num_scheduled_tokens == len(x.token_ids) > 0
+        pending = r.num_output_placeholders - x.sample  # tokens in flight before this step
+        assert r.num_computed_tokens == x.end_pos <= r.num_tokens + pending
+        known = r.get_token_ids(x.start_pos, x.end_pos)
+        assert list(x.token_ids) == known + [PENDING] * (x.num_scheduled_tokens - len(known))
+        assert runner.tables[x.request_id] == s.kv.get_block_ids(x.request_id)
+        assert len(runner.tables[x.request_id]) * bs >= x.end_pos
+        assert x.sample == (x.end_pos == r.num_tokens + pending)
         if x.is_new:
-            assert list(x.all_token_ids) == r.all_token_ids
+            assert not pending and x.start_pos == r.num_computed_tokens - x.num_scheduled_tokens
             if not cfg.enable_chunked_prefill:
                 assert x.sample, "without chunked prefill, a new request runs to its end"
         assert x.is_resumed == (x.is_new and r.num_preemptions > 0)
@@ -154,6 +175,7 @@ class Coverage:
     preemptions: int = 0
     prefix_hits: int = 0
     chunks: int = 0
+    pending: int = 0  # tokens fed before they reached the scheduler (overlapped steps)
     aborted: dict[str, int] = field(default_factory=dict)
 
 
@@ -194,7 +216,7 @@ def make_workload(rng: random.Random):
     return Scheduler(cfg, kv), arrivals
 
 
-def run_workload(seed: int) -> Coverage:
+def run_workload(seed: int, overlap: bool = False) -> Coverage:
     rng = random.Random(seed)
     s, arrivals = make_workload(rng)
     runner = FakeRunner(s.kv.num_blocks, s.kv.block_size)
@@ -214,19 +236,26 @@ def run_workload(seed: int) -> Coverage:
             cut_short.add(r.request_id)
 
     step = 0
-    while step <= max(arrivals) or s.has_unfinished_requests():
+    in_flight = None  # (output, sampled) of the step whose tokens the scheduler has not seen
+    while step <= max(arrivals) or s.has_unfinished_requests() or in_flight:
         for r in arrivals.get(step, []):
             s.add_request(r)
         maybe_abort(p_abort)
         out = s.schedule()
         check_state(s)
-        check_output(s, out)
-        assert out.scheduled or not s.has_unfinished_requests(), "no progress"
+        sampled = runner.execute(out)
+        check_output(s, out, runner)
+        assert out.scheduled or in_flight or not s.has_unfinished_requests(), "no progress"
         cov.preemptions += len(out.preempted_request_ids)
         cov.chunks += sum(1 for x in out.scheduled if not x.sample)
+        cov.pending += sum(x.token_ids.count(PENDING) for x in out.scheduled)
         maybe_abort(p_abort / 4)  # between schedule() and update_from_output()
-        finished = s.update_from_output(out, runner.execute(out))
-        assert all(r.is_finished and r.request_id not in s.requests for r in finished)
+        if overlap:  # this step stays in flight; the previous one's tokens arrive
+            in_flight, (out, sampled) = (out, sampled) if out.scheduled else None, in_flight or (None, None)
+        if out is not None:
+            updated = s.update_from_output(out, sampled)
+            finished = [r for r, _ in updated if r.is_finished]
+            assert all(r.request_id not in s.requests for r in finished)
         check_state(s)
         if s.running and rng.random() < p_abort / 4:  # the output processor saw a stop string
             victim = rng.choice(s.running)
@@ -252,19 +281,22 @@ def run_workload(seed: int) -> Coverage:
     return cov
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlapped"])
 @pytest.mark.parametrize("seed", range(300))
-def test_random_workload(seed: int) -> None:
-    run_workload(seed)
+def test_random_workload(seed: int, overlap: bool) -> None:
+    run_workload(seed, overlap)
 
 
 def test_random_workloads_cover_the_interesting_cases() -> None:
     total = Coverage()
     for seed in range(60):
-        cov = run_workload(seed)
+        cov = run_workload(seed, overlap=seed % 2 == 1)
         total.preemptions += cov.preemptions
         total.prefix_hits += cov.prefix_hits
         total.chunks += cov.chunks
+        total.pending += cov.pending
         for k, v in cov.aborted.items():
             total.aborted[k] = total.aborted.get(k, 0) + v
     assert total.preemptions > 20 and total.prefix_hits > 100 and total.chunks > 100
+    assert total.pending > 100
     assert {"WAITING", "RUNNING", "PREEMPTED", "prefill"} <= set(total.aborted), total.aborted

@@ -167,3 +167,21 @@ def test_parallel_samples_share_the_prompt(llm, golden):
     assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
     with pytest.raises(ValueError, match="n > 1"):
         SamplingParams(n=2, temperature=0.0)
+
+
+def test_overlapped_steps_equal_plain_steps(small_engine_options, golden, llm):
+    """Greedy tokens and log-probs are the same with async scheduling (the default: step t+1
+    planned and launched while step t runs) and without, with every case in one batch (so
+    requests finish while others still run)."""
+    assert llm.engine.core.async_scheduling
+    plain = LLM(**small_engine_options, async_scheduling=False)
+    assert not plain.engine.core.async_scheduling
+    cases = golden["cases"]
+    params = [greedy(c).clone(logprobs=2) for c in cases]
+    prompts = [c["prompt_token_ids"] for c in cases]
+    for a, b in zip(llm.generate(prompts, params, use_tqdm=False), plain.generate(prompts, params, use_tqdm=False)):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert la.keys() == lb.keys()
+            assert all(abs(la[t].logprob - lb[t].logprob) < 1e-5 for t in la)
+    assert llm.engine.num_compiles_after_warmup == 0 and plain.engine.num_compiles_after_warmup == 0

@@ -119,7 +119,6 @@ def _stream(
         i += size
     assert i >= len(ids)
     deltas.append(detok.flush())
-    assert detok.output_text == "".join(deltas) and detok.token_ids == ids
     return deltas
 
 
@@ -168,7 +167,7 @@ def test_detokenize_stream_ending_mid_character(tok):
     streamed = "".join(detok.add_tokens([i]) for i in cut)
     assert streamed.startswith("ok") and "\ufffd" not in streamed  # the partial emoji is held back
     tail = detok.flush()
-    assert tail.endswith("\ufffd") and streamed + tail == tok.decode(cut) == detok.output_text
+    assert tail.endswith("\ufffd") and streamed + tail == tok.decode(cut)
 
 
 def test_detokenize_with_prompt_context(tok):

@@ -100,14 +100,15 @@ def test_builder_rows_padding_and_limits():
     assert len(writes) == 1 and writes[0].slots.tolist() == [4, S]
     assert writes[0].logit_bias[0, 3] == 1.0 and writes[0].bad_words[0, 0].tolist() == [-2, -2, 5, 6]
     assert b.take_slot_writes() == []
+    # What admission cannot store is refused before (the input processor's validation).
     with pytest.raises(ValueError, match="logprobs"):
-        b.admit(0, SamplingParams(logprobs=5))
+        CFG.check_request(SamplingParams(logprobs=5))
     with pytest.raises(ValueError, match="bad word"):
-        b.admit(0, SamplingParams(), bad_words_token_ids=[[1, 2, 3, 4, 5]])
+        CFG.check_request(SamplingParams(), bad_words_token_ids=[[1, 2, 3, 4, 5]])
     with pytest.raises(ValueError, match="stop token"):
-        b.admit(0, SamplingParams(min_tokens=1, stop_token_ids=[1, 2, 3]), eos_token_ids=(9,))
+        CFG.check_request(SamplingParams(min_tokens=1, stop_token_ids=[1, 2, 3]), eos_token_ids=(9,))
     with pytest.raises(ValueError, match="outside"):
-        b.admit(0, SamplingParams(allowed_token_ids=[V]))
+        b.admit(S, SamplingParams())
 
 
 def test_built_metadata_always_matches_the_abstract_shapes():

@@ -52,13 +52,13 @@ class LiveServer:
 @pytest.fixture(scope="session")
 def live_server() -> Iterator[LiveServer]:
     from jaxserve.config import EngineConfig
-    from jaxserve.engine.llm_engine import LLMEngine
+    from jaxserve.engine.setup import build_engine
     from jaxserve.server.app import build_app
     from jaxserve.server.async_engine import AsyncEngine
 
-    engine = LLMEngine(EngineConfig.from_kwargs(model=None, **ENGINE_OPTIONS))
-    app = build_app(AsyncEngine(engine), served_model_names=[MODEL, "alias"], api_keys=[API_KEY],
-                    max_body_bytes=1 << 20, shutdown_grace_seconds=5)
+    engine = AsyncEngine(build_engine(EngineConfig.from_kwargs(model=None, **ENGINE_OPTIONS)))
+    app = build_app(engine, served_model_names=[MODEL, "alias"], api_keys=[API_KEY],
+                    max_body_bytes=1 << 20, shutdown_grace_seconds=5, enable_sleep_mode=True)
     srv = LiveServer(app, _free_port())
     srv.start()
     yield srv

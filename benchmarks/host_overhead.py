@@ -1,0 +1,198 @@
+"""Host time per engine step, and how much of it overlapped steps hide.
+
+1. Null model (default): the real engine core (scheduler, runner, sampler, output processor)
+   over a model whose compiled step costs almost nothing (one layer of nothing, a 32-token
+   vocabulary, a fixed greedy token), with R = 32, 256 and 1,024 requests all decoding. Prints
+   host milliseconds per step: schedule, prepare (packing the numpy inputs), launch (the JAX
+   dispatch), update (scheduler update and engine outputs), and the frontend's output
+   processing (detokenizing) separately, which the server runs on its event loop.
+2. `--real`: the default model (SmolLM2-135M) decoding R = 32 requests: the device time of a
+   decode step (the same compiled step replayed back to back on fixed inputs) against the
+   engine's end-to-end step time, with overlapped steps on and off.
+
+    .venv/bin/python benchmarks/host_overhead.py [--requests 32 256 1024] [--real]
+
+One JSON line per configuration goes to benchmarks/results/host_overhead.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import statistics
+import sys
+import time
+
+HERE = pathlib.Path(__file__).resolve().parent
+RESULTS = HERE / "results" / "host_overhead.jsonl"
+PARTS = ("schedule", "prepare", "launch", "update")
+
+
+def null_parts(num_requests: int, async_scheduling: bool):
+    """EngineParts over the null model, sized for `num_requests` decoding at once."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxserve.backends import select_backend
+    from jaxserve.core.kv_cache_manager import KVCacheManager
+    from jaxserve.core.scheduler import Scheduler, SchedulerConfig
+    from jaxserve.engine.core import EngineCore
+    from jaxserve.engine.input_processor import ModelInfo
+    from jaxserve.engine.setup import EngineParts
+    from jaxserve.models.arch_config import ArchConfig
+    from jaxserve.models.sharding import single_device_mesh
+    from jaxserve.runner.buckets import BucketGrid
+    from jaxserve.runner.model_runner import ModelRunner
+    from jaxserve.sampling.config import SamplerConfig
+
+    V = 32
+    cfg = ArchConfig("Null", vocab_size=V, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=1,
+                     num_kv_heads=1, head_dim=8, max_position_embeddings=4096)
+
+    class NullModel(nnx.Module):
+        """The runner's model contract at no cost: the logits always pick token 5."""
+
+        layer_features = frozenset()
+        product_specs = ({}, {}, ("", ""))
+
+        def __init__(self):
+            self.config = cfg
+            self.bias = nnx.Param(jnp.zeros((V,), jnp.float32).at[5].set(1.0))
+
+        def __call__(self, input_ids, positions, kv, md, layer_impl=None):
+            return jnp.zeros((input_ids.shape[0], 1), jnp.float32), kv
+
+        def compute_logits(self, hidden):
+            return hidden + self.bias[...][None, :]
+
+    R = num_requests
+    max_len, page = 256, 16
+    sc = SchedulerConfig(max_num_seqs=R, max_num_batched_tokens=max(R, 64), max_model_len=max_len,
+                         async_scheduling=async_scheduling)
+    pages = R * (max_len // page) + 1
+    sampler = SamplerConfig(max_num_seqs=R, vocab_size=V, max_logprobs=4, max_bad_words=1, max_bad_word_len=1)
+    runner = ModelRunner(NullModel(), backend=select_backend(), mesh=single_device_mesh(), num_pages=pages,
+                         page_size=page, max_model_len=max_len, max_num_seqs=R,
+                         grid=BucketGrid((max(R, 64),), (R,)), sampler_config=sampler, kv_dtype=jnp.float32,
+                         show_progress=False)
+    core = EngineCore(Scheduler(sc, KVCacheManager(page, pages, True, max_len)), runner,
+                      async_scheduling=async_scheduling)
+    info = ModelInfo("null", V, max_len, None, (), sampler, {})
+    return EngineParts(_null_tokenizer(V), info, core)
+
+
+def _null_tokenizer(vocab: int):
+    """The default model's tokenizer (the null model's ids are a few of its tokens)."""
+    from jaxserve.engine.tokenizer import Tokenizer
+    from jaxserve.models.loader import resolve_model
+
+    return Tokenizer.from_pretrained(resolve_model(None))
+
+
+def measure_null(num_requests: int, steps: int, async_scheduling: bool) -> dict:
+    from jaxserve.engine.core import HostTimes
+    from jaxserve.engine.llm_engine import LLMEngine
+    from jaxserve.outputs import OutputKind
+    from jaxserve.sampling_params import SamplingParams
+
+    engine = LLMEngine(null_parts(num_requests, async_scheduling))
+    params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    for i in range(num_requests):
+        engine.add_request(f"r{i}", [3 + i % 20, 4, 5, 6], params, output_kind=OutputKind.DELTA)
+    for _ in range(4):  # everyone admitted and decoding
+        engine.step()
+    assert len(engine.scheduler.running) == num_requests
+    core, op = engine.core, engine.output_processor
+    core.times = HostTimes()
+    frontend = []
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        outs = core.step()
+        t = time.perf_counter()
+        op.process(outs)
+        frontend.append(time.perf_counter() - t)
+    wall = time.perf_counter() - t0
+    times = core.times
+    per_step = {k: 1e3 * getattr(times, k) / times.steps for k in (*PARTS, "collect")}
+    host = sum(per_step[k] for k in PARTS)
+    return {"requests": num_requests, "async_scheduling": async_scheduling, "steps": steps,
+            "host_ms": host, **{f"{k}_ms": v for k, v in per_step.items()},
+            "frontend_output_ms": 1e3 * statistics.fmean(frontend), "wall_step_ms": 1e3 * wall / steps}
+
+
+def measure_real(num_requests: int, steps: int) -> list[dict]:
+    """Device time of a decode step (replayed) vs the engine's step time, overlap on and off."""
+    import jax
+
+    from jaxserve import LLM, SamplingParams
+    from jaxserve.outputs import OutputKind
+
+    rows = []
+    for overlap in (True, False):
+        llm = LLM(None, max_num_seqs=num_requests, show_progress=False, async_scheduling=overlap,
+                  enable_prefix_caching=False)
+        engine = llm.engine
+        params = SamplingParams(max_tokens=steps + 40, temperature=0.0, ignore_eos=True)
+        for i in range(num_requests):
+            engine.add_request(f"r{i}", [100 + i, 200, 300, 400, 500, 600, 700, 800], params,
+                               output_kind=OutputKind.DELTA)
+        for _ in range(6):
+            engine.step()
+        core = engine.core
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        step_ms = 1e3 * (time.perf_counter() - t0) / steps
+        # The device alone: the current decode step's plan, launched back to back.
+        plan = core.runner.prepare(core.scheduler.schedule())
+        jax.block_until_ready(core.runner.launch(plan).out.token_ids)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            out = core.runner.launch(plan).out
+        jax.block_until_ready(out.token_ids)
+        device_ms = 1e3 * (time.perf_counter() - t0) / steps
+        rows.append({"requests": num_requests, "async_scheduling": overlap, "steps": steps, "model": "default",
+                     "dtype": engine.parts.plan.dtype, "step_ms": step_ms, "device_ms": device_ms,
+                     "step_over_device": step_ms / device_ms})
+        print(f"real model, {num_requests} requests, overlap {'on ' if overlap else 'off'}: step {step_ms:.1f} ms, "
+              f"device {device_ms:.1f} ms ({step_ms / device_ms:.3f}x)", flush=True)
+        del llm, engine, core
+    return rows
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--requests", type=int, nargs="+", default=[32, 256, 1024])
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--real", action="store_true", help="also time the default model at 32 requests")
+    p.add_argument("--results", default=str(RESULTS), help="JSONL file to append to ('' = none)")
+    args = p.parse_args(argv)
+    sys.path.insert(0, str(HERE))
+    from offline_throughput import environment
+
+    env = environment()
+    rows = []
+    print(f"{'requests':>8} {'overlap':>7} {'host ms':>8} {'schedule':>8} {'prepare':>8} {'launch':>7} "
+          f"{'update':>7} {'frontend':>8}")
+    for R in args.requests:
+        for overlap in (True, False):
+            r = measure_null(R, args.steps, overlap)
+            rows.append({"benchmark": "host_overhead", "kind": "null_model", **r})
+            print(f"{R:>8} {'on' if overlap else 'off':>7} {r['host_ms']:8.2f} {r['schedule_ms']:8.2f} "
+                  f"{r['prepare_ms']:8.2f} {r['launch_ms']:7.2f} {r['update_ms']:7.2f} "
+                  f"{r['frontend_output_ms']:8.2f}", flush=True)
+    if args.real:
+        rows += [{"benchmark": "host_overhead", "kind": "real_model", **r} for r in measure_real(32, args.steps)]
+    stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    if args.results:
+        os.makedirs(os.path.dirname(os.path.abspath(args.results)), exist_ok=True)
+        with open(args.results, "a") as f:
+            for row in rows:
+                f.write(json.dumps({**row, **env, "load_avg": os.getloadavg(), "timestamp": stamp}) + "\n")
+
+
+if __name__ == "__main__":
+    main()

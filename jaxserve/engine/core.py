@@ -1,0 +1,167 @@
+"""EngineCore: the scheduler and the model runner, one step at a time (token ids in and out).
+
+Requests come in validated and tokenized (`EngineRequest`, from the input processor); each step
+returns `EngineCoreOutput`s: new token ids, numeric log-probs, finish reasons. Text (detokenizing,
+stop strings) is the output processor's, on the frontend side.
+
+With async scheduling (SchedulerConfig.async_scheduling, the default) the host work of step
+t+1 overlaps the device work of step t, as in vLLM v1:
+
+    schedule(t+1) -> prepare(t+1) -> launch(t+1) -> collect(t) -> update(t) -> outputs of t
+
+The scheduler plans step t+1 with the tokens of step t still pending (the step reads them on
+the device), so the device always has the next step queued while the host waits for the last
+one. Without it a step is schedule -> prepare -> launch -> collect -> update.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterable
+
+from jaxserve.core.scheduler import Scheduler, SchedulerStats
+from jaxserve.core.sched_output import SchedulerOutput
+from jaxserve.outputs import SampleLogprobs
+from jaxserve.request import EngineRequest, Request
+from jaxserve.runner.model_runner import LaunchedStep, ModelRunner, RunnerOutput
+
+
+class EngineSleepingError(RuntimeError):
+    """The engine is asleep (its device memory is freed) and takes no requests until woken."""
+
+
+@dataclasses.dataclass(slots=True)
+class EngineCoreOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    logprobs: list[SampleLogprobs] | None = None  # one per new token, when asked
+    # (first position, log-probs of the prompt token at each following position)
+    prompt_logprobs: tuple[int, list[SampleLogprobs]] | None = None
+    finish_reason: str | None = None  # "stop" | "length"
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    first_scheduled_time: float | None = None  # time.time() when the request was first scheduled
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EngineStats:
+    """A snapshot for metrics, taken on the engine's thread."""
+
+    scheduler: SchedulerStats
+    num_compiles: int
+    recompiles: int  # compilations after warm-up (should stay 0)
+    compile_seconds: float
+    num_steps: int
+    is_sleeping: bool
+
+
+@dataclasses.dataclass(slots=True)
+class HostTimes:
+    """Cumulative host seconds per part of a step (see benchmarks/host_overhead.py)."""
+
+    steps: int = 0
+    schedule: float = 0.0
+    prepare: float = 0.0
+    launch: float = 0.0
+    collect: float = 0.0  # waiting for the device (and the transfer)
+    update: float = 0.0  # update_from_output and the core outputs
+
+
+class EngineCore:
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, *, async_scheduling: bool = True):
+        self.scheduler = scheduler
+        self.runner = runner
+        self.async_scheduling = async_scheduling
+        self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
+        self.times = HostTimes()
+        self.num_steps = 0
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request: EngineRequest) -> None:
+        if self.is_sleeping:
+            raise EngineSleepingError("the engine is sleeping; wake it up first (POST /wake_up)")
+        self.scheduler.add_request(Request.from_engine_request(request))
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        """Finish these requests now (unknown or finished ids are ignored); no output follows."""
+        self.scheduler.abort_requests(request_ids)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[EngineCoreOutput]:
+        t = self.times
+        t0 = time.perf_counter()
+        so = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        plan = self.runner.prepare(so)
+        t2 = time.perf_counter()
+        launched = self.runner.launch(plan) if plan is not None else None
+        t3 = time.perf_counter()
+        t.schedule += t1 - t0
+        t.prepare += t2 - t1
+        t.launch += t3 - t2
+        if self.async_scheduling:
+            done, self._in_flight = self._in_flight, (so, launched) if launched is not None else None
+        else:
+            done = (so, launched) if launched is not None else None
+        outputs: list[EngineCoreOutput] = []
+        if done is not None:
+            result = self.runner.collect(done[1])
+            t4 = time.perf_counter()
+            outputs = self._outputs(done[0], result)
+            t.collect += t4 - t3
+            t.update += time.perf_counter() - t4
+        t.steps += 1
+        self.num_steps += 1
+        return outputs
+
+    def _outputs(self, so: SchedulerOutput, result: RunnerOutput) -> list[EngineCoreOutput]:
+        outputs: dict[str, EngineCoreOutput] = {}
+        for req, n in self.scheduler.update_from_output(so, result.sampled):
+            rid = req.request_id
+            out = EngineCoreOutput(rid, req.output_token_ids[-n:], num_cached_tokens=req.num_cached_tokens,
+                                   first_scheduled_time=req.first_scheduled_time)
+            lp = result.logprobs.get(rid)
+            if lp is not None:
+                out.logprobs = [lp]
+            if req.is_finished:
+                out.finish_reason, out.stop_reason = req.get_finished_reason(), req.stop_reason
+            outputs[rid] = out
+        for rid, plp in result.prompt_logprobs.items():
+            req = self.scheduler.get_request(rid)
+            if req is None:
+                continue  # finished or aborted since
+            out = outputs.get(rid)
+            if out is None:
+                out = outputs[rid] = EngineCoreOutput(rid, [], num_cached_tokens=req.num_cached_tokens,
+                                                      first_scheduled_time=req.first_scheduled_time)
+            out.prompt_logprobs = plp
+        return list(outputs.values())
+
+    # ------------------------------------------------------------------ commands
+    def stats(self) -> EngineStats:
+        c = self.runner.counter
+        return EngineStats(self.scheduler.make_stats(), c.num_compiles, c.recompiles, c.compile_seconds,
+                           self.num_steps, self.is_sleeping)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.reset_prefix_cache()
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.runner.is_sleeping
+
+    def sleep(self) -> None:
+        """Free the device memory of the weights and the KV cache; only when idle."""
+        if self.has_work():
+            raise RuntimeError("the engine cannot sleep while requests are running")
+        self.scheduler.reset_prefix_cache()
+        self.runner.sleep()
+
+    def wake_up(self) -> None:
+        self.runner.wake_up()

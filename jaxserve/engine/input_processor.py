@@ -1,0 +1,118 @@
+"""InputProcessor: a client's prompt and SamplingParams -> validated, tokenized EngineRequests.
+
+It runs on the frontend side (the caller's thread, or a worker thread in the server), once per
+request, before anything is queued: tokenizes the prompt and the bad words, checks the prompt
+against the vocabulary and the context length, resolves `max_tokens`, adds the model's extra
+end-of-sequence ids (generation_config.json, config.json) to the stop token ids as vLLM does,
+checks the sampler's limits, and splits `n > 1` into n sequences. Anything wrong raises
+ValueError with a message for the user (HTTP 400).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from jaxserve.engine.tokenizer import Tokenizer
+from jaxserve.request import EngineRequest
+from jaxserve.sampling.config import SamplerConfig
+from jaxserve.sampling.metadata import tokenize_bad_words
+from jaxserve.sampling_params import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelInfo:
+    """What the frontend knows of the served model."""
+
+    name: str  # the name clients use
+    vocab_size: int
+    max_model_len: int
+    eos_token_id: int | None  # the primary EOS (stop_reason None when it stops a request)
+    extra_eos_token_ids: tuple[int, ...]  # other ids that end generation (as stop token ids)
+    sampler_config: SamplerConfig  # the sampler's static limits (logprobs, stop ids, bad words)
+    sampling_defaults: dict[str, Any]  # from generation_config.json (SamplingParams names)
+    default_max_tokens: int | None = None  # generation_config.json's max_new_tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessedRequest:
+    """One client request, ready for the engine: its sequences (n of them) and what the output
+    processor needs to assemble their outputs."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams  # max_tokens resolved
+    sequences: tuple[EngineRequest, ...]
+
+
+class InputProcessor:
+    def __init__(self, tokenizer: Tokenizer, info: ModelInfo):
+        self.tokenizer = tokenizer
+        self.info = info
+
+    def default_sampling_params(self) -> SamplingParams:
+        """vLLM's defaults overridden by the model's generation config (max_tokens: up to the
+        context, or the config's max_new_tokens)."""
+        return SamplingParams(**self.info.sampling_defaults, max_tokens=None)
+
+    def encode(self, prompt: str | Sequence[int], add_special_tokens: bool = True) -> list[int]:
+        info = self.info
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        else:
+            ids = [int(t) for t in prompt]
+            bad = [t for t in ids if not 0 <= t < info.vocab_size]
+            if bad:
+                raise ValueError(f"prompt token ids must be in [0, {info.vocab_size}); got {bad[:5]}")
+        if not ids:
+            raise ValueError("the prompt is empty; send at least one token.")
+        return ids
+
+    def process(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        arrival_time: float = 0.0,
+        priority: int = 0,
+        add_special_tokens: bool = True,
+        cache_salt: str | None = None,
+    ) -> ProcessedRequest:
+        info = self.info
+        params = params if params is not None else self.default_sampling_params()
+        prompt_ids = self.encode(prompt, add_special_tokens)
+        n = len(prompt_ids)
+        if n >= info.max_model_len:
+            raise ValueError(
+                f"the prompt has {n} tokens, but the model's context length is {info.max_model_len}; "
+                "shorten the prompt so at least one token can be generated."
+            )
+        if params.max_tokens is None:
+            rest = info.max_model_len - n
+            params = params.clone(max_tokens=min(rest, info.default_max_tokens or rest))
+        elif n + params.max_tokens > info.max_model_len:
+            raise ValueError(
+                f"the prompt ({n} tokens) plus max_tokens ({params.max_tokens}) exceeds the context "
+                f"length {info.max_model_len}; lower max_tokens to at most {info.max_model_len - n}."
+            )
+        extra = [t for t in info.extra_eos_token_ids if t != info.eos_token_id]
+        if extra and not params.ignore_eos:
+            stops = list(dict.fromkeys([*extra, *(params.stop_token_ids or [])]))
+            params = params.clone(stop_token_ids=stops)
+        words = ()
+        if params.bad_words:
+            words = tuple(tuple(w) for w in tokenize_bad_words(
+                params.bad_words, lambda t: self.tokenizer.encode(t, add_special_tokens=False)))
+        eos = () if info.eos_token_id is None else (info.eos_token_id,)
+        info.sampler_config.check_request(params, eos, [list(w) for w in words])
+        seqs = []
+        for i in range(params.n):
+            p = params if params.n == 1 else params.clone(n=1, seed=None if params.seed is None else params.seed + i)
+            rid = request_id if params.n == 1 else f"{i}_{request_id}"
+            seqs.append(EngineRequest(rid, tuple(prompt_ids), p, info.eos_token_id, words, arrival_time, priority,
+                                      cache_salt))
+        return ProcessedRequest(request_id, prompt if isinstance(prompt, str) else None, prompt_ids, params,
+                                tuple(seqs))

@@ -1,0 +1,101 @@
+"""Building an engine from an EngineConfig: the model, its tokenizer, the backend's plan, the KV
+cache, the scheduler and the compiled runner.
+
+`build_engine` returns the parts (`EngineParts`); the offline `LLMEngine` and the server's
+`AsyncEngine` are put together from them, and tests can put them together from fakes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import pathlib
+import time
+
+import jax.numpy as jnp
+
+from jaxserve.backends import Backend, DevicePlan, select_backend
+from jaxserve.config import EngineConfig
+from jaxserve.core.kv_cache_manager import KVCacheManager
+from jaxserve.core.scheduler import Scheduler
+from jaxserve.engine.core import EngineCore
+from jaxserve.engine.generation_config import load_generation_config
+from jaxserve.engine.input_processor import ModelInfo
+from jaxserve.engine.tokenizer import Tokenizer
+from jaxserve.models.arch_config import ArchConfig
+from jaxserve.models.loader import load_checkpoint, resolve_model
+from jaxserve.models.weights import create_model
+from jaxserve.parallel.mesh import make_mesh
+from jaxserve.runner.buckets import BucketGrid
+from jaxserve.runner.compile import enable_persistent_cache
+from jaxserve.runner.kv_cache import num_pages_for_budget
+from jaxserve.runner.model_runner import ModelRunner
+from jaxserve.sampling.config import SamplerConfig
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+@dataclasses.dataclass
+class EngineParts:
+    tokenizer: Tokenizer
+    info: ModelInfo
+    core: EngineCore
+    model_path: pathlib.Path | None = None  # the (converted) checkpoint directory
+    arch: ArchConfig | None = None
+    backend: Backend | None = None
+    plan: DevicePlan | None = None
+    load_seconds: float = 0.0
+
+
+def build_engine(config: EngineConfig) -> EngineParts:
+    t0 = time.perf_counter()
+    mc, cc = config.model, config.cache
+    if config.compile.enable_compilation_cache:
+        enable_persistent_cache(config.compile.cache_dir())
+    model_path = resolve_model(mc.model, cache_dir=mc.model_cache_dir)
+    tokenizer = Tokenizer.from_pretrained(model_path)
+    ckpt = load_checkpoint(model_path)
+    arch = ArchConfig.from_hf(ckpt.config)
+    gen = load_generation_config(model_path, mc.generation_config, ckpt.config)
+    backend = select_backend()
+    max_model_len = mc.max_model_len or min(arch.max_position_embeddings, 2048)
+    if max_model_len > arch.max_position_embeddings:
+        logger.warning("max_model_len %d exceeds the model's max_position_embeddings %d",
+                       max_model_len, arch.max_position_embeddings)
+    sc = dataclasses.replace(config.scheduler, max_model_len=max_model_len)
+    mesh = make_mesh(config.parallel.data, config.parallel.model)
+    plan = backend.plan(mc, cc, mesh)
+    dtype, kv_dtype = DTYPES[plan.dtype], DTYPES[plan.kv_dtype]
+    model = create_model(arch, dtype=dtype, mesh=mesh, attention_impl=mc.attention_impl, get_tensor=ckpt.get_tensor)
+    backend.prepare_model(model, plan)
+    load_seconds = time.perf_counter() - t0
+    num_pages = cc.num_pages or num_pages_for_budget(arch, cc.page_size, kv_dtype, backend.kv_cache_budget(cc))
+    kv_manager = KVCacheManager(cc.page_size, num_pages, enable_caching=cc.enable_prefix_caching,
+                                max_model_len=max_model_len)
+    sampler_config = SamplerConfig(max_num_seqs=sc.max_num_seqs, vocab_size=arch.vocab_size,
+                                   max_logprobs=config.max_logprobs, native=plan.native_sampling)
+    grid = BucketGrid.build(sc.max_num_batched_tokens, sc.max_num_seqs,
+                            config.compile.token_buckets, config.compile.request_buckets)
+    runner = ModelRunner(
+        model, backend=backend, mesh=mesh, num_pages=num_pages, page_size=cc.page_size,
+        max_model_len=max_model_len, max_num_seqs=sc.max_num_seqs, grid=grid, sampler_config=sampler_config,
+        kv_dtype=kv_dtype, seed=mc.seed, show_progress=config.compile.show_progress,
+    )
+    core = EngineCore(Scheduler(sc, kv_manager), runner, async_scheduling=sc.async_scheduling)
+    eos = tokenizer.eos_token_id
+    if eos is None and gen.eos_token_ids:
+        eos = gen.eos_token_ids[0]
+    info = ModelInfo(
+        name=mc.served_model_name or (mc.model or DEFAULT_MODEL_NAME),
+        vocab_size=arch.vocab_size, max_model_len=max_model_len, eos_token_id=eos,
+        extra_eos_token_ids=tuple(t for t in gen.eos_token_ids if t != eos),
+        sampler_config=sampler_config, sampling_defaults=gen.sampling_defaults,
+        default_max_tokens=gen.max_new_tokens,
+    )
+    logger.info("engine ready: %s, %s, %d KV pages of %d, %d buckets compiled in %.1fs (load %.1fs)%s",
+                info.name, plan.dtype, num_pages, cc.page_size, runner.num_buckets, runner.compile_seconds,
+                load_seconds, ", overlapped steps" if sc.async_scheduling else "")
+    return EngineParts(tokenizer, info, core, model_path, arch, backend, plan, load_seconds)

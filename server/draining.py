@@ -1,0 +1,34 @@
+"""uvicorn's server with a graceful shutdown that drains the engine first."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import uvicorn
+
+from jaxserve.server.async_engine import AsyncEngine
+
+
+class DrainingServer(uvicorn.Server):
+    """Drains the engine as soon as the server is asked to exit (SIGTERM, Ctrl-C): new requests
+    get 503, in-flight ones get `grace_seconds` to finish and are then aborted (their clients
+    receive a final "abort" output), so that the connections uvicorn waits for close by
+    themselves and the process exits 0."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, grace_seconds: float):
+        super().__init__(config)
+        self.engine = engine
+        self.grace_seconds = grace_seconds
+
+    def handle_exit(self, sig: int, frame) -> None:
+        super().handle_exit(sig, frame)
+        # uvicorn re-raises the signals it handled once it has shut down, so that the process
+        # dies of them; after a completed drain SIGTERM is a clean exit (status 0) instead.
+        if sig == signal.SIGTERM:
+            self._captured_signals.remove(sig)
+
+    async def shutdown(self, sockets=None) -> None:
+        drain = asyncio.create_task(self.engine.drain(self.grace_seconds))
+        await super().shutdown(sockets)
+        await drain

@@ -1,0 +1,134 @@
+"""Fakes for engine tests without a model: a character tokenizer and a runner that keeps the
+runner's contract (prepare / launch / collect, pending tokens read from the request's last
+sampled one, a compile counter) and samples a deterministic function of each request's
+history. `fake_parts` puts them together with the real scheduler, engine core, input and
+output processors."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+from jaxserve.core.kv_cache_manager import KVCacheManager
+from jaxserve.core.sched_output import PENDING, SchedulerOutput
+from jaxserve.core.scheduler import Scheduler, SchedulerConfig
+from jaxserve.engine.core import EngineCore
+from jaxserve.engine.input_processor import ModelInfo
+from jaxserve.engine.setup import EngineParts
+from jaxserve.engine.tokenizer import IncrementalDetokenizer
+from jaxserve.runner.model_runner import RunnerOutput
+from jaxserve.outputs import SampleLogprobs
+from jaxserve.sampling.config import SamplerConfig
+
+VOCAB = 96
+EOS = 0
+
+
+class CharTokenizer:
+    """Token id = 1 + (ord(c) - 32) for printable ASCII (id 0 is EOS, a special token)."""
+
+    eos_token_id = EOS
+    bos_token_id = None
+    pad_token_id = None
+    vocab_size = VOCAB
+    special_ids = frozenset({EOS})
+
+    def __init__(self) -> None:
+        self.decode_threads: set[str] = set()
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [1 + (ord(c) - 32) % (VOCAB - 1) for c in text]
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        self.decode_threads.add(threading.current_thread().name)
+        return "".join("" if i == EOS and skip_special_tokens else ("<eos>" if i == EOS else chr(31 + i))
+                       for i in ids)
+
+    def convert_ids_to_tokens(self, ids, skip_special_tokens: bool = False) -> list[str]:
+        return [self.decode([i]) for i in ids]
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True, **kwargs) -> str:
+        return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + ("assistant: " if add_generation_prompt else "")
+
+    def detokenizer(self, *, skip_special_tokens: bool = True, prompt_token_ids=None) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self, skip_special_tokens=skip_special_tokens, prompt_token_ids=prompt_token_ids)
+
+
+def next_token(prev: int, pos: int) -> int:
+    """The fake model: the token after `prev` at position `pos` (never EOS by itself)."""
+    return 1 + (prev * 7 + pos * 3) % (VOCAB - 1)
+
+
+@dataclasses.dataclass
+class _Counter:
+    num_compiles: int = 3
+    recompiles: int = 0
+    compile_seconds: float = 0.0
+
+
+@dataclasses.dataclass
+class _Plan:
+    rows: list[tuple[str, list[int], int, bool, int | None]]  # (id, tokens, start, sample, logprobs k)
+
+
+class FakeRunner:
+    """Samples next_token(last fed token, its position) for each row that samples; a PENDING
+    input is the request's last sampled token, as on the device. `step_seconds` stands for
+    device time (spent in collect); `explode` makes collect raise; `scheduled` records the
+    request ids of each step."""
+
+    def __init__(self, step_seconds: float = 0.0) -> None:
+        self.step_seconds = step_seconds
+        self.explode = False
+        self.last: dict[str, int] = {}
+        self.scheduled: list[list[str]] = []
+        self.counter = _Counter()
+        self.is_sleeping = False
+
+    def prepare(self, so: SchedulerOutput) -> _Plan | None:
+        if so.is_empty:
+            return None
+        rows = []
+        for s in so.scheduled:
+            rows.append((s.request_id, list(s.token_ids), s.start_pos, s.sample, s.request.sampling_params.logprobs))
+        self.scheduled.append([s.request_id for s in so.scheduled])
+        return _Plan(rows)
+
+    def launch(self, plan: _Plan) -> _Plan:
+        return plan
+
+    def collect(self, plan: _Plan) -> RunnerOutput:
+        if self.explode:
+            raise RuntimeError("boom")
+        if self.step_seconds:
+            time.sleep(self.step_seconds)
+        sampled, logprobs = {}, {}
+        for rid, tokens, start, sample, k in plan.rows:
+            last = tokens[-1] if tokens[-1] != PENDING else self.last[rid]
+            if sample:
+                tok = next_token(last, start + len(tokens) - 1)
+                self.last[rid] = tok
+                sampled[rid] = [tok]
+                if k is not None:
+                    logprobs[rid] = SampleLogprobs(-0.5, 1, [tok, 1][:k], [-0.5, -1.5][:k])
+        return RunnerOutput(sampled, logprobs, {})
+
+    def sleep(self) -> None:
+        self.is_sleeping = True
+
+    def wake_up(self) -> None:
+        self.is_sleeping = False
+
+
+def fake_parts(*, async_scheduling: bool = True, max_num_seqs: int = 8, budget: int = 64,
+               max_model_len: int = 128, num_blocks: int = 256, block_size: int = 4,
+               step_seconds: float = 0.0, extra_eos: tuple[int, ...] = ()) -> EngineParts:
+    kv = KVCacheManager(block_size, num_blocks, True, max_model_len)
+    sc = SchedulerConfig(max_num_seqs, budget, max_model_len, async_scheduling=async_scheduling)
+    core = EngineCore(Scheduler(sc, kv), FakeRunner(step_seconds), async_scheduling=async_scheduling)
+    info = ModelInfo(name="fake", vocab_size=VOCAB, max_model_len=max_model_len, eos_token_id=EOS,
+                     extra_eos_token_ids=extra_eos,
+                     sampler_config=SamplerConfig(max_num_seqs=max_num_seqs, vocab_size=VOCAB, max_logprobs=5),
+                     sampling_defaults={})
+    return EngineParts(CharTokenizer(), info, core)
