@@ -55,7 +55,7 @@ def null_parts(num_requests: int, async_scheduling: bool):
     class NullModel(nnx.Module):
         """The runner's model contract at no cost: the logits always pick token 5."""
 
-        layer_features = frozenset()
+        layer_features = frozenset({"null"})  # no backend fuses it
         product_specs = ({}, {}, ("", ""))
 
         def __init__(self):
@@ -73,7 +73,8 @@ def null_parts(num_requests: int, async_scheduling: bool):
     sc = SchedulerConfig(max_num_seqs=R, max_num_batched_tokens=max(R, 64), max_model_len=max_len,
                          async_scheduling=async_scheduling)
     pages = R * (max_len // page) + 1
-    sampler = SamplerConfig(max_num_seqs=R, vocab_size=V, max_logprobs=4, max_bad_words=1, max_bad_word_len=1)
+    sampler = SamplerConfig(max_num_seqs=R, vocab_size=V, max_logprobs=4, max_bad_words=1, max_bad_word_len=1,
+                            topk_candidates=V)
     runner = ModelRunner(NullModel(), backend=select_backend(), mesh=single_device_mesh(), num_pages=pages,
                          page_size=page, max_model_len=max_len, max_num_seqs=R,
                          grid=BucketGrid((max(R, 64),), (R,)), sampler_config=sampler, kv_dtype=jnp.float32,
@@ -102,9 +103,9 @@ def measure_null(num_requests: int, steps: int, async_scheduling: bool) -> dict:
     params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
     for i in range(num_requests):
         engine.add_request(f"r{i}", [3 + i % 20, 4, 5, 6], params, output_kind=OutputKind.DELTA)
-    for _ in range(4):  # everyone admitted and decoding
-        engine.step()
-    assert len(engine.scheduler.running) == num_requests
+    running = engine.scheduler.running
+    while len(running) < num_requests or any(r.num_output_tokens < 2 for r in running):
+        engine.step()  # until everyone is admitted and decoding
     core, op = engine.core, engine.output_processor
     core.times = HostTimes()
     frontend = []
