@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Sequence
 
 from starlette.applications import Starlette
@@ -15,11 +14,11 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import jaxserve
 from jaxserve.server.async_engine import AsyncEngine
 from jaxserve.server.auth import APIKeyMiddleware
+from jaxserve.server.body import Disconnected, parse_body
 from jaxserve.server.errors import APIError, error_response, from_api_error
 from jaxserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from jaxserve.server.protocol import (
@@ -30,33 +29,14 @@ from jaxserve.server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from jaxserve.server.serving_base import Disconnected, ServerState, parse_body
+from jaxserve.server.request_context import RequestContextMiddleware
+from jaxserve.server.serving_base import ServerState
 from jaxserve.server.serving_chat import ChatHandler, render_chat
 from jaxserve.server.serving_completions import CompletionsHandler
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 32 << 20
-
-
-class RequestIdMiddleware:
-    """Echo X-Request-Id (or a fresh one) on every HTTP response."""
-
-    def __init__(self, app: ASGIApp):
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        rid = dict(scope.get("headers") or []).get(b"x-request-id") or uuid.uuid4().hex.encode()
-
-        async def send_with_id(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", rid)]}
-            await send(message)
-
-        await self.app(scope, receive, send_with_id)
 
 
 def build_app(
@@ -82,7 +62,7 @@ def build_app(
     async def health(request: Request) -> Response:
         if engine.is_alive:
             return Response(status_code=200)
-        return error_response(503, f"the engine is not running: {engine.error!r}")
+        return error_response(503, "the engine is not running; the server log has the details.")
 
     async def version(request: Request) -> Response:
         return JSONResponse({"version": jaxserve.__version__})
@@ -145,10 +125,6 @@ def build_app(
     async def on_disconnect(request: Request, exc: Exception) -> Response:
         return Response(status_code=499)
 
-    async def on_error(request: Request, exc: Exception) -> Response:
-        logger.exception("unhandled error on %s", request.url.path, exc_info=exc)
-        return error_response(500, f"internal error: {exc!r}", "InternalServerError")
-
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         engine.start()
@@ -158,9 +134,8 @@ def build_app(
             await engine.drain(shutdown_grace_seconds)
             engine.shutdown()
 
-    middleware = []
-    if request_id_header:
-        middleware.append(Middleware(RequestIdMiddleware))
+    # outermost first: every response (a 401 too) carries the request id
+    middleware = [Middleware(RequestContextMiddleware, send_header=request_id_header)]
     if allowed_origins:
         middleware.append(Middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
                                      allow_headers=["*"], allow_credentials=True))
@@ -179,8 +154,7 @@ def build_app(
     ]
     app = Starlette(
         routes=routes, middleware=middleware, lifespan=lifespan,
-        exception_handlers={APIError: on_api_error, HTTPException: on_http_error, Disconnected: on_disconnect,
-                            Exception: on_error},
+        exception_handlers={APIError: on_api_error, HTTPException: on_http_error, Disconnected: on_disconnect},
     )
     app.state.server = state
     app.state.metrics = metrics

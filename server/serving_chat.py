@@ -11,6 +11,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from jaxserve.server import sse
+from jaxserve.server.body import parse_body
 from jaxserve.server.errors import APIError
 from jaxserve.server.protocol import (
     ChatCompletionLogProbs,
@@ -32,7 +33,6 @@ from jaxserve.server.serving_base import (
     add_all,
     chat_logprobs,
     merge,
-    parse_body,
     prompt_logprobs_json,
     respond_json,
     sse_stream,
