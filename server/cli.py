@@ -93,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--served-model-name", nargs="+", default=None, help="name(s) clients use; the first is reported")
-    s.add_argument("--api-key", nargs="+", action="extend", default=None, help="key(s) required on /v1/*")
+    s.add_argument("--api-key", nargs="+", action="extend", default=None,
+                   help="key(s) required on every route but /health, /version and /metrics")
     s.add_argument("--allowed-origins", nargs="+", default=None, help="CORS origins, e.g. '*'")
     s.add_argument("--disable-request-id-header", action="store_true", help="do not send X-Request-Id")
     s.add_argument("--max-request-body", type=parse_bytes, default=32 << 20, help="largest request body (bytes)")
