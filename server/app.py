@@ -48,10 +48,16 @@ def build_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     request_id_header: bool = True,
     shutdown_grace_seconds: float = 30.0,
+    trust_request_chat_template: bool = False,
 ) -> Starlette:
-    """The app over `engine` (an AsyncEngine, started by the app's lifespan)."""
+    """The app over `engine` (an AsyncEngine, started by the app's lifespan).
+
+    `api_keys` protect every route but /health, /version and /metrics. A chat template sent with
+    a request is refused unless `trust_request_chat_template`; it is always rendered in
+    transformers' sandboxed Jinja environment."""
     names = list(served_model_names or []) or [engine.model_name]
-    state = ServerState(engine, names, max_body_bytes=max_body_bytes, request_id_header=request_id_header)
+    state = ServerState(engine, names, max_body_bytes=max_body_bytes, request_id_header=request_id_header,
+                        trust_request_chat_template=trust_request_chat_template)
     metrics = ServerMetrics(names[0])
     engine.listener = metrics
     metrics.attach(engine)
@@ -82,7 +88,8 @@ def build_app(
             if body.messages is not None:
                 text = render_chat(tokenizer, body.messages, add_generation_prompt=body.add_generation_prompt,
                                    continue_final_message=body.continue_final_message,
-                                   chat_template_kwargs=body.chat_template_kwargs)
+                                   chat_template=body.chat_template, chat_template_kwargs=body.chat_template_kwargs,
+                                   trust_chat_template=trust_request_chat_template)
                 ids = tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
             else:
                 add = True if body.add_special_tokens is None else body.add_special_tokens

@@ -98,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--allowed-origins", nargs="+", default=None, help="CORS origins, e.g. '*'")
     s.add_argument("--disable-request-id-header", action="store_true", help="do not send X-Request-Id")
     s.add_argument("--max-request-body", type=parse_bytes, default=32 << 20, help="largest request body (bytes)")
+    s.add_argument("--trust-request-chat-template", action="store_true",
+                   help="render chat templates sent with requests (Jinja code, run in a sandbox); refused otherwise")
     s.add_argument("--shutdown-grace", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on SIGTERM/Ctrl-C before they are aborted")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"])
@@ -137,7 +139,8 @@ def _serve(args: argparse.Namespace) -> int:
     aengine = AsyncEngine(engine)
     app = build_app(aengine, served_model_names=names, api_keys=args.api_key, allowed_origins=args.allowed_origins,
                     max_body_bytes=args.max_request_body, request_id_header=not args.disable_request_id_header,
-                    shutdown_grace_seconds=args.shutdown_grace)
+                    shutdown_grace_seconds=args.shutdown_grace,
+                    trust_request_chat_template=args.trust_request_chat_template)
     logging.getLogger(__name__).info("serving %s on http://%s:%d", (names or [engine.model_name])[0], args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=int(args.shutdown_grace) or None, timeout_keep_alive=5)

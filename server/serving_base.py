@@ -34,11 +34,12 @@ class ServerState:
     """Everything a handler needs, built once by build_app."""
 
     def __init__(self, engine: AsyncEngine, served_model_names: list[str], *, max_body_bytes: int,
-                 request_id_header: bool = True):
+                 request_id_header: bool = True, trust_request_chat_template: bool = False):
         self.engine = engine
         self.served_model_names = served_model_names or [engine.model_name]
         self.max_body_bytes = max_body_bytes
         self.request_id_header = request_id_header
+        self.trust_request_chat_template = trust_request_chat_template
 
     @property
     def model_name(self) -> str:
