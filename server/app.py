@@ -18,7 +18,7 @@ from starlette.routing import Route
 import jaxserve
 from jaxserve.server.async_engine import AsyncEngine
 from jaxserve.server.auth import APIKeyMiddleware
-from jaxserve.server.body import Disconnected, parse_body
+from jaxserve.server.body import Disconnected, default_max_body_bytes, parse_body
 from jaxserve.server.errors import APIError, error_response, from_api_error
 from jaxserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from jaxserve.server.protocol import (
@@ -36,8 +36,6 @@ from jaxserve.server.serving_completions import CompletionsHandler
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_BODY_BYTES = 32 << 20
-
 
 def build_app(
     engine: AsyncEngine,
@@ -45,17 +43,20 @@ def build_app(
     served_model_names: Sequence[str] | None = None,
     api_keys: Sequence[str] | None = None,
     allowed_origins: Sequence[str] | None = None,
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    max_body_bytes: int | None = None,
     request_id_header: bool = True,
     shutdown_grace_seconds: float = 30.0,
     trust_request_chat_template: bool = False,
 ) -> Starlette:
     """The app over `engine` (an AsyncEngine, started by the app's lifespan).
 
-    `api_keys` protect every route but /health, /version and /metrics. A chat template sent with
+    `api_keys` protect every route but /health, /version and /metrics. `max_body_bytes` None
+    fits the limit to the context length (`default_max_body_bytes`). A chat template sent with
     a request is refused unless `trust_request_chat_template`; it is always rendered in
     transformers' sandboxed Jinja environment."""
     names = list(served_model_names or []) or [engine.model_name]
+    if max_body_bytes is None:
+        max_body_bytes = default_max_body_bytes(engine.max_model_len)
     state = ServerState(engine, names, max_body_bytes=max_body_bytes, request_id_header=request_id_header,
                         trust_request_chat_template=trust_request_chat_template)
     metrics = ServerMetrics(names[0])

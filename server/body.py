@@ -24,12 +24,22 @@ M = TypeVar("M", bound=BaseModel)
 # Deepest nesting a body may have; OpenAI-style requests need about five levels (messages →
 # message → content parts → part), chat_template_kwargs and ignored extras (tool schemas) more.
 MAX_JSON_DEPTH = 64
+# The default body limit: room for the fields, plus this much per token of context. A token is
+# about 4 characters of text (up to ~6x that once JSON-escaped) or one id of at most 6 digits in
+# a token-id prompt, so this holds several full-context prompts of either kind.
+BODY_BASE_BYTES = 1 << 20
+BODY_BYTES_PER_CONTEXT_TOKEN = 256
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class Disconnected(Exception):
     """The client went away before the response was ready."""
+
+
+def default_max_body_bytes(max_model_len: int) -> int:
+    """The largest request body a server with this context length accepts by default."""
+    return BODY_BASE_BYTES + BODY_BYTES_PER_CONTEXT_TOKEN * max_model_len
 
 
 def _too_large(max_bytes: int) -> APIError:

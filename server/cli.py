@@ -97,7 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="key(s) required on every route but /health, /version and /metrics")
     s.add_argument("--allowed-origins", nargs="+", default=None, help="CORS origins, e.g. '*'")
     s.add_argument("--disable-request-id-header", action="store_true", help="do not send X-Request-Id")
-    s.add_argument("--max-request-body", type=parse_bytes, default=32 << 20, help="largest request body (bytes)")
+    s.add_argument("--max-request-body", type=parse_bytes, default=None,
+                   help="largest request body in bytes, suffixes allowed (default: 1 MiB plus 256 bytes per "
+                        "token of context, enough for several full-context prompts)")
     s.add_argument("--trust-request-chat-template", action="store_true",
                    help="render chat templates sent with requests (Jinja code, run in a sandbox); refused otherwise")
     s.add_argument("--shutdown-grace", type=float, default=30.0,
