@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import pathlib
 import time
 from collections.abc import AsyncIterator, Sequence
 
@@ -37,6 +38,13 @@ from jaxserve.server.serving_completions import CompletionsHandler
 logger = logging.getLogger(__name__)
 
 
+def display_name(model: str) -> str:
+    """The model's name for clients: for a local path (models are local), its last component;
+    the server's file layout is not the clients' business."""
+    path = pathlib.Path(model)
+    return path.resolve().name if path.exists() else model
+
+
 def build_app(
     engine: AsyncEngine,
     *,
@@ -63,6 +71,7 @@ def build_app(
     engine.listener = metrics
     metrics.attach(engine)
     created = int(time.time())
+    root = display_name(engine.model_name)
     tokenizer = engine.tokenizer
     completions, chat = CompletionsHandler(state), ChatHandler(state)
 
@@ -75,8 +84,7 @@ def build_app(
         return JSONResponse({"version": jaxserve.__version__})
 
     async def models(request: Request) -> Response:
-        data = [ModelCard(id=n, created=created, root=str(engine.engine.model_path), max_model_len=engine.max_model_len)
-                for n in names]
+        data = [ModelCard(id=n, created=created, root=root, max_model_len=engine.max_model_len) for n in names]
         return JSONResponse(ModelList(data=data).model_dump())
 
     async def metrics_endpoint(request: Request) -> Response:
