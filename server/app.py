@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import pathlib
 import time
-import uuid
 from collections.abc import AsyncIterator, Sequence
 
 from starlette.applications import Starlette
@@ -15,11 +15,11 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import jaxserve
 from jaxserve.server.async_engine import AsyncEngine
 from jaxserve.server.auth import APIKeyMiddleware
+from jaxserve.server.body import Disconnected, default_max_body_bytes, parse_body
 from jaxserve.server.errors import APIError, error_response, from_api_error
 from jaxserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from jaxserve.server.protocol import (
@@ -30,33 +30,19 @@ from jaxserve.server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from jaxserve.server.serving_base import Disconnected, ServerState, parse_body
+from jaxserve.server.request_context import RequestContextMiddleware
+from jaxserve.server.serving_base import ServerState
 from jaxserve.server.serving_chat import ChatHandler, render_chat
 from jaxserve.server.serving_completions import CompletionsHandler
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_BODY_BYTES = 32 << 20
 
-
-class RequestIdMiddleware:
-    """Echo X-Request-Id (or a fresh one) on every HTTP response."""
-
-    def __init__(self, app: ASGIApp):
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        rid = dict(scope.get("headers") or []).get(b"x-request-id") or uuid.uuid4().hex.encode()
-
-        async def send_with_id(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", rid)]}
-            await send(message)
-
-        await self.app(scope, receive, send_with_id)
+def display_name(model: str) -> str:
+    """The model's name for clients: for a local path (models are local), its last component;
+    the server's file layout is not the clients' business."""
+    path = pathlib.Path(model)
+    return path.resolve().name if path.exists() else model
 
 
 def build_app(
@@ -65,32 +51,41 @@ def build_app(
     served_model_names: Sequence[str] | None = None,
     api_keys: Sequence[str] | None = None,
     allowed_origins: Sequence[str] | None = None,
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    max_body_bytes: int | None = None,
     request_id_header: bool = True,
     shutdown_grace_seconds: float = 30.0,
+    trust_request_chat_template: bool = False,
     enable_sleep_mode: bool = False,
 ) -> Starlette:
-    """The app over `engine` (an AsyncEngine, started by the app's lifespan)."""
+    """The app over `engine` (an AsyncEngine, started by the app's lifespan).
+
+    `api_keys` protect every route but /health, /version and /metrics. `max_body_bytes` None
+    fits the limit to the context length (`default_max_body_bytes`). A chat template sent with
+    a request is refused unless `trust_request_chat_template`; it is always rendered in
+    transformers' sandboxed Jinja environment."""
     names = list(served_model_names or []) or [engine.model_name]
-    state = ServerState(engine, names, max_body_bytes=max_body_bytes, request_id_header=request_id_header)
+    if max_body_bytes is None:
+        max_body_bytes = default_max_body_bytes(engine.max_model_len)
+    state = ServerState(engine, names, max_body_bytes=max_body_bytes, request_id_header=request_id_header,
+                        trust_request_chat_template=trust_request_chat_template)
     metrics = ServerMetrics(names[0])
     engine.listener = metrics
     metrics.attach(engine)
     created = int(time.time())
+    root = display_name(engine.model_name)
     tokenizer = engine.tokenizer
     completions, chat = CompletionsHandler(state), ChatHandler(state)
 
     async def health(request: Request) -> Response:
         if engine.is_alive:
             return Response(status_code=200)
-        return error_response(503, f"the engine is not running: {engine.error!r}")
+        return error_response(503, "the engine is not running; the server log has the details.")
 
     async def version(request: Request) -> Response:
         return JSONResponse({"version": jaxserve.__version__})
 
     async def models(request: Request) -> Response:
-        data = [ModelCard(id=n, created=created, root=engine.model_name, max_model_len=engine.max_model_len)
-                for n in names]
+        data = [ModelCard(id=n, created=created, root=root, max_model_len=engine.max_model_len) for n in names]
         return JSONResponse(ModelList(data=data).model_dump())
 
     async def metrics_endpoint(request: Request) -> Response:
@@ -103,7 +98,8 @@ def build_app(
             if body.messages is not None:
                 text = render_chat(tokenizer, body.messages, add_generation_prompt=body.add_generation_prompt,
                                    continue_final_message=body.continue_final_message,
-                                   chat_template_kwargs=body.chat_template_kwargs)
+                                   chat_template=body.chat_template, chat_template_kwargs=body.chat_template_kwargs,
+                                   trust_chat_template=trust_request_chat_template)
                 ids = tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
             else:
                 add = True if body.add_special_tokens is None else body.add_special_tokens
@@ -169,10 +165,6 @@ def build_app(
     async def on_disconnect(request: Request, exc: Exception) -> Response:
         return Response(status_code=499)
 
-    async def on_error(request: Request, exc: Exception) -> Response:
-        logger.exception("unhandled error on %s", request.url.path, exc_info=exc)
-        return error_response(500, f"internal error: {exc!r}", "InternalServerError")
-
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         engine.start()
@@ -182,9 +174,8 @@ def build_app(
             await engine.drain(shutdown_grace_seconds)
             engine.shutdown()
 
-    middleware = []
-    if request_id_header:
-        middleware.append(Middleware(RequestIdMiddleware))
+    # outermost first: every response (a 401 too) carries the request id
+    middleware = [Middleware(RequestContextMiddleware, send_header=request_id_header)]
     if allowed_origins:
         middleware.append(Middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
                                      allow_headers=["*"], allow_credentials=True))
@@ -207,8 +198,7 @@ def build_app(
                    Route("/is_sleeping", is_sleeping, methods=["GET"])]
     app = Starlette(
         routes=routes, middleware=middleware, lifespan=lifespan,
-        exception_handlers={APIError: on_api_error, HTTPException: on_http_error, Disconnected: on_disconnect,
-                            Exception: on_error},
+        exception_handlers={APIError: on_api_error, HTTPException: on_http_error, Disconnected: on_disconnect},
     )
     app.state.server = state
     app.state.metrics = metrics

@@ -110,10 +110,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--served-model-name", nargs="+", default=None, help="name(s) clients use; the first is reported")
-    s.add_argument("--api-key", nargs="+", action="extend", default=None, help="key(s) required on /v1/*")
+    s.add_argument("--api-key", nargs="+", action="extend", default=None,
+                   help="key(s) required on every route but /health, /version and /metrics")
     s.add_argument("--allowed-origins", nargs="+", default=None, help="CORS origins, e.g. '*'")
     s.add_argument("--disable-request-id-header", action="store_true", help="do not send X-Request-Id")
-    s.add_argument("--max-request-body", type=parse_bytes, default=32 << 20, help="largest request body (bytes)")
+    s.add_argument("--max-request-body", type=parse_bytes, default=None,
+                   help="largest request body in bytes, suffixes allowed (default: 1 MiB plus 256 bytes per "
+                        "token of context, enough for several full-context prompts)")
+    s.add_argument("--trust-request-chat-template", action="store_true",
+                   help="render chat templates sent with requests (Jinja code, run in a sandbox); refused otherwise")
     s.add_argument("--shutdown-grace", type=_non_negative, default=30.0,
                    help="seconds in-flight requests get to finish on SIGTERM/Ctrl-C before they are aborted")
     s.add_argument("--enable-sleep-mode", action="store_true",
@@ -155,7 +160,8 @@ def _serve(args: argparse.Namespace) -> int:
     aengine = AsyncEngine(build_engine(config))
     app = build_app(aengine, served_model_names=names, api_keys=args.api_key, allowed_origins=args.allowed_origins,
                     max_body_bytes=args.max_request_body, request_id_header=not args.disable_request_id_header,
-                    shutdown_grace_seconds=args.shutdown_grace, enable_sleep_mode=args.enable_sleep_mode)
+                    shutdown_grace_seconds=args.shutdown_grace, enable_sleep_mode=args.enable_sleep_mode,
+                    trust_request_chat_template=args.trust_request_chat_template)
     logging.getLogger(__name__).info("serving %s on http://%s:%d", (names or [aengine.model_name])[0], args.host, args.port)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=5,
                             timeout_graceful_shutdown=graceful_shutdown_timeout(args.shutdown_grace))

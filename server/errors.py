@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import logging
 from http import HTTPStatus
 
 from pydantic import ValidationError
 from starlette.responses import JSONResponse
 
+logger = logging.getLogger(__name__)
+
 _TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
           405: "MethodNotAllowed", 413: "BadRequestError", 500: "InternalServerError",
           503: "ServiceUnavailableError"}
+# how much of a client-supplied value an error message quotes
+QUOTE_CHARS = 100
 
 
 class APIError(Exception):
@@ -21,9 +26,21 @@ class APIError(Exception):
         self.type = type_ or _TYPES.get(status) or HTTPStatus(status).phrase.replace(" ", "")
 
 
+def quote(value: object) -> str:
+    """`value` for an error message: repr'd, cut to QUOTE_CHARS characters."""
+    text = repr(value)
+    return text if len(text) <= QUOTE_CHARS else text[: QUOTE_CHARS - 3] + "..."
+
+
+def _printable(text: str | None) -> str | None:
+    """Text that encodes as UTF-8: lone surrogates (which a JSON body may carry, as in
+    "\\ud800") are written out as backslash escapes rather than failing the response."""
+    return None if text is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def error_body(status: int, message: str, type_: str | None = None, param: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type_ or _TYPES.get(status, "Error"),
-                      "param": param, "code": status}}
+    return {"error": {"message": _printable(message), "type": type_ or _TYPES.get(status, "Error"),
+                      "param": _printable(param), "code": status}}
 
 
 def error_response(status: int, message: str, type_: str | None = None, param: str | None = None,
@@ -35,11 +52,20 @@ def from_api_error(e: APIError) -> JSONResponse:
     return error_response(e.status, e.message, e.type, e.param)
 
 
+def internal_error(e: BaseException, request_id: str | None) -> APIError:
+    """A 500 for an unexpected failure: the details go to the log under the request id, and the
+    client gets the id, never the exception text."""
+    logger.error("request %s failed", request_id or "(no id)", exc_info=e)
+    where = f" (request id {request_id})" if request_id else ""
+    return APIError(500, f"internal server error{where}; the server log has the details.",
+                    type_="InternalServerError")
+
+
 def validation_message(e: ValidationError) -> tuple[str, str | None]:
     """A readable one-line summary of a pydantic error, and the first offending field."""
     parts, param = [], None
     for err in e.errors()[:5]:
-        loc = ".".join(str(x) for x in err.get("loc", ()))
+        loc = ".".join(str(x)[:QUOTE_CHARS] for x in err.get("loc", ()))
         if param is None and err.get("loc"):
             param = str(err["loc"][0])
         msg = err.get("msg", "invalid value")

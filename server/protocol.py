@@ -1,8 +1,10 @@
 """Pydantic models for the OpenAI-compatible surface (requests and responses).
 
-Requests accept and ignore unknown fields (clients and benchmarks send extras). Range checks
-that OpenAI / vLLM document live here; the rest is checked by `SamplingParams.validate()` and
-the engine (context length, vocabulary), which raise ValueError → 400.
+Requests accept and ignore unknown fields (clients and benchmarks send extras). Every float in
+a request must be finite: NaN and ±Infinity (which Python's JSON parser accepts) are refused
+for all of them at once by `allow_inf_nan=False`. Range checks that OpenAI / vLLM document
+live here; the rest is checked by `SamplingParams.validate()` and the engine (context length,
+vocabulary), which raise ValueError → 400.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.server.errors import quote
 
 MAX_N = 128
 LOGIT_BIAS_LIMIT = 100.0
@@ -24,7 +27,7 @@ def random_id(prefix: str) -> str:
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 class _Response(BaseModel):
@@ -111,7 +114,7 @@ class _SamplingRequest(_Request):
             try:
                 int(key)
             except ValueError:
-                raise ValueError(f"logit_bias keys must be token ids (integers as strings); got {key!r}.") from None
+                raise ValueError(f"logit_bias keys must be token ids (integers as strings); got {quote(key)}.") from None
         return v
 
     @model_validator(mode="after")
@@ -389,6 +392,7 @@ class TokenizeRequest(_Request):
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 

@@ -1,15 +1,13 @@
-"""What the completions and chat handlers share: model names, body parsing, adding requests,
-merging per-prompt output queues, disconnect handling and logprob formatting."""
+"""What the completions and chat handlers share: model names, body parsing (see body.py), adding
+requests, merging per-prompt output queues, disconnect handling and logprob formatting."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import AsyncIterator, Callable
-from typing import Any, TypeVar
+from typing import Any
 
-from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -18,33 +16,31 @@ from jaxserve.outputs import LogprobsDict, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server import sse
 from jaxserve.engine.core import EngineSleepingError
-from jaxserve.server.async_engine import AsyncEngine, EngineDeadError, EngineShutdownError, RequestStream
-from jaxserve.server.errors import APIError, error_body, validation_message
+from jaxserve.server.async_engine import AsyncEngine, EngineShutdownError, RequestStream
+from jaxserve.server.body import Disconnected
+from jaxserve.server.errors import APIError, error_body, internal_error, quote
 from jaxserve.server.protocol import (
     ChatLogProb,
     ChatLogProbsContent,
     CompletionLogProbs,
 )
+from jaxserve.server.request_context import request_id_of
 
 logger = logging.getLogger(__name__)
 
-M = TypeVar("M", bound=BaseModel)
 NEG_INF_LOGPROB = -9999.0
-
-
-class Disconnected(Exception):
-    """The client went away before the response was ready."""
 
 
 class ServerState:
     """Everything a handler needs, built once by build_app."""
 
     def __init__(self, engine: AsyncEngine, served_model_names: list[str], *, max_body_bytes: int,
-                 request_id_header: bool = True):
+                 request_id_header: bool = True, trust_request_chat_template: bool = False):
         self.engine = engine
         self.served_model_names = served_model_names or [engine.model_name]
         self.max_body_bytes = max_body_bytes
         self.request_id_header = request_id_header
+        self.trust_request_chat_template = trust_request_chat_template
 
     @property
     def model_name(self) -> str:
@@ -54,53 +50,22 @@ class ServerState:
         if name is None or name == "":
             return self.model_name
         if name not in self.served_model_names:
-            raise APIError(404, f"The model `{name}` does not exist; available: {', '.join(self.served_model_names)}.",
-                           param="model")
+            raise APIError(404, f"The model {quote(name)} does not exist; available: "
+                                f"{', '.join(self.served_model_names)}.", param="model")
         return name
 
 
-async def read_json(request: Request, max_bytes: int) -> Any:
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > max_bytes:
-        raise APIError(413, f"request body is larger than the {max_bytes}-byte limit.")
-    chunks, size = [], 0
-    try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > max_bytes:
-                raise APIError(413, f"request body is larger than the {max_bytes}-byte limit.")
-            chunks.append(chunk)
-    except ClientDisconnect:
-        raise Disconnected() from None
-    body = b"".join(chunks)
-    if not body:
-        raise APIError(400, "the request body is empty; send a JSON object.")
-    try:
-        return json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(400, f"the request body is not valid JSON: {e}.") from None
-
-
-async def parse_body(request: Request, model: type[M], max_bytes: int) -> M:
-    data = await read_json(request, max_bytes)
-    if not isinstance(data, dict):
-        raise APIError(400, "the request body must be a JSON object.")
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        msg, param = validation_message(e)
-        raise APIError(400, msg, param=param) from None
-
-
-def engine_error(e: BaseException) -> APIError:
+def engine_error(e: BaseException, request_id: str | None = None) -> APIError:
+    """The API error for a failure while serving a request: the engine's ValueErrors are the
+    user's (400), a shutting-down engine is a 503, anything else is a 500 that names the request
+    id (the exception goes to the log, not to the client)."""
+    if isinstance(e, APIError):
+        return e
     if isinstance(e, ValueError):
         return APIError(400, str(e))
     if isinstance(e, (EngineShutdownError, EngineSleepingError)):
         return APIError(503, str(e))
-    if isinstance(e, EngineDeadError):
-        return APIError(500, str(e), type_="InternalServerError")
-    logger.exception("request failed", exc_info=e)
-    return APIError(500, f"internal error: {e!r}", type_="InternalServerError")
+    return internal_error(e, request_id)
 
 
 async def add_all(engine: AsyncEngine, request_ids: list[str], prompts: list[str | list[int]],
@@ -111,8 +76,9 @@ async def add_all(engine: AsyncEngine, request_ids: list[str], prompts: list[str
     try:
         return await engine.add_requests(request_ids, prompts, params, priority=priority,
                                          arrival_time=arrival_time, add_special_tokens=add_special_tokens)
-    except Exception as e:  # noqa: BLE001 - mapped to its API error
+    except (ValueError, EngineShutdownError, EngineSleepingError) as e:
         raise engine_error(e) from None
+    # anything else: a 500, made (with the request id) by RequestContextMiddleware
 
 
 def with_defaults(params: SamplingParams, body: BaseModel, defaults: dict[str, Any]) -> SamplingParams:
@@ -177,16 +143,41 @@ async def run_unless_disconnected(request: Request, coro: Any) -> Any:
     raise Disconnected()
 
 
+class SSEStream:
+    """A handler's SSE events passed through; an error after the stream started is sent as an
+    in-stream error event (a 500 names the request id, set by EventStream); `[DONE]` always
+    ends the stream."""
+
+    def __init__(self, events: AsyncIterator[str]):
+        self.events = events
+        self.request_id: str | None = None
+
+    async def __aiter__(self) -> AsyncIterator[str]:
+        try:
+            async for event in self.events:
+                yield event
+        except Exception as e:  # noqa: BLE001 - reported in-stream
+            err = engine_error(e, self.request_id)
+            yield sse.event(error_body(err.status, err.message, err.type))
+        yield sse.DONE
+
+
+def sse_stream(events: AsyncIterator[str]) -> SSEStream:
+    return SSEStream(events)
+
+
 class EventStream(StreamingResponse):
     """SSE response that always runs `on_close` (aborting the engine requests), even when the
     client disconnects before the body iterator has started."""
 
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None],
+    def __init__(self, content: SSEStream, on_close: Callable[[], None],
                  headers: dict[str, str] | None = None):
         super().__init__(content, media_type=sse.MEDIA_TYPE, headers={**sse.HEADERS, **(headers or {})})
         self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if isinstance(self.body_iterator, SSEStream):
+            self.body_iterator.request_id = request_id_of(scope)
         try:
             await super().__call__(scope, receive, send)
         except (ClientDisconnect, OSError):
@@ -272,19 +263,7 @@ async def respond_json(request: Request, collect: Any, on_done: Callable[[], Non
     except APIError:
         raise
     except Exception as e:  # noqa: BLE001
-        raise engine_error(e) from None
+        raise engine_error(e, request_id_of(request.scope)) from None
     finally:
         on_done()
     return JSONResponse(resp.model_dump())
-
-
-async def sse_stream(events: AsyncIterator[str]) -> AsyncIterator[str]:
-    """Pass a handler's SSE events through; an error after the stream started is sent as an
-    in-stream error event; `[DONE]` always ends the stream."""
-    try:
-        async for event in events:
-            yield event
-    except Exception as e:  # noqa: BLE001 - reported in-stream
-        err = engine_error(e)
-        yield sse.event(error_body(err.status, err.message, err.type))
-    yield sse.DONE

@@ -12,6 +12,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from jaxserve.server import sse
+from jaxserve.server.body import parse_body
 from jaxserve.server.errors import APIError
 from jaxserve.server.protocol import (
     ChatCompletionLogProbs,
@@ -33,7 +34,6 @@ from jaxserve.server.serving_base import (
     add_all,
     chat_logprobs,
     merge,
-    parse_body,
     prompt_logprobs_json,
     respond_json,
     sse_stream,
@@ -41,14 +41,24 @@ from jaxserve.server.serving_base import (
 )
 
 
+UNTRUSTED_TEMPLATE = ("a chat template was sent with the request, but this server does not render "
+                      "client-supplied chat templates; start it with --trust-request-chat-template to allow them.")
+
+
 def render_chat(tokenizer: Any, messages: list[ChatMessage], *, add_generation_prompt: bool = True,
                 continue_final_message: bool = False, chat_template: str | None = None,
-                chat_template_kwargs: dict[str, Any] | None = None) -> str:
-    """The prompt text of a conversation; ValueError for anything the template cannot take."""
+                chat_template_kwargs: dict[str, Any] | None = None, trust_chat_template: bool = False) -> str:
+    """The prompt text of a conversation; ValueError for anything the template cannot take.
+
+    A template from the request (`chat_template`, or the same key in `chat_template_kwargs`)
+    is Jinja code: it is refused (APIError 400) unless `trust_chat_template`, and rendered in
+    transformers' sandboxed environment either way."""
     conv = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in messages]
     kwargs = dict(chat_template_kwargs or {})
     if chat_template is not None:
         kwargs["chat_template"] = chat_template
+    if kwargs.get("chat_template") is not None and not trust_chat_template:
+        raise APIError(400, UNTRUSTED_TEMPLATE, param="chat_template")
     if continue_final_message:
         kwargs["continue_final_message"] = True
     try:
@@ -85,7 +95,8 @@ class ChatHandler:
             text = await asyncio.to_thread(
                 render_chat, self.tokenizer, body.messages, add_generation_prompt=body.add_generation_prompt,
                 continue_final_message=body.continue_final_message, chat_template=body.chat_template,
-                chat_template_kwargs=body.chat_template_kwargs)
+                chat_template_kwargs=body.chat_template_kwargs,
+                trust_chat_template=self.state.trust_request_chat_template)
         except ValueError as e:
             raise APIError(400, str(e)) from None
         rid = f"chatcmpl-{body.request_id}" if body.request_id else random_id("chatcmpl")

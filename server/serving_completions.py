@@ -11,6 +11,7 @@ from starlette.responses import Response
 
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.server import sse
+from jaxserve.server.body import parse_body
 from jaxserve.server.errors import APIError
 from jaxserve.server.protocol import (
     CompletionLogProbs,
@@ -29,7 +30,6 @@ from jaxserve.server.serving_base import (
     add_all,
     append_completion_logprobs,
     merge,
-    parse_body,
     prompt_logprobs_json,
     respond_json,
     sse_stream,

@@ -83,6 +83,7 @@ class FakeRunner:
         self.explode = False
         self.last: dict[str, int] = {}
         self.scheduled: list[list[str]] = []
+        self.prompts: list[list[int]] = []  # of each request, when it first runs
         self.counter = _Counter()
         self.is_sleeping = False
 
@@ -91,6 +92,8 @@ class FakeRunner:
             return None
         rows = []
         for s in so.scheduled:
+            if s.is_new and not s.is_resumed:
+                self.prompts.append(list(s.request.prompt_token_ids))
             rows.append((s.request_id, list(s.token_ids), s.start_pos, s.sample, s.request.sampling_params.logprobs))
         self.scheduled.append([s.request_id for s in so.scheduled])
         return _Plan(rows)
@@ -123,12 +126,16 @@ class FakeRunner:
 
 def fake_parts(*, async_scheduling: bool = True, max_num_seqs: int = 8, budget: int = 64,
                max_model_len: int = 128, num_blocks: int = 256, block_size: int = 4,
-               step_seconds: float = 0.0, extra_eos: tuple[int, ...] = ()) -> EngineParts:
+               step_seconds: float = 0.0, extra_eos: tuple[int, ...] = (), tokenizer=None,
+               vocab_size: int = VOCAB) -> EngineParts:
+    """The real engine over FakeRunner; `tokenizer` (default CharTokenizer) may be a real one
+    (with `vocab_size` its vocabulary)."""
     kv = KVCacheManager(block_size, num_blocks, True, max_model_len)
     sc = SchedulerConfig(max_num_seqs, budget, max_model_len, async_scheduling=async_scheduling)
     core = EngineCore(Scheduler(sc, kv), FakeRunner(step_seconds), async_scheduling=async_scheduling)
-    info = ModelInfo(name="fake", vocab_size=VOCAB, max_model_len=max_model_len, eos_token_id=EOS,
+    info = ModelInfo(name="fake", vocab_size=vocab_size, max_model_len=max_model_len, eos_token_id=EOS,
                      extra_eos_token_ids=extra_eos,
-                     sampler_config=SamplerConfig(max_num_seqs=max_num_seqs, vocab_size=VOCAB, max_logprobs=5),
+                     sampler_config=SamplerConfig(max_num_seqs=max_num_seqs, vocab_size=vocab_size,
+                                                  max_logprobs=min(5, vocab_size), topk_candidates=min(64, vocab_size)),
                      sampling_defaults={})
-    return EngineParts(CharTokenizer(), info, core)
+    return EngineParts(tokenizer or CharTokenizer(), info, core)

@@ -235,7 +235,7 @@ def test_unknown_model_and_auth(client, live_server):
         bad.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1)
     r = httpx.get(live_server.base_url + "/v1/models", headers={"X-Request-Id": "abc"})
     assert r.status_code == 401 and r.headers["x-request-id"] == "abc" and r.json()["error"]["code"] == 401
-    # only /v1/* is protected
+    # /health and /metrics stay public (see test_fuzz.py for every other route)
     assert httpx.get(live_server.base_url + "/health").status_code == 200
     assert httpx.get(live_server.base_url + "/metrics").status_code == 200
 

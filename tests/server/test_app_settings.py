@@ -1,0 +1,111 @@
+"""Settings of the app that need no model: a chat template sent with a request (refused unless
+trusted, sandboxed when trusted), the request-body limit, and 500s that name the request id
+rather than the exception. The app runs over the engine with a fake runner (no model) and the
+default model's tokenizer."""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import pytest
+from starlette.testclient import TestClient
+
+from jaxserve.server.async_engine import AsyncEngine
+from jaxserve.server.body import default_max_body_bytes
+from tests.engine.fakes import fake_parts
+from tests.server.test_fuzz import CHAT, PROMPT, assert_envelope
+
+MAX_MODEL_LEN = 2048
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from jaxserve.engine.tokenizer import Tokenizer
+    from jaxserve.models.loader import resolve_model
+
+    return Tokenizer.from_pretrained(resolve_model(None))
+
+
+def _fake_app(tokenizer: Any, **options: Any) -> tuple[AsyncEngine, TestClient]:
+    from jaxserve.server.app import build_app
+
+    parts = fake_parts(tokenizer=tokenizer, vocab_size=tokenizer.vocab_size, max_model_len=MAX_MODEL_LEN,
+                       num_blocks=8 * MAX_MODEL_LEN // 4 + 1, budget=512)
+    engine = AsyncEngine(parts)
+    client = TestClient(build_app(engine, **options), raise_server_exceptions=False)
+    return engine, client.__enter__()  # the lifespan starts the engine thread
+
+
+def test_trusted_chat_template_is_rendered_in_the_sandbox(tokenizer) -> None:
+    engine, c = _fake_app(tokenizer, trust_request_chat_template=True)
+    template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    r = c.post("/tokenize", json={"messages": CHAT, "chat_template": template, "add_special_tokens": False})
+    assert r.status_code == 200 and r.json()["tokens"] == tokenizer.encode(f"<user>{CHAT[0]['content']}",
+                                                                           add_special_tokens=False)
+    r = c.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 1,
+                                             "chat_template_kwargs": {"chat_template": template}})
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+    assert engine.core.runner.prompts[-1] == tokenizer.encode(f"<user>{CHAT[0]['content']}", add_special_tokens=False)
+    # the sandbox still stands between a trusted template and Python's internals
+    escape = "{{ ''.__class__.__mro__[1].__subclasses__() }}"
+    for path in ("/tokenize", "/v1/chat/completions"):
+        err = assert_envelope(c.post(path, json={"messages": CHAT, "max_tokens": 1, "chat_template": escape}), 400)
+        assert "unsafe" in err["message"] or "access to attribute" in err["message"], err
+
+
+def test_untrusted_is_the_default(tokenizer) -> None:
+    engine, c = _fake_app(tokenizer)
+    r = c.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 1, "chat_template": "{{ 1 }}"})
+    assert assert_envelope(r, 400)["param"] == "chat_template" and engine.core.runner.prompts == []
+    r = c.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 1})
+    assert r.status_code == 200  # the model's own template is always fine
+
+
+def test_body_limit_fits_the_context(tokenizer) -> None:
+    limit = default_max_body_bytes(MAX_MODEL_LEN)
+    assert limit == (1 << 20) + 256 * 2048
+    assert default_max_body_bytes(128 * 1024) > default_max_body_bytes(2048)
+    _, c = _fake_app(tokenizer)
+    full_context = list(range(100, 100 + MAX_MODEL_LEN - 1))  # a full-context prompt fits, 8 times
+    r = c.post("/v1/completions", json={"prompt": [full_context] * 8, "max_tokens": 1})
+    assert r.status_code == 200, r.text[:300]
+    err = assert_envelope(c.post("/v1/completions", json={"prompt": "x" * limit, "max_tokens": 1}), 413)
+    assert str(limit) in err["message"]
+    _, small = _fake_app(tokenizer, max_body_bytes=1000)  # an explicit limit wins
+    assert_envelope(small.post("/v1/completions", json={"prompt": "x" * 1000, "max_tokens": 1}), 413)
+    huge_length = {"Content-Length": "9" * 5000, "Content-Type": "application/json"}
+    assert small.post("/tokenize", content=b"{}", headers=huge_length).status_code in (400, 413)
+
+
+def test_500s_name_the_request_id_not_the_exception(tokenizer, monkeypatch) -> None:
+    engine, c = _fake_app(tokenizer)
+    monkeypatch.setattr(engine.input_processor, "process", _explode_secretly)
+    for path, body in (("/v1/completions", {"prompt": PROMPT, "max_tokens": 1}),
+                       ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 1})):
+        r = c.post(path, json=body, headers={"X-Request-Id": "req-42"})
+        assert r.status_code == 500 and r.headers["x-request-id"] == "req-42"
+        err = r.json()["error"]
+        assert "req-42" in err["message"] and "secret" not in r.text and "RuntimeError" not in r.text
+        assert err["type"] == "InternalServerError" and err["code"] == 500
+        r = c.post(path, json=body)  # without X-Request-Id: the generated id is named
+        assert r.headers["x-request-id"] in r.json()["error"]["message"]
+    monkeypatch.undo()
+    engine.core.runner.explode = True  # the engine dies during the request: in-stream or body error
+    for body in ({"prompt": PROMPT, "max_tokens": 1, "stream": True},
+                 {"prompt": PROMPT, "max_tokens": 1}):
+        r = c.post("/v1/completions", json=body, headers={"X-Request-Id": "req-43"})
+        assert "req-43" in r.text and "secret" not in r.text
+    # a failure outside the engine (here: the tokenizer) is a 500 with the id as well
+    _, c = _fake_app(types.SimpleNamespace(vocab_size=10, encode=_explode))
+    r = c.post("/tokenize", json={"prompt": "hi"}, headers={"X-Request-Id": "req-44"})
+    assert r.status_code == 500 and "req-44" in r.text and "tokenizer detail" not in r.text
+    assert c.get("/health").status_code == 200
+
+
+def _explode(*args: Any, **kwargs: Any) -> list[int]:
+    raise RuntimeError("tokenizer detail")
+
+
+def _explode_secretly(*args: Any, **kwargs: Any) -> Any:
+    raise RuntimeError("secret detail")
