@@ -141,9 +141,18 @@ class KVCacheManager:
         before the new ones. Returns the ids of the newly allocated blocks (possibly empty), or
         None when the free blocks do not suffice — then nothing has changed.
         """
+        rid = request.request_id
+        if not new_computed_blocks:  # the common case: a running request's next tokens
+            held = self._req_to_blocks.get(rid)
+            if held is not None:
+                num_total = request.num_computed_tokens + num_new_tokens
+                if num_total <= len(held) * self.block_size:  # nothing to allocate
+                    if (self.enable_caching and min(num_total, request.num_tokens) // self.block_size
+                            > self._num_cached_blocks[rid]):
+                        self._cache_full_blocks(request, held, num_total)
+                    return []
         assert num_new_tokens >= 0
         hits = new_computed_blocks or []
-        rid = request.request_id
         req_blocks = self._req_to_blocks.get(rid)
         assert not hits or not req_blocks, "prefix hits are only taken at admission"
         num_computed = request.num_computed_tokens + len(hits) * self.block_size

@@ -19,7 +19,7 @@ from jaxserve.request import Request
 PENDING = -1  # a token id sampled by an earlier step that has not reached the host yet
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: built for every row of every step, and frozen init is slower
 class ScheduledRequest:
     request: Request
     # Tokens to feed this step, for positions start_pos … start_pos + num_scheduled_tokens - 1;

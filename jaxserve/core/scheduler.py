@@ -308,14 +308,15 @@ class Scheduler:
     # ------------------------------------------------------------------ internals
     def _num_new_tokens(self, req: Request, budget: int) -> int:
         pending = req.num_output_placeholders
+        num_tokens = len(req.prompt_token_ids) + len(req.output_token_ids)
         if pending:
             # Feeding a pending token samples the one after it: not when the pending one
             # may be the last (it finishes the request when it arrives).
             max_tokens = req.sampling_params.max_tokens
-            if (req.num_tokens + pending >= self.config.max_model_len
-                    or max_tokens is not None and req.num_output_tokens + pending >= max_tokens):
+            if (num_tokens + pending >= self.config.max_model_len
+                    or max_tokens is not None and len(req.output_token_ids) + pending >= max_tokens):
                 return 0
-        n = req.num_tokens + pending - req.num_computed_tokens
+        n = num_tokens + pending - req.num_computed_tokens
         return max(0, min(n, budget, self.config.max_model_len - req.num_computed_tokens))
 
     def _advance(self, req: Request, n: int, block_ids: list[int], *, is_new: bool,
@@ -324,11 +325,13 @@ class Scheduler:
         start = req.num_computed_tokens
         end = start + n
         req.num_computed_tokens = end
-        known = req.num_tokens
+        known = len(req.prompt_token_ids) + len(req.output_token_ids)
         if end <= known:
             tokens = tuple(req.get_token_ids(start, end))
+        elif start >= known:
+            tokens = (PENDING,) * n
         else:
-            tokens = (*req.get_token_ids(start, known), *(PENDING,) * (end - max(start, known)))
+            tokens = (*req.get_token_ids(start, known), *(PENDING,) * (end - known))
         sample = end == known + req.num_output_placeholders
         if sample:
             req.num_output_placeholders += 1

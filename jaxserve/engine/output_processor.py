@@ -60,6 +60,8 @@ class _Seq:
     sent_tokens: int = 0  # for DELTA outputs
     sent_text: int = 0
     finish_sent: bool = False
+    # Characters a DELTA output holds back while unfinished: never half a stop string.
+    hold: int = 0
 
     @property
     def finished(self) -> bool:
@@ -111,8 +113,9 @@ class OutputProcessor:
             p = r.sampling_params
             detok = self.tokenizer.detokenizer(skip_special_tokens=p.skip_special_tokens,
                                                prompt_token_ids=req.prompt_token_ids)
+            hold = max(map(len, p.stop)) - 1 if p.stop and not p.include_stop_str_in_output else 0
             seqs.append(_Seq(r.request_id, i, p, detok, logprobs=[] if p.logprobs is not None else None,
-                             cumulative_logprob=0.0 if p.logprobs is not None else None))
+                             cumulative_logprob=0.0 if p.logprobs is not None else None, hold=hold))
         wants_plp = req.params.prompt_logprobs is not None
         parent = _Parent(
             req.request_id, req.prompt, list(req.prompt_token_ids), kind, seqs, RequestMetrics(arrival_time),
@@ -174,7 +177,7 @@ class OutputProcessor:
         tokenizer = self.tokenizer
         for o in core_outputs:
             seq = self.seqs.get(o.request_id)
-            if seq is None or seq.finished:
+            if seq is None or seq.finish_reason is not None:
                 continue
             parent = seq.parent
             m = parent.metrics
@@ -205,9 +208,9 @@ class OutputProcessor:
                     if seq.params.stop and self._check_stop_strings(seq, before):
                         stopped.append(seq.request_id)
                         break
-            if o.finish_reason is not None and not seq.finished:
+            if o.finish_reason is not None and seq.finish_reason is None:
                 seq.finish_reason, seq.stop_reason = o.finish_reason, o.stop_reason
-            if seq.finished:
+            if seq.finish_reason is not None:
                 seq.text += seq.detok.flush()
             touched[parent.request_id] = parent
         outputs = [out for p in touched.values() if (out := self._emit(p)) is not None]
@@ -233,7 +236,7 @@ class OutputProcessor:
         return True
 
     def _emit(self, p: _Parent, force: bool = False) -> RequestOutput | None:
-        finished = p.finished
+        finished = all(s.finish_reason is not None for s in p.seqs)
         if finished:
             p.metrics.finished_time = time.time()
         if p.kind == OutputKind.FINAL_ONLY and not finished and not force:
@@ -241,16 +244,14 @@ class OutputProcessor:
         outs = []
         for s in p.seqs:
             if p.kind == OutputKind.DELTA:
-                hold = 0
-                if not s.finished and s.params.stop and not s.params.include_stop_str_in_output:
-                    hold = max(len(x) for x in s.params.stop) - 1  # never emit half a stop string
-                end = max(s.sent_text, len(s.text) - hold)
+                done = s.finish_reason is not None
+                end = max(s.sent_text, len(s.text) - (0 if done else s.hold))
                 text, toks = s.text[s.sent_text : end], s.token_ids[s.sent_tokens :]
                 lps = s.logprobs[s.sent_tokens :] if s.logprobs is not None else None
-                if not text and not toks and not (s.finished and not s.finish_sent):
+                if not text and not toks and not (done and not s.finish_sent):
                     continue
                 s.sent_text, s.sent_tokens = end, len(s.token_ids)
-                s.finish_sent = s.finished
+                s.finish_sent = done
             else:
                 text, toks, lps = s.text, list(s.token_ids), (list(s.logprobs) if s.logprobs is not None else None)
             outs.append(CompletionOutput(s.index, text, toks, s.cumulative_logprob, lps, s.finish_reason, s.stop_reason))

@@ -23,6 +23,7 @@ needs only the launched step.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 
@@ -38,6 +39,7 @@ from jaxserve.outputs import SampleLogprobs
 from jaxserve.runner.buckets import BucketGrid
 from jaxserve.runner.compile import CompileCounter
 from jaxserve.runner.kv_cache import allocate_kv_cache
+from jaxserve.runner.step_buffers import BufferLayout
 from jaxserve.runner.step_inputs import ModelInputs, TokenInfo, pack_rows
 from jaxserve.sampling.config import SamplerConfig
 from jaxserve.sampling.metadata import SamplingMetadata, SamplingMetadataBuilder
@@ -73,13 +75,12 @@ class RunnerOutput:
 
 @dataclasses.dataclass(slots=True)
 class StepPlan:
-    """One prepared step: the bucket and its numpy inputs, and what `collect` reads back."""
+    """One prepared step: the bucket, its inputs packed (`step_buffers`), and what `collect`
+    reads back."""
 
     bucket: tuple[int, int]  # (T, R)
     slot_writes: list[SlotRowsWrite]  # sampler rows of admitted requests, written first
-    inputs: ModelInputs
-    meta: SamplingMetadata
-    tok: TokenInfo
+    buffers: tuple[np.ndarray, ...]  # (ModelInputs, SamplingMetadata, TokenInfo), packed
     sample_ids: list[str]  # the request of each row that samples, in row order
     sample_rows: np.ndarray  # [n] int: those rows
     logprob_rows: list[tuple[int, str, int]]  # (row, request id, top k)
@@ -135,6 +136,7 @@ class ModelRunner:
         self._host_params: list[np.ndarray] | None = None  # the weights while asleep
         self.counter = CompileCounter()
         self._compiled: dict[tuple[int, int], jax.stages.Compiled] = {}
+        self._layouts: dict[tuple[int, int], BufferLayout] = {}
         t0 = time.perf_counter()
         with self.counter.active():
             self._compile_all(show_progress)
@@ -185,26 +187,29 @@ class ModelRunner:
         plp = jax.lax.cond(jnp.any(wants), with_prompt_lp, without)
         return kv, sstate, out, plp
 
-    def abstract_inputs(self, T: int, R: int) -> tuple[ModelInputs, SamplingMetadata, TokenInfo]:
-        """ShapeDtypeStructs of one (T, R) step's inputs, with the shardings real ones get."""
-        rep = self.replicated
+    def step_layout(self, T: int, R: int) -> BufferLayout:
+        """How a (T, R) step's inputs (ModelInputs, SamplingMetadata, TokenInfo) are packed."""
         empty = np.zeros(0, np.int32)
         dummy = pack_rows(empty, empty, empty, np.zeros((0, self.pages_per_req), np.int32),
                           num_tokens=T, num_reqs=R, page_size=self.page_size)
         tok = TokenInfo(slots=np.zeros(T, np.int32), is_prompt=np.zeros(T, np.bool_), valid=np.zeros(T, np.bool_),
                         next_prompt_token=np.zeros(T, np.int32), sample_slots=np.zeros(R, np.int32))
         meta = SamplingMetadataBuilder(self.sampler_config).build([], [], R)
-        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep), (dummy, meta, tok))
+        return BufferLayout.of((dummy, meta, tok))
+
+    def _packed_step_fn(self, layout: BufferLayout, params, kv, sstate, *buffers):
+        return self._step_fn(params, kv, sstate, *layout.unpack(buffers))
 
     def _compile_all(self, show_progress: bool) -> None:
         shaped = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
         params = [shaped(x) for x in self.params]
         kv = jax.tree.map(shaped, self.kv)
         sstate = jax.tree.map(shaped, self.sstate)
-        jitted = jax.jit(self._step_fn, donate_argnums=(1, 2))
         shapes = self.grid.shapes()
         for T, R in tqdm(shapes, desc="compiling buckets", disable=not show_progress, unit="bucket"):
-            self._compiled[(T, R)] = jitted.lower(params, kv, sstate, *self.abstract_inputs(T, R)).compile()
+            layout = self._layouts[(T, R)] = self.step_layout(T, R)
+            jitted = jax.jit(functools.partial(self._packed_step_fn, layout), donate_argnums=(1, 2))
+            self._compiled[(T, R)] = jitted.lower(params, kv, sstate, *layout.abstract(self.replicated)).compile()
         rows = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.replicated),
                             self._empty_slot_write())
         self._write_rows = jax.jit(write_slot_rows, donate_argnums=(0,)).lower(sstate, rows).compile()
@@ -301,16 +306,17 @@ class ModelRunner:
                         sample_slots=sample_slots)
         meta = self.builder.build(slots_np, starts_np + lens_np - self.prompt_len[slots_np], R)
         sample_ids = [so.scheduled[i].request.request_id for i in sample_rows.tolist()]
-        return StepPlan((T, R), self.builder.take_slot_writes(), inputs, meta, tok, sample_ids, sample_rows,
-                        logprob_rows, prompt_rows)
+        buffers = self._layouts[(T, R)].pack((inputs, meta, tok))
+        return StepPlan((T, R), self.builder.take_slot_writes(), buffers, sample_ids, sample_rows, logprob_rows,
+                        prompt_rows)
 
     def launch(self, plan: StepPlan) -> LaunchedStep:
         """Dispatch the step (the sampler rows of admitted requests first); returns at once."""
         with self.counter.active():
             for w in plan.slot_writes:
                 self.sstate = self._write_rows(self.sstate, w)
-            self.kv, self.sstate, out, plp = self._compiled[plan.bucket](
-                self.params, self.kv, self.sstate, plan.inputs, plan.meta, plan.tok)
+            self.kv, self.sstate, out, plp = self._compiled[plan.bucket](self.params, self.kv, self.sstate,
+                                                                         *plan.buffers)
         return LaunchedStep(plan, out, plp)
 
     def collect(self, step: LaunchedStep) -> RunnerOutput:
