@@ -1,10 +1,12 @@
 """Matrix products on pre-packed weights (`matmul.cc`), for the CPU serving path: bfloat16 on
-Intel AMX, float32 with AVX-512 FMAs.
+Intel AMX, float32 with AVX-512 FMAs, or with AVX2 FMAs in a build without AVX-512 (an
+AVX2-only CPU's "native" build, or build target "haswell" anywhere; `cpu.BUILD_TARGETS`).
 
 XLA:CPU runs SmolLM2's bfloat16 decode products at about 130 GFLOP/s on two cores; the AMX
 tile unit does several times that, and at small batch the product is bound by reading the
 weights, which AMX streams once per 32 rows. XLA's float32 products with 8-32 rows run at
-35-80 GFLOP/s here, about half of what a register-blocked AVX-512 loop does. The kernel wants
+35-80 GFLOP/s here, about half of what a register-blocked AVX-512 loop does; limited to AVX2
+(`--xla_cpu_max_isa=AVX2`), XLA's 32-row LM-head product runs at ~30 GFLOP/s. The kernel wants
 each weight pre-packed (`pack_weight`, done once at load time by `models/layers/linear.py:
 pack_linear_weights`); the result is float32 (the products' accumulator dtype everywhere in
 the models). The ops around a decoder layer's products (RMSNorm before, residual
@@ -25,29 +27,35 @@ from jaxserve.pallas_kernels import cpu
 TARGET = "jaxserve_packed_matmul"
 
 
-@functools.cache
-def amx_available() -> bool:
-    """True when this CPU has AMX-BF16, the kernels build, and the OS grants AMX tile state."""
-    flags = cpu.cpu_flags().split()
-    if "amx_bf16" not in flags or "amx_tile" not in flags:
+def _library_says(symbol: str, cpu_flags: tuple[str, ...], target: str | None) -> bool:
+    if not set(cpu_flags) <= set(cpu.cpu_flags().split()):
         return False
     try:
-        lib = cpu.ensure_loaded()
+        lib = cpu.ensure_loaded(target)
     except cpu.KernelUnavailable:
         return False
-    return bool(lib.JaxserveAmxAvailable())
+    return bool(getattr(lib, symbol)())
+
+
+# `target`: the kernel build asked about (`cpu.BUILD_TARGETS`); None: the process's.
+@functools.cache
+def amx_available(target: str | None = None) -> bool:
+    """True when this CPU has AMX-BF16, the kernels build with it, and the OS grants AMX tile
+    state (the bfloat16 product)."""
+    return _library_says("JaxserveAmxAvailable", ("amx_bf16", "amx_tile"), target)
 
 
 @functools.cache
-def avx512_available() -> bool:
+def avx512_available(target: str | None = None) -> bool:
     """True when this CPU has AVX-512F and the kernels build with it (the float32 product)."""
-    if "avx512f" not in cpu.cpu_flags().split():
-        return False
-    try:
-        lib = cpu.ensure_loaded()
-    except cpu.KernelUnavailable:
-        return False
-    return bool(lib.JaxserveAvx512Available())
+    return _library_says("JaxserveAvx512Available", ("avx512f",), target)
+
+
+@functools.cache
+def avx2_available(target: str | None = None) -> bool:
+    """True when this CPU has AVX2 and FMA and the kernels' float32 product is the AVX2 one:
+    a build without AVX-512 (target "haswell", or "native" on an AVX2-only CPU)."""
+    return _library_says("JaxserveAvx2Available", ("avx2", "fma"), target)
 
 
 def packable(k: int, n: int) -> bool:
@@ -90,6 +98,7 @@ def packed_matmul(
     residual: jax.Array | None = None,
     glu: bool = False,
     live: jax.Array | None = None,
+    target: str | None = None,
 ) -> jax.Array:
     """x [M, K] @ a packed weight (`pack_weight`) -> float32 [M, N].
 
@@ -99,9 +108,10 @@ def packed_matmul(
     product. With `glu` the weight holds [gate | up] (N/2 columns each, N/2 a multiple of 32)
     and the result is silu(gate) * up, float32 [M, N/2]. With `live` (an int32 scalar, traced)
     only rows [0, live) are computed; the others are zeros (the residual's rows with one): a
-    padded bucket's padding tokens cost nothing.
+    padded bucket's padding tokens cost nothing. `target`: the kernel build to call
+    (`cpu.BUILD_TARGETS`; None: the process's).
     """
-    cpu.ensure_loaded()
+    name = cpu.ffi_target(TARGET, target)
     m, k = x.shape
     try:
         pk, n = packed_shape(packed)
@@ -121,7 +131,7 @@ def packed_matmul(
         x = x.astype(jnp.float32)
     empty = jnp.zeros((0,), jnp.float32)
     out_n = n // 2 if glu else n
-    return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((m, out_n), jnp.float32))(
+    return jax.ffi.ffi_call(name, jax.ShapeDtypeStruct((m, out_n), jnp.float32))(
         x, packed,
         empty if norm is None else norm.astype(jnp.float32),
         empty if residual is None else residual.astype(jnp.float32),
@@ -130,21 +140,28 @@ def packed_matmul(
 
 
 def resolve_matmul_impl(impl: str, backend: str, dtype, mesh) -> str:
-    """"amx", "avx512" or "xla" for ModelConfig.matmul_impl `impl` ("auto" | "xla" | "amx" |
-    "avx512").
+    """"amx", "avx512", "avx2" or "xla" for ModelConfig.matmul_impl `impl` ("auto" | "xla" |
+    "amx" | "avx512" | "avx2").
 
     The kernels need the CPU backend, a one-device mesh (the packed weights are not sharded),
     and: "amx" bfloat16 weights and a CPU with AMX; "avx512" float32 weights and a CPU with
-    AVX-512. "auto" picks the one that fits the weights' dtype, else "xla"; an explicit one
-    that cannot run raises ValueError.
+    AVX-512; "avx2" float32 weights and a kernel build without AVX-512 on a CPU with AVX2 and
+    FMA (all three use the process's kernel build, `cpu.select_target`). "auto" picks the one
+    that fits the weights' dtype (for float32 AVX-512 where the build has it, else AVX2), else
+    "xla"; an explicit one that cannot run raises ValueError.
     """
-    if impl not in ("auto", "xla", "amx", "avx512"):
-        raise ValueError(f"matmul_impl must be 'auto', 'xla', 'amx' or 'avx512'; got {impl!r}")
+    if impl not in ("auto", "xla", "amx", "avx512", "avx2"):
+        raise ValueError(f"matmul_impl must be 'auto', 'xla', 'amx', 'avx512' or 'avx2'; "
+                         f"got {impl!r}")
     if impl == "xla":
         return "xla"
     dt = jnp.dtype(dtype)
-    name = impl if impl != "auto" else ("amx" if dt == jnp.bfloat16 else "avx512")
-    want = {"amx": jnp.bfloat16, "avx512": jnp.float32}[name]
+    name = impl
+    if impl == "auto":
+        name = ("amx" if dt == jnp.bfloat16 else
+                "avx2" if backend == "cpu" and not avx512_available() and avx2_available() else
+                "avx512")
+    want = {"amx": jnp.bfloat16, "avx512": jnp.float32, "avx2": jnp.float32}[name]
     reasons = []
     if backend != "cpu":
         reasons.append(f"the backend is {backend}, not cpu")
@@ -155,7 +172,10 @@ def resolve_matmul_impl(impl: str, backend: str, dtype, mesh) -> str:
     if not reasons and name == "amx" and not amx_available():
         reasons.append("this CPU has no usable AMX-BF16 (or the kernels cannot be built)")
     if not reasons and name == "avx512" and not avx512_available():
-        reasons.append("this CPU has no AVX-512 (or the kernels cannot be built)")
+        reasons.append("this CPU has no AVX-512 (or the kernels cannot be built with it)")
+    if not reasons and name == "avx2" and not avx2_available():
+        reasons.append("no kernel build without AVX-512 on a CPU with AVX2 and FMA (or the "
+                       "kernels cannot be built)")
     if not reasons:
         return name
     if impl != "auto":
