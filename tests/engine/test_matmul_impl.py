@@ -10,7 +10,12 @@ import jax.numpy as jnp
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.pallas_kernels.cpu.matmul import amx_available, avx512_available, resolve_matmul_impl
+from jaxserve.pallas_kernels.cpu.matmul import (
+    amx_available,
+    avx2_available,
+    avx512_available,
+    resolve_matmul_impl,
+)
 
 needs_amx = pytest.mark.skipif(not amx_available(), reason="this CPU has no AMX-BF16")
 ONE = types.SimpleNamespace(size=1)
@@ -31,12 +36,22 @@ def test_resolve_matmul_impl():
             assert resolve_matmul_impl("auto", backend, dtype, mesh) == "xla"
         with pytest.raises(ValueError, match="matmul_impl='avx512' cannot run here"):
             resolve_matmul_impl("avx512", backend, dtype, mesh)
-    with pytest.raises(ValueError, match="'auto', 'xla', 'amx' or 'avx512'"):
+        with pytest.raises(ValueError, match="matmul_impl='avx2' cannot run here"):
+            resolve_matmul_impl("avx2", backend, dtype, mesh)
+    with pytest.raises(ValueError, match="'auto', 'xla', 'amx', 'avx512' or 'avx2'"):
         resolve_matmul_impl("onednn", "cpu", jnp.bfloat16, ONE)
     assert resolve_matmul_impl("auto", "cpu", jnp.bfloat16, ONE) == (
         "amx" if amx_available() else "xla")
+    # float32: AVX-512 where the process's kernel build has it, else AVX2 (a build without
+    # AVX-512 on a CPU with AVX2 and FMA), else XLA.
     assert resolve_matmul_impl("auto", "cpu", jnp.float32, ONE) == (
-        "avx512" if avx512_available() else "xla")
+        "avx512" if avx512_available() else "avx2" if avx2_available() else "xla")
+    for name, ok in (("avx512", avx512_available()), ("avx2", avx2_available())):
+        if ok:
+            assert resolve_matmul_impl(name, "cpu", jnp.float32, ONE) == name
+        else:
+            with pytest.raises(ValueError, match=f"matmul_impl='{name}' cannot run here"):
+                resolve_matmul_impl(name, "cpu", jnp.float32, ONE)
 
 
 @needs_amx
