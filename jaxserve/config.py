@@ -52,9 +52,10 @@ class ModelConfig:
     model_cache_dir: str | None = None  # where GGUF conversions are cached
     attention_impl: str = "auto"
     # Native CPU product kernels (one device; weights packed at load time): "amx" for bfloat16
-    # weights on CPUs with AMX, "avx512" for float32 weights on CPUs with AVX-512; "xla": XLA's
-    # dot; "auto": the kernel that fits the weights' dtype where it can run, else xla.
-    matmul_impl: Literal["auto", "xla", "amx", "avx512"] = "auto"
+    # weights on CPUs with AMX, "avx512" for float32 weights on CPUs with AVX-512, "avx2" for
+    # float32 weights with a kernel build without AVX-512 (AVX2-only CPUs); "xla": XLA's dot;
+    # "auto": the kernel that fits the weights' dtype where it can run, else xla.
+    matmul_impl: Literal["auto", "xla", "amx", "avx512", "avx2"] = "auto"
     seed: int = 0  # seeds unseeded requests' generators
 
     def resolved_dtype(self, backend: str) -> str:
