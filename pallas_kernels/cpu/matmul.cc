@@ -118,16 +118,20 @@ class PrologueJob : public jaxserve::ParallelJob {
 // The strip walk and epilogues shared by both products; block() computes one row block.
 class StripJob : public jaxserve::ParallelJob {
  public:
-  static constexpr int64_t kItems = 8;  // runs of consecutive strips (a thread's reads continue)
+  // Items are runs of consecutive strips (a thread's reads continue): 8 of them, or runs of
+  // kMaxRun strips when there are more than 8 such runs (an LM head: 96), so that a helper
+  // thread the OS preempts in the middle of an item holds up little of the call.
+  static constexpr int64_t kItems = 8;
+  static constexpr int64_t kMaxRun = 16;
 
   StripJob(const float* residual, bool glu, float* out, int64_t m, int64_t k, int64_t n,
            int64_t block_rows)
       : residual_(residual), glu_(glu), out_(out), m_(m), k_(k), n_(n), block_rows_(block_rows) {}
 
-  int64_t items() const { return std::min<int64_t>(kItems, strips()); }
+  int64_t items() const { return (strips() + run_length() - 1) / run_length(); }
 
   void run(int64_t item) override {
-    const int64_t per = (strips() + kItems - 1) / kItems;
+    const int64_t per = run_length();
     for (int64_t s = item * per; s < std::min(strips(), (item + 1) * per); ++s) run_strip(s);
   }
 
@@ -138,6 +142,9 @@ class StripJob : public jaxserve::ParallelJob {
 
  private:
   int64_t strips() const { return glu_ ? n_ / 64 : n_ / 32; }
+  int64_t run_length() const {
+    return std::min(kMaxRun, std::max<int64_t>(1, (strips() + kItems - 1) / kItems));
+  }
 
   void run_strip(int64_t strip) {
     alignas(64) float c0[32 * 32];
