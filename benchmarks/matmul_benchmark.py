@@ -1,14 +1,30 @@
-"""Time the CPU product kernels against XLA's dot on SmolLM2's decoder-layer shapes.
+"""Time the CPU product kernels against XLA's dot on SmolLM2's shapes.
 
-For each weight dtype (bfloat16: the AMX kernel; float32: the AVX-512 kernel) and each row
-count M, it times `layers` distinct weights of each shape (q/k/v fused, o, gate/up fused, down)
-in one compiled function, so that the weights come from memory as in a real step (their total
-is far above the caches), and reports the median time per product, the weight-read GB/s and
-the GFLOP/s. XLA's dot runs the same products on unpacked weights (`dense`). One JSON line per
-(dtype, M, impl) is appended to benchmarks/results/matmul.jsonl (or --out).
+For each weight dtype (bfloat16: the AMX kernel; float32: the AVX-512 or AVX2 kernel, whichever
+the kernel build has) and each row count M, it times `layers` distinct weights of each
+decoder-layer shape (q/k/v fused, o, gate/up fused, down) in one compiled function, so that
+the weights come from memory as in a real step (their total is far above the caches), and
+with --lm-head the tied LM head (576 x 49152: 113 MB in float32) alone. XLA's dot runs the
+same products on unpacked weights (`dense`). The implementations alternate call by call in one
+process (A/B/A/B), and each reports the median time per product, the weight-read GB/s, the
+GFLOP/s and the fraction of the memory-bandwidth floor, the bound that matters at one row,
+two ways: `of floor` reads the weights at the best streaming rate measured at start (numpy
+reductions on 1 and 2 threads over 512 MiB); `vs read` against the time numpy takes to read
+the same bytes on 2 threads (np.dot of each half with itself; a max over bfloat16 weights
+read as int32), timed in the same alternation, so that others' work on a shared machine
+slows both alike (numpy reads more slowly than the best probe, so this one can pass 100 %).
+One JSON line per (dtype, shapes, M, impl) is appended to benchmarks/results/matmul.jsonl (or
+--out), with the CPU, the kernel build target, XLA_FLAGS and the load average.
+--compare-target adds another build's float32 kernel to the alternation (e.g. the host's
+AVX-512 one next to the AVX2 one).
+
+AVX2-only CPUs (no AVX-512, no AMX) can be emulated on a larger x86 CPU: XLA limited with
+--xla_cpu_max_isa=AVX2 and the kernels built for target "haswell":
 
     python benchmarks/matmul_benchmark.py
     python benchmarks/matmul_benchmark.py --rows 1 16 32 --dtypes bfloat16 --iters 30
+    XLA_FLAGS=--xla_cpu_max_isa=AVX2 python benchmarks/matmul_benchmark.py \\
+        --kernel-target haswell --dtypes float32 --rows 1 8 32 --lm-head
 """
 
 from __future__ import annotations
@@ -18,6 +34,7 @@ import datetime
 import json
 import os
 import platform
+import threading
 import time
 
 import jax
@@ -26,33 +43,81 @@ import ml_dtypes
 import numpy as np
 
 from jaxserve.models.layers.linear import dense
+from jaxserve.pallas_kernels import cpu
 from jaxserve.pallas_kernels.cpu.matmul import (
     amx_available,
+    avx2_available,
     avx512_available,
     pack_weight,
     packed_matmul,
 )
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results", "matmul.jsonl")
-# SmolLM2-135M: hidden 576, 9 + 2 x 3 heads of 64, MLP 1536 (gate and up fused).
+# SmolLM2-135M: hidden 576, 9 + 2 x 3 heads of 64, MLP 1536 (gate and up fused), vocabulary
+# 49152 (the LM head is the tied embedding).
 SHAPES = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576)}
+LM_HEAD = (576, 49152)
 
 
-def median_s(f, args, iters: int) -> float:
-    jax.block_until_ready(f(*args))
-    ts = []
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            line = next((x for x in f if x.startswith("model name")), "")
+    except OSError:
+        line = ""
+    return line.partition(":")[2].strip() or platform.processor()
+
+
+def read_bandwidth_gbs(mib: int = 512, repeats: int = 5) -> float:
+    """The best streaming read rate of a few numpy reductions over `mib` MiB on 1 and 2 threads
+    (GB/s): the floor's denominator."""
+    a = np.ones(mib * 2**20 // 4, np.float32)
+    best = 0.0
+    for fn in (np.max, lambda p: np.dot(p, p)):
+        for n in (1, 2):
+            parts = np.array_split(a, n)
+            for _ in range(repeats):
+                ts = [threading.Thread(target=fn, args=(p,)) for p in parts]
+                t0 = time.perf_counter()
+                for t in ts:
+                    t.start()
+                for t in ts:
+                    t.join()
+                best = max(best, a.nbytes / (time.perf_counter() - t0) / 1e9)
+    return best
+
+
+def _read_all(chunks: list[list[np.ndarray]]) -> None:
+    """Read every chunk once, list i on thread i."""
+    def read(arrays):
+        for a in arrays:
+            np.dot(a, a) if a.dtype == np.float32 else a.max()
+    ts = [threading.Thread(target=read, args=(c,)) for c in chunks]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+
+
+def alternate_medians(fns: dict, iters: int) -> dict[str, float]:
+    """Median seconds per call of each fn(), called in turn (A, B, A, B, ...) after a warm-up."""
+    for f in fns.values():
+        jax.block_until_ready(f())
+    ts = {name: [] for name in fns}
     for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        ts.append(time.perf_counter() - t0)
-    return float(np.median(ts))
+        for name, f in fns.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(f())
+            ts[name].append(time.perf_counter() - t0)
+    return {name: float(np.median(t)) for name, t in ts.items()}
 
 
-def run(dtype, m: int, layers: int, iters: int, rng) -> list[dict]:
-    weights = [(0.05 * rng.standard_normal((k, n))).astype(dtype)
-               for _ in range(layers) for k, n in SHAPES.values()]
-    xs = {k: jnp.asarray(rng.standard_normal((m, k)), jnp.float32) for k, _ in SHAPES.values()}
-    flops = 2 * m * sum(k * n for k, n in SHAPES.values()) * layers
+def run(dtype, shapes: list[tuple[int, int]], m: int, iters: int, rng, bw_gbs: float,
+        kernel_name: str, compare: tuple[str, str] | None = None) -> list[dict]:
+    weights = [(0.05 * rng.standard_normal((k, n))).astype(dtype) for k, n in shapes]
+    ks = sorted({k for k, _ in shapes})
+    xs = {k: jnp.asarray(rng.standard_normal((m, k)), jnp.float32) for k in ks}
+    flops = 2 * m * sum(k * n for k, n in shapes)
     nbytes = sum(w.nbytes for w in weights)
 
     unpacked = [jnp.asarray(w) for w in weights]
@@ -62,15 +127,30 @@ def run(dtype, m: int, layers: int, iters: int, rng) -> list[dict]:
     def xla(xs, ws):
         return sum(dense("te,ef->tf", xs[k], w)[0, 0] for k, w in zip(k_of, ws))
 
-    def kernel(xs, ws):
-        return sum(packed_matmul(xs[k], w)[0, 0] for k, w in zip(k_of, ws))
+    def kernel(xs, ws, target=None):
+        return sum(packed_matmul(xs[k], w, target=target)[0, 0] for k, w in zip(k_of, ws))
 
+    xla_jit, kernel_jit = jax.jit(xla), jax.jit(kernel, static_argnames="target")
+    halves = [np.array_split((w if dtype == np.float32 else w.view(np.int32)).reshape(-1), 2)
+              for w in weights]
+    chunks = [[h[i] for h in halves] for i in range(2)]
+    fns = {"read": lambda: _read_all(chunks), "xla": lambda: xla_jit(xs, unpacked),
+           "kernel": lambda: kernel_jit(xs, packed)}
+    names = {"xla": "xla", "kernel": kernel_name}
+    if compare is not None:
+        fns["kernel@" + compare[0]] = lambda: kernel_jit(xs, packed, target=compare[0])
+        names["kernel@" + compare[0]] = compare[1]
+    times = alternate_medians(fns, iters)
+    t_read = times.pop("read")
     rows = []
-    for impl, f, ws in (("xla", xla, unpacked), ("kernel", kernel, packed)):
-        t = median_s(jax.jit(f), (xs, ws), iters)
+    for impl, t in times.items():
         rows.append({"dtype": np.dtype(dtype).name, "rows": m, "impl": impl,
-                     "us_per_product": 1e6 * t / len(weights), "weight_gbs": nbytes / t / 1e9,
-                     "gflops": flops / t / 1e9})
+                     "kernel": names[impl], "us_per_product": 1e6 * t / len(weights),
+                     "weight_gbs": nbytes / t / 1e9, "gflops": flops / t / 1e9,
+                     "bandwidth_floor_fraction": nbytes / bw_gbs / 1e9 / t,
+                     "read_gbs_alternating": nbytes / t_read / 1e9,
+                     "floor_fraction_alternating": t_read / t,
+                     "speedup_vs_xla": times["xla"] / t})
     return rows
 
 
@@ -80,28 +160,58 @@ def main() -> None:
     ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"],
                     choices=["bfloat16", "float32"])
     ap.add_argument("--layers", type=int, default=30, help="distinct weights per shape")
+    ap.add_argument("--lm-head", action="store_true",
+                    help=f"also time the LM head {LM_HEAD[0]}x{LM_HEAD[1]} alone")
+    ap.add_argument("--kernel-target", default=cpu.DEFAULT_TARGET, choices=list(cpu.BUILD_TARGETS),
+                    help="the kernels' build target (haswell: AVX2 + FMA, no AVX-512)")
+    ap.add_argument("--compare-target", choices=list(cpu.BUILD_TARGETS), default=None,
+                    help="also time this build's float32 kernel (alternating with the others)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", default=RESULTS, help="JSONL file to append to ('' = none)")
     args = ap.parse_args()
 
+    cpu.select_target(args.kernel_target)
     rng = np.random.default_rng(0)
+    bw = read_bandwidth_gbs()
     env = {"time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "machine": platform.machine(), "jax": jax.__version__}
-    print(f"{'dtype':10} {'rows':>4} {'impl':>7} {'us/product':>11} {'weight GB/s':>12} "
-          f"{'GFLOP/s':>8}")
+           "machine": platform.machine(), "cpu": cpu_model(), "cores": os.cpu_count(),
+           "jax": jax.__version__, "xla_flags": os.environ.get("XLA_FLAGS", ""),
+           "kernel_target": args.kernel_target, "read_gbs": bw,
+           "loadavg_1m": os.getloadavg()[0]}  # others' work on the machine skews the times
+    print(f"{env['cpu']}, {env['cores']} cores; kernels built for {args.kernel_target!r}; "
+          f"XLA_FLAGS={env['xla_flags']!r}; streaming read ~{bw:.1f} GB/s; "
+          f"load average {env['loadavg_1m']:.1f}")
+    print(f"{'dtype':9} {'shapes':8} {'rows':>4} {'impl':>7} {'us/product':>11} "
+          f"{'weight GB/s':>12} {'GFLOP/s':>8} {'of floor':>9} {'vs read':>8} {'vs xla':>7}")
+    sets = [("layers", [s for _ in range(args.layers) for s in SHAPES.values()])]
+    if args.lm_head:
+        sets.append(("lm_head", [LM_HEAD]))
     for name in args.dtypes:
-        if not (amx_available() if name == "bfloat16" else avx512_available()):
-            print(f"{name}: no kernel on this CPU, skipped")
+        if name == "bfloat16":
+            kernel = "amx" if amx_available() else None
+        else:
+            kernel = "avx512" if avx512_available() else "avx2" if avx2_available() else None
+        if kernel is None:
+            print(f"{name}: no kernel in this build on this CPU, skipped")
             continue
         dtype = ml_dtypes.bfloat16 if name == "bfloat16" else np.float32
-        for m in args.rows:
-            for row in run(dtype, m, args.layers, args.iters, rng):
-                print(f"{row['dtype']:10} {row['rows']:>4} {row['impl']:>7} "
-                      f"{row['us_per_product']:>11.1f} {row['weight_gbs']:>12.1f} "
-                      f"{row['gflops']:>8.0f}")
-                if args.out:
-                    with open(args.out, "a") as f:
-                        f.write(json.dumps({"benchmark": "matmul", **env, **row}) + "\n")
+        compare = None
+        if args.compare_target and name == "float32":
+            t = args.compare_target
+            other = ("avx512" if avx512_available(t) else "avx2" if avx2_available(t) else None)
+            compare = (t, other) if other else None
+        for set_name, shapes in sets:
+            for m in args.rows:
+                for row in run(dtype, shapes, m, args.iters, rng, bw, kernel, compare):
+                    row = {"shapes": set_name, **row}
+                    print(f"{row['dtype']:9} {set_name:8} {row['rows']:>4} {row['kernel']:>7} "
+                          f"{row['us_per_product']:>11.1f} {row['weight_gbs']:>12.1f} "
+                          f"{row['gflops']:>8.0f} {row['bandwidth_floor_fraction']:>8.0%} "
+                          f"{row['floor_fraction_alternating']:>8.0%} "
+                          f"{row['speedup_vs_xla']:>6.2f}x")
+                    if args.out:
+                        with open(args.out, "a") as f:
+                            f.write(json.dumps({"benchmark": "matmul", **env, **row}) + "\n")
 
 
 if __name__ == "__main__":

@@ -38,9 +38,14 @@ class ModelConfig:
     model_cache_dir: str | None = None  # where GGUF conversions are cached
     attention_impl: str = "auto"
     # Native CPU product kernels (one device; weights packed at load time): "amx" for bfloat16
-    # weights on CPUs with AMX, "avx512" for float32 weights on CPUs with AVX-512; "xla": XLA's
-    # dot; "auto": the kernel that fits the weights' dtype where it can run, else xla.
-    matmul_impl: Literal["auto", "xla", "amx", "avx512"] = "auto"
+    # weights on CPUs with AMX, "avx512" for float32 weights on CPUs with AVX-512, "avx2" for
+    # float32 weights with a kernel build without AVX-512 (AVX2-only CPUs); "xla": XLA's dot;
+    # "auto": the kernel that fits the weights' dtype where it can run, else xla.
+    matmul_impl: Literal["auto", "xla", "amx", "avx512", "avx2"] = "auto"
+    # The instruction set the native CPU kernels are built for: "native" (this CPU), "haswell"
+    # (AVX2 + FMA, no AVX-512: the class of most laptops, reproducible on newer CPUs) or
+    # "x86-64" (portable loops). One build serves a process.
+    cpu_kernel_target: Literal["native", "haswell", "x86-64"] = "native"
     seed: int = 0  # seeds unseeded requests' generators
     # Default sampling settings and EOS ids: "auto" (the model's generation_config.json),
     # "vllm" (ignore its sampling defaults) or a folder / file path (see
@@ -119,7 +124,10 @@ class EngineConfig:
             else:
                 known = sorted(own | {f.name for k in parts.values() for f in dataclasses.fields(k)})
                 raise ValueError(f"unknown engine option {key!r}; accepted: {', '.join(known)}")
-        for key in ("token_buckets", "request_buckets"):
+        # Explicit buckets without a limit: the largest bucket is the limit (token budget per
+        # step, sequences per step).
+        for key, limit in (("token_buckets", "max_num_batched_tokens"), ("request_buckets", "max_num_seqs")):
             if buckets["compile"].get(key) is not None:
                 buckets["compile"][key] = tuple(sorted(int(x) for x in buckets["compile"][key]))
+                buckets["scheduler"].setdefault(limit, buckets["compile"][key][-1])
         return cls(**{name: parts[name](**vals) for name, vals in buckets.items()}, **top)

@@ -62,8 +62,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-compilation-cache", action="store_true", help="disable the persistent compilation cache")
     g.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--attention-impl", default=None, help="auto, reference, tpu, gpu; tpu-interpret and gpu-interpret run the kernels on any host (slow, for checking)")
-    g.add_argument("--matmul-impl", default=None, choices=["auto", "xla", "amx", "avx512"],
-                   help="amx: bfloat16 products on the CPU's AMX unit (default where available)")
+    g.add_argument("--matmul-impl", default=None, choices=["auto", "xla", "amx", "avx512", "avx2"],
+                   help="CPU product kernels on packed weights: amx (bfloat16), avx512 or avx2 (float32); "
+                        "auto: the one that fits the dtype where it runs, else XLA's dot")
+    g.add_argument("--cpu-kernel-target", default=None, choices=["native", "haswell", "x86-64"],
+                   help="instruction set the native CPU kernels are built for (default: native; haswell "
+                        "emulates an AVX2-only CPU on a newer one)")
     g.add_argument("--seed", type=int, default=None, help="seed for unseeded requests")
     g.add_argument("--no-enable-prefix-caching", action="store_true", help="disable prefix caching")
     g.add_argument("--max-logprobs", type=int, default=None, help="largest logprobs a request may ask (default 20)")
@@ -81,7 +85,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     simple = {"max_model_len": "max_model_len", "max_num_seqs": "max_num_seqs",
               "max_num_batched_tokens": "max_num_batched_tokens", "kv_cache_memory": "kv_cache_memory_bytes",
               "page_size": "page_size", "compilation_cache_dir": "compilation_cache_dir", "dtype": "dtype",
-              "attention_impl": "attention_impl", "matmul_impl": "matmul_impl", "seed": "seed", "max_logprobs": "max_logprobs",
+              "attention_impl": "attention_impl", "matmul_impl": "matmul_impl",
+              "cpu_kernel_target": "cpu_kernel_target", "seed": "seed", "max_logprobs": "max_logprobs",
               "async_scheduling": "async_scheduling", "generation_config": "generation_config",
               "data_parallel_size": "data", "tensor_parallel_size": "model"}
     for arg, key in simple.items():

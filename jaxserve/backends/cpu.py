@@ -5,7 +5,8 @@ What differs from the accelerators (see docs/DESIGN.md §9 for the measurements)
 - KV dtype "auto": the model dtype when the native attention kernel writes the cache, else
   float32 (XLA:CPU's bfloat16 scatter is orders of magnitude slower);
 - the KV budget: 1 GiB unless given (host memory has no useful "free" figure);
-- products on weights packed once at load time (AMX bfloat16, AVX-512 float32), one device;
+- products on weights packed once at load time (AMX bfloat16, AVX-512 or AVX2 float32), one
+  device, on the kernel build `ModelConfig.cpu_kernel_target` selects;
 - a fused decoder layer (`cpu_layer.py`) when the model's layer features are all covered;
 - weights in a huge-page arena and the KV cache advised onto huge pages;
 - the sampler's random draws and logprobs in a native kernel (one device).
@@ -24,16 +25,16 @@ from jax.sharding import Mesh
 
 from jaxserve.backends import cpu_layer
 from jaxserve.backends.base import Backend, DevicePlan, LayerImpl, layer_features_covered
-from jaxserve.config import CacheConfig
+from jaxserve.config import CacheConfig, ModelConfig
 from jaxserve.models.layers.linear import PackedParam, pack_linear_weights
 from jaxserve.pallas_kernels import cpu as kernels
-from jaxserve.pallas_kernels.cpu.matmul import amx_available, avx512_available
+from jaxserve.pallas_kernels.cpu.matmul import amx_available, avx2_available, avx512_available
 from jaxserve.runner import huge_pages
 
 logger = logging.getLogger(__name__)
 
 CPU_KV_BYTES = 1 << 30
-MATMUL_IMPLS = ("auto", "xla", "amx", "avx512")
+MATMUL_IMPLS = ("auto", "xla", "amx", "avx512", "avx2")
 
 
 @functools.cache
@@ -69,28 +70,34 @@ class CpuBackend(Backend):
         return model_dtype if native else "float32"
 
     def resolve_matmul_impl(self, requested: str, dtype: str, mesh: Mesh) -> str:
-        """"amx", "avx512" or "xla" for `requested` ("auto" | "xla" | "amx" | "avx512").
+        """"amx", "avx512", "avx2" or "xla" for `requested` (one of MATMUL_IMPLS).
 
         The kernels need a one-device mesh (packed weights are not sharded), and: "amx" bfloat16
-        weights and a CPU with AMX; "avx512" float32 weights and a CPU with AVX-512. "auto"
-        picks the one that fits the weights' dtype, else "xla"; an explicit one that cannot run
-        raises ValueError."""
+        weights and a CPU with AMX; "avx512" float32 weights and a CPU with AVX-512; "avx2"
+        float32 weights and a kernel build without AVX-512 on a CPU with AVX2 and FMA (all on the
+        process's kernel build, `ModelConfig.cpu_kernel_target`). "auto" picks the one that fits
+        the weights' dtype (float32: AVX-512 where the build has it, else AVX2), else "xla"; an
+        explicit one that cannot run raises ValueError."""
         if requested not in MATMUL_IMPLS:
-            raise ValueError(f"matmul_impl must be 'auto', 'xla', 'amx' or 'avx512'; got {requested!r}")
+            raise ValueError(f"matmul_impl must be 'auto', 'xla', 'amx', 'avx512' or 'avx2'; got {requested!r}")
         if requested == "xla":
             return "xla"
         dt = jnp.dtype(dtype)
-        name = requested if requested != "auto" else ("amx" if dt == jnp.bfloat16 else "avx512")
-        want = {"amx": jnp.bfloat16, "avx512": jnp.float32}[name]
+        name = requested
+        if requested == "auto":
+            name = ("amx" if dt == jnp.bfloat16 else
+                    "avx2" if not avx512_available() and avx2_available() else "avx512")
+        want = {"amx": jnp.bfloat16, "avx512": jnp.float32, "avx2": jnp.float32}[name]
         reasons = []
         if dt != want:
             reasons.append(f"the weights are {dt.name}, not {jnp.dtype(want).name}")
         if mesh.size != 1:
             reasons.append(f"the mesh has {mesh.size} devices")
-        if not reasons and name == "amx" and not amx_available():
-            reasons.append("this CPU has no usable AMX-BF16 (or the kernels cannot be built)")
-        if not reasons and name == "avx512" and not avx512_available():
-            reasons.append("this CPU has no AVX-512 (or the kernels cannot be built)")
+        if not reasons and not {"amx": amx_available, "avx512": avx512_available, "avx2": avx2_available}[name]():
+            reasons.append({"amx": "this CPU has no usable AMX-BF16 (or the kernels cannot be built)",
+                            "avx512": "this CPU has no AVX-512 (or the kernels cannot be built with it)",
+                            "avx2": "no kernel build without AVX-512 on a CPU with AVX2 and FMA (or the "
+                                    "kernels cannot be built)"}[name])
         if not reasons:
             return name
         if requested != "auto":
@@ -99,6 +106,10 @@ class CpuBackend(Backend):
 
     def native_sampling(self, mesh: Mesh) -> bool:
         return mesh.size == 1 and kernels.available()
+
+    def plan(self, mc: ModelConfig, cc: CacheConfig, mesh: Mesh) -> DevicePlan:
+        kernels.select_target(mc.cpu_kernel_target)  # before anything loads the kernels
+        return super().plan(mc, cc, mesh)
 
     def kv_cache_budget(self, cc: CacheConfig) -> int:
         return cc.kv_cache_memory_bytes if cc.kv_cache_memory_bytes is not None else CPU_KV_BYTES

@@ -1,15 +1,30 @@
 """Native CPU kernels called through the XLA FFI: paged attention, products on packed weights
-(AMX bfloat16, AVX-512 float32) and the sampler's random draws.
+(AMX bfloat16, AVX-512 or AVX2 float32) and the sampler's random draws.
 
 Pallas has no CPU code generator (only its interpreter), so the CPU serving path's hot ops
 are C++ (`attention.cc` with its `simd.h`, `matmul.cc`, `sample.cc`; all use `parallel.h`),
 compiled on first use with the host's C++ compiler (`$CXX`, default `g++`, `-O3
--march=native`) against the FFI headers shipped in jaxlib, into one library under
-`<user cache>/jaxserve/kernels` (the user cache is `$XDG_CACHE_HOME` or `~/.cache`, as for
-models and compiled executables), keyed by the sources, the flags, jaxlib's version and the
-CPU. Later processes load the cached library. Without a compiler, `ensure_loaded()` raises
-`KernelUnavailable` and callers fall back to XLA (the pure-JAX reference attention, XLA's
-dot, the JAX sampler).
+-march=<target>`) against the FFI headers shipped in jaxlib, into one library per build
+target under `<user cache>/jaxserve/kernels` (the user cache is `$XDG_CACHE_HOME` or
+`~/.cache`, as for models and compiled executables), keyed by the sources, the flags (the
+target's among them), jaxlib's version and the CPU. Later processes load the cached library.
+Without a compiler, `ensure_loaded()` raises `KernelUnavailable` and callers fall back to XLA
+(the pure-JAX reference attention, XLA's dot, the JAX sampler).
+
+Build targets (`BUILD_TARGETS`; the instruction sets follow from the compiler's macros, each
+kernel keeping a portable path):
+- "native" (the default): `-march=native`, every instruction set of this CPU (AMX, AVX-512
+  where present).
+- "haswell": `-march=haswell`, AVX2 + FMA and no AVX-512: the code an AVX2-only CPU (many
+  laptops and cloud CPUs) runs, here on any CPU that has those instructions.
+- "x86-64": `-march=x86-64`, the baseline (SSE2): the kernels' portable loops; no float32
+  product kernel.
+A process chooses its target with `select_target(target)` before the kernels' first use; the
+wrappers (`packed_matmul`, `sample_rows`, the attention ops) then call that target's library.
+Each loaded library registers its FFI handlers under names of its own (`ffi_target`: the base
+name for "native", `<name>_<target>` otherwise, `-` as `_`), so the default names stay stable
+and tests or benchmarks may call another target's kernels in the same process by passing
+`target=` to the wrappers.
 """
 
 from __future__ import annotations
@@ -29,8 +44,15 @@ import jax
 _DIR = pathlib.Path(__file__).parent
 SOURCES = (_DIR / "attention.cc", _DIR / "matmul.cc", _DIR / "sample.cc")
 _HEADERS = (_DIR / "parallel.h", _DIR / "simd.h")
-_FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-std=c++17", "-fPIC",
-          "-shared")
+_FLAGS = ("-O3", "-fopenmp-simd", "-fno-math-errno", "-std=c++17", "-fPIC", "-shared")
+# Build target -> (its -march, the /proc/cpuinfo flags its code needs besides the x86-64
+# baseline). "native" needs nothing by definition.
+BUILD_TARGETS = {
+    "native": ("native", ()),
+    "haswell": ("haswell", ("avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe")),
+    "x86-64": ("x86-64", ()),
+}
+DEFAULT_TARGET = "native"
 # FFI target name -> exported handler symbol.
 TARGETS = {
     "jaxserve_ragged_paged_attention": "JaxserveRaggedPagedAttention",
@@ -60,25 +82,47 @@ def cpu_flags() -> str:
         return ""
 
 
-def library_path() -> pathlib.Path:
-    """Build the kernel library if it is not cached yet; return its path. Raises KernelUnavailable."""
+def _check_target(target: str) -> None:
+    if target not in BUILD_TARGETS:
+        raise ValueError(f"unknown CPU kernel build target {target!r}; one of {list(BUILD_TARGETS)}")
+
+
+def _flags(target: str) -> tuple[str, ...]:
+    _check_target(target)
+    return (f"-march={BUILD_TARGETS[target][0]}", *_FLAGS)
+
+
+def missing_isa(target: str) -> list[str]:
+    """The instruction sets `target`'s code needs that this CPU lacks (by /proc/cpuinfo)."""
+    _check_target(target)
+    needs = BUILD_TARGETS[target][1]
+    if needs and platform.machine() not in ("x86_64", "AMD64"):
+        return list(needs)
+    have = set(cpu_flags().split())
+    return [f for f in needs if f not in have]
+
+
+def library_path(target: str = DEFAULT_TARGET) -> pathlib.Path:
+    """Build the kernel library for build target `target` (`BUILD_TARGETS`) if it is not cached
+    yet; return its path. Raises KernelUnavailable."""
     import jaxlib
 
+    flags = _flags(target)
     cxx = os.environ.get("CXX", "g++")
     if shutil.which(cxx) is None:
         raise KernelUnavailable(f"no C++ compiler ({cxx!r} not found; set $CXX)")
     key = hashlib.sha256(b"\0".join([
-        *(p.read_bytes() for p in SOURCES + _HEADERS), " ".join(_FLAGS).encode(), cxx.encode(),
+        *(p.read_bytes() for p in SOURCES + _HEADERS), " ".join(flags).encode(), cxx.encode(),
         jaxlib.__version__.encode(), (platform.machine() + cpu_flags()).encode(),
     ])).hexdigest()[:16]
     out_dir = _cache_dir()
-    lib = out_dir / f"kernels-{key}.so"
+    lib = out_dir / f"kernels-{target}-{key}.so"
     if lib.exists():
         return lib
     out_dir.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so.tmp")
     os.close(fd)
-    cmd = [cxx, *_FLAGS, f"-I{jax.ffi.include_dir()}", f"-I{_DIR}", *map(str, SOURCES), "-o", tmp]
+    cmd = [cxx, *flags, f"-I{jax.ffi.include_dir()}", f"-I{_DIR}", *map(str, SOURCES), "-o", tmp]
     try:
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         if res.returncode != 0:
@@ -90,29 +134,84 @@ def library_path() -> pathlib.Path:
     return lib
 
 
+_selected = DEFAULT_TARGET
+_selection_used = False  # set once a default (target=None) call has resolved the target
+
+
+def select_target(target: str) -> None:
+    """Make `target` (a key of `BUILD_TARGETS`) this process's kernel build: the library that
+    `ensure_loaded()`, `available()` and the wrappers use when given no target. Call it before
+    the kernels' first use; choosing another target after that raises ValueError (one build
+    serves a process, so that its compiled steps all call the same code)."""
+    global _selected
+    _check_target(target)
+    if _selection_used and target != _selected:
+        raise ValueError(f"the CPU kernels of this process already use build target "
+                         f"{_selected!r}; select {target!r} before their first use")
+    _selected = target
+
+
+def selected_target() -> str:
+    """The build target of this process's kernels ("native" unless `select_target` chose)."""
+    return _selected
+
+
+def resolve_target(target: str | None) -> str:
+    """`target`, or the process's selected one for None (which then stays fixed)."""
+    global _selection_used
+    if target is None:
+        _selection_used = True
+        return _selected
+    _check_target(target)
+    return target
+
+
+def ffi_target(name: str, target: str | None = None) -> str:
+    """The FFI target name under which `target`'s library (None: the process's) registers
+    handler `name` (a key of `TARGETS`), after loading that library. Raises KernelUnavailable."""
+    target = resolve_target(target)
+    _load(target)
+    return name + _name_suffix(target)
+
+
+def _name_suffix(target: str) -> str:
+    return "" if target == DEFAULT_TARGET else "_" + target.replace("-", "_")
+
+
 @functools.cache
-def _load() -> ctypes.CDLL:
-    lib = ctypes.cdll.LoadLibrary(str(library_path()))
-    for target, symbol in TARGETS.items():
-        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+def _load(target: str) -> ctypes.CDLL:
+    try:
+        missing = missing_isa(target)
+        if missing:
+            raise KernelUnavailable(f"this CPU lacks {', '.join(missing)}, which build target "
+                                    f"{target!r} needs")
+        lib = ctypes.cdll.LoadLibrary(str(library_path(target)))
+        for name, symbol in TARGETS.items():
+            jax.ffi.register_ffi_target(name + _name_suffix(target),
+                                        jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+    except KernelUnavailable:
+        raise
+    except (OSError, subprocess.SubprocessError, AttributeError) as e:
+        raise KernelUnavailable(f"loading the CPU kernels failed: {e}") from e
     return lib
 
 
 @functools.cache
-def available() -> bool:
-    """True when the kernel library builds and loads on this host (tried once per process)."""
+def _available(target: str) -> bool:
     try:
-        ensure_loaded()
+        _load(target)
     except KernelUnavailable:
         return False
     return True
 
 
-def ensure_loaded() -> ctypes.CDLL:
-    """Build (once) and register the kernels; raises KernelUnavailable when they cannot be."""
-    try:
-        return _load()
-    except KernelUnavailable:
-        raise
-    except (OSError, subprocess.SubprocessError, AttributeError) as e:
-        raise KernelUnavailable(f"loading the CPU kernels failed: {e}") from e
+def available(target: str | None = None) -> bool:
+    """True when the kernel library of `target` (None: the process's) builds and loads on this
+    host (tried once per process and target)."""
+    return _available(resolve_target(target))
+
+
+def ensure_loaded(target: str | None = None) -> ctypes.CDLL:
+    """Build (once) and register the kernels of build target `target` (None: the process's,
+    `select_target`); raises KernelUnavailable when they cannot be."""
+    return _load(resolve_target(target))

@@ -5,7 +5,8 @@
 //   (nb, kb) row p holds, for each of its 16 columns n, the pair (W[32 kb + 2 p, 16 nb + n],
 //   W[32 kb + 2 p + 1, 16 nb + n]). A is cast to bfloat16. Requires the process to be granted
 //   AMX tile data (arch_prctl), done once on first use.
-// - float32 W, with AVX-512 FMAs: column strips, strips[N / 32][K][32].
+// - float32 W, with AVX-512 FMAs, or AVX2 FMAs where the build has no AVX-512 (JAXSERVE_AVX2,
+//   simd.h): column strips, strips[N / 32][K][32], the same packing for both.
 // K and N must be multiples of 32. A is x (float32 or bfloat16), or with `norm` RMSNorm(x) *
 // norm computed in float32. The result can be added to a float32 `residual`, or with `glu`
 // (W = [gate | up], N/2 columns each) be silu(gate) * up. These are the ops around each
@@ -14,8 +15,10 @@
 // or the residual's rows).
 // Work items are runs of 32-column strips of the output; each strip walks the rows in blocks
 // (32 rows on AMX: two A tiles and four accumulator tiles, so a weight tile is loaded once per
-// 32 rows; 12 rows with AVX-512: 24 accumulator registers) and finishes each block through a
-// small buffer (plain copy, + residual, or the GLU).
+// 32 rows; 12 rows with AVX-512: 24 accumulator registers; 32 rows with AVX2, walked in
+// chunks of k by sub-blocks of up to 6 rows, each half strip of 16 columns in turn: 12 of
+// the 16 ymm registers) and finishes each block through a small buffer (plain copy,
+// + residual, or the GLU).
 
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -115,16 +118,20 @@ class PrologueJob : public jaxserve::ParallelJob {
 // The strip walk and epilogues shared by both products; block() computes one row block.
 class StripJob : public jaxserve::ParallelJob {
  public:
-  static constexpr int64_t kItems = 8;  // runs of consecutive strips (a thread's reads continue)
+  // Items are runs of consecutive strips (a thread's reads continue): 8 of them, or runs of
+  // kMaxRun strips when there are more than 8 such runs (an LM head: 96), so that a helper
+  // thread the OS preempts in the middle of an item holds up little of the call.
+  static constexpr int64_t kItems = 8;
+  static constexpr int64_t kMaxRun = 16;
 
   StripJob(const float* residual, bool glu, float* out, int64_t m, int64_t k, int64_t n,
            int64_t block_rows)
       : residual_(residual), glu_(glu), out_(out), m_(m), k_(k), n_(n), block_rows_(block_rows) {}
 
-  int64_t items() const { return std::min<int64_t>(kItems, strips()); }
+  int64_t items() const { return (strips() + run_length() - 1) / run_length(); }
 
   void run(int64_t item) override {
-    const int64_t per = (strips() + kItems - 1) / kItems;
+    const int64_t per = run_length();
     for (int64_t s = item * per; s < std::min(strips(), (item + 1) * per); ++s) run_strip(s);
   }
 
@@ -135,6 +142,9 @@ class StripJob : public jaxserve::ParallelJob {
 
  private:
   int64_t strips() const { return glu_ ? n_ / 64 : n_ / 32; }
+  int64_t run_length() const {
+    return std::min(kMaxRun, std::max<int64_t>(1, (strips() + kItems - 1) / kItems));
+  }
 
   void run_strip(int64_t strip) {
     alignas(64) float c0[32 * 32];
@@ -294,7 +304,150 @@ class F32Job : public StripJob {
   const float* a_;
   const float* w_;
 };
-#endif  // __AVX512F__
+#elif JAXSERVE_AVX2
+// AVX2 has 16 ymm registers of 8 floats, too few for the AVX-512 kernel's one pass of 12 rows
+// over a strip. Blocks of 3-6 rows take a strip as two halves of 16 columns, one after the
+// other: 2R accumulators, two weight loads and a broadcast per k (R = 6: 15 registers, 12
+// FMAs per 8 loads; ~110 GFLOP/s on one core with the strip in L2). One or two rows take all
+// 32 columns at once (4R accumulators, four weight loads), so that at one row each weight row
+// is read once, streaming from memory. Several passes over a strip would each wait on memory
+// in turn, so an item walks k in chunks of kChunk rows (8 KB of a strip, L1-sized): every
+// row block and half takes the chunk before the next chunk, and the loads are prefetched a
+// chunk ahead, so the next chunk streams in while the later passes compute.
+constexpr int64_t kChunk = 64;
+constexpr int64_t kAhead = 64;  // prefetch distance, weight rows
+
+// The accumulators are named variables: with an array of them GCC also stores the array to
+// the stack on every k, which ran at a third of the speed.
+#define JAXSERVE_ROWS6(X) X(0) X(1) X(2) X(3) X(4) X(5)
+
+// c[R x 16] (row stride 32; + c itself with `accumulate`) = a[R rows, stride lda] @ b[kn][16]
+// (row stride 32), R <= 6.
+template <int R>
+void f32_half_rows_avx2(const float* a, int64_t lda, int64_t kn, const float* b, float* c,
+                        bool accumulate) {
+  static_assert(R >= 1 && R <= 6);
+  __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00,
+         c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+#define JAXSERVE_LOAD(r)                                       \
+  if constexpr (R > r) {                                       \
+    c##r##0 = _mm256_loadu_ps(c + r * 32);                     \
+    c##r##1 = _mm256_loadu_ps(c + r * 32 + 8);                 \
+  }
+#define JAXSERVE_FMA(r)                                        \
+  if constexpr (R > r) {                                       \
+    const __m256 av = _mm256_broadcast_ss(a + r * lda + kk);   \
+    c##r##0 = _mm256_fmadd_ps(av, b0, c##r##0);                \
+    c##r##1 = _mm256_fmadd_ps(av, b1, c##r##1);                \
+  }
+#define JAXSERVE_STORE(r)                                      \
+  if constexpr (R > r) {                                       \
+    _mm256_storeu_ps(c + r * 32, c##r##0);                     \
+    _mm256_storeu_ps(c + r * 32 + 8, c##r##1);                 \
+  }
+  if (accumulate) {
+    JAXSERVE_ROWS6(JAXSERVE_LOAD)
+  }
+  for (int64_t kk = 0; kk < kn; ++kk) {
+    // Both lines of the weight row ahead: the other half's pass finds its line cached.
+    const char* ahead = reinterpret_cast<const char*>(b + (kk + kAhead) * 32);
+    _mm_prefetch(ahead, _MM_HINT_T0);
+    _mm_prefetch(ahead + 64, _MM_HINT_T0);
+    const __m256 b0 = _mm256_loadu_ps(b + kk * 32), b1 = _mm256_loadu_ps(b + kk * 32 + 8);
+    JAXSERVE_ROWS6(JAXSERVE_FMA)
+  }
+  JAXSERVE_ROWS6(JAXSERVE_STORE)
+#undef JAXSERVE_LOAD
+#undef JAXSERVE_FMA
+#undef JAXSERVE_STORE
+}
+
+// c[R x 32] (+ c with `accumulate`) = a[R rows, stride lda] @ b[kn][32], R <= 2.
+template <int R>
+void f32_full_rows_avx2(const float* a, int64_t lda, int64_t kn, const float* b, float* c,
+                        bool accumulate) {
+  static_assert(R >= 1 && R <= 2);
+  __m256 c00 = _mm256_setzero_ps(), c01 = c00, c02 = c00, c03 = c00, c10 = c00, c11 = c00,
+         c12 = c00, c13 = c00;
+#define JAXSERVE_LOAD(r)                                       \
+  if constexpr (R > r) {                                       \
+    c##r##0 = _mm256_loadu_ps(c + r * 32);                     \
+    c##r##1 = _mm256_loadu_ps(c + r * 32 + 8);                 \
+    c##r##2 = _mm256_loadu_ps(c + r * 32 + 16);                \
+    c##r##3 = _mm256_loadu_ps(c + r * 32 + 24);                \
+  }
+#define JAXSERVE_FMA(r)                                        \
+  if constexpr (R > r) {                                       \
+    const __m256 av = _mm256_broadcast_ss(a + r * lda + kk);   \
+    c##r##0 = _mm256_fmadd_ps(av, b0, c##r##0);                \
+    c##r##1 = _mm256_fmadd_ps(av, b1, c##r##1);                \
+    c##r##2 = _mm256_fmadd_ps(av, b2, c##r##2);                \
+    c##r##3 = _mm256_fmadd_ps(av, b3, c##r##3);                \
+  }
+#define JAXSERVE_STORE(r)                                      \
+  if constexpr (R > r) {                                       \
+    _mm256_storeu_ps(c + r * 32, c##r##0);                     \
+    _mm256_storeu_ps(c + r * 32 + 8, c##r##1);                 \
+    _mm256_storeu_ps(c + r * 32 + 16, c##r##2);                \
+    _mm256_storeu_ps(c + r * 32 + 24, c##r##3);                \
+  }
+  if (accumulate) {
+    JAXSERVE_LOAD(0) JAXSERVE_LOAD(1)
+  }
+  for (int64_t kk = 0; kk < kn; ++kk) {
+    const char* ahead = reinterpret_cast<const char*>(b + (kk + kAhead) * 32);
+    _mm_prefetch(ahead, _MM_HINT_T0);
+    _mm_prefetch(ahead + 64, _MM_HINT_T0);
+    const float* bk = b + kk * 32;
+    const __m256 b0 = _mm256_loadu_ps(bk), b1 = _mm256_loadu_ps(bk + 8);
+    const __m256 b2 = _mm256_loadu_ps(bk + 16), b3 = _mm256_loadu_ps(bk + 24);
+    JAXSERVE_FMA(0) JAXSERVE_FMA(1)
+  }
+  JAXSERVE_STORE(0) JAXSERVE_STORE(1)
+#undef JAXSERVE_LOAD
+#undef JAXSERVE_FMA
+#undef JAXSERVE_STORE
+}
+#undef JAXSERVE_ROWS6
+
+class F32Job : public StripJob {
+ public:
+  static constexpr int64_t kRows = 32;  // per block(); split into sub-blocks of <= 6 rows
+
+  F32Job(const float* a, const float* w, const float* residual, bool glu, float* out, int64_t m,
+         int64_t k, int64_t n)
+      : StripJob(residual, glu, out, m, k, n, kRows), a_(a), w_(w) {}
+
+ private:
+  void block(int64_t s, int64_t m0, int64_t rows, float* c) const override {
+    using Fn = void (*)(const float*, int64_t, int64_t, const float*, float*, bool);
+    static constexpr Fn kHalf[6] = {f32_half_rows_avx2<1>, f32_half_rows_avx2<2>,
+                                    f32_half_rows_avx2<3>, f32_half_rows_avx2<4>,
+                                    f32_half_rows_avx2<5>, f32_half_rows_avx2<6>};
+    static constexpr Fn kFull[2] = {f32_full_rows_avx2<1>, f32_full_rows_avx2<2>};
+    const float* b = w_ + s * k_ * 32;
+    const int64_t blocks = (rows + 5) / 6;  // balanced: 8 rows are 4 + 4, 32 are 6 6 5 5 5 5
+    for (int64_t k0 = 0; k0 < k_; k0 += kChunk) {
+      const int64_t kn = std::min(kChunk, k_ - k0);
+      for (int64_t i = 0, r0 = 0; r0 < rows; ++i) {
+        const int64_t r = (rows - r0 + (blocks - i) - 1) / (blocks - i);
+        const float* a = a_ + (m0 + r0) * k_ + k0;
+        float* cr = c + r0 * 32;
+        if (r <= 2) {
+          kFull[r - 1](a, k_, kn, b + k0 * 32, cr, k0 > 0);
+        } else {
+          kHalf[r - 1](a, k_, kn, b + k0 * 32, cr, k0 > 0);
+          kHalf[r - 1](a, k_, kn, b + k0 * 32 + 16, cr + 16, k0 > 0);
+        }
+        r0 += r;
+      }
+    }
+  }
+
+  const float* a_;
+  const float* w_;
+};
+#endif  // __AVX512F__, JAXSERVE_AVX2
 
 // Rows [live, m) of the output: the residual's rows, or zeros.
 void fill_dead_rows(float* out, const float* residual, int64_t live, int64_t m, int64_t out_n) {
@@ -360,7 +513,7 @@ ffi::Error PackedMatmulImpl(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi:
     return ffi::Error(ffi::ErrorCode::kUnimplemented, "packed_matmul: built without AMX");
 #endif
   }
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || JAXSERVE_AVX2
   // A float32 x without a norm is A itself; otherwise A is built in a reused buffer.
   const float* a_rows = static_cast<const float*>(x.untyped_data());
   if (x_bf16 || nrm != nullptr) {
@@ -375,7 +528,8 @@ ffi::Error PackedMatmulImpl(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi:
   jaxserve::parallel_for(job.items(), job);
   return ffi::Error::Success();
 #else
-  return ffi::Error(ffi::ErrorCode::kUnimplemented, "packed_matmul: built without AVX-512");
+  return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                    "packed_matmul: built without AVX-512 or AVX2 with FMA");
 #endif
 }
 
@@ -390,9 +544,19 @@ extern "C" int JaxserveAmxAvailable() {
 #endif
 }
 
-// 1 when this library was built with AVX-512 (the float32 product), else 0.
+// 1 when this library's float32 product is the AVX-512 one, else 0.
 extern "C" int JaxserveAvx512Available() {
 #if defined(__AVX512F__)
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+// 1 when this library's float32 product is the AVX2 one (built with AVX2 and FMA, without
+// AVX-512), else 0.
+extern "C" int JaxserveAvx2Available() {
+#if JAXSERVE_AVX2
   return 1;
 #else
   return 0;

@@ -1,10 +1,12 @@
 """Matrix products on pre-packed weights (`matmul.cc`), for the CPU serving path: bfloat16 on
-Intel AMX, float32 with AVX-512 FMAs.
+Intel AMX, float32 with AVX-512 FMAs, or with AVX2 FMAs in a build without AVX-512 (an
+AVX2-only CPU's "native" build, or build target "haswell" anywhere; `cpu.BUILD_TARGETS`).
 
 XLA:CPU runs SmolLM2's bfloat16 decode products at about 130 GFLOP/s on two cores; the AMX
 tile unit does several times that, and at small batch the product is bound by reading the
 weights, which AMX streams once per 32 rows. XLA's float32 products with 8-32 rows run at
-35-80 GFLOP/s here, about half of what a register-blocked AVX-512 loop does. The kernel wants
+35-80 GFLOP/s here, about half of what a register-blocked AVX-512 loop does; limited to AVX2
+(`--xla_cpu_max_isa=AVX2`), XLA's 32-row LM-head product runs at ~30 GFLOP/s. The kernel wants
 each weight pre-packed (`pack_weight`, done once at load time by `models/layers/linear.py:
 pack_linear_weights`); the result is float32 (the products' accumulator dtype everywhere in
 the models). The ops around a decoder layer's products (RMSNorm before, residual
@@ -25,29 +27,35 @@ from jaxserve.pallas_kernels import cpu
 TARGET = "jaxserve_packed_matmul"
 
 
-@functools.cache
-def amx_available() -> bool:
-    """True when this CPU has AMX-BF16, the kernels build, and the OS grants AMX tile state."""
-    flags = cpu.cpu_flags().split()
-    if "amx_bf16" not in flags or "amx_tile" not in flags:
+def _library_says(symbol: str, cpu_flags: tuple[str, ...], target: str | None) -> bool:
+    if not set(cpu_flags) <= set(cpu.cpu_flags().split()):
         return False
     try:
-        lib = cpu.ensure_loaded()
+        lib = cpu.ensure_loaded(target)
     except cpu.KernelUnavailable:
         return False
-    return bool(lib.JaxserveAmxAvailable())
+    return bool(getattr(lib, symbol)())
+
+
+# `target`: the kernel build asked about (`cpu.BUILD_TARGETS`); None: the process's.
+@functools.cache
+def amx_available(target: str | None = None) -> bool:
+    """True when this CPU has AMX-BF16, the kernels build with it, and the OS grants AMX tile
+    state (the bfloat16 product)."""
+    return _library_says("JaxserveAmxAvailable", ("amx_bf16", "amx_tile"), target)
 
 
 @functools.cache
-def avx512_available() -> bool:
+def avx512_available(target: str | None = None) -> bool:
     """True when this CPU has AVX-512F and the kernels build with it (the float32 product)."""
-    if "avx512f" not in cpu.cpu_flags().split():
-        return False
-    try:
-        lib = cpu.ensure_loaded()
-    except cpu.KernelUnavailable:
-        return False
-    return bool(lib.JaxserveAvx512Available())
+    return _library_says("JaxserveAvx512Available", ("avx512f",), target)
+
+
+@functools.cache
+def avx2_available(target: str | None = None) -> bool:
+    """True when this CPU has AVX2 and FMA and the kernels' float32 product is the AVX2 one:
+    a build without AVX-512 (target "haswell", or "native" on an AVX2-only CPU)."""
+    return _library_says("JaxserveAvx2Available", ("avx2", "fma"), target)
 
 
 def packable(k: int, n: int) -> bool:
@@ -90,6 +98,7 @@ def packed_matmul(
     residual: jax.Array | None = None,
     glu: bool = False,
     live: jax.Array | None = None,
+    target: str | None = None,
 ) -> jax.Array:
     """x [M, K] @ a packed weight (`pack_weight`) -> float32 [M, N].
 
@@ -99,9 +108,10 @@ def packed_matmul(
     product. With `glu` the weight holds [gate | up] (N/2 columns each, N/2 a multiple of 32)
     and the result is silu(gate) * up, float32 [M, N/2]. With `live` (an int32 scalar, traced)
     only rows [0, live) are computed; the others are zeros (the residual's rows with one): a
-    padded bucket's padding tokens cost nothing.
+    padded bucket's padding tokens cost nothing. `target`: the kernel build to call
+    (`cpu.BUILD_TARGETS`; None: the process's).
     """
-    cpu.ensure_loaded()
+    name = cpu.ffi_target(TARGET, target)
     m, k = x.shape
     try:
         pk, n = packed_shape(packed)
@@ -121,10 +131,9 @@ def packed_matmul(
         x = x.astype(jnp.float32)
     empty = jnp.zeros((0,), jnp.float32)
     out_n = n // 2 if glu else n
-    return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((m, out_n), jnp.float32))(
+    return jax.ffi.ffi_call(name, jax.ShapeDtypeStruct((m, out_n), jnp.float32))(
         x, packed,
         empty if norm is None else norm.astype(jnp.float32),
         empty if residual is None else residual.astype(jnp.float32),
         jnp.zeros((0,), jnp.int32) if live is None else jnp.reshape(live, (1,)).astype(jnp.int32),
         eps=np.float32(eps), glu=np.int32(bool(glu)))
-

@@ -18,6 +18,9 @@
 // sampled tokens' at decode, every prompt token's for prompt_logprobs): log_softmax at a given
 // token, its rank (#{logits >= its logit}) and the k largest logits (ties: lower id first) with
 // their logprobs, in a few passes per row. XLA:CPU took ~150 ms for 512 prompt rows.
+//
+// The passes over a row have AVX-512 (16 lanes) and AVX2 (8 lanes, JAXSERVE_AVX2 from simd.h)
+// forms, chosen at compile time, and a portable loop that also finishes each row's tail.
 
 #include <algorithm>
 #include <cmath>
@@ -64,6 +67,12 @@ float row_max(const float* x, int64_t v) {
   __m512 mv = _mm512_set1_ps(m);
   for (; i + 16 <= v; i += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(x + i));
   m = _mm512_reduce_max_ps(mv);
+#elif JAXSERVE_AVX2
+  if (v >= 8) {
+    __m256 mv = _mm256_set1_ps(m);
+    for (; i + 8 <= v; i += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(x + i));
+    m = jaxserve::hmax8(mv);
+  }
 #endif
   for (; i < v; ++i) m = std::max(m, x[i]);
   return m;
@@ -75,6 +84,23 @@ inline void add_to_double(__m512d& a0, __m512d& a1, __m512 e) {
   a0 = _mm512_add_pd(a0, _mm512_cvtps_pd(_mm512_castps512_ps256(e)));
   a1 = _mm512_add_pd(
       a1, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1))));
+}
+#elif JAXSERVE_AVX2
+// a0, a1 += the 8 lanes of e, in double.
+inline void add_to_double(__m256d& a0, __m256d& a1, __m256 e) {
+  a0 = _mm256_add_pd(a0, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
+  a1 = _mm256_add_pd(a1, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
+}
+
+inline double hsum4d(__m256d a) {
+  const __m128d s = _mm_add_pd(_mm256_castpd256_pd128(a), _mm256_extractf128_pd(a, 1));
+  return _mm_cvtsd_f64(_mm_add_sd(s, _mm_unpackhi_pd(s, s)));
+}
+
+// The 8 ids i, i + 1, ..., i + 7.
+inline __m256i ids8(int64_t i) {
+  return _mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(i)),
+                          _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 #endif
 
@@ -94,6 +120,17 @@ double probabilities(const float* x, int64_t v, float mx, float inv_t, float lo,
     add_to_double(z0, z1, e);
   }
   z = _mm512_reduce_add_pd(_mm512_add_pd(z0, z1));
+#elif JAXSERVE_AVX2
+  const __m256 mxv = _mm256_set1_ps(mx), itv = _mm256_set1_ps(inv_t), lov = _mm256_set1_ps(lo);
+  __m256d z0 = _mm256_setzero_pd(), z1 = _mm256_setzero_pd();
+  for (; i + 8 <= v; i += 8) {
+    const __m256 xv = _mm256_loadu_ps(x + i);
+    const __m256 arg = _mm256_mul_ps(_mm256_sub_ps(xv, mxv), itv);
+    const __m256 e = _mm256_and_ps(_mm256_cmp_ps(xv, lov, _CMP_GE_OQ), jaxserve::exp256(arg));
+    _mm256_storeu_ps(p + i, e);
+    add_to_double(z0, z1, e);
+  }
+  z = hsum4d(_mm256_add_pd(z0, z1));
 #endif
   for (; i < v; ++i) {
     p[i] = x[i] >= lo ? jaxserve::fast_exp((x[i] - mx) * inv_t) : 0.0f;
@@ -133,6 +170,12 @@ void top_k_heap(const float* x, int64_t v, int64_t k, std::vector<Entry>& heap) 
   for (; i + 16 <= v; i += 16) {
     __mmask16 m = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + i), _mm512_set1_ps(heap.front().x),
                                      _CMP_GT_OQ);
+    for (; m != 0; m &= m - 1) offer(i + __builtin_ctz(m));
+  }
+#elif JAXSERVE_AVX2
+  for (; i + 8 <= v; i += 8) {
+    unsigned m = static_cast<unsigned>(_mm256_movemask_ps(
+        _mm256_cmp_ps(_mm256_loadu_ps(x + i), _mm256_set1_ps(heap.front().x), _CMP_GT_OQ)));
     for (; m != 0; m &= m - 1) offer(i + __builtin_ctz(m));
   }
 #endif
@@ -175,6 +218,21 @@ std::pair<float, int64_t> top_p_cut(const float* x, const float* p, int64_t v, f
     n += __builtin_popcount(m);
   }
   lo = _mm512_reduce_min_ps(lov);
+#elif JAXSERVE_AVX2
+  // No compress in AVX2: most blocks hold no candidate, the others list theirs one by one.
+  const __m256 tv = _mm256_set1_ps(thr), zero = _mm256_setzero_ps();
+  for (; i + 8 <= v; i += 8) {
+    const __m256 xv = _mm256_loadu_ps(x + i), pv = _mm256_loadu_ps(p + i);
+    unsigned m = static_cast<unsigned>(_mm256_movemask_ps(_mm256_and_ps(
+        _mm256_cmp_ps(xv, tv, _CMP_GE_OQ), _mm256_cmp_ps(pv, zero, _CMP_GT_OQ))));
+    for (; m != 0; m &= m - 1) {
+      const int64_t q = i + __builtin_ctz(m);
+      c.x[n] = x[q];
+      c.p[n] = p[q];
+      c.id[n++] = static_cast<int32_t>(q);
+      lo = std::min(lo, x[q]);
+    }
+  }
 #endif
   for (; i < v; ++i) {
     if (x[i] >= thr && p[i] > 0.0f) {
@@ -196,6 +254,14 @@ std::pair<float, int64_t> top_p_cut(const float* x, const float* p, int64_t v, f
     const __m512i b = _mm512_cvttps_epi32(_mm512_mul_ps(dist, sv));
     _mm512_storeu_si512(c.bin.data() + j, _mm512_min_epi32(b, _mm512_set1_epi32(kBins - 1)));
   }
+#elif JAXSERVE_AVX2
+  const __m256 mxv = _mm256_set1_ps(mx), sv = _mm256_set1_ps(scale);
+  for (; j + 8 <= n; j += 8) {
+    const __m256 dist = _mm256_sub_ps(mxv, _mm256_loadu_ps(c.x.data() + j));
+    const __m256i b = _mm256_cvttps_epi32(_mm256_mul_ps(dist, sv));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(c.bin.data() + j),
+                        _mm256_min_epi32(b, _mm256_set1_epi32(kBins - 1)));
+  }
 #endif
   for (; j < n; ++j) {
     c.bin[j] = std::min<int32_t>(kBins - 1, static_cast<int32_t>((mx - c.x[j]) * scale));
@@ -211,6 +277,16 @@ std::pair<float, int64_t> top_p_cut(const float* x, const float* p, int64_t v, f
   for (; j + 16 <= n; j += 16) {
     __mmask16 m = _mm512_cmpeq_epi32_mask(_mm512_loadu_si512(c.bin.data() + j),
                                           _mm512_set1_epi32(b));
+    for (; m != 0; m &= m - 1) {
+      const int64_t q = j + __builtin_ctz(m);
+      c.sorted.push_back({c.x[q], c.id[q], c.p[q]});
+    }
+  }
+#elif JAXSERVE_AVX2
+  for (; j + 8 <= n; j += 8) {
+    unsigned m = static_cast<unsigned>(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c.bin.data() + j)),
+        _mm256_set1_epi32(b)))));
     for (; m != 0; m &= m - 1) {
       const int64_t q = j + __builtin_ctz(m);
       c.sorted.push_back({c.x[q], c.id[q], c.p[q]});
@@ -279,6 +355,18 @@ void sample_row(const Problem& pr, int64_t r, std::vector<float>& p, std::vector
                               _mm512_cmple_epi32_mask(idv, cid));
       _mm512_storeu_ps(p.data() + i, _mm512_maskz_loadu_ps(keep, p.data() + i));
     }
+#elif JAXSERVE_AVX2
+    const __m256 cx = _mm256_set1_ps(cut_x);
+    const __m256i cid = _mm256_set1_epi32(static_cast<int32_t>(cut_id));
+    for (; i + 8 <= V; i += 8) {
+      const __m256 xv = _mm256_loadu_ps(x + i);
+      const __m256 id_le = _mm256_castsi256_ps(  // id <= cut_id: not id > cut_id
+          _mm256_xor_si256(_mm256_cmpgt_epi32(ids8(i), cid), _mm256_set1_epi32(-1)));
+      const __m256 keep = _mm256_or_ps(
+          _mm256_cmp_ps(xv, cx, _CMP_GT_OQ),
+          _mm256_and_ps(_mm256_cmp_ps(xv, cx, _CMP_EQ_OQ), id_le));
+      _mm256_storeu_ps(p.data() + i, _mm256_and_ps(keep, _mm256_loadu_ps(p.data() + i)));
+    }
 #endif
     for (; i < V; ++i) {
       if (x[i] < cut_x || (x[i] == cut_x && i > cut_id)) p[i] = 0.0f;
@@ -304,6 +392,10 @@ void sample_row(const Problem& pr, int64_t r, std::vector<float>& p, std::vector
     __m512d a0 = _mm512_setzero_pd(), a1 = _mm512_setzero_pd();
     for (; i + 16 <= i1; i += 16) add_to_double(a0, a1, _mm512_loadu_ps(p.data() + i));
     s = _mm512_reduce_add_pd(_mm512_add_pd(a0, a1));
+#elif JAXSERVE_AVX2
+    __m256d a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd();
+    for (; i + 8 <= i1; i += 8) add_to_double(a0, a1, _mm256_loadu_ps(p.data() + i));
+    s = hsum4d(_mm256_add_pd(a0, a1));
 #endif
     for (; i < i1; ++i) s += p[i];
     blocks[bl] = s;
@@ -378,6 +470,13 @@ double log_sum_exp(const float* x, int64_t v, float mx) {
     add_to_double(z0, z1, jaxserve::exp512(_mm512_sub_ps(_mm512_loadu_ps(x + i), mxv)));
   }
   z = _mm512_reduce_add_pd(_mm512_add_pd(z0, z1));
+#elif JAXSERVE_AVX2
+  const __m256 mxv = _mm256_set1_ps(mx);
+  __m256d z0 = _mm256_setzero_pd(), z1 = _mm256_setzero_pd();
+  for (; i + 8 <= v; i += 8) {
+    add_to_double(z0, z1, jaxserve::exp256(_mm256_sub_ps(_mm256_loadu_ps(x + i), mxv)));
+  }
+  z = hsum4d(_mm256_add_pd(z0, z1));
 #endif
   for (; i < v; ++i) z += jaxserve::fast_exp(x[i] - mx);
   return static_cast<double>(mx) + std::log(z);
@@ -390,6 +489,12 @@ int64_t count_at_least(const float* x, int64_t v, float t) {
   const __m512 tv = _mm512_set1_ps(t);
   for (; i + 16 <= v; i += 16) {
     n += __builtin_popcount(_mm512_cmp_ps_mask(_mm512_loadu_ps(x + i), tv, _CMP_GE_OQ));
+  }
+#elif JAXSERVE_AVX2
+  const __m256 tv = _mm256_set1_ps(t);
+  for (; i + 8 <= v; i += 8) {
+    n += __builtin_popcount(static_cast<unsigned>(
+        _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), tv, _CMP_GE_OQ))));
   }
 #endif
   for (; i < v; ++i) n += x[i] >= t;

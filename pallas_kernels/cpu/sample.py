@@ -24,16 +24,18 @@ from jaxserve.pallas_kernels import cpu
 TARGET = "jaxserve_sample_rows"
 
 
-def sample_rows(x, temperature, top_k, top_p, min_p, u, active, with_mask: bool = False):
+def sample_rows(x, temperature, top_k, top_p, min_p, u, active, with_mask: bool = False,
+                target: str | None = None):
     """x [R, V] processed logits; [R] temperature, top_k, top_p, min_p, uniform u in [0, 1),
     active (rows to sample; the others get token 0) -> tokens [R] int32, and with `with_mask`
-    the kept set [R, V] bool (else None). Runs on the CPU backend only."""
-    cpu.ensure_loaded()
+    the kept set [R, V] bool (else None). Runs on the CPU backend only; `target`: the kernel
+    build (`cpu.BUILD_TARGETS`; None: the process's)."""
+    name = cpu.ffi_target(TARGET, target)
     R, V = x.shape
     f32 = jnp.float32
     mask_shape = (R, V) if with_mask else (0,)
     tok, mask = jax.ffi.ffi_call(
-        TARGET,
+        name,
         (jax.ShapeDtypeStruct((R,), jnp.int32), jax.ShapeDtypeStruct(mask_shape, jnp.bool_)),
     )(x.astype(f32), temperature.astype(f32), top_k.astype(jnp.int32), top_p.astype(f32),
       min_p.astype(f32), u.astype(f32), active.astype(jnp.bool_))
@@ -43,14 +45,15 @@ def sample_rows(x, temperature, top_k, top_p, min_p, u, active, with_mask: bool 
 TARGET_LOGPROBS = "jaxserve_raw_logprobs"
 
 
-def raw_logprobs(raw, tok, k: int):
+def raw_logprobs(raw, tok, k: int, target: str | None = None):
     """raw [N, V] float32 logits, tok [N] -> (log_softmax(raw)[tok] [N], the k largest logits'
     ids [N, k] (ties: lower id first) and logprobs [N, k], rank of tok [N] (#{raw >= raw[tok]},
-    1-based)). k static, 0 <= k <= V. Runs on the CPU backend only."""
-    cpu.ensure_loaded()
+    1-based)). k static, 0 <= k <= V. Runs on the CPU backend only; `target` as for
+    `sample_rows`."""
+    name = cpu.ffi_target(TARGET_LOGPROBS, target)
     N, V = raw.shape
     return jax.ffi.ffi_call(
-        TARGET_LOGPROBS,
+        name,
         (jax.ShapeDtypeStruct((N,), jnp.float32), jax.ShapeDtypeStruct((N, k), jnp.int32),
          jax.ShapeDtypeStruct((N, k), jnp.float32), jax.ShapeDtypeStruct((N,), jnp.int32)),
     )(raw.astype(jnp.float32), tok.astype(jnp.int32))

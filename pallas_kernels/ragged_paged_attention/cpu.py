@@ -3,12 +3,13 @@
 The pure-JAX reference spends most of a CPU decode step gathering and transposing K/V for
 small batched products (about 150 ms of a 250 ms SmolLM2 step at 32 requests). The kernel
 reads each key and value row once per (request, KV head, block of up to 16 queries) straight
-from the paged cache, keeps an online softmax per row in float32 with AVX-512 inner loops
+from the paged cache, keeps an online softmax per row in float32 with AVX-512 or AVX2 inner loops
 (portable loops elsewhere), and spreads its work items over the cores (`parallel.h`).
 Semantics are the reference's (`reference.py`), sliding window and soft cap included; q may be
 float32 or bfloat16 (computed in float32), the caches float32 or bfloat16. How the library is
 built and loaded: `pallas_kernels/cpu/__init__.py`; without a C++ compiler, `supports()` raises
-and `impl="auto"` falls back to the reference with a warning.
+and `impl="auto"` falls back to the reference with a warning. `target` (the entry points'
+keyword) names the kernel build to call (`cpu.BUILD_TARGETS`; None: the process's).
 """
 
 from __future__ import annotations
@@ -25,13 +26,13 @@ FUSED_TARGET = "jaxserve_write_kv_and_attend"
 ROPE_TARGET = "jaxserve_rope_write_kv_and_attend"
 
 
-def supports(q: jax.Array, k_cache: jax.Array) -> None:
+def supports(q: jax.Array, k_cache: jax.Array, target: str | None = None) -> None:
     """Raise ValueError when the kernel cannot take these inputs on this host."""
     if k_cache.dtype not in (jnp.float32, jnp.bfloat16):
         raise ValueError(f"the cpu kernel takes float32 or bfloat16 caches, not {k_cache.dtype}")
     if q.dtype not in (jnp.float32, jnp.bfloat16):
         raise ValueError(f"the cpu kernel takes float32 or bfloat16 queries, not {q.dtype}")
-    cpu.ensure_loaded()
+    cpu.ensure_loaded(target)
 
 
 def ragged_paged_attention_cpu(
@@ -44,10 +45,11 @@ def ragged_paged_attention_cpu(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     chunk_pages: int | None = None,  # noqa: ARG001 - the kernel picks its own chunking
+    target: str | None = None,
 ) -> jax.Array:
     """The op on the native CPU kernel. Same arguments and result as the reference."""
-    supports(q, k_cache)
-    out = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
+    supports(q, k_cache, target)
+    out = jax.ffi.ffi_call(cpu.ffi_target(TARGET, target), jax.ShapeDtypeStruct(q.shape, jnp.float32))(
         q.astype(jnp.float32), k_cache, v_cache, *_metadata(md),
         **_attrs(sm_scale, sliding_window, soft_cap))
     return out.astype(q.dtype)
@@ -64,15 +66,16 @@ def write_kv_and_attend_cpu(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    target: str | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`write_kv` then the op, in one kernel call that updates the caches in place (aliased).
 
     XLA never scatters into the caches, so they can be bfloat16 on the CPU (XLA:CPU's bfloat16
     scatter converts the whole array). k, v: [T, Hkv, D], cast to the caches' dtype.
     """
-    supports(q, k_cache)
+    supports(q, k_cache, target)
     out, k_cache, v_cache = jax.ffi.ffi_call(
-        FUSED_TARGET,
+        cpu.ffi_target(FUSED_TARGET, target),
         (jax.ShapeDtypeStruct(q.shape, jnp.float32),
          jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
          jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)),
@@ -95,6 +98,7 @@ def rope_write_kv_and_attend_cpu(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    target: str | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """A decoder layer's attention after its fused q/k/v product, in one kernel call.
 
@@ -102,14 +106,14 @@ def rope_write_kv_and_attend_cpu(
     `models/layers/rotary.py: rotary_tables`). Same result as `apply_rotary` on q and k, q
     cast to the caches' dtype, then `write_kv_and_attend_cpu`: (out [T, Hq, D] float32, caches).
     """
-    supports(qkv, k_cache)
+    supports(qkv, k_cache, target)
     T = qkv.shape[0]
     hkv, d = k_cache.shape[2], k_cache.shape[3]
     if qkv.shape[1] != (num_heads + 2 * hkv) * d or cos.shape != (T, d // 2) or sin.shape != cos.shape:
         raise ValueError(f"rope_write_kv_and_attend: qkv {qkv.shape}, cos {cos.shape} do not fit "
                          f"{num_heads} + 2 x {hkv} heads of {d}")
     out, k_cache, v_cache = jax.ffi.ffi_call(
-        ROPE_TARGET,
+        cpu.ffi_target(ROPE_TARGET, target),
         (jax.ShapeDtypeStruct((T, num_heads, d), jnp.float32),
          jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
          jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)),

@@ -8,7 +8,7 @@ import pytest
 
 from jaxserve.backends import Backend, cpu as cpu_backend, select_backend
 from jaxserve.backends.cpu import CpuBackend
-from jaxserve.pallas_kernels.cpu.matmul import amx_available, avx512_available
+from jaxserve.pallas_kernels.cpu.matmul import amx_available, avx2_available, avx512_available
 
 ONE, EIGHT = types.SimpleNamespace(size=1), types.SimpleNamespace(size=8)
 
@@ -63,7 +63,28 @@ def test_resolve_matmul_impl():
             assert b.resolve_matmul_impl("auto", dtype, mesh) == "xla"
         with pytest.raises(ValueError, match="matmul_impl='avx512' cannot run here"):
             b.resolve_matmul_impl("avx512", dtype, mesh)
-    with pytest.raises(ValueError, match="'auto', 'xla', 'amx' or 'avx512'"):
+        with pytest.raises(ValueError, match="matmul_impl='avx2' cannot run here"):
+            b.resolve_matmul_impl("avx2", dtype, mesh)
+    with pytest.raises(ValueError, match="'auto', 'xla', 'amx', 'avx512' or 'avx2'"):
         b.resolve_matmul_impl("onednn", "bfloat16", ONE)
     assert b.resolve_matmul_impl("auto", "bfloat16", ONE) == ("amx" if amx_available() else "xla")
-    assert b.resolve_matmul_impl("auto", "float32", ONE) == ("avx512" if avx512_available() else "xla")
+    # float32: AVX-512 where the process's kernel build has it, else AVX2 (a build without
+    # AVX-512 on a CPU with AVX2 and FMA), else XLA.
+    assert b.resolve_matmul_impl("auto", "float32", ONE) == (
+        "avx512" if avx512_available() else "avx2" if avx2_available() else "xla")
+    for name, ok in (("avx512", avx512_available()), ("avx2", avx2_available())):
+        if ok:
+            assert b.resolve_matmul_impl(name, "float32", ONE) == name
+        else:
+            with pytest.raises(ValueError, match=f"matmul_impl='{name}' cannot run here"):
+                b.resolve_matmul_impl(name, "float32", ONE)
+
+
+def test_buckets_without_limits_set_the_limits():
+    from jaxserve.config import EngineConfig
+
+    c = EngineConfig.from_kwargs(token_buckets=[64, 16], request_buckets=[8])
+    assert c.compile.token_buckets == (16, 64) and c.scheduler.max_num_batched_tokens == 64
+    assert c.scheduler.max_num_seqs == 8
+    c = EngineConfig.from_kwargs(token_buckets=[16, 64, 256], max_num_batched_tokens=128, max_num_seqs=4)
+    assert (c.scheduler.max_num_batched_tokens, c.scheduler.max_num_seqs) == (128, 4)

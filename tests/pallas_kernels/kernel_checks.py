@@ -15,6 +15,25 @@ from tests.pallas_kernels.attention_cases import (
     random_reqs,
 )
 
+# The CPU kernels' build targets the kernel tests run on (`pallas_kernels/cpu.BUILD_TARGETS`):
+# the host's own instruction sets, AVX2 + FMA without AVX-512 (the code AVX2-only CPUs run),
+# and the portable loops of the x86-64 baseline.
+CPU_TARGETS = ("native", "haswell", "x86-64")
+
+
+def need_cpu_target(target: str) -> None:
+    """Skip the calling test, with the reason, when `target`'s kernel build cannot run here."""
+    import pytest
+
+    from jaxserve.pallas_kernels import cpu
+
+    missing = cpu.missing_isa(target)
+    if missing:
+        pytest.skip(f"this CPU lacks {', '.join(missing)} (kernel build target {target!r})")
+    if not cpu.available(target):
+        pytest.skip(f"the CPU kernels cannot be built for target {target!r} on this host")
+
+
 # Fixed shapes per config, so each config compiles once whatever the batch.
 T_PAD, R_PAD, MAX_KV = 72, 6, 80
 KINDS = ("decode", "prefill", "mixed")

@@ -1,5 +1,7 @@
-"""The native CPU ragged paged attention kernel (XLA FFI) vs the naive float64 attention, and
-how the native kernel library is built, cached and replaced by XLA when it cannot be."""
+"""The native CPU ragged paged attention kernel (XLA FFI) vs the naive float64 attention, on
+each kernel build target (`kernel_checks.CPU_TARGETS`: the host's instruction sets, AVX2
+without AVX-512, the portable loops), and how the native kernel library is built, cached,
+selected and replaced by XLA when it cannot be."""
 
 from __future__ import annotations
 
@@ -20,7 +22,9 @@ from jaxserve.pallas_kernels.ragged_paged_attention import cpu
 from jaxserve.pallas_kernels.ragged_paged_attention import ops as attn_ops
 from tests.pallas_kernels.attention_cases import assert_close_to_naive, make_case
 from tests.pallas_kernels.kernel_checks import (
+    CPU_TARGETS,
     check_random_batches,
+    need_cpu_target,
     query_length_sweep_cases,
     tiny_llama_run,
 )
@@ -28,6 +32,22 @@ from tests.pallas_kernels.kernel_checks import (
 STATIC = ("sm_scale", "sliding_window", "soft_cap", "impl", "chunk_pages", "interpret")
 attn_jit = jax.jit(ragged_paged_attention, static_argnames=STATIC)
 cpu_attn = functools.partial(attn_jit, impl="cpu")
+
+
+@functools.cache
+def _target_attn(target: str):
+    """The attention op on `target`'s kernel build: the op's own dispatch (`impl="cpu"`) for
+    the process's build, the kernel's entry point with `target=` for the others."""
+    if target == native.selected_target():
+        return cpu_attn
+    return jax.jit(functools.partial(cpu.ragged_paged_attention_cpu, target=target),
+                   static_argnames=("sm_scale", "sliding_window", "soft_cap"))
+
+
+@pytest.fixture(params=CPU_TARGETS)
+def target_attn(request):
+    need_cpu_target(request.param)
+    return _target_attn(request.param)
 
 CONFIGS = {  # GQA ratios 1, 3 (SmolLM2's 9 / 3 heads), 8; head dims 64, 128, 80; page sizes
     "gqa1-d64-p8-f32": dict(hq=2, hkv=2, d=64, page_size=8, dtype=np.float32),
@@ -39,39 +59,40 @@ CONFIGS = {  # GQA ratios 1, 3 (SmolLM2's 9 / 3 heads), 8; head dims 64, 128, 80
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_random_ragged_batches(name):
+def test_random_ragged_batches(name, target_attn):
     # 6 seeded batches per config: decode-only, prefill-only and mixed in turn, with padding.
-    errs = check_random_batches(cpu_attn, CONFIGS[name], n=6, seed0=31 * len(name))
+    errs = check_random_batches(target_attn, CONFIGS[name], n=6, seed0=31 * len(name))
     assert len(errs) == 6
 
 
 @pytest.mark.parametrize("window,cap", [(7, None), (None, 3.0), (20, 2.0), (1, None)])
-def test_sliding_window_and_soft_cap(window, cap):
-    check_random_batches(cpu_attn, CONFIGS["gqa3-d64-p16-f32"], n=3, seed0=11 + (window or 0),
-                         sliding_window=window, soft_cap=cap)
+def test_sliding_window_and_soft_cap(window, cap, target_attn):
+    check_random_batches(target_attn, CONFIGS["gqa3-d64-p16-f32"], n=3,
+                         seed0=11 + (window or 0), sliding_window=window, soft_cap=cap)
 
 
-def test_query_lengths_1_to_64_and_long_context():
+def test_query_lengths_1_to_64_and_long_context(target_attn):
     cfg = CONFIGS["gqa1-d64-p8-f32"]
     for case in query_length_sweep_cases(cfg, seed=5):
-        out = cpu_attn(jnp.asarray(case["q"]), jnp.asarray(case["kc"]), jnp.asarray(case["vc"]),
-                       case["md"], sm_scale=0.125)
+        out = target_attn(jnp.asarray(case["q"]), jnp.asarray(case["kc"]),
+                          jnp.asarray(case["vc"]), case["md"], sm_scale=0.125)
         assert_close_to_naive(out, case, atol=1e-5, sm_scale=0.125)
     # Contexts spanning many key chunks, with chunked prefill on top of a long cache.
     case = make_case([(700, 1), (513, 40), (0, 3), (64, 1)], page_size=16, hq=4, hkv=2, d=64,
                      r_pad=5, t_pad=48, seed=9)
-    out = cpu_attn(jnp.asarray(case["q"]), jnp.asarray(case["kc"]), jnp.asarray(case["vc"]),
-                   case["md"], sm_scale=0.125)
+    out = target_attn(jnp.asarray(case["q"]), jnp.asarray(case["kc"]), jnp.asarray(case["vc"]),
+                      case["md"], sm_scale=0.125)
     assert_close_to_naive(out, case, atol=1e-5, sm_scale=0.125)
 
 
-def test_mixed_dtypes_and_padding():
+def test_mixed_dtypes_and_padding(target_attn):
     """bfloat16 queries over a float32 cache (the CPU bfloat16 serving layout), and a batch
     with no live request at all (every output exactly zero)."""
     case = make_case([(31, 33), (15, 1), (16, 1), (0, 17)], page_size=8, hq=8, hkv=2, d=64,
                      r_pad=6, t_pad=64, seed=3)
     q = jnp.asarray(case["q"], jnp.bfloat16)
-    out = cpu_attn(q, jnp.asarray(case["kc"]), jnp.asarray(case["vc"]), case["md"], sm_scale=0.2)
+    out = target_attn(q, jnp.asarray(case["kc"]), jnp.asarray(case["vc"]), case["md"],
+                      sm_scale=0.2)
     assert out.dtype == jnp.bfloat16
     case_bf16q = dict(case, q=np.asarray(q.astype(jnp.float32)))
     assert_close_to_naive(out.astype(jnp.float32), case_bf16q, atol=2e-2, sm_scale=0.2)
@@ -79,8 +100,8 @@ def test_mixed_dtypes_and_padding():
     empty = type(md)(block_tables=md.block_tables, kv_lens=jnp.zeros_like(md.kv_lens),
                      query_start_loc=jnp.zeros_like(md.query_start_loc),
                      num_seqs=jnp.asarray(0, jnp.int32), slot_mapping=md.slot_mapping)
-    out = cpu_attn(jnp.asarray(case["q"]), jnp.asarray(case["kc"]), jnp.asarray(case["vc"]),
-                   empty, sm_scale=0.2)
+    out = target_attn(jnp.asarray(case["q"]), jnp.asarray(case["kc"]), jnp.asarray(case["vc"]),
+                      empty, sm_scale=0.2)
     assert np.all(np.asarray(out) == 0)
 
 
@@ -139,6 +160,48 @@ print("AMX", amx_available(), CpuBackend().resolve_matmul_impl("auto", "bfloat16
     assert "using the pure-JAX reference" in res.stderr
 
 
+def test_build_target_is_chosen_per_process():
+    """`select_target` before first use makes every default call use that build (the haswell
+    one here: the AVX2 float32 product, `auto` picking it); choosing another afterwards is an
+    error, and another build's kernels stay callable under their own FFI names."""
+    need_cpu_target("haswell")
+    code = """
+import jax.numpy as jnp, numpy as np
+from jaxserve.pallas_kernels import cpu
+from jaxserve.pallas_kernels.cpu import matmul
+cpu.select_target("haswell")
+assert cpu.selected_target() == "haswell"
+assert cpu.ensure_loaded() is cpu.ensure_loaded("haswell")
+assert cpu.ffi_target(matmul.TARGET) == "jaxserve_packed_matmul_haswell"
+assert not matmul.avx512_available() and matmul.avx2_available()
+import jax
+from jaxserve.backends.cpu import CpuBackend
+one = jax.sharding.Mesh(jax.devices()[:1], ("model",))
+assert CpuBackend().resolve_matmul_impl("auto", "float32", one) == "avx2"
+w = np.arange(64 * 32, dtype=np.float32).reshape(64, 32) / 1000
+x = np.ones((3, 64), np.float32)
+got = matmul.packed_matmul(jnp.asarray(x), jnp.asarray(matmul.pack_weight(w)))
+np.testing.assert_allclose(np.asarray(got), x @ w, rtol=1e-6)
+cpu.select_target("haswell")  # the same again is fine
+try:
+    cpu.select_target("native")
+except ValueError as e:
+    print("ERROR", e)
+try:
+    cpu.select_target("pentium")
+except ValueError as e:
+    print("ERROR", e)
+print("NATIVE", cpu.ffi_target(matmul.TARGET, "native"), cpu.library_path("haswell").name)
+"""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    res = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "ERROR the CPU kernels of this process already use build target 'haswell'" in res.stdout
+    assert "ERROR unknown CPU kernel build target 'pentium'" in res.stdout
+    assert "NATIVE jaxserve_packed_matmul kernels-haswell-" in res.stdout
+
+
 def test_tiny_llama_end_to_end():
     ref_logits, ref_greedy = tiny_llama_run("reference")
     logits, greedy = tiny_llama_run("cpu")
@@ -149,11 +212,13 @@ def test_tiny_llama_end_to_end():
     assert math.isfinite(float(np.abs(logits[-1]).max()))
 
 
+@pytest.mark.parametrize("target", CPU_TARGETS)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_fused_write_and_attend_matches_the_two_ops(dtype):
+def test_fused_write_and_attend_matches_the_two_ops(dtype, target):
     """`write_kv_and_attend` on the kernel (one call, caches updated in place) equals write_kv
     + the reference: the same caches bit for bit, the same attention. Compiled with the caches
     donated, there is no copy of a cache."""
+    need_cpu_target(target)
     from jaxserve.pallas_kernels import write_kv, write_kv_and_attend
     from jaxserve.pallas_kernels.ragged_paged_attention.reference import (
         ragged_paged_attention_reference,
@@ -170,6 +235,9 @@ def test_fused_write_and_attend_matches_the_two_ops(dtype):
     md = case["md"]
 
     def fused(q, k, v, kc, vc, md):
+        if target != native.selected_target():
+            return cpu.write_kv_and_attend_cpu(q, k, v, kc, vc, md, sm_scale=0.125,
+                                               target=target)
         return write_kv_and_attend(q, k, v, kc, vc, md, sm_scale=0.125, impl="cpu")
 
     def two_ops(q, k, v, kc, vc, md):
@@ -179,7 +247,7 @@ def test_fused_write_and_attend_matches_the_two_ops(dtype):
     want = jax.jit(two_ops)(q, k, v, kc, vc, md)
     fused_jit = jax.jit(fused, donate_argnums=(3, 4))
     hlo = fused_jit.lower(q, k, v, kc, vc, md).compile().as_text()
-    assert cpu.FUSED_TARGET in hlo
+    assert native.ffi_target(cpu.FUSED_TARGET, target) in hlo
     shape = f"{'bf16' if dtype == jnp.bfloat16 else 'f32'}[{kc.shape[0]},8,2,64]"
     assert cache_copies(hlo, shape) == []
     got = fused_jit(q, k, v, kc, vc, md)
@@ -192,11 +260,13 @@ def test_fused_write_and_attend_matches_the_two_ops(dtype):
                                atol=atol, rtol=0)
 
 
+@pytest.mark.parametrize("target", CPU_TARGETS)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_rope_write_and_attend_matches_the_composed_ops(dtype):
+def test_rope_write_and_attend_matches_the_composed_ops(dtype, target):
     """The kernel's whole attention block (rotary on q and k of a fused q/k/v product, casts,
     cache write, attention; one call) equals `apply_rotary` + casts + `write_kv_and_attend`:
     the caches bit for bit, the output to float32 rounding."""
+    need_cpu_target(target)
     from jaxserve.backends.cpu_layer import attention_qkv
     from jaxserve.models.layers.attention import AttentionSpec
     from jaxserve.models.layers.rotary import rotary_tables
@@ -213,18 +283,36 @@ def test_rope_write_and_attend_matches_the_composed_ops(dtype):
     kc, vc = jnp.asarray(case["kc"], dtype), jnp.asarray(case["vc"], dtype)
     md = case["md"]
 
+    def kernel_of(target):  # the entry point attention_qkv calls, on another build
+        def attend(qkv, rope, kc, vc, md):
+            cos, sin = (t.reshape(T, d // 2) for t in rope)
+            return cpu.rope_write_kv_and_attend_cpu(qkv, cos, sin, kc, vc, md, num_heads=hq,
+                                                    sm_scale=0.125, target=target)
+        return attend
+
     def run(impl):
         spec = AttentionSpec(sm_scale=0.125, impl=impl)
-        f = jax.jit(lambda qkv, rope, kc, vc, md: attention_qkv(qkv, rope, kc, vc, md, spec, hq))
+        if impl == "cpu" and target != native.selected_target():
+            f = jax.jit(kernel_of(target))
+        else:
+            f = jax.jit(lambda qkv, rope, kc, vc, md: attention_qkv(qkv, rope, kc, vc, md, spec, hq))
         return f, f(qkv, rope, kc, vc, md)
 
     fused, got = run("cpu")
     _, want = run("reference")  # no fused entry point: apply_rotary + write_kv + reference
     hlo = fused.lower(qkv, rope, kc, vc, md).compile().as_text()
-    assert cpu.ROPE_TARGET in hlo and cpu.FUSED_TARGET not in hlo
+    rope_name = native.ffi_target(cpu.ROPE_TARGET, target)
+    assert rope_name in hlo and native.ffi_target(cpu.FUSED_TARGET, target) not in hlo
+    # Bit for bit where the kernel's rotation fuses its multiply-adds as XLA's does; the
+    # baseline build has no FMA, so its rotated keys may differ in the last bit.
+    fma = target != "x86-64"
     for i in (1, 2):  # page 0 takes the padding tokens' writes
-        np.testing.assert_array_equal(np.asarray(got[i], np.float32)[1:],
-                                      np.asarray(want[i], np.float32)[1:])
+        a, b = np.asarray(got[i], np.float32)[1:], np.asarray(want[i], np.float32)[1:]
+        if fma:
+            np.testing.assert_array_equal(a, b)
+        else:
+            np.testing.assert_allclose(a, b, rtol=2.0**-7 if dtype == jnp.bfloat16 else 1e-6,
+                                       atol=1e-6)
     atol = 1e-5 if dtype == jnp.float32 else 2e-2
     np.testing.assert_allclose(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32),
                                atol=atol, rtol=0)

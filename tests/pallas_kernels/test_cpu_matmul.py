@@ -1,6 +1,10 @@
-"""The AMX bfloat16 matmul kernel and the packed-weight path of `dense` (needs a CPU with AMX)."""
+"""The product kernels on packed weights: AMX bfloat16 (needs a CPU with AMX) and the float32
+ones (AVX-512, and AVX2 + FMA in builds without AVX-512: each float32 test runs on the kernel
+build targets "native" and "haswell"), and the packed-weight path of `dense`."""
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +13,14 @@ import numpy as np
 import pytest
 
 from jaxserve.models.layers.linear import PackedWeight, dense, dense_group, pack_for_spec, pack_linear_weights
-from jaxserve.pallas_kernels.cpu.matmul import amx_available, avx512_available, pack_weight, packed_matmul
+from jaxserve.pallas_kernels.cpu.matmul import (
+    amx_available,
+    avx2_available,
+    avx512_available,
+    pack_weight,
+    packed_matmul,
+)
+from tests.pallas_kernels.kernel_checks import need_cpu_target
 
 needs_amx = pytest.mark.skipif(not amx_available(), reason="this CPU has no AMX-BF16")
 
@@ -215,36 +226,75 @@ def test_fused_bad_arguments_are_errors():
         packed_matmul(x, w, glu=True)
 
 
-needs_avx512 = pytest.mark.skipif(not avx512_available(), reason="this CPU has no AVX-512")
+# Builds whose float32 product the tests run: the host's own (AVX-512 or AVX2) and "haswell"
+# (AVX2 + FMA without AVX-512: the kernel AVX2-only CPUs run).
+F32_TARGETS = ("native", "haswell")
 
 
-@needs_avx512
-@pytest.mark.parametrize("m", [1, 12, 13, 40])
-def test_float32_product_and_fused_ops(m):
-    """float32 weights: column-strip packing and the AVX-512 product, plain and with the norm
-    prologue and residual / GLU epilogues, against float64 numpy (no bfloat16 rounding)."""
-    rng = np.random.default_rng(200 + m)
-    k, n = 96, 128
+def need_f32_kernel(target: str) -> None:
+    need_cpu_target(target)
+    if not (avx512_available(target) or avx2_available(target)):
+        pytest.skip(f"no float32 product kernel in the {target!r} build on this CPU (it needs "
+                    "AVX-512, or AVX2 and FMA)")
+
+
+def test_haswell_build_has_the_avx2_product():
+    need_f32_kernel("haswell")
+    assert avx2_available("haswell") and not avx512_available("haswell")
+    # The host's build has one float32 product at most, AVX-512 where the CPU has it.
+    assert not (avx512_available("native") and avx2_available("native"))
+
+
+@pytest.mark.parametrize("target", F32_TARGETS)
+@pytest.mark.parametrize("k,n", [(32, 64), (96, 128), (608, 192)])
+@pytest.mark.parametrize("m", [1, 2, 3, 6, 8, 13, 40])
+def test_float32_product_and_fused_ops(m, k, n, target):
+    """float32 weights: column-strip packing and the float32 product (every row-block size of
+    both kernels), plain and with the norm prologue and residual / GLU epilogues, x float32 or
+    bfloat16, against float64 numpy (no bfloat16 rounding)."""
+    need_f32_kernel(target)
+    rng = np.random.default_rng(200 + m + k)
     x = rng.standard_normal((m, k)).astype(np.float32)
     w = (0.1 * rng.standard_normal((k, n))).astype(np.float32)
     packed = pack_weight(w)
     assert packed.shape == (n // 32, k, 32) and packed.dtype == np.float32
-    assert packed[2, 5, 7] == w[5, 2 * 32 + 7]
+    assert packed[1, 5, 7] == w[5, 32 + 7]
     x64, w64 = x.astype(np.float64), w.astype(np.float64)
-    got = np.asarray(jax.jit(packed_matmul)(jnp.asarray(x), jnp.asarray(packed)))
+    packed = jnp.asarray(packed)
+    mm = functools.partial(packed_matmul, target=target)
+    got = np.asarray(jax.jit(mm)(jnp.asarray(x), packed))
     np.testing.assert_allclose(got, x64 @ w64, rtol=1e-5, atol=1e-5)
     norm = (1.0 + 0.1 * rng.standard_normal(k)).astype(np.float32)
     res = rng.standard_normal((m, n)).astype(np.float32)
     a = x64 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + 1e-5) * norm
-    got = np.asarray(packed_matmul(jnp.asarray(x), jnp.asarray(packed), norm=jnp.asarray(norm),
-                                   eps=1e-5, residual=jnp.asarray(res)))
+    got = np.asarray(mm(jnp.asarray(x), packed, norm=jnp.asarray(norm), eps=1e-5,
+                        residual=jnp.asarray(res)))
     np.testing.assert_allclose(got, res + a @ w64, rtol=1e-5, atol=1e-5)
-    got = np.asarray(packed_matmul(jnp.asarray(x), jnp.asarray(packed), glu=True))
+    got = np.asarray(mm(jnp.asarray(x), packed, glu=True))
     g, u = x64 @ w64[:, : n // 2], x64 @ w64[:, n // 2:]
     np.testing.assert_allclose(got, g / (1 + np.exp(-g)) * u, rtol=1e-5, atol=1e-5)
+    got = np.asarray(mm(jnp.asarray(x), packed, norm=jnp.asarray(norm), eps=1e-5, glu=True))
+    g, u = a @ w64[:, : n // 2], a @ w64[:, n // 2:]
+    np.testing.assert_allclose(got, g / (1 + np.exp(-g)) * u, rtol=1e-5, atol=1e-5)
+    xb = x.astype(ml_dtypes.bfloat16)  # widened exactly in the prologue
+    got = np.asarray(mm(jnp.asarray(xb), packed))
+    np.testing.assert_allclose(got, xb.astype(np.float64) @ w64, rtol=1e-5, atol=1e-5)
 
 
-@needs_avx512
+@pytest.mark.parametrize("target", F32_TARGETS)
+def test_float32_lm_head_shape_uses_every_strip(target):
+    # Many 32-column strips over the thread pool, and a K that is no multiple of any block.
+    need_f32_kernel(target)
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((9, 576)).astype(np.float32)
+    w = (0.05 * rng.standard_normal((576, 32 * 150))).astype(np.float32)
+    got = np.asarray(packed_matmul(jnp.asarray(x), jnp.asarray(pack_weight(w)), target=target))
+    np.testing.assert_allclose(got, x.astype(np.float64) @ w.astype(np.float64), rtol=1e-5,
+                               atol=1e-5)
+
+
+@pytest.mark.skipif(not (avx512_available() or avx2_available()),
+                    reason="no float32 product kernel in this process's build on this CPU")
 def test_float32_tiny_llama_packed_matches_unpacked():
     from jaxserve.models.arch_config import ArchConfig
     from jaxserve.models.weights import create_model
@@ -258,22 +308,26 @@ def test_float32_tiny_llama_packed_matches_unpacked():
         np.testing.assert_allclose(x, y, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("dtype,target", [(jnp.bfloat16, "native"), (jnp.float32, "native"),
+                                          (jnp.float32, "haswell")])
 @pytest.mark.parametrize("live", [0, 5, 40])
-def test_live_rows_skip_the_padding(dtype, live):
+def test_live_rows_skip_the_padding(dtype, target, live):
     """With `live`, rows past it are not computed: zeros, or the residual's rows."""
-    if not (amx_available() if dtype == jnp.bfloat16 else avx512_available()):
-        pytest.skip("no kernel for this dtype on this CPU")
+    if dtype == jnp.float32:
+        need_f32_kernel(target)
+    elif not amx_available(target):
+        pytest.skip("this CPU has no AMX-BF16")
     rng = np.random.default_rng(live)
     m, k, n = 40, 64, 96
     x = rng.standard_normal((m, k)).astype(np.float32)
     w = (0.1 * rng.standard_normal((k, n))).astype(dtype)
     res = rng.standard_normal((m, n)).astype(np.float32)
     packed = jnp.asarray(pack_weight(np.asarray(w)))
-    fn = jax.jit(lambda x, r, live: (packed_matmul(x, packed, live=live),
-                                     packed_matmul(x, packed, residual=r, live=live)))
+    mm = functools.partial(packed_matmul, target=target)
+    fn = jax.jit(lambda x, r, live: (mm(x, packed, live=live),
+                                     mm(x, packed, residual=r, live=live)))
     plain, with_res = (np.asarray(a) for a in fn(jnp.asarray(x), jnp.asarray(res), live))
-    full = np.asarray(packed_matmul(jnp.asarray(x), packed))
+    full = np.asarray(mm(jnp.asarray(x), packed))
     np.testing.assert_array_equal(plain[:live], full[:live])
     np.testing.assert_array_equal(plain[live:], 0.0)
     np.testing.assert_allclose(with_res[:live], res[:live] + full[:live], rtol=1e-6, atol=1e-6)
