@@ -239,7 +239,7 @@ def _parse_moe(arch: str, hf: dict[str, Any], num_layers: int) -> dict[str, Any]
     if arch == "Qwen3MoeForCausalLM":
         step = int(hf.get("decoder_sparse_step", 1))
         dense_only = set(hf.get("mlp_only_layers") or ())
-        n = int(hf["num_experts"])
+        n = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)  # 4.x / 5.x name
         layers = tuple(i not in dense_only and n > 0 and (i + 1) % step == 0 for i in range(num_layers))
         return dict(num_experts=n, num_experts_per_tok=int(hf["num_experts_per_tok"]),
                     moe_intermediate_size=int(hf["moe_intermediate_size"]),
