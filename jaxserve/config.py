@@ -42,6 +42,13 @@ class ModelConfig:
     # dot; "auto": the kernel that fits the weights' dtype where it can run, else xla.
     matmul_impl: Literal["auto", "xla", "amx", "avx512"] = "auto"
     seed: int = 0  # seeds unseeded requests' generators
+    # Weight-only quantization at load: "int8" keeps every matmul weight (and the embedding)
+    # int8 in device memory with per-channel float32 scales, converted inside the product.
+    quantization: Literal["int8"] | None = None
+
+    def __post_init__(self) -> None:
+        if self.quantization not in (None, "int8"):
+            raise ValueError(f"quantization must be 'int8' or None, got {self.quantization!r}.")
 
 
 @dataclasses.dataclass(frozen=True)

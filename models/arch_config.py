@@ -122,6 +122,7 @@ class ArchConfig:
         if not archs:
             raise ValueError("config.json has no 'architectures' entry; cannot pick a model class.")
         arch = archs[0]
+        _reject_prequantized(hf)
         num_heads = int(hf["num_attention_heads"])
         hidden = int(hf["hidden_size"])
         head_dim = hf.get("head_dim") or hidden // num_heads
@@ -183,6 +184,22 @@ class ArchConfig:
             eos_token_ids=eos_ids,
             bos_token_id=hf.get("bos_token_id"),
         )
+
+
+def _reject_prequantized(hf: dict[str, Any]) -> None:
+    """Checkpoints quantized by another tool (GPTQ, AWQ, bitsandbytes, FP8, ...) store weights
+    jaxserve cannot read as floats; say so instead of failing on a tensor name or shape."""
+    qc = hf.get("quantization_config")
+    if not qc:
+        return
+    method = qc.get("quant_method", "unknown") if isinstance(qc, dict) else "unknown"
+    bits = qc.get("bits") if isinstance(qc, dict) else None
+    what = f"{method}" + (f", {bits}-bit" if bits else "")
+    raise ValueError(
+        f"this checkpoint is pre-quantized (quantization_config: {what}), which jaxserve cannot "
+        "serve. Use the float (bfloat16/float16/float32) checkpoint, optionally with "
+        "--quantization int8 to quantize it at load, or a GGUF file."
+    )
 
 
 def _opt_float(x) -> float | None:

@@ -54,6 +54,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--matmul-impl", default=None, choices=["auto", "xla", "amx", "avx512"],
                    help="amx: bfloat16 products on the CPU's AMX unit (default where available)")
     g.add_argument("--seed", type=int, default=None, help="seed for unseeded requests")
+    g.add_argument("--quantization", default=None, choices=["int8"],
+                   help="weight-only int8 (per-channel scales) of a float checkpoint, quantized at load")
     g.add_argument("--no-enable-prefix-caching", action="store_true", help="disable prefix caching")
     g.add_argument("--max-logprobs", type=int, default=None, help="largest logprobs a request may ask (default 20)")
     g.add_argument("--data-parallel-size", type=int, default=None, help="mesh 'data' axis size")
@@ -66,7 +68,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
               "max_num_batched_tokens": "max_num_batched_tokens", "kv_cache_memory": "kv_cache_memory_bytes",
               "page_size": "page_size", "compilation_cache_dir": "compilation_cache_dir", "dtype": "dtype",
               "attention_impl": "attention_impl", "matmul_impl": "matmul_impl", "seed": "seed", "max_logprobs": "max_logprobs",
-              "data_parallel_size": "data", "tensor_parallel_size": "model"}
+              "quantization": "quantization", "data_parallel_size": "data", "tensor_parallel_size": "model"}
     for arg, key in simple.items():
         v = getattr(args, arg, None)
         if v is not None:

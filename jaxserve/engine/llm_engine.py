@@ -62,7 +62,7 @@ class LLMEngine:
         self.dtype, self.kv_dtype = _DTYPES[self.plan.dtype], _DTYPES[self.plan.kv_dtype]
         self.matmul_impl = self.plan.matmul_impl
         model = create_model(self.arch, dtype=self.dtype, mesh=self.mesh, attention_impl=mc.attention_impl,
-                             get_tensor=ckpt.get_tensor)
+                             get_tensor=ckpt.get_tensor, quantization=mc.quantization)
         self.backend.prepare_model(model, self.plan)
         self.load_seconds = time.perf_counter() - t0
         cc = config.cache
