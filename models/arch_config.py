@@ -75,6 +75,9 @@ class ArchConfig:
     local_rope_theta: float | None = None
     local_rope_scaling: RopeScaling | None = None
     partial_rotary_factor: float = 1.0  # the rotated fraction of each head (Phi-4-mini: 0.75)
+    # Per-frequency divisors of the inverse frequencies (llama.cpp's `rope_freqs` tensor, which
+    # is how GGUF files carry Llama 3.1's rope scaling); written by the GGUF converter.
+    rope_freq_factors: tuple[float, ...] = ()
     hidden_act: str = "silu"  # "silu" | "gelu_tanh" | "gelu"
     # Gemma: attention scale query_pre_attn_scalar ** -0.5; tanh soft caps.
     query_pre_attn_scalar: float | None = None
@@ -170,6 +173,7 @@ class ArchConfig:
             local_rope_theta=local[0] if local else None,
             local_rope_scaling=local[1] if local else None,
             partial_rotary_factor=partial,
+            rope_freq_factors=tuple(float(x) for x in hf.get("rope_freq_factors") or ()),
             max_position_embeddings=max_pos,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", arch in _TIED_BY_DEFAULT)),
             qkv_bias=arch == "Qwen2ForCausalLM" or attn_bias,

@@ -33,6 +33,7 @@ class RopeSpec:
     scaling: RopeScaling
     rotary_dim: int  # rotated dims of each head (head_dim unless partial)
     max_position_embeddings: int
+    freq_factors: tuple[float, ...] = ()  # divisors of the inverse frequencies (GGUF rope_freqs)
 
     @property
     def per_request(self) -> bool:
@@ -42,7 +43,7 @@ class RopeSpec:
 
 def layer_rope_spec(cfg: ArchConfig, i: int) -> RopeSpec:
     theta, scaling = cfg.layer_rope(i)
-    return RopeSpec(theta, scaling, cfg.rotary_dim, cfg.max_position_embeddings)
+    return RopeSpec(theta, scaling, cfg.rotary_dim, cfg.max_position_embeddings, cfg.rope_freq_factors)
 
 
 def _base_inv_freq(theta: float | np.ndarray, dim: int) -> np.ndarray:
@@ -78,6 +79,10 @@ def inverse_frequencies(cfg_or_spec: ArchConfig | RopeSpec, long: bool = False) 
         exponent = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
         inv_freq = (np.float32(1.0) / (np.asarray(factors, np.float32) * np.float32(spec.theta) ** exponent))
         inv_freq = inv_freq.astype(np.float32)
+    if spec.freq_factors:
+        if len(spec.freq_factors) != dim // 2:
+            raise ValueError(f"rope_freq_factors has {len(spec.freq_factors)} entries; the RoPE has {dim // 2}")
+        inv_freq = (inv_freq / np.asarray(spec.freq_factors, np.float32)).astype(np.float32)
     return inv_freq
 
 
