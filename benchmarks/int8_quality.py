@@ -23,7 +23,7 @@ import numpy as np
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from offline_throughput import environment  # noqa: E402
+from offline_throughput import environment
 
 RESULTS = HERE / "results" / "int8_quality.jsonl"
 # variant -> (weights dtype, quantization)
@@ -82,11 +82,10 @@ def main(argv=None) -> None:
     golden = json.loads((HERE.parent / "tests" / "data" / "smollm2_public.json").read_text())
     env = environment()
     rows = [evaluate(v, golden, args.compilation_cache_dir) for v in args.variants]
-    stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    stamp = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     if args.results:
         with open(args.results, "a") as f:
-            for row in rows:
-                f.write(json.dumps({"benchmark": "int8_quality", **row, **env, "timestamp": stamp}) + "\n")
+            f.writelines(json.dumps({"benchmark": "int8_quality", **row, **env, "timestamp": stamp}) + "\n" for row in rows)
     print(f"\n{env['host']['cpu']}, jax {env['versions']['jax']}, git {str(env['git_sha'])[:10]}")
     print(f"{'variant':10} {'weights MiB':>12} {'drift max':>10} {'drift mean':>11} {'greedy agree':>13} {'identical':>10}")
     for r in rows:

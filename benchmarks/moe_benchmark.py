@@ -26,7 +26,7 @@ import time
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from offline_throughput import environment  # noqa: E402
+from offline_throughput import environment
 
 RESULTS = HERE / "results" / "moe.jsonl"
 
@@ -35,10 +35,10 @@ def build(args):
     import jax
     import jax.numpy as jnp
     from flax import nnx
-
     from jaxserve.models.arch_config import ArchConfig
-    from jaxserve.models.weights import create_model
     from jaxserve.models.sharding import single_device_mesh
+    from jaxserve.models.weights import create_model
+
     from jaxserve.runner.kv_cache import allocate_kv_cache
 
     cfg = ArchConfig.from_hf(dict(
@@ -106,7 +106,7 @@ def main(argv=None) -> None:
     args.pages = 1 + args.requests * (args.context // 16 + 2)
     import jax
 
-    cfg, kv, fwds = build(args)
+    _, kv, fwds = build(args)
     env = environment()
     rows = []
     for kind in ("decode", "prefill"):
@@ -126,11 +126,10 @@ def main(argv=None) -> None:
                          "median_ms": 1e3 * statistics.median(times[impl]), "all_ms": [1e3 * t for t in times[impl]],
                          "config": {k: v for k, v in vars(args).items() if k not in ("results", "impls")},
                          "load_avg": os.getloadavg(), **env})
-    stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    stamp = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     if args.results:
         with open(args.results, "a") as f:
-            for row in rows:
-                f.write(json.dumps({**row, "timestamp": stamp}) + "\n")
+            f.writelines(json.dumps({**row, "timestamp": stamp}) + "\n" for row in rows)
     print(f"\n{env['host']['cpu']} ({env['host']['cpu_count']} cores), {env['device']}, jax "
           f"{env['versions']['jax']}, git {str(env['git_sha'])[:10]}, {args.dtype}, {args.experts} experts top-{args.top_k}")
     print(f"{'step':8} {'tokens':>6} {'impl':>7} {'median ms':>10} {'vs dense':>9}")

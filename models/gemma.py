@@ -24,14 +24,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-
 from jaxserve.models import interface as features
 from jaxserve.models import sharding as ax
 from jaxserve.models.arch_config import ArchConfig
 from jaxserve.models.layers.linear import dense, dense_group
 from jaxserve.models.layers.rotary import layer_rope_spec
-from jaxserve.models.llama import (LAYER_SPECS, DecoderLayer, LlamaForCausalLM, TensorGetter, _param,
-                                   llama_weight_map)
+from jaxserve.models.llama import (
+    LAYER_SPECS,
+    DecoderLayer,
+    LlamaForCausalLM,
+    TensorGetter,
+    _param,
+    llama_weight_map,
+)
 
 
 def gemma_features(cfg: ArchConfig, quantization: str | None) -> frozenset[str]:

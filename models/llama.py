@@ -19,14 +19,21 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
-
 from jaxserve.models import interface as features
 from jaxserve.models import sharding as ax
 from jaxserve.models.arch_config import ArchConfig
 from jaxserve.models.interface import AttentionMetadata, KVCache
 from jaxserve.models.layers.attention import AttentionSpec, paged_attention
-from jaxserve.models.layers.linear import (SCALE_SUFFIX, QuantizedParam, dense, dense_group, embedding_lookup,
-                                           module_weights, param_weight, quantize_int8)
+from jaxserve.models.layers.linear import (
+    SCALE_SUFFIX,
+    QuantizedParam,
+    dense,
+    dense_group,
+    embedding_lookup,
+    module_weights,
+    param_weight,
+    quantize_int8,
+)
 from jaxserve.models.layers.norm import rms_norm
 from jaxserve.models.layers.rotary import RopeSpec, apply_rotary, layer_rope_spec, rope_tables
 from jaxserve.models.sharding import DEFAULT_RULES
@@ -100,8 +107,8 @@ class DecoderLayer(nnx.Module):
         E, F = cfg.hidden_size, cfg.intermediate_size
         Hq, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         s = 0.02 * 2
-        p = lambda shape, axes, **kw: _param(rngs, shape, axes, dtype, s, **kw)  # noqa: E731
-        w = lambda name, shape, axes: add_weight(self, name, rngs, shape, axes, dtype, s,  # noqa: E731
+        p = lambda shape, axes, **kw: _param(rngs, shape, axes, dtype, s, **kw)
+        w = lambda name, shape, axes: add_weight(self, name, rngs, shape, axes, dtype, s,
                                                  LAYER_SPECS[name], quantization)
         self.input_norm = p((E,), (ax.EMBED,), ones=True)
         w("wq", (E, Hq, D), (ax.EMBED, ax.Q_HEADS, ax.HEAD_DIM))
@@ -203,7 +210,6 @@ class LlamaForCausalLM(nnx.Module):
     ) -> tuple[jax.Array, KVCache]:
         """`layer_impl(model, params, h, rope, k_cache, v_cache, md)`: a backend's replacement
         for `_layer` (see jaxserve/backends), used only after its capability check."""
-        cfg = self.config
         with jax.named_scope("embed"):
             h = self.embed_tokens(input_ids)  # [T, E] float32
         ropes = rope_for_step(self.layers, positions, md)  # cos, sin: [T, 1, R/2] per table
@@ -294,11 +300,11 @@ class LlamaForCausalLM(nnx.Module):
 
 def llama_weight_map(cfg: ArchConfig) -> dict[str, Callable[[TensorGetter], np.ndarray]]:
     E, Hq, Hkv, D = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    ident = lambda w: w  # noqa: E731
+    ident = lambda w: w
     # HF Linear weights are [out, in].
-    heads_in = lambda H: (lambda w: w.T.reshape(E, H, D))  # noqa: E731  [H*D, E] -> [E, H, D]
-    heads_b = lambda H: (lambda b: b.reshape(H, D))  # noqa: E731
-    transpose = lambda w: w.T  # noqa: E731
+    heads_in = lambda H: (lambda w: w.T.reshape(E, H, D))
+    heads_b = lambda H: (lambda b: b.reshape(H, D))
+    transpose = lambda w: w.T
     # Our per-layer parameter name -> (HF name inside "model.layers.{i}.", conversion).
     per_layer: dict[str, tuple[str, Callable[[np.ndarray], np.ndarray]]] = {
         "input_norm": ("input_layernorm.weight", ident),

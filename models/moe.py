@@ -19,15 +19,21 @@ from collections.abc import Callable
 
 import numpy as np
 from flax import nnx
-
 from jaxserve.models import interface as features
 from jaxserve.models import sharding as ax
 from jaxserve.models.arch_config import ArchConfig
 from jaxserve.models.layers.linear import dense
 from jaxserve.models.layers.moe import EXPERT_SPECS, moe_mlp
 from jaxserve.models.layers.rotary import layer_rope_spec
-from jaxserve.models.llama import (DecoderLayer, LlamaForCausalLM, TensorGetter, _param, add_weight,
-                                   layer_features, llama_weight_map)
+from jaxserve.models.llama import (
+    DecoderLayer,
+    LlamaForCausalLM,
+    TensorGetter,
+    _param,
+    add_weight,
+    layer_features,
+    llama_weight_map,
+)
 from jaxserve.models.sharding import logical_to_spec
 
 ROUTER_SPEC = "te,ex->tx"
@@ -129,9 +135,12 @@ def moe_weight_map(cfg: ArchConfig, block: str, router: str, expert_names: tuple
             continue
         for name in ("w_gate", "w_up", "w_down"):
             m.pop(f"layers.{i}.{name}")
-        m[f"layers.{i}.router"] = (lambda n: (lambda get: np.asarray(get(n)).T))(
-            f"model.layers.{i}.{block}.{router}.weight")  # [X, E] -> [E, X]
+        m[f"layers.{i}.router"] = _transposed(f"model.layers.{i}.{block}.{router}.weight")  # [X, E] -> [E, X]
         m[f"layers.{i}.w_gate"] = stacked(i, "gate")
         m[f"layers.{i}.w_up"] = stacked(i, "up")
         m[f"layers.{i}.w_down"] = stacked(i, "down")
     return m
+
+
+def _transposed(name: str) -> Callable[[TensorGetter], np.ndarray]:
+    return lambda get: np.asarray(get(name)).T

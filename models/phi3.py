@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import numpy as np
-
 from jaxserve.models.arch_config import ArchConfig
 from jaxserve.models.llama import LlamaForCausalLM, TensorGetter, llama_weight_map
 

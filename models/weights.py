@@ -15,13 +15,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
-
 from jaxserve.models.arch_config import ArchConfig
 from jaxserve.models.layers.linear import QUANTIZATIONS, SCALE_SUFFIX, QuantizedParam, quantize_int8
 from jaxserve.models.loader import load_checkpoint
 from jaxserve.models.placement import put_sharded
 from jaxserve.models.registry import get_model_class
-from jaxserve.models.sharding import DEFAULT_RULES, named_sharding, single_device_mesh, state_shardings
+from jaxserve.models.sharding import (
+    DEFAULT_RULES,
+    named_sharding,
+    single_device_mesh,
+    state_shardings,
+)
 
 logger = logging.getLogger(__name__)
 

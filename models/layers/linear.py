@@ -104,7 +104,7 @@ def module_weights(module: nnx.Module) -> dict:
 
 def contracted_axes(spec: str) -> tuple[int, ...]:
     """The weight dims a `dense` spec contracts (those of x that the output lacks)."""
-    xs, ws, _, contract = _parse(spec)
+    _, ws, _, contract = _parse(spec)
     return tuple(ws.index(c) for c in contract)
 
 

@@ -30,8 +30,8 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, PartitionSpec as P
-
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 from jaxserve.models.layers.linear import QuantizedWeight
 
 MOE_IMPLS = ("auto", "ragged", "tiled", "dense")
@@ -86,10 +86,11 @@ def experts_dense(x, weights, ids, w_gate, w_up, w_down, expert_offset=0) -> jax
     combine = combine.at[jnp.arange(T)[:, None], jnp.where((local >= 0) & (local < Xl), local, Xl)].add(weights)
     dt = _dtype(w_gate)
     xc = x.astype(dt)
-    gate = jnp.einsum("te,xef->txf", xc, _weight(w_gate), preferred_element_type=jnp.float32)
-    up = jnp.einsum("te,xef->txf", xc, _weight(w_up), preferred_element_type=jnp.float32)
-    y = jnp.einsum("txf,xfe->txe", _act(gate, up).astype(dt), _weight(w_down), preferred_element_type=jnp.float32)
-    return jnp.einsum("txe,tx->te", y, combine[:, :Xl])
+    # expert-major layouts: XLA:CPU has no bfloat16 batched dot with the batch dim in the middle
+    gate = jnp.einsum("te,xef->xtf", xc, _weight(w_gate), preferred_element_type=jnp.float32)
+    up = jnp.einsum("te,xef->xtf", xc, _weight(w_up), preferred_element_type=jnp.float32)
+    y = jnp.einsum("xtf,xfe->xte", _act(gate, up).astype(dt), _weight(w_down), preferred_element_type=jnp.float32)
+    return jnp.einsum("xte,tx->te", y, combine[:, :Xl])
 
 
 def _sort(ids: jax.Array, Xl: int, expert_offset):
@@ -147,7 +148,9 @@ def _tiled_mlp(xs, sizes, w_gate, w_up, w_down, tile: int | None) -> jax.Array:
     count = jnp.where(sizes > 0, (ends - 1) // B - first + 1, 0)  # blocks each group touches
     cum = jnp.cumsum(count)
     num_pairs = num_blocks + G - 1  # static bound on sum(count)
-    dt = xs.dtype
+    # XLA:CPU's dot inside a loop (DotThunk) takes no bfloat16 x bfloat16 -> float32: the
+    # tiles multiply in float32 (the expert's weights are converted as they are read)
+    f32 = jnp.float32
 
     def body(t, out):
         g = jnp.minimum(jnp.searchsorted(cum, t, side="right"), G - 1).astype(jnp.int32)
@@ -155,12 +158,12 @@ def _tiled_mlp(xs, sizes, w_gate, w_up, w_down, tile: int | None) -> jax.Array:
         block = first[g] + t - (cum[g] - count[g])
         block = jnp.clip(block, 0, num_blocks - 1)
         r0 = block * B
-        x_t = jax.lax.dynamic_slice_in_dim(xs, r0, B)  # [B, E]
+        x_t = jax.lax.dynamic_slice_in_dim(xs, r0, B).astype(f32)  # [B, E]
         row = r0 + jnp.arange(B)
         mask = (row >= starts[g]) & (row < ends[g]) & live  # [B]
-        gate = jnp.dot(x_t, _weight(w_gate, g), preferred_element_type=jnp.float32)
-        up = jnp.dot(x_t, _weight(w_up, g), preferred_element_type=jnp.float32)
-        y = jnp.dot(_act(gate, up).astype(dt), _weight(w_down, g), preferred_element_type=jnp.float32)
+        gate = jnp.dot(x_t, _weight(w_gate, g).astype(f32))
+        up = jnp.dot(x_t, _weight(w_up, g).astype(f32))
+        y = jnp.dot(_act(gate, up).astype(xs.dtype).astype(f32), _weight(w_down, g).astype(f32))
         cur = jax.lax.dynamic_slice_in_dim(out, r0, B)
         return jax.lax.dynamic_update_slice_in_dim(out, cur + jnp.where(mask[:, None], y, 0.0), r0, 0)
 

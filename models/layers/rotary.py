@@ -20,9 +20,11 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from jaxserve.models.arch_config import ArchConfig, RopeScaling
-from jaxserve.pallas_kernels.ragged_paged_attention.metadata import AttentionMetadata, token_request_index
+from jaxserve.pallas_kernels.ragged_paged_attention.metadata import (
+    AttentionMetadata,
+    token_request_index,
+)
 
 
 @dataclasses.dataclass(frozen=True)

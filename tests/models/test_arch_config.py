@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from jaxserve.models import interface as features
 from jaxserve.models.arch_config import ArchConfig
 from jaxserve.models.registry import get_model_class

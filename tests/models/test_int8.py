@@ -10,16 +10,22 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jaxserve.models import interface as features
+from jaxserve.models.arch_config import ArchConfig
+from jaxserve.models.layers.linear import (
+    QuantizedParam,
+    QuantizedWeight,
+    dense,
+    dequantize,
+    embedding_lookup,
+    quantize_int8,
+)
+from jaxserve.models.sharding import single_device_mesh
+from jaxserve.models.weights import create_model
 
 from jaxserve.backends import cpu_layer
 from jaxserve.backends.base import DevicePlan
 from jaxserve.backends.cpu import CpuBackend
-from jaxserve.models import interface as features
-from jaxserve.models.arch_config import ArchConfig
-from jaxserve.models.layers.linear import (QuantizedParam, QuantizedWeight, dense, dequantize, embedding_lookup,
-                                           quantize_int8)
-from jaxserve.models.sharding import single_device_mesh
-from jaxserve.models.weights import create_model
 from jaxserve.parallel.mesh import make_mesh
 from tests.models.model_utils import PagedRunner
 from tests.models.test_arch_parity import load_fixture
@@ -133,8 +139,9 @@ def test_unknown_quantization():
 
 
 def test_cli_and_config_take_the_setting():
-    from jaxserve.config import EngineConfig, ModelConfig
     from jaxserve.server.cli import build_parser, engine_options
+
+    from jaxserve.config import EngineConfig, ModelConfig
 
     args = build_parser().parse_args(["serve", "--quantization", "int8"])
     opts = engine_options(args)

@@ -8,12 +8,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
-
 from jaxserve.models.arch_config import ArchConfig
 from jaxserve.models.layers.linear import QuantizedWeight, quantize_int8
-from jaxserve.models.layers.moe import EXPERT_SPECS, experts_dense, experts_grouped, route, tile_rows
+from jaxserve.models.layers.moe import (
+    EXPERT_SPECS,
+    experts_dense,
+    experts_grouped,
+    route,
+    tile_rows,
+)
 from jaxserve.models.sharding import EXPERT_PARALLEL_RULES, single_device_mesh
 from jaxserve.models.weights import create_model
+
 from jaxserve.parallel.mesh import make_mesh
 from tests.models.model_utils import PagedRunner
 
@@ -44,6 +50,17 @@ def test_grouped_equals_dense(seed, tile):
     for impl in ("ragged", "tiled"):
         got = jax.jit(lambda *a, impl=impl: experts_grouped(*a, impl=impl, tile=tile))(x, weights, ids, wg, wu, wd)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=1e-5)
+
+
+def test_grouped_bfloat16():
+    """bfloat16 experts: every implementation runs (XLA:CPU has no bfloat16 dot in a loop) and
+    agrees within bfloat16 rounding."""
+    x, weights, ids, ws = _problem(4)
+    wb = [w.astype(jnp.bfloat16) for w in ws]
+    want = experts_dense(x, weights, ids, *wb)
+    for impl in ("ragged", "tiled"):
+        got = jax.jit(lambda *a, impl=impl: experts_grouped(*a, impl=impl))(x, weights, ids, *wb)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-2, rtol=2e-2)
 
 
 def test_grouped_local_experts_only():

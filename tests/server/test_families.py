@@ -38,10 +38,11 @@ def _model_dir(src, dst, vocab_size: int):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_family_serves_a_chat_completion(family, data_dir, tmp_path, compile_cache_dir):
-    from jaxserve.config import EngineConfig
-    from jaxserve.engine.llm_engine import LLMEngine
     from jaxserve.server.app import build_app
     from jaxserve.server.async_engine import AsyncEngine
+
+    from jaxserve.config import EngineConfig
+    from jaxserve.engine.llm_engine import LLMEngine
 
     src = data_dir / "arch" / family
     vocab = json.loads((src / "config.json").read_text())["vocab_size"]
