@@ -62,6 +62,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="model path; default: the bundled default model")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--dtype", nargs="+", default=["float32"], choices=["float32", "bfloat16"])
+    p.add_argument("--quantization", nargs="+", default=["none"], choices=["none", "int8"],
+                   help="weight quantization(s) to run with each dtype (int8: int8 weights, the dtype computes)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (with --temperature)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -222,6 +224,8 @@ def main(argv=None) -> None:
                           "torch and transformers (plus accelerate and gguf)")
     if args.compare_vllm:
         check_peer_python(args.vllm_python, "vllm", "vllm", "vLLM")
+    import jax
+
     from jaxserve.entrypoints.llm import LLM
     from jaxserve.models.loader import load_tokenizer, resolve_model
     from jaxserve.sampling_params import SamplingParams
@@ -245,24 +249,29 @@ def main(argv=None) -> None:
         options["kv_cache_memory_bytes"] = int(args.kv_cache_gib * (1 << 30))
 
     rows = []
-    for dtype in args.dtype:
+    for dtype, quant in [(d, q) for d in args.dtype for q in args.quantization]:
         t0 = time.perf_counter()
-        llm = LLM(args.model, dtype=dtype, **options)
+        llm = LLM(args.model, dtype=dtype, quantization=None if quant == "none" else quant, **options)
         engine = llm.engine
+        dev0 = jax.devices()[0]  # the weights' bytes on one device, from the live buffers
+        weight_bytes = sum(s.data.nbytes for a in engine.runner.params for s in a.addressable_shards
+                           if s.device == dev0)
+        tag = dtype if quant == "none" else f"{dtype}+{quant}"
         build_s = time.perf_counter() - t0
-        run_closed_loop(engine, prompts[:1], 1, params.clone(max_tokens=2), f"warmup-{dtype}")
+        run_closed_loop(engine, prompts[:1], 1, params.clone(max_tokens=2), f"warmup-{tag}")
         startup = {"build_s": build_s, "startup_s": time.perf_counter() - t0, "load_s": engine.parts.load_seconds,
-                   "compile_s": engine.runner.compile_seconds, "num_buckets": engine.runner.num_buckets}
-        print(f"[{dtype}] startup {startup['startup_s']:.1f}s (load {startup['load_s']:.1f}s, "
+                   "compile_s": engine.runner.compile_seconds, "num_buckets": engine.runner.num_buckets,
+                   "weight_bytes_per_device": weight_bytes}
+        print(f"[{tag}] startup {startup['startup_s']:.1f}s (load {startup['load_s']:.1f}s, "
               f"compile {startup['compile_s']:.1f}s, {startup['num_buckets']} buckets)", flush=True)
         for c in args.concurrency:
             load0 = os.getloadavg()
             recompiles0 = engine.num_compiles_after_warmup
-            fig = run_closed_loop(engine, prompts, c, params, f"c{c}-{dtype}")
+            fig = run_closed_loop(engine, prompts, c, params, f"c{c}-{tag}")
             fig["recompiles"] = engine.num_compiles_after_warmup - recompiles0
-            print(f"[{dtype}] c={c}: {fig['output_tok_s']:.1f} output tok/s, wall {fig['wall_s']:.1f}s",
+            print(f"[{tag}] c={c}: {fig['output_tok_s']:.1f} output tok/s, wall {fig['wall_s']:.1f}s",
                   flush=True)
-            config = {"dtype": dtype, "concurrency": c, **options, "model": args.model}
+            config = {"dtype": dtype, "quantization": quant, "concurrency": c, **options, "model": args.model}
             rows.append({"benchmark": "offline_throughput", "config": config, "workload": workload,
                          "startup": startup, "figures": fig, "load_avg_before": load0,
                          "load_avg_after": os.getloadavg(), **env})
@@ -311,7 +320,8 @@ def print_table(rows, env, hf, vl=None) -> None:
     print(head)
     for r in rows:
         f = r["figures"]
-        line = (f"{r['config']['dtype']:9} {r['config']['concurrency']:>3} {f['output_tok_s']:>10.1f} "
+        q = r["config"].get("quantization", "none")
+        line = (f"{r['config']['dtype'] + ('' if q == 'none' else '+' + q):9} {r['config']['concurrency']:>3} {f['output_tok_s']:>10.1f} "
                 f"{f['total_tok_s']:>11.1f} {f['ttft_mean_ms']:>8.0f}ms {f['ttft_median_ms']:>7.0f}ms "
                 f"{f['step_mean_ms']:>8.1f} {f['steps']:>6}")
         if hf:

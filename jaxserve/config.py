@@ -51,6 +51,13 @@ class ModelConfig:
     # "vllm" (ignore its sampling defaults) or a folder / file path (see
     # jaxserve/engine/generation_config.py).
     generation_config: str = "auto"
+    # Weight-only quantization at load: "int8" keeps every matmul weight (and the embedding)
+    # int8 in device memory with per-channel float32 scales, converted inside the product.
+    quantization: Literal["int8"] | None = None
+
+    def __post_init__(self) -> None:
+        if self.quantization not in (None, "int8"):
+            raise ValueError(f"quantization must be 'int8' or None, got {self.quantization!r}.")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,20 +1,51 @@
-"""ArchConfig: the architecture hyper-parameters of a model, parsed from an HF `config.json`."""
+"""ArchConfig: the architecture hyper-parameters of a model, parsed from an HF `config.json`.
+
+Both transformers layouts are read: 4.x (`rope_theta`, `rope_scaling`, `rope_local_base_freq`,
+top-level `partial_rotary_factor`) and 5.x (`rope_parameters`, nested by layer type for
+models whose layer types have their own RoPE, e.g. Gemma 3).
+"""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
-_SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+_SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
+
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+
+# Families whose decoder is Llama's (with flags); the others have their own model files.
+_GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+_MOE = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
+# Families whose HF config sets `tie_word_embeddings` by default when config.json omits it.
+_TIED_BY_DEFAULT = _GEMMA
+# Activation names -> ours ("silu", "gelu_tanh", "gelu").
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
+                "gelu_fast": "gelu_tanh", "gelu": "gelu"}
 
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
+    """One RoPE scaling recipe (transformers' `rope_type` and its parameters)."""
+
     rope_type: str = "default"
     factor: float = 1.0
+    # llama3
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # yarn
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+    # yarn and longrope: the cos/sin multiplier (None: derived from the factor)
+    attention_factor: float | None = None
+    # longrope: per-frequency divisors for sequences within / beyond the original length
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,9 +66,29 @@ class ArchConfig:
     qkv_bias: bool = False  # Qwen2
     o_bias: bool = False
     mlp_bias: bool = False
-    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim of q and k, per head
-    sliding_window: int | None = None  # Mistral
-    hidden_act: str = "silu"
+    qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm over head_dim of q and k, per head
+    # The window of the sliding-window layers (all layers when `layer_types` is empty).
+    sliding_window: int | None = None
+    # Per layer, FULL_ATTENTION or SLIDING_ATTENTION; empty: every layer alike.
+    layer_types: tuple[str, ...] = ()
+    # RoPE of the sliding-window layers when it differs from the full layers' (Gemma 3).
+    local_rope_theta: float | None = None
+    local_rope_scaling: RopeScaling | None = None
+    partial_rotary_factor: float = 1.0  # the rotated fraction of each head (Phi-4-mini: 0.75)
+    # Per-frequency divisors of the inverse frequencies (llama.cpp's `rope_freqs` tensor, which
+    # is how GGUF files carry Llama 3.1's rope scaling); written by the GGUF converter.
+    rope_freq_factors: tuple[float, ...] = ()
+    hidden_act: str = "silu"  # "silu" | "gelu_tanh" | "gelu"
+    # Gemma: attention scale query_pre_attn_scalar ** -0.5; tanh soft caps.
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    # Mixture of experts (Mixtral, Qwen3-MoE)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    moe_layers: tuple[bool, ...] = ()  # per layer: routed experts (True) or the dense MLP
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
 
@@ -45,71 +96,223 @@ class ArchConfig:
     def q_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
 
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def layer_window(self, i: int) -> int | None:
+        """The attention window of layer i (None: the whole context)."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types and self.layer_types[i] != SLIDING_ATTENTION:
+            return None
+        return self.sliding_window
+
+    def layer_rope(self, i: int) -> tuple[float, RopeScaling]:
+        """(theta, scaling) of layer i's RoPE."""
+        if self.layer_window(i) is not None and self.local_rope_theta is not None:
+            return self.local_rope_theta, self.local_rope_scaling or RopeScaling()
+        return self.rope_theta, self.rope_scaling
+
+    def is_moe_layer(self, i: int) -> bool:
+        if not self.num_experts:
+            return False
+        return self.moe_layers[i] if self.moe_layers else True
+
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ArchConfig:
         archs = hf.get("architectures") or []
         if not archs:
             raise ValueError("config.json has no 'architectures' entry; cannot pick a model class.")
         arch = archs[0]
+        _reject_prequantized(hf)
         num_heads = int(hf["num_attention_heads"])
         hidden = int(hf["hidden_size"])
         head_dim = hf.get("head_dim") or hidden // num_heads
         num_kv = int(hf.get("num_key_value_heads") or num_heads)
+        num_layers = int(hf["num_hidden_layers"])
+        max_pos = int(hf.get("max_position_embeddings", 2048))
         if num_heads % num_kv:
             raise ValueError(f"num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads ({num_kv}).")
-        rope = _parse_rope(hf)
-        act = hf.get("hidden_act", "silu")
-        if act not in ("silu", "swish"):
-            raise ValueError(f"hidden_act {act!r} is not supported (only silu).")
-        sliding = None
-        layer_types = hf.get("layer_types") or []
-        if arch == "MistralForCausalLM":
-            sliding = hf.get("sliding_window")
-        elif "sliding_attention" in layer_types or hf.get("use_sliding_window"):
-            raise ValueError(f"{arch} with sliding-window layers is not supported.")
-        # Qwen2 always has q/k/v biases; Llama and Qwen3 follow `attention_bias` (all four).
+        act_name = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
+        act = _ACTIVATIONS.get(act_name)
+        allowed = ("gelu_tanh", "gelu") if arch in _GEMMA else ("silu",)
+        if act not in allowed:
+            raise ValueError(f"hidden_act {act_name!r} is not supported for {arch} (supported: "
+                             f"{', '.join(k for k, v in _ACTIVATIONS.items() if v in allowed)}).")
+        sliding, layer_types = _parse_layers(arch, hf, num_layers)
+        rope, local = _parse_rope(arch, hf, max_pos)
+        # Qwen2 always has q/k/v biases; the others follow `attention_bias` (all four).
         attn_bias = bool(hf.get("attention_bias", False)) and arch != "Qwen2ForCausalLM"
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        params = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else {}
+        flat_params = params if not _nested(params) else params.get(FULL_ATTENTION) or {}
+        partial = float(flat_params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) or 1.0)
+        gemma = {}
+        if arch in _GEMMA:
+            gemma = dict(
+                query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)),
+                final_logit_softcapping=_opt_float(hf.get("final_logit_softcapping", 30.0 if arch == _GEMMA[0] else None)),
+                # transformers applies the attention soft cap in Gemma 2 only (Gemma 3 ignores the key)
+                attn_logit_softcapping=(_opt_float(hf.get("attn_logit_softcapping", 50.0))
+                                        if arch == "Gemma2ForCausalLM" else None),
+            )
         return cls(
             architecture=arch,
             vocab_size=int(hf["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(hf["intermediate_size"]),
-            num_layers=int(hf["num_hidden_layers"]),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=num_kv,
             head_dim=int(head_dim),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             rope_theta=rope[0],
             rope_scaling=rope[1],
-            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            local_rope_theta=local[0] if local else None,
+            local_rope_scaling=local[1] if local else None,
+            partial_rotary_factor=partial,
+            rope_freq_factors=tuple(float(x) for x in hf.get("rope_freq_factors") or ()),
+            max_position_embeddings=max_pos,
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", arch in _TIED_BY_DEFAULT)),
             qkv_bias=arch == "Qwen2ForCausalLM" or attn_bias,
             o_bias=attn_bias,
             mlp_bias=bool(hf.get("mlp_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
             sliding_window=int(sliding) if sliding else None,
+            layer_types=layer_types,
+            hidden_act=act,
+            **gemma,
+            **_parse_moe(arch, hf, num_layers),
             eos_token_ids=eos_ids,
             bos_token_id=hf.get("bos_token_id"),
         )
 
 
-def _parse_rope(hf: dict[str, Any]) -> tuple[float, RopeScaling]:
-    """Read rope_theta and scaling from either the transformers 4.x or the 5.x layout."""
+def _reject_prequantized(hf: dict[str, Any]) -> None:
+    """Checkpoints quantized by another tool (GPTQ, AWQ, bitsandbytes, FP8, ...) store weights
+    jaxserve cannot read as floats; say so instead of failing on a tensor name or shape."""
+    qc = hf.get("quantization_config")
+    if not qc:
+        return
+    method = qc.get("quant_method", "unknown") if isinstance(qc, dict) else "unknown"
+    bits = qc.get("bits") if isinstance(qc, dict) else None
+    what = f"{method}" + (f", {bits}-bit" if bits else "")
+    raise ValueError(
+        f"this checkpoint is pre-quantized (quantization_config: {what}), which jaxserve cannot "
+        "serve. Use the float (bfloat16/float16/float32) checkpoint, optionally with "
+        "--quantization int8 to quantize it at load, or a GGUF file."
+    )
+
+
+def _opt_float(x) -> float | None:
+    return None if x is None else float(x)
+
+
+def _nested(params: dict) -> bool:
+    return isinstance(params, dict) and any(k in params for k in (FULL_ATTENTION, SLIDING_ATTENTION))
+
+
+def _parse_layers(arch: str, hf: dict[str, Any], num_layers: int) -> tuple[int | None, tuple[str, ...]]:
+    """(the sliding window, per-layer types) as transformers derives them for `arch`."""
+    window = hf.get("sliding_window")
+    types = tuple(hf.get("layer_types") or ())
+    if types and len(types) != num_layers:
+        raise ValueError(f"layer_types lists {len(types)} layers, num_hidden_layers is {num_layers}")
+    unknown = set(types) - {FULL_ATTENTION, SLIDING_ATTENTION}
+    if unknown:
+        raise ValueError(f"layer types {sorted(unknown)} are not supported (only full and sliding attention).")
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        # the window applies only with use_sliding_window, to the layers from max_window_layers on
+        window = window if hf.get("use_sliding_window") else None
+        if not types and window:
+            start = int(hf.get("max_window_layers", num_layers))
+            types = tuple(SLIDING_ATTENTION if i >= start else FULL_ATTENTION for i in range(num_layers))
+    elif arch == "Qwen3MoeForCausalLM":
+        window = window if hf.get("use_sliding_window") else None  # then on every layer
+        types = ()
+    elif arch in _GEMMA:
+        if not types:
+            period = 2 if arch == "Gemma2ForCausalLM" else int(hf.get("sliding_window_pattern", 6))
+            types = tuple(SLIDING_ATTENTION if (i + 1) % period else FULL_ATTENTION for i in range(num_layers))
+    elif arch in ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM"):
+        types = ()  # the window (if any) applies to every layer
+    else:
+        if SLIDING_ATTENTION in types or hf.get("use_sliding_window"):
+            raise ValueError(f"{arch} with sliding-window layers is not supported.")
+        window, types = None, ()
+    if not window:
+        window = None
+        if SLIDING_ATTENTION in types:  # transformers runs such layers as full attention
+            types = ()
+    if types and all(t == SLIDING_ATTENTION for t in types):
+        types = ()
+    if types and all(t == FULL_ATTENTION for t in types):
+        window, types = None, ()
+    return window, types
+
+
+def _parse_moe(arch: str, hf: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    if arch == "MixtralForCausalLM":
+        return dict(num_experts=int(hf["num_local_experts"]), num_experts_per_tok=int(hf["num_experts_per_tok"]),
+                    moe_intermediate_size=int(hf["intermediate_size"]), norm_topk_prob=True)
+    if arch == "Qwen3MoeForCausalLM":
+        step = int(hf.get("decoder_sparse_step", 1))
+        dense_only = set(hf.get("mlp_only_layers") or ())
+        n = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)  # 4.x / 5.x name
+        layers = tuple(i not in dense_only and n > 0 and (i + 1) % step == 0 for i in range(num_layers))
+        return dict(num_experts=n, num_experts_per_tok=int(hf["num_experts_per_tok"]),
+                    moe_intermediate_size=int(hf["moe_intermediate_size"]),
+                    norm_topk_prob=bool(hf.get("norm_topk_prob", False)), moe_layers=layers)
+    return {}
+
+
+def _parse_rope(arch: str, hf: dict[str, Any], max_pos: int
+                ) -> tuple[tuple[float, RopeScaling], tuple[float, RopeScaling] | None]:
+    """((theta, scaling) of the full-attention layers, that of the sliding layers or None)."""
     params = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling") or {}
-    merged = {**scaling, **params}
-    theta = float(merged.get("rope_theta", hf.get("rope_theta", 10000.0)))
-    rope_type = merged.get("rope_type", merged.get("type", "default")) or "default"
+    if _nested(params):  # transformers 5: one dict per layer type
+        full = {**scaling, **(params.get(FULL_ATTENTION) or {})}
+        local = params.get(SLIDING_ATTENTION)
+        glob = _rope_from_dict(arch, full, hf, max_pos)
+        return glob, (_rope_from_dict(arch, local, hf, max_pos, theta_key=None) if local else None)
+    glob = _rope_from_dict(arch, {**scaling, **params}, hf, max_pos)
+    if arch == "Gemma3ForCausalLM":  # transformers 4.x: the sliding layers' base frequency
+        return glob, (float(hf.get("rope_local_base_freq", 10000.0)), RopeScaling())
+    return glob, None
+
+
+def _rope_from_dict(arch: str, d: dict[str, Any], hf: dict[str, Any], max_pos: int,
+                    theta_key: str | None = "rope_theta") -> tuple[float, RopeScaling]:
+    default_theta = 1_000_000.0 if arch == "Gemma3ForCausalLM" else 10000.0
+    theta = float(d.get("rope_theta") or (hf.get(theta_key) if theta_key else None) or default_theta)
+    rope_type = d.get("rope_type", d.get("type", "default")) or "default"
+    if arch == "Phi3ForCausalLM" and rope_type in ("su", "yarn"):
+        rope_type = "longrope"  # what transformers' Phi3Config does with these old names
     if rope_type not in _SUPPORTED_ROPE_TYPES:
         raise ValueError(f"rope type {rope_type!r} is not supported; supported: {_SUPPORTED_ROPE_TYPES}.")
     if rope_type == "default":
         return theta, RopeScaling()
+    # Phi-3 keeps the pretraining length at the top level, and it has priority there.
+    original = hf.get("original_max_position_embeddings") or d.get("original_max_position_embeddings")
+    original = int(original if original is not None else max_pos)  # transformers' default
+    factor = d.get("factor")
+    if factor is None:
+        factor = max_pos / original if rope_type in ("yarn", "longrope") else 1.0
     return theta, RopeScaling(
         rope_type=rope_type,
-        factor=float(merged.get("factor", 1.0)),
-        low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(merged.get("original_max_position_embeddings", 8192)),
+        factor=float(factor),
+        low_freq_factor=float(d.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(d.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=original,
+        beta_fast=float(d.get("beta_fast") or 32.0),
+        beta_slow=float(d.get("beta_slow") or 1.0),
+        mscale=_opt_float(d.get("mscale")),
+        mscale_all_dim=_opt_float(d.get("mscale_all_dim")),
+        truncate=bool(d.get("truncate", True)),
+        attention_factor=_opt_float(d.get("attention_factor")),
+        short_factor=tuple(float(x) for x in d.get("short_factor") or ()),
+        long_factor=tuple(float(x) for x in d.get("long_factor") or ()),
     )

@@ -10,7 +10,10 @@ takes for `llama` files: `modeling_gguf_pytorch_utils.load_gguf_checkpoint`):
   `n_head_kv` for K, biases included. The result equals transformers' weights bit for bit: the
   permutation only moves values;
 - config keys come from the `llama.*` metadata, `tie_word_embeddings` is true when the file
-  has no `output.weight`.
+  has no `output.weight`;
+- `rope_freqs.weight` (how llama.cpp stores Llama 3.1's rope scaling: one divisor per
+  frequency) becomes the config's `rope_freq_factors`, which jaxserve applies to the inverse
+  frequencies (transformers drops it, and with it the scaling).
 
 The tokenizer is built in `gguf_tokenizer.py`. `convert_gguf` writes the whole directory.
 """
@@ -60,7 +63,7 @@ _BLOCK_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-# tensors llama.cpp stores that have no HF counterpart (transformers skips them too)
+# tensors llama.cpp stores that are not weights (rope_freqs goes into the config)
 _IGNORED = {"rope_freqs.weight"}
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 _GLOBAL_RE = re.compile(r"^([a-z_]+)\.(weight|bias)$")
@@ -171,8 +174,10 @@ def config_from_gguf(reader: gguf.GGUFReader) -> dict[str, Any]:
     scaling = metadata_value(reader, key("rope.scaling.type"))
     if scaling not in (None, "none"):
         raise ValueError(f"GGUF rope scaling {scaling!r} is not supported yet.")
+    freq_factors = None
     if "rope_freqs.weight" in tensor_names:
-        logger.warning("GGUF file has rope_freqs.weight (llama3 rope scaling); it is ignored.")
+        freqs = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
+        freq_factors = [float(x) for x in dequantize_tensor(freqs).reshape(-1)]
 
     def token_id(name: str) -> int | None:
         value = metadata_value(reader, f"tokenizer.ggml.{name}")
@@ -195,6 +200,7 @@ def config_from_gguf(reader: gguf.GGUFReader) -> dict[str, Any]:
         "rope_theta": rope_theta,
         "rope_parameters": {"rope_type": "default", "rope_theta": rope_theta},
         "rope_scaling": None,
+        **({"rope_freq_factors": freq_factors} if freq_factors else {}),
         "hidden_act": "silu",
         "attention_bias": "blk.0.attn_q.bias" in tensor_names,
         "attention_dropout": 0.0,

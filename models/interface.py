@@ -26,7 +26,7 @@ __all__ = ["AttentionMetadata", "CausalLM", "KVCache", "KV_CACHE_AXES"]
 # `layer_features` (a frozenset of these names). A backend may replace the model's layer by a
 # fused implementation only when it implements every declared feature (a positive check: a
 # model with a feature the backend does not know keeps its own layer). New architectures add
-# names here for what they do differently (e.g. "gelu_tanh_mlp", "attn_soft_cap").
+# names here for what they do differently.
 RMS_NORM = "rms_norm"  # pre-attention and pre-MLP RMSNorm with weight w (x * w)
 ROPE = "rope"  # rotary embedding of q and k (tables from the model)
 GQA = "gqa"  # grouped-query attention over the paged cache
@@ -36,6 +36,21 @@ QKV_BIAS = "qkv_bias"
 O_BIAS = "o_bias"
 MLP_BIAS = "mlp_bias"
 QK_NORM = "qk_norm"  # RMSNorm of q and k per head
+# Layers that differ from each other in attention window or RoPE table (e.g. Gemma's
+# sliding-window and global layers, Qwen2's upper sliding layers): each layer carries its own
+# attention spec and RoPE table, so a fused layer reading one model-wide spec does not apply.
+PER_LAYER_ATTENTION = "per_layer_attention"
+ROPE_PER_REQUEST = "rope_per_request"  # RoPE angles depend on the request's length (longrope, dynamic)
+PARTIAL_ROTARY = "partial_rotary"  # only the first part of each head is rotated (Phi-4-mini)
+ATTN_SCALE = "attn_scale"  # attention scale other than head_dim ** -0.5 (Gemma's query_pre_attn_scalar)
+ONE_PLUS_W_NORM = "one_plus_w_norm"  # RMSNorm computing x * (1 + w) (Gemma)
+POST_NORMS = "post_norms"  # extra RMSNorms after attention and after the MLP, before the residual adds
+GELU_TANH_GLU = "gelu_tanh_glu"  # MLP: down(gelu_tanh(gate(x)) * up(x)) (Gemma)
+EMBED_SCALE = "embed_scale"  # embeddings multiplied by sqrt(hidden) (Gemma)
+ATTN_SOFT_CAP = "attn_soft_cap"  # attention scores soft-capped: c * tanh(s / c) (Gemma 2)
+FINAL_SOFT_CAP = "final_soft_cap"  # logits soft-capped (Gemma 2)
+MOE = "moe"  # a routed mixture of experts in place of (some layers') MLP
+INT8_WEIGHTS = "int8_weights"  # weight-only int8 matmul weights with per-channel scales
 
 # Logical axes of each layer's k and v: [pages, page_size, kv_heads, head_dim].
 KV_CACHE_AXES = ("pages", None, "kv_heads", "head_dim")

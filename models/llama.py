@@ -19,15 +19,24 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
-
 from jaxserve.models import interface as features
 from jaxserve.models import sharding as ax
 from jaxserve.models.arch_config import ArchConfig
 from jaxserve.models.interface import AttentionMetadata, KVCache
 from jaxserve.models.layers.attention import AttentionSpec, paged_attention
-from jaxserve.models.layers.linear import dense, dense_group, weight_value
+from jaxserve.models.layers.linear import (
+    SCALE_SUFFIX,
+    QuantizedParam,
+    dense,
+    dense_group,
+    embedding_lookup,
+    module_weights,
+    param_weight,
+    quantize_int8,
+)
 from jaxserve.models.layers.norm import rms_norm
-from jaxserve.models.layers.rotary import apply_rotary, inverse_frequencies, rotary_tables
+from jaxserve.models.layers.rotary import RopeSpec, apply_rotary, layer_rope_spec, rope_tables
+from jaxserve.models.sharding import DEFAULT_RULES
 
 # A checkpoint tensor getter: HF tensor name -> numpy array.
 TensorGetter = Callable[[str], np.ndarray]
@@ -39,16 +48,23 @@ LAYER_SPECS = {
     "w_gate": "te,ef->tf", "w_up": "te,ef->tf", "w_down": "tf,fe->te",
 }
 HEAD_SPECS = ("ne,ev->nv", "ne,ve->nv")
+# The embedding table [V, E] is quantized like the tied LM head: one scale per row.
+EMBED_SPEC = HEAD_SPECS[1]
 # Weights sharing an input that a packing backend fuses into one product.
 FUSED = {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}
 
 
-def layer_features(cfg: ArchConfig) -> frozenset[str]:
+def layer_features(cfg: ArchConfig, quantization: str | None = None) -> frozenset[str]:
     """What this family's decoder layer computes (see models/interface.py)."""
     out = {features.RMS_NORM, features.ROPE, features.GQA, features.SILU_GLU}
-    for flag, name in ((cfg.sliding_window, features.SLIDING_WINDOW), (cfg.qkv_bias, features.QKV_BIAS),
+    windows = {cfg.layer_window(i) for i in range(cfg.num_layers)}
+    ropes = {layer_rope_spec(cfg, i) for i in range(cfg.num_layers)}
+    for flag, name in ((windows != {None}, features.SLIDING_WINDOW), (cfg.qkv_bias, features.QKV_BIAS),
                        (cfg.o_bias, features.O_BIAS), (cfg.mlp_bias, features.MLP_BIAS),
-                       (cfg.qk_norm, features.QK_NORM)):
+                       (cfg.qk_norm, features.QK_NORM),
+                       (len(windows) > 1 or len(ropes) > 1, features.PER_LAYER_ATTENTION),
+                       (cfg.rotary_dim != cfg.head_dim, features.PARTIAL_ROTARY),
+                       (quantization is not None, features.INT8_WEIGHTS)):
         if flag:
             out.add(name)
     return frozenset(out)
@@ -64,19 +80,41 @@ def _param(rngs: nnx.Rngs | None, shape, axes, dtype, scale: float, ones: bool =
     return nnx.Param(value, logical_axes=axes)
 
 
-class DecoderLayer(nnx.Module):
-    """The weights of one decoder layer."""
+def add_weight(module: nnx.Module, name: str, rngs: nnx.Rngs | None, shape, axes, dtype, scale: float,
+               spec: str, quantization: str | None) -> None:
+    """Matmul weight `name` of `module`: a float parameter, or with quantization="int8" an int8
+    `QuantizedParam` and its per-channel scales (`name` + SCALE_SUFFIX)."""
+    if quantization is None:
+        setattr(module, name, _param(rngs, shape, axes, dtype, scale))
+        return
+    if quantization != "int8":
+        raise ValueError(f"quantization {quantization!r} is not supported (only 'int8')")
+    value = scale * jax.random.normal(rngs.params(), shape, jnp.float32) if rngs is not None else jnp.zeros(shape)
+    q, s = quantize_int8(value, spec)
+    scale_axes = tuple(None if n == 1 and m != 1 else a for a, n, m in zip(axes, s.shape, shape))
+    setattr(module, name, QuantizedParam(q, logical_axes=axes, spec=spec, compute_dtype=jnp.dtype(dtype).name))
+    setattr(module, name + SCALE_SUFFIX, nnx.Param(s, logical_axes=scale_axes))
 
-    def __init__(self, cfg: ArchConfig, dtype, rngs: nnx.Rngs | None):
+
+class DecoderLayer(nnx.Module):
+    """The weights of one decoder layer, and its attention properties: `attn_spec` (window,
+    scale, soft cap, implementation) and `rope` (which RoPE table it reads)."""
+
+    def __init__(self, cfg: ArchConfig, dtype, rngs: nnx.Rngs | None, *, attn_spec: AttentionSpec,
+                 rope: RopeSpec, quantization: str | None = None, mlp: bool = True):
+        self.attn_spec = attn_spec
+        self.rope = rope
         E, F = cfg.hidden_size, cfg.intermediate_size
         Hq, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         s = 0.02 * 2
-        p = lambda shape, axes, **kw: _param(rngs, shape, axes, dtype, s, **kw)  # noqa: E731
+        p = lambda shape, axes, **kw: _param(rngs, shape, axes, dtype, s, **kw)
+        w = lambda name, shape, axes: add_weight(self, name, rngs, shape, axes, dtype, s,
+                                                 LAYER_SPECS[name], quantization)
         self.input_norm = p((E,), (ax.EMBED,), ones=True)
-        self.wq = p((E, Hq, D), (ax.EMBED, ax.Q_HEADS, ax.HEAD_DIM))
-        self.wk = p((E, Hkv, D), (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM))
-        self.wv = p((E, Hkv, D), (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM))
-        self.wo = p((Hq, D, E), (ax.Q_HEADS, ax.HEAD_DIM, ax.EMBED))
+        w("wq", (E, Hq, D), (ax.EMBED, ax.Q_HEADS, ax.HEAD_DIM))
+        w("wk", (E, Hkv, D), (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM))
+        w("wv", (E, Hkv, D), (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM))
+        w("wo", (Hq, D, E), (ax.Q_HEADS, ax.HEAD_DIM, ax.EMBED))
         if cfg.qkv_bias:
             self.bq = p((Hq, D), (ax.Q_HEADS, ax.HEAD_DIM))
             self.bk = p((Hkv, D), (ax.KV_HEADS, ax.HEAD_DIM))
@@ -87,19 +125,37 @@ class DecoderLayer(nnx.Module):
             self.q_norm = p((D,), (ax.HEAD_DIM,), ones=True)
             self.k_norm = p((D,), (ax.HEAD_DIM,), ones=True)
         self.post_norm = p((E,), (ax.EMBED,), ones=True)
-        self.w_gate = p((E, F), (ax.EMBED, ax.MLP))
-        self.w_up = p((E, F), (ax.EMBED, ax.MLP))
-        self.w_down = p((F, E), (ax.MLP, ax.EMBED))
-        if cfg.mlp_bias:
-            self.b_gate = p((F,), (ax.MLP,))
-            self.b_up = p((F,), (ax.MLP,))
-            self.b_down = p((E,), (ax.EMBED,))
+        if mlp:
+            w("w_gate", (E, F), (ax.EMBED, ax.MLP))
+            w("w_up", (E, F), (ax.EMBED, ax.MLP))
+            w("w_down", (F, E), (ax.MLP, ax.EMBED))
+            if cfg.mlp_bias:
+                self.b_gate = p((F,), (ax.MLP,))
+                self.b_up = p((F,), (ax.MLP,))
+                self.b_down = p((E,), (ax.EMBED,))
+
+
+def attention_spec(cfg: ArchConfig, i: int, impl: str) -> AttentionSpec:
+    """Layer i's attention: scale, window, soft cap."""
+    scale = cfg.query_pre_attn_scalar if cfg.query_pre_attn_scalar is not None else cfg.head_dim
+    return AttentionSpec(sm_scale=scale**-0.5, sliding_window=cfg.layer_window(i),
+                         soft_cap=cfg.attn_logit_softcapping, impl=impl)
+
+
+def rope_for_step(layers, positions: jax.Array, md: AttentionMetadata) -> dict:
+    """Each distinct RoPE table the layers read, computed once for the step: spec -> (cos, sin)."""
+    tables = {}
+    for layer in layers:
+        if layer.rope not in tables:
+            tables[layer.rope] = rope_tables(layer.rope, positions, md)
+    return tables
 
 
 class LlamaForCausalLM(nnx.Module):
     """Decoder-only transformer on the paged runner contract (see models/interface.py)."""
 
     product_specs = (LAYER_SPECS, FUSED, HEAD_SPECS)
+    layer_class = DecoderLayer
 
     def __init__(
         self,
@@ -109,23 +165,39 @@ class LlamaForCausalLM(nnx.Module):
         rngs: nnx.Rngs | None = None,
         mesh: Mesh | None = None,
         attention_impl: str = "auto",
+        quantization: str | None = None,
+        rules=DEFAULT_RULES,
     ):
         cfg = config
         self.config = cfg
-        self.layer_features = layer_features(cfg)
+        self.layer_features = self.features(cfg, quantization)
         self.dtype = dtype
         self.mesh = mesh
-        self.attn_spec = AttentionSpec(
-            sm_scale=cfg.head_dim**-0.5,
-            sliding_window=cfg.sliding_window,
-            impl=attention_impl,
-        )
+        self.quantization = quantization
+        specs = [attention_spec(cfg, i, attention_impl) for i in range(cfg.num_layers)]
+        # The model-wide spec, for a backend's fused layer (only used when the layers agree:
+        # otherwise the model declares per_layer_attention).
+        self.attn_spec = specs[0]
         V, E = cfg.vocab_size, cfg.hidden_size
-        self.embed = _param(rngs, (V, E), (ax.VOCAB, ax.EMBED), dtype, 0.5)
-        self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs) for _ in range(cfg.num_layers)])
+        q = quantization
+        embed_scale = 0.5
+        if q is None:
+            self.embed = _param(rngs, (V, E), (ax.VOCAB, ax.EMBED), dtype, embed_scale)
+        else:
+            add_weight(self, "embed", rngs, (V, E), (ax.VOCAB, ax.EMBED), dtype, embed_scale, EMBED_SPEC, q)
+        self.layers = nnx.List([self.make_layer(cfg, i, dtype, rngs, specs[i], q, mesh, rules)
+                                for i in range(cfg.num_layers)])
         self.final_norm = _param(rngs, (E,), (ax.EMBED,), dtype, 0.0, ones=True)
         if not cfg.tie_word_embeddings:
-            self.lm_head = _param(rngs, (E, V), (ax.EMBED, ax.VOCAB), dtype, 0.05)
+            add_weight(self, "lm_head", rngs, (E, V), (ax.EMBED, ax.VOCAB), dtype, 0.05, HEAD_SPECS[0], q)
+
+    @staticmethod
+    def features(cfg: ArchConfig, quantization: str | None) -> frozenset[str]:
+        return layer_features(cfg, quantization)
+
+    def make_layer(self, cfg, i, dtype, rngs, spec, quantization, mesh, rules):
+        return self.layer_class(cfg, dtype, rngs, attn_spec=spec, rope=layer_rope_spec(cfg, i),
+                                quantization=quantization)
 
     # ------------------------------------------------------------------ forward
     def __call__(
@@ -138,72 +210,86 @@ class LlamaForCausalLM(nnx.Module):
     ) -> tuple[jax.Array, KVCache]:
         """`layer_impl(model, params, h, rope, k_cache, v_cache, md)`: a backend's replacement
         for `_layer` (see jaxserve/backends), used only after its capability check."""
-        cfg = self.config
         with jax.named_scope("embed"):
-            h = self.embed[...][input_ids].astype(jnp.float32)  # [T, E]
-        inv_freq = jnp.asarray(inverse_frequencies(cfg))  # [D/2], a compile-time constant
-        rope = rotary_tables(positions, inv_freq)  # cos, sin: [T, 1, D/2], shared by the layers
+            h = self.embed_tokens(input_ids)  # [T, E] float32
+        ropes = rope_for_step(self.layers, positions, md)  # cos, sin: [T, 1, R/2] per table
         k_caches, v_caches = list(kv_cache.k), list(kv_cache.v)
         for i, layer in enumerate(self.layers):
             with jax.named_scope(f"layer_{i}"):
-                p = {name: weight_value(var) for name, var in vars(layer).items()
-                     if isinstance(var, nnx.Param)}
+                p = module_weights(layer)
+                rope = ropes[layer.rope]
                 if layer_impl is None:
-                    h, k_caches[i], v_caches[i] = self._layer(p, h, rope, k_caches[i], v_caches[i], md)
+                    h, k_caches[i], v_caches[i] = self._layer(layer, p, h, rope, k_caches[i], v_caches[i], md)
                 else:
                     h, k_caches[i], v_caches[i] = layer_impl(self, p, h, rope, k_caches[i], v_caches[i], md)
         with jax.named_scope("final_norm"):
-            h = rms_norm(h, self.final_norm[...], cfg.rms_norm_eps)
+            h = self.norm(h, self.final_norm[...])
         return h, KVCache(k=tuple(k_caches), v=tuple(v_caches))
 
-    def _layer(self, p, h, rope, k_cache, v_cache, md):
-        cfg = self.config
+    def embed_tokens(self, input_ids: jax.Array) -> jax.Array:
+        return embedding_lookup(param_weight(self, "embed"), input_ids)
+
+    def norm(self, x: jax.Array, w: jax.Array) -> jax.Array:
+        return rms_norm(x, w, self.config.rms_norm_eps)
+
+    def _layer(self, layer, p, h, rope, k_cache, v_cache, md):
         with jax.named_scope("attention"):
-            x = rms_norm(h, p["input_norm"], cfg.rms_norm_eps)  # [T, E]
-            if "wqkv" in p:  # packed together for a CPU product kernel
-                q, k, v = dense_group(LAYER_SPECS["wq"], x, p["wqkv"])
-            else:
-                q = dense(LAYER_SPECS["wq"], x, p["wq"])  # [T, Hq, D]
-                k = dense(LAYER_SPECS["wk"], x, p["wk"])  # [T, Hkv, D]
-                v = dense(LAYER_SPECS["wv"], x, p["wv"])
-            if cfg.qkv_bias:
-                q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
-            if cfg.qk_norm:
-                q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
-                k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
-            q = apply_rotary(q, *rope)
-            k = apply_rotary(k, *rope)
-            cache_dtype = k_cache.dtype
-            attn, k_cache, v_cache = paged_attention(
-                q.astype(cache_dtype), k.astype(cache_dtype), v.astype(cache_dtype),
-                k_cache, v_cache, md, self.attn_spec, self.mesh,
-            )  # attn: [T, Hq, D]
-            o = dense(LAYER_SPECS["wo"], attn, p["wo"])  # [T, E]
-            if cfg.o_bias:
-                o = o + p["bo"]
-            h = h + o
+            x = self.norm(h, p["input_norm"])  # [T, E]
+            attn, k_cache, v_cache = self.attention(layer, p, x, rope, k_cache, v_cache, md)
+            h = h + attn
         with jax.named_scope("mlp"):
-            x = rms_norm(h, p["post_norm"], cfg.rms_norm_eps)
-            if "w_gate_up" in p:
-                gate, up = dense_group(LAYER_SPECS["w_gate"], x, p["w_gate_up"])
-            else:
-                gate = dense(LAYER_SPECS["w_gate"], x, p["w_gate"])  # [T, F]
-                up = dense(LAYER_SPECS["w_up"], x, p["w_up"])
-            if cfg.mlp_bias:
-                gate, up = gate + p["b_gate"], up + p["b_up"]
-            down = dense(LAYER_SPECS["w_down"], jax.nn.silu(gate) * up, p["w_down"])  # [T, E]
-            if cfg.mlp_bias:
-                down = down + p["b_down"]
-            h = h + down
+            h = h + self.mlp(layer, p, self.norm(h, p["post_norm"]))
         return h, k_cache, v_cache
+
+    def attention(self, layer, p, x, rope, k_cache, v_cache, md):
+        """Self-attention of normed x [T, E] over this layer's paged cache -> ([T, E] float32,
+        k_cache, v_cache)."""
+        cfg = self.config
+        if "wqkv" in p:  # packed together for a CPU product kernel
+            q, k, v = dense_group(LAYER_SPECS["wq"], x, p["wqkv"])
+        else:
+            q = dense(LAYER_SPECS["wq"], x, p["wq"])  # [T, Hq, D]
+            k = dense(LAYER_SPECS["wk"], x, p["wk"])  # [T, Hkv, D]
+            v = dense(LAYER_SPECS["wv"], x, p["wv"])
+        if cfg.qkv_bias:
+            q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
+        if cfg.qk_norm:
+            q = self.norm(q, p["q_norm"])
+            k = self.norm(k, p["k_norm"])
+        q = apply_rotary(q, *rope)
+        k = apply_rotary(k, *rope)
+        cache_dtype = k_cache.dtype
+        attn, k_cache, v_cache = paged_attention(
+            q.astype(cache_dtype), k.astype(cache_dtype), v.astype(cache_dtype),
+            k_cache, v_cache, md, layer.attn_spec, self.mesh,
+        )  # attn: [T, Hq, D]
+        o = dense(LAYER_SPECS["wo"], attn, p["wo"])  # [T, E]
+        if cfg.o_bias:
+            o = o + p["bo"]
+        return o, k_cache, v_cache
+
+    def mlp(self, layer, p, x):
+        """The SiLU-gated MLP of normed x [T, E] -> [T, E] float32."""
+        cfg = self.config
+        if "w_gate_up" in p:
+            gate, up = dense_group(LAYER_SPECS["w_gate"], x, p["w_gate_up"])
+        else:
+            gate = dense(LAYER_SPECS["w_gate"], x, p["w_gate"])  # [T, F]
+            up = dense(LAYER_SPECS["w_up"], x, p["w_up"])
+        if cfg.mlp_bias:
+            gate, up = gate + p["b_gate"], up + p["b_up"]
+        down = dense(LAYER_SPECS["w_down"], jax.nn.silu(gate) * up, p["w_down"])  # [T, E]
+        if cfg.mlp_bias:
+            down = down + p["b_down"]
+        return down
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         """hidden: [N, E] (after the final norm) -> float32 logits [N, V]."""
         with jax.named_scope("lm_head"):
-            head = getattr(self, "lm_head", None)  # a tied model has one only when packed
+            head = param_weight(self, "lm_head")  # a tied model has one only when packed
             if head is not None:
-                return dense(HEAD_SPECS[0], hidden, weight_value(head))
-            return dense(HEAD_SPECS[1], hidden, self.embed[...])
+                return dense(HEAD_SPECS[0], hidden, head)
+            return dense(HEAD_SPECS[1], hidden, param_weight(self, "embed"))
 
     # ------------------------------------------------------------------ weights
     @classmethod
@@ -214,11 +300,11 @@ class LlamaForCausalLM(nnx.Module):
 
 def llama_weight_map(cfg: ArchConfig) -> dict[str, Callable[[TensorGetter], np.ndarray]]:
     E, Hq, Hkv, D = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    ident = lambda w: w  # noqa: E731
+    ident = lambda w: w
     # HF Linear weights are [out, in].
-    heads_in = lambda H: (lambda w: w.T.reshape(E, H, D))  # noqa: E731  [H*D, E] -> [E, H, D]
-    heads_b = lambda H: (lambda b: b.reshape(H, D))  # noqa: E731
-    transpose = lambda w: w.T  # noqa: E731
+    heads_in = lambda H: (lambda w: w.T.reshape(E, H, D))
+    heads_b = lambda H: (lambda b: b.reshape(H, D))
+    transpose = lambda w: w.T
     # Our per-layer parameter name -> (HF name inside "model.layers.{i}.", conversion).
     per_layer: dict[str, tuple[str, Callable[[np.ndarray], np.ndarray]]] = {
         "input_norm": ("input_layernorm.weight", ident),

@@ -9,6 +9,11 @@ _REGISTRY: dict[str, tuple[str, str]] = {
     "Qwen2ForCausalLM": ("jaxserve.models.qwen2", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("jaxserve.models.qwen3", "Qwen3ForCausalLM"),
     "MistralForCausalLM": ("jaxserve.models.mistral", "MistralForCausalLM"),
+    "Phi3ForCausalLM": ("jaxserve.models.phi3", "Phi3ForCausalLM"),
+    "Gemma2ForCausalLM": ("jaxserve.models.gemma", "Gemma2ForCausalLM"),
+    "Gemma3ForCausalLM": ("jaxserve.models.gemma", "Gemma3ForCausalLM"),
+    "MixtralForCausalLM": ("jaxserve.models.moe", "MixtralForCausalLM"),
+    "Qwen3MoeForCausalLM": ("jaxserve.models.moe", "Qwen3MoeForCausalLM"),
 }
 
 

@@ -23,6 +23,7 @@ KV_HEADS = "kv_heads"
 HEAD_DIM = "head_dim"
 MLP = "mlp"
 PAGES = "pages"  # KV cache page axis (never sharded today)
+EXPERT = "expert"  # the stacked experts of a mixture-of-experts layer
 
 LogicalAxes = tuple[str | None, ...]
 
@@ -36,6 +37,19 @@ DEFAULT_RULES: Mapping[str, str | None] = {
     HEAD_DIM: None,
     MLP: "model",
     PAGES: None,
+    EXPERT: None,  # experts replicated; each split along its intermediate dim (MLP)
+}
+
+# Expert parallelism: the stacked experts of MoE layers split over the "model" axis (each device
+# holds num_experts / n whole experts and computes them for every token; see layers/moe.py);
+# everything else as DEFAULT_RULES. An array uses a mesh axis once, so an expert weight's
+# intermediate dim stays whole.
+EXPERT_PARALLEL_RULES: Mapping[str, str | None] = {**DEFAULT_RULES, EXPERT: "model"}
+
+# Named rule presets (for a future `--sharding-rules` flag).
+RULE_PRESETS: Mapping[str, Mapping[str, str | None]] = {
+    "default": DEFAULT_RULES,
+    "expert_parallel": EXPERT_PARALLEL_RULES,
 }
 
 

@@ -8,19 +8,24 @@ converted, and placed straight into that sharding (each device receives only its
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
-
 from jaxserve.models.arch_config import ArchConfig
+from jaxserve.models.layers.linear import QUANTIZATIONS, SCALE_SUFFIX, QuantizedParam, quantize_int8
 from jaxserve.models.loader import load_checkpoint
 from jaxserve.models.placement import put_sharded
 from jaxserve.models.registry import get_model_class
-from jaxserve.models.sharding import single_device_mesh, state_shardings
+from jaxserve.models.sharding import (
+    DEFAULT_RULES,
+    named_sharding,
+    single_device_mesh,
+    state_shardings,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -41,17 +46,28 @@ def create_model(
     attention_impl: str = "auto",
     get_tensor: Callable[[str], np.ndarray] | None = None,
     seed: int = 0,
+    quantization: str | None = None,
+    rules: Mapping[str, str | None] | None = None,
 ):
-    """A model of cfg.architecture; weights from `get_tensor` (HF names) or random (seeded)."""
+    """A model of cfg.architecture; weights from `get_tensor` (HF names) or random (seeded).
+
+    quantization: None, or "int8" (weight-only, per output channel; every matmul weight and
+    the embedding are quantized as they are placed: a float checkpoint is never held on the
+    device). rules: the logical-axis rules (models/sharding.py; default DEFAULT_RULES).
+    """
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None; got {quantization!r}")
     cls = get_model_class(cfg.architecture)
     mesh = mesh or single_device_mesh()
+    rules = DEFAULT_RULES if rules is None else rules
 
     def build(rngs: nnx.Rngs):
-        return cls(cfg, dtype=dtype, rngs=rngs, mesh=mesh, attention_impl=attention_impl)
+        return cls(cfg, dtype=dtype, rngs=rngs, mesh=mesh, attention_impl=attention_impl,
+                   quantization=quantization, rules=rules)
 
     abstract = nnx.eval_shape(lambda: build(nnx.Rngs(seed)))
     graphdef, abs_state = nnx.split(abstract)
-    shardings = state_shardings(abs_state, mesh)
+    shardings = state_shardings(abs_state, mesh, rules)
 
     if get_tensor is None:
         # Random weights (tests, benchmarks): initialise under jit straight into the shardings.
@@ -64,26 +80,55 @@ def create_model(
         _path_key(p): s for p, s in jax.tree_util.tree_leaves_with_path(shardings)
     }
 
-    def load(path, var):
-        key = _path_key(path)
+    abstract_vars = {
+        _path_key(p): v for p, v in jax.tree_util.tree_leaves_with_path(abs_state, is_leaf=_is_var)
+    }
+    pending: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # quantized weight -> (q, scale)
+
+    def host_tensor(key: str) -> np.ndarray:
         if key not in weight_map:
             raise ValueError(f"no checkpoint mapping for parameter {key!r} of {cfg.architecture}")
-        host = weight_map[key](get_tensor)
-        expected = var.get_value().shape
-        if tuple(host.shape) != tuple(expected):
-            raise ValueError(
-                f"checkpoint tensor for {key} has shape {tuple(host.shape)}, expected {tuple(expected)}"
-            )
+        return weight_map[key](get_tensor)
+
+    def quantized(key: str) -> tuple[np.ndarray, np.ndarray]:
+        """int8 values and scales of quantized weight `key` (each is asked for once)."""
+        if key in pending:
+            return pending.pop(key)
+        var = abstract_vars[key]
+        host = host_tensor(key)
+        _check_shape(key, host.shape, var.get_value().shape)
+        pending[key] = quantize_int8(np.asarray(host, np.float32), var.get_metadata()["spec"])
+        return pending[key]
+
+    def load(path, var):
+        key = _path_key(path)
+        base = key.removesuffix(SCALE_SUFFIX)
+        if base != key and isinstance(abstract_vars.get(base), QuantizedParam):
+            _, scale = quantized(base)
+            sharding = named_sharding(var.get_metadata()["logical_axes"], scale.shape, mesh, rules)
+            return var.replace(put_sharded(scale, sharding, np.float32))
+        if isinstance(var, QuantizedParam):
+            q, _ = quantized(key)
+            return var.replace(put_sharded(q, flat_shardings[key], np.int8))
+        host = host_tensor(key)
+        _check_shape(key, host.shape, var.get_value().shape)
         return var.replace(put_sharded(host, flat_shardings[key], var.get_value().dtype))
 
     state = jax.tree_util.tree_map_with_path(load, abs_state, is_leaf=_is_var)
     return nnx.merge(graphdef, state)
 
 
-def load_model(path, *, dtype=jnp.float32, mesh: Mesh | None = None, attention_impl: str = "auto"):
+def _check_shape(key: str, got, expected) -> None:
+    if tuple(got) != tuple(expected):
+        raise ValueError(f"checkpoint tensor for {key} has shape {tuple(got)}, expected {tuple(expected)}")
+
+
+def load_model(path, *, dtype=jnp.float32, mesh: Mesh | None = None, attention_impl: str = "auto",
+               quantization: str | None = None, rules: Mapping[str, str | None] | None = None):
     """The model in the HF directory `path` (see loader.resolve_model), weights on `mesh`."""
     ckpt = load_checkpoint(path)
     cfg = ArchConfig.from_hf(ckpt.config)
     return create_model(
-        cfg, dtype=dtype, mesh=mesh, attention_impl=attention_impl, get_tensor=ckpt.get_tensor
+        cfg, dtype=dtype, mesh=mesh, attention_impl=attention_impl, get_tensor=ckpt.get_tensor,
+        quantization=quantization, rules=rules,
     )

@@ -48,7 +48,45 @@ CASES: dict[str, dict] = {
                   head_dim=32, rope_theta=1000000.0),
     "mistral": dict(model_type="mistral", architectures=["MistralForCausalLM"], tie_word_embeddings=False,
                     sliding_window=5, rope_theta=10000.0, head_dim=16),
+    # Qwen2 with its upper layers sliding (max_window_layers) and yarn RoPE
+    "qwen2_sliding": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], tie_word_embeddings=True,
+                          num_hidden_layers=3, use_sliding_window=True, sliding_window=4, max_window_layers=1,
+                          max_position_embeddings=64, rope_theta=10000.0,
+                          rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16)),
+    # dynamic NTK: the 13-token sequence is past max_position_embeddings, the 7-token one is not
+    "llama_dynamic": dict(model_type="llama", architectures=["LlamaForCausalLM"], tie_word_embeddings=False,
+                          max_position_embeddings=8, rope_theta=10000.0,
+                          rope_scaling=dict(rope_type="dynamic", factor=2.0)),
+    # Phi-3: fused qkv / gate_up, longrope (long factors for the 13-token sequence, short for the
+    # 7-token one), partial rotary (Phi-4-mini), a sliding window
+    "phi3": dict(model_type="phi3", architectures=["Phi3ForCausalLM"], tie_word_embeddings=False, pad_token_id=0,
+                 max_position_embeddings=32, original_max_position_embeddings=8, sliding_window=9,
+                 partial_rotary_factor=0.75, rope_theta=10000.0,
+                 rope_scaling=dict(rope_type="longrope", short_factor=[1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+                                   long_factor=[1.0, 1.5, 2.5, 4.0, 6.0, 9.0])),
+    "gemma2": dict(model_type="gemma2", architectures=["Gemma2ForCausalLM"], tie_word_embeddings=True,
+                   head_dim=16, query_pre_attn_scalar=24, sliding_window=4, attn_logit_softcapping=1.0,
+                   final_logit_softcapping=3.0, hidden_activation="gelu_pytorch_tanh", rope_theta=10000.0),
+    # Gemma 3: 5 sliding layers with their own RoPE base, then a global one with linear scaling
+    "gemma3": dict(model_type="gemma3_text", architectures=["Gemma3ForCausalLM"], tie_word_embeddings=True,
+                   num_hidden_layers=6, head_dim=16, query_pre_attn_scalar=16, sliding_window=4,
+                   rope_theta=1000000.0, rope_local_base_freq=10000.0,
+                   rope_scaling=dict(rope_type="linear", factor=8.0), hidden_activation="gelu_pytorch_tanh"),
+    "mixtral": dict(model_type="mixtral", architectures=["MixtralForCausalLM"], tie_word_embeddings=False,
+                    intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, rope_theta=1000000.0,
+                    sliding_window=None),
+    # Qwen3-MoE: top-2 of 8 without renormalisation, a dense MLP in layer 1 (mlp_only_layers)
+    "qwen3_moe": dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], tie_word_embeddings=False,
+                      num_hidden_layers=3, head_dim=16, moe_intermediate_size=32, num_experts=8,
+                      num_experts_per_tok=2, norm_topk_prob=False, mlp_only_layers=[1], rope_theta=1000000.0),
 }
+# MoE fixtures: router biases that make routing uneven (added along each layer's mean router
+# input, so expert 0 takes many tokens and expert 7 few), and the per-expert counts recorded.
+ROUTER_BIAS = [2.5, 1.5, 0.5, 0.0, 0.0, -0.5, -1.5, -3.0]
+# Hub checkpoints store MoE experts one tensor each; transformers 5 saves them stacked. The
+# fixture of each family is written in the hub layout (the loader reads both).
+HUB_EXPERT_NAMES = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
+                    "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
 
 # Two token sequences of different lengths (the test feeds them as one ragged batch).
 SEQUENCES = [[1, 17, 45, 3, 99, 100, 7, 7, 64, 12, 120, 5, 33], [1, 8, 9, 127, 44, 2, 60]]
@@ -71,8 +109,13 @@ def main() -> None:
                     p.copy_(0.08 * torch.randn(p.shape, generator=gen))
         out_dir = OUT / name
         out_dir.mkdir(parents=True, exist_ok=True)
+        counts = skew_routers(model) if name in HUB_EXPERT_NAMES else None
         model.save_pretrained(out_dir, safe_serialization=True)
+        if name in HUB_EXPERT_NAMES:
+            to_hub_expert_layout(out_dir / "model.safetensors", *HUB_EXPERT_NAMES[name])
         expected = {}
+        if counts is not None:
+            expected["expert_counts"] = counts
         with torch.no_grad():
             for i, seq in enumerate(SEQUENCES):
                 ids = torch.tensor([seq])
@@ -82,6 +125,71 @@ def main() -> None:
         save_file(expected, str(out_dir / "expected.safetensors"))
         cfg = json.loads((out_dir / "config.json").read_text())
         print(name, cfg["architectures"], {k: v.shape for k, v in expected.items()})
+
+
+def router_inputs(model):
+    """Per MoE layer, the router's inputs over all sequences: {layer: [N, E]}."""
+    seen = {}
+    hooks = []
+    for i, layer in enumerate(model.model.layers):
+        block = getattr(layer, "block_sparse_moe", None) or layer.mlp
+        gate = getattr(block, "gate", None)
+        if gate is None or not hasattr(gate, "top_k"):
+            continue
+        hooks.append(gate.register_forward_hook(
+            lambda mod, args, out, i=i: seen.setdefault(i, []).append((args[0].reshape(-1, args[0].shape[-1]), out[2]))))
+    with torch.no_grad():
+        for seq in SEQUENCES:
+            model(input_ids=torch.tensor([seq]))
+    for h in hooks:
+        h.remove()
+    return seen
+
+
+def skew_routers(model) -> np.ndarray:
+    """Bias each router towards low-numbered experts, layer by layer; returns the tokens each
+    expert of each MoE layer gets, [layers, experts]."""
+    bias = torch.tensor(ROUTER_BIAS)
+    for i in sorted(router_inputs(model)):
+        x = torch.cat([a for a, _ in router_inputs(model)[i]])
+        mean = x.mean(0)
+        layer = model.model.layers[i]
+        block = getattr(layer, "block_sparse_moe", None) or layer.mlp
+        with torch.no_grad():
+            block.gate.weight += bias[:, None] * mean[None, :] / mean.dot(mean)
+    seen = router_inputs(model)
+    n = model.config.num_local_experts if hasattr(model.config, "num_local_experts") else model.config.num_experts
+    counts = np.zeros((len(seen), n), np.int32)
+    for row, i in enumerate(sorted(seen)):
+        ids = torch.cat([b for _, b in seen[i]]).reshape(-1).numpy()
+        counts[row] = np.bincount(ids, minlength=n)
+    print("tokens per expert:", counts.tolist())
+    return counts
+
+
+def to_hub_expert_layout(path: pathlib.Path, block: str, names: tuple[str, str, str]) -> None:
+    """Rewrite transformers 5's stacked experts (`experts.gate_up_proj` [X, 2F, E],
+    `experts.down_proj` [X, E, F]) into the hub's per-expert [out, in] tensors."""
+    from safetensors.numpy import load_file
+
+    tensors = load_file(str(path))
+    out = {}
+    for key, value in tensors.items():
+        if key.endswith("experts.gate_up_proj"):
+            prefix = key.removesuffix("experts.gate_up_proj").replace(".mlp.", f".{block}.")
+            f = value.shape[1] // 2
+            for j in range(value.shape[0]):
+                out[f"{prefix}experts.{j}.{names[0]}.weight"] = np.ascontiguousarray(value[j, :f])
+                out[f"{prefix}experts.{j}.{names[1]}.weight"] = np.ascontiguousarray(value[j, f:])
+        elif key.endswith("experts.down_proj"):
+            prefix = key.removesuffix("experts.down_proj").replace(".mlp.", f".{block}.")
+            for j in range(value.shape[0]):
+                out[f"{prefix}experts.{j}.{names[2]}.weight"] = np.ascontiguousarray(value[j])
+        elif key.endswith("mlp.gate.weight") and block != "mlp":
+            out[key.replace(".mlp.", f".{block}.")] = value
+        else:
+            out[key] = value
+    save_file(out, str(path), metadata={"format": "pt"})
 
 
 if __name__ == "__main__":

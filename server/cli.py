@@ -69,6 +69,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="instruction set the native CPU kernels are built for (default: native; haswell "
                         "emulates an AVX2-only CPU on a newer one)")
     g.add_argument("--seed", type=int, default=None, help="seed for unseeded requests")
+    g.add_argument("--quantization", default=None, choices=["int8"],
+                   help="weight-only int8 (per-channel scales) of a float checkpoint, quantized at load")
     g.add_argument("--no-enable-prefix-caching", action="store_true", help="disable prefix caching")
     g.add_argument("--max-logprobs", type=int, default=None, help="largest logprobs a request may ask (default 20)")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
@@ -88,7 +90,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
               "attention_impl": "attention_impl", "matmul_impl": "matmul_impl",
               "cpu_kernel_target": "cpu_kernel_target", "seed": "seed", "max_logprobs": "max_logprobs",
               "async_scheduling": "async_scheduling", "generation_config": "generation_config",
-              "data_parallel_size": "data", "tensor_parallel_size": "model"}
+              "quantization": "quantization", "data_parallel_size": "data", "tensor_parallel_size": "model"}
     for arg, key in simple.items():
         v = getattr(args, arg, None)
         if v is not None:

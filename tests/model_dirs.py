@@ -32,8 +32,13 @@ def write_model_dir(dst: pathlib.Path, fixture: str = "llama", *,
     replaces the fixture's generation_config.json."""
     dst.mkdir(parents=True, exist_ok=True)
     src = DATA / fixture
-    for name in ("config.json", "model.safetensors", "generation_config.json"):
+    for name in ("model.safetensors", "generation_config.json"):
         shutil.copy(src / name, dst / name)
+    # Without model_type: transformers would load the family's own tokenizer class (e.g.
+    # Qwen2's BPE) over the word-level tokenizer; the engine reads `architectures`.
+    config = json.loads((src / "config.json").read_text())
+    config.pop("model_type", None)
+    (dst / "config.json").write_text(json.dumps(config))
     if generation_config is not None:
         (dst / "generation_config.json").write_text(json.dumps(generation_config))
     word_tokenizer(json.loads((src / "config.json").read_text())["vocab_size"]).save_pretrained(dst)

@@ -69,7 +69,8 @@ def build_engine(config: EngineConfig) -> EngineParts:
     mesh = make_mesh(config.parallel.data, config.parallel.model)
     plan = backend.plan(mc, cc, mesh)
     dtype, kv_dtype = DTYPES[plan.dtype], DTYPES[plan.kv_dtype]
-    model = create_model(arch, dtype=dtype, mesh=mesh, attention_impl=mc.attention_impl, get_tensor=ckpt.get_tensor)
+    model = create_model(arch, dtype=dtype, mesh=mesh, attention_impl=mc.attention_impl, get_tensor=ckpt.get_tensor,
+                         quantization=mc.quantization)
     backend.prepare_model(model, plan)
     load_seconds = time.perf_counter() - t0
     num_pages = cc.num_pages or num_pages_for_budget(arch, cc.page_size, kv_dtype, backend.kv_cache_budget(cc))

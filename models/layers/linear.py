@@ -9,6 +9,14 @@ layout of the native product kernel (`pallas_kernels/cpu/matmul.py`: bfloat16 on
 with AVX-512); `dense` then calls that kernel. A packed weight lives in a `PackedParam` (an
 `nnx.Param` whose value is the packed array, with the logical output shape as metadata), and
 the model reads it through `weight_value`, which hands `dense` a `PackedWeight`.
+
+Weight-only int8 (`quantize_int8`, `QuantizedParam`): symmetric, per output channel by default
+(or per block along the contracted dims, as GGUF's Q8_0 stores them). The int8 values stay int8
+in device memory; `dense` converts them inside the product (XLA fuses the convert into the dot
+on TPU/GPU, so a step reads half the bytes of bfloat16 weights) and multiplies the float32
+result by the channel scales. A quantized weight `w` has its scales in the float32 parameter
+`w_qscale` beside it (same rank, contracted dims of size 1 or the number of blocks);
+`module_weights` pairs them into a `QuantizedWeight`. The CPU backend does not pack them.
 """
 
 from __future__ import annotations
@@ -34,11 +42,124 @@ class PackedWeight:
     out_shapes: tuple[tuple[int, ...], ...]
 
 
+class QuantizedParam(nnx.Param):
+    """int8 matmul weights; metadata `spec` (the `dense` spec that decides which dims are
+    contracted) and `compute_dtype` (what the values become inside the product). Its scales
+    are the float32 parameter named `<name>` + SCALE_SUFFIX of the same module."""
+
+
+SCALE_SUFFIX = "_qscale"
+QUANTIZATIONS = ("int8",)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantizedWeight:
+    q: jax.Array  # int8, the weight's shape
+    scale: jax.Array  # float32, same rank; each entry covers a block of q (size-1 dims: whole)
+    compute_dtype: str = dataclasses.field(metadata=dict(static=True), default="float32")
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.q.shape
+
+    @property
+    def per_channel(self) -> bool:
+        """True when every scale covers whole contracted dims (one per output channel)."""
+        return all(m == 1 or m == n for n, m in zip(self.q.shape, self.scale.shape))
+
+    def dequantize(self, dtype=None) -> jax.Array:
+        return dequantize(self.q, self.scale, dtype or self.compute_dtype)
+
+
 def weight_value(var: nnx.Variable) -> jax.Array | PackedWeight:
-    """What `dense` takes for weight variable `var`."""
+    """What `dense` takes for weight variable `var` (not a quantized one: see `module_weights`)."""
     if isinstance(var, PackedParam):
         return PackedWeight(var[...], tuple(tuple(s) for s in var.get_metadata()["out_shapes"]))
     return var[...]
+
+
+def param_weight(module: nnx.Module, name: str):
+    """`dense`'s weight for parameter `name` of `module`: an array, a PackedWeight or a
+    QuantizedWeight (int8 values with their scales); None when absent."""
+    var = getattr(module, name, None)
+    if var is None:
+        return None
+    if isinstance(var, QuantizedParam):
+        scale = getattr(module, name + SCALE_SUFFIX)
+        return QuantizedWeight(var[...], scale[...], var.get_metadata().get("compute_dtype", "float32"))
+    return weight_value(var)
+
+
+def module_weights(module: nnx.Module) -> dict:
+    """Every parameter of `module` by name, as `dense` takes it (scales folded into their
+    quantized weights)."""
+    out = {}
+    for name, var in vars(module).items():
+        if not isinstance(var, nnx.Param) or name.endswith(SCALE_SUFFIX):
+            continue
+        out[name] = param_weight(module, name)
+    return out
+
+
+def contracted_axes(spec: str) -> tuple[int, ...]:
+    """The weight dims a `dense` spec contracts (those of x that the output lacks)."""
+    _, ws, _, contract = _parse(spec)
+    return tuple(ws.index(c) for c in contract)
+
+
+def quantize_int8(w, spec: str, block: int | None = None):
+    """Symmetric int8 of `w` (numpy or jax) with one float32 scale per output channel
+    (`block`=None) or per `block` consecutive values of the last contracted dim (GGUF's Q8_0
+    layout: the other dims keep a scale per index). Returns
+    (q int8, scale float32 of the same rank). Works on numpy arrays (at load) and jax arrays
+    (random init)."""
+    xp = np if isinstance(w, np.ndarray) else jnp
+    axes = contracted_axes(spec)
+    w32 = w.astype(xp.float32)
+    if block is None:
+        amax = xp.max(xp.abs(w32), axis=axes, keepdims=True)
+    else:
+        last = axes[-1]
+        shape = list(w32.shape)
+        if shape[last] % block:
+            raise ValueError(f"int8 blocks of {block} do not divide dim {last} of {tuple(shape)}")
+        split = shape[:last] + [shape[last] // block, block] + shape[last + 1:]
+        amax = xp.max(xp.abs(w32.reshape(split)), axis=last + 1)  # each block its own scale
+    scale = (amax / 127.0).astype(xp.float32)
+    safe = xp.where(scale == 0, xp.float32(1.0), scale)
+    q = xp.clip(xp.round(w32 / _expand(xp, safe, w32.shape)), -127, 127).astype(xp.int8)
+    return q, scale
+
+
+def _expand(xp, scale, shape):
+    """`scale` repeated over the blocks it covers, to `shape`."""
+    for axis, (n, m) in enumerate(zip(shape, scale.shape)):
+        if m not in (1, n):
+            scale = xp.repeat(scale, n // m, axis=axis)
+    return scale
+
+
+def dequantize(q: jax.Array, scale: jax.Array, dtype) -> jax.Array:
+    """q * scale (each scale over its block), in `dtype`."""
+    shape, sshape = [], []
+    for n, m in zip(q.shape, scale.shape):
+        shape += [m, n // m]
+        sshape += [m, 1]
+    w = q.reshape(shape).astype(jnp.float32) * scale.astype(jnp.float32).reshape(sshape)
+    return w.reshape(q.shape).astype(dtype)
+
+
+def embedding_lookup(table, ids: jax.Array) -> jax.Array:
+    """Rows `ids` of an embedding table (array or per-row QuantizedWeight) as float32 [N, E]."""
+    if isinstance(table, QuantizedWeight):
+        rows = table.q[ids].astype(jnp.float32)  # [N, E]
+        scale = table.scale[ids].astype(jnp.float32)  # [N, 1] or [N, E / block]
+        if scale.shape[-1] not in (1, rows.shape[-1]):
+            g = rows.shape[-1] // scale.shape[-1]
+            return (rows.reshape(*rows.shape[:-1], -1, g) * scale[..., None]).reshape(rows.shape)
+        return rows * scale
+    return table[ids].astype(jnp.float32)
 
 
 def _parse(spec: str) -> tuple[str, str, str, str]:
@@ -49,12 +170,32 @@ def _parse(spec: str) -> tuple[str, str, str, str]:
     return xs, ws, out, contract
 
 
-def dense(spec: str, x: jax.Array, w: jax.Array | PackedWeight) -> jax.Array:
+def dense(spec: str, x: jax.Array, w: jax.Array | PackedWeight | QuantizedWeight) -> jax.Array:
     """einsum(spec, x, w) with x cast to w's dtype and a float32 result."""
     if isinstance(w, PackedWeight):
         (y,) = dense_group(spec, x, w)
         return y
+    if isinstance(w, QuantizedWeight):
+        return _dense_int8(spec, x, w)
     return jnp.einsum(spec, x.astype(w.dtype), w, preferred_element_type=jnp.float32)
+
+
+def _dense_int8(spec: str, x: jax.Array, w: QuantizedWeight) -> jax.Array:
+    """The product on int8 values converted in the dot (per channel: scales applied to the
+    float32 result; per block: to the converted weight first)."""
+    cdt = jnp.dtype(w.compute_dtype)
+    if not w.per_channel or any(w.scale.shape[a] != 1 for a in contracted_axes(spec)):
+        return jnp.einsum(spec, x.astype(cdt), w.dequantize(cdt), preferred_element_type=jnp.float32)
+    y = jnp.einsum(spec, x.astype(cdt), w.q.astype(cdt), preferred_element_type=jnp.float32)
+    _, ws, out, _ = _parse(spec)
+    # the scale's output dims, laid out as y's (size 1 where y has a dim the weight lacks)
+    keep = [i for i, c in enumerate(ws) if c in out]
+    scale = w.scale.reshape([w.scale.shape[i] for i in keep])
+    w_out = [ws[i] for i in keep]
+    order = sorted(range(len(w_out)), key=lambda j: out.index(w_out[j]))
+    scale = jnp.transpose(scale, order)
+    shape = [scale.shape[[w_out[j] for j in order].index(c)] if c in w_out else 1 for c in out]
+    return y * scale.reshape(shape)
 
 
 def dense_group(spec: str, x: jax.Array, w: PackedWeight) -> list[jax.Array]:

@@ -40,17 +40,18 @@ def test_the_check_is_positive():
 @pytest.mark.parametrize("name", CASES)
 def test_packed_models_take_the_fused_layer_only_when_covered(data_dir, name):
     """Every fixture, packed for the CPU product kernel, runs the fused layer where its
-    features are covered and every product packed (Llama, Mistral) and its own layer otherwise
-    (Qwen2's biases, Qwen3's q/k norms; the tied Llama's single 16-wide KV head does not pack);
-    either way its logits equal transformers'."""
+    features are covered and every product packed (Llama, Mistral, the dynamic-RoPE Llama)
+    and its own layer otherwise (Qwen2's biases, Qwen3's q/k norms, Phi-3's partial rotary,
+    Gemma's norms and MLP, the MoE layers; the tied Llama's single 16-wide KV head does not
+    pack); either way its logits equal transformers'."""
     cfg, tensors, expected = load_fixture(data_dir, name)
     model = create_model(cfg, dtype=jnp.float32, get_tensor=tensors.__getitem__)
     backend = CpuBackend()
     backend.prepare_model(model, PACK)
     impl = backend.layer_impl(model)
     covered = model.layer_features <= cpu_layer.FEATURES
-    assert covered == (name in ("llama", "llama_tied", "mistral"))
-    assert impl is (cpu_layer.fused_layer if name in ("llama", "mistral") else None)
+    assert covered == (name in ("llama", "llama_tied", "mistral", "llama_dynamic"))
+    assert impl is (cpu_layer.fused_layer if name in ("llama", "mistral", "llama_dynamic") else None)
     runner = PagedRunner(model, page_size=4, num_pages=16, layer_impl=impl)
     seqs = [expected["tokens_0"].tolist(), expected["tokens_1"].tolist()]
     out = runner.step([(0, seqs[0], 0), (1, seqs[1], 0)], num_tokens=32, num_reqs=4, pages_per_req=8)

@@ -18,7 +18,8 @@ from jaxserve.models.registry import get_model_class, supported_architectures
 from jaxserve.models.weights import create_model
 from tests.models.model_utils import PagedRunner
 
-CASES = ["llama", "llama_tied", "qwen2", "qwen3", "mistral"]
+CASES = ["llama", "llama_tied", "qwen2", "qwen3", "mistral", "qwen2_sliding", "llama_dynamic", "phi3", "gemma2",
+         "gemma3", "mixtral", "qwen3_moe"]
 
 
 def load_fixture(data_dir, name):
@@ -48,3 +49,27 @@ def test_logits_match_transformers(data_dir, name):
 def test_unknown_architecture_lists_supported():
     with pytest.raises(ValueError, match="LlamaForCausalLM.*Qwen2ForCausalLM"):
         get_model_class("GPTNeoXForCausalLM")
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+def test_moe_fixtures_route_unevenly(data_dir, name):
+    """The MoE fixtures' routers are skewed: some experts get many tokens, some none."""
+    _, _, expected = load_fixture(data_dir, name)
+    counts = expected["expert_counts"]  # [MoE layers, experts], transformers' own routing
+    for row in counts:
+        assert row.max() >= 10 and (row == 0).any() and len(set(row.tolist())) >= 3
+
+
+@pytest.mark.parametrize("impl", ["dense", "ragged", "tiled"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+def test_moe_implementations_match_transformers(data_dir, name, impl):
+    """Each MoE implementation (every expert on every token; jax.lax.ragged_dot; the CPU's
+    tiled grouped products) gives transformers' logits."""
+    cfg, tensors, expected = load_fixture(data_dir, name)
+    model = create_model(cfg, dtype=jnp.float32, get_tensor=tensors.__getitem__)
+    model.moe_impl = impl
+    runner = PagedRunner(model, page_size=4, num_pages=16)
+    seqs = [expected["tokens_0"].tolist(), expected["tokens_1"].tolist()]
+    out = runner.step([(0, seqs[0], 0), (1, seqs[1], 0)], num_tokens=32, num_reqs=4, pages_per_req=8)
+    for i in range(2):
+        np.testing.assert_allclose(out[i], expected[f"logits_{i}"], atol=1e-4, rtol=0)

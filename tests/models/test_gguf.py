@@ -33,7 +33,7 @@ def write_gguf(
 ) -> pathlib.Path:
     w = gguf.GGUFWriter(path, arch)
     if metadata:
-        c = {"layers": 1, "hidden": 64, "ffn": 96, "heads": 4, "kv_heads": 2, "ctx": 128}
+        c = {"layers": 1, "hidden": 64, "ffn": 96, "heads": 4, "kv_heads": 2, "ctx": 128, "theta": 10000.0}
         c.update(cfg)
         w.add_block_count(c["layers"])
         w.add_context_length(c["ctx"])
@@ -42,7 +42,7 @@ def write_gguf(
         w.add_head_count(c["heads"])
         w.add_head_count_kv(c["kv_heads"])
         w.add_layer_norm_rms_eps(1e-5)
-        w.add_rope_freq_base(10000.0)
+        w.add_rope_freq_base(c["theta"])
         w.add_rope_dimension_count(c["hidden"] // c["heads"])
         tokens, types, merges = tiny_vocab()
         w.add_vocab_size(len(tokens))
@@ -423,3 +423,49 @@ def test_default_cache_dir(monkeypatch, tmp_path):
     assert loader.default_cache_dir() == tmp_path / "jaxserve"
     monkeypatch.delenv("XDG_CACHE_HOME")
     assert loader.default_cache_dir() == pathlib.Path.home() / ".cache" / "jaxserve"
+
+
+def test_llama3_rope_freqs_round_trip(tmp_path, data_dir):
+    """A Llama 3.1-style model (llama3 rope scaling) written as llama.cpp does: Q/K permuted,
+    the scaling as `rope_freqs` divisors, no rope_scaling metadata. Converted back, jaxserve
+    applies the divisors and reproduces transformers' logits of the original."""
+    import json
+
+    import jax.numpy as jnp
+    from safetensors.numpy import load_file
+
+    from jaxserve.models.arch_config import ArchConfig
+    from jaxserve.models.layers.rotary import inverse_frequencies
+    from jaxserve.models.loader import load_checkpoint
+    from jaxserve.models.weights import create_model
+    from tests.models.model_utils import PagedRunner
+
+    src = data_dir / "arch" / "llama"
+    hf_cfg = json.loads((src / "config.json").read_text())
+    cfg = ArchConfig.from_hf(hf_cfg)
+    assert cfg.rope_scaling.rope_type == "llama3"
+    plain = ArchConfig.from_hf({**hf_cfg, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+                                "rope_scaling": None})
+    factors = inverse_frequencies(plain) / inverse_frequencies(cfg)  # llama.cpp's rope_freqs
+    hf = load_file(str(src / "model.safetensors"))
+    tensors = llama_cpp_tensors(hf, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads)
+    tensors["rope_freqs.weight"] = (factors.astype(np.float32), None)
+    path = write_gguf(tmp_path / "l31.gguf", tensors, layers=cfg.num_layers, hidden=cfg.hidden_size,
+                      ffn=cfg.intermediate_size, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads,
+                      theta=cfg.rope_theta)
+    # the tiny vocabulary of write_gguf is smaller than the fixture's: only the weights matter here
+    out = tmp_path / "out"
+    out.mkdir()
+    config = gguf_loader.convert_gguf(path, out)
+    assert config["rope_freq_factors"] == pytest.approx(factors.tolist())
+    ckpt = load_checkpoint(out)
+    got_cfg = ArchConfig.from_hf({**ckpt.config, "vocab_size": cfg.vocab_size})
+    assert got_cfg.rope_scaling.rope_type == "default"
+    np.testing.assert_allclose(inverse_frequencies(got_cfg), inverse_frequencies(cfg), rtol=1e-6)
+    model = create_model(got_cfg, dtype=jnp.float32, get_tensor=ckpt.get_tensor)
+    expected = load_file(str(src / "expected.safetensors"))
+    runner = PagedRunner(model, page_size=4, num_pages=16)
+    seqs = [expected["tokens_0"].tolist(), expected["tokens_1"].tolist()]
+    outs = runner.step([(0, seqs[0], 0), (1, seqs[1], 0)], num_tokens=32, num_reqs=4, pages_per_req=8)
+    for i in range(2):
+        np.testing.assert_allclose(outs[i], expected[f"logits_{i}"], atol=1e-4, rtol=0)

@@ -18,6 +18,18 @@ TINY = dict(
 )
 
 
+# Sliding-window layers (window 5, their own RoPE base) between global ones (scaled RoPE):
+# Gemma 3's layout, in 4 layers.
+TINY_MIXED = dict(
+    architectures=["Gemma3ForCausalLM"], vocab_size=96, hidden_size=64, intermediate_size=128,
+    num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=5,
+    layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+    rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+                     "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+    query_pre_attn_scalar=16, hidden_activation="gelu_pytorch_tanh",
+)
+
+
 def run_modes(model, seqs, page_size, seed):
     rng = np.random.default_rng(seed)
     max_pages = 8
@@ -48,8 +60,9 @@ def run_modes(model, seqs, page_size, seed):
 
 
 @pytest.mark.parametrize("page_size", [8, 16])
-def test_tiny_model_paged_consistency(page_size):
-    cfg = ArchConfig.from_hf(TINY)
+@pytest.mark.parametrize("config", [TINY, TINY_MIXED], ids=["llama", "sliding_global_mix"])
+def test_tiny_model_paged_consistency(page_size, config):
+    cfg = ArchConfig.from_hf(config)
     model = create_model(cfg, dtype=jnp.float32, seed=3)
     rng = np.random.default_rng(page_size)
     seqs = [rng.integers(0, cfg.vocab_size, size=n).tolist() for n in (37, 16, 9)]

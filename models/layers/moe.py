@@ -1,0 +1,211 @@
+"""Mixture-of-experts MLP: a router picks the top-k experts of each token, and a grouped
+computation runs each expert only on the tokens routed to it.
+
+The (token, expert) assignments are sorted by expert, so each expert's rows are one
+contiguous group of the sorted rows; three grouped products (gate, up, down) then take each
+group through its own expert's weights. Implementations of the grouped product (`MOE_IMPLS`):
+
+- "ragged": `jax.lax.ragged_dot`, the native grouped matmul on TPU and GPU. XLA:CPU has none:
+  JAX lowers it there to a dense product of every group with every row (masked), which is
+  the dense computation again;
+- "tiled": for the CPU: the sorted rows are cut into tiles of B rows, and each (tile, expert)
+  pair whose rows overlap runs one [B, E] x [E, F] product with that expert's weights, in a
+  loop (at most rows / B + experts - 1 pairs: the tiling of a grouped-matmul kernel);
+- "dense": every expert on every token, combined with the routing weights (zero for experts
+  not chosen): the baseline the grouped forms are measured against, and a reference.
+
+"auto" is "ragged" on TPU/GPU and "tiled" on the CPU.
+
+Expert parallelism: when the `expert` logical axis is sharded over a mesh axis (the
+EXPERT_PARALLEL_RULES preset), each device holds num_experts / n experts and computes, for
+every token (the activations are replicated, as in the tensor-parallel layout), the
+contributions of its own experts only; a psum adds them up. When instead the experts'
+`mlp` dim is sharded (the default rules), each device computes every expert on its slice of
+the intermediate dim and the down products' partial sums are added the same way.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+from jaxserve.models.layers.linear import QuantizedWeight
+
+MOE_IMPLS = ("auto", "ragged", "tiled", "dense")
+# `dense`-style specs of the stacked expert weights: they decide which dims hold the output
+# channels of an int8 expert weight (one scale per expert and output channel).
+EXPERT_SPECS = {"w_gate": "te,xef->txf", "w_up": "te,xef->txf", "w_down": "txf,xfe->txe"}
+
+
+def route(logits: jax.Array, top_k: int, normalize: bool) -> tuple[jax.Array, jax.Array]:
+    """logits [T, X] -> (weights [T, k] float32, expert ids [T, k] int32): softmax over all
+    experts, the k largest, renormalized to sum to one when `normalize` (Mixtral; Qwen3-MoE's
+    norm_topk_prob)."""
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    weights, ids = jax.lax.top_k(probs, top_k)
+    if normalize:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, ids.astype(jnp.int32)
+
+
+def resolve_impl(impl: str, platform: str | None = None) -> str:
+    if impl not in MOE_IMPLS:
+        raise ValueError(f"moe impl must be one of {MOE_IMPLS}; got {impl!r}")
+    if impl != "auto":
+        return impl
+    return "tiled" if (platform or jax.default_backend()) == "cpu" else "ragged"
+
+
+def _weight(w, g=None):
+    """The float weights of expert(s) of a stacked weight (int8 ones dequantized)."""
+    if isinstance(w, QuantizedWeight):
+        if g is None:
+            return w.dequantize()
+        return QuantizedWeight(w.q[g], w.scale[g], w.compute_dtype).dequantize()
+    return w if g is None else w[g]
+
+
+def _dtype(w):
+    return jnp.dtype(w.compute_dtype) if isinstance(w, QuantizedWeight) else w.dtype
+
+
+def _act(gate: jax.Array, up: jax.Array) -> jax.Array:
+    return jax.nn.silu(gate) * up
+
+
+def experts_dense(x, weights, ids, w_gate, w_up, w_down, expert_offset=0) -> jax.Array:
+    """Every local expert on every token. x [T, E]; weights, ids [T, k]; w_gate/w_up
+    [Xl, E, F], w_down [Xl, F, E] (the experts expert_offset .. + Xl) -> [T, E] float32."""
+    T = x.shape[0]
+    Xl = w_gate.shape[0]
+    local = ids - expert_offset
+    combine = jnp.zeros((T, Xl + 1), jnp.float32)
+    combine = combine.at[jnp.arange(T)[:, None], jnp.where((local >= 0) & (local < Xl), local, Xl)].add(weights)
+    dt = _dtype(w_gate)
+    xc = x.astype(dt)
+    # expert-major layouts: XLA:CPU has no bfloat16 batched dot with the batch dim in the middle
+    gate = jnp.einsum("te,xef->xtf", xc, _weight(w_gate), preferred_element_type=jnp.float32)
+    up = jnp.einsum("te,xef->xtf", xc, _weight(w_up), preferred_element_type=jnp.float32)
+    y = jnp.einsum("xtf,xfe->xte", _act(gate, up).astype(dt), _weight(w_down), preferred_element_type=jnp.float32)
+    return jnp.einsum("xte,tx->te", y, combine[:, :Xl])
+
+
+def _sort(ids: jax.Array, Xl: int, expert_offset):
+    """Assignments sorted by local expert (others last): (order [M], group sizes [Xl])."""
+    local = ids.reshape(-1) - expert_offset  # [M]
+    key = jnp.where((local >= 0) & (local < Xl), local, Xl)
+    order = jnp.argsort(key, stable=True).astype(jnp.int32)
+    sizes = jnp.zeros((Xl + 1,), jnp.int32).at[key].add(1)[:Xl]
+    return order, sizes
+
+
+def experts_grouped(x, weights, ids, w_gate, w_up, w_down, *, impl: str, expert_offset=0,
+                    tile: int | None = None) -> jax.Array:
+    """The local experts on the tokens routed to them only (impl "ragged" or "tiled"); same
+    arguments and result as `experts_dense`."""
+    T, k = ids.shape
+    M = T * k
+    Xl = w_gate.shape[0]
+    order, sizes = _sort(ids, Xl, expert_offset)
+    token = order // k  # [M] the token of each sorted row
+    dt = _dtype(w_gate)
+    xs = x.astype(dt)[token]  # [M, E]
+    if impl == "ragged":
+        def gmm(a, w):
+            return jax.lax.ragged_dot(a.astype(dt), _weight(w), sizes, preferred_element_type=jnp.float32)
+
+        y = gmm(_act(gmm(xs, w_gate), gmm(xs, w_up)), w_down)  # [M, E]
+    elif impl == "tiled":
+        y = _tiled_mlp(xs, sizes, w_gate, w_up, w_down, tile)
+    else:
+        raise ValueError(f"not a grouped moe impl: {impl!r}")
+    rows = jnp.arange(M) < jnp.sum(sizes)  # rows of local experts (the rest sort last)
+    w_rows = jnp.where(rows, weights.reshape(-1)[order], 0.0)
+    return jnp.zeros((T, x.shape[1]), jnp.float32).at[token].add(y * w_rows[:, None])
+
+
+def tile_rows(num_rows: int, num_groups: int) -> int:
+    """Rows per tile: about the rows an expert gets when routing is even, 8 to 128."""
+    per_group = max(1, math.ceil(num_rows / num_groups))
+    return int(min(128, max(8, 1 << (per_group - 1).bit_length())))
+
+
+def _tiled_mlp(xs, sizes, w_gate, w_up, w_down, tile: int | None) -> jax.Array:
+    """The expert MLP of each group of sorted rows xs [M, E] (groups of `sizes`), one
+    (tile, expert) pair at a time -> [M, E] float32 (zero past the groups)."""
+    M, E = xs.shape
+    G = sizes.shape[0]
+    B = tile or tile_rows(M, G)
+    num_blocks = -(-M // B)
+    Mp = num_blocks * B
+    xs = jnp.pad(xs, ((0, Mp - M), (0, 0)))
+    ends = jnp.cumsum(sizes)
+    starts = ends - sizes
+    first = starts // B
+    count = jnp.where(sizes > 0, (ends - 1) // B - first + 1, 0)  # blocks each group touches
+    cum = jnp.cumsum(count)
+    num_pairs = num_blocks + G - 1  # static bound on sum(count)
+    # XLA:CPU's dot inside a loop (DotThunk) takes no bfloat16 x bfloat16 -> float32: the
+    # tiles multiply in float32 (the expert's weights are converted as they are read)
+    f32 = jnp.float32
+
+    def body(t, out):
+        g = jnp.minimum(jnp.searchsorted(cum, t, side="right"), G - 1).astype(jnp.int32)
+        live = t < cum[-1]
+        block = first[g] + t - (cum[g] - count[g])
+        block = jnp.clip(block, 0, num_blocks - 1)
+        r0 = block * B
+        x_t = jax.lax.dynamic_slice_in_dim(xs, r0, B).astype(f32)  # [B, E]
+        row = r0 + jnp.arange(B)
+        mask = (row >= starts[g]) & (row < ends[g]) & live  # [B]
+        gate = jnp.dot(x_t, _weight(w_gate, g).astype(f32))
+        up = jnp.dot(x_t, _weight(w_up, g).astype(f32))
+        y = jnp.dot(_act(gate, up).astype(xs.dtype).astype(f32), _weight(w_down, g).astype(f32))
+        cur = jax.lax.dynamic_slice_in_dim(out, r0, B)
+        return jax.lax.dynamic_update_slice_in_dim(out, cur + jnp.where(mask[:, None], y, 0.0), r0, 0)
+
+    out = jax.lax.fori_loop(0, num_pairs, body, jnp.zeros((Mp, E), jnp.float32))
+    return out[:M]
+
+
+def moe_mlp(x, router_logits, w_gate, w_up, w_down, *, top_k: int, normalize: bool, impl: str,
+            mesh: Mesh | None, expert_axis: str | None, mlp_axis: str | None) -> jax.Array:
+    """The MoE block on x [T, E] (normed) -> [T, E] float32. `expert_axis` / `mlp_axis`: the
+    mesh axes the stacked weights' expert and intermediate dims are sharded over (None:
+    not sharded)."""
+    weights, ids = route(router_logits, top_k, normalize)
+    impl = resolve_impl(impl)
+
+    def local(x, weights, ids, w_gate, w_up, w_down):
+        offset = 0
+        if expert_axis is not None:
+            offset = jax.lax.axis_index(expert_axis) * _num(w_gate)
+        if impl == "dense":
+            y = experts_dense(x, weights, ids, w_gate, w_up, w_down, offset)
+        else:
+            y = experts_grouped(x, weights, ids, w_gate, w_up, w_down, impl=impl, expert_offset=offset)
+        axes = tuple(a for a in (expert_axis, mlp_axis) if a is not None)
+        return jax.lax.psum(y, axes) if axes else y
+
+    if mesh is None or (expert_axis is None and mlp_axis is None):
+        return local(x, weights, ids, w_gate, w_up, w_down)
+    up_spec, down_spec = P(expert_axis, None, mlp_axis), P(expert_axis, mlp_axis, None)
+
+    def spec(w, s):
+        if isinstance(w, QuantizedWeight):  # scales: size-1 contracted dim, replicated there
+            return QuantizedWeight(s, P(*(None if w.scale.shape[i] == 1 else a for i, a in enumerate(s))),
+                                   w.compute_dtype)
+        return s
+
+    return jax.shard_map(
+        local, mesh=mesh,
+        in_specs=(P(), P(), P(), spec(w_gate, up_spec), spec(w_up, up_spec), spec(w_down, down_spec)),
+        out_specs=P(), check_vma=False,
+    )(x, weights, ids, w_gate, w_up, w_down)
+
+
+def _num(w) -> int:
+    return w.shape[0]
