@@ -43,13 +43,13 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
-    detokenize: bool = True
+    detokenize: bool = True  # False: token ids only, no text (no stop strings then)
     skip_special_tokens: bool = True
+    # vLLM's name; it only changes slow tokenizers' decoding, and jaxserve's are fast (no effect).
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
-    extra_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -119,6 +119,8 @@ class SamplingParams:
             raise ValueError("n > 1 needs temperature > 0: greedy samples would all be identical.")
         if self.allowed_token_ids is not None and len(self.allowed_token_ids) == 0:
             raise ValueError("allowed_token_ids must not be empty.")
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings need detokenize=True (they are matched on the text).")
 
     def validate_for_vocab(self, vocab_size: int) -> None:
         """Checks that need the model: token ids must exist in the vocabulary."""
@@ -137,14 +139,6 @@ class SamplingParams:
         if self.temperature < _GREEDY_EPS:
             return SamplingType.GREEDY
         return SamplingType.RANDOM_SEED if self.seed is not None else SamplingType.RANDOM
-
-    @property
-    def uses_penalties(self) -> bool:
-        return (
-            self.presence_penalty != 0.0
-            or self.frequency_penalty != 0.0
-            or self.repetition_penalty != 1.0
-        )
 
     def clone(self, **changes: Any) -> SamplingParams:
         return dataclasses.replace(self, **changes)

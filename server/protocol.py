@@ -296,10 +296,6 @@ class ChatCompletionRequest(_SamplingRequest):
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true.")
         return self
 
-    def conversation(self) -> list[dict[str, Any]]:
-        return [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                for m in self.messages]
-
     def to_sampling_params(self) -> SamplingParams:
         max_tokens = self.max_completion_tokens or self.max_tokens  # None = rest of the context
         logprobs = (self.top_logprobs or 0) if self.logprobs else None

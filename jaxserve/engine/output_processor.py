@@ -203,14 +203,15 @@ class OutputProcessor:
                         lp = o.logprobs[j]
                         seq.logprobs.append(logprob_dict(tok, lp, tokenizer))
                         seq.cumulative_logprob += lp.logprob
-                    before = len(seq.text)
-                    seq.text += seq.detok.add_tokens((tok,))
-                    if seq.params.stop and self._check_stop_strings(seq, before):
-                        stopped.append(seq.request_id)
-                        break
+                    if seq.params.detokenize:
+                        before = len(seq.text)
+                        seq.text += seq.detok.add_tokens((tok,))
+                        if seq.params.stop and self._check_stop_strings(seq, before):
+                            stopped.append(seq.request_id)
+                            break
             if o.finish_reason is not None and seq.finish_reason is None:
                 seq.finish_reason, seq.stop_reason = o.finish_reason, o.stop_reason
-            if seq.finish_reason is not None:
+            if seq.finish_reason is not None and seq.params.detokenize:
                 seq.text += seq.detok.flush()
             touched[parent.request_id] = parent
         outputs = [out for p in touched.values() if (out := self._emit(p)) is not None]

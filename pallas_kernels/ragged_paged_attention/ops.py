@@ -1,4 +1,8 @@
-"""The single attention entry point the models call: `ragged_paged_attention(..., impl=...)`.
+"""Attention's entry points, dispatching by implementation name: `write_kv_and_attend` (what the
+models call: write the step's K/V into the cache, then attend; one call where an implementation
+fuses the two), `ragged_paged_attention` (attend over a cache that already holds them) and
+`fused_rope_kernel` (the whole attention block with the rotary embedding, for the CPU backend's
+fused layer).
 
 Implementations are looked up by name in a registry (`pallas_kernels/registry.py`). A kernel registers itself with
 `register_impl("tpu", fn)` (or "gpu", or any new name); `fn` must accept the same arguments as

@@ -193,3 +193,12 @@ def test_stop_token_eos_is_not_in_the_text(served):
     body = r.json()
     assert r.status_code == 200 and len(body["choices"][0]["logprobs"]["tokens"]) == 4
     assert body["usage"]["completion_tokens"] == 4 and EOS == 0
+
+
+def test_detokenize_false_returns_token_ids_only():
+    engine = LLMEngine(fake_parts())
+    done = run_all(engine, {"a": ("abc", SamplingParams(max_tokens=4, temperature=0.0, detokenize=False))})
+    (toks, text, finish, _), = done["a"]
+    assert len(toks) == 4 and text == "" and finish == "length"
+    with pytest.raises(ValueError, match="detokenize"):
+        SamplingParams(stop=["x"], detokenize=False)
