@@ -60,7 +60,8 @@ class EngineStats:
 
 @dataclasses.dataclass(slots=True)
 class HostTimes:
-    """Cumulative host seconds per part of a step (see benchmarks/host_overhead.py)."""
+    """Cumulative seconds per part of a step (see benchmarks/host_overhead.py): the engine
+    thread's CPU time for the host parts, wall time for collect (waiting on the device)."""
 
     steps: int = 0
     schedule: float = 0.0
@@ -95,27 +96,29 @@ class EngineCore:
     # ------------------------------------------------------------------ the step
     def step(self) -> list[EngineCoreOutput]:
         t = self.times
-        t0 = time.perf_counter()
+        cpu = time.thread_time  # host work: the engine thread's CPU time, not the machine's load
+        c0 = cpu()
         so = self.scheduler.schedule()
-        t1 = time.perf_counter()
+        c1 = cpu()
         plan = self.runner.prepare(so)
-        t2 = time.perf_counter()
+        c2 = cpu()
         launched = self.runner.launch(plan) if plan is not None else None
-        t3 = time.perf_counter()
-        t.schedule += t1 - t0
-        t.prepare += t2 - t1
-        t.launch += t3 - t2
+        c3 = cpu()
+        t.schedule += c1 - c0
+        t.prepare += c2 - c1
+        t.launch += c3 - c2
         if self.async_scheduling:
             done, self._in_flight = self._in_flight, (so, launched) if launched is not None else None
         else:
             done = (so, launched) if launched is not None else None
         outputs: list[EngineCoreOutput] = []
         if done is not None:
+            w = time.perf_counter()
             result = self.runner.collect(done[1])
-            t4 = time.perf_counter()
+            t.collect += time.perf_counter() - w
+            c4 = cpu()
             outputs = self._outputs(done[0], result)
-            t.collect += t4 - t3
-            t.update += time.perf_counter() - t4
+            t.update += cpu() - c4
         t.steps += 1
         self.num_steps += 1
         return outputs

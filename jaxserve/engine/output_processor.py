@@ -237,7 +237,11 @@ class OutputProcessor:
         return True
 
     def _emit(self, p: _Parent, force: bool = False) -> RequestOutput | None:
-        finished = all(s.finish_reason is not None for s in p.seqs)
+        seqs = p.seqs
+        if len(seqs) == 1:
+            finished = seqs[0].finish_reason is not None
+        else:
+            finished = all(s.finish_reason is not None for s in seqs)
         if finished:
             p.metrics.finished_time = time.time()
         if p.kind == OutputKind.FINAL_ONLY and not finished and not force:

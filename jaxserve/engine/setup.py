@@ -8,6 +8,7 @@ cache, the scheduler and the compiled runner.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import pathlib
 import time
@@ -96,6 +97,11 @@ def build_engine(config: EngineConfig) -> EngineParts:
         sampler_config=sampler_config, sampling_defaults=gen.sampling_defaults,
         default_max_tokens=gen.max_new_tokens,
     )
+    # Everything built so far lives as long as the engine: move it out of the garbage
+    # collector's generations, so that the collections the steps' short-lived objects trigger do
+    # not walk it (at 1,024 running requests full collections cost milliseconds per step).
+    gc.collect()
+    gc.freeze()
     logger.info("engine ready: %s, %s, %d KV pages of %d, %d buckets compiled in %.1fs (load %.1fs)%s",
                 info.name, plan.dtype, num_pages, cc.page_size, runner.num_buckets, runner.compile_seconds,
                 load_seconds, ", overlapped steps" if sc.async_scheduling else "")

@@ -95,7 +95,15 @@ class Tokenizer:
 
     def detokenizer(
         self, *, skip_special_tokens: bool = True, prompt_token_ids: Sequence[int] | None = None
-    ) -> IncrementalDetokenizer:
+    ) -> IncrementalDetokenizer | StreamDetokenizer:
+        """A streaming detokenizer for one sequence: the tokenizers library's incremental decoder
+        where the tokenizer has one (a fast tokenizer: one native call per token), else the
+        window scheme over `decode`."""
+        backend = getattr(self._hf, "backend_tokenizer", None)
+        if backend is not None:
+            return StreamDetokenizer(
+                self, backend, skip_special_tokens=skip_special_tokens, prompt_token_ids=prompt_token_ids
+            )
         return IncrementalDetokenizer(
             self, skip_special_tokens=skip_special_tokens, prompt_token_ids=prompt_token_ids
         )
@@ -156,3 +164,53 @@ class IncrementalDetokenizer:
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
         return delta
+
+
+class StreamDetokenizer:
+    """`IncrementalDetokenizer`'s contract over the tokenizers library's `DecodeStream`: one
+    native call per token (about 5x cheaper than decoding a window twice), primed with the
+    prompt's last tokens so that the first generated token decodes in context. Ids that do not
+    complete a character yet are held; `flush()` decodes them as `decode` would (U+FFFD)."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        backend: Any,
+        *,
+        skip_special_tokens: bool = True,
+        prompt_token_ids: Sequence[int] | None = None,
+    ) -> None:
+        from tokenizers.decoders import DecodeStream
+
+        self._tokenizer = tokenizer
+        self._backend = backend
+        self._skip = skip_special_tokens
+        context = list(prompt_token_ids or ())[-INITIAL_CONTEXT_TOKENS:]
+        self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
+        self._recent = context  # the last ids whose text was released (flush's context)
+        self._held: list[int] = []  # ids since the last released text
+
+    def add_tokens(self, token_ids: Iterable[int]) -> str:
+        """Feed newly generated ids; returns the text they complete (possibly empty)."""
+        pieces = []
+        step, backend, held = self._stream.step, self._backend, self._held
+        for token_id in token_ids:
+            token_id = int(token_id)
+            chunk = step(backend, token_id)
+            held.append(token_id)
+            if chunk is not None:
+                pieces.append(chunk)
+                self._recent = (self._recent + held)[-INITIAL_CONTEXT_TOKENS:]
+                held.clear()
+        return "".join(pieces)
+
+    def flush(self) -> str:
+        """Release text held back at the end of the stream."""
+        if not self._held:
+            return ""
+        decode = self._tokenizer.decode
+        prefix = decode(self._recent, skip_special_tokens=self._skip)
+        full = decode(self._recent + self._held, skip_special_tokens=self._skip)
+        self._recent = (self._recent + self._held)[-INITIAL_CONTEXT_TOKENS:]
+        self._held.clear()
+        return full[len(prefix) :] if len(full) > len(prefix) else ""

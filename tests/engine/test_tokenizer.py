@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from jaxserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from jaxserve.engine.tokenizer import IncrementalDetokenizer, StreamDetokenizer, Tokenizer
 from jaxserve.models import gguf_loader, gguf_tokenizer, loader
 
 MULTIBYTE = "Grüße 👋🏽 from 東京 — naïve café, emoji 🎉🧪 and 한국어 ✓"
@@ -108,10 +108,27 @@ def test_no_chat_template(model_dir):
 # ----------------------------------------------------------------------------- detokenizer
 
 
+# Both streaming detokenizers: the tokenizers library's DecodeStream (what a fast tokenizer
+# gets) and the window scheme over decode (any other tokenizer).
+DETOKENIZERS = {
+    "stream": lambda tok, **kw: tok.detokenizer(**kw),
+    "window": lambda tok, **kw: IncrementalDetokenizer(tok, **kw),
+}
+
+
+@pytest.fixture(params=sorted(DETOKENIZERS))
+def detokenizer(request):
+    return DETOKENIZERS[request.param]
+
+
+def test_a_fast_tokenizer_streams_with_decode_stream(tok):
+    assert isinstance(tok.detokenizer(), StreamDetokenizer)
+
+
 def _stream(
-    tok: Tokenizer, ids: list[int], skip: bool, chunks: list[int] | None = None, **kw
+    tok: Tokenizer, ids: list[int], skip: bool, chunks: list[int] | None = None, make=None, **kw
 ) -> list[str]:
-    detok = tok.detokenizer(skip_special_tokens=skip, **kw)
+    detok = (make or DETOKENIZERS["stream"])(tok, skip_special_tokens=skip, **kw)
     deltas = []
     i = 0
     for size in chunks or [1] * len(ids):
@@ -123,28 +140,28 @@ def _stream(
 
 
 @pytest.mark.parametrize("skip", [True, False])
-def test_detokenize_golden_completions(tok, golden, skip):
+def test_detokenize_golden_completions(tok, golden, skip, detokenizer):
     for case in _cases(golden):
         ids = case["completion_token_ids"]
-        deltas = _stream(tok, ids, skip, prompt_token_ids=case["prompt_token_ids"])
+        deltas = _stream(tok, ids, skip, make=detokenizer, prompt_token_ids=case["prompt_token_ids"])
         assert "".join(deltas) == tok.decode(ids, skip_special_tokens=skip), case["name"]
         if not skip:
             assert "".join(deltas) == case["completion_text"]
         assert deltas[-1] == ""  # nothing was held back at the end
 
 
-def test_detokenize_multibyte_split_across_tokens(tok):
+def test_detokenize_multibyte_split_across_tokens(tok, detokenizer):
     ids = tok.encode(MULTIBYTE, add_special_tokens=False)
     # the test only means something if some characters really span several byte-level tokens
     partial = [i for i in ids if "\ufffd" in tok.decode([i])]
     assert len(partial) >= 4
-    deltas = _stream(tok, ids, skip=True)
+    deltas = _stream(tok, ids, skip=True, make=detokenizer)
     assert "".join(deltas) == MULTIBYTE == tok.decode(ids)
     assert not any("\ufffd" in d for d in deltas)
     assert deltas.count("") >= 2  # some steps held their bytes back
 
 
-def test_detokenize_random_chunks(tok):
+def test_detokenize_random_chunks(tok, detokenizer):
     text = MULTIBYTE + "<|im_end|>" + " and more text 🎉 after the end"
     ids = tok.encode(text, add_special_tokens=False)
     rnd = random.Random(0)
@@ -154,24 +171,24 @@ def test_detokenize_random_chunks(tok):
             chunks.append(min(left, rnd.randint(1, 4)))
             left -= chunks[-1]
         for skip in (True, False):
-            deltas = _stream(tok, ids, skip, chunks)
+            deltas = _stream(tok, ids, skip, chunks, make=detokenizer)
             assert "".join(deltas) == tok.decode(ids, skip_special_tokens=skip)
             assert not any("\ufffd" in d for d in deltas)
 
 
-def test_detokenize_stream_ending_mid_character(tok):
+def test_detokenize_stream_ending_mid_character(tok, detokenizer):
     ids = tok.encode("ok 👋", add_special_tokens=False)
     cut = ids[:-1]  # the emoji's last byte never arrives
     assert tok.decode(cut).endswith("\ufffd")
-    detok = tok.detokenizer()
+    detok = detokenizer(tok)
     streamed = "".join(detok.add_tokens([i]) for i in cut)
     assert streamed.startswith("ok") and "\ufffd" not in streamed  # the partial emoji is held back
     tail = detok.flush()
     assert tail.endswith("\ufffd") and streamed + tail == tok.decode(cut)
 
 
-def test_detokenize_with_prompt_context(tok):
+def test_detokenize_with_prompt_context(tok, detokenizer):
     prompt = tok.encode("The capital of France", add_special_tokens=False)
     out = tok.encode(" is Paris.", add_special_tokens=False)
-    detok = IncrementalDetokenizer(tok, prompt_token_ids=prompt)
+    detok = detokenizer(tok, prompt_token_ids=prompt)
     assert "".join(detok.add_tokens([i]) for i in out) == " is Paris."
