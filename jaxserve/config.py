@@ -82,8 +82,15 @@ class CacheConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
-    data: int = 1
-    model: int = 1
+    """The device mesh: `data_parallel_size` x `tensor_parallel_size` devices (vLLM's names)."""
+
+    data_parallel_size: int = 1
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("data_parallel_size", "tensor_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,7 +26,7 @@ from jaxserve.engine.tokenizer import Tokenizer
 from jaxserve.models.arch_config import ArchConfig
 from jaxserve.models.loader import load_checkpoint, resolve_model
 from jaxserve.models.weights import create_model
-from jaxserve.parallel.mesh import make_mesh
+from jaxserve.parallel.mesh import bytes_per_device, make_mesh, replicated_axes
 from jaxserve.runner.buckets import BucketGrid
 from jaxserve.runner.compile import enable_persistent_cache
 from jaxserve.runner.kv_cache import num_pages_for_budget
@@ -67,7 +67,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
         logger.warning("max_model_len %d exceeds the model's max_position_embeddings %d",
                        max_model_len, arch.max_position_embeddings)
     sc = dataclasses.replace(config.scheduler, max_model_len=max_model_len)
-    mesh = make_mesh(config.parallel.data, config.parallel.model)
+    mesh = make_mesh(config.parallel.data_parallel_size, config.parallel.tensor_parallel_size)
     plan = backend.plan(mc, cc, mesh)
     dtype, kv_dtype = DTYPES[plan.dtype], DTYPES[plan.kv_dtype]
     model = create_model(arch, dtype=dtype, mesh=mesh, attention_impl=mc.attention_impl, get_tensor=ckpt.get_tensor,
@@ -86,6 +86,8 @@ def build_engine(config: EngineConfig) -> EngineParts:
         max_model_len=max_model_len, max_num_seqs=sc.max_num_seqs, grid=grid, sampler_config=sampler_config,
         kv_dtype=kv_dtype, seed=mc.seed, show_progress=config.compile.show_progress,
     )
+    if mesh.size > 1:
+        _log_placement(model, runner, mesh)
     core = EngineCore(Scheduler(sc, kv_manager), runner, async_scheduling=sc.async_scheduling)
     eos = tokenizer.eos_token_id
     if eos is None and gen.eos_token_ids:
@@ -106,3 +108,16 @@ def build_engine(config: EngineConfig) -> EngineParts:
                 info.name, plan.dtype, num_pages, cc.page_size, runner.num_buckets, runner.compile_seconds,
                 load_seconds, ", overlapped steps" if sc.async_scheduling else "")
     return EngineParts(tokenizer, info, core, model_path, arch, backend, plan, load_seconds)
+
+
+def _log_placement(model, runner: ModelRunner, mesh) -> None:
+    """What each device holds, and what stays whole because the mesh does not divide it (e.g.
+    SmolLM2's 3 KV heads on 2 or 4 devices: the KV cache and the k/v projections replicate)."""
+    weights, kv = bytes_per_device(runner.params), bytes_per_device([*runner.kv.k, *runner.kv.v])
+    total = sum(x.nbytes for x in runner.params)
+    logger.info("mesh %s: weights %.1f MiB per device (of %.1f MiB), KV cache %.1f MiB per device",
+                dict(mesh.shape), weights / 2**20, total / 2**20, kv / 2**20)
+    for axis, names in replicated_axes(model, mesh).items():
+        shown = ", ".join(sorted({n.rsplit(".", 1)[-1] for n in names}))
+        logger.info("replicated: %s does not divide, so %s (%d arrays)%s are whole on every device",
+                    axis, shown, len(names), " and the KV cache" if axis.startswith("kv_heads") else "")

@@ -206,13 +206,18 @@ class ModelRunner:
         kv = jax.tree.map(shaped, self.kv)
         sstate = jax.tree.map(shaped, self.sstate)
         shapes = self.grid.shapes()
+        # The cache and the sampling state keep their shardings from step to step; the step's
+        # results are replicated, so that every process can read them locally.
+        keep = (jax.tree.map(lambda x: x.sharding, self.kv), jax.tree.map(lambda x: x.sharding, self.sstate))
+        rep = self.replicated
         for T, R in tqdm(shapes, desc="compiling buckets", disable=not show_progress, unit="bucket"):
             layout = self._layouts[(T, R)] = self.step_layout(T, R)
-            jitted = jax.jit(functools.partial(self._packed_step_fn, layout), donate_argnums=(1, 2))
-            self._compiled[(T, R)] = jitted.lower(params, kv, sstate, *layout.abstract(self.replicated)).compile()
-        rows = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.replicated),
-                            self._empty_slot_write())
-        self._write_rows = jax.jit(write_slot_rows, donate_argnums=(0,)).lower(sstate, rows).compile()
+            jitted = jax.jit(functools.partial(self._packed_step_fn, layout), donate_argnums=(1, 2),
+                             out_shardings=(*keep, rep, rep))
+            self._compiled[(T, R)] = jitted.lower(params, kv, sstate, *layout.abstract(rep)).compile()
+        rows = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep), self._empty_slot_write())
+        self._write_rows = jax.jit(write_slot_rows, donate_argnums=(0,), out_shardings=keep[1]).lower(
+            sstate, rows).compile()
 
     def _empty_slot_write(self) -> SlotRowsWrite:
         c = self.sampler_config

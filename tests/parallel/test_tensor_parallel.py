@@ -1,0 +1,66 @@
+"""Tensor parallelism through the served engine: `LLM(tensor_parallel_size=N)` on N of the 8
+simulated CPU devices gives the single-device engine's greedy tokens and log-probs, for each
+architecture fixture and for the default model in float32, with nothing compiled after warm-up."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from jaxserve import LLM, SamplingParams
+from tests.model_dirs import write_model_dir
+
+FIXTURES = ["llama", "qwen2", "qwen3", "mistral"]
+OPTIONS = dict(dtype="float32", token_buckets=(16, 64), request_buckets=(8,), show_progress=False)
+
+
+def _run(llm: LLM, prompts, params) -> list[tuple[list[int], list[float]]]:
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, [d[t].logprob for t, d in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)])
+            for o in outs]
+
+
+def _assert_same(a, b) -> None:
+    for (ta, la), (tb, lb) in zip(a, b):
+        assert ta == tb
+        assert max(abs(x - y) for x, y in zip(la, lb)) < 1e-4
+
+
+@pytest.mark.parametrize("fixture", FIXTURES)
+def test_fixture_tp_1_2_4_agree(fixture, tmp_path, compile_cache_dir):
+    model = str(write_model_dir(tmp_path / fixture, fixture))
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12], list(range(20, 45))]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=1)
+    runs = {}
+    for tp in (1, 2, 4):
+        llm = LLM(model, tensor_parallel_size=tp, compilation_cache_dir=compile_cache_dir, **OPTIONS)
+        assert llm.engine.runner.mesh.shape["model"] == tp
+        runs[tp] = _run(llm, prompts, params)
+        assert llm.engine.num_compiles_after_warmup == 0
+    _assert_same(runs[2], runs[1])
+    _assert_same(runs[4], runs[1])
+
+
+@pytest.mark.slow
+def test_default_model_tp_1_2_4_agree(default_model_dir, golden, compile_cache_dir, caplog):
+    """SmolLM2 (3 KV heads: replicated on 2 and 4 devices, which the start-up log says) on
+    golden prompts whose top-1/top-2 margin exceeds 1e-3 at every step."""
+    cases = golden["cases"][:4]
+    prompts = [c["prompt_token_ids"] for c in cases]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=1)
+    runs = {}
+    for tp in (1, 2, 4):
+        with caplog.at_level(logging.INFO, logger="jaxserve.engine.setup"):
+            llm = LLM(str(default_model_dir), tensor_parallel_size=tp, compilation_cache_dir=compile_cache_dir,
+                      max_num_seqs=8, max_model_len=512, **OPTIONS)
+        runs[tp] = _run(llm, prompts, params)
+        assert llm.engine.num_compiles_after_warmup == 0
+        if tp > 1:
+            assert "kv_heads (3) over model=%d does not divide" % tp in caplog.text
+            assert "MiB per device" in caplog.text
+        caplog.clear()
+    for case, (tokens, _) in zip(cases, runs[1]):
+        assert tokens == case["completion_token_ids"][:12]
+    _assert_same(runs[2], runs[1])
+    _assert_same(runs[4], runs[1])
