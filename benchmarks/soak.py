@@ -8,7 +8,8 @@ Starts the server as a subprocess (the default model unless --launch-args names 
    completions, streaming and not, n = 2 on some, logprobs on some, greedy and sampled, and
    --cancel-fraction of them cancelled by the client mid-way (a stream dropped after a few
    chunks, a plain request given up after a random wait). A refused request (503) is retried
-   after its Retry-After, as the OpenAI SDK does; every refusal is counted.
+   after its Retry-After, as the OpenAI SDK does, and so is one whose connection failed before
+   any response (a keep-alive connection closed as it was reused); both are counted.
 3. the checks: no 5xx but the back-pressure 503s (and the deadline's 504s when the server has
    --request-timeout), every gauge back to idle (nothing running or waiting, no KV block in
    use) within --idle-timeout of the last response, and the greedy probes unchanged.
@@ -58,6 +59,7 @@ class Outcome:
     latency: float = 0.0  # first attempt -> last byte (completed only)
     ttft: float | None = None  # first attempt -> first content chunk (streams)
     refusals: int = 0  # 503s retried
+    reconnects: int = 0  # connection errors before any response, retried
     detail: str = ""
     output_tokens: int = 0
 
@@ -91,37 +93,69 @@ async def send(client: httpx.AsyncClient, req: dict[str, Any], deadline: float) 
     body, path = req["body"], "/v1/chat/completions" if req["chat"] else "/v1/completions"
     kind = f"{'chat' if req['chat'] else 'completion'}/{'stream' if body['stream'] else 'plain'}"
     t0 = time.monotonic()
-    refusals = 0
+    refusals = reconnects = 0
     while True:
         try:
             if body["stream"]:
                 out = await _stream(client, path, body, req["cancel"], t0)
             else:
                 out = await _plain(client, path, body, req["cancel"], t0)
+        except _NoResponse as e:
+            # The connection failed before any response (typically a pooled keep-alive
+            # connection the server closed as it was reused): the request never ran. Retried,
+            # as the OpenAI SDK retries connection errors, and counted.
+            if reconnects < 3:
+                reconnects += 1
+                continue
+            return Outcome(kind, "failed", detail=f"no response: {e}", refusals=refusals, reconnects=reconnects)
         except (httpx.HTTPError, OSError) as e:
-            return Outcome(kind, "failed", detail=f"{type(e).__name__}: {e}", refusals=refusals)
+            return Outcome(kind, "failed", detail=f"{type(e).__name__}: {e}", refusals=refusals, reconnects=reconnects)
         if out.status == "refused" and time.monotonic() < deadline:
             refusals += 1
             await asyncio.sleep(float(out.detail or 1))
             continue
-        out.kind, out.refusals = kind, refusals
+        out.kind, out.refusals, out.reconnects = kind, refusals, reconnects
         return out
 
 
+class _NoResponse(Exception):
+    pass
+
+
+class _Send:
+    """client.stream(...) whose connection errors before the response headers are _NoResponse."""
+
+    def __init__(self, client: httpx.AsyncClient, path: str, body: dict):
+        self.cm = client.stream("POST", path, json=body)
+
+    async def __aenter__(self) -> httpx.Response:
+        try:
+            return await self.cm.__aenter__()
+        except httpx.TransportError as e:
+            raise _NoResponse(f"{type(e).__name__}: {e}") from e
+
+    async def __aexit__(self, *exc) -> None:
+        await self.cm.__aexit__(*exc)
+
+
 async def _plain(client, path, body, cancel, t0) -> Outcome:
-    task = asyncio.ensure_future(client.post(path, json=body))
+    async def request() -> Outcome:
+        async with _Send(client, path, body) as r:
+            text = (await r.aread()).decode()
+            return _verdict(r.status_code, r.headers, text, t0, lambda: json.loads(text)["usage"]["completion_tokens"])
+
+    task = asyncio.ensure_future(request())
     if cancel is not None:
         done, _ = await asyncio.wait({task}, timeout=cancel)
         if not done:
             task.cancel()  # closes the connection: the server aborts the request
             return Outcome("", "cancelled")
-    r = await task
-    return _verdict(r.status_code, r.headers, r.text, t0, lambda: r.json()["usage"]["completion_tokens"])
+    return await task
 
 
 async def _stream(client, path, body, cancel, t0) -> Outcome:
     ttft, chunks, tokens = None, 0, 0
-    async with client.stream("POST", path, json=body) as r:
+    async with _Send(client, path, body) as r:
         if r.status_code != 200:
             text = (await r.aread()).decode()
             return _verdict(r.status_code, r.headers, text, t0, lambda: 0)
@@ -222,6 +256,7 @@ def summarize(outs: list[Outcome], duration: float) -> dict[str, Any]:
         "requests": len(outs), "duration_s": duration,
         **{s: len(v) for s, v in by.items()},
         "refusals_503": sum(o.refusals for o in outs), "requests_refused_once": sum(o.refusals > 0 for o in outs),
+        "reconnects": sum(o.reconnects for o in outs),
         "output_tokens": sum(o.output_tokens for o in by["completed"]),
         "latency_s": {"p50": pct(lat, 50), "p90": pct(lat, 90), "p99": pct(lat, 99), "max": max(lat, default=0)},
         "ttft_s": {"p50": pct(ttft, 50), "p99": pct(ttft, 99)},
@@ -277,7 +312,10 @@ def launch(port: int, launch_args: str, timeout: float) -> subprocess.Popen:
 
 
 async def amain(args: argparse.Namespace, base_url: str) -> dict[str, Any]:
-    limits = httpx.Limits(max_connections=args.concurrency + 8, max_keepalive_connections=args.concurrency + 8)
+    # Pooled connections expire before the server's 5 s keep-alive does (else one may be reused
+    # just as the server closes it).
+    limits = httpx.Limits(max_connections=args.concurrency + 8, max_keepalive_connections=args.concurrency + 8,
+                          keepalive_expiry=2.0)
     async with httpx.AsyncClient(base_url=base_url, timeout=args.client_timeout, limits=limits) as client:
         before = await probe(client)
         m0 = metrics((await client.get("/metrics")).text)
@@ -307,7 +345,7 @@ def print_summary(s: dict[str, Any]) -> None:
     print(f"\n=== soak: {s['requests']} requests in {s['duration_s']:.0f} s")
     print(f"completed {s['completed']} | cancelled {s['cancelled']} | failed {s['failed']} | "
           f"timed out (504) {s['timeout']} | 503 refusals retried {s['refusals_503']} "
-          f"({s['requests_refused_once']} requests)")
+          f"({s['requests_refused_once']} requests) | connections retried {s['reconnects']}")
     print(f"latency s: p50 {lat['p50']:.1f}  p90 {lat['p90']:.1f}  p99 {lat['p99']:.1f}  max {lat['max']:.1f}"
           f" | TTFT s (streams): p50 {ttft['p50']:.1f}  p99 {ttft['p99']:.1f}")
     idle = f"{s['seconds_to_idle']:.3f} s" if s["idle"] else "NOT IDLE"
