@@ -12,10 +12,11 @@
 
 Back-pressure: the frontend refuses a request (EngineOverloadedError, HTTP 503 with
 Retry-After) while the sequences waiting to be scheduled number `max_waiting_requests` or more.
-The scheduler owns the waiting queue and publishes its length after every step; the frontend
-adds the sequences it has sent since the engine last took commands (a burst between two steps,
-which on a CPU can be seconds apart, is counted at once). The default limit comes from the KV
-cache (`default_max_waiting`).
+The scheduler owns the waiting queue and publishes its length (and the running count) after
+every step; the frontend adds the sequences it has sent since the engine last took commands,
+less those that free running slots will take (a burst between two steps, which on a CPU can be
+seconds apart, is counted at once). The default limit comes from the KV cache
+(`default_max_waiting`).
 
 Failures: a request the engine core could not take (its input failed inside a step) fails alone
 with its error. Any other exception on the engine thread (a device error), or in the output
@@ -135,8 +136,9 @@ class AsyncEngine:
         self.max_waiting_requests = max_waiting_requests
         self.num_refused = 0  # requests refused because the queue was full
         self._sent = 0  # sequences sent to the engine (event loop)
-        # (sequences the engine had taken, its waiting count then), published after each step
-        self._load = (0, self.stats.scheduler.num_waiting)
+        self._max_num_seqs = self.core.scheduler.config.max_num_seqs
+        # (sequences the engine had taken, its waiting and running counts then), after each step
+        self._load = (0, self.stats.scheduler.num_waiting, self.stats.scheduler.num_running)
         self._dead_callbacks: list[Callable[[BaseException], None]] = []
         self._failed = False
 
@@ -168,9 +170,13 @@ class AsyncEngine:
     @property
     def num_waiting(self) -> int:
         """Sequences waiting to be scheduled: the scheduler's count after the last step, plus
-        the sequences sent since the engine last took commands."""
-        taken, waiting = self._load
-        return waiting + self._sent - taken
+        the sequences sent since the engine last took commands but those that free running
+        slots will take (when nothing waited, nothing else held the slots back)."""
+        taken, waiting, running = self._load
+        in_transit = self._sent - taken
+        if waiting == 0:
+            in_transit = max(0, in_transit - (self._max_num_seqs - running))
+        return waiting + in_transit
 
     def add_dead_callback(self, fn: Callable[[BaseException], None]) -> None:
         """Call fn(error), on the event loop, when the engine fails for good."""
@@ -335,7 +341,7 @@ class AsyncEngine:
 
     def _publish(self, taken: int) -> None:
         self.stats = stats = self.core.stats()
-        self._load = (taken, stats.scheduler.num_waiting)
+        self._load = (taken, stats.scheduler.num_waiting, stats.scheduler.num_running)
 
     def _run_call(self, cmd: _Call) -> None:
         try:

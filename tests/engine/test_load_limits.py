@@ -16,7 +16,8 @@ import pytest
 from starlette.testclient import TestClient
 
 from jaxserve.server.app import build_app
-from jaxserve.server.async_engine import RETRY_AFTER_SECONDS, AsyncEngine, default_max_waiting
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.server.async_engine import RETRY_AFTER_SECONDS, AsyncEngine, EngineOverloadedError, default_max_waiting
 from jaxserve.server.cli import build_parser
 from tests.engine.fakes import fake_parts
 from tests.engine.test_engine_faults import POISON, assert_idle
@@ -46,6 +47,28 @@ def test_the_default_waiting_limit_comes_from_the_kv_cache():
     for bad in (["--max-waiting-requests", "0"], ["--request-timeout", "0"], ["--request-timeout", "nan"]):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["serve", *bad])
+
+
+def test_what_free_slots_will_take_does_not_count_as_waiting():
+    """The count the limit applies to, with the engine thread not started (nothing is taken):
+    of the sequences sent to an idle engine, those beyond its free running slots wait; n = 2
+    counts two; a request is taken whole while the count is under the limit."""
+    engine = AsyncEngine(fake_parts(max_num_seqs=4), max_waiting_requests=2)
+    params = SamplingParams(max_tokens=2)
+
+    async def send() -> list[str]:
+        outcomes = []
+        for i, n in enumerate((1, 2, 1, 2, 1, 1)):
+            try:
+                await engine.add_request(f"r{i}", "hi", params.clone(n=n, seed=i))
+                outcomes.append(f"{engine.num_waiting}")
+            except EngineOverloadedError:
+                outcomes.append("refused")
+        return outcomes
+
+    # 1 + 2 + 1 fill the four slots; then 2 wait, which reaches the limit
+    assert asyncio.run(send()) == ["0", "0", "0", "2", "refused", "refused"]
+    assert engine.num_refused == 2
 
 
 def test_a_full_waiting_queue_refuses_with_503_and_retry_after():
