@@ -390,7 +390,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.results:
         record = {
             "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "git_sha": _git("rev-parse", "HEAD"), "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+            "git_sha": _git("rev-parse", "HEAD"),
+            "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no", "--", ":(top)",
+                                   ":(top,exclude)benchmarks/results")),  # results appended do not count
             "versions": {n: importlib.metadata.version(n) for n in ("jax", "jaxlib", "httpx")},
             "host": {"cpu": cpu_model(), "cpu_count": os.cpu_count()},
             "load_avg_before": load0, "load_avg_after": os.getloadavg(),
