@@ -207,18 +207,22 @@ async def run_unless_disconnected(request: Request, coro: Any) -> Any:
 
 class SSEStream:
     """A handler's SSE events passed through; an error after the stream started is sent as an
-    in-stream error event (a 500 names the request id, set by EventStream); `[DONE]` always
-    ends the stream."""
+    in-stream error event (a 500 names the request id, set by EventStream), after `on_error`
+    has run (EventStream's abort: a request past its deadline frees its KV before its client
+    hears of it); `[DONE]` always ends the stream."""
 
     def __init__(self, events: AsyncIterator[str]):
         self.events = events
         self.request_id: str | None = None
+        self.on_error: Callable[[], None] | None = None
 
     async def __aiter__(self) -> AsyncIterator[str]:
         try:
             async for event in self.events:
                 yield event
         except Exception as e:  # noqa: BLE001 - reported in-stream
+            if self.on_error is not None:
+                self.on_error()
             err = engine_error(e, self.request_id)
             yield sse.event(error_body(err.status, err.message, err.type))
         yield sse.DONE
@@ -236,6 +240,8 @@ class EventStream(StreamingResponse):
                  headers: dict[str, str] | None = None):
         super().__init__(content, media_type=sse.MEDIA_TYPE, headers={**sse.HEADERS, **(headers or {})})
         self._on_close = on_close
+        if isinstance(content, SSEStream):
+            content.on_error = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if isinstance(self.body_iterator, SSEStream):

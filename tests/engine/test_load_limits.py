@@ -139,6 +139,23 @@ def test_a_request_past_its_deadline_is_aborted_with_a_504(slow_served):
     assert_idle(parts.core)
 
 
+def test_a_stream_past_its_deadline_is_aborted_before_its_client_hears_of_it():
+    parts = fake_parts(step_seconds=0.02)
+    engine = AsyncEngine(parts)
+    with LiveServer(build_app(engine, request_timeout=0.3), free_port()) as srv:
+        with httpx.stream("POST", srv.base_url + "/v1/completions", timeout=30,
+                          json={"prompt": "abc", "max_tokens": 100, "stream": True}) as r:
+            for line in r.iter_lines():
+                if '"error"' in line:
+                    assert json.loads(line[6:])["error"]["code"] == 504
+                    assert engine.num_in_flight == 0  # aborted already (the KV: at the engine's next turn)
+                    break
+            else:
+                raise AssertionError("no error event")
+        _wait_for(lambda: not parts.core.has_work())
+    assert_idle(parts.core)
+
+
 def test_a_request_that_waits_past_its_deadline_leaves_the_queue(slow_served):
     parts, engine, client = slow_served
     parts.core.runner.gate.clear()  # nothing is scheduled after the first step: the rest waits
