@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from jaxserve.sampling_params import SamplingParams
@@ -46,6 +47,18 @@ _FINISH_REASONS: dict[RequestStatus, str] = {
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
 }
+
+
+class RequestFailedError(Exception):
+    """A part of an engine step that can name the requests at fault raises this (the runner,
+    when it cannot take a request's input while preparing a step): those requests fail with
+    `cause`, the step's other requests are recomputed, and the engine keeps serving. Any other
+    exception inside a step is unrecoverable (see engine/core.py)."""
+
+    def __init__(self, request_ids: Iterable[str], cause: BaseException):
+        self.request_ids = tuple(request_ids)
+        self.cause = cause
+        super().__init__(f"request(s) {', '.join(self.request_ids)} failed: {cause}")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

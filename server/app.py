@@ -56,18 +56,21 @@ def build_app(
     shutdown_grace_seconds: float = 30.0,
     trust_request_chat_template: bool = False,
     enable_sleep_mode: bool = False,
+    request_timeout: float | None = None,
 ) -> Starlette:
     """The app over `engine` (an AsyncEngine, started by the app's lifespan).
 
     `api_keys` protect every route but /health, /version and /metrics. `max_body_bytes` None
     fits the limit to the context length (`default_max_body_bytes`). A chat template sent with
     a request is refused unless `trust_request_chat_template`; it is always rendered in
-    transformers' sandboxed Jinja environment."""
+    transformers' sandboxed Jinja environment. `request_timeout` (seconds from arrival) aborts
+    a request that has not finished by then: 504 for a plain response, an error event in a
+    stream (None: no deadline)."""
     names = list(served_model_names or []) or [engine.model_name]
     if max_body_bytes is None:
         max_body_bytes = default_max_body_bytes(engine.max_model_len)
     state = ServerState(engine, names, max_body_bytes=max_body_bytes, request_id_header=request_id_header,
-                        trust_request_chat_template=trust_request_chat_template)
+                        trust_request_chat_template=trust_request_chat_template, request_timeout=request_timeout)
     metrics = ServerMetrics(names[0])
     engine.listener = metrics
     metrics.attach(engine)

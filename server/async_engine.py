@@ -10,9 +10,20 @@
   sleeps on a condition variable while there is nothing to do, and takes commands in order:
   add, abort, and calls of the core's methods (stats, reset_prefix_cache, sleep, wake_up).
 
-If the engine thread raises, the engine is marked dead: every pending request gets the error,
-new requests are refused and /health answers 503. Every method here is for the event loop's
-thread.
+Back-pressure: the frontend refuses a request (EngineOverloadedError, HTTP 503 with
+Retry-After) while the sequences waiting to be scheduled number `max_waiting_requests` or more.
+The scheduler owns the waiting queue and publishes its length (and the running count) after
+every step; the frontend adds the sequences it has sent since the engine last took commands,
+less those that free running slots will take (a burst between two steps, which on a CPU can be
+seconds apart, is counted at once). The default limit comes from the KV cache
+(`default_max_waiting`).
+
+Failures: a request the engine core could not take (its input failed inside a step) fails alone
+with its error. Any other exception on the engine thread (a device error), or in the output
+processor, is unrecoverable: the engine is marked dead, every pending request gets the error,
+new requests are refused (503), /health answers 503, and the callbacks registered with
+`add_dead_callback` run (the CLI's server then exits non-zero, for its supervisor to restart
+it). Every method here is for the event loop's thread.
 """
 
 from __future__ import annotations
@@ -22,7 +33,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from jaxserve.engine.core import EngineStats
@@ -45,6 +56,30 @@ class EngineDeadError(RuntimeError):
 
 class EngineShutdownError(RuntimeError):
     """The engine is shutting down and accepts no new requests."""
+
+
+class EngineOverloadedError(RuntimeError):
+    """Too many sequences wait to be scheduled; the client should retry after `retry_after`
+    seconds."""
+
+    def __init__(self, message: str, retry_after: int):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+# What a refused client is told to wait (Retry-After, seconds). A constant: the engine cannot
+# predict when a slot frees, and a short wait lets a retry take the first one that does.
+RETRY_AFTER_SECONDS = 1
+# The default waiting limit: this many times the KV cache's token capacity, counted in
+# sequences of the full context length (and never fewer than one full batch).
+WAITING_CACHE_FILLS = 4
+
+
+def default_max_waiting(cache_tokens: int, max_model_len: int, max_num_seqs: int) -> int:
+    """The default limit on waiting sequences: enough to fill the KV cache
+    WAITING_CACHE_FILLS times over if every one grew to the full context, and at least one
+    full batch (`max_num_seqs`): max(max_num_seqs, 4 * cache_tokens // max_model_len)."""
+    return max(max_num_seqs, WAITING_CACHE_FILLS * cache_tokens // max_model_len)
 
 
 @dataclasses.dataclass(slots=True)
@@ -75,7 +110,8 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, parts: EngineParts, stats_listener: StatsListener | None = None):
+    def __init__(self, parts: EngineParts, stats_listener: StatsListener | None = None, *,
+                 max_waiting_requests: int | None = None):
         self.parts = parts
         self.info = parts.info
         self.tokenizer = parts.tokenizer
@@ -90,6 +126,21 @@ class AsyncEngine:
         self.error: BaseException | None = None
         self.stats: EngineStats = self.core.stats()  # refreshed by the engine thread each step
         self.accepting = True
+        if max_waiting_requests is None:
+            sched = self.core.scheduler
+            cache_tokens = (sched.kv.num_blocks - 1) * sched.kv.block_size
+            max_waiting_requests = default_max_waiting(cache_tokens, self.info.max_model_len,
+                                                       sched.config.max_num_seqs)
+        if max_waiting_requests < 1:
+            raise ValueError(f"max_waiting_requests must be >= 1, got {max_waiting_requests}")
+        self.max_waiting_requests = max_waiting_requests
+        self.num_refused = 0  # requests refused because the queue was full
+        self._sent = 0  # sequences sent to the engine (event loop)
+        self._max_num_seqs = self.core.scheduler.config.max_num_seqs
+        # (sequences the engine had taken, its waiting and running counts then), after each step
+        self._load = (0, self.stats.scheduler.num_waiting, self.stats.scheduler.num_running)
+        self._dead_callbacks: list[Callable[[BaseException], None]] = []
+        self._failed = False
 
     # ------------------------------------------------------------------ facts
     @property
@@ -115,6 +166,21 @@ class AsyncEngine:
     @property
     def num_in_flight(self) -> int:
         return len(self.output_processor.unfinished())
+
+    @property
+    def num_waiting(self) -> int:
+        """Sequences waiting to be scheduled: the scheduler's count after the last step, plus
+        the sequences sent since the engine last took commands but those that free running
+        slots will take (when nothing waited, nothing else held the slots back)."""
+        taken, waiting, running = self._load
+        in_transit = self._sent - taken
+        if waiting == 0:
+            in_transit = max(0, in_transit - (self._max_num_seqs - running))
+        return waiting + in_transit
+
+    def add_dead_callback(self, fn: Callable[[BaseException], None]) -> None:
+        """Call fn(error), on the event loop, when the engine fails for good."""
+        self._dead_callbacks.append(fn)
 
     def default_sampling_params(self) -> SamplingParams:
         return self.input_processor.default_sampling_params()
@@ -159,8 +225,10 @@ class AsyncEngine:
     ) -> list[RequestStream]:
         """Validate and tokenize every prompt (in a worker thread), then hand all of them to
         the engine in one command, so that they can share the next step. Raises ValueError
-        (bad input: nothing is queued), EngineDeadError or EngineShutdownError."""
+        (bad input: nothing is queued), EngineOverloadedError (the waiting queue is full),
+        EngineDeadError or EngineShutdownError."""
         self._check_alive()
+        self._check_capacity()  # before tokenizing: a refusal should cost little
         arrival = arrival_time or time.time()
         ip = self.input_processor
 
@@ -170,6 +238,7 @@ class AsyncEngine:
 
         processed = await asyncio.to_thread(process)
         self._check_alive()
+        self._check_capacity()
         op = self.output_processor
         for req in processed:
             if op.has(req.request_id):
@@ -179,7 +248,9 @@ class AsyncEngine:
             queue: asyncio.Queue = asyncio.Queue()
             op.add(req, OutputKind.DELTA, arrival, queue)
             streams.append(RequestStream(req.request_id, req.prompt_token_ids, queue))
-        self._send(_Add([seq for req in processed for seq in req.sequences]))
+        seqs = [seq for req in processed for seq in req.sequences]
+        self._sent += len(seqs)
+        self._send(_Add(seqs))
         return streams
 
     async def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
@@ -219,6 +290,15 @@ class AsyncEngine:
         if not self.accepting or self._stop:
             raise EngineShutdownError("the server is shutting down")
 
+    def _check_capacity(self) -> None:
+        waiting = self.num_waiting
+        if waiting >= self.max_waiting_requests:
+            self.num_refused += 1
+            raise EngineOverloadedError(
+                f"the server is at capacity: {waiting} sequences are waiting to be scheduled (the "
+                f"limit is {self.max_waiting_requests}); retry in {RETRY_AFTER_SECONDS} s.",
+                RETRY_AFTER_SECONDS)
+
     # ------------------------------------------------------------------ engine thread
     def _run(self) -> None:
         try:
@@ -230,6 +310,7 @@ class AsyncEngine:
 
     def _engine_loop(self) -> None:
         core = self.core
+        taken = 0  # sequences taken from add commands
         while True:
             with self._cond:
                 while not (self._commands or self._stop or core.has_work()):
@@ -238,6 +319,7 @@ class AsyncEngine:
                 stop = self._stop
             for cmd in commands:
                 if isinstance(cmd, _Add):
+                    taken += len(cmd.sequences)
                     for seq in cmd.sequences:
                         try:
                             core.add_request(seq)
@@ -249,13 +331,17 @@ class AsyncEngine:
                     self._run_call(cmd)
             if stop:
                 core.abort_requests(list(core.scheduler.requests))
-                self.stats = core.stats()
+                self._publish(taken)
                 return
             if core.has_work():
                 outputs = core.step()
                 if outputs:
                     self._post(self._on_outputs, outputs)
-            self.stats = core.stats()
+            self._publish(taken)
+
+    def _publish(self, taken: int) -> None:
+        self.stats = stats = self.core.stats()
+        self._load = (taken, stats.scheduler.num_waiting, stats.scheduler.num_running)
 
     def _run_call(self, cmd: _Call) -> None:
         try:
@@ -273,7 +359,19 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ event loop side
     def _on_outputs(self, outputs) -> None:
-        _, stopped = self.output_processor.process(outputs)  # delivered to the requests' queues
+        if self._failed:
+            return
+        failed = [o for o in outputs if o.error is not None]
+        if failed:
+            outputs = [o for o in outputs if o.error is None]
+        try:
+            _, stopped = self.output_processor.process(outputs)  # delivered to the requests' queues
+        except Exception as e:  # noqa: BLE001 - the frontend's state is unknown now: fatal
+            logger.exception("the output processor failed")
+            self._die(e)
+            return
+        for o in failed:  # the core has finished these; the request's other samples go too
+            stopped += self.output_processor.fail_sequence(o.request_id, o.error)
         if stopped and self.error is None:
             self._send(_Abort(stopped))
 
@@ -282,7 +380,19 @@ class AsyncEngine:
         if others:
             self._send(_Abort(others))
 
+    def _die(self, error: BaseException) -> None:
+        """An unrecoverable failure on the event loop's side: stop the engine thread too."""
+        if self.error is None:
+            self.error = error
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+        self._fail(error)
+
     def _fail(self, error: BaseException) -> None:
+        if self._failed:
+            return
+        self._failed = True
         dead = EngineDeadError(f"the engine has failed: {error!r}")
         self.output_processor.fail(dead)
         with self._cond:
@@ -290,6 +400,11 @@ class AsyncEngine:
                 if isinstance(cmd, _Call):
                     _set_exception(cmd.future, dead)
             self._commands.clear()
+        for fn in self._dead_callbacks:
+            try:
+                fn(error)
+            except Exception:  # noqa: BLE001 - one callback does not stop the others
+                logger.exception("a dead-engine callback failed")
 
 
 def _set_result(fut: asyncio.Future, value: Any) -> None:

@@ -25,6 +25,23 @@ def _non_negative(text: str) -> float:
     return value
 
 
+def _positive_seconds(text: str) -> float:
+    value = _non_negative(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
 def parse_bytes(text: str) -> int:
     """'2GiB' → 2147483648, '512MB' → 512000000, '1073741824' → itself."""
     m = _SIZE.match(text)
@@ -129,6 +146,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="render chat templates sent with requests (Jinja code, run in a sandbox); refused otherwise")
     s.add_argument("--shutdown-grace", type=_non_negative, default=30.0,
                    help="seconds in-flight requests get to finish on SIGTERM/Ctrl-C before they are aborted")
+    s.add_argument("--max-waiting-requests", type=_positive_int, default=None,
+                   help="refuse new requests (503 with Retry-After) while this many sequences wait to be "
+                        "scheduled (n > 1 and each prompt of a batch count one each); default: "
+                        "max(max_num_seqs, 4 * KV cache tokens // max_model_len), enough queued "
+                        "sequences to fill the KV cache four times at full context")
+    s.add_argument("--request-timeout", type=_positive_seconds, default=None,
+                   help="seconds from a request's arrival to its last token: past it the request is "
+                        "aborted (its KV freed) and the client gets a 504, or an error event in a "
+                        "stream (default: no deadline)")
     s.add_argument("--enable-sleep-mode", action="store_true",
                    help="serve POST /sleep, POST /wake_up and GET /is_sleeping (free and restore the device memory)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"])
@@ -165,15 +191,24 @@ def _serve(args: argparse.Namespace) -> int:
     except (ValueError, TypeError) as e:
         print(f"jaxserve serve: {e}", file=sys.stderr)
         return 2
-    aengine = AsyncEngine(build_engine(config))
+    log = logging.getLogger(__name__)
+    aengine = AsyncEngine(build_engine(config), max_waiting_requests=args.max_waiting_requests)
     app = build_app(aengine, served_model_names=names, api_keys=args.api_key, allowed_origins=args.allowed_origins,
                     max_body_bytes=args.max_request_body, request_id_header=not args.disable_request_id_header,
                     shutdown_grace_seconds=args.shutdown_grace, enable_sleep_mode=args.enable_sleep_mode,
-                    trust_request_chat_template=args.trust_request_chat_template)
-    logging.getLogger(__name__).info("serving %s on http://%s:%d", (names or [aengine.model_name])[0], args.host, args.port)
+                    trust_request_chat_template=args.trust_request_chat_template,
+                    request_timeout=args.request_timeout)
+    log.info("serving %s on http://%s:%d (at most %d waiting sequences, request timeout %s)",
+             (names or [aengine.model_name])[0], args.host, args.port, aengine.max_waiting_requests,
+             f"{args.request_timeout:g} s" if args.request_timeout else "off")
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=5,
                             timeout_graceful_shutdown=graceful_shutdown_timeout(args.shutdown_grace))
     DrainingServer(config, aengine, args.shutdown_grace).run()
+    if aengine.error is not None:
+        # The engine failed for good (a device error): exit non-zero so that a supervisor
+        # restarts the server; in-flight requests have been answered with the error.
+        log.error("exiting: the engine failed (%r)", aengine.error)
+        return 1
     return 0
 
 

@@ -14,12 +14,20 @@ class DrainingServer(uvicorn.Server):
     """Drains the engine as soon as the server is asked to exit (SIGTERM, Ctrl-C): new requests
     get 503, in-flight ones get `grace_seconds` to finish and are then aborted (their clients
     receive a final "abort" output), so that the connections uvicorn waits for close by
-    themselves and the process exits 0."""
+    themselves and the process exits 0.
+
+    When the engine fails for good, the server stops by itself: in-flight requests have their
+    error, /health answers 503 until the listener closes, and `run()` returns (the CLI then
+    exits 1)."""
 
     def __init__(self, config: uvicorn.Config, engine: AsyncEngine, grace_seconds: float):
         super().__init__(config)
         self.engine = engine
         self.grace_seconds = grace_seconds
+        engine.add_dead_callback(self._engine_failed)
+
+    def _engine_failed(self, error: BaseException) -> None:
+        self.should_exit = True
 
     def handle_exit(self, sig: int, frame) -> None:
         super().handle_exit(sig, frame)

@@ -12,18 +12,20 @@ logger = logging.getLogger(__name__)
 
 _TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
           405: "MethodNotAllowed", 413: "BadRequestError", 500: "InternalServerError",
-          503: "ServiceUnavailableError"}
+          503: "ServiceUnavailableError", 504: "TimeoutError"}
 # how much of a client-supplied value an error message quotes
 QUOTE_CHARS = 100
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, type_: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, type_: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.type = type_ or _TYPES.get(status) or HTTPStatus(status).phrase.replace(" ", "")
+        self.headers = headers  # sent with the error response (e.g. Retry-After)
 
 
 def quote(value: object) -> str:
@@ -49,7 +51,7 @@ def error_response(status: int, message: str, type_: str | None = None, param: s
 
 
 def from_api_error(e: APIError) -> JSONResponse:
-    return error_response(e.status, e.message, e.type, e.param)
+    return error_response(e.status, e.message, e.type, e.param, headers=e.headers)
 
 
 def internal_error(e: BaseException, request_id: str | None) -> APIError:

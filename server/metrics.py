@@ -62,6 +62,10 @@ class _EngineCollector(Collector):
         yield counter("recompiles", "Compilations after warm-up (should stay 0).", float(stats.recompiles))
         yield counter("compiles", "Step executables compiled, warm-up included.", float(stats.num_compiles))
         yield counter("engine_steps", "Engine steps run.", float(stats.num_steps))
+        yield counter("requests_refused", "Requests refused (503) because the waiting queue was full.",
+                      float(self.engine.num_refused))
+        yield gauge("max_waiting_requests", "The waiting-queue limit, in sequences.",
+                    float(self.engine.max_waiting_requests))
 
 
 class ServerMetrics(StatsListener):

@@ -1,9 +1,11 @@
 """What the completions and chat handlers share: model names, body parsing (see body.py), adding
-requests, merging per-prompt output queues, disconnect handling and logprob formatting."""
+requests, merging per-prompt output queues (within the request's deadline), disconnect handling
+and logprob formatting."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -16,7 +18,13 @@ from jaxserve.outputs import LogprobsDict, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server import sse
 from jaxserve.engine.core import EngineSleepingError
-from jaxserve.server.async_engine import AsyncEngine, EngineShutdownError, RequestStream
+from jaxserve.server.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineOverloadedError,
+    EngineShutdownError,
+    RequestStream,
+)
 from jaxserve.server.body import Disconnected
 from jaxserve.server.errors import APIError, error_body, internal_error, quote
 from jaxserve.server.protocol import (
@@ -31,16 +39,42 @@ logger = logging.getLogger(__name__)
 NEG_INF_LOGPROB = -9999.0
 
 
+class RequestTimeoutError(Exception):
+    """The request passed its deadline (--request-timeout); it is aborted."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Deadline:
+    at: float  # on the event loop's clock (loop.time())
+    seconds: float  # the server's request timeout
+
+    def remaining(self) -> float:
+        return self.at - asyncio.get_running_loop().time()
+
+    def error(self) -> RequestTimeoutError:
+        return RequestTimeoutError(
+            f"the request did not finish within the server's request timeout of {self.seconds:g} s and was "
+            "aborted; ask for fewer tokens, or retry when the server is less busy.")
+
+
 class ServerState:
     """Everything a handler needs, built once by build_app."""
 
     def __init__(self, engine: AsyncEngine, served_model_names: list[str], *, max_body_bytes: int,
-                 request_id_header: bool = True, trust_request_chat_template: bool = False):
+                 request_id_header: bool = True, trust_request_chat_template: bool = False,
+                 request_timeout: float | None = None):
         self.engine = engine
         self.served_model_names = served_model_names or [engine.model_name]
         self.max_body_bytes = max_body_bytes
         self.request_id_header = request_id_header
         self.trust_request_chat_template = trust_request_chat_template
+        self.request_timeout = request_timeout  # seconds from arrival to the last output; None: none
+
+    def deadline(self) -> Deadline | None:
+        """The deadline of a request arriving now."""
+        if self.request_timeout is None:
+            return None
+        return Deadline(asyncio.get_running_loop().time() + self.request_timeout, self.request_timeout)
 
     @property
     def model_name(self) -> str:
@@ -57,14 +91,19 @@ class ServerState:
 
 def engine_error(e: BaseException, request_id: str | None = None) -> APIError:
     """The API error for a failure while serving a request: the engine's ValueErrors are the
-    user's (400), a shutting-down engine is a 503, anything else is a 500 that names the request
-    id (the exception goes to the log, not to the client)."""
+    user's (400), a full queue or a shutting-down engine is a 503, a request past its deadline
+    a 504; anything else is a 500 that names the request id (the exception goes to the log,
+    not to the client)."""
     if isinstance(e, APIError):
         return e
     if isinstance(e, ValueError):
         return APIError(400, str(e))
+    if isinstance(e, EngineOverloadedError):
+        return APIError(503, str(e), headers={"Retry-After": str(e.retry_after)})
     if isinstance(e, (EngineShutdownError, EngineSleepingError)):
         return APIError(503, str(e))
+    if isinstance(e, RequestTimeoutError):
+        return APIError(504, str(e))
     return internal_error(e, request_id)
 
 
@@ -72,12 +111,15 @@ async def add_all(engine: AsyncEngine, request_ids: list[str], prompts: list[str
                   params: SamplingParams, priority: int, arrival_time: float,
                   add_special_tokens: bool = True) -> list[RequestStream]:
     """Add one engine request per prompt, all in one command (they can share the next step);
-    bad input raises the 400 before anything is queued."""
+    bad input raises the 400 before anything is queued, a full queue the 503."""
     try:
         return await engine.add_requests(request_ids, prompts, params, priority=priority,
                                          arrival_time=arrival_time, add_special_tokens=add_special_tokens)
-    except (ValueError, EngineShutdownError, EngineSleepingError) as e:
+    except (ValueError, EngineOverloadedError, EngineShutdownError, EngineSleepingError) as e:
         raise engine_error(e) from None
+    except EngineDeadError:
+        raise APIError(503, "the engine has failed and the server is shutting down; retry once it has "
+                            "restarted.") from None
     # anything else: a 500, made (with the request id) by RequestContextMiddleware
 
 
@@ -88,12 +130,27 @@ def with_defaults(params: SamplingParams, body: BaseModel, defaults: dict[str, A
     return params.clone(**unset) if unset else params
 
 
-async def merge(queues: list[asyncio.Queue]) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def _get(queue: asyncio.Queue, deadline: Deadline | None) -> Any:
+    if deadline is None:
+        return await queue.get()
+    remaining = deadline.remaining()
+    if remaining <= 0:
+        raise deadline.error()
+    try:
+        async with asyncio.timeout(remaining):
+            return await queue.get()
+    except TimeoutError:
+        raise deadline.error() from None
+
+
+async def merge(queues: list[asyncio.Queue], deadline: Deadline | None = None
+                ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(prompt index, output) as they arrive, until every request has finished; an exception
-    put in a queue is raised."""
+    put in a queue is raised, and RequestTimeoutError once `deadline` has passed (the caller
+    aborts the requests)."""
     if len(queues) == 1:
         while True:
-            out = await queues[0].get()
+            out = await _get(queues[0], deadline)
             if isinstance(out, BaseException):
                 raise out
             yield 0, out
@@ -102,7 +159,12 @@ async def merge(queues: list[asyncio.Queue]) -> AsyncIterator[tuple[int, Request
     getters = {i: asyncio.ensure_future(q.get()) for i, q in enumerate(queues)}
     try:
         while getters:
-            done, _ = await asyncio.wait(getters.values(), return_when=asyncio.FIRST_COMPLETED)
+            timeout = None
+            if deadline is not None and (timeout := deadline.remaining()) <= 0:
+                raise deadline.error()
+            done, _ = await asyncio.wait(getters.values(), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            if not done:
+                raise deadline.error()
             for i in sorted(i for i, t in getters.items() if t in done):
                 out = getters.pop(i).result()
                 if isinstance(out, BaseException):
@@ -145,18 +207,22 @@ async def run_unless_disconnected(request: Request, coro: Any) -> Any:
 
 class SSEStream:
     """A handler's SSE events passed through; an error after the stream started is sent as an
-    in-stream error event (a 500 names the request id, set by EventStream); `[DONE]` always
-    ends the stream."""
+    in-stream error event (a 500 names the request id, set by EventStream), after `on_error`
+    has run (EventStream's abort: a request past its deadline frees its KV before its client
+    hears of it); `[DONE]` always ends the stream."""
 
     def __init__(self, events: AsyncIterator[str]):
         self.events = events
         self.request_id: str | None = None
+        self.on_error: Callable[[], None] | None = None
 
     async def __aiter__(self) -> AsyncIterator[str]:
         try:
             async for event in self.events:
                 yield event
         except Exception as e:  # noqa: BLE001 - reported in-stream
+            if self.on_error is not None:
+                self.on_error()
             err = engine_error(e, self.request_id)
             yield sse.event(error_body(err.status, err.message, err.type))
         yield sse.DONE
@@ -174,6 +240,8 @@ class EventStream(StreamingResponse):
                  headers: dict[str, str] | None = None):
         super().__init__(content, media_type=sse.MEDIA_TYPE, headers={**sse.HEADERS, **(headers or {})})
         self._on_close = on_close
+        if isinstance(content, SSEStream):
+            content.on_error = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if isinstance(self.body_iterator, SSEStream):

@@ -28,6 +28,7 @@ from jaxserve.server.protocol import (
     random_id,
 )
 from jaxserve.server.serving_base import (
+    Deadline,
     EventStream,
     ServerState,
     abort_all,
@@ -87,6 +88,7 @@ class ChatHandler:
 
     async def handle(self, request: Request) -> Response:
         arrival = time.time()
+        deadline = self.state.deadline()
         body = await parse_body(request, ChatCompletionRequest, self.state.max_body_bytes)
         model = self.state.resolve_model(body.model)
         try:
@@ -103,7 +105,7 @@ class ChatHandler:
         (stream,) = await add_all(self.engine, [rid], [text], params, body.priority, arrival,
                                   body.add_special_tokens)
         queues = [stream.queue]
-        ctx = _Ctx(rid, int(arrival), model, body, len(stream.prompt_token_ids))
+        ctx = _Ctx(rid, int(arrival), model, body, len(stream.prompt_token_ids), deadline)
         if body.stream:
             return EventStream(sse_stream(self._stream(ctx, queues)), abort_all(self.engine, [rid]))
         return await respond_json(request, self._collect(ctx, queues), abort_all(self.engine, [rid]))
@@ -120,7 +122,7 @@ class ChatHandler:
 
     async def _collect(self, ctx: _Ctx, queues: list) -> ChatCompletionResponse:
         plp = None
-        async for _, out in merge(queues):
+        async for _, out in merge(queues, ctx.deadline):
             if out.finished:
                 plp = prompt_logprobs_json(out.prompt_logprobs)
             for o in out.outputs:
@@ -150,7 +152,7 @@ class ChatHandler:
                 id=ctx.id, created=ctx.created, model=ctx.model, choices=[choice],
                 usage=self._usage(ctx) if body.continuous_usage else None))
 
-        async for _, out in merge(queues):
+        async for _, out in merge(queues, ctx.deadline):
             for o in out.outputs:
                 ch = ctx.choices.setdefault(o.index, _Choice())
                 ch.num_tokens += len(o.token_ids)
@@ -174,4 +176,5 @@ class _Ctx:
     model: str
     body: ChatCompletionRequest
     num_prompt_tokens: int
+    deadline: Deadline | None = None
     choices: dict[int, _Choice] = dataclasses.field(default_factory=dict)

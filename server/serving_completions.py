@@ -24,6 +24,7 @@ from jaxserve.server.protocol import (
     random_id,
 )
 from jaxserve.server.serving_base import (
+    Deadline,
     EventStream,
     ServerState,
     abort_all,
@@ -57,6 +58,7 @@ class CompletionsHandler:
 
     async def handle(self, request: Request) -> Response:
         arrival = time.time()
+        deadline = self.state.deadline()
         body = await parse_body(request, CompletionRequest, self.state.max_body_bytes)
         model = self.state.resolve_model(body.model)
         try:
@@ -70,7 +72,7 @@ class CompletionsHandler:
         rids = [f"{base_id}-{i}" for i in range(len(prompts))]
         streams = await add_all(self.engine, rids, prompts, params, body.priority, arrival, body.add_special_tokens)
         queues = [st.queue for st in streams]
-        ctx = _Ctx(base_id, int(arrival), model, body, [st.prompt_token_ids for st in streams], params.n)
+        ctx = _Ctx(base_id, int(arrival), model, body, [st.prompt_token_ids for st in streams], params.n, deadline)
         if body.stream:
             return EventStream(sse_stream(self._stream(ctx, queues)), abort_all(self.engine, rids))
         return await respond_json(request, self._collect(ctx, queues), abort_all(self.engine, rids))
@@ -114,7 +116,7 @@ class CompletionsHandler:
         return UsageInfo(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
 
     async def _collect(self, ctx: _Ctx, queues: list) -> CompletionResponse:
-        async for i, out in merge(queues):
+        async for i, out in merge(queues, ctx.deadline):
             self._fold(ctx, i, out)
         choices = [
             CompletionResponseChoice(index=idx, text=ch.text, logprobs=ch.logprobs, finish_reason=ch.finish_reason,
@@ -126,7 +128,7 @@ class CompletionsHandler:
 
     async def _stream(self, ctx: _Ctx, queues: list) -> AsyncIterator[str]:
         body = ctx.body
-        async for i, out in merge(queues):
+        async for i, out in merge(queues, ctx.deadline):
             for idx, o, text, lp in self._fold(ctx, i, out):
                 chunk = CompletionStreamResponse(
                     id=ctx.id, created=ctx.created, model=ctx.model,
@@ -148,4 +150,5 @@ class _Ctx:
     body: CompletionRequest
     prompts: list[list[int]]
     n: int
+    deadline: Deadline | None = None
     choices: dict[int, _Choice] = dataclasses.field(default_factory=dict)

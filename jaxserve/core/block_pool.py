@@ -132,6 +132,12 @@ class BlockPool:
                 block.block_hash = h
                 self._cached[h] = block
 
+    def uncache(self, block_ids: Iterable[int]) -> None:
+        """Drop these blocks from the prefix cache (their KV was never written: the step that
+        was to fill them did not run); their references are untouched."""
+        for block_id in block_ids:
+            self._evict(self.blocks[block_id])
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block. Only possible when no block is in use; returns success."""
         if len(self._free) != self.num_blocks - 1:

@@ -185,6 +185,21 @@ class Scheduler:
     def abort_requests(self, request_ids: str | Iterable[str]) -> list[Request]:
         return self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
+    def discard_step(self, scheduler_output: SchedulerOutput) -> list[str]:
+        """Undo a scheduled step that will not run (the runner could not prepare it): its rows
+        drop the placeholders they took, and its unfinished requests are preempted (their
+        blocks are freed; they are recomputed later). Returns the preempted ids."""
+        preempted = []
+        for s in scheduler_output.scheduled:
+            req = s.request
+            if s.sample:
+                req.num_output_placeholders -= 1
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+                self._preempt(req)
+                preempted.append(req.request_id)
+        return preempted
+
     def get_request(self, request_id: str) -> Request | None:
         return self.requests.get(request_id)
 

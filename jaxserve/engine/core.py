@@ -12,19 +12,29 @@ t+1 overlaps the device work of step t, as in vLLM v1:
 The scheduler plans step t+1 with the tokens of step t still pending (the step reads them on
 the device), so the device always has the next step queued while the host waits for the last
 one. Without it a step is schedule -> prepare -> launch -> collect -> update.
+
+Failures inside a step. When the runner cannot prepare a step because of some requests' input
+it raises `RequestFailedError` naming them: those requests fail (their output carries the
+error), the step is discarded (its other requests are preempted and recomputed, and the blocks
+it was to fill leave the prefix cache) and the engine goes on; a step in flight is still
+collected. Any other exception (in launch or collect: the device; in update: a bug) leaves the
+core in an unknown state and propagates: the engine is dead.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Iterable
 
 from jaxserve.core.scheduler import Scheduler, SchedulerStats
 from jaxserve.core.sched_output import SchedulerOutput
 from jaxserve.outputs import SampleLogprobs
-from jaxserve.request import EngineRequest, Request
+from jaxserve.request import EngineRequest, Request, RequestFailedError, RequestStatus
 from jaxserve.runner.model_runner import LaunchedStep, ModelRunner, RunnerOutput
+
+logger = logging.getLogger(__name__)
 
 
 class EngineSleepingError(RuntimeError):
@@ -40,10 +50,11 @@ class EngineCoreOutput:
     logprobs: list[SampleLogprobs] | None = None  # one per new token, when asked
     # (first position, log-probs of the prompt token at each following position)
     prompt_logprobs: tuple[int, list[SampleLogprobs]] | None = None
-    finish_reason: str | None = None  # "stop" | "length"
+    finish_reason: str | None = None  # "stop" | "length"; "abort" with `error`
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     first_scheduled_time: float | None = None  # time.time() when the request was first scheduled
+    error: BaseException | None = None  # the request failed (it is finished in the core)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -79,6 +90,10 @@ class EngineCore:
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
         self.times = HostTimes()
         self.num_steps = 0
+        # Ids whose runner state a discarded step may have left behind: released next step.
+        self._release_finished: set[str] = set()
+        self._release_preempted: list[str] = []
+        self.num_failed_requests = 0
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: EngineRequest) -> None:
@@ -99,8 +114,14 @@ class EngineCore:
         cpu = time.thread_time  # host work: the engine thread's CPU time, not the machine's load
         c0 = cpu()
         so = self.scheduler.schedule()
+        if self._release_finished or self._release_preempted:
+            so = self._with_releases(so)
         c1 = cpu()
-        plan = self.runner.prepare(so)
+        failed: list[EngineCoreOutput] = []
+        try:
+            plan = self.runner.prepare(so)
+        except RequestFailedError as e:
+            failed, plan = self._discard(so, e), None
         c2 = cpu()
         launched = self.runner.launch(plan) if plan is not None else None
         c3 = cpu()
@@ -111,17 +132,43 @@ class EngineCore:
             done, self._in_flight = self._in_flight, (so, launched) if launched is not None else None
         else:
             done = (so, launched) if launched is not None else None
-        outputs: list[EngineCoreOutput] = []
+        outputs = failed
         if done is not None:
             w = time.perf_counter()
             result = self.runner.collect(done[1])
             t.collect += time.perf_counter() - w
             c4 = cpu()
-            outputs = self._outputs(done[0], result)
+            outputs = failed + self._outputs(done[0], result)
             t.update += cpu() - c4
         t.steps += 1
         self.num_steps += 1
         return outputs
+
+    def _discard(self, so: SchedulerOutput, e: RequestFailedError) -> list[EngineCoreOutput]:
+        """The runner could not prepare `so` because of the requests `e` names: they fail, and
+        the step's other requests are preempted (nothing of the step ran; they are recomputed).
+        Returns the failed requests' outputs."""
+        sched = self.scheduler
+        kv = sched.kv
+        # The blocks this step was to fill hold no KV: none may be found in the prefix cache.
+        unwritten = [b for s in so.scheduled for b in kv.get_block_ids(s.request_id)[s.start_pos // kv.block_size:]]
+        kv.pool.uncache(unwritten)
+        failed = [rid for rid in dict.fromkeys(e.request_ids) if sched.get_request(rid) is not None]
+        sched.finish_requests(failed, RequestStatus.FINISHED_ABORTED)
+        preempted = sched.discard_step(so)
+        # The runner may have taken state for any of these before it raised.
+        self._release_finished.update(so.finished_request_ids)
+        self._release_preempted += [*so.preempted_request_ids, *preempted]
+        self.num_failed_requests += len(failed)
+        logger.warning("a step could not be prepared: %s; %d request(s) failed, %d to recompute",
+                       e, len(failed), len(preempted))
+        return [EngineCoreOutput(rid, [], finish_reason="abort", error=e.cause) for rid in failed]
+
+    def _with_releases(self, so: SchedulerOutput) -> SchedulerOutput:
+        so = dataclasses.replace(so, finished_request_ids=so.finished_request_ids | self._release_finished,
+                                 preempted_request_ids=(*self._release_preempted, *so.preempted_request_ids))
+        self._release_finished, self._release_preempted = set(), []
+        return so
 
     def _outputs(self, so: SchedulerOutput, result: RunnerOutput) -> list[EngineCoreOutput]:
         outputs: dict[str, EngineCoreOutput] = {}

@@ -33,6 +33,7 @@ class LLMEngine:
         self.input_processor = InputProcessor(parts.tokenizer, parts.info)
         self.output_processor = OutputProcessor(parts.tokenizer)
         self._ids = itertools.count()
+        self.failures: list[tuple[str, BaseException]] = []  # see step()
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
@@ -102,7 +103,20 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
-        outputs, stopped = self.output_processor.process(self.core.step())
+        """One engine step. A request whose input failed inside the step (the engine core
+        names it) is dropped, and its error is kept in `failures` (request id, exception) for
+        the caller; the engine goes on with the others."""
+        core_outputs = self.core.step()
+        failed = [o for o in core_outputs if o.error is not None]
+        if failed:
+            core_outputs = [o for o in core_outputs if o.error is None]
+        op = self.output_processor
+        outputs, stopped = op.process(core_outputs)
+        for o in failed:
+            seq = op.seqs.get(o.request_id)
+            if seq is not None:
+                self.failures.append((seq.parent.request_id, o.error))
+                stopped += op.fail_sequence(o.request_id, o.error)
         if stopped:
             self.core.abort_requests(stopped)
         return outputs

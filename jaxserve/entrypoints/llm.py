@@ -91,6 +91,11 @@ class LLM:
                     if out.finished and out.request_id in order:
                         results[order[out.request_id]] = out
                         bar.update(1)
+                if engine.failures:  # a request's input failed in the engine: the batch fails
+                    (rid, error), *_ = engine.failures
+                    engine.failures.clear()
+                    engine.abort_request(ids)
+                    raise ValueError(f"prompt {order.get(rid, '?')}: {error}") from error
         missing = [ids[i] for i, r in enumerate(results) if r is None]
         if missing:
             raise RuntimeError(f"requests ended without output: {missing[:5]}")

@@ -36,6 +36,7 @@ from tqdm import tqdm
 
 from jaxserve.core.sched_output import ScheduledRequest, SchedulerOutput
 from jaxserve.outputs import SampleLogprobs
+from jaxserve.request import RequestFailedError
 from jaxserve.runner.buckets import BucketGrid
 from jaxserve.runner.compile import CompileCounter
 from jaxserve.runner.kv_cache import allocate_kv_cache
@@ -239,7 +240,11 @@ class ModelRunner:
         slot = self.free_slots.pop()
         p = req.sampling_params
         eos = () if req.eos_token_id is None else (req.eos_token_id,)
-        self.builder.admit(slot, p, eos, req.bad_words_token_ids)
+        try:
+            self.builder.admit(slot, p, eos, req.bad_words_token_ids)
+        except Exception as e:  # noqa: BLE001 - this request's parameters: it fails alone
+            self.free_slots.append(slot)
+            raise RequestFailedError((req.request_id,), e) from e
         self.slot_of[req.request_id] = slot
         ids = s.new_block_ids
         self.block_table[slot, : len(ids)] = ids

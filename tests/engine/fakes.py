@@ -19,6 +19,7 @@ from jaxserve.engine.setup import EngineParts
 from jaxserve.engine.tokenizer import IncrementalDetokenizer
 from jaxserve.runner.model_runner import RunnerOutput
 from jaxserve.outputs import SampleLogprobs
+from jaxserve.request import RequestFailedError
 from jaxserve.sampling.config import SamplerConfig
 
 VOCAB = 96
@@ -75,12 +76,19 @@ class _Plan:
 class FakeRunner:
     """Samples next_token(last fed token, its position) for each row that samples; a PENDING
     input is the request's last sampled token, as on the device. `step_seconds` stands for
-    device time (spent in collect); `explode` makes collect raise; `scheduled` records the
-    request ids of each step."""
+    device time (spent in collect); `explode` makes collect raise (a device error);
+    `reject_token` is a token id the runner cannot take: prepare raises RequestFailedError
+    naming each newly admitted request whose prompt holds it, after it has taken state for the
+    rows before (as a real runner may); `gate` (set by default) holds collect until set;
+    `scheduled` records the request ids of each step."""
 
     def __init__(self, step_seconds: float = 0.0) -> None:
         self.step_seconds = step_seconds
         self.explode = False
+        self.reject_token: int | None = None
+        self.gate = threading.Event()
+        self.gate.set()
+        self.num_failed_prepares = 0
         self.last: dict[str, int] = {}
         self.scheduled: list[list[str]] = []
         self.prompts: list[list[int]] = []  # of each request, when it first runs
@@ -92,6 +100,9 @@ class FakeRunner:
             return None
         rows = []
         for s in so.scheduled:
+            if s.is_new and self.reject_token is not None and self.reject_token in s.request.prompt_token_ids:
+                self.num_failed_prepares += 1
+                raise RequestFailedError([s.request_id], ValueError(f"the runner cannot take token {self.reject_token}"))
             if s.is_new and not s.is_resumed:
                 self.prompts.append(list(s.request.prompt_token_ids))
             rows.append((s.request_id, list(s.token_ids), s.start_pos, s.sample, s.request.sampling_params.logprobs))
@@ -102,6 +113,7 @@ class FakeRunner:
         return plan
 
     def collect(self, plan: _Plan) -> RunnerOutput:
+        self.gate.wait()
         if self.explode:
             raise RuntimeError("boom")
         if self.step_seconds:

@@ -183,7 +183,7 @@ def test_engine_death_fails_requests_and_health(served):
     assert lines[-1] == "data: [DONE]" and '"code":500' in lines[-2].replace(" ", "")
     assert client.get("/health").status_code == 503
     r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3})
-    assert r.status_code == 500 and r.json()["error"]["type"] == "InternalServerError"
+    assert r.status_code == 503 and r.json()["error"]["type"] == "ServiceUnavailableError"
 
 
 def test_stop_token_eos_is_not_in_the_text(served):

@@ -12,7 +12,7 @@ from jaxserve import LLM, SamplingParams
 from tests.model_dirs import write_model_dir
 
 FIXTURES = ["llama", "qwen2", "qwen3", "mistral"]
-OPTIONS = dict(dtype="float32", token_buckets=(16, 64), request_buckets=(8,), show_progress=False)
+OPTIONS = dict(dtype="float32", token_buckets=(16,), request_buckets=(8,), show_progress=False)
 
 
 def _run(llm: LLM, prompts, params) -> list[tuple[list[int], list[float]]]:

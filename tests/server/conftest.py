@@ -3,50 +3,16 @@ free loopback port in a background thread, protected by an API key that the clie
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
 from collections.abc import Iterator
 
 import pytest
+
+from tests.live_server import LiveServer, free_port
 
 API_KEY = "test-key"
 MODEL = "SmolLM2-135M-Instruct"
 ENGINE_OPTIONS = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=128, token_buckets=(16, 128),
                       request_buckets=(1, 8), show_progress=False)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class LiveServer:
-    def __init__(self, app, port: int):
-        import uvicorn
-
-        self.app = app
-        self.port = port
-        self.base_url = f"http://127.0.0.1:{port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                                    timeout_graceful_shutdown=5))
-        self.thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
-
-    def start(self) -> None:
-        self.thread.start()
-        while not self.server.started:
-            if not self.thread.is_alive():
-                raise RuntimeError("the test server failed to start")
-            time.sleep(0.05)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(60)
-
-    @property
-    def engine(self):
-        return self.app.state.engine
 
 
 @pytest.fixture(scope="session")
@@ -59,7 +25,7 @@ def live_server() -> Iterator[LiveServer]:
     engine = AsyncEngine(build_engine(EngineConfig.from_kwargs(model=None, **ENGINE_OPTIONS)))
     app = build_app(engine, served_model_names=[MODEL, "alias"], api_keys=[API_KEY],
                     max_body_bytes=1 << 20, shutdown_grace_seconds=5, enable_sleep_mode=True)
-    srv = LiveServer(app, _free_port())
+    srv = LiveServer(app, free_port())
     srv.start()
     yield srv
     srv.stop()

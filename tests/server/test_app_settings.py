@@ -91,9 +91,10 @@ def test_500s_name_the_request_id_not_the_exception(tokenizer, monkeypatch) -> N
         r = c.post(path, json=body)  # without X-Request-Id: the generated id is named
         assert r.headers["x-request-id"] in r.json()["error"]["message"]
     monkeypatch.undo()
-    engine.core.runner.explode = True  # the engine dies during the request: in-stream or body error
     for body in ({"prompt": PROMPT, "max_tokens": 1, "stream": True},
                  {"prompt": PROMPT, "max_tokens": 1}):
+        engine, c = _fake_app(tokenizer)
+        engine.core.runner.explode = True  # the engine dies during the request: in-stream or body error
         r = c.post("/v1/completions", json=body, headers={"X-Request-Id": "req-43"})
         assert "req-43" in r.text and "secret" not in r.text
     # a failure outside the engine (here: the tokenizer) is a 500 with the id as well

@@ -24,9 +24,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start(model_dir, compile_cache_dir, grace: float):
+def _start(model_dir, compile_cache_dir, grace: float, launcher: tuple[str, ...] = ("-m", "jaxserve.server.cli")):
+    """`jaxserve serve` on the tiny model (`launcher`: the Python arguments before the CLI's)."""
     port = _free_port()
-    cmd = [sys.executable, "-m", "jaxserve.server.cli", "serve", str(model_dir), "--port", str(port),
+    cmd = [sys.executable, *launcher, "serve", str(model_dir), "--port", str(port),
            "--dtype", "float32", "--max-num-seqs", "8", "--max-num-batched-tokens", "16",
            "--token-buckets", "16", "--request-buckets", "8", "--shutdown-grace", str(grace),
            "--compilation-cache-dir", compile_cache_dir, "--log-level", "warning"]
