@@ -86,6 +86,16 @@ class ParallelConfig:
 
     data_parallel_size: int = 1
     tensor_parallel_size: int = 1
+    # Several processes (hosts) in one mesh (jaxserve/parallel/multihost.py): the JAX
+    # coordinator's HOST:PORT (process 0's host), or "auto" to detect a Cloud TPU, SLURM or
+    # Kubernetes job; None = one process.
+    coordinator_address: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
+    follower_port: int | None = None  # the leader's step channel; None = the coordinator's port + 1
+    step_timeout_seconds: float = 120.0  # a follower hearing nothing for this long exits
+    heartbeat_timeout_seconds: int = 100  # JAX's coordination service (jax.distributed.initialize)
+    startup_timeout_seconds: float = 300.0  # for every follower to connect to the leader
 
     def __post_init__(self) -> None:
         for name in ("data_parallel_size", "tensor_parallel_size"):

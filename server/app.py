@@ -17,6 +17,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 import jaxserve
+from jaxserve.parallel.multihost import FollowerLostError
 from jaxserve.server.async_engine import AsyncEngine
 from jaxserve.server.auth import APIKeyMiddleware
 from jaxserve.server.body import Disconnected, default_max_body_bytes, parse_body
@@ -82,6 +83,10 @@ def build_app(
     async def health(request: Request) -> Response:
         if engine.is_alive:
             return Response(status_code=200)
+        link = getattr(engine.parts, "link", None)
+        reason = getattr(link, "failure", None) or engine.error
+        if isinstance(reason, FollowerLostError):  # names the lost host, nothing internal
+            return error_response(503, f"the engine is not running: {reason}")
         return error_response(503, "the engine is not running; the server log has the details.")
 
     async def version(request: Request) -> Response:

@@ -141,6 +141,9 @@ class AsyncEngine:
         self._load = (0, self.stats.scheduler.num_waiting, self.stats.scheduler.num_running)
         self._dead_callbacks: list[Callable[[BaseException], None]] = []
         self._failed = False
+        link = getattr(parts, "link", None)
+        if link is not None and hasattr(link, "add_failure_callback"):  # a multi-host leader
+            link.add_failure_callback(self._fail_from_outside)
 
     # ------------------------------------------------------------------ facts
     @property
@@ -194,13 +197,14 @@ class AsyncEngine:
         self._thread.start()
 
     def shutdown(self, timeout: float = 30.0) -> None:
-        """Stop the engine thread (it aborts whatever still runs) and join it."""
+        """Stop the engine thread (it aborts whatever still runs) and join it. After a failure
+        the thread may be stuck in a device call that never returns: it is not waited for."""
         self.accepting = False
         with self._cond:
             self._stop = True
             self._cond.notify()
         if self._thread is not None:
-            self._thread.join(timeout)
+            self._thread.join(timeout if self.error is None else 0.5)
 
     async def drain(self, grace_seconds: float) -> None:
         """Refuse new requests, wait up to grace_seconds for in-flight ones, abort the rest
@@ -379,6 +383,16 @@ class AsyncEngine:
         others = self.output_processor.fail_sequence(sequence_id, error)
         if others:
             self._send(_Abort(others))
+
+    def _fail_from_outside(self, error: BaseException) -> None:
+        """An unrecoverable failure seen by another thread (a lost follower): any thread."""
+        if self.error is None:
+            self.error = error
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+        if self._loop is not None:
+            self._post(self._fail, error)
 
     def _die(self, error: BaseException) -> None:
         """An unrecoverable failure on the event loop's side: stop the engine thread too."""

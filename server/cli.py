@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
 import re
 import sys
 from typing import Any
@@ -96,6 +97,18 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="'auto' (the model's generation_config.json: default sampling settings and EOS ids), "
                         "'vllm' (ignore its sampling defaults) or a folder holding a generation_config.json")
     g.add_argument("--data-parallel-size", type=int, default=None, help="mesh 'data' axis size")
+    h = p.add_argument_group("several hosts (every host runs the same command, each with its --process-id)")
+    h.add_argument("--coordinator-address", default=None,
+                   help="HOST:PORT of process 0 (JAX's coordinator), or 'auto' to detect a Cloud TPU, SLURM or "
+                        "Kubernetes job; process 0 serves, the others run its steps headless")
+    h.add_argument("--num-processes", type=int, default=None, help="processes (hosts) in the run")
+    h.add_argument("--process-id", type=int, default=None, help="this process's index (0 = the leader)")
+    h.add_argument("--follower-port", type=int, default=None,
+                   help="the leader's port for its step channel (default: the coordinator's port + 1)")
+    h.add_argument("--step-timeout", type=float, default=None,
+                   help="seconds a follower waits for the leader before it exits (default 120)")
+    h.add_argument("--heartbeat-timeout", type=int, default=None,
+                   help="seconds JAX's coordination service waits for a silent process (default 100)")
     g.add_argument("--tensor-parallel-size", type=int, default=None, help="mesh 'model' axis size")
 
 
@@ -108,7 +121,9 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
               "cpu_kernel_target": "cpu_kernel_target", "seed": "seed", "max_logprobs": "max_logprobs",
               "async_scheduling": "async_scheduling", "generation_config": "generation_config",
               "quantization": "quantization", "data_parallel_size": "data_parallel_size",
-              "tensor_parallel_size": "tensor_parallel_size"}
+              "tensor_parallel_size": "tensor_parallel_size", "coordinator_address": "coordinator_address",
+              "num_processes": "num_processes", "process_id": "process_id", "follower_port": "follower_port",
+              "step_timeout": "step_timeout_seconds", "heartbeat_timeout": "heartbeat_timeout_seconds"}
     for arg, key in simple.items():
         v = getattr(args, arg, None)
         if v is not None:
@@ -177,6 +192,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from jaxserve.config import EngineConfig
     from jaxserve.engine.setup import build_engine
+    from jaxserve.parallel.multihost import FingerprintMismatch
     from jaxserve.server.app import build_app
     from jaxserve.server.async_engine import AsyncEngine
     from jaxserve.server.draining import DrainingServer
@@ -192,7 +208,14 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"jaxserve serve: {e}", file=sys.stderr)
         return 2
     log = logging.getLogger(__name__)
-    aengine = AsyncEngine(build_engine(config), max_waiting_requests=args.max_waiting_requests)
+    try:
+        parts = build_engine(config)
+    except FingerprintMismatch as e:  # several processes started with different flags or models
+        log.error("%s", e)
+        return 2
+    if parts.is_follower:  # headless: the leader serves HTTP, this process runs its steps
+        return _follow(parts, log)
+    aengine = AsyncEngine(parts, max_waiting_requests=args.max_waiting_requests)
     app = build_app(aengine, served_model_names=names, api_keys=args.api_key, allowed_origins=args.allowed_origins,
                     max_body_bytes=args.max_request_body, request_id_header=not args.disable_request_id_header,
                     shutdown_grace_seconds=args.shutdown_grace, enable_sleep_mode=args.enable_sleep_mode,
@@ -205,10 +228,32 @@ def _serve(args: argparse.Namespace) -> int:
                             timeout_graceful_shutdown=graceful_shutdown_timeout(args.shutdown_grace))
     DrainingServer(config, aengine, args.shutdown_grace).run()
     if aengine.error is not None:
-        # The engine failed for good (a device error): exit non-zero so that a supervisor
-        # restarts the server; in-flight requests have been answered with the error.
+        # The engine failed for good (a device error, a lost follower): exit non-zero so that a
+        # supervisor restarts the server; in-flight requests have been answered with the error.
         log.error("exiting: the engine failed (%r)", aengine.error)
+        if parts.topology is not None:
+            # Not through the interpreter's exit: JAX's distributed shutdown would wait for the
+            # lost process at its barrier (minutes), and the engine thread may be stuck in a
+            # collective. The run is over for every process.
+            logging.shutdown()
+            os._exit(1)
         return 1
+    parts.close()  # several processes: the followers shut down with the leader
+    return 0
+
+
+def _follow(parts, log: logging.Logger) -> int:
+    """A follower process: run the leader's steps; exit 0 when it shuts down, 1 when it is lost."""
+    from jaxserve.parallel.multihost import LeaderLostError
+
+    try:
+        parts.run_follower()
+    except LeaderLostError as e:
+        # Not through the interpreter's exit: JAX's distributed shutdown would wait at its
+        # barrier for the leader that is gone.
+        log.error("exiting: %s", e)
+        logging.shutdown()
+        os._exit(1)
     return 0
 
 

@@ -9,6 +9,8 @@ import uvicorn
 
 from jaxserve.server.async_engine import AsyncEngine
 
+FAILED_HEALTH_SECONDS = 2.0
+
 
 class DrainingServer(uvicorn.Server):
     """Drains the engine as soon as the server is asked to exit (SIGTERM, Ctrl-C): new requests
@@ -27,7 +29,8 @@ class DrainingServer(uvicorn.Server):
         engine.add_dead_callback(self._engine_failed)
 
     def _engine_failed(self, error: BaseException) -> None:
-        self.should_exit = True
+        # /health answers 503 (with the reason) for a moment before the listener closes.
+        asyncio.get_running_loop().call_later(FAILED_HEALTH_SECONDS, setattr, self, "should_exit", True)
 
     def handle_exit(self, sig: int, frame) -> None:
         super().handle_exit(sig, frame)

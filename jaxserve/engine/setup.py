@@ -26,6 +26,7 @@ from jaxserve.engine.tokenizer import Tokenizer
 from jaxserve.models.arch_config import ArchConfig
 from jaxserve.models.loader import load_checkpoint, resolve_model
 from jaxserve.models.weights import create_model
+from jaxserve.parallel import multihost
 from jaxserve.parallel.mesh import bytes_per_device, make_mesh, replicated_axes
 from jaxserve.runner.buckets import BucketGrid
 from jaxserve.runner.compile import enable_persistent_cache
@@ -49,11 +50,34 @@ class EngineParts:
     backend: Backend | None = None
     plan: DevicePlan | None = None
     load_seconds: float = 0.0
+    topology: multihost.Topology | None = None  # several processes: this one's place
+    link: multihost.Leader | multihost.Follower | None = None  # the step channel
+
+    @property
+    def is_follower(self) -> bool:
+        return self.topology is not None and not self.topology.is_leader
+
+    def run_follower(self) -> None:
+        """A follower's whole life after start-up: launch the leader's steps until it says to
+        shut down (raises LeaderLostError when it goes away)."""
+        import jax
+
+        self.link.run(self.core.runner, self.link.settings["step_timeout_seconds"])
+        jax.distributed.shutdown()
+
+    def close(self) -> None:
+        """The leader's clean exit: the followers shut down with it."""
+        if self.topology is not None and self.topology.is_leader:
+            import jax
+
+            self.link.close()
+            jax.distributed.shutdown()
 
 
 def build_engine(config: EngineConfig) -> EngineParts:
     t0 = time.perf_counter()
     mc, cc = config.model, config.cache
+    topo = multihost.initialize(config.parallel)  # first: before anything touches a JAX backend
     if config.compile.enable_compilation_cache:
         enable_persistent_cache(config.compile.cache_dir())
     model_path = resolve_model(mc.model, cache_dir=mc.model_cache_dir)
@@ -69,6 +93,9 @@ def build_engine(config: EngineConfig) -> EngineParts:
     sc = dataclasses.replace(config.scheduler, max_model_len=max_model_len)
     mesh = make_mesh(config.parallel.data_parallel_size, config.parallel.tensor_parallel_size)
     plan = backend.plan(mc, cc, mesh)
+    link = None
+    if topo is not None:  # the leader resolves the "auto"s; every follower takes them
+        link, plan = _join(topo, config, model_path, plan)
     dtype, kv_dtype = DTYPES[plan.dtype], DTYPES[plan.kv_dtype]
     model = create_model(arch, dtype=dtype, mesh=mesh, attention_impl=mc.attention_impl, get_tensor=ckpt.get_tensor,
                          quantization=mc.quantization)
@@ -88,6 +115,13 @@ def build_engine(config: EngineConfig) -> EngineParts:
     )
     if mesh.size > 1:
         _log_placement(model, runner, mesh)
+    if topo is not None:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("jaxserve-ready")  # every process compiled the same steps
+        if topo.is_leader:
+            link.start()
+            runner = multihost.LeaderRunner(runner, link)
     core = EngineCore(Scheduler(sc, kv_manager), runner, async_scheduling=sc.async_scheduling)
     eos = tokenizer.eos_token_id
     if eos is None and gen.eos_token_ids:
@@ -107,7 +141,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
     logger.info("engine ready: %s, %s, %d KV pages of %d, %d buckets compiled in %.1fs (load %.1fs)%s",
                 info.name, plan.dtype, num_pages, cc.page_size, runner.num_buckets, runner.compile_seconds,
                 load_seconds, ", overlapped steps" if sc.async_scheduling else "")
-    return EngineParts(tokenizer, info, core, model_path, arch, backend, plan, load_seconds)
+    return EngineParts(tokenizer, info, core, model_path, arch, backend, plan, load_seconds, topo, link)
 
 
 def _log_placement(model, runner: ModelRunner, mesh) -> None:
@@ -121,3 +155,18 @@ def _log_placement(model, runner: ModelRunner, mesh) -> None:
         shown = ", ".join(sorted({n.rsplit(".", 1)[-1] for n in names}))
         logger.info("replicated: %s does not divide, so %s (%d arrays)%s are whole on every device",
                     axis, shown, len(names), " and the KV cache" if axis.startswith("kv_heads") else "")
+
+
+def _join(topo, config: EngineConfig, model_path, plan: DevicePlan):
+    """The leader waits for every follower and checks it was started alike (fingerprint), then
+    sends its plan; a follower connects and takes the leader's plan."""
+    key = multihost.shared_key(topo)
+    mine = multihost.fingerprint(config, model_path)
+    timeout = config.parallel.startup_timeout_seconds
+    if topo.is_leader:
+        leader = multihost.Leader(topo, key, mine, timeout=timeout)
+        leader.send_settings({"plan": dataclasses.asdict(plan),
+                              "step_timeout_seconds": config.parallel.step_timeout_seconds})
+        return leader, plan
+    follower = multihost.Follower(topo, key, mine, timeout=timeout)
+    return follower, DevicePlan(**follower.settings["plan"])

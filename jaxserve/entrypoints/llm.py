@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import atexit
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -9,6 +11,7 @@ from tqdm import tqdm
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.engine.setup import build_engine
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
@@ -25,7 +28,14 @@ class LLM:
     other keyword arguments are engine options (see jaxserve.config, e.g. max_num_seqs=8)."""
 
     def __init__(self, model: str | None = None, **engine_options: Any):
-        self.engine = LLMEngine.from_config(EngineConfig.from_kwargs(model=model, **engine_options))
+        """With several processes (coordinator_address=...), only process 0 returns: the other
+        processes run its steps until it exits, then exit themselves."""
+        parts = build_engine(EngineConfig.from_kwargs(model=model, **engine_options))
+        if parts.is_follower:
+            _follow_and_exit(parts)
+        if parts.topology is not None:
+            atexit.register(parts.close)  # the followers shut down with this process
+        self.engine = LLMEngine(parts)
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -100,3 +110,19 @@ class LLM:
         if missing:
             raise RuntimeError(f"requests ended without output: {missing[:5]}")
         return results  # type: ignore[return-value]
+
+
+def _follow_and_exit(parts) -> None:
+    """A follower's LLM(...) never returns: it runs the leader's steps, then exits the process."""
+    import logging
+    import os
+
+    from jaxserve.parallel.multihost import LeaderLostError
+
+    try:
+        parts.run_follower()
+    except LeaderLostError as e:
+        logging.getLogger(__name__).error("exiting: %s", e)
+        logging.shutdown()
+        os._exit(1)  # JAX's distributed shutdown would wait for the lost leader at its barrier
+    sys.exit(0)

@@ -137,7 +137,7 @@ class ModelRunner:
         self._host_params: list[np.ndarray] | None = None  # the weights while asleep
         self.counter = CompileCounter()
         self._compiled: dict[tuple[int, int], jax.stages.Compiled] = {}
-        self._layouts: dict[tuple[int, int], BufferLayout] = {}
+        self.layouts: dict[tuple[int, int], BufferLayout] = {}
         t0 = time.perf_counter()
         with self.counter.active():
             self._compile_all(show_progress)
@@ -212,15 +212,15 @@ class ModelRunner:
         keep = (jax.tree.map(lambda x: x.sharding, self.kv), jax.tree.map(lambda x: x.sharding, self.sstate))
         rep = self.replicated
         for T, R in tqdm(shapes, desc="compiling buckets", disable=not show_progress, unit="bucket"):
-            layout = self._layouts[(T, R)] = self.step_layout(T, R)
+            layout = self.layouts[(T, R)] = self.step_layout(T, R)
             jitted = jax.jit(functools.partial(self._packed_step_fn, layout), donate_argnums=(1, 2),
                              out_shardings=(*keep, rep, rep))
             self._compiled[(T, R)] = jitted.lower(params, kv, sstate, *layout.abstract(rep)).compile()
-        rows = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep), self._empty_slot_write())
+        rows = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep), self.empty_slot_write())
         self._write_rows = jax.jit(write_slot_rows, donate_argnums=(0,), out_shardings=keep[1]).lower(
             sstate, rows).compile()
 
-    def _empty_slot_write(self) -> SlotRowsWrite:
+    def empty_slot_write(self) -> SlotRowsWrite:
         c = self.sampler_config
         return SlotRowsWrite(
             slots=np.full(c.slot_write_batch, c.max_num_seqs, np.int32),
@@ -316,7 +316,7 @@ class ModelRunner:
                         sample_slots=sample_slots)
         meta = self.builder.build(slots_np, starts_np + lens_np - self.prompt_len[slots_np], R)
         sample_ids = [so.scheduled[i].request.request_id for i in sample_rows.tolist()]
-        buffers = self._layouts[(T, R)].pack((inputs, meta, tok))
+        buffers = self.layouts[(T, R)].pack((inputs, meta, tok))
         return StepPlan((T, R), self.builder.take_slot_writes(), buffers, sample_ids, sample_rows, logprob_rows,
                         prompt_rows)
 

@@ -63,6 +63,10 @@ class BufferLayout:
         return tuple(np.concatenate(p).astype(dt, copy=False) if p else np.zeros(0, dt)
                      for p, dt in zip(parts, GROUP_DTYPES))
 
+    @property
+    def dtypes(self) -> tuple[np.dtype, ...]:
+        return tuple(np.dtype(d) for d in GROUP_DTYPES)
+
     def abstract(self, sharding=None) -> tuple[jax.ShapeDtypeStruct, ...]:
         return tuple(jax.ShapeDtypeStruct((n,), dt, sharding=sharding) for n, dt in zip(self.sizes, GROUP_DTYPES))
 

@@ -1,0 +1,199 @@
+"""Multi-host serving on one machine: 2 processes x 2 simulated CPU devices (gloo) form one
+4-device mesh, tensor parallelism across the processes. Through `jaxserve serve` over HTTP and
+through `LLM.generate`, outputs equal the single-process engine's; then the failure paths."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from jaxserve import LLM, SamplingParams
+from tests.model_dirs import write_model_dir
+from tests.parallel import multihost_harness as mh
+
+pytestmark = pytest.mark.multihost
+
+# Tiny Llama: 8 KiB of KV per page; 16 pages (240 tokens besides the null page) make a few
+# concurrent requests of 88 tokens preempt.
+FLAGS = ["--dtype", "float32", "--max-num-seqs", "8", "--max-num-batched-tokens", "16", "--token-buckets", "16",
+         "--request-buckets", "8", "--max-model-len", "96", "--kv-cache-memory", str(16 * 8192)]
+OPTIONS = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=16, token_buckets=(16,),
+               request_buckets=(8,), max_model_len=96, kv_cache_memory_bytes=16 * 8192, show_progress=False)
+LONG = list(range(20, 60))  # 40 tokens: prefilled in chunks of 16
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_model_dir(tmp_path_factory.mktemp("mh") / "llama")
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir, compile_cache_dir):
+    return LLM(str(model_dir), compilation_cache_dir=compile_cache_dir, **OPTIONS)
+
+
+def _complete(url: str, **body) -> dict:
+    r = httpx.post(url + "/v1/completions", json={"max_tokens": 8, "temperature": 0, **body}, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _metric(url: str, name: str) -> float:
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(f"jaxserve:{name}"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(name)
+
+
+def test_serve_across_two_processes_then_lose_a_follower(model_dir, reference):
+    """1 x 4 mesh over two processes: greedy, chunked prefill, a prefix hit, preemption, n = 2
+    seeded, a seeded sample, prompt logprobs and an abort, all as the single-process engine
+    gives them; then SIGKILL the follower mid-generation: the request fails, /health says
+    which follower is gone, and the leader exits non-zero within 10 s."""
+    procs, url = mh.start_serve(model_dir, [*FLAGS, "--tensor-parallel-size", "4"])
+    try:
+        mh.wait_healthy(procs, url)
+        greedy = SamplingParams(max_tokens=8, temperature=0.0)
+        ref = {tuple(o.prompt_token_ids): o.outputs[0].text
+               for o in reference.generate([[5, 6, 7, 8], LONG], greedy, use_tqdm=False)}
+        for prompt in ([5, 6, 7, 8], LONG, LONG):  # the second LONG hits the prefix cache
+            assert _complete(url, prompt=prompt)["choices"][0]["text"] == ref[tuple(prompt)]
+        assert _metric(url, "prefix_cache_hits_total") >= 32
+        # preemption: 6 prompts of 72 + 16 tokens (one request: queued at once) need 36 pages of
+        # 16; the cache has 15
+        prompts = [[7 + i, *range(21, 92)] for i in range(6)]
+        got = _complete(url, prompt=prompts, max_tokens=16)
+        assert _metric(url, "num_preemptions_total") > 0
+        want = reference.generate(prompts, greedy.clone(max_tokens=16), use_tqdm=False)
+        assert [c["text"] for c in sorted(got["choices"], key=lambda c: c["index"])] == [o.outputs[0].text for o in want]
+        # n = 2 and a seeded sample
+        sampled = SamplingParams(max_tokens=8, temperature=0.8, seed=7, n=2)
+        (ref_n,) = reference.generate([[9, 10, 11]], sampled, use_tqdm=False)
+        got = _complete(url, prompt=[9, 10, 11], temperature=0.8, seed=7, n=2)
+        assert sorted(c["text"] for c in got["choices"]) == sorted(o.text for o in ref_n.outputs)
+        # prompt logprobs
+        (ref_p,) = reference.generate([LONG[:20]], SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=1),
+                                      use_tqdm=False)
+        got = _complete(url, prompt=LONG[:20], max_tokens=2, prompt_logprobs=1)["choices"][0]["prompt_logprobs"]
+        for pos in range(1, 20):
+            tok = LONG[pos]
+            assert abs(got[pos][str(tok)]["logprob"] - ref_p.prompt_logprobs[pos][tok].logprob) < 1e-4
+        # an abort: a stream dropped after its first chunk; the run keeps serving, nothing leaks
+        with httpx.stream("POST", url + "/v1/completions", timeout=60,
+                          json={"prompt": LONG, "max_tokens": 40, "stream": True}) as r:
+            next(line for line in r.iter_lines() if line.startswith("data: "))
+        assert _complete(url, prompt=[5, 6, 7, 8])["choices"][0]["text"]
+        deadline = time.monotonic() + 30
+        while _metric(url, "num_requests_running") or _metric(url, "kv_cache_usage_perc"):
+            assert time.monotonic() < deadline, "the aborted request kept its blocks"
+            time.sleep(0.2)
+
+        # Lose the follower in the middle of a long generation.
+        events: list[str] = []
+
+        def stream() -> None:
+            try:
+                with httpx.stream("POST", url + "/v1/completions", timeout=60,
+                                  json={"prompt": [5, 6], "max_tokens": 90, "ignore_eos": True, "stream": True}) as r:
+                    events.extend(line for line in r.iter_lines() if line.startswith("data: "))
+            except httpx.HTTPError as e:
+                events.append(f"closed: {e!r}")
+
+        client = threading.Thread(target=stream)
+        client.start()
+        while not events:
+            time.sleep(0.05)
+        procs[1].send_signal(signal.SIGKILL)
+        t0 = time.monotonic()
+        health = None
+        while procs[0].poll() is None and time.monotonic() - t0 < 15:
+            try:
+                r = httpx.get(url + "/health", timeout=1)
+                if r.status_code == 503:
+                    health = r.json()["error"]["message"]
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        assert procs[0].wait(15) != 0 and time.monotonic() - t0 < 10
+        client.join(30)
+        assert "follower 1" in (health or ""), health
+        assert events[-1].startswith("closed") or events[-1] == "data: [DONE]" and '"error"' in events[-2]
+    finally:
+        mh.stop(procs)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
+def test_the_leader_going_away_ends_the_run(model_dir, sig):
+    """SIGTERM on the leader drains it, shuts the follower down, and both exit 0; a leader that
+    dies (SIGKILL) leaves its follower to exit non-zero within seconds."""
+    procs, url = mh.start_serve(model_dir, [*FLAGS, "--tensor-parallel-size", "4"])
+    try:
+        mh.wait_healthy(procs, url)
+        assert _complete(url, prompt=[5, 6, 7])["choices"][0]["text"]
+        procs[0].send_signal(sig)
+        t0 = time.monotonic()
+        follower = procs[1].wait(60)
+        if sig == signal.SIGTERM:
+            assert (procs[0].wait(60), follower) == (0, 0)
+        else:
+            assert follower != 0 and time.monotonic() - t0 < 10
+    finally:
+        mh.stop(procs)
+
+
+def test_a_follower_started_differently_stops_naming_the_flag(model_dir):
+    procs, _ = mh.start_serve(model_dir, [*FLAGS, "--tensor-parallel-size", "4"],
+                              per_process=[[], ["--max-num-seqs", "4"]])
+    try:
+        assert procs[1].wait(120) == 2
+        out = procs[1].stdout.read()
+        assert "max_num_seqs" in out and "leader 8, follower 4" in out, out[-2000:]
+        assert procs[0].wait(60) != 0  # the leader does not wait forever either
+    finally:
+        mh.stop(procs)
+
+
+SCRIPT = """
+import json, sys
+from jaxserve import LLM, SamplingParams
+out, options = sys.argv[1], json.loads(sys.argv[2])
+llm = LLM(**options)
+greedy = SamplingParams(max_tokens=8, temperature=0.0, logprobs=1)
+prompts = [[5, 6, 7, 8], list(range(20, 60)), list(range(20, 60))]
+res = llm.generate(prompts, greedy, use_tqdm=False)
+res += llm.generate([[9, 10, 11]], SamplingParams(max_tokens=8, temperature=0.8, seed=7, n=2), use_tqdm=False)
+json.dump([[o.token_ids for o in r.outputs] for r in res], open(out, "w"))
+print("channel", llm.engine.parts.link.bytes_sent, llm.engine.parts.link.step_id, llm.engine.parts.link.send_seconds)
+"""
+
+
+def test_llm_generate_across_two_processes(model_dir, reference, tmp_path):
+    port = mh.free_port()
+    procs = []
+    for pid in range(2):
+        opts = dict(OPTIONS, model=str(model_dir), tensor_parallel_size=4, coordinator_address=f"127.0.0.1:{port}",
+                    num_processes=2, process_id=pid, heartbeat_timeout_seconds=60, step_timeout_seconds=30)
+        procs.append(subprocess.Popen([sys.executable, "-c", SCRIPT, str(tmp_path / "out.json"), json.dumps(opts)],
+                                      env=mh.env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    try:
+        outs = [p.communicate(timeout=300)[0] for p in procs]
+        assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    finally:
+        mh.stop(procs)
+    got = json.loads((tmp_path / "out.json").read_text())
+    prompts = [[5, 6, 7, 8], list(range(20, 60)), list(range(20, 60))]
+    want = reference.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
+    want += reference.generate([[9, 10, 11]], SamplingParams(max_tokens=8, temperature=0.8, seed=7, n=2),
+                               use_tqdm=False)
+    assert got == [[o.token_ids for o in r.outputs] for r in want]
+    line = next(ln for ln in outs[0].splitlines() if ln.startswith("channel"))
+    _, sent, steps, seconds = line.split()
+    assert int(steps) > 0 and int(sent) / int(steps) < 64 * 1024  # small step messages
