@@ -84,6 +84,10 @@ class CacheConfig:
 class ParallelConfig:
     data: int = 1
     model: int = 1
+    # How weights and the KV cache are laid over the mesh: a preset of
+    # jaxserve.models.sharding.RULE_PRESETS ("tp", "tp-replicate-vocab", "tp-kv-replicated",
+    # "fsdp", "expert-parallel", "attn-dp") or a JSON / YAML rules file.
+    sharding_rules: str = "tp"
 
 
 @dataclasses.dataclass(frozen=True)

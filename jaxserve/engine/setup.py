@@ -24,6 +24,7 @@ from jaxserve.engine.input_processor import ModelInfo
 from jaxserve.engine.tokenizer import Tokenizer
 from jaxserve.models.arch_config import ArchConfig
 from jaxserve.models.loader import load_checkpoint, resolve_model
+from jaxserve.models.sharding import check_servable, load_rules
 from jaxserve.models.weights import create_model
 from jaxserve.parallel.mesh import make_mesh
 from jaxserve.runner.buckets import BucketGrid
@@ -66,14 +67,17 @@ def build_engine(config: EngineConfig) -> EngineParts:
         logger.warning("max_model_len %d exceeds the model's max_position_embeddings %d",
                        max_model_len, arch.max_position_embeddings)
     sc = dataclasses.replace(config.scheduler, max_model_len=max_model_len)
+    rules = load_rules(config.parallel.sharding_rules)
+    check_servable(rules)
     mesh = make_mesh(config.parallel.data, config.parallel.model)
     plan = backend.plan(mc, cc, mesh)
     dtype, kv_dtype = DTYPES[plan.dtype], DTYPES[plan.kv_dtype]
     model = create_model(arch, dtype=dtype, mesh=mesh, attention_impl=mc.attention_impl, get_tensor=ckpt.get_tensor,
-                         quantization=mc.quantization)
+                         quantization=mc.quantization, rules=rules)
     backend.prepare_model(model, plan)
     load_seconds = time.perf_counter() - t0
-    num_pages = cc.num_pages or num_pages_for_budget(arch, cc.page_size, kv_dtype, backend.kv_cache_budget(cc))
+    num_pages = cc.num_pages or num_pages_for_budget(arch, cc.page_size, kv_dtype, backend.kv_cache_budget(cc),
+                                                     mesh, rules)
     kv_manager = KVCacheManager(cc.page_size, num_pages, enable_caching=cc.enable_prefix_caching,
                                 max_model_len=max_model_len)
     sampler_config = SamplerConfig(max_num_seqs=sc.max_num_seqs, vocab_size=arch.vocab_size,
@@ -83,7 +87,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
     runner = ModelRunner(
         model, backend=backend, mesh=mesh, num_pages=num_pages, page_size=cc.page_size,
         max_model_len=max_model_len, max_num_seqs=sc.max_num_seqs, grid=grid, sampler_config=sampler_config,
-        kv_dtype=kv_dtype, seed=mc.seed, show_progress=config.compile.show_progress,
+        kv_dtype=kv_dtype, seed=mc.seed, show_progress=config.compile.show_progress, rules=rules,
     )
     core = EngineCore(Scheduler(sc, kv_manager), runner, async_scheduling=sc.async_scheduling)
     eos = tokenizer.eos_token_id
