@@ -83,8 +83,13 @@ class StepFunction:
     def lower(self, layout: BufferLayout, params, kv, sstate, input_sharding) -> jax.stages.Lowered:
         """The step of one bucket lowered on (abstract or real) weights, KV cache and sampling
         state; the packed inputs are abstract with `input_sharding`. The KV cache and the
-        sampling state are donated."""
-        jitted = jax.jit(functools.partial(self.packed, layout), donate_argnums=(1, 2))
+        sampling state are donated, and come back in the shardings they went in with (left to
+        itself XLA may return the sampling state split like the vocab-sharded logits, which the
+        next step would refuse); the sampled tokens and logprobs come back with
+        `input_sharding` (replicated: every process can read them)."""
+        keep = lambda tree: jax.tree.map(lambda x: x.sharding, tree)  # noqa: E731
+        jitted = jax.jit(functools.partial(self.packed, layout), donate_argnums=(1, 2),
+                         out_shardings=(keep(kv), keep(sstate), input_sharding, input_sharding))
         return jitted.lower(params, kv, sstate, *layout.abstract(input_sharding))
 
 
