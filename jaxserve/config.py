@@ -124,7 +124,13 @@ class EngineConfig:
         own = {f.name for f in dataclasses.fields(cls) if f.name not in parts}
         buckets: dict[str, dict[str, Any]] = {name: {} for name in parts}
         top: dict[str, Any] = {}
+        # The mesh sizes by vLLM's names: `model` is the model path here, so ParallelConfig.model
+        # cannot be passed as `model=`.
+        aliases = {"tensor_parallel_size": "model", "data_parallel_size": "data"}
         for key, value in kwargs.items():
+            if key in aliases:
+                buckets["parallel"][aliases[key]] = value
+                continue
             if key in own:
                 top[key] = value
                 continue
@@ -133,7 +139,7 @@ class EngineConfig:
                     buckets[name][key] = value
                     break
             else:
-                known = sorted(own | {f.name for k in parts.values() for f in dataclasses.fields(k)})
+                known = sorted(own | set(aliases) | {f.name for k in parts.values() for f in dataclasses.fields(k)})
                 raise ValueError(f"unknown engine option {key!r}; accepted: {', '.join(known)}")
         # Explicit buckets without a limit: the largest bucket is the limit (token budget per
         # step, sequences per step).

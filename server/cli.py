@@ -95,7 +95,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
               "attention_impl": "attention_impl", "matmul_impl": "matmul_impl",
               "cpu_kernel_target": "cpu_kernel_target", "seed": "seed", "max_logprobs": "max_logprobs",
               "async_scheduling": "async_scheduling", "generation_config": "generation_config",
-              "quantization": "quantization", "data_parallel_size": "data", "tensor_parallel_size": "model",
+              "quantization": "quantization", "data_parallel_size": "data_parallel_size",
+              "tensor_parallel_size": "tensor_parallel_size",
               "sharding_rules": "sharding_rules"}
     for arg, key in simple.items():
         v = getattr(args, arg, None)

@@ -217,7 +217,14 @@ def plan_one(settings: PlanSettings, mesh: Mesh, rules_spec: str, bucket: tuple[
         ax.check_servable(rules)
     t0 = time.perf_counter()
     lowered = step.lower(layout, flat_params, kv, sstate, replicated_sh)
-    compiled = lowered.compile()
+    try:
+        compiled = lowered.compile()
+    except Exception as e:  # a compiler that refuses for lack of memory is a verdict, not an error
+        verdict = does_not_fit_record(e, settings.device_memory)
+        if verdict is None:
+            raise
+        rec["memory"], rec["compile_s"] = verdict, round(time.perf_counter() - t0, 2)
+        return rec
     rec["compile_s"] = round(time.perf_counter() - t0, 2)
     rec["memory"] = memory_record(compiled, settings.device_memory)
     rec["cost"] = cost_record(compiled)

@@ -60,7 +60,7 @@ def _cells(rec: dict) -> list[str]:
     coll = rec.get("collectives") or {}
     meas = rec.get("measure") or {}
     fits = mem.get("fits")
-    if rec.get("error"):
+    if rec.get("error") and not mem:
         fits_cell = "ERR"
     else:
         fits_cell = "-" if fits is None else "yes" if fits else "NO"
