@@ -3,7 +3,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install test serve bench clean
+.PHONY: install install-tpu test serve bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -15,6 +15,12 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# libtpu (the `tpu` extra, pinned by jax[tpu] to the installed jax): lets `jaxserve shard-plan
+# --topology` and tests/tools/test_tpu_topology.py compile for TPU chips on any host. A large
+# wheel (~250 MB), so `make install` leaves it out; the CI installs it.
+install-tpu: $(STAMP)
+	$(PIP) install -q -e '.[tpu]'
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)

@@ -86,6 +86,10 @@ class ParallelConfig:
 
     data_parallel_size: int = 1
     tensor_parallel_size: int = 1
+    # How weights and the KV cache are laid over the mesh: a preset of
+    # jaxserve.models.sharding.RULE_PRESETS ("tp", "tp-replicate-vocab", "tp-kv-replicated",
+    # "fsdp", "expert-parallel", "attn-dp") or a JSON / YAML rules file.
+    sharding_rules: str = "tp"
     # Several processes (hosts) in one mesh (jaxserve/parallel/multihost.py): the JAX
     # coordinator's HOST:PORT (process 0's host), or "auto" to detect a Cloud TPU, SLURM or
     # Kubernetes job; None = one process.

@@ -173,6 +173,8 @@ class LlamaForCausalLM(nnx.Module):
         self.layer_features = self.features(cfg, quantization)
         self.dtype = dtype
         self.mesh = mesh
+        # The sharding rules (hashable items): the attention shard_map derives its specs from them.
+        self.rules = tuple(sorted(dict(rules).items()))
         self.quantization = quantization
         specs = [attention_spec(cfg, i, attention_impl) for i in range(cfg.num_layers)]
         # The model-wide spec, for a backend's fused layer (only used when the layers agree:
@@ -261,7 +263,7 @@ class LlamaForCausalLM(nnx.Module):
         cache_dtype = k_cache.dtype
         attn, k_cache, v_cache = paged_attention(
             q.astype(cache_dtype), k.astype(cache_dtype), v.astype(cache_dtype),
-            k_cache, v_cache, md, layer.attn_spec, self.mesh,
+            k_cache, v_cache, md, layer.attn_spec, self.mesh, dict(self.rules),
         )  # attn: [T, Hq, D]
         o = dense(LAYER_SPECS["wo"], attn, p["wo"])  # [T, E]
         if cfg.o_bias:

@@ -34,7 +34,7 @@ from jaxserve.models.llama import (
     layer_features,
     llama_weight_map,
 )
-from jaxserve.models.sharding import logical_to_spec
+from jaxserve.models.sharding import logical_to_spec, mesh_axes_size
 
 ROUTER_SPEC = "te,ex->tx"
 
@@ -58,7 +58,7 @@ class MoeDecoderLayer(DecoderLayer):
             add_weight(self, name, rngs, shape, axes, dtype, 0.04, EXPERT_SPECS[name], q)
         if mesh is not None:  # which mesh axes the experts and their intermediate dim split over
             spec = logical_to_spec(up_axes, (X, E, F), mesh, rules)
-            split = [a if a is not None and mesh.shape[a] > 1 else None for a in spec]
+            split = [a if a is not None and mesh_axes_size(mesh, a) > 1 else None for a in spec]
             self.expert_axis, self.mlp_axis = split[0], split[2]
 
 

@@ -1,13 +1,24 @@
 """Logical axis names and the rules that map them onto mesh axes.
 
 Every parameter and the KV cache carry a tuple of logical axis names (one per dimension). One
-rules table turns those names into a `PartitionSpec` for a given mesh. Changing the sharding
-strategy is an edit here (or passing other rules), never to model code.
+rules table turns those names into a `PartitionSpec` for a given mesh (`logical_to_spec`: the
+one place that does); the attention `shard_map` derives its specs from the same table.
+Changing the sharding strategy is an edit here, a named preset, or a rules file
+(`load_rules`), never a change to model code.
+
+A rule maps a logical axis to a mesh axis ("data" or "model"), to several mesh axes (a list:
+the dimension is split over their product), or to None (replicated). A dimension whose size
+the mesh axes do not divide is replicated instead; `spec_entries` tells what was asked and
+what was granted, so that silent replication can be reported.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import math
+import os
+import pathlib
 from collections.abc import Mapping, Sequence
 
 import jax
@@ -22,14 +33,18 @@ Q_HEADS = "q_heads"
 KV_HEADS = "kv_heads"
 HEAD_DIM = "head_dim"
 MLP = "mlp"
-PAGES = "pages"  # KV cache page axis (never sharded today)
+PAGES = "pages"  # KV cache page axis
 EXPERT = "expert"  # the stacked experts of a mixture-of-experts layer
+LOGICAL_AXES = (VOCAB, EMBED, Q_HEADS, KV_HEADS, HEAD_DIM, MLP, PAGES, EXPERT)
+MESH_AXIS_NAMES = ("data", "model")
 
+MeshAxes = str | tuple[str, ...] | None
 LogicalAxes = tuple[str | None, ...]
+Rules = Mapping[str, MeshAxes]
 
 # Tensor parallelism over the "model" mesh axis (Megatron-style: heads and MLP columns split,
 # partial sums reduced by XLA); the "data" axis replicates weights.
-DEFAULT_RULES: Mapping[str, str | None] = {
+DEFAULT_RULES: Rules = {
     VOCAB: "model",
     EMBED: None,
     Q_HEADS: "model",
@@ -44,41 +59,82 @@ DEFAULT_RULES: Mapping[str, str | None] = {
 # holds num_experts / n whole experts and computes them for every token; see layers/moe.py);
 # everything else as DEFAULT_RULES. An array uses a mesh axis once, so an expert weight's
 # intermediate dim stays whole.
-EXPERT_PARALLEL_RULES: Mapping[str, str | None] = {**DEFAULT_RULES, EXPERT: "model"}
+EXPERT_PARALLEL_RULES: Rules = {**DEFAULT_RULES, EXPERT: "model"}
 
-# Named rule presets (for a future `--sharding-rules` flag).
-RULE_PRESETS: Mapping[str, Mapping[str, str | None]] = {
-    "default": DEFAULT_RULES,
-    "expert_parallel": EXPERT_PARALLEL_RULES,
+# Attention data parallelism for models with fewer KV heads than the tensor-parallel degree
+# (tpu-inference's "DP attention"), on a data x model mesh whose model axis is the KV-head
+# split: KV heads and query heads over "model", the KV pages (and so the requests) over
+# "data", the MLP and the vocabulary over both axes. Serving it needs the data-parallel
+# scheduler (requests pinned to a data rank, each rank with its own page range), so the
+# engine refuses rules that shard the pages; `jaxserve shard-plan` sizes its memory.
+ATTENTION_DP_RULES: Rules = {
+    **DEFAULT_RULES, VOCAB: ("data", "model"), MLP: ("data", "model"), PAGES: "data",
 }
+
+# Named rule presets (`--sharding-rules NAME`; a path to a JSON/YAML file works too).
+RULE_PRESETS: Mapping[str, Rules] = {
+    "tp": DEFAULT_RULES,
+    # The embedding / LM head whole on every device: no all-gather of the logits or of the
+    # embedded tokens, at the price of V x E weights per device.
+    "tp-replicate-vocab": {**DEFAULT_RULES, VOCAB: None},
+    # K/V projections and the KV cache whole on every device; attention computed replicated.
+    "tp-kv-replicated": {**DEFAULT_RULES, KV_HEADS: None},
+    # Fully sharded weights: the tensor-parallel split over "model", and the hidden (embed)
+    # dim of every weight over "data" (XLA gathers them per use), so that a data x model mesh
+    # holds each weight once.
+    "fsdp": {**DEFAULT_RULES, EMBED: "data"},
+    "expert-parallel": EXPERT_PARALLEL_RULES,
+    "attn-dp": ATTENTION_DP_RULES,
+}
+
+
+def _axes_tuple(value: MeshAxes) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    return (value,) if isinstance(value, str) else tuple(value)
+
+
+def spec_entries(
+    axes: Sequence[str | None],
+    shape: Sequence[int],
+    mesh: Mesh,
+    rules: Rules = DEFAULT_RULES,
+) -> list[tuple[tuple[str, ...], tuple[str, ...]]]:
+    """Per dimension: (the mesh axes the rules ask for, the mesh axes it is split over).
+
+    Asked-for axes missing from the mesh are dropped; a mesh axis is used once per array (the
+    first dimension asking for it gets it); a dimension the axes' product does not divide is
+    replicated (granted ()).
+    """
+    if len(axes) != len(shape):
+        raise ValueError(f"logical axes {axes} do not match shape {tuple(shape)}")
+    out = []
+    used: set[str] = set()
+    for name, size in zip(axes, shape):
+        asked = _axes_tuple(rules.get(name)) if name is not None else ()
+        usable = tuple(a for a in asked if a in mesh.shape and a not in used)
+        if usable and size % math.prod(mesh.shape[a] for a in usable):
+            logger.debug("replicating axis %s (size %d) over %s", name, size, usable)
+            usable = ()
+        used.update(usable)
+        out.append((asked, usable))
+    return out
 
 
 def logical_to_spec(
     axes: Sequence[str | None],
     shape: Sequence[int],
     mesh: Mesh,
-    rules: Mapping[str, str | None] = DEFAULT_RULES,
+    rules: Rules = DEFAULT_RULES,
 ) -> PartitionSpec:
     """PartitionSpec for an array with these logical axes.
 
-    A dimension whose size the mesh axis does not divide is replicated instead (for example
+    A dimension whose size the mesh axes do not divide is replicated instead (for example
     SmolLM2's 9 query heads on a 4-way model axis), with a debug log line.
     """
-    if len(axes) != len(shape):
-        raise ValueError(f"logical axes {axes} do not match shape {tuple(shape)}")
-    spec: list[str | None] = []
-    used: set[str] = set()
-    for name, size in zip(axes, shape):
-        mesh_axis = rules.get(name) if name is not None else None
-        if mesh_axis is None or mesh_axis in used or mesh_axis not in mesh.shape:
-            spec.append(None)
-            continue
-        if size % mesh.shape[mesh_axis]:
-            logger.debug("replicating axis %s (size %d) over %s", name, size, mesh_axis)
-            spec.append(None)
-            continue
-        used.add(mesh_axis)
-        spec.append(mesh_axis)
+    spec: list[MeshAxes] = []
+    for _, granted in spec_entries(axes, shape, mesh, rules):
+        spec.append(None if not granted else granted[0] if len(granted) == 1 else granted)
     return PartitionSpec(*spec)
 
 
@@ -86,12 +142,12 @@ def named_sharding(
     axes: Sequence[str | None],
     shape: Sequence[int],
     mesh: Mesh,
-    rules: Mapping[str, str | None] = DEFAULT_RULES,
+    rules: Rules = DEFAULT_RULES,
 ) -> NamedSharding:
     return NamedSharding(mesh, logical_to_spec(axes, shape, mesh, rules))
 
 
-def state_shardings(state, mesh: Mesh, rules: Mapping[str, str | None] = DEFAULT_RULES):
+def state_shardings(state, mesh: Mesh, rules: Rules = DEFAULT_RULES):
     """Map an nnx State (abstract or concrete) to a pytree of NamedShardings of the same shape."""
     from flax import nnx
 
@@ -110,3 +166,95 @@ def single_device_mesh() -> Mesh:
     import numpy as np
 
     return Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
+
+
+# ----------------------------------------------------------------------------- configuration
+
+
+def validate_rules(rules: Rules, where: str = "sharding rules") -> dict[str, MeshAxes]:
+    """The rules as a plain dict with every logical axis present (missing ones replicated);
+    ValueError naming the problem for an unknown logical axis or mesh axis."""
+    out: dict[str, MeshAxes] = {name: None for name in LOGICAL_AXES}
+    for name, value in rules.items():
+        if name not in LOGICAL_AXES:
+            raise ValueError(f"{where}: unknown logical axis {name!r}; known: {', '.join(LOGICAL_AXES)}")
+        if isinstance(value, list):
+            value = tuple(value)
+        for axis in _axes_tuple(value):
+            if not isinstance(axis, str) or axis not in MESH_AXIS_NAMES:
+                raise ValueError(f"{where}: {name!r} maps to {axis!r}; mesh axes are "
+                                 f"{', '.join(MESH_AXIS_NAMES)} (or null, or a list of them)")
+        if isinstance(value, tuple) and len(set(value)) != len(value):
+            raise ValueError(f"{where}: {name!r} names a mesh axis twice: {list(value)}")
+        out[name] = value[0] if isinstance(value, tuple) and len(value) == 1 else value
+    return out
+
+
+def _read_rules_file(path: pathlib.Path) -> Mapping:
+    text = path.read_text()
+    if path.suffix.lower() in (".yaml", ".yml"):
+        try:
+            import yaml
+        except ImportError:
+            raise ValueError(f"{path} is YAML, but PyYAML is not installed; install it "
+                             "(pip install pyyaml) or write the rules as JSON") from None
+        data = yaml.safe_load(text)
+    else:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{path}: expected a mapping of logical axis -> mesh axis")
+    return data
+
+
+def load_rules(spec: str | Rules | None) -> dict[str, MeshAxes]:
+    """Rules from a preset name (RULE_PRESETS), a JSON or YAML file, or a mapping.
+
+    A file is a mapping `{logical axis: mesh axis | [mesh axes] | null}`; it may name a
+    preset to start from with `"base": "<preset>"` (default "tp") and then list only what
+    differs. YAML files need PyYAML.
+    """
+    if spec is None:
+        return validate_rules(DEFAULT_RULES)
+    if isinstance(spec, Mapping):
+        return validate_rules(spec)
+    if spec in RULE_PRESETS:
+        return validate_rules(RULE_PRESETS[spec], f"preset {spec!r}")
+    path = pathlib.Path(os.path.expanduser(spec))
+    if not path.is_file():
+        raise ValueError(f"sharding rules {spec!r}: neither a preset ({', '.join(RULE_PRESETS)}) "
+                         "nor a rules file (JSON, or YAML with PyYAML)")
+    data = dict(_read_rules_file(path))
+    base = data.pop("base", "tp")
+    if base not in RULE_PRESETS:
+        raise ValueError(f"{path}: base {base!r} is not a preset ({', '.join(RULE_PRESETS)})")
+    return validate_rules({**RULE_PRESETS[base], **data}, str(path))
+
+
+def rules_name(spec: str | Rules | None) -> str:
+    """A short name for reports: the preset or the file's stem."""
+    if spec is None:
+        return "tp"
+    if isinstance(spec, Mapping):
+        return "custom"
+    return spec if spec in RULE_PRESETS else pathlib.Path(spec).stem
+
+
+def check_servable(rules: Rules) -> None:
+    """ValueError when the engine cannot run these rules today: the KV pages sharded (that
+    needs the data-parallel scheduler: requests pinned to a data rank with its own page range),
+    or the head dim split (attention needs whole heads)."""
+    if _axes_tuple(rules.get(PAGES)):
+        raise ValueError(
+            f"these sharding rules split the KV cache pages over {list(_axes_tuple(rules[PAGES]))}; "
+            "serving them needs the data-parallel scheduler (requests pinned to a data rank with "
+            "its own page range), which is not built yet. `jaxserve shard-plan` can size them.")
+    if _axes_tuple(rules.get(HEAD_DIM)):
+        raise ValueError("sharding rules may not split head_dim: attention needs whole heads")
+
+
+def mesh_axes_size(mesh: Mesh, axes: MeshAxes) -> int:
+    """How many ways `axes` (a spec entry) split a dimension on `mesh`."""
+    return math.prod(mesh.shape[a] for a in _axes_tuple(axes))

@@ -55,8 +55,6 @@ def create_model(
     the embedding are quantized as they are placed: a float checkpoint is never held on the
     device). rules: the logical-axis rules (models/sharding.py; default DEFAULT_RULES).
     """
-    if quantization is not None and quantization not in QUANTIZATIONS:
-        raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None; got {quantization!r}")
     cls = get_model_class(cfg.architecture)
     mesh = mesh or single_device_mesh()
     rules = DEFAULT_RULES if rules is None else rules
@@ -65,9 +63,8 @@ def create_model(
         return cls(cfg, dtype=dtype, rngs=rngs, mesh=mesh, attention_impl=attention_impl,
                    quantization=quantization, rules=rules)
 
-    abstract = nnx.eval_shape(lambda: build(nnx.Rngs(seed)))
-    graphdef, abs_state = nnx.split(abstract)
-    shardings = state_shardings(abs_state, mesh, rules)
+    graphdef, abs_state, shardings = abstract_model(cfg, dtype=dtype, mesh=mesh, attention_impl=attention_impl,
+                                                    seed=seed, quantization=quantization, rules=rules)
 
     if get_tensor is None:
         # Random weights (tests, benchmarks): initialise under jit straight into the shardings.
@@ -116,6 +113,29 @@ def create_model(
 
     state = jax.tree_util.tree_map_with_path(load, abs_state, is_leaf=_is_var)
     return nnx.merge(graphdef, state)
+
+
+def abstract_model(
+    cfg: ArchConfig,
+    *,
+    dtype=jnp.float32,
+    mesh: Mesh | None = None,
+    attention_impl: str = "auto",
+    seed: int = 0,
+    quantization: str | None = None,
+    rules: Mapping[str, str | None] | None = None,
+):
+    """The model of `create_model` without any memory: (graphdef, abstract state of
+    ShapeDtypeStructs, the state's NamedShardings from the rules)."""
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None; got {quantization!r}")
+    cls = get_model_class(cfg.architecture)
+    mesh = mesh or single_device_mesh()
+    rules = DEFAULT_RULES if rules is None else rules
+    abstract = nnx.eval_shape(lambda: cls(cfg, dtype=dtype, rngs=nnx.Rngs(seed), mesh=mesh,
+                                          attention_impl=attention_impl, quantization=quantization, rules=rules))
+    graphdef, abs_state = nnx.split(abstract)
+    return graphdef, abs_state, state_shardings(abs_state, mesh, rules)
 
 
 def _check_shape(key: str, got, expected) -> None:

@@ -1,4 +1,5 @@
-"""The `jaxserve` command: `serve` (the OpenAI-compatible server) and `generate` (one prompt)."""
+"""The `jaxserve` command: `serve` (the OpenAI-compatible server), `generate` (one prompt) and
+`shard-plan` (sharding experiments: jaxserve/tools/shard_plan.py)."""
 
 from __future__ import annotations
 
@@ -110,6 +111,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     h.add_argument("--heartbeat-timeout", type=int, default=None,
                    help="seconds JAX's coordination service waits for a silent process (default 100)")
     g.add_argument("--tensor-parallel-size", type=int, default=None, help="mesh 'model' axis size")
+    g.add_argument("--sharding-rules", default=None, metavar="PRESET|FILE",
+                   help="how weights and the KV cache split over the mesh: a preset (tp, tp-replicate-vocab, "
+                        "tp-kv-replicated, fsdp, expert-parallel) or a JSON/YAML file mapping logical axes to "
+                        "mesh axes (default: tp)")
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -123,7 +128,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
               "quantization": "quantization", "data_parallel_size": "data_parallel_size",
               "tensor_parallel_size": "tensor_parallel_size", "coordinator_address": "coordinator_address",
               "num_processes": "num_processes", "process_id": "process_id", "follower_port": "follower_port",
-              "step_timeout": "step_timeout_seconds", "heartbeat_timeout": "heartbeat_timeout_seconds"}
+              "step_timeout": "step_timeout_seconds", "heartbeat_timeout": "heartbeat_timeout_seconds",
+              "sharding_rules": "sharding_rules"}
     for arg, key in simple.items():
         v = getattr(args, arg, None)
         if v is not None:
@@ -184,6 +190,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="apply the model's chat template")
     g.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error", "critical"])
     _add_engine_args(g)
+
+    from jaxserve.tools.shard_plan import add_arguments as add_shard_plan_arguments
+
+    sp = sub.add_parser("shard-plan", help="compile the step for meshes, sharding rules and buckets (simulated "
+                        "CPU devices or TPU topologies) and report memory, collectives and cost per device")
+    add_shard_plan_arguments(sp)
     return parser
 
 
@@ -192,6 +204,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from jaxserve.config import EngineConfig
     from jaxserve.engine.setup import build_engine
+    from jaxserve.models.sharding import check_servable, load_rules
     from jaxserve.parallel.multihost import FingerprintMismatch
     from jaxserve.server.app import build_app
     from jaxserve.server.async_engine import AsyncEngine
@@ -204,6 +217,7 @@ def _serve(args: argparse.Namespace) -> int:
         opts["served_model_name"] = names[0]
     try:
         config = EngineConfig.from_kwargs(model=model, **opts)
+        check_servable(load_rules(config.parallel.sharding_rules))
     except (ValueError, TypeError) as e:
         print(f"jaxserve serve: {e}", file=sys.stderr)
         return 2
@@ -297,6 +311,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "serve":
             return _serve(args)
+        if args.command == "shard-plan":
+            from jaxserve.tools.shard_plan import run as shard_plan
+
+            return shard_plan(args)
         return _generate(args)
     except KeyboardInterrupt:
         return 130

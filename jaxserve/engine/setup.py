@@ -25,6 +25,7 @@ from jaxserve.engine.input_processor import ModelInfo
 from jaxserve.engine.tokenizer import Tokenizer
 from jaxserve.models.arch_config import ArchConfig
 from jaxserve.models.loader import load_checkpoint, resolve_model
+from jaxserve.models.sharding import check_servable, load_rules
 from jaxserve.models.weights import create_model
 from jaxserve.parallel import multihost
 from jaxserve.parallel.mesh import bytes_per_device, make_mesh, replicated_axes
@@ -91,6 +92,8 @@ def build_engine(config: EngineConfig) -> EngineParts:
         logger.warning("max_model_len %d exceeds the model's max_position_embeddings %d",
                        max_model_len, arch.max_position_embeddings)
     sc = dataclasses.replace(config.scheduler, max_model_len=max_model_len)
+    rules = load_rules(config.parallel.sharding_rules)
+    check_servable(rules)
     mesh = make_mesh(config.parallel.data_parallel_size, config.parallel.tensor_parallel_size)
     plan = backend.plan(mc, cc, mesh)
     link = None
@@ -98,10 +101,11 @@ def build_engine(config: EngineConfig) -> EngineParts:
         link, plan = _join(topo, config, model_path, plan)
     dtype, kv_dtype = DTYPES[plan.dtype], DTYPES[plan.kv_dtype]
     model = create_model(arch, dtype=dtype, mesh=mesh, attention_impl=mc.attention_impl, get_tensor=ckpt.get_tensor,
-                         quantization=mc.quantization)
+                         quantization=mc.quantization, rules=rules)
     backend.prepare_model(model, plan)
     load_seconds = time.perf_counter() - t0
-    num_pages = cc.num_pages or num_pages_for_budget(arch, cc.page_size, kv_dtype, backend.kv_cache_budget(cc))
+    num_pages = cc.num_pages or num_pages_for_budget(arch, cc.page_size, kv_dtype, backend.kv_cache_budget(cc),
+                                                     mesh, rules)
     kv_manager = KVCacheManager(cc.page_size, num_pages, enable_caching=cc.enable_prefix_caching,
                                 max_model_len=max_model_len)
     sampler_config = SamplerConfig(max_num_seqs=sc.max_num_seqs, vocab_size=arch.vocab_size,
@@ -111,10 +115,10 @@ def build_engine(config: EngineConfig) -> EngineParts:
     runner = ModelRunner(
         model, backend=backend, mesh=mesh, num_pages=num_pages, page_size=cc.page_size,
         max_model_len=max_model_len, max_num_seqs=sc.max_num_seqs, grid=grid, sampler_config=sampler_config,
-        kv_dtype=kv_dtype, seed=mc.seed, show_progress=config.compile.show_progress,
+        kv_dtype=kv_dtype, seed=mc.seed, show_progress=config.compile.show_progress, rules=rules,
     )
     if mesh.size > 1:
-        _log_placement(model, runner, mesh)
+        _log_placement(model, runner, mesh, rules)
     if topo is not None:
         from jax.experimental import multihost_utils
 
@@ -144,14 +148,14 @@ def build_engine(config: EngineConfig) -> EngineParts:
     return EngineParts(tokenizer, info, core, model_path, arch, backend, plan, load_seconds, topo, link)
 
 
-def _log_placement(model, runner: ModelRunner, mesh) -> None:
+def _log_placement(model, runner: ModelRunner, mesh, rules) -> None:
     """What each device holds, and what stays whole because the mesh does not divide it (e.g.
     SmolLM2's 3 KV heads on 2 or 4 devices: the KV cache and the k/v projections replicate)."""
     weights, kv = bytes_per_device(runner.params), bytes_per_device([*runner.kv.k, *runner.kv.v])
     total = sum(x.nbytes for x in runner.params)
     logger.info("mesh %s: weights %.1f MiB per device (of %.1f MiB), KV cache %.1f MiB per device",
                 dict(mesh.shape), weights / 2**20, total / 2**20, kv / 2**20)
-    for axis, names in replicated_axes(model, mesh).items():
+    for axis, names in replicated_axes(model, mesh, rules).items():
         shown = ", ".join(sorted({n.rsplit(".", 1)[-1] for n in names}))
         logger.info("replicated: %s does not divide, so %s (%d arrays)%s are whole on every device",
                     axis, shown, len(names), " and the KV cache" if axis.startswith("kv_heads") else "")

@@ -8,7 +8,7 @@ from jax.sharding import Mesh
 
 from jaxserve.models.arch_config import ArchConfig
 from jaxserve.models.interface import KV_CACHE_AXES, KVCache
-from jaxserve.models.sharding import named_sharding
+from jaxserve.models.sharding import DEFAULT_RULES, Rules, logical_to_spec, mesh_axes_size, named_sharding
 
 
 def kv_cache_shape(cfg: ArchConfig, num_pages: int, page_size: int) -> tuple[int, ...]:
@@ -16,13 +16,21 @@ def kv_cache_shape(cfg: ArchConfig, num_pages: int, page_size: int) -> tuple[int
     return (num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
 
 
-def bytes_per_page(cfg: ArchConfig, page_size: int, dtype) -> int:
-    """Bytes of K and V for one page across all layers."""
-    return 2 * cfg.num_layers * page_size * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
+def bytes_per_page(cfg: ArchConfig, page_size: int, dtype, mesh: Mesh | None = None,
+                   rules: Rules | None = None) -> int:
+    """Bytes of K and V for one page across all layers: on one device of `mesh` (the KV heads
+    split as the rules say), or in all (no mesh)."""
+    heads = cfg.num_kv_heads
+    if mesh is not None:
+        spec = logical_to_spec(KV_CACHE_AXES, kv_cache_shape(cfg, 1, page_size), mesh, _rules(rules))
+        heads //= mesh_axes_size(mesh, spec[2])
+    return 2 * cfg.num_layers * page_size * heads * cfg.head_dim * jnp.dtype(dtype).itemsize
 
 
-def num_pages_for_budget(cfg: ArchConfig, page_size: int, dtype, budget_bytes: int) -> int:
-    n = int(budget_bytes // bytes_per_page(cfg, page_size, dtype))
+def num_pages_for_budget(cfg: ArchConfig, page_size: int, dtype, budget_bytes: int, mesh: Mesh | None = None,
+                         rules: Rules | None = None) -> int:
+    """Pages that fit a per-device budget (each device holds its KV heads of every page)."""
+    n = int(budget_bytes // bytes_per_page(cfg, page_size, dtype, mesh, rules))
     if n < 2:
         raise ValueError(
             f"a KV cache budget of {budget_bytes / 2**20:.1f} MiB holds fewer than 2 pages of "
@@ -31,14 +39,29 @@ def num_pages_for_budget(cfg: ArchConfig, page_size: int, dtype, budget_bytes: i
     return n
 
 
-def kv_cache_sharding(cfg: ArchConfig, num_pages: int, page_size: int, mesh: Mesh):
-    return named_sharding(KV_CACHE_AXES, kv_cache_shape(cfg, num_pages, page_size), mesh)
+def _rules(rules: Rules | None) -> Rules:
+    return DEFAULT_RULES if rules is None else rules
 
 
-def allocate_kv_cache(cfg: ArchConfig, num_pages: int, page_size: int, dtype, mesh: Mesh) -> KVCache:
+def kv_cache_sharding(cfg: ArchConfig, num_pages: int, page_size: int, mesh: Mesh, rules: Rules | None = None):
+    return named_sharding(KV_CACHE_AXES, kv_cache_shape(cfg, num_pages, page_size), mesh, _rules(rules))
+
+
+def abstract_kv_cache(cfg: ArchConfig, num_pages: int, page_size: int, dtype, mesh: Mesh,
+                      rules: Rules | None = None) -> KVCache:
+    """The KV cache `allocate_kv_cache` would make, as ShapeDtypeStructs (no memory)."""
+    shape = kv_cache_shape(cfg, num_pages, page_size)
+    one = jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=kv_cache_sharding(cfg, num_pages, page_size,
+                                                                                   mesh, rules))
+    L = cfg.num_layers
+    return KVCache(k=(one,) * L, v=(one,) * L)
+
+
+def allocate_kv_cache(cfg: ArchConfig, num_pages: int, page_size: int, dtype, mesh: Mesh,
+                      rules: Rules | None = None) -> KVCache:
     """Zeroed K and V pages (one array each per layer), created directly in their sharding."""
     shape = kv_cache_shape(cfg, num_pages, page_size)
-    sharding = kv_cache_sharding(cfg, num_pages, page_size, mesh)
+    sharding = kv_cache_sharding(cfg, num_pages, page_size, mesh, rules)
     zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
     L = cfg.num_layers
     return KVCache(k=tuple(zeros() for _ in range(L)), v=tuple(zeros() for _ in range(L)))

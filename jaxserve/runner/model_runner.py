@@ -23,12 +23,10 @@ needs only the launched step.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -41,29 +39,14 @@ from jaxserve.runner.buckets import BucketGrid
 from jaxserve.runner.compile import CompileCounter
 from jaxserve.runner.kv_cache import allocate_kv_cache
 from jaxserve.runner.step_buffers import BufferLayout
-from jaxserve.runner.step_inputs import ModelInputs, TokenInfo, pack_rows
+from jaxserve.runner.step_fn import PromptLogprobs, StepFunction, step_layout
+from jaxserve.runner.step_inputs import TokenInfo, pack_rows
 from jaxserve.sampling.config import SamplerConfig
-from jaxserve.sampling.metadata import SamplingMetadata, SamplingMetadataBuilder
-from jaxserve.sampling.sampler import SamplerOutput, prompt_logprobs, sample
-from jaxserve.sampling.state import (
-    SlotRowsWrite,
-    init_sampling_state,
-    record_sampled_tokens,
-    resolve_pending_tokens,
-    update_state_from_tokens,
-    write_slot_rows,
-)
+from jaxserve.sampling.metadata import SamplingMetadataBuilder
+from jaxserve.sampling.sampler import SamplerOutput
+from jaxserve.sampling.state import SlotRowsWrite, init_sampling_state, write_slot_rows
 
 logger = logging.getLogger(__name__)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class PromptLogprobs:
-    logprob: jax.Array  # [T] f32
-    topk_ids: jax.Array  # [T, K] int32
-    topk_logprobs: jax.Array  # [T, K] f32
-    rank: jax.Array  # [T] int32
 
 
 @dataclasses.dataclass(slots=True)
@@ -112,8 +95,10 @@ class ModelRunner:
         kv_dtype,
         seed: int = 0,
         show_progress: bool = True,
+        rules=None,
     ):
         self.mesh = mesh
+        self.rules = rules  # the sharding rules of the KV cache (None: the default "tp")
         self.cfg = model.config
         self.num_pages = num_pages
         self.page_size = page_size
@@ -129,6 +114,7 @@ class ModelRunner:
         self.params, self._params_treedef = jax.tree.flatten(state)
         del state
         self.layer_impl = backend.layer_impl(model)
+        self.step_function = StepFunction(self.graphdef, self._params_treedef, self.layer_impl, sampler_config)
         backend.place_weights(model, self.params, self._params_treedef)
         self.replicated = NamedSharding(mesh, P())
         self._allocate_state()
@@ -146,7 +132,7 @@ class ModelRunner:
 
     def _allocate_state(self) -> None:
         """The KV cache and the sampling state (device), zeroed."""
-        self.kv = allocate_kv_cache(self.cfg, self.num_pages, self.page_size, self.kv_dtype, self.mesh)
+        self.kv = allocate_kv_cache(self.cfg, self.num_pages, self.page_size, self.kv_dtype, self.mesh, self.rules)
         # The thread advising huge pages under the host buffers (CPU), if any.
         self.huge_pages = self.backend.place_kv_cache([*self.params, *self.kv.k, *self.kv.v])
         self.sstate = jax.device_put(init_sampling_state(self.sampler_config), self.replicated)
@@ -164,42 +150,10 @@ class ModelRunner:
         self._prompt_ids: list[list[int] | None] = [None] * S
 
     # ------------------------------------------------------------------ compilation
-    def _step_fn(self, params, kv, sstate, inputs: ModelInputs, meta: SamplingMetadata, tok: TokenInfo):
-        input_ids = resolve_pending_tokens(sstate, inputs.input_ids, tok.slots)
-        sstate = update_state_from_tokens(sstate, tok.slots, input_ids, tok.is_prompt, tok.valid, meta.reset_slots)
-        model = nnx.merge(self.graphdef, jax.tree.unflatten(self._params_treedef, params))
-        hidden, kv = model(input_ids, inputs.positions, kv, inputs.md, self.layer_impl)  # [T, E]
-        logits = model.compute_logits(hidden[inputs.logits_indices])  # [R, V]
-        out = sample(logits, meta, sstate, self.sampler_config)
-        sstate = record_sampled_tokens(sstate, out.token_ids, tok.sample_slots)
-        k = self.sampler_config.max_logprobs
-        T = hidden.shape[0]
-        wants = tok.next_prompt_token >= 0
-
-        def with_prompt_lp():
-            lp, ids, top, rank = prompt_logprobs(model.compute_logits(hidden), jnp.maximum(tok.next_prompt_token, 0), k,
-                                                 self.sampler_config.native)
-            return PromptLogprobs(lp, ids, top, rank)
-
-        def without():
-            return PromptLogprobs(jnp.zeros((T,), jnp.float32), jnp.zeros((T, k), jnp.int32),
-                                  jnp.zeros((T, k), jnp.float32), jnp.zeros((T,), jnp.int32))
-
-        plp = jax.lax.cond(jnp.any(wants), with_prompt_lp, without)
-        return kv, sstate, out, plp
-
     def step_layout(self, T: int, R: int) -> BufferLayout:
         """How a (T, R) step's inputs (ModelInputs, SamplingMetadata, TokenInfo) are packed."""
-        empty = np.zeros(0, np.int32)
-        dummy = pack_rows(empty, empty, empty, np.zeros((0, self.pages_per_req), np.int32),
-                          num_tokens=T, num_reqs=R, page_size=self.page_size)
-        tok = TokenInfo(slots=np.zeros(T, np.int32), is_prompt=np.zeros(T, np.bool_), valid=np.zeros(T, np.bool_),
-                        next_prompt_token=np.zeros(T, np.int32), sample_slots=np.zeros(R, np.int32))
-        meta = SamplingMetadataBuilder(self.sampler_config).build([], [], R)
-        return BufferLayout.of((dummy, meta, tok))
-
-    def _packed_step_fn(self, layout: BufferLayout, params, kv, sstate, *buffers):
-        return self._step_fn(params, kv, sstate, *layout.unpack(buffers))
+        return step_layout(T, R, pages_per_req=self.pages_per_req, page_size=self.page_size,
+                           sampler_config=self.sampler_config)
 
     def _compile_all(self, show_progress: bool) -> None:
         shaped = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
@@ -213,9 +167,7 @@ class ModelRunner:
         rep = self.replicated
         for T, R in tqdm(shapes, desc="compiling buckets", disable=not show_progress, unit="bucket"):
             layout = self.layouts[(T, R)] = self.step_layout(T, R)
-            jitted = jax.jit(functools.partial(self._packed_step_fn, layout), donate_argnums=(1, 2),
-                             out_shardings=(*keep, rep, rep))
-            self._compiled[(T, R)] = jitted.lower(params, kv, sstate, *layout.abstract(rep)).compile()
+            self._compiled[(T, R)] = self.step_function.lower(layout, params, kv, sstate, rep).compile()
         rows = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep), self.empty_slot_write())
         self._write_rows = jax.jit(write_slot_rows, donate_argnums=(0,), out_shardings=keep[1]).lower(
             sstate, rows).compile()

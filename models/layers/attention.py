@@ -1,9 +1,12 @@
 """Paged attention for one layer (its own cache arrays): write this step's K/V into the cache, then attend.
 
-The kernels are mesh-agnostic; this is where the `shard_map` over KV heads lives. When the
-model axis of the mesh divides the number of KV heads, each device writes and reads only its
-own heads (the query heads of a KV group sit on the same device because query head h uses KV
-head h // (Hq // Hkv)). Otherwise attention runs replicated.
+The kernels are mesh-agnostic; this is where the `shard_map` over KV heads lives. Its specs
+come from the sharding rules (`attention_specs`, through `sharding.logical_to_spec`, the same
+function that places the weights and the KV cache): when the rules split `kv_heads` over some
+mesh axes and their size divides the number of KV heads, each device writes and reads only
+its own heads (the query heads of a KV group sit on the same device because query head h uses
+KV head h // (Hq // Hkv)); otherwise attention runs replicated. On a multi-device mesh the
+kernel always runs inside the `shard_map` (Mosaic kernels must), replicated specs included.
 """
 
 from __future__ import annotations
@@ -13,8 +16,13 @@ import dataclasses
 import jax
 from jax.sharding import Mesh, PartitionSpec as P
 
+from jaxserve.models import sharding as ax
+from jaxserve.models.interface import KV_CACHE_AXES
 from jaxserve.pallas_kernels.ragged_paged_attention.metadata import AttentionMetadata
 from jaxserve.pallas_kernels.ragged_paged_attention.ops import write_kv_and_attend
+
+# Logical axes of a step's k and v: [tokens, kv_heads, head_dim].
+KV_AXES = (None, ax.KV_HEADS, ax.HEAD_DIM)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,6 +35,19 @@ class AttentionSpec:
     impl: str = "auto"
 
 
+def attention_specs(k_shape, cache_shape, mesh: Mesh, rules: ax.Rules) -> tuple[P, P]:
+    """(spec of q, k and v [T, H, D], spec of a cache [N, page_size, Hkv, D]) for the
+    attention `shard_map`, from the rules. Query heads follow the KV heads' split (a query
+    head group stays with its KV head)."""
+    heads = ax.logical_to_spec(KV_AXES, k_shape, mesh, rules)
+    cache = ax.logical_to_spec(KV_CACHE_AXES, cache_shape, mesh, rules)
+    if cache[0] is not None or cache[3] is not None or heads[2] is not None:
+        raise ValueError(f"attention cannot run with the KV cache split as {cache}: pages and "
+                         "head_dim must stay whole on each device (see sharding.check_servable)")
+    assert cache[2] == heads[1], (cache, heads)
+    return heads, cache
+
+
 def paged_attention(
     q: jax.Array,  # [T, Hq, D]
     k: jax.Array,  # [T, Hkv, D]
@@ -36,6 +57,7 @@ def paged_attention(
     md: AttentionMetadata,
     spec: AttentionSpec,
     mesh: Mesh | None,
+    rules: ax.Rules = ax.DEFAULT_RULES,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     def local(q, k, v, k_cache, v_cache, md):
         return write_kv_and_attend(
@@ -46,12 +68,9 @@ def paged_attention(
             impl=spec.impl,
         )
 
-    tp = 1 if mesh is None else mesh.shape.get("model", 1)
-    num_kv_heads = k.shape[1]
-    if tp == 1 or num_kv_heads % tp:
+    if mesh is None or mesh.size == 1:
         return local(q, k, v, k_cache, v_cache, md)
-    heads = P(None, "model", None)
-    cache = P(None, None, "model", None)
+    heads, cache = attention_specs(k.shape, k_cache.shape, mesh, rules)
     md_spec = jax.tree.map(lambda _: P(), md)
     return jax.shard_map(
         local,
@@ -60,4 +79,3 @@ def paged_attention(
         out_specs=(heads, cache, cache),
         check_vma=False,
     )(q, k, v, k_cache, v_cache, md)
-

@@ -1,0 +1,110 @@
+"""The compiled step as a function of (weights, KV cache, sampling state, packed inputs).
+
+`StepFunction` is what the runner compiles per (T, R) bucket, and all it needs is the model's
+graph definition, the structure of its weights, the backend's layer replacement and the
+sampler's static sizes: so the same code path lowers a step on real arrays (`ModelRunner`) or
+on abstract ones that were never allocated (`jaxserve shard-plan`, which compiles it for
+meshes and devices it does not have).
+
+One step does: replace pending input tokens by the tokens their slots sampled last -> fold the
+input tokens into the sampling state (penalty counts) -> model forward over the flat token
+batch (KV cache updated in place, donated) -> logits at each request's last scheduled token ->
+sampling (+ raw logprobs, and prompt logprobs when some row asks) -> keep each row's sampled
+token in its slot.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxserve.runner.step_buffers import BufferLayout
+from jaxserve.runner.step_inputs import ModelInputs, TokenInfo, pack_rows
+from jaxserve.sampling.config import SamplerConfig
+from jaxserve.sampling.metadata import SamplingMetadata, SamplingMetadataBuilder
+from jaxserve.sampling.sampler import prompt_logprobs, sample
+from jaxserve.sampling.state import (
+    init_sampling_state,
+    record_sampled_tokens,
+    resolve_pending_tokens,
+    update_state_from_tokens,
+)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PromptLogprobs:
+    logprob: jax.Array  # [T] f32
+    topk_ids: jax.Array  # [T, K] int32
+    topk_logprobs: jax.Array  # [T, K] f32
+    rank: jax.Array  # [T] int32
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StepFunction:
+    graphdef: Any  # the model's nnx GraphDef
+    params_treedef: Any  # how the flat weight list unflattens into the model's State
+    layer_impl: Any  # a backend's fused decoder layer, or None
+    sampler_config: SamplerConfig
+
+    def __call__(self, params, kv, sstate, inputs: ModelInputs, meta: SamplingMetadata, tok: TokenInfo):
+        input_ids = resolve_pending_tokens(sstate, inputs.input_ids, tok.slots)
+        sstate = update_state_from_tokens(sstate, tok.slots, input_ids, tok.is_prompt, tok.valid, meta.reset_slots)
+        model = nnx.merge(self.graphdef, jax.tree.unflatten(self.params_treedef, params))
+        hidden, kv = model(input_ids, inputs.positions, kv, inputs.md, self.layer_impl)  # [T, E]
+        logits = model.compute_logits(hidden[inputs.logits_indices])  # [R, V]
+        out = sample(logits, meta, sstate, self.sampler_config)
+        sstate = record_sampled_tokens(sstate, out.token_ids, tok.sample_slots)
+        k = self.sampler_config.max_logprobs
+        T = hidden.shape[0]
+        wants = tok.next_prompt_token >= 0
+
+        def with_prompt_lp():
+            lp, ids, top, rank = prompt_logprobs(model.compute_logits(hidden), jnp.maximum(tok.next_prompt_token, 0), k,
+                                                 self.sampler_config.native)
+            return PromptLogprobs(lp, ids, top, rank)
+
+        def without():
+            return PromptLogprobs(jnp.zeros((T,), jnp.float32), jnp.zeros((T, k), jnp.int32),
+                                  jnp.zeros((T, k), jnp.float32), jnp.zeros((T,), jnp.int32))
+
+        plp = jax.lax.cond(jnp.any(wants), with_prompt_lp, without)
+        return kv, sstate, out, plp
+
+    def packed(self, layout: BufferLayout, params, kv, sstate, *buffers):
+        return self(params, kv, sstate, *layout.unpack(buffers))
+
+    def lower(self, layout: BufferLayout, params, kv, sstate, input_sharding) -> jax.stages.Lowered:
+        """The step of one bucket lowered on (abstract or real) weights, KV cache and sampling
+        state; the packed inputs are abstract with `input_sharding`. The KV cache and the
+        sampling state are donated, and come back in the shardings they went in with (left to
+        itself XLA may return the sampling state split like the vocab-sharded logits, which the
+        next step would refuse); the sampled tokens and logprobs come back with
+        `input_sharding` (replicated: every process can read them)."""
+        keep = lambda tree: jax.tree.map(lambda x: x.sharding, tree)  # noqa: E731
+        jitted = jax.jit(functools.partial(self.packed, layout), donate_argnums=(1, 2),
+                         out_shardings=(keep(kv), keep(sstate), input_sharding, input_sharding))
+        return jitted.lower(params, kv, sstate, *layout.abstract(input_sharding))
+
+
+def step_layout(T: int, R: int, *, pages_per_req: int, page_size: int, sampler_config: SamplerConfig) -> BufferLayout:
+    """How a (T, R) step's inputs (ModelInputs, SamplingMetadata, TokenInfo) are packed."""
+    empty = np.zeros(0, np.int32)
+    dummy = pack_rows(empty, empty, empty, np.zeros((0, pages_per_req), np.int32),
+                      num_tokens=T, num_reqs=R, page_size=page_size)
+    tok = TokenInfo(slots=np.zeros(T, np.int32), is_prompt=np.zeros(T, np.bool_), valid=np.zeros(T, np.bool_),
+                    next_prompt_token=np.zeros(T, np.int32), sample_slots=np.zeros(R, np.int32))
+    meta = SamplingMetadataBuilder(sampler_config).build([], [], R)
+    return BufferLayout.of((dummy, meta, tok))
+
+
+def abstract_sampling_state(sampler_config: SamplerConfig, sharding):
+    """The sampling state's ShapeDtypeStructs (no memory), with `sharding`."""
+    shapes = jax.eval_shape(functools.partial(init_sampling_state, sampler_config))
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), shapes)

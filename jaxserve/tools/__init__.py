@@ -1,0 +1,1 @@
+"""Command-line tools beside serving (`jaxserve shard-plan`)."""

@@ -1,0 +1,267 @@
+"""One configuration of `jaxserve shard-plan`: the real step compiled on abstract inputs.
+
+For a mesh, a rules table and a (T, R) bucket, this builds the model abstractly (no weights
+are read or allocated), lays its parameters, KV cache and sampling state over the mesh as the
+engine would, lowers the runner's own step function (`jaxserve.runner.step_fn`: model,
+sampler and all) and compiles it for the devices at hand: simulated CPU devices, a
+compile-only TPU topology, or the real devices. It then reads back what XLA decided: memory,
+cost and the collectives in the HLO. `--measure` runs the same executable on random weights.
+
+This module runs inside a worker process (`plan_worker.py`) whose JAX backend was set up for
+its devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxserve.backends import select_backend
+from jaxserve.config import CacheConfig, ModelConfig
+from jaxserve.models import sharding as ax
+from jaxserve.models.arch_config import ArchConfig
+from jaxserve.models.interface import KV_CACHE_AXES
+from jaxserve.models.layers.moe import resolve_impl as resolve_moe_impl
+from jaxserve.models.weights import abstract_model
+from jaxserve.runner.kv_cache import abstract_kv_cache, kv_cache_shape
+from jaxserve.runner.step_fn import StepFunction, abstract_sampling_state, step_layout
+from jaxserve.sampling.config import SamplerConfig
+from jaxserve.tools.hlo_collectives import parse_collectives, summarize
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+_ATTENTION = ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo", "q_norm", "k_norm")
+_MLP = ("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down")
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanSettings:
+    """What every configuration of one run shares."""
+
+    arch: dict  # the HF config.json of the model
+    platform: str  # the target's JAX platform: "cpu", "tpu", "gpu"
+    max_model_len: int
+    max_num_seqs: int
+    page_size: int = 16
+    kv_cache_memory: int | None = None  # per device; None: R x max_model_len tokens
+    dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
+    attention_impl: str = "auto"
+    quantization: str | None = None
+    device_memory: int | None = None  # per device, for the verdict
+    measure: bool = False
+    steps: int = 5
+    context: int | None = None  # decode context for --measure (default: min(max_model_len, 1024))
+
+
+def param_group(path: str, ndim: int) -> str:
+    """The report's group of a parameter ("layers.3.wq" -> "attention"; stacked experts -> "moe")."""
+    leaf = path.split(".")[-1].removesuffix("_qscale")
+    if path.startswith("embed"):
+        return "embed"
+    if path.startswith("lm_head"):
+        return "lm_head"
+    if leaf in _ATTENTION:
+        return "attention"
+    if leaf == "router" or (leaf in _MLP and ndim == 3):
+        return "moe"
+    if leaf in _MLP:
+        return "mlp"
+    if "norm" in leaf:
+        return "norms"
+    return "other"
+
+
+def _path(p) -> str:
+    return ".".join(str(getattr(k, "key", getattr(k, "name", k))) for k in p)
+
+
+def _nbytes(shape, dtype) -> int:
+    return int(math.prod(shape) * jnp.dtype(dtype).itemsize)
+
+
+def _local_bytes(s: jax.ShapeDtypeStruct) -> int:
+    return _nbytes(s.sharding.shard_shape(s.shape), s.dtype)
+
+
+def _requested_split(axes, shape, mesh: Mesh, rules) -> tuple[int, int, list[str]]:
+    """(requested split, granted split, notes on dims the rules asked to split but were not)."""
+    asked_n = granted_n = 1
+    notes = []
+    used: set[str] = set()
+    for name, size, (asked, granted) in zip(axes, shape, ax.spec_entries(axes, shape, mesh, rules)):
+        present = tuple(a for a in asked if a in mesh.shape and a not in used)
+        used.update(present)
+        n = ax.mesh_axes_size(mesh, present)
+        asked_n *= n
+        granted_n *= ax.mesh_axes_size(mesh, granted)
+        if n > 1 and not granted:
+            notes.append(f"{name} ({size}) over {'x'.join(present)}={n}")
+    return asked_n, granted_n, notes
+
+
+def resolve_plan(settings: PlanSettings, cfg: ArchConfig, mesh: Mesh, rules) -> dict[str, Any]:
+    """dtype, KV dtype and attention implementation as the target's backend resolves them, the
+    attention kernel checked on the per-device shapes (as `impl="auto"` does when serving)."""
+    backend = select_backend(settings.platform)
+    mc = ModelConfig(dtype=settings.dtype, attention_impl=settings.attention_impl, matmul_impl="xla")
+    cc = CacheConfig(kv_cache_dtype=settings.kv_cache_dtype, page_size=settings.page_size)
+    plan = backend.plan(mc, cc, mesh)
+    impl, note = plan.attention_impl, None
+    if impl in ("tpu", "gpu"):
+        spec = ax.logical_to_spec(KV_CACHE_AXES, kv_cache_shape(cfg, 1, settings.page_size), mesh, rules)
+        local_heads = cfg.num_kv_heads // ax.mesh_axes_size(mesh, spec[2])
+        from jaxserve.pallas_kernels.ragged_paged_attention import gpu, tpu
+
+        check = tpu.supports if impl == "tpu" else gpu.supports
+        try:
+            check(jnp.zeros((1, 1, cfg.head_dim)),
+                  jax.ShapeDtypeStruct((1, settings.page_size, local_heads, cfg.head_dim), DTYPES[plan.kv_dtype]))
+        except ValueError as e:
+            impl, note = "reference", f"{plan.attention_impl} kernel unsupported: {e}"
+    return {"dtype": plan.dtype, "kv_dtype": plan.kv_dtype, "attention_impl": impl, "attention_note": note,
+            "native_sampling": plan.native_sampling and mesh.size == 1}
+
+
+def plan_one(settings: PlanSettings, mesh: Mesh, rules_spec: str, bucket: tuple[int, int],
+             device_kind: str) -> dict[str, Any]:
+    """Compile and analyse one (mesh, rules, bucket); the report's record."""
+    cfg = ArchConfig.from_hf(settings.arch)
+    rules = ax.load_rules(rules_spec)
+    T, R = bucket
+    rec: dict[str, Any] = {"mesh": f"{mesh.shape['data']}x{mesh.shape['model']}", "rules": ax.rules_name(rules_spec),
+                           "bucket": [T, R], "device_kind": device_kind, "num_devices": mesh.size}
+    plan = resolve_plan(settings, cfg, mesh, rules)
+    rec.update(plan)
+    dtype, kv_dtype = DTYPES[plan["dtype"]], DTYPES[plan["kv_dtype"]]
+
+    # ---- parameters: abstract, with the engine's shardings
+    graphdef, abs_state, shardings = abstract_model(cfg, dtype=dtype, mesh=mesh, attention_impl=plan["attention_impl"],
+                                                    quantization=settings.quantization, rules=rules)
+    model = nnx.merge(graphdef, abs_state)
+    if hasattr(model, "moe_impl"):
+        model.moe_impl = resolve_moe_impl("auto", settings.platform)
+    graphdef, abs_state = nnx.split(model)
+    groups: dict[str, dict[str, float]] = {}
+    replicated: list[str] = []
+    flat_params = []
+    leaves, treedef = jax.tree.flatten(abs_state)
+    sh_leaves = jax.tree.leaves(shardings)
+    variables = jax.tree_util.tree_leaves_with_path(abs_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    assert len(variables) == len(leaves) == len(sh_leaves)
+    paths = [_path(p) for p, _ in variables]
+    axes_of = {_path(p): v.get_metadata().get("logical_axes") for p, v in variables}
+    for path, leaf, sharding in zip(paths, leaves, sh_leaves):
+        s = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
+        flat_params.append(s)
+        g = groups.setdefault(param_group(path, len(leaf.shape)), {"per_device": 0, "requested_per_device": 0, "total": 0})
+        total = _nbytes(leaf.shape, leaf.dtype)
+        g["per_device"] += _local_bytes(s)
+        g["total"] += total
+        axes = axes_of.get(path)
+        if axes is None:
+            g["requested_per_device"] += total
+            continue
+        asked, granted, notes = _requested_split(axes, leaf.shape, mesh, rules)
+        g["requested_per_device"] += _local_bytes(s) * granted / asked
+        for note in notes:
+            text = f"{param_group(path, len(leaf.shape))}: {note}"
+            if text not in replicated:
+                replicated.append(text)
+    rec["params"] = {"per_device": int(sum(g["per_device"] for g in groups.values())),
+                     "total": int(sum(g["total"] for g in groups.values())),
+                     "groups": {k: {kk: int(vv) for kk, vv in v.items()} for k, v in sorted(groups.items())},
+                     "replicated": replicated}
+
+    # ---- KV cache: pages for the budget, per device
+    probe = abstract_kv_cache(cfg, 1, settings.page_size, kv_dtype, mesh, rules).k[0]
+    kv_spec = probe.sharding.spec
+    head_split = ax.mesh_axes_size(mesh, kv_spec[2])
+    page_split = ax.mesh_axes_size(mesh, ax.logical_to_spec(KV_CACHE_AXES, (1 << 20, 1, 1, 1), mesh, rules)[0])
+    per_page = 2 * cfg.num_layers * settings.page_size * (cfg.num_kv_heads // head_split) * cfg.head_dim * \
+        jnp.dtype(kv_dtype).itemsize  # one page's bytes on the devices that hold it
+    pages_per_req = -(-settings.max_model_len // settings.page_size)
+    wanted = settings.max_num_seqs * pages_per_req + 1  # + the null page
+    if settings.kv_cache_memory is not None:
+        num_pages = int(settings.kv_cache_memory // per_page) * page_split
+    else:
+        num_pages = -(-wanted // page_split) * page_split
+    num_pages = max(num_pages, 2 * page_split)
+    kv = abstract_kv_cache(cfg, num_pages, settings.page_size, kv_dtype, mesh, rules)
+    kv_local = sum(_local_bytes(a) for a in (*kv.k, *kv.v))
+    rec["kv"] = {"dtype": plan["kv_dtype"], "bytes_per_page_per_device": per_page // page_split if page_split > 1
+                 else per_page, "page_size": settings.page_size, "num_pages": num_pages,
+                 "tokens": (num_pages - 1) * settings.page_size, "per_device": kv_local,
+                 "spec": str(kv_spec), "budget": settings.kv_cache_memory,
+                 "workload_pages": wanted, "fits_workload": num_pages >= wanted,
+                 "max_requests_at_max_len": (num_pages - 1) // pages_per_req}
+    # ---- sampling state and step inputs (replicated, as the runner has them)
+    replicated_sh = NamedSharding(mesh, P())
+    sampler_config = SamplerConfig(max_num_seqs=settings.max_num_seqs, vocab_size=cfg.vocab_size,
+                                   native=plan["native_sampling"])
+    sstate = abstract_sampling_state(sampler_config, replicated_sh)
+    rec["sampling_state_per_device"] = sum(_local_bytes(a) for a in jax.tree.leaves(sstate))
+    layout = step_layout(T, R, pages_per_req=pages_per_req, page_size=settings.page_size,
+                         sampler_config=sampler_config)
+    step = StepFunction(graphdef, treedef, None, sampler_config)
+    if mesh.size > 1 or settings.platform != "cpu":
+        ax.check_servable(rules)
+    t0 = time.perf_counter()
+    lowered = step.lower(layout, flat_params, kv, sstate, replicated_sh)
+    try:
+        compiled = lowered.compile()
+    except Exception as e:  # a compiler that refuses for lack of memory is a verdict, not an error
+        verdict = does_not_fit_record(e, settings.device_memory)
+        if verdict is None:
+            raise
+        rec["memory"], rec["compile_s"] = verdict, round(time.perf_counter() - t0, 2)
+        return rec
+    rec["compile_s"] = round(time.perf_counter() - t0, 2)
+    rec["memory"] = memory_record(compiled, settings.device_memory)
+    rec["cost"] = cost_record(compiled)
+    rec["collectives"] = summarize(parse_collectives(compiled.as_text(), mesh.size), cfg.num_layers)
+    if settings.measure:
+        from jaxserve.tools.plan_measure import measure_step
+
+        rec["measure"] = measure_step(settings, cfg, mesh, rules, plan, compiled, layout, sampler_config,
+                                      num_pages, pages_per_req, bucket)
+    return rec
+
+
+def memory_record(compiled, device_memory: int | None) -> dict[str, Any]:
+    m = compiled.memory_analysis()
+    out = {k: int(getattr(m, f"{k}_size_in_bytes", 0) or 0)
+           for k in ("argument", "output", "alias", "temp", "generated_code")}
+    # Donated arguments (the KV cache, the sampling state) alias their outputs.
+    out["peak"] = out["argument"] + out["output"] - out["alias"] + out["temp"] + out["generated_code"]
+    out["device_memory"] = device_memory
+    out["fits"] = None if device_memory is None else out["peak"] <= device_memory
+    return out
+
+
+def cost_record(compiled) -> dict[str, Any]:
+    cost = compiled.cost_analysis()
+    if isinstance(cost, list):
+        cost = cost[0] if cost else {}
+    cost = cost or {}
+    flops, accessed = float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
+    return {"flops": flops, "bytes_accessed": accessed,
+            "arithmetic_intensity": round(flops / accessed, 2) if accessed else None}
+
+
+def does_not_fit_record(error: Exception, device_memory: int | None) -> dict[str, Any] | None:
+    """A memory verdict from a compiler that refused the program for lack of memory."""
+    text = str(error)
+    if "RESOURCE_EXHAUSTED" not in text and "out of memory" not in text.lower():
+        return None
+    first = next((line for line in text.splitlines() if "memory" in line.lower()), text.splitlines()[0])
+    return {"fits": False, "device_memory": device_memory, "compiler": first.strip()[:400]}

@@ -1,0 +1,237 @@
+"""`jaxserve shard-plan`: sharding-config experiments, compiled for meshes you may not have.
+
+    jaxserve shard-plan [MODEL] --mesh 1x8,2x4|auto --rules tp,tp-kv-replicated \
+        --buckets 16x8,512x32 --max-model-len 8192 [--kv-cache-memory 16GiB] \
+        [--devices 8 | --topology v5e:2x4 | --real] [--measure] \
+        [--json plan.jsonl] [--markdown plan.md] [--plot plan.png]
+
+MODEL is an HF directory, a config.json, a GGUF file, a named architecture preset
+(`ARCH_PRESETS`: llama3-8b, llama3-70b, qwen3-32b, mixtral-8x7b, smollm2-135m) or nothing (the
+bundled model); only its configuration is read. For every (mesh, rules, bucket) the runner's
+step is compiled on abstract inputs (`plan_compile.py`) in one worker process per device set
+(`plan_worker.py`): N simulated CPU devices, a compile-only TPU topology (libtpu, no TPU
+needed), or the real devices. The results: a table on stdout, JSON lines, a markdown report
+and a plot (`plan_report.py`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import time
+
+from jaxserve.tools.plan_worker import RECORD_PREFIX
+
+logger = logging.getLogger(__name__)
+
+PRESET_DIR = pathlib.Path(__file__).parent / "arch_presets"
+ARCH_PRESETS = tuple(sorted(p.stem for p in PRESET_DIR.glob("*.json")))
+
+
+def _pairs(text: str, what: str) -> list[tuple[int, int]]:
+    out = []
+    for part in re.split(r"[,\s]+", text.strip()):
+        if not part:
+            continue
+        m = re.fullmatch(r"(\d+)x(\d+)", part)
+        if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
+            raise argparse.ArgumentTypeError(f"{what} must look like 2x4 (comma-separated); got {part!r}")
+        out.append((int(m.group(1)), int(m.group(2))))
+    if not out:
+        raise argparse.ArgumentTypeError(f"no {what} given")
+    return out
+
+
+def _names(text: str) -> list[str]:
+    return [x for x in re.split(r"[,\s]+", text.strip()) if x]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from jaxserve.server.cli import parse_bytes  # the CLI's byte sizes (2GiB, 512MB)
+
+    p.add_argument("model", nargs="?", default=None,
+                   help=f"HF directory, config.json, GGUF file or preset ({', '.join(ARCH_PRESETS)}); "
+                        "default: the bundled model. No weights are read.")
+    p.add_argument("--mesh", default="auto",
+                   help="data x model mesh shapes, e.g. 1x8,2x4; 'auto': every factorization of the device count")
+    p.add_argument("--rules", default="tp", type=_names,
+                   help="sharding rule presets or JSON/YAML files, comma-separated (default: tp)")
+    p.add_argument("--buckets", default="16x8,512x32", type=lambda t: _pairs(t, "buckets"),
+                   help="(tokens x requests) step buckets to compile, e.g. 16x8,512x32")
+    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: min(model, 2048))")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="sequences the KV cache must hold at max-model-len when --kv-cache-memory is not given "
+                        "(default: the largest request bucket)")
+    p.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
+                   help="KV cache bytes per device (suffixes allowed); default: max-num-seqs x max-model-len tokens")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights' dtype (auto: the target's, as serve resolves it)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--attention-impl", default="auto")
+    p.add_argument("--quantization", default=None, choices=["int8"])
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--devices", type=int, default=None,
+                       help="simulate N CPU devices (default: 8 unless --topology or --real)")
+    where.add_argument("--topology", type=_names, default=None,
+                       help="compile for TPU slices without a TPU, e.g. v5e:2x4 (comma-separated; needs libtpu: "
+                            "pip install 'jaxserve[tpu]')")
+    where.add_argument("--real", action="store_true", help="the devices of this machine")
+    p.add_argument("--hosts", type=int, default=None, help="a mesh spanning N local processes (not yet)")
+    p.add_argument("--device-memory", type=parse_bytes, default=None,
+                   help="memory per device for the verdict (default: the TPU chip's HBM, the real device's limit)")
+    p.add_argument("--measure", action="store_true", help="time decode and prefill steps on random weights")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per measurement (median)")
+    p.add_argument("--context", type=int, default=None, help="decode context for --measure (default 1024)")
+    p.add_argument("--json", dest="json_out", default=None, help="append one JSON line per configuration here")
+    p.add_argument("--markdown", default=None, help="write a markdown report here")
+    p.add_argument("--plot", default=None, help="write a PNG plot here (needs matplotlib: the bench extra)")
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error", "critical"])
+
+
+def model_config(model: str | None) -> tuple[str, dict]:
+    """(name, HF config dict) of MODEL without reading weights."""
+    from jaxserve.models import gguf_loader
+    from jaxserve.models.loader import default_gguf_path, is_gguf_file
+
+    if model is None:
+        path = default_gguf_path()
+        return "SmolLM2-135M-Instruct", gguf_loader.config_from_gguf(gguf_loader.open_gguf(path))
+    if model in ARCH_PRESETS:
+        return model, json.loads((PRESET_DIR / f"{model}.json").read_text())
+    path = pathlib.Path(model).expanduser()
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return path.name, json.loads((path / "config.json").read_text())
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            path = ggufs[0]
+    if path.is_file():
+        if is_gguf_file(path):
+            return path.stem, gguf_loader.config_from_gguf(gguf_loader.open_gguf(path))
+        try:
+            return path.parent.name or path.stem, json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            pass
+    raise ValueError(f"model {model!r}: not an HF directory, config.json, GGUF file or preset "
+                     f"({', '.join(ARCH_PRESETS)})")
+
+
+def factorizations(n: int) -> list[tuple[int, int]]:
+    return [(n // m, m) for m in range(1, n + 1) if n % m == 0][::-1]
+
+
+def topology_chips(topology: str) -> int:
+    dims = topology.split(":")[-1]
+    n = 1
+    for d in dims.split("x"):
+        n *= int(d)
+    return n
+
+
+def _worker_env(target: dict) -> dict[str, str]:
+    env = dict(os.environ)
+    if target["kind"] == "real":
+        return env
+    env["JAX_PLATFORMS"] = "cpu"  # TPU topologies compile from the CPU host
+    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", "")).strip()
+    if target["kind"] == "cpu":
+        flags = f"{flags} --xla_force_host_platform_device_count={target['devices']}".strip()
+    env["XLA_FLAGS"] = flags
+    return env
+
+
+def run_worker(job: dict, on_record) -> int:
+    """Run one worker process; `on_record(record)` for each configuration as it finishes."""
+    cmd = [sys.executable, "-m", "jaxserve.tools.plan_worker"]
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=_worker_env(job["target"]),
+                            text=True)
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write(json.dumps(job))
+    proc.stdin.close()
+    for line in proc.stdout:
+        if line.startswith(RECORD_PREFIX):
+            on_record(json.loads(line[len(RECORD_PREFIX):]))
+    return proc.wait()
+
+
+def build_jobs(args, arch: dict) -> list[dict]:
+    buckets = sorted(set(args.buckets))
+    for T, R in buckets:
+        if R > T:
+            raise ValueError(f"bucket {T}x{R}: a step has at least one token per request (R <= T)")
+    max_model_len = args.max_model_len or min(int(arch.get("max_position_embeddings", 2048)), 2048)
+    if args.topology:
+        targets = [({"kind": "tpu", "topology": t}, topology_chips(t), "tpu") for t in args.topology]
+    elif args.real:
+        import jax
+
+        targets = [({"kind": "real"}, jax.device_count(), jax.default_backend())]
+    else:
+        n = args.devices or 8
+        targets = [({"kind": "cpu", "devices": n}, n, "cpu")]
+    settings = dict(arch=arch, max_model_len=max_model_len, max_num_seqs=args.max_num_seqs or max(r for _, r in buckets),
+                    page_size=args.page_size, kv_cache_memory=args.kv_cache_memory, dtype=args.dtype,
+                    kv_cache_dtype=args.kv_cache_dtype, attention_impl=args.attention_impl,
+                    quantization=args.quantization, device_memory=args.device_memory, measure=args.measure,
+                    steps=args.steps, context=args.context)
+    jobs = []
+    for target, count, platform in targets:
+        meshes = factorizations(count) if args.mesh == "auto" else _pairs(args.mesh, "meshes")
+        if args.measure and target["kind"] == "tpu":
+            raise ValueError("--measure needs devices that run: use --devices or --real (a topology only compiles)")
+        jobs.append({"target": target, "meshes": meshes, "rules": args.rules, "buckets": buckets,
+                     "settings": {**settings, "platform": platform}, "log_level": args.log_level})
+    return jobs
+
+
+def run(args: argparse.Namespace) -> int:
+    from jaxserve.tools import plan_report
+
+    if args.hosts is not None:
+        print("jaxserve shard-plan: --hosts is not available yet: measuring a mesh over several processes needs "
+              "the multi-host runtime, which is being built; use --devices N (simulated) or --topology", file=sys.stderr)
+        return 2
+    try:
+        from jaxserve.models.sharding import load_rules
+
+        for r in args.rules:
+            load_rules(r)
+        name, arch = model_config(args.model)
+        jobs = build_jobs(args, arch)
+    except (ValueError, argparse.ArgumentTypeError) as e:
+        print(f"jaxserve shard-plan: {e}", file=sys.stderr)
+        return 2
+    header = plan_report.run_header(name, arch, jobs)
+    records: list[dict] = []
+    t0 = time.perf_counter()
+    print(plan_report.table_header(), flush=True)
+
+    def on_record(rec: dict) -> None:
+        rec = {**header, "target": rec.get("target", target_name), **rec}
+        records.append(rec)
+        print(plan_report.table_row(rec), flush=True)
+        if args.json_out:
+            with open(args.json_out, "a") as f:
+                f.write(json.dumps(rec, default=str) + "\n")
+
+    failed = 0
+    for job in jobs:
+        target_name = plan_report.target_name(job["target"])
+        rc = run_worker(job, on_record)
+        if rc:
+            print(f"jaxserve shard-plan: the worker for {target_name} exited with {rc}", file=sys.stderr)
+            failed += 1
+    print(plan_report.footer(records, time.perf_counter() - t0))
+    if args.markdown:
+        pathlib.Path(args.markdown).write_text(plan_report.markdown(records, header, args))
+    if args.plot:
+        plan_report.plot(records, args.plot)
+    errors = [r for r in records if r.get("error")]
+    return 1 if failed or (errors and len(errors) == len(records)) else 0

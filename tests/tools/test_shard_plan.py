@@ -1,0 +1,120 @@
+"""`jaxserve shard-plan`: predicted bytes equal the live buffers', the worker processes, the
+reports, and reading models without their weights."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jaxserve.models.arch_config import ArchConfig
+from jaxserve.models.sharding import load_rules
+from jaxserve.models.weights import create_model
+from jaxserve.parallel.mesh import make_mesh
+from jaxserve.runner.kv_cache import allocate_kv_cache
+from jaxserve.server.cli import main
+from jaxserve.tools.plan_compile import PlanSettings, plan_one
+from jaxserve.tools.shard_plan import ARCH_PRESETS, factorizations, model_config
+
+FIXTURE = pathlib.Path(__file__).parent.parent / "data" / "arch"
+TINY = dict(architectures=["LlamaForCausalLM"], vocab_size=256, hidden_size=64, intermediate_size=128,
+            num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, head_dim=16,
+            max_position_embeddings=512, tie_word_embeddings=False)
+
+
+@pytest.mark.parametrize(("mesh_shape", "rules"), [((1, 8), "tp"), ((2, 4), "tp-kv-replicated"), ((4, 2), "fsdp"),
+                                                  ((2, 4), "tp-replicate-vocab")])
+def test_predicted_bytes_equal_the_live_buffers(mesh_shape, rules):
+    """On 8 simulated devices: the plan's parameter and KV bytes per device are what the engine's
+    own placement puts on every device (addressable shards), and the compiled step's arguments
+    hold them."""
+    assert len(jax.devices()) >= 8
+    settings = PlanSettings(arch=TINY, platform="cpu", max_model_len=128, max_num_seqs=8, dtype="float32",
+                            kv_cache_dtype="float32", attention_impl="reference", measure=rules == "tp", steps=1)
+    mesh = make_mesh(*mesh_shape)
+    rec = plan_one(settings, mesh, rules, (16, 8), "cpu")
+    cfg = ArchConfig.from_hf(TINY)
+    model = create_model(cfg, dtype=jnp.float32, mesh=mesh, rules=load_rules(rules))
+    leaves = jax.tree.leaves(model)
+    for d in range(mesh.size):
+        live = sum(a.addressable_shards[d].data.nbytes for a in leaves)
+        assert rec["params"]["per_device"] == live
+    kv = allocate_kv_cache(cfg, rec["kv"]["num_pages"], 16, jnp.float32, mesh, load_rules(rules))
+    assert rec["kv"]["per_device"] == sum(a.addressable_shards[0].data.nbytes for a in (*kv.k, *kv.v))
+    assert rec["kv"]["num_pages"] == rec["kv"]["workload_pages"] == 8 * 128 // 16 + 1
+    args = rec["memory"]["argument"]
+    assert args >= rec["params"]["per_device"] + rec["kv"]["per_device"] + rec["sampling_state_per_device"]
+    assert rec["collectives"]["count"] >= (0 if mesh_shape[1] == 1 else 1)
+    if rules == "tp":  # the compiled step runs (twice each: its outputs feed the next call)
+        assert rec["measure"]["decode_ms"] > 0 and rec["measure"]["prefill_ms"] > 0
+    if rules == "tp-kv-replicated":
+        assert rec["kv"]["spec"] == "P(None, None, None, None)"
+    if rules == "tp":  # 8 query heads over 8, 4 KV heads do not split 8 ways: reported
+        assert any("kv_heads (4) over model=8" in r for r in rec["params"]["replicated"])
+
+
+def test_kv_budget_sizes_the_pages():
+    settings = PlanSettings(arch=TINY, platform="cpu", max_model_len=128, max_num_seqs=8, dtype="float32",
+                            kv_cache_dtype="float32", attention_impl="reference", kv_cache_memory=1 << 20)
+    rec = plan_one(settings, make_mesh(1, 4), "tp", (16, 8), "cpu")
+    per_page = 2 * 2 * 16 * (4 // 4) * 16 * 4  # layers x K,V x page x local heads x head dim x f32
+    assert rec["kv"]["bytes_per_page_per_device"] == per_page
+    assert rec["kv"]["num_pages"] == (1 << 20) // per_page
+
+
+def test_model_configs_without_weights(default_model_dir):
+    assert {"llama3-8b", "llama3-70b", "qwen3-32b", "smollm2-135m", "mixtral-8x7b"} <= set(ARCH_PRESETS)
+    for name in ARCH_PRESETS:
+        ArchConfig.from_hf(model_config(name)[1])
+    name, cfg = model_config(None)  # the bundled GGUF's metadata
+    assert (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["num_hidden_layers"]) == (9, 3, 30)
+    assert model_config(str(FIXTURE / "llama"))[1]["hidden_size"] == 64
+    assert model_config(str(FIXTURE / "llama" / "config.json"))[1]["hidden_size"] == 64
+    with pytest.raises(ValueError, match="preset"):
+        model_config("no-such-model")
+    assert factorizations(8) == [(1, 8), (2, 4), (4, 2), (8, 1)]
+
+
+def test_command_end_to_end(tmp_path, capsys):
+    """The command on a fixture over two 4-device meshes (one worker process), two rules,
+    with JSON lines, a markdown report and a plot."""
+    out, md, png = tmp_path / "plan.jsonl", tmp_path / "plan.md", tmp_path / "plan.png"
+    argv = ["shard-plan", str(FIXTURE / "qwen3"), "--devices", "4", "--mesh", "2x2,4x1", "--rules", "tp,fsdp",
+            "--buckets", "16x8", "--max-model-len", "256", "--dtype", "float32", "--json", str(out),
+            "--markdown", str(md)]
+    try:
+        import matplotlib  # noqa: F401
+
+        argv += ["--plot", str(png)]
+    except ImportError:
+        png = None
+    assert main(argv) == 0
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted((r["mesh"], r["rules"]) for r in records) == sorted(
+        (m, r) for m in ("2x2", "4x1") for r in ("tp", "fsdp"))
+    assert all(not r.get("error") and r["git_sha"] is not None and r["versions"]["jax"] for r in records)
+    by = {(r["mesh"], r["rules"]): r for r in records}
+    # fsdp on 4x1 splits the weights over data; tp there replicates them (no model axis)
+    assert by[("4x1", "fsdp")]["params"]["per_device"] < by[("4x1", "tp")]["params"]["per_device"]
+    assert by[("4x1", "fsdp")]["collectives"]["count"] > 0 == by[("4x1", "tp")]["collectives"]["count"]
+    assert "| cpu x4 | 2x2 | tp |" in md.read_text()
+    assert "cpu x4" in capsys.readouterr().out
+    if png is not None:
+        assert png.stat().st_size > 1000
+
+
+def test_hosts_is_not_there_yet(capsys):
+    assert main(["shard-plan", "--hosts", "2"]) == 2
+    assert "not available yet" in capsys.readouterr().err
+
+
+def test_bad_arguments_are_refused(capsys):
+    assert main(["shard-plan", "smollm2-135m", "--rules", "nope"]) == 2
+    assert "neither a preset" in capsys.readouterr().err
+    assert main(["shard-plan", "smollm2-135m", "--buckets", "8x16"]) == 2
+    assert "R <= T" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["shard-plan", "--mesh", "1x8", "--buckets", "oops"])

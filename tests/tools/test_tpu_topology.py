@@ -1,0 +1,131 @@
+"""Compiles for real TPU generations on this CPU host (compile-only topologies from libtpu):
+the Mosaic attention kernel under a shard_map, a tiling Mosaic rejects, and whole steps
+(SmolLM2, and a small Llama whose attention runs the kernel) for v5e and v6e. A kernel change
+that breaks Mosaic fails here. Skipped where libtpu is not installed (pip install
+'jaxserve[tpu]'; the CI installs it)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                                reason="libtpu is not installed (pip install 'jaxserve[tpu]'): no TPU compiles")
+
+TOPOLOGIES = ("v5e:2x2", "v6e:2x2")
+TINY_LLAMA = dict(architectures=["LlamaForCausalLM"], vocab_size=512, hidden_size=256, intermediate_size=512,
+                  num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, head_dim=128,
+                  max_position_embeddings=2048, tie_word_embeddings=False)
+
+
+@functools.cache
+def _devices(topology: str):
+    from jaxserve.tools.plan_worker import target_devices
+
+    return target_devices({"kind": "tpu", "topology": topology})
+
+
+def _kernel_program(devices, *, page_size: int):
+    """The TPU kernel in a shard_map over KV heads on a 4-chip mesh, lowered for the chips."""
+    from jaxserve.pallas_kernels import AttentionMetadata
+    from jaxserve.pallas_kernels.ragged_paged_attention import tpu
+
+    mesh = Mesh(np.array(devices[:4]).reshape(1, 4), ("data", "model"))
+    T, R, Hq, Hkv, D, N, Pg = 64, 8, 16, 8, 128, 256, 16
+    heads, cache = P(None, "model", None), P(None, None, "model", None)
+    sd = lambda shape, dtype, spec=P(): jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))  # noqa: E731
+    md = AttentionMetadata(block_tables=sd((R, Pg), jnp.int32), kv_lens=sd((R,), jnp.int32),
+                           query_start_loc=sd((R + 1,), jnp.int32), num_seqs=sd((), jnp.int32),
+                           slot_mapping=sd((T,), jnp.int32))
+
+    def local(q, kc, vc, md):
+        return tpu.ragged_paged_attention_tpu(q, kc, vc, md, sm_scale=0.1, sliding_window=128, soft_cap=30.0)
+
+    def f(q, kc, vc, md):
+        return jax.shard_map(local, mesh=mesh, in_specs=(heads, cache, cache, jax.tree.map(lambda _: P(), md)),
+                             out_specs=heads, check_vma=False)(q, kc, vc, md)
+
+    args = (sd((T, Hq, D), jnp.bfloat16, heads), sd((N, page_size, Hkv, D), jnp.bfloat16, cache),
+            sd((N, page_size, Hkv, D), jnp.bfloat16, cache), md)
+    return jax.jit(f).lower(*args).compile()
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+def test_attention_kernel_compiles_for_tpu(topology):
+    devices, kind, hbm = _devices(topology)
+    assert kind.startswith("TPU v") and hbm is not None
+    compiled = _kernel_program(devices, page_size=16)
+    assert "tpu_custom_call" in compiled.as_text()
+    assert compiled.memory_analysis().argument_size_in_bytes > 0
+
+
+def _copy_kernel(devices, block):
+    """A Pallas copy kernel with `block`-shaped blocks over a [16, 256] float32 array, compiled
+    for the chips (inside a shard_map, as Mosaic kernels on a multi-device mesh must be)."""
+    from jax.experimental import pallas as pl
+
+    mesh = Mesh(np.array(devices[:4]).reshape(1, 4), ("data", "model"))
+
+    def copy(x_ref, o_ref):
+        o_ref[...] = x_ref[...]
+
+    def local(x):
+        spec = pl.BlockSpec(block, lambda i, j: (i, j))
+        return pl.pallas_call(copy, grid=(16 // block[0], 256 // block[1]), in_specs=[spec], out_specs=spec,
+                              out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
+
+    f = jax.shard_map(local, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)
+    x = jax.ShapeDtypeStruct((16, 256), jnp.float32, sharding=NamedSharding(mesh, P()))
+    return jax.jit(f).lower(x).compile()
+
+
+def test_mosaic_rejects_a_broken_tiling():
+    """The compile is Mosaic's own: (8, 128) float32 blocks compile, (4, 64) ones break its
+    tiling and are refused; and the attention kernel's shape check refuses bfloat16 pages of
+    8 rows before Mosaic sees them."""
+    devices, _, _ = _devices("v5e:2x2")
+    assert "tpu_custom_call" in _copy_kernel(devices, (8, 128)).as_text()
+    with pytest.raises(Exception, match="(?i)block|tile|divisible|shape"):
+        _copy_kernel(devices, (4, 64))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        _kernel_program(devices, page_size=8)
+
+
+def _plan(topology: str, arch: dict, name: str):
+    from jaxserve.parallel.mesh import make_mesh
+    from jaxserve.tools.plan_compile import PlanSettings, plan_one
+
+    devices, kind, hbm = _devices(topology)
+    settings = PlanSettings(arch=arch, platform="tpu", max_model_len=1024, max_num_seqs=8, device_memory=hbm)
+    return name, topology, plan_one(settings, make_mesh(1, 4, devices=devices), "tp", (16, 8), kind)
+
+
+def test_whole_steps_compile_for_v5e_and_v6e():
+    """SmolLM2's step (attention on the reference: its 3 x 64 KV rows are not lane-dense for
+    the kernel, as serving would fall back) and a small Llama's (the Mosaic kernel) on 4 chips
+    of each generation, the compiles side by side."""
+    from jaxserve.tools.shard_plan import model_config
+
+    _, smollm2 = model_config("smollm2-135m")
+    jobs = [(t, a, n) for t in TOPOLOGIES for a, n in ((smollm2, "smollm2"), (TINY_LLAMA, "tiny-llama"))]
+    for t in TOPOLOGIES:
+        _devices(t)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(lambda j: _plan(*j), jobs))
+    for name, topology, rec in results:
+        assert rec["memory"]["fits"] is True, (name, topology, rec["memory"])
+        per_layer = rec["collectives"]["per_layer"]
+        assert per_layer.get("all-reduce", {}).get("count", 0) >= 1, (name, topology, rec["collectives"])
+        if name == "smollm2":
+            assert rec["attention_impl"] == "reference" and "lane-dense" in rec["attention_note"]
+            assert rec["params"]["replicated"]  # 9 query / 3 KV heads over 4 chips
+        else:
+            assert rec["attention_impl"] == "tpu" and rec["attention_note"] is None
+        assert rec["kv"]["dtype"] == "bfloat16" and rec["dtype"] == "bfloat16"
