@@ -22,6 +22,7 @@ import pathlib
 from collections.abc import Mapping, Sequence
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 logger = logging.getLogger(__name__)
@@ -243,16 +244,53 @@ def rules_name(spec: str | Rules | None) -> str:
 
 
 def check_servable(rules: Rules) -> None:
-    """ValueError when the engine cannot run these rules today: the KV pages sharded (that
-    needs the data-parallel scheduler: requests pinned to a data rank with its own page range),
-    or the head dim split (attention needs whole heads)."""
-    if _axes_tuple(rules.get(PAGES)):
+    """ValueError when the engine cannot run these rules: the KV pages split over anything but
+    "data" (each data rank owns a page range: the data-parallel scheduler), or the head dim
+    split (attention needs whole heads)."""
+    if _axes_tuple(rules.get(PAGES)) not in ((), ("data",)):
         raise ValueError(
             f"these sharding rules split the KV cache pages over {list(_axes_tuple(rules[PAGES]))}; "
-            "serving them needs the data-parallel scheduler (requests pinned to a data rank with "
-            "its own page range), which is not built yet. `jaxserve shard-plan` can size them.")
+            "only the data axis can own pages (each data-parallel rank a range of them).")
     if _axes_tuple(rules.get(HEAD_DIM)):
         raise ValueError("sharding rules may not split head_dim: attention needs whole heads")
+
+
+def serving_rules(rules: Rules, data_parallel_size: int) -> dict[str, MeshAxes]:
+    """The rules the engine serves with: with data parallelism the KV pages go over "data"
+    (each rank owns a range of them, see core/dp_scheduler.py)."""
+    return {**rules, PAGES: "data"} if data_parallel_size > 1 else dict(rules)
+
+
+def context_mesh(mesh: Mesh) -> tuple[Mesh, frozenset[str]]:
+    """The mesh a `shard_map` inside the model must use, and the axes already manual there:
+    inside the data-parallel step (a `shard_map` manual over "data") that is the context's
+    abstract mesh; elsewhere `mesh` itself."""
+    ctx = jax.sharding.get_abstract_mesh()
+    manual = frozenset(getattr(ctx, "manual_axes", ()) or ())
+    return (ctx, manual) if manual else (mesh, frozenset())
+
+
+def same_on_every_rank(flag: jax.Array) -> jax.Array:
+    """A batch-wide boolean flag made the same on every data rank: inside the data-parallel step
+    (a `shard_map` manual over "data") the OR over the ranks, elsewhere `flag` itself. A
+    `lax.cond` or `while_loop` whose branches hold collectives over the other mesh axes (the
+    sampler's over a vocabulary split on "model") must take the same path on every device, or
+    the collectives wait for each other forever."""
+    _, manual = context_mesh(None)
+    if "data" not in manual:
+        return flag
+    return jax.lax.pmax(jnp.asarray(flag).astype(jnp.int32), "data") > 0
+
+
+def without_axes(spec: PartitionSpec, axes: frozenset[str]) -> PartitionSpec:
+    """`spec` with the mesh axes `axes` left out (they are manual in the context already)."""
+    if not axes:
+        return spec
+    out = []
+    for entry in spec:
+        kept = tuple(a for a in _axes_tuple(entry) if a not in axes)
+        out.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+    return PartitionSpec(*out)
 
 
 def mesh_axes_size(mesh: Mesh, axes: MeshAxes) -> int:

@@ -128,8 +128,7 @@ class AsyncEngine:
         self.accepting = True
         if max_waiting_requests is None:
             sched = self.core.scheduler
-            cache_tokens = (sched.kv.num_blocks - 1) * sched.kv.block_size
-            max_waiting_requests = default_max_waiting(cache_tokens, self.info.max_model_len,
+            max_waiting_requests = default_max_waiting(sched.cache_tokens, self.info.max_model_len,
                                                        sched.config.max_num_seqs)
         if max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be >= 1, got {max_waiting_requests}")

@@ -54,7 +54,7 @@ class Backend:
         self.platform = platform
 
     # ------------------------------------------------------------------ resolution
-    def resolve_dtype(self, requested: str) -> str:
+    def resolve_dtype(self, requested: str, mesh: Mesh | None = None) -> str:
         """bfloat16 for "auto" (the accelerators' native product dtype)."""
         return "bfloat16" if requested == "auto" else requested
 
@@ -71,7 +71,7 @@ class Backend:
         return False
 
     def plan(self, mc: ModelConfig, cc: CacheConfig, mesh: Mesh) -> DevicePlan:
-        dtype = self.resolve_dtype(mc.dtype)
+        dtype = self.resolve_dtype(mc.dtype, mesh)
         attention = resolve_attention_impl(mc.attention_impl, self.platform)
         return DevicePlan(
             dtype=dtype,

@@ -1,7 +1,7 @@
 """The CPU backend: native kernels (pallas_kernels/cpu/) where the host can build them.
 
 What differs from the accelerators (see docs/DESIGN.md §9 for the measurements):
-- dtype "auto": bfloat16 where the CPU multiplies bfloat16 natively, else float32;
+- dtype "auto": whichever of bfloat16 and float32 runs the products faster here (measured);
 - KV dtype "auto": the model dtype when the native attention kernel writes the cache, else
   float32 (XLA:CPU's bfloat16 scatter is orders of magnitude slower);
 - the KV budget: 1 GiB unless given (host memory has no useful "free" figure);
@@ -15,15 +15,15 @@ Without a C++ compiler every native path is off and the engine runs XLA's ops (s
 
 from __future__ import annotations
 
-import functools
 import logging
+import types
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxserve.backends import cpu_layer
+from jaxserve.backends import cpu_dtype, cpu_layer
 from jaxserve.backends.base import Backend, DevicePlan, LayerImpl, layer_features_covered
 from jaxserve.config import CacheConfig, ModelConfig
 from jaxserve.models.layers.linear import PackedParam, pack_linear_weights
@@ -34,18 +34,8 @@ from jaxserve.runner import huge_pages
 logger = logging.getLogger(__name__)
 
 CPU_KV_BYTES = 1 << 30
+_ONE_DEVICE = types.SimpleNamespace(size=1)  # a mesh of one device, for resolving the kernels
 MATMUL_IMPLS = ("auto", "xla", "amx", "avx512", "avx2")
-
-
-@functools.cache
-def cpu_has_bfloat16_matmul() -> bool:
-    """Whether this CPU multiplies bfloat16 natively (AMX or AVX512-BF16; Linux /proc/cpuinfo).
-
-    With it, XLA:CPU's bfloat16 products (float32 accumulation, >= 8 rows) run ~2x faster than
-    float32 ones; without it they are emulated and slower.
-    """
-    flags = kernels.cpu_flags().split()
-    return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
 class CpuBackend(Backend):
@@ -55,13 +45,17 @@ class CpuBackend(Backend):
     def __init__(self, platform: str = "cpu"):
         super().__init__(platform)
 
-    def resolve_dtype(self, requested: str) -> str:
-        """bfloat16 on CPUs that multiply bfloat16 natively (measured there: 1.3-1.4x the output
-        tok/s of float32 at 8-32 concurrent requests), else float32. Set "float32" to match
-        float32 references to the last digits."""
+    def resolve_dtype(self, requested: str, mesh: Mesh | None = None) -> str:
+        """The faster of bfloat16 and float32 on this CPU for "auto", measured on the products
+        a decode step is made of, through the path each would take (`cpu_dtype.py`: once per
+        CPU, cached). Set "float32" to match float32 references to the last digits."""
         if requested != "auto":
             return requested
-        return "bfloat16" if cpu_has_bfloat16_matmul() else "float32"
+        one = mesh is None or mesh.size == 1
+        where = _ONE_DEVICE if one else mesh
+        impls = {d: self.resolve_matmul_impl("auto", d, where) for d in ("bfloat16", "float32")}
+        key = f"{kernels.cpu_flags()}|{kernels.selected_target()}|{jax.__version__}|{one}"
+        return cpu_dtype.fastest_dtype(impls, key)
 
     def resolve_kv_dtype(self, requested: str, model_dtype: str, attention_impl: str) -> str:
         if requested != "auto":

@@ -186,9 +186,13 @@ class Scheduler:
         return self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def discard_step(self, scheduler_output: SchedulerOutput) -> list[str]:
-        """Undo a scheduled step that will not run (the runner could not prepare it): its rows
-        drop the placeholders they took, and its unfinished requests are preempted (their
-        blocks are freed; they are recomputed later). Returns the preempted ids."""
+        """Undo a scheduled step that will not run (the runner could not prepare it): the blocks
+        it was to fill leave the prefix cache (they hold no KV), its rows drop the placeholders
+        they took, and its unfinished requests are preempted (their blocks are freed; they are
+        recomputed later). Returns the preempted ids."""
+        kv = self.kv
+        kv.pool.uncache([b for s in scheduler_output.scheduled
+                         for b in kv.get_block_ids(s.request_id)[s.start_pos // kv.block_size:]])
         preempted = []
         for s in scheduler_output.scheduled:
             req = s.request
@@ -205,6 +209,11 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    @property
+    def cache_tokens(self) -> int:
+        """Tokens the KV cache holds (its blocks but the null one)."""
+        return (self.kv.num_blocks - 1) * self.kv.block_size
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (False while some request holds blocks)."""

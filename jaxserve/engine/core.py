@@ -149,13 +149,10 @@ class EngineCore:
         the step's other requests are preempted (nothing of the step ran; they are recomputed).
         Returns the failed requests' outputs."""
         sched = self.scheduler
-        kv = sched.kv
-        # The blocks this step was to fill hold no KV: none may be found in the prefix cache.
-        unwritten = [b for s in so.scheduled for b in kv.get_block_ids(s.request_id)[s.start_pos // kv.block_size:]]
-        kv.pool.uncache(unwritten)
         failed = [rid for rid in dict.fromkeys(e.request_ids) if sched.get_request(rid) is not None]
+        preempted = sched.discard_step(so)  # first: it uncaches the blocks the step was to fill
         sched.finish_requests(failed, RequestStatus.FINISHED_ABORTED)
-        preempted = sched.discard_step(so)
+        preempted = [rid for rid in preempted if rid not in failed]
         # The runner may have taken state for any of these before it raised.
         self._release_finished.update(so.finished_request_ids)
         self._release_preempted += [*so.preempted_request_ids, *preempted]

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jaxserve.backends import Backend, DevicePlan, select_backend
 from jaxserve.config import EngineConfig
 from jaxserve.core.kv_cache_manager import KVCacheManager
+from jaxserve.core.dp_scheduler import DataParallelScheduler, rank_config
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.engine.core import EngineCore
 from jaxserve.engine.generation_config import load_generation_config
@@ -25,7 +26,7 @@ from jaxserve.engine.input_processor import ModelInfo
 from jaxserve.engine.tokenizer import Tokenizer
 from jaxserve.models.arch_config import ArchConfig
 from jaxserve.models.loader import load_checkpoint, resolve_model
-from jaxserve.models.sharding import check_servable, load_rules
+from jaxserve.models.sharding import check_servable, load_rules, serving_rules
 from jaxserve.models.weights import create_model
 from jaxserve.parallel import multihost
 from jaxserve.parallel.mesh import bytes_per_device, make_mesh, replicated_axes
@@ -92,9 +93,10 @@ def build_engine(config: EngineConfig) -> EngineParts:
         logger.warning("max_model_len %d exceeds the model's max_position_embeddings %d",
                        max_model_len, arch.max_position_embeddings)
     sc = dataclasses.replace(config.scheduler, max_model_len=max_model_len)
-    rules = load_rules(config.parallel.sharding_rules)
+    D = config.parallel.data_parallel_size
+    rules = serving_rules(load_rules(config.parallel.sharding_rules), D)
     check_servable(rules)
-    mesh = make_mesh(config.parallel.data_parallel_size, config.parallel.tensor_parallel_size)
+    mesh = make_mesh(D, config.parallel.tensor_parallel_size)
     plan = backend.plan(mc, cc, mesh)
     link = None
     if topo is not None:  # the leader resolves the "auto"s; every follower takes them
@@ -104,13 +106,16 @@ def build_engine(config: EngineConfig) -> EngineParts:
                          quantization=mc.quantization, rules=rules)
     backend.prepare_model(model, plan)
     load_seconds = time.perf_counter() - t0
-    num_pages = cc.num_pages or num_pages_for_budget(arch, cc.page_size, kv_dtype, backend.kv_cache_budget(cc),
-                                                     mesh, rules)
-    kv_manager = KVCacheManager(cc.page_size, num_pages, enable_caching=cc.enable_prefix_caching,
-                                max_model_len=max_model_len)
+    # Pages per data-parallel rank (each rank's devices hold its own; `num_pages` counts them all).
+    rank_pages = (cc.num_pages // D if cc.num_pages else
+                  num_pages_for_budget(arch, cc.page_size, kv_dtype, backend.kv_cache_budget(cc), mesh, rules))
+    num_pages = rank_pages * D
+    kv_managers = [KVCacheManager(cc.page_size, rank_pages, enable_caching=cc.enable_prefix_caching,
+                                  max_model_len=max_model_len) for _ in range(D)]
     sampler_config = SamplerConfig(max_num_seqs=sc.max_num_seqs, vocab_size=arch.vocab_size,
                                    max_logprobs=config.max_logprobs, native=plan.native_sampling)
-    grid = BucketGrid.build(sc.max_num_batched_tokens, sc.max_num_seqs,
+    share = rank_config(sc, D)  # the buckets are one rank's
+    grid = BucketGrid.build(share.max_num_batched_tokens, share.max_num_seqs,
                             config.compile.token_buckets, config.compile.request_buckets)
     runner = ModelRunner(
         model, backend=backend, mesh=mesh, num_pages=num_pages, page_size=cc.page_size,
@@ -126,7 +131,8 @@ def build_engine(config: EngineConfig) -> EngineParts:
         if topo.is_leader:
             link.start()
             runner = multihost.LeaderRunner(runner, link)
-    core = EngineCore(Scheduler(sc, kv_manager), runner, async_scheduling=sc.async_scheduling)
+    scheduler = DataParallelScheduler(sc, kv_managers) if D > 1 else Scheduler(sc, kv_managers[0])
+    core = EngineCore(scheduler, runner, async_scheduling=sc.async_scheduling)
     eos = tokenizer.eos_token_id
     if eos is None and gen.eos_token_ids:
         eos = gen.eos_token_ids[0]
@@ -142,9 +148,10 @@ def build_engine(config: EngineConfig) -> EngineParts:
     # not walk it (at 1,024 running requests full collections cost milliseconds per step).
     gc.collect()
     gc.freeze()
-    logger.info("engine ready: %s, %s, %d KV pages of %d, %d buckets compiled in %.1fs (load %.1fs)%s",
-                info.name, plan.dtype, num_pages, cc.page_size, runner.num_buckets, runner.compile_seconds,
-                load_seconds, ", overlapped steps" if sc.async_scheduling else "")
+    logger.info("engine ready: %s, %s, %d KV pages of %d%s, %d buckets compiled in %.1fs (load %.1fs)%s",
+                info.name, plan.dtype, num_pages, cc.page_size, f" ({D} data-parallel ranks)" if D > 1 else "",
+                runner.num_buckets, runner.compile_seconds, load_seconds,
+                ", overlapped steps" if sc.async_scheduling else "")
     return EngineParts(tokenizer, info, core, model_path, arch, backend, plan, load_seconds, topo, link)
 
 

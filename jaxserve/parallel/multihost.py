@@ -196,7 +196,8 @@ def decode_step(data: bytes, runner) -> tuple[int, Any]:
     writes = [SlotRowsWrite(slots=take(empty.slots.shape, np.int32),
                             logit_bias=take(empty.logit_bias.shape, np.float32),
                             bad_words=take(empty.bad_words.shape, np.int32)) for _ in range(n_writes)]
-    buffers = tuple(take((n,), dt) for n, dt in zip(layout.sizes, layout.dtypes))
+    ranks = (runner.dp,) if runner.dp > 1 else ()  # data parallelism: one row per rank
+    buffers = tuple(take((*ranks, n), dt) for n, dt in zip(layout.sizes, layout.dtypes))
     if offset != len(data):
         raise ValueError("a step message with trailing bytes")
     return step_id, StepPlan((T, R), writes, buffers, [], np.zeros(0, np.int64), [], [])

@@ -99,6 +99,11 @@ class ModelRunner:
     ):
         self.mesh = mesh
         self.rules = rules  # the sharding rules of the KV cache (None: the default "tp")
+        # Data parallelism: D ranks, each with its own pages and its own range of S / D sampling
+        # slots (see core/dp_scheduler.py); the step runs per rank inside a shard_map over "data".
+        self.dp = mesh.shape.get("data", 1)
+        if max_num_seqs % self.dp:
+            raise ValueError(f"max_num_seqs ({max_num_seqs}) must be a multiple of the data-parallel size {self.dp}")
         self.cfg = model.config
         self.num_pages = num_pages
         self.page_size = page_size
@@ -135,12 +140,15 @@ class ModelRunner:
         self.kv = allocate_kv_cache(self.cfg, self.num_pages, self.page_size, self.kv_dtype, self.mesh, self.rules)
         # The thread advising huge pages under the host buffers (CPU), if any.
         self.huge_pages = self.backend.place_kv_cache([*self.params, *self.kv.k, *self.kv.v])
-        self.sstate = jax.device_put(init_sampling_state(self.sampler_config), self.replicated)
+        # Slots split over "data" like the pages (one range per rank); replicated without it.
+        self.state_sharding = NamedSharding(self.mesh, P("data") if self.dp > 1 else P())
+        self.sstate = jax.device_put(init_sampling_state(self.sampler_config), self.state_sharding)
 
     def _reset_slots(self) -> None:
         """Per-slot host state: which request holds each sampling slot, and its block table."""
         S = self.max_num_seqs
-        self.free_slots = list(range(S - 1, -1, -1))
+        per = S // self.dp  # each data-parallel rank's slots: [r * per, (r + 1) * per)
+        self.free_slots = [list(range((r + 1) * per - 1, r * per - 1, -1)) for r in range(self.dp)]
         self.slot_of: dict[str, int] = {}
         self.block_table = np.zeros((S, self.pages_per_req), np.int32)
         self.num_blocks = np.zeros(S, np.int64)
@@ -167,7 +175,11 @@ class ModelRunner:
         rep = self.replicated
         for T, R in tqdm(shapes, desc="compiling buckets", disable=not show_progress, unit="bucket"):
             layout = self.layouts[(T, R)] = self.step_layout(T, R)
-            self._compiled[(T, R)] = self.step_function.lower(layout, params, kv, sstate, rep).compile()
+            if self.dp > 1:
+                lowered = self.step_function.lower_data_parallel(layout, self.mesh, params, kv, sstate, rep)
+            else:
+                lowered = self.step_function.lower(layout, params, kv, sstate, rep)
+            self._compiled[(T, R)] = lowered.compile()
         rows = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep), self.empty_slot_write())
         self._write_rows = jax.jit(write_slot_rows, donate_argnums=(0,), out_shardings=keep[1]).lower(
             sstate, rows).compile()
@@ -185,17 +197,18 @@ class ModelRunner:
         return len(self._compiled)
 
     # ------------------------------------------------------------------ per step
-    def _admit(self, s: ScheduledRequest) -> int:
-        """Give a (re)admitted request a sampling slot and its rows; returns the slot."""
+    def _admit(self, s: ScheduledRequest, rank: int) -> int:
+        """Give a (re)admitted request a sampling slot of its rank and its rows; returns the slot."""
         req = s.request
         self._release(req.request_id)
-        slot = self.free_slots.pop()
+        free = self.free_slots[rank]
+        slot = free.pop()
         p = req.sampling_params
         eos = () if req.eos_token_id is None else (req.eos_token_id,)
         try:
             self.builder.admit(slot, p, eos, req.bad_words_token_ids)
         except Exception as e:  # noqa: BLE001 - this request's parameters: it fails alone
-            self.free_slots.append(slot)
+            free.append(slot)
             raise RequestFailedError((req.request_id,), e) from e
         self.slot_of[req.request_id] = slot
         ids = s.new_block_ids
@@ -210,22 +223,42 @@ class ModelRunner:
     def _release(self, request_id: str) -> None:
         slot = self.slot_of.pop(request_id, None)
         if slot is not None:
-            self.free_slots.append(slot)
+            self.free_slots[slot // (self.max_num_seqs // self.dp)].append(slot)
 
-    def prepare(self, so: SchedulerOutput) -> StepPlan | None:
-        """The host half of a step (numpy only); None when nothing is scheduled."""
+    def prepare(self, so) -> StepPlan | None:
+        """The host half of a step (numpy only); None when nothing is scheduled. `so` is a
+        SchedulerOutput, or a DataParallelOutput (one per rank) with data parallelism."""
         for rid in so.finished_request_ids:
             self._release(rid)
         for rid in so.preempted_request_ids:
             self._release(rid)
         if so.is_empty:
             return None
+        ranks = getattr(so, "ranks", (so,))
+        rows = [self._rows(r, rank_so) for r, rank_so in enumerate(ranks)]
+        T, R = self.grid.pick(max(len(x[4]) for x in rows), max(len(x[0]) for x in rows))
+        packs = [self._pack(r, x, T, R) for r, x in enumerate(rows)]
+        if self.dp == 1:
+            buffers = packs[0][0]
+        else:
+            buffers = tuple(np.stack([p[0][g] for p in packs]) for g in range(len(packs[0][0])))
+        sample_ids, sample_rows, logprob_rows, prompt_rows = [], [], [], []
+        for r, (_, ids, srows, lrows, prows) in enumerate(packs):
+            sample_ids += ids
+            sample_rows.append(srows + r * R)
+            logprob_rows += [(row + r * R, rid, k) for row, rid, k in lrows]
+            prompt_rows += [(rid, lo + r * T, count, first, k) for rid, lo, count, first, k in prows]
+        return StepPlan((T, R), self.builder.take_slot_writes(), buffers, sample_ids, np.concatenate(sample_rows),
+                        logprob_rows, prompt_rows)
+
+    def _rows(self, rank: int, so: SchedulerOutput):
+        """One rank's rows: (slots, starts, lens, samples, tokens, scheduled), admitting new requests."""
         n = len(so.scheduled)
         slots, starts, lens, samples, tokens = [0] * n, [0] * n, [0] * n, [False] * n, []
         slot_of, table, num_blocks = self.slot_of, self.block_table, self.num_blocks
         for i, s in enumerate(so.scheduled):
             if s.is_new:
-                slot = self._admit(s)
+                slot = self._admit(s, rank)
             else:
                 slot = slot_of[s.request.request_id]
                 if s.new_block_ids:
@@ -234,43 +267,57 @@ class ModelRunner:
                     num_blocks[slot] = nb + len(s.new_block_ids)
             slots[i], starts[i], lens[i], samples[i] = slot, s.start_pos, s.num_scheduled_tokens, s.sample
             tokens.extend(s.token_ids)
+        return slots, starts, lens, samples, tokens, so.scheduled
+
+    def _pack(self, rank: int, rows, T: int, R: int):
+        """One rank's rows packed into a (T, R) bucket: (buffers, sample ids, sample rows,
+        logprob rows, prompt-logprob rows), rows and tokens indexed within the rank. Slots are
+        the rank's own (the step sees its range of the sampling state; the sentinel for "none"
+        is the range's size)."""
+        slots, starts, lens, samples, tokens, scheduled = rows
+        per = self.max_num_seqs // self.dp
+        offset = rank * per
         total = len(tokens)
-        T, R = self.grid.pick(total, n)
         slots_np = np.asarray(slots, np.int32)
         starts_np, lens_np = np.asarray(starts, np.int64), np.asarray(lens, np.int64)
-        inputs = pack_rows(np.asarray(tokens, np.int32), starts_np, lens_np, table[slots_np],
+        inputs = pack_rows(np.asarray(tokens, np.int32), starts_np, lens_np, self.block_table[slots_np],
                            num_tokens=T, num_reqs=R, page_size=self.page_size)
-        tok_slots = np.zeros(T, np.int32)
+        tok_slots = np.full(T, offset, np.int32)
         tok_slots[:total] = np.repeat(slots_np, lens_np)
         valid = np.zeros(T, np.bool_)
         valid[:total] = True
         is_prompt = valid & (inputs.positions < self.prompt_len[tok_slots])
         samples_np = np.asarray(samples, np.bool_)
         sample_rows = np.flatnonzero(samples_np)
-        sample_slots = np.full(R, self.max_num_seqs, np.int32)
-        sample_slots[sample_rows] = slots_np[sample_rows]
+        sample_slots = np.full(R, per, np.int32)
+        sample_slots[sample_rows] = slots_np[sample_rows] - offset
         nxt = np.full(T, -1, np.int32)
         logprob_rows, prompt_rows = [], []
         lo = 0
         for i, slot in enumerate(slots):
             if samples[i] and self._logprobs_k[slot] is not None:
-                logprob_rows.append((i, so.scheduled[i].request.request_id, self._k(self._logprobs_k[slot])))
+                logprob_rows.append((i, scheduled[i].request.request_id, self._k(self._logprobs_k[slot])))
             if self._prompt_logprobs_k[slot] is not None:
                 pos = starts[i] + np.arange(lens[i])
                 has_next = pos + 1 < self.prompt_len[slot]
                 count = int(has_next.sum())  # the leading positions of the row
                 if count:
                     nxt[lo : lo + count] = np.asarray(self._prompt_ids[slot], np.int32)[pos[:count] + 1]
-                    prompt_rows.append((so.scheduled[i].request.request_id, lo, count, starts[i] + 1,
+                    prompt_rows.append((scheduled[i].request.request_id, lo, count, starts[i] + 1,
                                         self._k(self._prompt_logprobs_k[slot])))
             lo += lens[i]
-        tok = TokenInfo(slots=tok_slots, is_prompt=is_prompt, valid=valid, next_prompt_token=nxt,
+        tok = TokenInfo(slots=tok_slots - offset, is_prompt=is_prompt, valid=valid, next_prompt_token=nxt,
                         sample_slots=sample_slots)
         meta = self.builder.build(slots_np, starts_np + lens_np - self.prompt_len[slots_np], R)
-        sample_ids = [so.scheduled[i].request.request_id for i in sample_rows.tolist()]
+        if self.dp > 1:  # the rank's own slot range
+            live = np.arange(R) < len(slots)
+            meta = dataclasses.replace(
+                meta, slots=np.where(live, meta.slots - offset, 0).astype(np.int32),
+                reset_slots=np.where(meta.reset_slots == self.max_num_seqs, per, meta.reset_slots - offset)
+                .astype(np.int32))
+        sample_ids = [scheduled[i].request.request_id for i in sample_rows.tolist()]
         buffers = self.layouts[(T, R)].pack((inputs, meta, tok))
-        return StepPlan((T, R), self.builder.take_slot_writes(), buffers, sample_ids, sample_rows, logprob_rows,
-                        prompt_rows)
+        return buffers, sample_ids, sample_rows, logprob_rows, prompt_rows
 
     def launch(self, plan: StepPlan) -> LaunchedStep:
         """Dispatch the step (the sampler rows of admitted requests first); returns at once."""

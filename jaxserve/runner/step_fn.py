@@ -28,6 +28,7 @@ from jaxserve.runner.step_buffers import BufferLayout
 from jaxserve.runner.step_inputs import ModelInputs, TokenInfo, pack_rows
 from jaxserve.sampling.config import SamplerConfig
 from jaxserve.sampling.metadata import SamplingMetadata, SamplingMetadataBuilder
+from jaxserve.sampling.ops import batch_cond
 from jaxserve.sampling.sampler import prompt_logprobs, sample
 from jaxserve.sampling.state import (
     init_sampling_state,
@@ -74,7 +75,7 @@ class StepFunction:
             return PromptLogprobs(jnp.zeros((T,), jnp.float32), jnp.zeros((T, k), jnp.int32),
                                   jnp.zeros((T, k), jnp.float32), jnp.zeros((T,), jnp.int32))
 
-        plp = jax.lax.cond(jnp.any(wants), with_prompt_lp, without)
+        plp = batch_cond(jnp.any(wants), with_prompt_lp, without)
         return kv, sstate, out, plp
 
     def packed(self, layout: BufferLayout, params, kv, sstate, *buffers):
@@ -91,6 +92,35 @@ class StepFunction:
         jitted = jax.jit(functools.partial(self.packed, layout), donate_argnums=(1, 2),
                          out_shardings=(keep(kv), keep(sstate), input_sharding, input_sharding))
         return jitted.lower(params, kv, sstate, *layout.abstract(input_sharding))
+
+
+    def lower_data_parallel(self, layout: BufferLayout, mesh, params, kv, sstate, input_sharding) -> jax.stages.Lowered:
+        """The step of one bucket for data parallelism: `shard_map` manual over "data" runs
+        `packed` once per rank on its own pages and slot range (the KV cache and the sampling
+        state are split over "data"), with the weights as they are over the other axes (XLA
+        partitions them there). The packed inputs are [D, n] per dtype, replicated (they are
+        small; replicated numpy inputs work across processes too), and each rank takes its row;
+        the sampled tokens and logprobs come back rank after rank ([D * R] rows, [D * T]
+        tokens), replicated."""
+        data = jax.sharding.PartitionSpec("data")
+        kv_spec, state_spec = jax.tree.map(lambda _: data, kv), jax.tree.map(lambda _: data, sstate)
+
+        def per_rank(params, kv, sstate, *buffers):
+            r = jax.lax.axis_index("data")
+            mine = [jax.lax.dynamic_index_in_dim(b, r, keepdims=False) for b in buffers]
+            return self.packed(layout, params, kv, sstate, *mine)
+
+        body = jax.shard_map(per_rank, mesh=mesh, axis_names={"data"}, check_vma=False,
+                             in_specs=(jax.sharding.PartitionSpec(), kv_spec, state_spec,
+                                       *(jax.sharding.PartitionSpec(),) * len(layout.sizes)),
+                             out_specs=(kv_spec, state_spec, data, data))
+        keep = lambda tree: jax.tree.map(lambda x: x.sharding, tree)  # noqa: E731
+        jitted = jax.jit(body, donate_argnums=(1, 2),
+                         out_shardings=(keep(kv), keep(sstate), input_sharding, input_sharding))
+        D = mesh.shape["data"]
+        buffers = [jax.ShapeDtypeStruct((D, n), dt, sharding=input_sharding)
+                   for n, dt in zip(layout.sizes, layout.dtypes)]
+        return jitted.lower(params, kv, sstate, *buffers)
 
 
 def step_layout(T: int, R: int, *, pages_per_req: int, page_size: int, sampler_config: SamplerConfig) -> BufferLayout:

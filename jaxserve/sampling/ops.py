@@ -13,8 +13,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models.sharding import same_on_every_rank
+
 NEG_INF = float("-inf")
 
+
+
+def batch_cond(flag, true_fn, false_fn, *operands):
+    """`lax.cond` on a batch-wide flag, taken the same way on every data-parallel rank (a rank's
+    branch may hold collectives over the other mesh axes: see sharding.same_on_every_rank)."""
+    return jax.lax.cond(same_on_every_rank(flag), true_fn, false_fn, *operands)
 
 def block_size(V: int, target: int) -> int:
     """Largest power of two <= target dividing V with at least two blocks; 1 if none >= 4."""
@@ -207,11 +215,11 @@ def boundary(
 
     def body(c):
         stalled = unresolved(c) & (c[4] - c[5] == c[6])
-        return jax.lax.cond(jnp.any(stalled), snap, probe, c)
+        return batch_cond(jnp.any(stalled), snap, probe, c)
 
     init = (lo, hi, w_lo, w_hi, n_lo, n_hi, jnp.full_like(n_lo, -1.0), jnp.int32(0))
     lo, hi, _, w_hi, n_lo, n_hi, _, _ = jax.lax.while_loop(
-        lambda c: jnp.any(unresolved(c)), body, init
+        lambda c: same_on_every_rank(jnp.any(unresolved(c))), body, init
     )
     below = jnp.where(x < hi[:, None], x, -jnp.inf)
     vals, ids = top_k_exact(below, C)  # [R, C] every element of [lo, hi) when it has <= C
@@ -230,7 +238,7 @@ def boundary(
         need = jnp.clip(need, 1, n_lo - n_hi).astype(jnp.int32)
         return nth_true_index(x == lo[:, None], need)
 
-    ib = jax.lax.cond(jnp.any(tied), lambda: jnp.where(tied, resolve_ties(), ib), lambda: ib)
+    ib = batch_cond(jnp.any(tied), lambda: jnp.where(tied, resolve_ties(), ib), lambda: ib)
     return jnp.where(tied, lo, tau), ib
 
 

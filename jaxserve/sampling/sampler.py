@@ -64,10 +64,10 @@ def sample(
     any_greedy, any_random = jnp.any(greedy), jnp.any(random)
 
     def choose(x):  # steps 4-7 on the processed logits; returns tokens [R]
-        tok_greedy = jax.lax.cond(
+        tok_greedy = ops.batch_cond(
             any_greedy, lambda: ops.argmax_first(x), lambda: jnp.zeros((R,), jnp.int32)
         )
-        return jax.lax.cond(
+        return ops.batch_cond(
             any_random,
             lambda: jnp.where(random, _sample_random(x, meta, ~random, config), tok_greedy),
             lambda: tok_greedy,
@@ -82,7 +82,7 @@ def sample(
     )
     use_rows, stops = jnp.any(meta.use_slot_rows), jnp.any(meta.stop_ids >= 0)
     with jax.named_scope("sampler"):
-        tok = jax.lax.cond(
+        tok = ops.batch_cond(
             use_rows | stops | jnp.any(pen),
             lambda: choose(_process(raw, meta, state, use_rows, jnp.any(pen))),
             lambda: choose(raw),
@@ -95,7 +95,7 @@ def sample(
             return (z, jnp.zeros((R, k), jnp.int32), jnp.zeros((R, k), jnp.float32),
                     jnp.zeros((R,), jnp.int32))
 
-        lp, ids, top_lp, rank = jax.lax.cond(
+        lp, ids, top_lp, rank = ops.batch_cond(
             jnp.any(meta.logprobs >= 0), lambda: _raw_logprobs(raw, tok, k, config.native), none
         )
     return SamplerOutput(token_ids=tok, logprobs=lp, topk_ids=ids, topk_logprobs=top_lp, rank=rank)
@@ -116,14 +116,14 @@ def prompt_logprobs(
 def _process(x, meta, state, any_rows, any_pen):
     """Steps 1-3. The -inf bans (bad words, min_tokens) commute with the penalties (-inf stays
     -inf), so they are scattered last, in place into the fresh buffer the other steps made."""
-    x = jax.lax.cond(
+    x = ops.batch_cond(
         any_rows,
-        lambda: jax.lax.cond(
+        lambda: ops.batch_cond(
             any_pen,
             lambda: _apply_penalties(_apply_bias(x, meta, state), meta, state),
             lambda: _apply_bias(x, meta, state),
         ),
-        lambda: jax.lax.cond(
+        lambda: ops.batch_cond(
             any_pen, lambda: _apply_penalties(x, meta, state), lambda: x + 0.0
         ),
     )
@@ -151,7 +151,7 @@ def _bans(meta: SamplingMetadata, state: SamplingState, any_rows, V: int) -> jax
         match = jnp.all((prefix == PAD_WORD) | (prefix == recent[:, None, :]), axis=-1)
         return jnp.where(match & (last >= 0) & meta.use_slot_rows[:, None], last, V)
 
-    word_bans = jax.lax.cond(any_rows, words, lambda: jnp.full((R, B), V, jnp.int32))
+    word_bans = ops.batch_cond(any_rows, words, lambda: jnp.full((R, B), V, jnp.int32))
     stop = jnp.where(meta.stop_ids >= 0, meta.stop_ids, V)  # [R, M]
     return jnp.concatenate([word_bans, stop], axis=1)
 
@@ -206,7 +206,7 @@ def _sample_random(
         return (jnp.full((R, K1), NEG_INF, jnp.float32), jnp.zeros((R, K1), jnp.int32),
                 x.max(axis=-1))
 
-    c, ci, mx = jax.lax.cond(jnp.any(small_k | use_p), candidates, no_candidates)
+    c, ci, mx = ops.batch_cond(jnp.any(small_k | use_p), candidates, no_candidates)
     # min_p: p / p_max = exp((x - mx) / T) >= min_p  <=>  x >= mx + T * log(min_p)
     tau_minp = jnp.where(
         ~greedy & (meta.min_p > 0), mx + temp * jnp.log(jnp.maximum(meta.min_p, 1e-38)), NEG_INF
@@ -230,9 +230,9 @@ def _sample_random(
 
         return f
 
-    block_mass = jax.lax.cond(
+    block_mass = ops.batch_cond(
         jnp.any(full),
-        lambda: jax.lax.cond(
+        lambda: ops.batch_cond(
             jnp.any(full & (tau1 > NEG_INF)), block_mass_of(True), block_mass_of(False)
         ),
         lambda: jnp.zeros((R, nb), jnp.float32),
@@ -284,7 +284,7 @@ def _sample_random(
         out = (tok, mask)
     else:
         out = tok
-    return jax.lax.cond(jnp.any(fallback), with_fallback, lambda: out)
+    return ops.batch_cond(jnp.any(fallback), with_fallback, lambda: out)
 
 
 def _sample_bisect(
@@ -301,7 +301,7 @@ def _sample_bisect(
         return ops.boundary(x, None, lambda v: jnp.ones_like(v), jnp.maximum(k, 1).astype(f32),
                             jnp.min(x, axis=-1), use_k, C)[0]
 
-    tau_k = jax.lax.cond(jnp.any(use_k), kth_value, lambda: jnp.full((R,), NEG_INF))
+    tau_k = ops.batch_cond(jnp.any(use_k), kth_value, lambda: jnp.full((R,), NEG_INF))
     tau1 = jnp.maximum(tau_minp, jnp.where(use_k, tau_k, NEG_INF))  # keep x >= tau1
 
     def prob(v):  # unnormalised probability after min_p and top_k
@@ -314,7 +314,7 @@ def _sample_bisect(
     # weighs 1), so the nucleus boundary lies above (a factor e of margin for rounding).
     t = 1.0 / inv_t[:, 0]
     tail = mx + t * (jnp.log(jnp.maximum((1.0 - top_p) * z / V, 1e-38)) - 1.0)
-    tau_p, ib = jax.lax.cond(
+    tau_p, ib = ops.batch_cond(
         jnp.any(use_p),
         lambda: ops.boundary(x, p, prob, top_p * z, jnp.maximum(tau1, tail), use_p, C, upper,
                              (mx, inv_t[:, 0])),
@@ -347,7 +347,7 @@ def _raw_logprobs(raw: jax.Array, tok: jax.Array, k: int, native: bool = False):
     tv = jnp.take_along_axis(raw, tok[:, None], axis=1)[:, 0]
     # rank = #{logit >= tv}: all of them are in the top list when tv > its smallest value.
     in_list = tv > vals.min(axis=-1)
-    rank = jax.lax.cond(
+    rank = ops.batch_cond(
         jnp.all(in_list) | (kk == V),
         lambda: jnp.sum(vals >= tv[:, None], axis=-1),
         lambda: jnp.sum((raw >= tv[:, None]).astype(jnp.float32), axis=-1).astype(jnp.int32),

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.sampling.config import SamplerConfig
+from jaxserve.sampling.ops import batch_cond
 
 PAD_WORD = -2  # bad-word table filler: "any token" in a prefix position, "no word" as last token
 
@@ -122,7 +123,7 @@ def update_state_from_tokens(
     W = state.recent_outputs.shape[1]
     reset_slots = jnp.asarray(reset_slots, jnp.int32)
     reset_slots = jnp.where((reset_slots >= 0) & (reset_slots < S), reset_slots, S)
-    state = jax.lax.cond(
+    state = batch_cond(
         jnp.any(reset_slots < S), lambda st: _reset(st, reset_slots), lambda st: st, state
     )
 

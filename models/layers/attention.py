@@ -35,12 +35,14 @@ class AttentionSpec:
     impl: str = "auto"
 
 
-def attention_specs(k_shape, cache_shape, mesh: Mesh, rules: ax.Rules) -> tuple[P, P]:
+def attention_specs(k_shape, cache_shape, mesh: Mesh, rules: ax.Rules,
+                    manual: frozenset[str] = frozenset()) -> tuple[P, P]:
     """(spec of q, k and v [T, H, D], spec of a cache [N, page_size, Hkv, D]) for the
-    attention `shard_map`, from the rules. Query heads follow the KV heads' split (a query
-    head group stays with its KV head)."""
-    heads = ax.logical_to_spec(KV_AXES, k_shape, mesh, rules)
-    cache = ax.logical_to_spec(KV_CACHE_AXES, cache_shape, mesh, rules)
+    attention `shard_map`, from the rules, leaving out the mesh axes already `manual` (the
+    data-parallel step's "data": there the cache is the rank's own pages). Query heads follow
+    the KV heads' split (a query head group stays with its KV head)."""
+    heads = ax.without_axes(ax.logical_to_spec(KV_AXES, k_shape, mesh, rules), manual)
+    cache = ax.without_axes(ax.logical_to_spec(KV_CACHE_AXES, cache_shape, mesh, rules), manual)
     if cache[0] is not None or cache[3] is not None or heads[2] is not None:
         raise ValueError(f"attention cannot run with the KV cache split as {cache}: pages and "
                          "head_dim must stay whole on each device (see sharding.check_servable)")
@@ -70,7 +72,8 @@ def paged_attention(
 
     if mesh is None or mesh.size == 1:
         return local(q, k, v, k_cache, v_cache, md)
-    heads, cache = attention_specs(k.shape, k_cache.shape, mesh, rules)
+    mesh, manual = ax.context_mesh(mesh)  # inside the data-parallel step "data" is manual
+    heads, cache = attention_specs(k.shape, k_cache.shape, mesh, rules, manual)
     md_spec = jax.tree.map(lambda _: P(), md)
     return jax.shard_map(
         local,

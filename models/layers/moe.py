@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 from jaxserve.models.layers.linear import QuantizedWeight
+from jaxserve.models.sharding import context_mesh
 
 MOE_IMPLS = ("auto", "ragged", "tiled", "dense")
 # `dense`-style specs of the stacked expert weights: they decide which dims hold the output
@@ -178,6 +179,10 @@ def moe_mlp(x, router_logits, w_gate, w_up, w_down, *, top_k: int, normalize: bo
     not sharded)."""
     weights, ids = route(router_logits, top_k, normalize)
     impl = resolve_impl(impl)
+    if mesh is not None:
+        mesh, manual = context_mesh(mesh)  # inside the data-parallel step "data" is manual:
+        expert_axis = None if expert_axis in manual else expert_axis  # the weights are whole there
+        mlp_axis = None if mlp_axis in manual else mlp_axis
 
     def local(x, weights, ids, w_gate, w_up, w_down):
         offset = 0

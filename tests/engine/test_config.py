@@ -6,17 +6,27 @@ import types
 
 import pytest
 
-from jaxserve.backends import Backend, cpu as cpu_backend, select_backend
+from jaxserve.backends import Backend, cpu_dtype, select_backend
 from jaxserve.backends.cpu import CpuBackend
 from jaxserve.pallas_kernels.cpu.matmul import amx_available, avx2_available, avx512_available
 
 ONE, EIGHT = types.SimpleNamespace(size=1), types.SimpleNamespace(size=8)
 
 
-@pytest.mark.parametrize("native_bf16, expected", [(True, "bfloat16"), (False, "float32")])
-def test_auto_dtype_on_cpu_follows_native_bfloat16(monkeypatch, native_bf16, expected):
-    monkeypatch.setattr(cpu_backend, "cpu_has_bfloat16_matmul", lambda: native_bf16)
+@pytest.mark.parametrize("times, expected", [({"bfloat16": 1.0, "float32": 2.0}, "bfloat16"),
+                                              ({"bfloat16": 3.0, "float32": 2.0}, "float32")])
+def test_auto_dtype_on_cpu_is_the_faster_one_measured_once(monkeypatch, tmp_path, times, expected):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    calls = []
+    monkeypatch.setattr(cpu_dtype, "measure", lambda impls: calls.append(impls) or times)
     assert CpuBackend().resolve_dtype("auto") == expected
+    assert CpuBackend().resolve_dtype("auto") == expected and len(calls) == 1  # cached per CPU
+    assert set(calls[0]) == {"bfloat16", "float32"}
+
+
+def test_the_dtype_measurement_times_both_paths():
+    times = cpu_dtype.measure({"bfloat16": "xla", "float32": "xla"})
+    assert set(times) == {"bfloat16", "float32"} and all(0 < t < 1 for t in times.values())
 
 
 @pytest.mark.parametrize("platform", ["tpu", "gpu", "cuda"])
@@ -29,8 +39,7 @@ def test_auto_dtype_on_accelerators_is_bfloat16(platform):
         backend.resolve_matmul_impl("amx", "bfloat16", ONE)
 
 
-def test_explicit_dtype_wins(monkeypatch):
-    monkeypatch.setattr(cpu_backend, "cpu_has_bfloat16_matmul", lambda: True)
+def test_explicit_dtype_wins():
     assert CpuBackend().resolve_dtype("float32") == "float32"
     assert CpuBackend().resolve_dtype("bfloat16") == "bfloat16"
 
@@ -39,15 +48,6 @@ def test_cpu_kv_dtype_is_float32_without_the_native_attention():
     b = CpuBackend()
     assert b.resolve_kv_dtype("auto", "bfloat16", "reference") == "float32"
     assert b.resolve_kv_dtype("bfloat16", "float32", "reference") == "bfloat16"
-
-
-def test_cpu_flag_detection_reads_cpuinfo(monkeypatch):
-    for text, want in (("flags : fpu avx512f amx_bf16 amx_tile\n", True),
-                       ("flags : fpu avx2 fma\n", False)):
-        monkeypatch.setattr(cpu_backend.kernels, "cpu_flags", lambda text=text: text)
-        cpu_backend.cpu_has_bfloat16_matmul.cache_clear()
-        assert cpu_backend.cpu_has_bfloat16_matmul() is want
-    cpu_backend.cpu_has_bfloat16_matmul.cache_clear()
 
 
 def test_resolve_matmul_impl():

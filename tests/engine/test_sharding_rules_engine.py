@@ -1,11 +1,9 @@
 """`sharding_rules` through the real engine (`LLM(..., sharding_rules=...)`, `--sharding-rules`):
 a tiny Llama on a 2 x 2 mesh of simulated devices generates the single-device greedy tokens
 over several steps (the KV cache and sampling state keep their shardings from step to step),
-and rules the engine cannot serve are refused with the reason."""
+attention data parallelism (pages on the "data" axis) included."""
 
 from __future__ import annotations
-
-import pytest
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.server.cli import build_parser, engine_options
@@ -26,8 +24,8 @@ def test_sharding_rules_in_the_engine(tmp_path, compile_cache_dir):
     want = _tokens(path, compile_cache_dir)
     assert _tokens(path, compile_cache_dir, data_parallel_size=2, tensor_parallel_size=2, sharding_rules="fsdp") == want
     assert _tokens(path, compile_cache_dir, tensor_parallel_size=2, sharding_rules="tp-kv-replicated") == want
-    with pytest.raises(ValueError, match="data-parallel scheduler"):
-        _tokens(path, compile_cache_dir, data_parallel_size=2, tensor_parallel_size=2, sharding_rules="attn-dp")
+    # attention data parallelism: each "data" rank keeps its own requests' pages
+    assert _tokens(path, compile_cache_dir, data_parallel_size=2, tensor_parallel_size=2, sharding_rules="attn-dp") == want
 
 
 def test_sharding_rules_flag():
@@ -37,5 +35,5 @@ def test_sharding_rules_flag():
     from jaxserve.config import EngineConfig
 
     config = EngineConfig.from_kwargs(model="/m", **engine_options(args))
-    assert (config.model.model, config.parallel.model, config.parallel.sharding_rules) == ("/m", 4, "tp-kv-replicated")
+    assert (config.model.model, config.parallel.tensor_parallel_size, config.parallel.sharding_rules) == ("/m", 4, "tp-kv-replicated")
     assert engine_options(build_parser().parse_args(["serve"])).get("sharding_rules") is None

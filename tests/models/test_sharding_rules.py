@@ -55,8 +55,9 @@ def test_presets_and_files(tmp_path):
             load_rules(str(f))
     with pytest.raises(ValueError, match="neither a preset"):
         load_rules("no-such-preset")
-    with pytest.raises(ValueError, match="data-parallel scheduler"):
-        check_servable(load_rules("attn-dp"))
+    check_servable(load_rules("attn-dp"))  # pages over "data": each data rank owns a range
+    with pytest.raises(ValueError, match="only the data axis can own pages"):
+        check_servable(load_rules({"pages": "model"}))
 
 
 def test_specs_over_several_mesh_axes():

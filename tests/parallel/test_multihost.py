@@ -175,11 +175,16 @@ print("channel", llm.engine.parts.link.bytes_sent, llm.engine.parts.link.step_id
 """
 
 
-def test_llm_generate_across_two_processes(model_dir, reference, tmp_path):
+@pytest.mark.parametrize("dp,tp", [(1, 4), (2, 2)], ids=["tp4", "dp2-tp2"])
+def test_llm_generate_across_two_processes(model_dir, reference, tmp_path, dp, tp):
+    """LLM.generate over two processes: tensor parallelism across them, or data parallelism
+    across them (a rank per process, its pages and scheduler there) with tensor parallelism
+    within each."""
     port = mh.free_port()
     procs = []
     for pid in range(2):
-        opts = dict(OPTIONS, model=str(model_dir), tensor_parallel_size=4, coordinator_address=f"127.0.0.1:{port}",
+        opts = dict(OPTIONS, model=str(model_dir), data_parallel_size=dp, tensor_parallel_size=tp,
+                    max_num_batched_tokens=16 * dp, coordinator_address=f"127.0.0.1:{port}",
                     num_processes=2, process_id=pid, heartbeat_timeout_seconds=60, step_timeout_seconds=30)
         procs.append(subprocess.Popen([sys.executable, "-c", SCRIPT, str(tmp_path / "out.json"), json.dumps(opts)],
                                       env=mh.env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
