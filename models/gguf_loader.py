@@ -6,6 +6,12 @@
   experts, Phi-3's rope factors as tensors) is undone as `gguf_arch.py` describes.
 - Float and block types are dequantized with `gguf.quants.dequantize` to float32 (for Q4_1 and
   the K types this reproduces ggml's own float32 values bit for bit).
+- A Q8_0 file (one whose only quantized type is Q8_0) keeps its blocks: each Q8_0 tensor is
+  written as its int8 values plus one float16 scale per 32 values along the row
+  (`<name>` + BLOCK_SCALE_SUFFIX), and config.json says so in its `quantization_config`. The
+  model loader dequantizes them (the same d * q float32 values as above) for a float model,
+  or keeps them as they are with `--quantization int8` (models/weights.py). The cache then
+  holds ~1.06 bytes per weight instead of float32's 4.
 - config.json comes from the architecture's metadata keys; `tie_word_embeddings` is true when
   the file has no `output.weight`.
 
@@ -28,6 +34,7 @@ from jaxserve.models.gguf_arch import (  # noqa: F401  (re-exported: the tests a
     permute_qk,
     reverse_permute_qk,
 )
+from jaxserve.models.loader import BLOCK_SCALE_SUFFIX
 from jaxserve.models.safetensors_io import PlannedTensor, write_streaming
 
 logger = logging.getLogger(__name__)
@@ -43,6 +50,7 @@ SUPPORTED_TYPES: frozenset[QT] = frozenset(
     {QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q4_K, QT.Q6_K}
 )
 SUPPORTED_ARCHITECTURES = sorted(gguf_arch.ARCHITECTURES)
+Q8_0_BLOCK = 32  # values per Q8_0 block (one float16 scale + 32 int8 values: 34 bytes)
 
 GGUF_MAGIC = b"GGUF"
 
@@ -128,13 +136,40 @@ def float_values(h: HFTensor) -> np.ndarray:
     return values
 
 
-def planned_tensors(tensors: list[HFTensor]) -> list[PlannedTensor]:
-    """The safetensors tensors of `tensors` (float32), as lazy producers sorted by name
-    (checked up front)."""
+def q8_0_blocks(h: HFTensor) -> tuple[np.ndarray, np.ndarray]:
+    """A Q8_0 HF tensor as stored: (int8 values [..., in], float16 scales [..., in / 32]), rows
+    reordered like the values. `values = q * scale` per block of 32 along the last dim."""
+    data, shape = _source(h)
+    blocks = np.asarray(data).reshape(*shape[:-1], shape[-1] // Q8_0_BLOCK, 2 + Q8_0_BLOCK)
+    scale = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0]
+    q = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(shape)
+    if h.rows is not None:
+        q, scale = h.rows(q), h.rows(scale)
+    return q, scale
+
+
+def is_q8_0_file(reader: gguf.GGUFReader) -> bool:
+    """Whether the file is a Q8_0 model: Q8_0 is its only quantized type (llama.cpp's
+    `--outtype q8_0` keeps norms and routers in F32 and rows not divisible by 32 in F16)."""
+    types = {t.tensor_type for t in reader.tensors}
+    return QT.Q8_0 in types and types <= {QT.Q8_0, QT.F32, QT.F16, QT.BF16}
+
+
+def planned_tensors(tensors: list[HFTensor], keep_q8_0: bool = False) -> list[PlannedTensor]:
+    """The safetensors tensors of `tensors`, as lazy producers sorted by name (checked up front):
+    float32, or with `keep_q8_0` each Q8_0 tensor's int8 values and float16 block scales."""
     planned = []
     for h in tensors:
         check_supported_type(h.source)
-        planned.append(PlannedTensor(h.name, np.dtype(np.float32), _source(h)[1], lambda h=h: float_values(h)))
+        shape = _source(h)[1]
+        if keep_q8_0 and h.source.tensor_type == QT.Q8_0 and not h.offset:
+            scale_shape = (*shape[:-1], shape[-1] // Q8_0_BLOCK)
+            planned.append(PlannedTensor(h.name, np.dtype(np.int8), shape,
+                                         lambda h=h: q8_0_blocks(h)[0]))
+            planned.append(PlannedTensor(h.name + BLOCK_SCALE_SUFFIX, np.dtype(np.float16), scale_shape,
+                                         lambda h=h: q8_0_blocks(h)[1]))
+        else:
+            planned.append(PlannedTensor(h.name, np.dtype(np.float32), shape, lambda h=h: float_values(h)))
     names = [p.name for p in planned]
     if len(set(names)) != len(names):
         raise ValueError("GGUF file maps two tensors onto the same HF name")
@@ -156,7 +191,8 @@ def generation_config(config: dict[str, Any]) -> dict[str, Any]:
 def convert_gguf(gguf_path: str | pathlib.Path, out_dir: str | pathlib.Path) -> dict[str, Any]:
     """Write an HF directory for a GGUF file into `out_dir` (which must exist and be empty).
 
-    Files: config.json, generation_config.json, model.safetensors (float32), tokenizer.json, tokenizer_config.json (with
+    Files: config.json, generation_config.json, model.safetensors (float32, or int8 + block
+    scales for a Q8_0 file's Q8_0 tensors), tokenizer.json, tokenizer_config.json (with
     chat_template), special_tokens_map.json, chat_template.jinja. Returns the config. Peak memory
     is one dequantized tensor plus the tokenizer.
     """
@@ -170,7 +206,10 @@ def convert_gguf(gguf_path: str | pathlib.Path, out_dir: str | pathlib.Path) -> 
     # validates names, types and completeness before any heavy work
     hf = spec.hf_tensors(meta, config)
     spec.check_complete(meta, config)
-    tensors = planned_tensors(hf)
+    tensors = planned_tensors(hf, keep_q8_0=is_q8_0_file(reader))
+    if any(t.name.endswith(BLOCK_SCALE_SUFFIX) for t in tensors):
+        config["quantization_config"] = {"quant_method": "gguf", "weight_type": "Q8_0",
+                                         "block_size": Q8_0_BLOCK}
 
     gguf_tokenizer.save_tokenizer(reader, out_dir, config)
     write_streaming(

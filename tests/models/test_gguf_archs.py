@@ -1,7 +1,9 @@
 """GGUF beyond Llama: each tiny architecture fixture written as llama.cpp's converter lays it out
 (tests/models/gguf_fixtures.py), read back through `resolve_model` (the conversion cache) and
 the model loader. F32 files give transformers' logits; F16 and Q8_0 files give the logits of
-the fixture with the same rounding applied to its weights, and stay close to transformers'."""
+the fixture with the same rounding applied to its weights, and stay close to transformers';
+a Q8_0 file loaded with `--quantization int8` keeps its int8 blocks on the device and gives the
+dequantized model's logits."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 from jaxserve.models import gguf_arch, loader
 from jaxserve.models.arch_config import ArchConfig
+from jaxserve.models.layers.linear import QuantizedParam
 from jaxserve.models.weights import create_model
 from safetensors.numpy import load_file
 
@@ -105,6 +108,70 @@ def test_quantized_files(converted, data_dir, name, qtype):
     rel = np.linalg.norm(got - want) / np.linalg.norm(want)
     assert rel < DRIFT[qtype] * (2.5 if name == "gemma3" and qtype == QT.Q8_0 else 1)
     assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.9
+
+
+@pytest.mark.parametrize("name", ["phi3", "qwen3_moe", "gemma3"])
+def test_q8_0_loads_as_int8_blocks(converted, data_dir, name):
+    """With int8, a Q8_0 file's weights reach the device as the file's int8 values and block
+    scales (no float copy, no re-quantization); logits equal the dequantized model's."""
+    path = converted(name, QT.Q8_0)
+    ckpt = loader.load_checkpoint(path)
+    assert ckpt.config["quantization_config"] == {"quant_method": "gguf", "weight_type": "Q8_0", "block_size": 32}
+    q_proj = ckpt.tensor_info("model.layers.0.self_attn.qkv_proj.weight" if name == "phi3" else
+                              "model.layers.0.self_attn.q_proj.weight")
+    assert q_proj[1] == np.int8  # the cache keeps the blocks: 1 byte per weight + scales
+    expected, _ = _expected(data_dir, name)
+    model = _load(path, quantization="int8")
+    layer = model.layers[0]
+    cfg = model.config
+    assert cfg.int8_block_size == 32
+    for w in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"):
+        assert isinstance(getattr(layer, w), QuantizedParam) and getattr(layer, w)[...].dtype == jnp.int8
+    assert model.embed[...].dtype == jnp.int8
+    assert layer.wq_qscale[...].shape == (cfg.hidden_size // 32, cfg.num_heads, cfg.head_dim)
+    assert layer.wo_qscale[...].shape == (cfg.num_heads // 2, 1, cfg.hidden_size)  # head_dim 16: 2 heads a block
+    if name == "qwen3_moe":
+        assert layer.w_down_qscale[...].shape == (8, 1, cfg.hidden_size)  # [X, F / 32, E], F = 32
+    # the file's own values: the int8 weights are the Q8_0 blocks of the (permuted, fused) tensor
+    reader = gguf.GGUFReader(_gguf_path(path))
+    if name != "phi3":
+        raw = next(t for t in reader.tensors if t.name == "blk.0.attn_q.weight")
+        blocks = np.asarray(raw.data).reshape(-1, 34)
+        q_file = blocks[:, 2:].copy().view(np.int8).reshape(cfg.num_heads * cfg.head_dim, cfg.hidden_size)
+        np.testing.assert_array_equal(np.asarray(layer.wq[...]), q_file.T.reshape(layer.wq[...].shape))
+    dequantized = _logits(_load(path), expected)
+    np.testing.assert_allclose(_logits(model, expected), dequantized, atol=2e-5, rtol=1e-5)
+
+
+def _gguf_path(converted_dir):
+    return json.loads((converted_dir / "jaxserve_conversion.json").read_text())["source"]
+
+
+def test_mixed_file_stays_float(tmp_path, data_dir):
+    """A file with other quantized types besides Q8_0 (as the default model's Q4_1 with a Q8_0
+    embedding) is converted to float32 as before: per-channel int8 applies to it."""
+    path = write_fixture_gguf(data_dir, "qwen3", tmp_path / "q.gguf", QT.Q8_0)
+    reader = gguf.GGUFReader(path)
+    mixed = tmp_path / "mixed.gguf"
+    w = gguf.GGUFWriter(mixed, "qwen3")
+    for field in reader.fields.values():
+        if not field.name.startswith(("GGUF.", "general.architecture")):
+            w.add_key_value(field.name, field.contents(), field.types[0],
+                            field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None)
+    for t in reader.tensors:
+        data = np.asarray(t.data)
+        if t.name == "blk.0.ffn_down.weight":
+            x = gguf.quants.dequantize(data, t.tensor_type)
+            w.add_tensor(t.name, gguf.quants.quantize(x, QT.Q4_0), raw_dtype=QT.Q4_0)
+        else:
+            w.add_tensor(t.name, data, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    ckpt = loader.load_checkpoint(loader.resolve_model(mixed, cache_dir=tmp_path / "cache"))
+    assert "quantization_config" not in ckpt.config
+    assert {ckpt.tensor_info(n)[1] for n in ckpt.tensor_names()} == {np.dtype(np.float32)}
 
 
 # ----------------------------------------------------------------------------- tokenizers
