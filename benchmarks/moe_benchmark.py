@@ -5,9 +5,9 @@ A tiny but real-shaped Mixtral-style model with random weights (default: 4 layer
 steps (`--decode-tokens`: n requests x 1 token, 128 tokens of context each; default 32) and
 one prefill step (32 requests x 16 tokens) through the paged model forward (embedding to
 logits), with each MoE implementation of layers/moe.py: "auto" (the default: on the CPU dense
-up to `CPU_DENSE_MAX_TOKENS` tokens, tiled beyond), "tiled" (the CPU's grouped products),
-"ragged" (jax.lax.ragged_dot: native on TPU/GPU, a masked dense product on XLA:CPU) and
-"dense" (every expert on every token). The implementations alternate within each repetition
+for small steps of bfloat16 experts, see `CPU_DENSE_MAX_EXTRA_ROWS`), "tiled" (the CPU's
+grouped products), "ragged" (jax.lax.ragged_dot: native on TPU/GPU, a masked dense product
+on XLA:CPU) and "dense" (every expert on every token). The implementations alternate within each repetition
 (the machine may be shared); the table shows medians and the ratio to "dense".
 One JSON line per (step, tokens, impl) goes to benchmarks/results/moe.jsonl.
 
