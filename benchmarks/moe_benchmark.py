@@ -1,16 +1,18 @@
 """MoE step time: grouped expert computation against every expert on every token.
 
 A tiny but real-shaped Mixtral-style model with random weights (default: 4 layers, hidden
-1024, 16 query / 4 KV heads, 8 experts of intermediate 1024, top-2, vocab 8192) runs one
-decode step (32 requests x 1 token, 128 tokens of context each) and one prefill step
-(32 requests x 16 tokens) through the paged model forward (embedding to logits), with each
-MoE implementation of layers/moe.py: "tiled" (the CPU's grouped products), "ragged"
-(jax.lax.ragged_dot: native on TPU/GPU, a masked dense product on XLA:CPU) and "dense"
-(every expert on every token). The implementations alternate within each repetition (the
-machine may be shared); the table shows medians and the ratio to "dense".
-One JSON line per (step, impl) goes to benchmarks/results/moe.jsonl.
+1024, 16 query / 4 KV heads, 8 experts of intermediate 1024, top-2, vocab 8192) runs decode
+steps (`--decode-tokens`: n requests x 1 token, 128 tokens of context each; default 32) and
+one prefill step (32 requests x 16 tokens) through the paged model forward (embedding to
+logits), with each MoE implementation of layers/moe.py: "auto" (the default: on the CPU dense
+for small steps of bfloat16 experts, see `CPU_DENSE_MAX_EXTRA_ROWS`), "tiled" (the CPU's
+grouped products), "ragged" (jax.lax.ragged_dot: native on TPU/GPU, a masked dense product
+on XLA:CPU) and "dense" (every expert on every token). The implementations alternate within each repetition
+(the machine may be shared); the table shows medians and the ratio to "dense".
+One JSON line per (step, tokens, impl) goes to benchmarks/results/moe.jsonl.
 
-    python benchmarks/moe_benchmark.py [--dtype bfloat16] [--reps 7]
+    python benchmarks/moe_benchmark.py [--dtype bfloat16] [--reps 7] [--decode-tokens 32 64 128]
+        [--impls auto tiled dense] [--steps decode prefill]
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ def build(args):
     return cfg, kv, fwds
 
 
-def step_inputs(kind: str, args):
+def step_inputs(kind: str, args, n: int):
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -71,7 +73,7 @@ def step_inputs(kind: str, args):
     from jaxserve.runner.step_inputs import StepRequest, pack_step
 
     rng = np.random.default_rng(0)
-    reqs, n = [], args.requests
+    reqs = []
     per = args.context // 16 + 2
     for r in range(n):
         blocks = [1 + r * per + i for i in range(per)]
@@ -88,7 +90,10 @@ def step_inputs(kind: str, args):
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    p.add_argument("--impls", nargs="+", default=["tiled", "ragged", "dense"])
+    p.add_argument("--impls", nargs="+", default=["auto", "tiled", "ragged", "dense"])
+    p.add_argument("--steps", nargs="+", default=["decode", "prefill"], choices=["decode", "prefill"])
+    p.add_argument("--decode-tokens", type=int, nargs="+", default=[32],
+                   help="decode steps of this many requests (one token each)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--heads", type=int, default=16)
@@ -97,20 +102,22 @@ def main(argv=None) -> None:
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--expert-size", type=int, default=1024)
     p.add_argument("--vocab", type=int, default=8192)
-    p.add_argument("--requests", type=int, default=32)
+    p.add_argument("--requests", type=int, default=32, help="requests of the prefill step")
     p.add_argument("--context", type=int, default=128)
     p.add_argument("--prefill-len", type=int, default=16)
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--results", default=str(RESULTS))
     args = p.parse_args(argv)
-    args.pages = 1 + args.requests * (args.context // 16 + 2)
+    args.pages = 1 + max(args.requests, *args.decode_tokens) * (args.context // 16 + 2)
     import jax
 
     _, kv, fwds = build(args)
     env = environment()
     rows = []
-    for kind in ("decode", "prefill"):
-        inputs, tokens = step_inputs(kind, args)
+    steps = [("decode", n) for n in args.decode_tokens if "decode" in args.steps]
+    steps += [("prefill", args.requests)] if "prefill" in args.steps else []
+    for kind, n in steps:
+        inputs, tokens = step_inputs(kind, args, n)
         times = {impl: [] for impl in args.impls}
         for impl, (f, state) in fwds.items():  # compile and warm up
             logits, kv = f(state, kv, inputs)
@@ -122,7 +129,7 @@ def main(argv=None) -> None:
                 jax.block_until_ready(logits)
                 times[impl].append(time.perf_counter() - t0)
         for impl in args.impls:
-            rows.append({"benchmark": "moe_step", "step": kind, "impl": impl, "tokens": tokens,
+            rows.append({"benchmark": "moe_step", "step": kind, "impl": impl, "tokens": tokens, "requests": n,
                          "median_ms": 1e3 * statistics.median(times[impl]), "all_ms": [1e3 * t for t in times[impl]],
                          "config": {k: v for k, v in vars(args).items() if k not in ("results", "impls")},
                          "load_avg": os.getloadavg(), **env})
@@ -133,9 +140,10 @@ def main(argv=None) -> None:
     print(f"\n{env['host']['cpu']} ({env['host']['cpu_count']} cores), {env['device']}, jax "
           f"{env['versions']['jax']}, git {str(env['git_sha'])[:10]}, {args.dtype}, {args.experts} experts top-{args.top_k}")
     print(f"{'step':8} {'tokens':>6} {'impl':>7} {'median ms':>10} {'vs dense':>9}")
-    for kind in ("decode", "prefill"):
-        base = next((r["median_ms"] for r in rows if r["step"] == kind and r["impl"] == "dense"), None)
-        for r in (r for r in rows if r["step"] == kind):
+    for kind, n in steps:
+        mine = [r for r in rows if r["step"] == kind and r["requests"] == n]
+        base = next((r["median_ms"] for r in mine if r["impl"] == "dense"), None)
+        for r in mine:
             ratio = f"{base / r['median_ms']:.2f}x" if base else "-"
             print(f"{kind:8} {r['tokens']:6d} {r['impl']:>7} {r['median_ms']:10.1f} {ratio:>9}")
 

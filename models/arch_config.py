@@ -91,6 +91,11 @@ class ArchConfig:
     moe_layers: tuple[bool, ...] = ()  # per layer: routed experts (True) or the dense MLP
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    # The checkpoint's storage, not the architecture: its matmul weights are int8 with one scale
+    # per this many values along the contracted dims (a GGUF Q8_0 file's conversion: 32). A
+    # float model dequantizes them at load; `--quantization int8` keeps them (and quantizes any
+    # float weight in the same layout). None: float weights.
+    int8_block_size: int | None = None
 
     @property
     def q_per_kv(self) -> int:
@@ -125,7 +130,7 @@ class ArchConfig:
         if not archs:
             raise ValueError("config.json has no 'architectures' entry; cannot pick a model class.")
         arch = archs[0]
-        _reject_prequantized(hf)
+        block = _stored_int8_block(hf)
         num_heads = int(hf["num_attention_heads"])
         hidden = int(hf["hidden_size"])
         head_dim = hf.get("head_dim") or hidden // num_heads
@@ -187,15 +192,20 @@ class ArchConfig:
             **_parse_moe(arch, hf, num_layers),
             eos_token_ids=eos_ids,
             bos_token_id=hf.get("bos_token_id"),
+            int8_block_size=block,
         )
 
 
-def _reject_prequantized(hf: dict[str, Any]) -> None:
-    """Checkpoints quantized by another tool (GPTQ, AWQ, bitsandbytes, FP8, ...) store weights
-    jaxserve cannot read as floats; say so instead of failing on a tensor name or shape."""
+def _stored_int8_block(hf: dict[str, Any]) -> int | None:
+    """The block size of a GGUF Q8_0 conversion's int8 weights (jaxserve's own layout), None for
+    a float checkpoint. Checkpoints quantized by another tool (GPTQ, AWQ, bitsandbytes, FP8,
+    ...) store weights jaxserve cannot read as floats; say so instead of failing on a tensor
+    name or shape."""
     qc = hf.get("quantization_config")
     if not qc:
-        return
+        return None
+    if isinstance(qc, dict) and qc.get("quant_method") == "gguf" and qc.get("weight_type") == "Q8_0":
+        return int(qc["block_size"])
     method = qc.get("quant_method", "unknown") if isinstance(qc, dict) else "unknown"
     bits = qc.get("bits") if isinstance(qc, dict) else None
     what = f"{method}" + (f", {bits}-bit" if bits else "")

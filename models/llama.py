@@ -81,16 +81,17 @@ def _param(rngs: nnx.Rngs | None, shape, axes, dtype, scale: float, ones: bool =
 
 
 def add_weight(module: nnx.Module, name: str, rngs: nnx.Rngs | None, shape, axes, dtype, scale: float,
-               spec: str, quantization: str | None) -> None:
+               spec: str, quantization: str | None, block: int | None = None) -> None:
     """Matmul weight `name` of `module`: a float parameter, or with quantization="int8" an int8
-    `QuantizedParam` and its per-channel scales (`name` + SCALE_SUFFIX)."""
+    `QuantizedParam` and its scales (`name` + SCALE_SUFFIX): per output channel, or per `block`
+    values along the contracted dims (`ArchConfig.int8_block_size`: a Q8_0 checkpoint)."""
     if quantization is None:
         setattr(module, name, _param(rngs, shape, axes, dtype, scale))
         return
     if quantization != "int8":
         raise ValueError(f"quantization {quantization!r} is not supported (only 'int8')")
     value = scale * jax.random.normal(rngs.params(), shape, jnp.float32) if rngs is not None else jnp.zeros(shape)
-    q, s = quantize_int8(value, spec)
+    q, s = quantize_int8(value, spec, block)
     scale_axes = tuple(None if n == 1 and m != 1 else a for a, n, m in zip(axes, s.shape, shape))
     setattr(module, name, QuantizedParam(q, logical_axes=axes, spec=spec, compute_dtype=jnp.dtype(dtype).name))
     setattr(module, name + SCALE_SUFFIX, nnx.Param(s, logical_axes=scale_axes))
@@ -109,7 +110,7 @@ class DecoderLayer(nnx.Module):
         s = 0.02 * 2
         p = lambda shape, axes, **kw: _param(rngs, shape, axes, dtype, s, **kw)
         w = lambda name, shape, axes: add_weight(self, name, rngs, shape, axes, dtype, s,
-                                                 LAYER_SPECS[name], quantization)
+                                                 LAYER_SPECS[name], quantization, cfg.int8_block_size)
         self.input_norm = p((E,), (ax.EMBED,), ones=True)
         w("wq", (E, Hq, D), (ax.EMBED, ax.Q_HEADS, ax.HEAD_DIM))
         w("wk", (E, Hkv, D), (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM))
@@ -186,12 +187,14 @@ class LlamaForCausalLM(nnx.Module):
         if q is None:
             self.embed = _param(rngs, (V, E), (ax.VOCAB, ax.EMBED), dtype, embed_scale)
         else:
-            add_weight(self, "embed", rngs, (V, E), (ax.VOCAB, ax.EMBED), dtype, embed_scale, EMBED_SPEC, q)
+            add_weight(self, "embed", rngs, (V, E), (ax.VOCAB, ax.EMBED), dtype, embed_scale, EMBED_SPEC, q,
+                       cfg.int8_block_size)
         self.layers = nnx.List([self.make_layer(cfg, i, dtype, rngs, specs[i], q, mesh, rules)
                                 for i in range(cfg.num_layers)])
         self.final_norm = _param(rngs, (E,), (ax.EMBED,), dtype, 0.0, ones=True)
         if not cfg.tie_word_embeddings:
-            add_weight(self, "lm_head", rngs, (E, V), (ax.EMBED, ax.VOCAB), dtype, 0.05, HEAD_SPECS[0], q)
+            add_weight(self, "lm_head", rngs, (E, V), (ax.EMBED, ax.VOCAB), dtype, 0.05, HEAD_SPECS[0], q,
+                       cfg.int8_block_size)
 
     @staticmethod
     def features(cfg: ArchConfig, quantization: str | None) -> frozenset[str]:

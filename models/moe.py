@@ -55,7 +55,7 @@ class MoeDecoderLayer(DecoderLayer):
         up_axes, down_axes = (ax.EXPERT, ax.EMBED, ax.MLP), (ax.EXPERT, ax.MLP, ax.EMBED)
         for name, shape, axes in (("w_gate", (X, E, F), up_axes), ("w_up", (X, E, F), up_axes),
                                   ("w_down", (X, F, E), down_axes)):
-            add_weight(self, name, rngs, shape, axes, dtype, 0.04, EXPERT_SPECS[name], q)
+            add_weight(self, name, rngs, shape, axes, dtype, 0.04, EXPERT_SPECS[name], q, cfg.int8_block_size)
         if mesh is not None:  # which mesh axes the experts and their intermediate dim split over
             spec = logical_to_spec(up_axes, (X, E, F), mesh, rules)
             split = [a if a is not None and mesh_axes_size(mesh, a) > 1 else None for a in spec]

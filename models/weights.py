@@ -16,8 +16,15 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 from jaxserve.models.arch_config import ArchConfig
-from jaxserve.models.layers.linear import QUANTIZATIONS, SCALE_SUFFIX, QuantizedParam, quantize_int8
-from jaxserve.models.loader import load_checkpoint
+from jaxserve.models.layers.linear import (
+    QUANTIZATIONS,
+    SCALE_SUFFIX,
+    QuantizedParam,
+    block_scales,
+    quantize_int8,
+    scale_shape,
+)
+from jaxserve.models.loader import BLOCK_SCALE_SUFFIX, load_checkpoint
 from jaxserve.models.placement import put_sharded
 from jaxserve.models.registry import get_model_class
 from jaxserve.models.sharding import (
@@ -53,7 +60,9 @@ def create_model(
 
     quantization: None, or "int8" (weight-only, per output channel; every matmul weight and
     the embedding are quantized as they are placed: a float checkpoint is never held on the
-    device). rules: the logical-axis rules (models/sharding.py; default DEFAULT_RULES).
+    device). A checkpoint storing int8 blocks (`cfg.int8_block_size`: a GGUF Q8_0 file) is
+    dequantized for a float model; with "int8" its blocks are placed as they are, one scale
+    per block. rules: the logical-axis rules (models/sharding.py; default DEFAULT_RULES).
     """
     cls = get_model_class(cfg.architecture)
     mesh = mesh or single_device_mesh()
@@ -73,6 +82,8 @@ def create_model(
         return nnx.merge(graphdef, init())
 
     weight_map = cls.hf_weight_map(cfg)
+    block = cfg.int8_block_size
+    get_float = get_tensor if block is None else dequantizing(get_tensor, block)
     flat_shardings = {
         _path_key(p): s for p, s in jax.tree_util.tree_leaves_with_path(shardings)
     }
@@ -82,20 +93,37 @@ def create_model(
     }
     pending: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # quantized weight -> (q, scale)
 
-    def host_tensor(key: str) -> np.ndarray:
+    def host_tensor(key: str, get=get_float) -> np.ndarray:
         if key not in weight_map:
             raise ValueError(f"no checkpoint mapping for parameter {key!r} of {cfg.architecture}")
-        return weight_map[key](get_tensor)
+        return weight_map[key](get)
 
     def quantized(key: str) -> tuple[np.ndarray, np.ndarray]:
-        """int8 values and scales of quantized weight `key` (each is asked for once)."""
+        """int8 values and scales of quantized weight `key` (each is asked for once): the
+        checkpoint's own blocks when it stores them, else quantized here."""
         if key in pending:
             return pending.pop(key)
         var = abstract_vars[key]
-        host = host_tensor(key)
-        _check_shape(key, host.shape, var.get_value().shape)
-        pending[key] = quantize_int8(np.asarray(host, np.float32), var.get_metadata()["spec"])
-        return pending[key]
+        spec = var.get_metadata()["spec"]
+        stored = None if block is None else stored_int8(key, spec)
+        if stored is None:
+            host = host_tensor(key)
+            _check_shape(key, host.shape, var.get_value().shape)
+            stored = quantize_int8(np.asarray(host, np.float32), spec, block)
+        _check_shape(key, stored[0].shape, var.get_value().shape)
+        pending[key] = stored
+        return stored
+
+    def stored_int8(key: str, spec: str) -> tuple[np.ndarray, np.ndarray] | None:
+        """The checkpoint's int8 blocks of weight `key`, laid out as the parameter (None when a
+        source tensor is float). The weight map moves values and scales alike: the scales go
+        through it repeated over their blocks, then one per block is kept."""
+        try:
+            q = host_tensor(key, _int8_only(get_tensor))
+        except _FloatTensor:
+            return None
+        expanded = host_tensor(key, lambda name: np.repeat(get_tensor(name + BLOCK_SCALE_SUFFIX), block, axis=-1))
+        return q, block_scales(expanded, scale_shape(q.shape, spec, block)).astype(np.float32)
 
     def load(path, var):
         key = _path_key(path)
@@ -136,6 +164,35 @@ def abstract_model(
                                           attention_impl=attention_impl, quantization=quantization, rules=rules))
     graphdef, abs_state = nnx.split(abstract)
     return graphdef, abs_state, state_shardings(abs_state, mesh, rules)
+
+
+class _FloatTensor(Exception):
+    """A checkpoint tensor asked for as int8 blocks is stored as floats."""
+
+
+def _int8_only(get_tensor: Callable[[str], np.ndarray]) -> Callable[[str], np.ndarray]:
+    def get(name: str) -> np.ndarray:
+        w = get_tensor(name)
+        if w.dtype != np.int8:
+            raise _FloatTensor(name)
+        return w
+
+    return get
+
+
+def dequantizing(get_tensor: Callable[[str], np.ndarray], block: int) -> Callable[[str], np.ndarray]:
+    """`get_tensor` with a checkpoint's int8 blocks (scales in `<name>` + BLOCK_SCALE_SUFFIX, one
+    per `block` values of the last dim) turned into float32 values q * scale."""
+
+    def get(name: str) -> np.ndarray:
+        w = get_tensor(name)
+        if w.dtype != np.int8:
+            return w
+        scale = np.asarray(get_tensor(name + BLOCK_SCALE_SUFFIX), np.float32)
+        values = w.reshape(*w.shape[:-1], -1, block).astype(np.float32) * scale[..., None]
+        return values.reshape(w.shape)
+
+    return get
 
 
 def _check_shape(key: str, got, expected) -> None:

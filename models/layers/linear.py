@@ -108,28 +108,61 @@ def contracted_axes(spec: str) -> tuple[int, ...]:
     return tuple(ws.index(c) for c in contract)
 
 
+def scale_shape(shape, spec: str, block: int | None = None) -> tuple[int, ...]:
+    """The shape of the int8 scales of a weight of `shape` used by `dense(spec, ...)`: one per
+    output channel (`block` None: size 1 on every contracted dim), or one per `block`
+    consecutive values of the contracted dims taken together in the weight's axis order (a
+    checkpoint row's blocks, GGUF Q8_0's layout: [E, H, D] with blocks of 32 along E -> [E/32,
+    H, D]; [H, D, E] with D = 16 -> [H/2, 1, E], a block spanning two heads)."""
+    out = list(shape)
+    axes = sorted(contracted_axes(spec))
+    if block is None:
+        for a in axes:
+            out[a] = 1
+        return tuple(out)
+    if axes != list(range(axes[0], axes[-1] + 1)):
+        raise ValueError(f"int8 blocks need adjacent contracted dims; spec {spec!r}")
+    left = block
+    for a in reversed(axes):
+        n = shape[a]
+        if left == 1:
+            break
+        if left >= n and left % n == 0:
+            out[a], left = 1, left // n
+        elif left < n and n % left == 0:
+            out[a], left = n // left, 1
+        else:
+            raise ValueError(f"int8 blocks of {block} do not tile the contracted dims of {tuple(shape)}")
+    if left != 1:
+        raise ValueError(f"int8 blocks of {block} are longer than the contracted dims of {tuple(shape)}")
+    return tuple(out)
+
+
 def quantize_int8(w, spec: str, block: int | None = None):
     """Symmetric int8 of `w` (numpy or jax) with one float32 scale per output channel
-    (`block`=None) or per `block` consecutive values of the last contracted dim (GGUF's Q8_0
-    layout: the other dims keep a scale per index). Returns
-    (q int8, scale float32 of the same rank). Works on numpy arrays (at load) and jax arrays
-    (random init)."""
+    (`block`=None) or per `block` consecutive values of the contracted dims (see `scale_shape`).
+    Returns (q int8, scale float32 of the same rank). Works on numpy arrays (at load) and jax
+    arrays (random init)."""
     xp = np if isinstance(w, np.ndarray) else jnp
-    axes = contracted_axes(spec)
     w32 = w.astype(xp.float32)
-    if block is None:
-        amax = xp.max(xp.abs(w32), axis=axes, keepdims=True)
-    else:
-        last = axes[-1]
-        shape = list(w32.shape)
-        if shape[last] % block:
-            raise ValueError(f"int8 blocks of {block} do not divide dim {last} of {tuple(shape)}")
-        split = shape[:last] + [shape[last] // block, block] + shape[last + 1:]
-        amax = xp.max(xp.abs(w32.reshape(split)), axis=last + 1)  # each block its own scale
+    sshape = scale_shape(w32.shape, spec, block)
+    split = [x for n, m in zip(w32.shape, sshape) for x in (m, n // m)]
+    amax = xp.max(xp.abs(w32.reshape(split)), axis=tuple(range(1, len(split), 2)))  # each block's
     scale = (amax / 127.0).astype(xp.float32)
     safe = xp.where(scale == 0, xp.float32(1.0), scale)
     q = xp.clip(xp.round(w32 / _expand(xp, safe, w32.shape)), -127, 127).astype(xp.int8)
     return q, scale
+
+
+def block_scales(expanded: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """Scales given per value (each repeated over its block) -> one per block of `shape`
+    (`scale_shape`'s result). Raises ValueError when a block's values disagree."""
+    split = [x for n, m in zip(expanded.shape, shape) for x in (m, n // m)]
+    blocks = expanded.reshape(split)
+    first = blocks[tuple(slice(None) if i % 2 == 0 else slice(0, 1) for i in range(len(split)))]
+    if not np.array_equal(np.broadcast_to(first, blocks.shape), blocks):
+        raise ValueError(f"scales of shape {expanded.shape} are not constant over blocks {shape}")
+    return first.reshape(shape)
 
 
 def _expand(xp, scale, shape):

@@ -14,7 +14,11 @@ group through its own expert's weights. Implementations of the grouped product (
 - "dense": every expert on every token, combined with the routing weights (zero for experts
   not chosen): the baseline the grouped forms are measured against, and a reference.
 
-"auto" is "ragged" on TPU/GPU and "tiled" on the CPU.
+"auto" is "ragged" on TPU/GPU; on the CPU it is "tiled", except for small steps with experts
+that are not float32, which run "dense": there each (tile, expert) pair converts its expert's
+weights to float32 (XLA:CPU has no bfloat16 dot inside a loop), and that costs more than the
+dense form's extra products until those grow past `CPU_DENSE_MAX_EXTRA_ROWS` (tokens times
+the experts a token does not use).
 
 Expert parallelism: when the `expert` logical axis is sharded over a mesh axis (the
 EXPERT_PARALLEL_RULES preset), each device holds num_experts / n experts and computes, for
@@ -52,12 +56,31 @@ def route(logits: jax.Array, top_k: int, normalize: bool) -> tuple[jax.Array, ja
     return weights, ids.astype(jnp.int32)
 
 
-def resolve_impl(impl: str, platform: str | None = None) -> str:
+# Where the dense form stops beating the tiles on the CPU, as tokens x (experts - top_k): the
+# expert-rows it computes beyond the grouped form. Measured with benchmarks/moe_benchmark.py on
+# a 2-core AVX-512 CPU (4 layers, hidden 1024, bfloat16, tiled / dense median step times):
+# 8 experts top-2 (intermediate 1024): 0.5-0.6x at 32-128 tokens, 0.74-0.99x at 256, 0.77-1.14x
+# at 512, 1.02x at 1024, 2.24x at 2048 (crossover ~1024 tokens: 6144 extra rows); 32 experts
+# top-2 (intermediate 256): 0.78x at 32, 0.74x at 64, 0.99x at 128 (~3840). float32 experts
+# (nothing converted): the tiles win from 32 tokens on (2.15x dense there, 1.62x at 128).
+CPU_DENSE_MAX_EXTRA_ROWS = 4096
+
+
+def resolve_impl(impl: str, platform: str | None = None, num_tokens: int | None = None,
+                 num_experts: int = 0, top_k: int = 0, float32_experts: bool = False) -> str:
+    """The implementation `impl` ("auto" or one of MOE_IMPLS) runs as, for a step of
+    `num_tokens` tokens (static) over `num_experts` experts, `top_k` per token, on `platform`
+    (default: JAX's backend)."""
     if impl not in MOE_IMPLS:
         raise ValueError(f"moe impl must be one of {MOE_IMPLS}; got {impl!r}")
     if impl != "auto":
         return impl
-    return "tiled" if (platform or jax.default_backend()) == "cpu" else "ragged"
+    if (platform or jax.default_backend()) != "cpu":
+        return "ragged"
+    if (not float32_experts and num_tokens is not None
+            and num_tokens * (num_experts - top_k) <= CPU_DENSE_MAX_EXTRA_ROWS):
+        return "dense"
+    return "tiled"
 
 
 def _weight(w, g=None):
@@ -178,7 +201,9 @@ def moe_mlp(x, router_logits, w_gate, w_up, w_down, *, top_k: int, normalize: bo
     mesh axes the stacked weights' expert and intermediate dims are sharded over (None:
     not sharded)."""
     weights, ids = route(router_logits, top_k, normalize)
-    impl = resolve_impl(impl)
+    float32_experts = not isinstance(w_gate, QuantizedWeight) and w_gate.dtype == jnp.float32
+    impl = resolve_impl(impl, num_tokens=x.shape[0], num_experts=w_gate.shape[0], top_k=top_k,
+                        float32_experts=float32_experts)
     if mesh is not None:
         mesh, manual = context_mesh(mesh)  # inside the data-parallel step "data" is manual:
         expert_axis = None if expert_axis in manual else expert_axis  # the weights are whole there

@@ -261,23 +261,11 @@ def test_reverse_permute_rejects_odd_rows():
 # ----------------------------------------------------------------------------- names and config
 
 
-def test_tensor_names():
-    assert gguf_loader.hf_tensor_name("token_embd.weight") == "model.embed_tokens.weight"
-    assert gguf_loader.hf_tensor_name("output.weight") == "lm_head.weight"
-    assert gguf_loader.hf_tensor_name("output_norm.weight") == "model.norm.weight"
-    assert (
-        gguf_loader.hf_tensor_name("blk.12.attn_q.bias") == "model.layers.12.self_attn.q_proj.bias"
-    )
-    assert (
-        gguf_loader.hf_tensor_name("blk.3.ffn_down.weight") == "model.layers.3.mlp.down_proj.weight"
-    )
-    assert (
-        gguf_loader.hf_tensor_name("blk.0.ffn_norm.weight")
-        == "model.layers.0.post_attention_layernorm.weight"
-    )
-    assert gguf_loader.hf_tensor_name("rope_freqs.weight") is None
-    with pytest.raises(ValueError, match="blk.0.ffn_gate_exps.weight"):
-        gguf_loader.hf_tensor_name("blk.0.ffn_gate_exps.weight")
+def test_unknown_tensor_names_the_tensor(tmp_path):
+    tensors = llama_cpp_tensors(tiny_model())
+    tensors["blk.0.ssm_conv1d.weight"] = (np.zeros((4, 8), np.float32), None)
+    with pytest.raises(ValueError, match="'blk.0.ssm_conv1d.weight' has no Hugging Face counterpart"):
+        loader.resolve_model(write_gguf(tmp_path / "m.gguf", tensors), cache_dir=tmp_path / "cache")
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -362,10 +350,11 @@ def test_unsupported_architecture(tmp_path):
     path = write_gguf(
         tmp_path / "q.gguf",
         {"token_embd.weight": (np.zeros((4, 8), np.float32), None)},
-        arch="qwen2",
+        arch="gpt2",
         metadata=False,
     )
-    with pytest.raises(ValueError, match="architecture 'qwen2' is not supported; supported: llama"):
+    with pytest.raises(ValueError, match="architecture 'gpt2' is not supported; supported: gemma3, llama, phi3, "
+                       "qwen2, qwen3, qwen3moe"):
         loader.resolve_model(path, cache_dir=tmp_path / "cache")
 
 

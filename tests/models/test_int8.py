@@ -60,6 +60,31 @@ def test_block_scales_like_q8_0():
     np.testing.assert_allclose(np.asarray(rows), np.asarray(dequantize(jnp.asarray(qe), jnp.asarray(se), jnp.float32))[[0, 5]])
 
 
+def test_blocks_span_the_contracted_dims_together():
+    """Blocks run over the contracted dims flattened in the weight's axis order (a checkpoint
+    row's order): with head_dim 16, a block of 32 of o_proj's input covers two heads."""
+    from jaxserve.models.layers.linear import block_scales, scale_shape
+
+    assert scale_shape((4, 16, 96), "thd,hde->te", 32) == (2, 1, 96)
+    assert scale_shape((4, 64, 96), "thd,hde->te", 32) == (4, 2, 96)
+    assert scale_shape((64, 4, 16), "te,ehd->thd", 32) == (2, 4, 16)
+    assert scale_shape((8, 32, 64), "txf,xfe->txe", 32) == (8, 1, 64)
+    assert scale_shape((4, 16, 96), "thd,hde->te", None) == (1, 1, 96)
+    with pytest.raises(ValueError, match="do not tile"):
+        scale_shape((3, 24, 8), "thd,hde->te", 32)
+    rng = np.random.default_rng(2)
+    rows = rng.standard_normal((96, 64)).astype(np.float32)  # HF o_proj [E, Hq * D]
+    w = rows.T.reshape(4, 16, 96)  # ours [Hq, D, E]
+    q, s = quantize_int8(w, "thd,hde->te", block=32)
+    q_rows, s_rows = quantize_int8(rows, "ti,oi->to", block=32)  # blocks along HF's rows
+    np.testing.assert_array_equal(q, q_rows.T.reshape(4, 16, 96))
+    np.testing.assert_array_equal(s, s_rows.reshape(96, 2, 1).transpose(1, 2, 0))
+    expanded = np.repeat(s_rows, 32, axis=-1).T.reshape(4, 16, 96)  # as the loader derives them
+    np.testing.assert_array_equal(block_scales(expanded, s.shape), s)
+    with pytest.raises(ValueError, match="not constant"):
+        block_scales(rng.standard_normal((4, 16, 96)).astype(np.float32), s.shape)
+
+
 def _logits(model, expected, mesh=None):
     runner = PagedRunner(model, page_size=4, num_pages=16, mesh=mesh)
     seqs = [expected["tokens_0"].tolist(), expected["tokens_1"].tolist()]

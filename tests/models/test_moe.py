@@ -112,3 +112,22 @@ def test_sharded_moe_equals_unsharded(rules):
         assert len({str(s.index) for s in layer.w_gate[...].addressable_shards}) == 8
         assert (layer.expert_axis, layer.mlp_axis) == (("model", None) if r else (None, "model"))
     np.testing.assert_allclose(_run(sharded, mesh), _run(single, None), atol=1e-4, rtol=0)
+
+
+def test_auto_picks_dense_for_small_cpu_steps_of_converted_experts():
+    """On the CPU, "auto" runs a step dense while its extra expert-rows (tokens x unused
+    experts) stay within CPU_DENSE_MAX_EXTRA_ROWS and the experts are converted per tile
+    (bfloat16, int8), grouped tiles otherwise; TPU/GPU always take ragged_dot."""
+    from jaxserve.models.layers.moe import CPU_DENSE_MAX_EXTRA_ROWS, resolve_impl
+
+    mixtral = {"num_experts": 8, "top_k": 2}
+    assert resolve_impl("auto", "cpu", num_tokens=32, **mixtral) == "dense"
+    assert resolve_impl("auto", "cpu", num_tokens=512, **mixtral) == "dense"
+    assert resolve_impl("auto", "cpu", num_tokens=1024, **mixtral) == "tiled"
+    assert resolve_impl("auto", "cpu", num_tokens=CPU_DENSE_MAX_EXTRA_ROWS // 30, num_experts=32, top_k=2) == "dense"
+    assert resolve_impl("auto", "cpu", num_tokens=64, num_experts=128, top_k=8) == "tiled"
+    assert resolve_impl("auto", "cpu", num_tokens=32, float32_experts=True, **mixtral) == "tiled"
+    assert resolve_impl("auto", "gpu", num_tokens=32, **mixtral) == "ragged"
+    assert resolve_impl("tiled", "cpu", num_tokens=32, **mixtral) == "tiled"
+    with pytest.raises(ValueError, match="moe impl"):
+        resolve_impl("grouped")
