@@ -19,8 +19,12 @@ import dataclasses
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from jaxserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from jaxserve.structured.compiler import CompiledGrammar
 
 
 class RequestStatus(enum.IntEnum):
@@ -61,6 +65,8 @@ class EngineRequest:
     arrival_time: float = 0.0
     priority: int = 0
     cache_salt: str | None = None
+    # The compiled constraint of sampling_params.structured_outputs (shared, never advanced)
+    grammar: CompiledGrammar | None = None
 
 
 def needs_full_prompt_compute(params: SamplingParams) -> bool:

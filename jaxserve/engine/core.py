@@ -12,6 +12,12 @@ t+1 overlaps the device work of step t, as in vLLM v1:
 The scheduler plans step t+1 with the tokens of step t still pending (the step reads them on
 the device), so the device always has the next step queued while the host waits for the last
 one. Without it a step is schedule -> prepare -> launch -> collect -> update.
+
+Structured output: a constrained request's next bitmask needs its last token on the host, so
+while one is unfinished, steps do not overlap: a step in flight is collected first (that call
+launches nothing), then each step is schedule -> grammar bitmask -> prepare -> launch ->
+collect -> update. The tokens are the same either way (a row's random draw depends on its
+seed and position only); the grammar state is the StructuredOutputManager's.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from jaxserve.core.sched_output import SchedulerOutput
 from jaxserve.outputs import SampleLogprobs
 from jaxserve.request import EngineRequest, Request
 from jaxserve.runner.model_runner import LaunchedStep, ModelRunner, RunnerOutput
+from jaxserve.structured.manager import StructuredOutputManager
 
 
 class EngineSleepingError(RuntimeError):
@@ -68,6 +75,7 @@ class HostTimes:
     launch: float = 0.0
     collect: float = 0.0  # waiting for the device (and the transfer)
     update: float = 0.0  # update_from_output and the core outputs
+    grammar: float = 0.0  # structured output: advancing the matchers, computing the bitmask
 
 
 class EngineCore:
@@ -78,16 +86,20 @@ class EngineCore:
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
         self.times = HostTimes()
         self.num_steps = 0
+        self.structured = StructuredOutputManager(runner.sampler_config.vocab_size)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: EngineRequest) -> None:
         if self.is_sleeping:
             raise EngineSleepingError("the engine is sleeping; wake it up first (POST /wake_up)")
         self.scheduler.add_request(Request.from_engine_request(request))
+        self.structured.add(request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Finish these requests now (unknown or finished ids are ignored); no output follows."""
+        request_ids = list(request_ids)
         self.scheduler.abort_requests(request_ids)
+        self.structured.remove(request_ids)
 
     def has_work(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self._in_flight is not None
@@ -95,20 +107,32 @@ class EngineCore:
     # ------------------------------------------------------------------ the step
     def step(self) -> list[EngineCoreOutput]:
         t = self.times
+        constrained = self.structured.active
+        if constrained and self._in_flight is not None:
+            # The next bitmask needs the tokens of the step in flight: collect it first.
+            done, self._in_flight = self._in_flight, None
+            return self._collect(done, time.perf_counter())
         t0 = time.perf_counter()
         so = self.scheduler.schedule()
         t1 = time.perf_counter()
-        plan = self.runner.prepare(so)
+        bitmask = self.structured.bitmask(so) if constrained else None
+        tg = time.perf_counter()
+        plan = self.runner.prepare(so) if bitmask is None else self.runner.prepare(so, bitmask)
         t2 = time.perf_counter()
         launched = self.runner.launch(plan) if plan is not None else None
         t3 = time.perf_counter()
         t.schedule += t1 - t0
-        t.prepare += t2 - t1
+        t.grammar += tg - t1
+        t.prepare += t2 - tg
         t.launch += t3 - t2
-        if self.async_scheduling:
+        if self.async_scheduling and not constrained:
             done, self._in_flight = self._in_flight, (so, launched) if launched is not None else None
         else:
             done = (so, launched) if launched is not None else None
+        return self._collect(done, t3)
+
+    def _collect(self, done: tuple[SchedulerOutput, LaunchedStep] | None, t3: float) -> list[EngineCoreOutput]:
+        t = self.times
         outputs: list[EngineCoreOutput] = []
         if done is not None:
             result = self.runner.collect(done[1])

@@ -250,8 +250,10 @@ class ModelRunner:
         if slot is not None:
             self.free_slots.append(slot)
 
-    def prepare(self, so: SchedulerOutput) -> StepPlan | None:
-        """The host half of a step (numpy only); None when nothing is scheduled."""
+    def prepare(self, so: SchedulerOutput, token_bitmask: np.ndarray | None = None) -> StepPlan | None:
+        """The host half of a step (numpy only); None when nothing is scheduled.
+        `token_bitmask`: structured output's [len(so.scheduled), ceil(V/32)] int32 rows, in
+        batch order (None: nothing is masked)."""
         for rid in so.finished_request_ids:
             self._release(rid)
         for rid in so.preempted_request_ids:
@@ -304,7 +306,7 @@ class ModelRunner:
             lo += lens[i]
         tok = TokenInfo(slots=tok_slots, is_prompt=is_prompt, valid=valid, next_prompt_token=nxt,
                         sample_slots=sample_slots)
-        meta = self.builder.build(slots_np, starts_np + lens_np - self.prompt_len[slots_np], R)
+        meta = self.builder.build(slots_np, starts_np + lens_np - self.prompt_len[slots_np], R, token_bitmask)
         sample_ids = [so.scheduled[i].request.request_id for i in sample_rows.tolist()]
         buffers = self._layouts[(T, R)].pack((inputs, meta, tok))
         return StepPlan((T, R), self.builder.take_slot_writes(), buffers, sample_ids, sample_rows, logprob_rows,
