@@ -151,12 +151,12 @@ class GrammarCompiler:
         kind = params.kind
         what = {"json": "JSON schema", "json_object": "JSON object constraint", "regex": "regex",
                 "choice": "choice list", "grammar": "grammar"}[kind]
+        tok = self.tokenizer()
         try:
             grammar = _grammar_text(llguidance, params)
-        except ValueError as e:
-            raise ValueError(f"the {what} cannot be used for structured output: {e}") from None
-        tok = self.tokenizer()
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tok)
+            is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tok)
+        except (ValueError, TypeError, RuntimeError) as e:  # llguidance's errors for what it cannot read
+            raise ValueError(f"the {what} cannot be used for structured output: {_summary([str(e)])}") from None
         if is_error:
             raise ValueError(f"the {what} cannot be used for structured output: {_summary(messages)}")
         matcher = llguidance.LLMatcher(tok, grammar, log_level=0)
