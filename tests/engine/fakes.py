@@ -146,11 +146,11 @@ class FakeRunner:
 def fake_parts(*, async_scheduling: bool = True, max_num_seqs: int = 8, budget: int = 64,
                max_model_len: int = 128, num_blocks: int = 256, block_size: int = 4,
                step_seconds: float = 0.0, extra_eos: tuple[int, ...] = (), tokenizer=None,
-               vocab_size: int = VOCAB, eos: int = EOS) -> EngineParts:
+               vocab_size: int = VOCAB, eos: int = EOS, policy: str = "fcfs") -> EngineParts:
     """The real engine over FakeRunner; `tokenizer` (default CharTokenizer) may be a real one
     (with `vocab_size` its vocabulary and `eos` its end-of-sequence id)."""
     kv = KVCacheManager(block_size, num_blocks, True, max_model_len)
-    sc = SchedulerConfig(max_num_seqs, budget, max_model_len, async_scheduling=async_scheduling)
+    sc = SchedulerConfig(max_num_seqs, budget, max_model_len, async_scheduling=async_scheduling, policy=policy)
     sampler_config = SamplerConfig(max_num_seqs=max_num_seqs, vocab_size=vocab_size, max_logprobs=min(5, vocab_size),
                                    topk_candidates=min(64, vocab_size))
     core = EngineCore(Scheduler(sc, kv), FakeRunner(step_seconds, sampler_config), async_scheduling=async_scheduling)
