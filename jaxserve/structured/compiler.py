@@ -154,12 +154,9 @@ class GrammarCompiler:
         tok = self.tokenizer()
         try:
             grammar = _grammar_text(llguidance, params)
-            is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tok)
+            matcher = llguidance.LLMatcher(tok, grammar, log_level=0)
         except (ValueError, TypeError, RuntimeError) as e:  # llguidance's errors for what it cannot read
             raise ValueError(f"the {what} cannot be used for structured output: {_summary([str(e)])}") from None
-        if is_error:
-            raise ValueError(f"the {what} cannot be used for structured output: {_summary(messages)}")
-        matcher = llguidance.LLMatcher(tok, grammar, log_level=0)
         if matcher.is_error():
             raise ValueError(f"the {what} cannot be used for structured output: {_summary([matcher.get_error()])}")
         return matcher
