@@ -71,6 +71,12 @@ OTHERS = [
     ({"type": "object", "properties": {"ok": {"type": "boolean"}, "reason": {"type": ["string", "null"]}},
       "required": ["ok", "reason"], "additionalProperties": False},
      {"ok": False, "reason": None}),
+    # free text: inside the string most of the vocabulary is allowed at each step
+    ({"type": "object", "properties": {"title": {"type": "string", "maxLength": 40},
+                                       "text": {"type": "string", "maxLength": 300}},
+      "required": ["title", "text"], "additionalProperties": False},
+     {"title": "A walk", "text": "The quick brown fox jumps over the lazy dog while the cat watches from the "
+                                 "window, thinking about dinner and the weather in Paris and Rome."}),
 ]
 CASES = [(TYPICAL, TYPICAL_INSTANCE), *OTHERS]
 SEPARATORS = (", ", ": ")
