@@ -144,6 +144,13 @@ def test_tool_call_round_trip_required_and_named(client, http):
         assert s_finish == finish and content == ""
         assert [(x["name"], x["arguments"]) for x in calls] == [(t.function.name, t.function.arguments)
                                                                for t in c.message.tool_calls]
+        # the SDK's own stream helper assembles the same message
+        with client.chat.completions.stream(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice,
+                                            max_tokens=80, temperature=0) as s:
+            final = s.get_final_completion()
+        assert [(t.function.name, t.function.arguments) for t in final.choices[0].message.tool_calls] == [
+            (t.function.name, t.function.arguments) for t in c.message.tool_calls]
+        assert final.choices[0].finish_reason == finish
         # next turn: the assistant's calls and the tool's answer go back into the conversation
         follow = ASK + [c.message.model_dump(exclude_none=True)] + [
             {"role": "tool", "tool_call_id": t.id, "content": json.dumps({"temperature": 18, "unit": "celsius"})}
