@@ -2,8 +2,8 @@
 
 Requests accept unknown fields (clients and benchmarks send extras) and keep them
 (`extra="allow"`) so that the handlers can log them and list them in a response header
-(server/ignored_fields.py); fields this server knows but does not implement are refused with
-a 400 that names them (`_refuse_unimplemented`). Every float in a request must be finite: NaN
+(server/field_policy.py); fields this server knows but does not implement are refused with
+a 400 that names them (the same module's tables). Every float in a request must be finite: NaN
 and ±Infinity (which Python's JSON parser accepts) are refused for all of them at once by
 `allow_inf_nan=False`. Range checks that OpenAI / vLLM document live here; the rest is checked
 by `SamplingParams.validate()` and the engine (context length, vocabulary, grammars), which
@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serial
 
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.errors import quote
+from jaxserve.server.field_policy import CHAT_UNIMPLEMENTED, UNIMPLEMENTED, refuse_unimplemented
 from jaxserve.server.protocol_structured import StructuredOutputFields
 from jaxserve.server.protocol_tools import ChatTool, NamedToolChoice, ToolCall, ToolChoice
 
@@ -34,40 +35,6 @@ def random_id(prefix: str) -> str:
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
-
-
-# Fields of vLLM's or OpenAI's requests that this server knows but does not implement: a 400
-# when set to anything but their neutral value (field -> (is it neutral?, why)).
-UNIMPLEMENTED: dict[str, tuple[Any, str]] = {
-    "use_beam_search": (lambda v: not v, "beam search is not supported"),
-    "length_penalty": (lambda v: v == 1.0, "length_penalty applies to beam search, which is not supported"),
-    "logits_processors": (lambda v: not v, "custom logits processors are not supported"),
-    "return_tokens_as_token_ids": (lambda v: not v, "return_tokens_as_token_ids is not supported"),
-    "prompt_embeds": (lambda v: v is None, "prompt embeddings are not supported"),
-    "kv_transfer_params": (lambda v: v is None, "KV transfer (disaggregated serving) is not supported"),
-    "vllm_xargs": (lambda v: not v, "vllm_xargs (custom extension arguments) are not supported"),
-    "store": (lambda v: not v, "store is not supported: responses are not stored"),
-}
-CHAT_UNIMPLEMENTED: dict[str, tuple[Any, str]] = {
-    "functions": (lambda v: v is None, "'functions' is deprecated by OpenAI and not supported; send 'tools'"),
-    "function_call": (lambda v: v is None, "'function_call' is deprecated by OpenAI and not supported; send "
-                                           "'tool_choice'"),
-    "audio": (lambda v: v is None, "audio output is not supported"),
-    "modalities": (lambda v: v is None or list(v) == ["text"], "only the 'text' modality is supported"),
-    "prediction": (lambda v: v is None, "predicted outputs are not supported"),
-    "web_search_options": (lambda v: v is None, "web search is not supported"),
-    "reasoning_effort": (lambda v: v is None, "reasoning_effort is not supported (this server has no reasoning "
-                                              "parser)"),
-    "documents": (lambda v: v is None, "documents (RAG templates) are not supported"),
-    "mm_processor_kwargs": (lambda v: v is None, "multimodal inputs are not supported"),
-}
-
-
-def _refuse_unimplemented(model: BaseModel, table: dict[str, tuple[Any, str]]) -> None:
-    extra = model.model_extra or {}
-    for name, (neutral, why) in table.items():
-        if name in extra and not neutral(extra[name]):
-            raise ValueError(f"{name}: {why}; remove the field.")
 
 
 class _Response(BaseModel):
@@ -179,7 +146,7 @@ class _SamplingRequest(_Request, StructuredOutputFields):
     def _stream_options_need_stream(self) -> _SamplingRequest:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options can only be set when stream is true.")
-        _refuse_unimplemented(self, UNIMPLEMENTED)
+        refuse_unimplemented(self, UNIMPLEMENTED)
         return self
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
@@ -220,7 +187,7 @@ class _SamplingRequest(_Request, StructuredOutputFields):
 
     @property
     def ignored_fields(self) -> list[str]:
-        from jaxserve.server.ignored_fields import collect
+        from jaxserve.server.field_policy import collect
 
         return collect(self)
 
@@ -373,7 +340,7 @@ class ChatCompletionRequest(_SamplingRequest):
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true.")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of is not supported (only best_of == n); request n samples instead.")
-        _refuse_unimplemented(self, CHAT_UNIMPLEMENTED)
+        refuse_unimplemented(self, CHAT_UNIMPLEMENTED)
         choice = self.tool_choice
         if choice is not None and choice != "none" and not self.tools:
             raise ValueError("tool_choice needs tools: send the tools the model may call.")

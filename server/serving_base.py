@@ -17,7 +17,7 @@ from starlette.types import Receive, Scope, Send
 
 from jaxserve.outputs import LogprobsDict, RequestOutput
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.server import ignored_fields, sse
+from jaxserve.server import field_policy, sse
 from jaxserve.engine.core import EngineSleepingError
 from jaxserve.server.async_engine import AsyncEngine, EngineShutdownError, RequestStream
 from jaxserve.server.body import Disconnected
@@ -78,7 +78,7 @@ def check_request(state: ServerState, body: Any, route: str) -> dict[str, str]:
         raise APIError(400, f"priority {body.priority} was sent, but this server schedules by arrival "
                             f"({policy!r}); start it with --scheduling-policy priority, or omit priority.",
                        param="priority")
-    return ignored_fields.report(body.ignored_fields, route)
+    return field_policy.report(body.ignored_fields, route)
 
 
 def log_request(state: ServerState, request_id: str, num_prompts: int, params: SamplingParams) -> None:

@@ -201,7 +201,7 @@ def test_auto_tool_choice_parses_the_models_calls(client):
 # ---------------------------------------------------------------------------- the rest of the surface
 def test_unknown_fields_are_logged_once_and_listed(http, caplog):
     body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2, "max_token": 3, "unknown_thing": {"a": 1}}
-    with caplog.at_level(logging.WARNING, logger="jaxserve.server.ignored_fields"):
+    with caplog.at_level(logging.WARNING, logger="jaxserve.server.field_policy"):
         for _ in range(2):
             r = http.post("/v1/completions", json=body)
             assert r.status_code == 200 and r.headers["x-ignored-fields"] == "max_token, unknown_thing"
