@@ -19,12 +19,9 @@ import dataclasses
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any
 
 from jaxserve.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from jaxserve.structured.compiler import CompiledGrammar
 
 
 class RequestStatus(enum.IntEnum):
@@ -65,8 +62,9 @@ class EngineRequest:
     arrival_time: float = 0.0
     priority: int = 0
     cache_salt: str | None = None
-    # The compiled constraint of sampling_params.structured_outputs (shared, never advanced)
-    grammar: CompiledGrammar | None = None
+    # The compiled constraint of sampling_params.structured_outputs (a jaxserve.structured.
+    # compiler.CompiledGrammar, shared, never advanced; typed loosely: the core imports no engine)
+    grammar: Any = None
 
 
 def needs_full_prompt_compute(params: SamplingParams) -> bool:
