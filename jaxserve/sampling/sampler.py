@@ -2,7 +2,8 @@
 
 Order of transforms (vLLM v1's):
   0. structured output's token bitmask: tokens the request's grammar does not allow -> -inf
-     (vLLM applies it to the logits before its sampler; greedy rows included);
+     (vLLM applies it to the logits before its sampler; greedy rows included; here it is
+     applied to the buffer of steps 1-3, which gives the same logits: -inf stays -inf);
   1. per-slot row: allowed_token_ids mask, bad words (single-token: always; multi-token: when
      the last outputs match the word's prefix) -> -inf, then + logit_bias;
   2. min_tokens: EOS and stop_token_ids -> -inf while output_len < min_tokens;
@@ -80,10 +81,8 @@ def sample(
             lambda: tok_greedy,
         )
 
-    def step0():  # the masked logits, a fresh buffer (only in the branch of steps 0-3)
-        if bitmask is None:
-            return raw + 0.0
-        return jax.lax.cond(any_mask, lambda: apply_token_bitmask(raw, bitmask), lambda: raw + 0.0)
+    def step0(x):  # tokens outside the grammar -> -inf (x: a buffer of the steps-1-3 branch)
+        return jax.lax.cond(any_mask, lambda: apply_token_bitmask(x, bitmask), lambda: x)
 
     def logprobs_after_step0():  # (the unmasked logits are not copied through a cond)
         lps = functools.partial(_raw_logprobs, tok=tok, k=k, native=config.native)
@@ -102,7 +101,8 @@ def sample(
     with jax.named_scope("sampler"):
         tok = jax.lax.cond(
             use_rows | stops | jnp.any(pen) | any_mask,
-            lambda: choose(_process(step0(), meta, state, use_rows, jnp.any(pen))),
+            lambda: choose(_process(raw, meta, state, use_rows, jnp.any(pen),
+                                    step0 if bitmask is not None else None)),
             lambda: choose(raw),
         )
     with jax.named_scope("sampler_logprobs"):
@@ -138,9 +138,12 @@ def apply_token_bitmask(x: jax.Array, bitmask: jax.Array) -> jax.Array:
     return jnp.where(bits != 0, x, NEG_INF)
 
 
-def _process(x, meta, state, any_rows, any_pen):
-    """Steps 1-3. The -inf bans (bad words, min_tokens) commute with the penalties (-inf stays
-    -inf), so they are scattered last, in place into the fresh buffer the other steps made."""
+def _process(x, meta, state, any_rows, any_pen, step0=None):
+    """Steps 0-3. The -inf bans (bad words, min_tokens) commute with the penalties (-inf stays
+    -inf), so they are scattered last, in place into the fresh buffer the other steps made.
+    Step 0 (`step0`, the grammar's bitmask) commutes with steps 1-3 the same way (a masked token
+    stays -inf through bias and penalties), so it is applied to that buffer too rather than
+    to a copy of the logits."""
     x = jax.lax.cond(
         any_rows,
         lambda: jax.lax.cond(
@@ -152,6 +155,8 @@ def _process(x, meta, state, any_rows, any_pen):
             any_pen, lambda: _apply_penalties(x, meta, state), lambda: x + 0.0
         ),
     )
+    if step0 is not None:
+        x = step0(x)
     rows = jnp.arange(x.shape[0], dtype=jnp.int32)[:, None]  # [R, 1]
     return x.at[rows, _bans(meta, state, any_rows, x.shape[1])].set(NEG_INF, mode="drop")
 
