@@ -20,6 +20,7 @@ import enum
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from jaxserve.sampling_params import SamplingParams
 
@@ -74,6 +75,9 @@ class EngineRequest:
     arrival_time: float = 0.0
     priority: int = 0
     cache_salt: str | None = None
+    # The compiled constraint of sampling_params.structured_outputs (a jaxserve.structured.
+    # compiler.CompiledGrammar, shared, never advanced; typed loosely: the core imports no engine)
+    grammar: Any = None
 
 
 def needs_full_prompt_compute(params: SamplingParams) -> bool:

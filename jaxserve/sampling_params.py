@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 from typing import Any
 
 _GREEDY_EPS = 1e-5
@@ -13,6 +14,75 @@ class SamplingType(enum.IntEnum):
     GREEDY = 0
     RANDOM = 1
     RANDOM_SEED = 2
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StructuredOutputsParams:
+    """A constraint on the generated text (vLLM's `StructuredOutputsParams`): exactly one of
+
+    - json: a JSON schema (a dict, or its JSON text): the output is one JSON value valid for it;
+    - json_object: True: the output is one JSON object (any keys);
+    - regex: the output matches the regular expression (Rust `regex` syntax, anchored);
+    - choice: the output is one of these strings;
+    - grammar: a context-free grammar, in Lark syntax or llama.cpp's GBNF.
+
+    JSON is written with Python's `json.dumps` layout (", " and ": ", no other whitespace);
+    `disable_any_whitespace` writes it compact ("," and ":"). The grammar engine is llguidance
+    (see jaxserve/structured/compiler.py): schema features it cannot enforce are refused when
+    the request arrives, never ignored.
+    """
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        kinds = self.kinds()
+        if len(kinds) != 1:
+            got = ", ".join(kinds) if kinds else "none"
+            raise ValueError(
+                "structured outputs take exactly one of json, json_object, regex, choice or grammar; "
+                f"got {got}."
+            )
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError("structured outputs: json must be a JSON schema (an object or its JSON text).")
+        if self.choice is not None:
+            if not isinstance(self.choice, (list, tuple)) or not self.choice or not all(
+                isinstance(c, str) for c in self.choice
+            ):
+                raise ValueError("structured outputs: choice must be a non-empty list of strings.")
+            object.__setattr__(self, "choice", list(self.choice))
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured outputs: {name} must be a non-empty string.")
+
+    def kinds(self) -> list[str]:
+        """The constraints set (one, once validated)."""
+        out = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        if self.json_object:
+            out.append("json_object")
+        return out
+
+    @property
+    def kind(self) -> str:
+        return self.kinds()[0]
+
+    def key(self) -> tuple[str, str, bool]:
+        """(kind, the constraint as text, compact): what identifies its compiled grammar."""
+        kind = self.kind
+        if kind == "json":
+            text = self.json if isinstance(self.json, str) else json.dumps(self.json, sort_keys=True)
+        elif kind == "choice":
+            text = json.dumps(self.choice)
+        elif kind == "json_object":
+            text = ""
+        else:
+            text = getattr(self, kind)
+        return kind, text, self.disable_any_whitespace
 
 
 @dataclasses.dataclass(slots=True)
@@ -50,6 +120,11 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    # Keep only the last k prompt tokens (-1: as many as the context holds with one token to
+    # generate); None keeps the whole prompt.
+    truncate_prompt_tokens: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    extra_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -121,6 +196,11 @@ class SamplingParams:
             raise ValueError("allowed_token_ids must not be empty.")
         if self.stop and not self.detokenize:
             raise ValueError("stop strings need detokenize=True (they are matched on the text).")
+        t = self.truncate_prompt_tokens
+        if t is not None and (not isinstance(t, int) or isinstance(t, bool) or (t < 1 and t != -1)):
+            raise ValueError(f"truncate_prompt_tokens must be -1 or a positive integer, got {t!r}.")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams.")
 
     def validate_for_vocab(self, vocab_size: int) -> None:
         """Checks that need the model: token ids must exist in the vocabulary."""

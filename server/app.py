@@ -32,8 +32,10 @@ from jaxserve.server.protocol import (
     TokenizeResponse,
 )
 from jaxserve.server.request_context import RequestContextMiddleware
+from jaxserve.server.chat_template import render_chat
+from jaxserve.server.protocol_tools import tool_dicts
 from jaxserve.server.serving_base import ServerState
-from jaxserve.server.serving_chat import ChatHandler, render_chat
+from jaxserve.server.serving_chat import ChatHandler
 from jaxserve.server.serving_completions import CompletionsHandler
 
 logger = logging.getLogger(__name__)
@@ -58,20 +60,31 @@ def build_app(
     trust_request_chat_template: bool = False,
     enable_sleep_mode: bool = False,
     request_timeout: float | None = None,
+    chat_template: str | None = None,
+    tool_call_parser: str | None = None,
+    enable_auto_tool_choice: bool = False,
+    log_requests: bool = False,
 ) -> Starlette:
     """The app over `engine` (an AsyncEngine, started by the app's lifespan).
 
-    `api_keys` protect every route but /health, /version and /metrics. `max_body_bytes` None
-    fits the limit to the context length (`default_max_body_bytes`). A chat template sent with
-    a request is refused unless `trust_request_chat_template`; it is always rendered in
+    `api_keys` protect every route but /health, /ping, /version and /metrics. `max_body_bytes`
+    None fits the limit to the context length (`default_max_body_bytes`). A chat template sent
+    with a request is refused unless `trust_request_chat_template`; it is always rendered in
     transformers' sandboxed Jinja environment. `request_timeout` (seconds from arrival) aborts
     a request that has not finished by then: 504 for a plain response, an error event in a
-    stream (None: no deadline)."""
+    stream (None: no deadline). `chat_template` (the operator's, e.g. from --chat-template)
+    replaces the model's. `tool_call_parser` names the model's tool-call format
+    (server/tool_parsers); tool_choice "auto" also needs `enable_auto_tool_choice`.
+    `log_requests`: one log line per generation request."""
     names = list(served_model_names or []) or [engine.model_name]
     if max_body_bytes is None:
         max_body_bytes = default_max_body_bytes(engine.max_model_len)
+    if enable_auto_tool_choice and not tool_call_parser:
+        raise ValueError("enable_auto_tool_choice needs a tool_call_parser (--tool-call-parser).")
     state = ServerState(engine, names, max_body_bytes=max_body_bytes, request_id_header=request_id_header,
-                        trust_request_chat_template=trust_request_chat_template, request_timeout=request_timeout)
+                        trust_request_chat_template=trust_request_chat_template, request_timeout=request_timeout,
+                        tool_call_parser=tool_call_parser, enable_auto_tool_choice=enable_auto_tool_choice,
+                        log_requests=log_requests, chat_template=chat_template)
     metrics = ServerMetrics(names[0])
     engine.listener = metrics
     metrics.attach(engine)
@@ -107,7 +120,9 @@ def build_app(
                 text = render_chat(tokenizer, body.messages, add_generation_prompt=body.add_generation_prompt,
                                    continue_final_message=body.continue_final_message,
                                    chat_template=body.chat_template, chat_template_kwargs=body.chat_template_kwargs,
-                                   trust_chat_template=trust_request_chat_template)
+                                   trust_chat_template=trust_request_chat_template,
+                                   tools=tool_dicts(body.tools) if body.tools else None,
+                                   tool_format=state.tool_call_parser, default_template=state.chat_template)
                 ids = tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
             else:
                 add = True if body.add_special_tokens is None else body.add_special_tokens
@@ -133,7 +148,7 @@ def build_app(
             "tokenizer_class": type(hf).__name__,
             "eos_token": hf.eos_token, "bos_token": hf.bos_token, "pad_token": hf.pad_token,
             "unk_token": hf.unk_token, "eos_token_id": hf.eos_token_id, "bos_token_id": hf.bos_token_id,
-            "chat_template": hf.chat_template, "model_max_length": engine.max_model_len,
+            "chat_template": state.chat_template or hf.chat_template, "model_max_length": engine.max_model_len,
             "vocab_size": tokenizer.vocab_size, "add_bos_token": getattr(hf, "add_bos_token", None),
             "add_eos_token": getattr(hf, "add_eos_token", None),
         }
@@ -191,6 +206,7 @@ def build_app(
         middleware.append(Middleware(APIKeyMiddleware, api_keys=list(api_keys)))
     routes = [
         Route("/health", health, methods=["GET"]),
+        Route("/ping", health, methods=["GET", "POST"]),  # vLLM's (SageMaker's) liveness route
         Route("/version", version, methods=["GET"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),

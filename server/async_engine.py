@@ -225,6 +225,7 @@ class AsyncEngine:
         priority: int = 0,
         add_special_tokens: bool = True,
         arrival_time: float | None = None,
+        cache_salt: str | None = None,
     ) -> list[RequestStream]:
         """Validate and tokenize every prompt (in a worker thread), then hand all of them to
         the engine in one command, so that they can share the next step. Raises ValueError
@@ -235,9 +236,10 @@ class AsyncEngine:
         arrival = arrival_time or time.time()
         ip = self.input_processor
 
-        def process() -> list[ProcessedRequest]:
+        def process() -> list[ProcessedRequest]:  # (structured output's grammars compile here too)
             return [ip.process(rid, p, params, arrival_time=arrival, priority=priority,
-                               add_special_tokens=add_special_tokens) for rid, p in zip(request_ids, prompts)]
+                               add_special_tokens=add_special_tokens, cache_salt=cache_salt)
+                    for rid, p in zip(request_ids, prompts)]
 
         processed = await asyncio.to_thread(process)
         self._check_alive()

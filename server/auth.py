@@ -13,7 +13,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from jaxserve.server.errors import error_response
 
-PUBLIC_PATHS = frozenset({"/health", "/version", "/metrics"})
+PUBLIC_PATHS = frozenset({"/health", "/ping", "/version", "/metrics"})
 
 
 class APIKeyMiddleware:

@@ -72,14 +72,16 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step (default 512)")
     g.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
                    help="KV cache size in bytes; suffixes allowed (e.g. 2GiB, 512MB)")
-    g.add_argument("--page-size", type=int, default=None, help="tokens per KV page (power of two, default 16)")
+    g.add_argument("--page-size", "--block-size", dest="page_size", type=int, default=None,
+                   help="tokens per KV page (power of two, default 16); --block-size is vLLM's name")
     g.add_argument("--token-buckets", type=_int_list, nargs="+", default=None,
                    help="padded token counts to compile, e.g. 16 64 512 or 16,64,512")
     g.add_argument("--request-buckets", type=_int_list, nargs="+", default=None,
                    help="padded request counts to compile, e.g. 1 8 32")
     g.add_argument("--compilation-cache-dir", default=None, help="JAX persistent compilation cache directory")
     g.add_argument("--no-compilation-cache", action="store_true", help="disable the persistent compilation cache")
-    g.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16", "half", "float"],
+                   help="weights' dtype (half = float16, float = float32, as in vLLM)")
     g.add_argument("--attention-impl", default=None, help="auto, reference, tpu, gpu; tpu-interpret and gpu-interpret run the kernels on any host (slow, for checking)")
     g.add_argument("--matmul-impl", default=None, choices=["auto", "xla", "amx", "avx512", "avx2"],
                    help="CPU product kernels on packed weights: amx (bfloat16), avx512 or avx2 (float32); "
@@ -90,7 +92,17 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=None, help="seed for unseeded requests")
     g.add_argument("--quantization", default=None, choices=["int8"],
                    help="weight-only int8 (per-channel scales) of a float checkpoint, quantized at load")
-    g.add_argument("--no-enable-prefix-caching", action="store_true", help="disable prefix caching")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="reuse the KV cache of shared prompt prefixes (default: on)")
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
+                   help="split long prompts over several steps (default: on; off needs max_num_batched_tokens "
+                        ">= max_model_len)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="fraction of the accelerator's free memory for the KV cache (default 0.9; vLLM's name)")
+    g.add_argument("--kv-cache-dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
+                   help="KV cache dtype (auto: the model's, float32 on a CPU without the native attention kernel)")
+    g.add_argument("--scheduling-policy", default=None, choices=["fcfs", "priority"],
+                   help="fcfs: by arrival; priority: by the requests' priority field (lower first), then arrival")
     g.add_argument("--max-logprobs", type=int, default=None, help="largest logprobs a request may ask (default 20)")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="overlap host and device: plan and launch step t+1 while step t runs (default: on)")
@@ -129,7 +141,10 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
               "tensor_parallel_size": "tensor_parallel_size", "coordinator_address": "coordinator_address",
               "num_processes": "num_processes", "process_id": "process_id", "follower_port": "follower_port",
               "step_timeout": "step_timeout_seconds", "heartbeat_timeout": "heartbeat_timeout_seconds",
-              "sharding_rules": "sharding_rules"}
+              "sharding_rules": "sharding_rules",
+              "enable_prefix_caching": "enable_prefix_caching", "enable_chunked_prefill": "enable_chunked_prefill",
+              "gpu_memory_utilization": "device_memory_utilization", "kv_cache_dtype": "kv_cache_dtype",
+              "scheduling_policy": "policy"}
     for arg, key in simple.items():
         v = getattr(args, arg, None)
         if v is not None:
@@ -140,8 +155,66 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         opts["request_buckets"] = rb
     if getattr(args, "no_compilation_cache", False):
         opts["enable_compilation_cache"] = False
-    if getattr(args, "no_enable_prefix_caching", False):
-        opts["enable_prefix_caching"] = False
+    if opts.get("dtype") in DTYPE_ALIASES:
+        opts["dtype"] = DTYPE_ALIASES[opts["dtype"]]
+    return opts
+
+
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's spellings
+
+
+def _add_openai_args(s: argparse.ArgumentParser) -> None:
+    """vLLM's serve flags for the OpenAI-compatible front end (templates, tools, logging, TLS)."""
+    g = s.add_argument_group("OpenAI-compatible server")
+    g.add_argument("--chat-template", default=None,
+                   help="a chat template (Jinja) replacing the model's: a file path or the template itself")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="let the model decide when to call tools (tool_choice 'auto'); needs --tool-call-parser")
+    g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSER_NAMES),
+                   help="the model's tool-call format: hermes (Hermes, Qwen2.5/Qwen3 <tool_call> JSON), "
+                        "llama3_json (Llama 3.x), mistral ([TOOL_CALLS])")
+    g.add_argument("--disable-log-requests", action="store_true", help="do not log each request received")
+    g.add_argument("--uvicorn-log-level", default=None,
+                   choices=["debug", "info", "warning", "error", "critical", "trace"],
+                   help="uvicorn's log level (default: --log-level)")
+    g.add_argument("--root-path", default=None, help="the path prefix a proxy serves this server under")
+    g.add_argument("--ssl-keyfile", default=None, help="TLS private key file (with --ssl-certfile: serve HTTPS)")
+    g.add_argument("--ssl-certfile", default=None, help="TLS certificate file")
+
+
+# (kept in sync with jaxserve.server.tool_parsers.TOOL_PARSERS, which a test checks; the CLI
+# does not import the server to parse its arguments)
+TOOL_PARSER_NAMES = ("hermes", "llama3_json", "mistral")
+
+
+def chat_template_arg(value: str | None) -> str | None:
+    """--chat-template: a file's contents if the value names a file, else the template itself."""
+    if value is None:
+        return None
+    import pathlib
+
+    path = pathlib.Path(value)
+    try:
+        if path.is_file():
+            return path.read_text()
+    except OSError:
+        pass
+    if "{" not in value:
+        raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
+    return value
+
+
+def uvicorn_options(args: argparse.Namespace) -> dict[str, Any]:
+    """uvicorn.Config's options from the serve flags."""
+    opts: dict[str, Any] = dict(host=args.host, port=args.port, log_level=args.uvicorn_log_level or args.log_level,
+                                timeout_keep_alive=5,
+                                timeout_graceful_shutdown=graceful_shutdown_timeout(args.shutdown_grace))
+    if args.root_path:
+        opts["root_path"] = args.root_path
+    if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
+        raise ValueError("--ssl-keyfile and --ssl-certfile go together")
+    if args.ssl_keyfile:
+        opts.update(ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile)
     return opts
 
 
@@ -179,6 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--enable-sleep-mode", action="store_true",
                    help="serve POST /sleep, POST /wake_up and GET /is_sleeping (free and restore the device memory)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"])
+    _add_openai_args(s)
     _add_engine_args(s)
 
     g = sub.add_parser("generate", help="generate text for one prompt and print it")
@@ -216,6 +290,10 @@ def _serve(args: argparse.Namespace) -> int:
     if names:
         opts["served_model_name"] = names[0]
     try:
+        if args.enable_auto_tool_choice and not args.tool_call_parser:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+        chat_template = chat_template_arg(args.chat_template)
+        server_opts = uvicorn_options(args)
         config = EngineConfig.from_kwargs(model=model, **opts)
         check_servable(load_rules(config.parallel.sharding_rules))
     except (ValueError, TypeError) as e:
@@ -234,12 +312,14 @@ def _serve(args: argparse.Namespace) -> int:
                     max_body_bytes=args.max_request_body, request_id_header=not args.disable_request_id_header,
                     shutdown_grace_seconds=args.shutdown_grace, enable_sleep_mode=args.enable_sleep_mode,
                     trust_request_chat_template=args.trust_request_chat_template,
-                    request_timeout=args.request_timeout)
-    log.info("serving %s on http://%s:%d (at most %d waiting sequences, request timeout %s)",
-             (names or [aengine.model_name])[0], args.host, args.port, aengine.max_waiting_requests,
-             f"{args.request_timeout:g} s" if args.request_timeout else "off")
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=5,
-                            timeout_graceful_shutdown=graceful_shutdown_timeout(args.shutdown_grace))
+                    request_timeout=args.request_timeout, chat_template=chat_template,
+                    tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice,
+                    log_requests=not args.disable_log_requests)
+    scheme = "https" if args.ssl_certfile else "http"
+    log.info("serving %s on %s://%s:%d%s (at most %d waiting sequences, request timeout %s)",
+             (names or [aengine.model_name])[0], scheme, args.host, args.port, args.root_path or "",
+             aengine.max_waiting_requests, f"{args.request_timeout:g} s" if args.request_timeout else "off")
+    config = uvicorn.Config(app, **server_opts)
     DrainingServer(config, aengine, args.shutdown_grace).run()
     if aengine.error is not None:
         # The engine failed for good (a device error, a lost follower): exit non-zero so that a

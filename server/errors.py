@@ -71,5 +71,6 @@ def validation_message(e: ValidationError) -> tuple[str, str | None]:
         if param is None and err.get("loc"):
             param = str(err["loc"][0])
         msg = err.get("msg", "invalid value")
+        msg = msg.removeprefix("Value error, ")  # pydantic's prefix for our validators' messages
         parts.append(f"{loc}: {msg}" if loc else msg)
     return "; ".join(parts) or "invalid request", param

@@ -1,10 +1,14 @@
 """Pydantic models for the OpenAI-compatible surface (requests and responses).
 
-Requests accept and ignore unknown fields (clients and benchmarks send extras). Every float in
-a request must be finite: NaN and ±Infinity (which Python's JSON parser accepts) are refused
-for all of them at once by `allow_inf_nan=False`. Range checks that OpenAI / vLLM document
-live here; the rest is checked by `SamplingParams.validate()` and the engine (context length,
-vocabulary), which raise ValueError → 400.
+Requests accept unknown fields (clients and benchmarks send extras) and keep them
+(`extra="allow"`) so that the handlers can log them and list them in a response header
+(server/field_policy.py); fields this server knows but does not implement are refused with
+a 400 that names them (the same module's tables). Every float in a request must be finite: NaN
+and ±Infinity (which Python's JSON parser accepts) are refused for all of them at once by
+`allow_inf_nan=False`. Range checks that OpenAI / vLLM document live here; the rest is checked
+by `SamplingParams.validate()` and the engine (context length, vocabulary, grammars), which
+raise ValueError → 400. Structured output's fields are in protocol_structured.py, tool
+calling's in protocol_tools.py.
 """
 
 from __future__ import annotations
@@ -17,6 +21,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serial
 
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.errors import quote
+from jaxserve.server.field_policy import CHAT_UNIMPLEMENTED, UNIMPLEMENTED, refuse_unimplemented
+from jaxserve.server.protocol_structured import StructuredOutputFields
+from jaxserve.server.protocol_tools import ChatTool, NamedToolChoice, ToolCall, ToolChoice
 
 MAX_N = 128
 LOGIT_BIAS_LIMIT = 100.0
@@ -27,7 +34,7 @@ def random_id(prefix: str) -> str:
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
 
 class _Response(BaseModel):
@@ -58,8 +65,9 @@ class UsageInfo(_Response):
     total_tokens: int = 0
 
 
-class _SamplingRequest(_Request):
-    """Fields common to completions and chat (OpenAI names, then vLLM extras)."""
+class _SamplingRequest(_Request, StructuredOutputFields):
+    """Fields common to completions and chat (OpenAI names, then vLLM extras, then structured
+    output's, from StructuredOutputFields)."""
 
     model: str | None = None
     max_tokens: Annotated[int, Field(ge=1)] | None = None
@@ -89,6 +97,23 @@ class _SamplingRequest(_Request):
     bad_words: list[str] | None = None
     priority: int = 0
     request_id: str | None = None
+    cache_salt: str | None = None
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
+    return_token_ids: bool = False
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _salt(cls, v: str | None) -> str | None:
+        if v is not None and not v:
+            raise ValueError("cache_salt must be a non-empty string (or omitted).")
+        return v
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncate(cls, v: int | None) -> int | None:
+        if v == 0:
+            raise ValueError("truncate_prompt_tokens must be -1 (the context length) or a positive integer.")
+        return v
 
     @field_validator("stop")
     @classmethod
@@ -121,6 +146,7 @@ class _SamplingRequest(_Request):
     def _stream_options_need_stream(self) -> _SamplingRequest:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options can only be set when stream is true.")
+        refuse_unimplemented(self, UNIMPLEMENTED)
         return self
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
@@ -151,11 +177,19 @@ class _SamplingRequest(_Request):
             include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias=bias,
             allowed_token_ids=self.allowed_token_ids,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
+            structured_outputs=self.structured_outputs_params(),
         )
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def ignored_fields(self) -> list[str]:
+        from jaxserve.server.field_policy import collect
+
+        return collect(self)
 
     @property
     def continuous_usage(self) -> bool:
@@ -224,6 +258,8 @@ class CompletionResponseChoice(_Response):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     prompt_logprobs: list[dict[str, Any] | None] | None = None
+    prompt_token_ids: list[int] | None = None  # with return_token_ids
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(_Response):
@@ -241,6 +277,8 @@ class CompletionStreamChoice(_Response):
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_token_ids: list[int] | None = None  # a choice's first chunk, with return_token_ids
+    token_ids: list[int] | None = None
 
 
 class CompletionStreamResponse(_Response):
@@ -262,6 +300,8 @@ class ChatMessage(_Request):
     role: str
     content: str | list[ChatContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn's calls (history)
+    tool_call_id: str | None = None  # a tool turn: the call it answers
 
     def text(self) -> str:
         if self.content is None:
@@ -287,6 +327,10 @@ class ChatCompletionRequest(_SamplingRequest):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     echo: bool = False
+    best_of: int | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
     def _checks(self) -> ChatCompletionRequest:
@@ -294,7 +338,27 @@ class ChatCompletionRequest(_SamplingRequest):
             raise ValueError("top_logprobs needs logprobs set to true.")
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true.")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of is not supported (only best_of == n); request n samples instead.")
+        refuse_unimplemented(self, CHAT_UNIMPLEMENTED)
+        choice = self.tool_choice
+        if choice is not None and choice != "none" and not self.tools:
+            raise ValueError("tool_choice needs tools: send the tools the model may call.")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in {
+                t.function.name for t in self.tools or []}:
+            raise ValueError(f"tool_choice names the function {quote(choice.function.name)}, which is not "
+                             "among the tools.")
+        if self.tools and self.effective_tool_choice not in ("none", "auto") and self.structured_sources():
+            raise ValueError("tool_choice 'required' or a named function cannot be combined with "
+                             f"{self.structured_sources()[0]}: the tool call is itself structured output.")
         return self
+
+    @property
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        """'none' without tools; 'auto' when tools come without a tool_choice (OpenAI's default)."""
+        if not self.tools:
+            return "none"
+        return self.tool_choice if self.tool_choice is not None else "auto"
 
     def to_sampling_params(self) -> SamplingParams:
         max_tokens = self.max_completion_tokens or self.max_tokens  # None = rest of the context
@@ -319,6 +383,7 @@ class ChatCompletionLogProbs(_Response):
 class ChatResponseMessage(_Response):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionResponseChoice(_Response):
@@ -327,6 +392,7 @@ class ChatCompletionResponseChoice(_Response):
     logprobs: ChatCompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # with return_token_ids
 
 
 class ChatCompletionResponse(_Response):
@@ -337,11 +403,13 @@ class ChatCompletionResponse(_Response):
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
     prompt_logprobs: list[dict[str, Any] | None] | None = None
+    prompt_token_ids: list[int] | None = None  # with return_token_ids
 
 
 class DeltaMessage(_Response):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # index, id/type/function name first, then arguments
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler: Any) -> dict[str, Any]:
@@ -354,6 +422,7 @@ class ChatCompletionStreamChoice(_Response):
     logprobs: ChatCompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # with return_token_ids
 
 
 class ChatCompletionStreamResponse(_Response):
@@ -363,6 +432,7 @@ class ChatCompletionStreamResponse(_Response):
     model: str
     choices: list[ChatCompletionStreamChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None  # first chunk, with return_token_ids
 
 
 # ---------------------------------------------------------------------------- models, tokenizer
@@ -390,6 +460,7 @@ class TokenizeRequest(_Request):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
     return_token_strs: bool = False
 
     @model_validator(mode="after")

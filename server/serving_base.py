@@ -1,6 +1,7 @@
-"""What the completions and chat handlers share: model names, body parsing (see body.py), adding
-requests, merging per-prompt output queues (within the request's deadline), disconnect handling
-and logprob formatting."""
+"""What the completions and chat handlers share: model names, body parsing (see body.py), the
+checks every generation request goes through (unknown fields, priority), request logging,
+adding requests, merging per-prompt output queues (within the request's deadline), disconnect
+handling and logprob formatting."""
 
 from __future__ import annotations
 
@@ -10,13 +11,14 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from pydantic import BaseModel
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from jaxserve.outputs import LogprobsDict, RequestOutput
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.server import sse
+from jaxserve.server import field_policy, sse
 from jaxserve.engine.core import EngineSleepingError
 from jaxserve.server.async_engine import (
     AsyncEngine,
@@ -62,12 +64,23 @@ class ServerState:
 
     def __init__(self, engine: AsyncEngine, served_model_names: list[str], *, max_body_bytes: int,
                  request_id_header: bool = True, trust_request_chat_template: bool = False,
-                 request_timeout: float | None = None):
+                 request_timeout: float | None = None, tool_call_parser: str | None = None,
+                 enable_auto_tool_choice: bool = False, log_requests: bool = False,
+                 chat_template: str | None = None):
+        from jaxserve.server.tool_parsers import get_tool_parser
+
         self.engine = engine
         self.served_model_names = served_model_names or [engine.model_name]
         self.max_body_bytes = max_body_bytes
         self.request_id_header = request_id_header
         self.trust_request_chat_template = trust_request_chat_template
+        self.chat_template = chat_template  # the operator's (--chat-template), replacing the model's
+        # The parser of the model's tool-call format (also how tools are shown to a template
+        # without a tools section); auto tool choice needs it and enable_auto_tool_choice.
+        self.tool_call_parser = tool_call_parser
+        self.tool_parser = get_tool_parser(tool_call_parser) if tool_call_parser else None
+        self.enable_auto_tool_choice = enable_auto_tool_choice
+        self.log_requests = log_requests
         self.request_timeout = request_timeout  # seconds from arrival to the last output; None: none
 
     def deadline(self) -> Deadline | None:
@@ -87,6 +100,40 @@ class ServerState:
             raise APIError(404, f"The model {quote(name)} does not exist; available: "
                                 f"{', '.join(self.served_model_names)}.", param="model")
         return name
+
+
+def check_request(state: ServerState, body: Any, route: str) -> dict[str, str]:
+    """What every generation request goes through after validation: its priority must suit
+    the scheduling policy (as in vLLM), and its unknown fields are logged; returns the response
+    headers that list them."""
+    policy = state.engine.core.scheduler.config.policy
+    if body.priority != 0 and policy != "priority":
+        raise APIError(400, f"priority {body.priority} was sent, but this server schedules by arrival "
+                            f"({policy!r}); start it with --scheduling-policy priority, or omit priority.",
+                       param="priority")
+    return field_policy.report(body.ignored_fields, route)
+
+
+def log_request(state: ServerState, request_id: str, num_prompts: int, params: SamplingParams) -> None:
+    """One INFO line per request unless --disable-log-requests (no prompt text: it is the
+    client's data)."""
+    if state.log_requests:
+        logger.info("Received request %s: %d prompt(s), %s", request_id, num_prompts, describe_params(params))
+
+
+def describe_params(params: SamplingParams) -> str:
+    """The sampling settings that differ from SamplingParams' defaults."""
+    default = SamplingParams()
+    parts = []
+    for name in SamplingParams.__dataclass_fields__:
+        value = getattr(params, name)
+        if value != getattr(default, name):
+            if name == "structured_outputs":
+                value = value.kind
+            elif isinstance(value, (list, dict)) and len(value) > 8:
+                value = f"<{len(value)} items>"
+            parts.append(f"{name}={value!r}")
+    return "SamplingParams(" + ", ".join(parts) + ")"
 
 
 def engine_error(e: BaseException, request_id: str | None = None) -> APIError:
@@ -109,12 +156,13 @@ def engine_error(e: BaseException, request_id: str | None = None) -> APIError:
 
 async def add_all(engine: AsyncEngine, request_ids: list[str], prompts: list[str | list[int]],
                   params: SamplingParams, priority: int, arrival_time: float,
-                  add_special_tokens: bool = True) -> list[RequestStream]:
+                  add_special_tokens: bool = True, cache_salt: str | None = None) -> list[RequestStream]:
     """Add one engine request per prompt, all in one command (they can share the next step);
     bad input raises the 400 before anything is queued, a full queue the 503."""
     try:
         return await engine.add_requests(request_ids, prompts, params, priority=priority,
-                                         arrival_time=arrival_time, add_special_tokens=add_special_tokens)
+                                         arrival_time=arrival_time, add_special_tokens=add_special_tokens,
+                                         cache_salt=cache_salt)
     except (ValueError, EngineOverloadedError, EngineShutdownError, EngineSleepingError) as e:
         raise engine_error(e) from None
     except EngineDeadError:
@@ -321,7 +369,8 @@ def prompt_logprobs_json(plp: list[LogprobsDict | None] | None) -> list[dict[str
             for d in plp]
 
 
-async def respond_json(request: Request, collect: Any, on_done: Callable[[], None]) -> Response:
+async def respond_json(request: Request, collect: Any, on_done: Callable[[], None],
+                       headers: dict[str, str] | None = None) -> Response:
     """Await a non-streaming handler's result as JSON; a client that goes away gets its
     requests aborted (499), an engine failure becomes its API error. `on_done` always runs."""
     try:
@@ -334,4 +383,4 @@ async def respond_json(request: Request, collect: Any, on_done: Callable[[], Non
         raise engine_error(e, request_id_of(request.scope)) from None
     finally:
         on_done()
-    return JSONResponse(resp.model_dump())
+    return JSONResponse(resp.model_dump(), headers=headers)

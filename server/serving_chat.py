@@ -1,4 +1,15 @@
-"""POST /v1/chat/completions."""
+"""POST /v1/chat/completions.
+
+Tool calling (`tools`, `tool_choice`, `parallel_tool_calls`), as vLLM serves it:
+- "none": the tools are shown to the template, the output is plain content;
+- "auto" (the default with tools): needs --enable-auto-tool-choice and --tool-call-parser;
+  the parser finds the calls in the model's free output (content before them stays content);
+- "required": structured output constrains the output to a JSON array of {"name",
+  "parameters"} (one item without parallel_tool_calls), finish_reason "tool_calls";
+- a named function: the output is constrained to its parameters' schema; finish_reason
+  "stop" (OpenAI's and vLLM's convention for a forced function).
+Calls come back as `message.tool_calls` (content null) or, streaming, as `delta.tool_calls`.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +24,7 @@ from starlette.responses import Response
 
 from jaxserve.server import sse
 from jaxserve.server.body import parse_body
+from jaxserve.server.chat_template import UNTRUSTED_TEMPLATE, render_chat
 from jaxserve.server.errors import APIError
 from jaxserve.server.protocol import (
     ChatCompletionLogProbs,
@@ -21,11 +33,18 @@ from jaxserve.server.protocol import (
     ChatCompletionResponseChoice,
     ChatCompletionStreamChoice,
     ChatCompletionStreamResponse,
-    ChatMessage,
     ChatResponseMessage,
     DeltaMessage,
     UsageInfo,
     random_id,
+)
+from jaxserve.server.protocol_tools import (
+    FunctionCall,
+    NamedToolChoice,
+    ToolCall,
+    parameters_schema,
+    required_schema,
+    tool_dicts,
 )
 from jaxserve.server.serving_base import (
     Deadline,
@@ -34,50 +53,47 @@ from jaxserve.server.serving_base import (
     abort_all,
     add_all,
     chat_logprobs,
+    check_request,
+    log_request,
     merge,
     prompt_logprobs_json,
     respond_json,
     sse_stream,
     with_defaults,
 )
+from jaxserve.server.tool_parsers import FunctionCallText, ToolCallStream, parse_required, tool_call_id
+from jaxserve.sampling_params import StructuredOutputsParams
+
+__all__ = ["UNTRUSTED_TEMPLATE", "ChatHandler", "render_chat"]
+
+AUTO_NEEDS_PARSER = ('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set; '
+                     'send tool_choice "none", "required" or a named function, or start the server with them.')
 
 
-UNTRUSTED_TEMPLATE = ("a chat template was sent with the request, but this server does not render "
-                      "client-supplied chat templates; start it with --trust-request-chat-template to allow them.")
+@dataclasses.dataclass(slots=True)
+class _Tools:
+    """A request's tool mode: None (no tool calls), "auto", "required" or "named"."""
 
+    mode: str | None = None
+    function: str | None = None  # named
+    max_calls: int | None = None  # 1 without parallel_tool_calls
 
-def render_chat(tokenizer: Any, messages: list[ChatMessage], *, add_generation_prompt: bool = True,
-                continue_final_message: bool = False, chat_template: str | None = None,
-                chat_template_kwargs: dict[str, Any] | None = None, trust_chat_template: bool = False) -> str:
-    """The prompt text of a conversation; ValueError for anything the template cannot take.
-
-    A template from the request (`chat_template`, or the same key in `chat_template_kwargs`)
-    is Jinja code: it is refused (APIError 400) unless `trust_chat_template`, and rendered in
-    transformers' sandboxed environment either way."""
-    conv = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in messages]
-    kwargs = dict(chat_template_kwargs or {})
-    if chat_template is not None:
-        kwargs["chat_template"] = chat_template
-    if kwargs.get("chat_template") is not None and not trust_chat_template:
-        raise APIError(400, UNTRUSTED_TEMPLATE, param="chat_template")
-    if continue_final_message:
-        kwargs["continue_final_message"] = True
-    try:
-        return tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, **kwargs)
-    except ValueError:
-        raise
-    except Exception as e:  # noqa: BLE001 - template errors are the user's (jinja, bad roles)
-        raise ValueError(f"the chat template could not be applied to these messages: {e}") from None
+    def stream(self, state: ServerState) -> ToolCallStream | None:
+        if self.mode is None:
+            return None
+        return ToolCallStream(self.mode, state.tool_parser, self.function, self.max_calls)  # type: ignore[arg-type]
 
 
 @dataclasses.dataclass(slots=True)
 class _Choice:
     text: str = ""
     num_tokens: int = 0
+    token_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     role_sent: bool = False
+    calls: ToolCallStream | None = None
 
 
 class ChatHandler:
@@ -86,39 +102,101 @@ class ChatHandler:
         self.engine = state.engine
         self.tokenizer = state.engine.tokenizer
 
+    def _tool_mode(self, body: ChatCompletionRequest) -> tuple[_Tools, StructuredOutputsParams | None]:
+        choice = body.effective_tool_choice
+        tools = body.tools or []
+        max_calls = None if body.parallel_tool_calls else 1
+        if choice == "none":
+            return _Tools(), None
+        if choice == "auto":
+            if not (self.state.enable_auto_tool_choice and self.state.tool_parser is not None):
+                raise APIError(400, AUTO_NEEDS_PARSER, param="tool_choice")
+            return _Tools("auto", max_calls=max_calls), None
+        if choice == "required":
+            try:
+                schema = required_schema(tools, parallel=body.parallel_tool_calls)
+            except ValueError as e:
+                raise APIError(400, str(e), param="tools") from None
+            return _Tools("required", max_calls=max_calls), StructuredOutputsParams(json=schema)
+        assert isinstance(choice, NamedToolChoice)
+        tool = next(t for t in tools if t.function.name == choice.function.name)
+        return _Tools("named", function=tool.function.name), StructuredOutputsParams(json=parameters_schema(tool))
+
     async def handle(self, request: Request) -> Response:
         arrival = time.time()
         deadline = self.state.deadline()
         body = await parse_body(request, ChatCompletionRequest, self.state.max_body_bytes)
         model = self.state.resolve_model(body.model)
+        headers = check_request(self.state, body, "/v1/chat/completions")
+        tools, constraint = self._tool_mode(body)
         try:
             params = with_defaults(body.to_sampling_params(), body, self.engine.info.sampling_defaults)
+            if constraint is not None:
+                params = params.clone(structured_outputs=constraint)
+            if tools.mode == "auto" and self.state.tool_parser.needs_special_tokens:
+                params = params.clone(skip_special_tokens=False)  # its markers are special tokens
             # Templates can be slow (and are the client's input): off the event loop.
             text = await asyncio.to_thread(
                 render_chat, self.tokenizer, body.messages, add_generation_prompt=body.add_generation_prompt,
                 continue_final_message=body.continue_final_message, chat_template=body.chat_template,
                 chat_template_kwargs=body.chat_template_kwargs,
-                trust_chat_template=self.state.trust_request_chat_template)
+                trust_chat_template=self.state.trust_request_chat_template,
+                tools=tool_dicts(body.tools) if body.tools else None, tool_format=self.state.tool_call_parser,
+                default_template=self.state.chat_template)
         except ValueError as e:
             raise APIError(400, str(e)) from None
         rid = f"chatcmpl-{body.request_id}" if body.request_id else random_id("chatcmpl")
+        log_request(self.state, rid, 1, params)
         (stream,) = await add_all(self.engine, [rid], [text], params, body.priority, arrival,
-                                  body.add_special_tokens)
+                                  body.add_special_tokens, body.cache_salt)
         queues = [stream.queue]
-        ctx = _Ctx(rid, int(arrival), model, body, len(stream.prompt_token_ids), deadline)
+        ctx = _Ctx(rid, int(arrival), model, body, list(stream.prompt_token_ids), tools, self._echo(body), deadline)
         if body.stream:
-            return EventStream(sse_stream(self._stream(ctx, queues)), abort_all(self.engine, [rid]))
-        return await respond_json(request, self._collect(ctx, queues), abort_all(self.engine, [rid]))
+            return EventStream(sse_stream(self._stream(ctx, queues)), abort_all(self.engine, [rid]), headers)
+        return await respond_json(request, self._collect(ctx, queues), abort_all(self.engine, [rid]), headers)
+
+    @staticmethod
+    def _echo(body: ChatCompletionRequest) -> str:
+        """With echo, the last message's content when the answer continues its role (vLLM's rule)."""
+        if not body.echo:
+            return ""
+        last = body.messages[-1]
+        role = "assistant" if body.add_generation_prompt else last.role
+        return last.text() if last.role == role else ""
 
     def _usage(self, ctx: _Ctx) -> UsageInfo:
         c = sum(ch.num_tokens for ch in ctx.choices.values())
-        return UsageInfo(prompt_tokens=ctx.num_prompt_tokens, completion_tokens=c, total_tokens=ctx.num_prompt_tokens + c)
+        p = len(ctx.prompt_token_ids)
+        return UsageInfo(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
 
     def _delta_logprobs(self, ctx: _Ctx, o: Any) -> ChatCompletionLogProbs | None:
         if not ctx.body.logprobs or o.logprobs is None:
             return None
         return ChatCompletionLogProbs(content=chat_logprobs(o.token_ids, o.logprobs, self.tokenizer,
                                                             ctx.body.top_logprobs or 0))
+
+    # ------------------------------------------------------------------ whole responses
+    def _final_message(self, ctx: _Ctx, ch: _Choice) -> tuple[ChatResponseMessage, str | None]:
+        """The message and finish reason of a finished choice (tool calls extracted)."""
+        mode, text, finish = ctx.tools.mode, ch.text, ch.finish_reason
+        calls: list[FunctionCallText] = []
+        content: str | None = text
+        if mode == "auto":
+            content, calls = self.state.tool_parser.extract(text)
+        elif mode == "required":
+            calls = parse_required(text) or []
+            content = None if calls else text
+        elif mode == "named":
+            calls, content = [FunctionCallText(ctx.tools.function, text)], None
+        if ctx.tools.max_calls is not None:
+            calls = calls[: ctx.tools.max_calls]
+        if calls and (mode == "auto" or (mode == "required" and finish == "stop")):
+            finish = "tool_calls"
+        if ctx.echo and content is not None:
+            content = ctx.echo + content
+        tool_calls = [ToolCall(id=tool_call_id(), function=FunctionCall(name=c.name, arguments=c.arguments))
+                      for c in calls]
+        return ChatResponseMessage(content=content, tool_calls=tool_calls), finish
 
     async def _collect(self, ctx: _Ctx, queues: list) -> ChatCompletionResponse:
         plp = None
@@ -129,41 +207,62 @@ class ChatHandler:
                 ch = ctx.choices.setdefault(o.index, _Choice(logprobs=[] if ctx.body.logprobs else None))
                 ch.text += o.text
                 ch.num_tokens += len(o.token_ids)
+                ch.token_ids += o.token_ids
                 lp = self._delta_logprobs(ctx, o)
                 if lp is not None and ch.logprobs is not None:
                     ch.logprobs.extend(lp.content or [])
                 if o.finish_reason is not None:
                     ch.finish_reason, ch.stop_reason = o.finish_reason, o.stop_reason
-        choices = [
-            ChatCompletionResponseChoice(
-                index=i, message=ChatResponseMessage(content=ch.text),
+        choices = []
+        for i, ch in sorted(ctx.choices.items()):
+            message, finish = self._final_message(ctx, ch)
+            choices.append(ChatCompletionResponseChoice(
+                index=i, message=message,
                 logprobs=ChatCompletionLogProbs(content=ch.logprobs) if ch.logprobs is not None else None,
-                finish_reason=ch.finish_reason, stop_reason=ch.stop_reason)
-            for i, ch in sorted(ctx.choices.items())
-        ]
+                finish_reason=finish, stop_reason=ch.stop_reason,
+                token_ids=ch.token_ids if ctx.body.return_token_ids else None))
         return ChatCompletionResponse(id=ctx.id, created=ctx.created, model=ctx.model, choices=choices,
-                                      usage=self._usage(ctx), prompt_logprobs=plp)
+                                      usage=self._usage(ctx), prompt_logprobs=plp,
+                                      prompt_token_ids=ctx.prompt_token_ids if ctx.body.return_token_ids else None)
 
+    # ------------------------------------------------------------------ streaming
     async def _stream(self, ctx: _Ctx, queues: list) -> AsyncIterator[str]:
         body = ctx.body
 
-        def chunk(choice: ChatCompletionStreamChoice) -> str:
+        def chunk(choice: ChatCompletionStreamChoice, **extra: Any) -> str:
             return sse.event(ChatCompletionStreamResponse(
                 id=ctx.id, created=ctx.created, model=ctx.model, choices=[choice],
-                usage=self._usage(ctx) if body.continuous_usage else None))
+                usage=self._usage(ctx) if body.continuous_usage else None, **extra))
 
         async for _, out in merge(queues, ctx.deadline):
             for o in out.outputs:
-                ch = ctx.choices.setdefault(o.index, _Choice())
+                ch = ctx.choices.get(o.index)
+                if ch is None:
+                    ch = ctx.choices[o.index] = _Choice(calls=ctx.tools.stream(self.state))
                 ch.num_tokens += len(o.token_ids)
                 if not ch.role_sent:
                     # the first chunk goes out once the first token exists (TTFT is measured from it)
                     ch.role_sent = True
+                    first = {"prompt_token_ids": ctx.prompt_token_ids} if body.return_token_ids else {}
                     yield chunk(ChatCompletionStreamChoice(index=o.index,
-                                                           delta=DeltaMessage(role="assistant", content="")))
+                                                           delta=DeltaMessage(role="assistant", content="")), **first)
+                    if ctx.echo:
+                        yield chunk(ChatCompletionStreamChoice(index=o.index, delta=DeltaMessage(content=ctx.echo)))
+                finish = o.finish_reason
+                delta = DeltaMessage(content=o.text)
+                if ch.calls is not None:
+                    ch.text += o.text
+                    content, calls = ch.calls.update(ch.text, final=finish is not None)
+                    delta = DeltaMessage(content=content or None, tool_calls=calls or None)
+                    if ch.calls.called and (ctx.tools.mode == "auto" or (ctx.tools.mode == "required"
+                                                                         and finish == "stop")):
+                        finish = "tool_calls" if finish is not None else None
+                    if delta.content is None and delta.tool_calls is None and finish is None and not o.logprobs:
+                        continue  # held back (a marker may be starting)
                 yield chunk(ChatCompletionStreamChoice(
-                    index=o.index, delta=DeltaMessage(content=o.text), logprobs=self._delta_logprobs(ctx, o),
-                    finish_reason=o.finish_reason, stop_reason=o.stop_reason))
+                    index=o.index, delta=delta, logprobs=self._delta_logprobs(ctx, o),
+                    finish_reason=finish, stop_reason=o.stop_reason,
+                    token_ids=o.token_ids if body.return_token_ids else None))
         if body.include_usage:
             yield sse.event(ChatCompletionStreamResponse(id=ctx.id, created=ctx.created, model=ctx.model,
                                                          choices=[], usage=self._usage(ctx)))
@@ -175,6 +274,8 @@ class _Ctx:
     created: int
     model: str
     body: ChatCompletionRequest
-    num_prompt_tokens: int
+    prompt_token_ids: list[int]
+    tools: _Tools
+    echo: str = ""
     deadline: Deadline | None = None
     choices: dict[int, _Choice] = dataclasses.field(default_factory=dict)

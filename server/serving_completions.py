@@ -30,6 +30,8 @@ from jaxserve.server.serving_base import (
     abort_all,
     add_all,
     append_completion_logprobs,
+    check_request,
+    log_request,
     merge,
     prompt_logprobs_json,
     respond_json,
@@ -48,6 +50,7 @@ class _Choice:
     stop_reason: int | str | None = None
     started: bool = False
     prompt_logprobs: list | None = None
+    token_ids: list[int] = dataclasses.field(default_factory=list)
 
 
 class CompletionsHandler:
@@ -61,6 +64,7 @@ class CompletionsHandler:
         deadline = self.state.deadline()
         body = await parse_body(request, CompletionRequest, self.state.max_body_bytes)
         model = self.state.resolve_model(body.model)
+        headers = check_request(self.state, body, "/v1/completions")
         try:
             params = with_defaults(body.to_sampling_params(), body, self.engine.info.sampling_defaults)
         except ValueError as e:
@@ -70,16 +74,21 @@ class CompletionsHandler:
             base_id = f"cmpl-{body.request_id}"
         prompts = [p if isinstance(p, str) else list(p) for p in body.prompts()]
         rids = [f"{base_id}-{i}" for i in range(len(prompts))]
-        streams = await add_all(self.engine, rids, prompts, params, body.priority, arrival, body.add_special_tokens)
+        log_request(self.state, base_id, len(prompts), params)
+        streams = await add_all(self.engine, rids, prompts, params, body.priority, arrival, body.add_special_tokens,
+                                body.cache_salt)
         queues = [st.queue for st in streams]
-        ctx = _Ctx(base_id, int(arrival), model, body, [st.prompt_token_ids for st in streams], params.n, deadline)
+        ctx = _Ctx(base_id, int(arrival), model, body, [list(st.prompt_token_ids) for st in streams], params.n,
+                   deadline)
         if body.stream:
-            return EventStream(sse_stream(self._stream(ctx, queues)), abort_all(self.engine, rids))
-        return await respond_json(request, self._collect(ctx, queues), abort_all(self.engine, rids))
+            return EventStream(sse_stream(self._stream(ctx, queues)), abort_all(self.engine, rids), headers)
+        return await respond_json(request, self._collect(ctx, queues), abort_all(self.engine, rids), headers)
 
     def _prompt_text(self, ctx: _Ctx, i: int) -> str:
         p = ctx.body.prompts()[i]
-        return p if isinstance(p, str) else self.tokenizer.decode(ctx.prompts[i])
+        if isinstance(p, str) and ctx.body.truncate_prompt_tokens is None:
+            return p
+        return self.tokenizer.decode(ctx.prompts[i])  # the tokens the model saw
 
     def _fold(self, ctx: _Ctx, i: int, out: RequestOutput) -> list[tuple[int, CompletionOutput, str, CompletionLogProbs | None]]:
         """Fold one delta output in; returns (choice index, choice, delta text, delta logprobs)."""
@@ -103,6 +112,7 @@ class CompletionsHandler:
                     getattr(ch.logprobs, f).extend(getattr(delta_lp, f))
             ch.text += text
             ch.num_tokens += len(o.token_ids)
+            ch.token_ids += o.token_ids
             if out.finished and out.prompt_logprobs is not None:
                 ch.prompt_logprobs = prompt_logprobs_json(out.prompt_logprobs)
             if o.finish_reason is not None:
@@ -118,9 +128,12 @@ class CompletionsHandler:
     async def _collect(self, ctx: _Ctx, queues: list) -> CompletionResponse:
         async for i, out in merge(queues, ctx.deadline):
             self._fold(ctx, i, out)
+        ids = ctx.body.return_token_ids
         choices = [
             CompletionResponseChoice(index=idx, text=ch.text, logprobs=ch.logprobs, finish_reason=ch.finish_reason,
-                                     stop_reason=ch.stop_reason, prompt_logprobs=ch.prompt_logprobs)
+                                     stop_reason=ch.stop_reason, prompt_logprobs=ch.prompt_logprobs,
+                                     prompt_token_ids=ctx.prompts[idx // ctx.n] if ids else None,
+                                     token_ids=ch.token_ids if ids else None)
             for idx, ch in sorted(ctx.choices.items())
         ]
         return CompletionResponse(id=ctx.id, created=ctx.created, model=ctx.model, choices=choices,
@@ -128,12 +141,18 @@ class CompletionsHandler:
 
     async def _stream(self, ctx: _Ctx, queues: list) -> AsyncIterator[str]:
         body = ctx.body
+        ids = body.return_token_ids
+        sent_prompt: set[int] = set()
         async for i, out in merge(queues, ctx.deadline):
             for idx, o, text, lp in self._fold(ctx, i, out):
+                first = ids and idx not in sent_prompt
+                sent_prompt.add(idx)
                 chunk = CompletionStreamResponse(
                     id=ctx.id, created=ctx.created, model=ctx.model,
                     choices=[CompletionStreamChoice(index=idx, text=text, logprobs=lp,
-                                                    finish_reason=o.finish_reason, stop_reason=o.stop_reason)],
+                                                    finish_reason=o.finish_reason, stop_reason=o.stop_reason,
+                                                    prompt_token_ids=ctx.prompts[i] if first else None,
+                                                    token_ids=o.token_ids if ids else None)],
                     usage=self._usage(ctx) if body.continuous_usage else None,
                 )
                 yield sse.event(chunk)

@@ -19,6 +19,12 @@ error), the step is discarded (its other requests are preempted and recomputed, 
 it was to fill leave the prefix cache) and the engine goes on; a step in flight is still
 collected. Any other exception (in launch or collect: the device; in update: a bug) leaves the
 core in an unknown state and propagates: the engine is dead.
+
+Structured output: a constrained request's next bitmask needs its last token on the host, so
+while one is unfinished, steps do not overlap: a step in flight is collected first (that call
+launches nothing), then each step is schedule -> grammar bitmask -> prepare -> launch ->
+collect -> update. The tokens are the same either way (a row's random draw depends on its
+seed and position only); the grammar state is the StructuredOutputManager's.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from jaxserve.core.sched_output import SchedulerOutput
 from jaxserve.outputs import SampleLogprobs
 from jaxserve.request import EngineRequest, Request, RequestFailedError, RequestStatus
 from jaxserve.runner.model_runner import LaunchedStep, ModelRunner, RunnerOutput
+from jaxserve.structured.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +87,7 @@ class HostTimes:
     launch: float = 0.0
     collect: float = 0.0  # waiting for the device (and the transfer)
     update: float = 0.0  # update_from_output and the core outputs
+    grammar: float = 0.0  # structured output: advancing the matchers, computing the bitmask
 
 
 class EngineCore:
@@ -94,16 +102,20 @@ class EngineCore:
         self._release_finished: set[str] = set()
         self._release_preempted: list[str] = []
         self.num_failed_requests = 0
+        self.structured = StructuredOutputManager(runner.sampler_config.vocab_size)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: EngineRequest) -> None:
         if self.is_sleeping:
             raise EngineSleepingError("the engine is sleeping; wake it up first (POST /wake_up)")
         self.scheduler.add_request(Request.from_engine_request(request))
+        self.structured.add(request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Finish these requests now (unknown or finished ids are ignored); no output follows."""
+        request_ids = list(request_ids)
         self.scheduler.abort_requests(request_ids)
+        self.structured.remove(request_ids)
 
     def has_work(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self._in_flight is not None
@@ -112,34 +124,48 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         t = self.times
         cpu = time.thread_time  # host work: the engine thread's CPU time, not the machine's load
+        constrained = self.structured.active
+        if constrained and self._in_flight is not None:
+            # The next bitmask needs the tokens of the step in flight: collect it first.
+            done, self._in_flight = self._in_flight, None
+            return self._collect(done, [])
         c0 = cpu()
         so = self.scheduler.schedule()
         if self._release_finished or self._release_preempted:
             so = self._with_releases(so)
         c1 = cpu()
+        bitmask = self.structured.bitmask(so) if constrained else None
+        cg = cpu()
         failed: list[EngineCoreOutput] = []
         try:
-            plan = self.runner.prepare(so)
+            plan = self.runner.prepare(so) if bitmask is None else self.runner.prepare(so, bitmask)
         except RequestFailedError as e:
             failed, plan = self._discard(so, e), None
         c2 = cpu()
         launched = self.runner.launch(plan) if plan is not None else None
         c3 = cpu()
         t.schedule += c1 - c0
-        t.prepare += c2 - c1
+        t.grammar += cg - c1
+        t.prepare += c2 - cg
         t.launch += c3 - c2
-        if self.async_scheduling:
+        if self.async_scheduling and not constrained:
             done, self._in_flight = self._in_flight, (so, launched) if launched is not None else None
         else:
             done = (so, launched) if launched is not None else None
+        return self._collect(done, failed)
+
+    def _collect(self, done: tuple[SchedulerOutput, LaunchedStep] | None,
+                 failed: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
+        """Waits for the step `done` (if any) and turns it into outputs, after `failed`'s."""
+        t = self.times
         outputs = failed
         if done is not None:
             w = time.perf_counter()
             result = self.runner.collect(done[1])
             t.collect += time.perf_counter() - w
-            c4 = cpu()
+            c4 = time.thread_time()
             outputs = failed + self._outputs(done[0], result)
-            t.update += cpu() - c4
+            t.update += time.thread_time() - c4
         t.steps += 1
         self.num_steps += 1
         return outputs
@@ -152,6 +178,7 @@ class EngineCore:
         failed = [rid for rid in dict.fromkeys(e.request_ids) if sched.get_request(rid) is not None]
         preempted = sched.discard_step(so)  # first: it uncaches the blocks the step was to fill
         sched.finish_requests(failed, RequestStatus.FINISHED_ABORTED)
+        self.structured.remove(failed)
         preempted = [rid for rid in preempted if rid not in failed]
         # The runner may have taken state for any of these before it raised.
         self._release_finished.update(so.finished_request_ids)

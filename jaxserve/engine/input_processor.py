@@ -4,13 +4,15 @@ It runs on the frontend side (the caller's thread, or a worker thread in the ser
 request, before anything is queued: tokenizes the prompt and the bad words, checks the prompt
 against the vocabulary and the context length, resolves `max_tokens`, adds the model's extra
 end-of-sequence ids (generation_config.json, config.json) to the stop token ids as vLLM does,
-checks the sampler's limits, and splits `n > 1` into n sequences. Anything wrong raises
+checks the sampler's limits, compiles a structured-output constraint (cached by schema; see
+jaxserve/structured/compiler.py), and splits `n > 1` into n sequences. Anything wrong raises
 ValueError with a message for the user (HTTP 400).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,6 +21,7 @@ from jaxserve.request import EngineRequest
 from jaxserve.sampling.config import SamplerConfig
 from jaxserve.sampling.metadata import tokenize_bad_words
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.structured.compiler import GrammarCompiler
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +54,18 @@ class InputProcessor:
     def __init__(self, tokenizer: Tokenizer, info: ModelInfo):
         self.tokenizer = tokenizer
         self.info = info
+        self._grammars: GrammarCompiler | None = None
+        self._grammars_lock = threading.Lock()
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The structured-output compiler (its tokenizer tables are built on first use)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                info = self.info
+                eos = [t for t in (info.eos_token_id, *info.extra_eos_token_ids) if t is not None]
+                self._grammars = GrammarCompiler(self.tokenizer.hf_tokenizer, info.vocab_size, eos)
+            return self._grammars
 
     def default_sampling_params(self) -> SamplingParams:
         """vLLM's defaults overridden by the model's generation config (max_tokens: up to the
@@ -84,6 +99,15 @@ class InputProcessor:
         info = self.info
         params = params if params is not None else self.default_sampling_params()
         prompt_ids = self.encode(prompt, add_special_tokens)
+        if params.truncate_prompt_tokens is not None:
+            keep = params.truncate_prompt_tokens
+            if keep == -1:
+                keep = info.max_model_len - 1
+            elif keep >= info.max_model_len:
+                raise ValueError(
+                    f"truncate_prompt_tokens ({keep}) must be below the context length {info.max_model_len}."
+                )
+            prompt_ids = prompt_ids[-keep:]  # the last tokens, as vLLM keeps them
         n = len(prompt_ids)
         if n >= info.max_model_len:
             raise ValueError(
@@ -108,11 +132,14 @@ class InputProcessor:
                 params.bad_words, lambda t: self.tokenizer.encode(t, add_special_tokens=False)))
         eos = () if info.eos_token_id is None else (info.eos_token_id,)
         info.sampler_config.check_request(params, eos, [list(w) for w in words])
+        grammar = None
+        if params.structured_outputs is not None:
+            grammar = self.grammars.compile(params.structured_outputs)
         seqs = []
         for i in range(params.n):
             p = params if params.n == 1 else params.clone(n=1, seed=None if params.seed is None else params.seed + i)
             rid = request_id if params.n == 1 else f"{i}_{request_id}"
             seqs.append(EngineRequest(rid, tuple(prompt_ids), p, info.eos_token_id, words, arrival_time, priority,
-                                      cache_salt))
+                                      cache_salt, grammar))
         return ProcessedRequest(request_id, prompt if isinstance(prompt, str) else None, prompt_ids, params,
                                 tuple(seqs))

@@ -225,9 +225,11 @@ class ModelRunner:
         if slot is not None:
             self.free_slots[slot // (self.max_num_seqs // self.dp)].append(slot)
 
-    def prepare(self, so) -> StepPlan | None:
+    def prepare(self, so, token_bitmask: np.ndarray | None = None) -> StepPlan | None:
         """The host half of a step (numpy only); None when nothing is scheduled. `so` is a
-        SchedulerOutput, or a DataParallelOutput (one per rank) with data parallelism."""
+        SchedulerOutput, or a DataParallelOutput (one per rank) with data parallelism.
+        `token_bitmask`: structured output's [len(so.scheduled), ceil(V/32)] int32 rows, in
+        batch order (ranks in order; None: nothing is masked)."""
         for rid in so.finished_request_ids:
             self._release(rid)
         for rid in so.preempted_request_ids:
@@ -237,7 +239,11 @@ class ModelRunner:
         ranks = getattr(so, "ranks", (so,))
         rows = [self._rows(r, rank_so) for r, rank_so in enumerate(ranks)]
         T, R = self.grid.pick(max(len(x[4]) for x in rows), max(len(x[0]) for x in rows))
-        packs = [self._pack(r, x, T, R) for r, x in enumerate(rows)]
+        masks = [None] * len(rows)
+        if token_bitmask is not None:  # split by rank: so.scheduled lists the ranks' rows in order
+            bounds = np.cumsum([0] + [len(x[0]) for x in rows])
+            masks = [token_bitmask[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+        packs = [self._pack(r, x, T, R, m) for r, (x, m) in enumerate(zip(rows, masks))]
         if self.dp == 1:
             buffers = packs[0][0]
         else:
@@ -269,7 +275,7 @@ class ModelRunner:
             tokens.extend(s.token_ids)
         return slots, starts, lens, samples, tokens, so.scheduled
 
-    def _pack(self, rank: int, rows, T: int, R: int):
+    def _pack(self, rank: int, rows, T: int, R: int, token_bitmask: np.ndarray | None):
         """One rank's rows packed into a (T, R) bucket: (buffers, sample ids, sample rows,
         logprob rows, prompt-logprob rows), rows and tokens indexed within the rank. Slots are
         the rank's own (the step sees its range of the sampling state; the sentinel for "none"
@@ -308,7 +314,7 @@ class ModelRunner:
             lo += lens[i]
         tok = TokenInfo(slots=tok_slots - offset, is_prompt=is_prompt, valid=valid, next_prompt_token=nxt,
                         sample_slots=sample_slots)
-        meta = self.builder.build(slots_np, starts_np + lens_np - self.prompt_len[slots_np], R)
+        meta = self.builder.build(slots_np, starts_np + lens_np - self.prompt_len[slots_np], R, token_bitmask)
         if self.dp > 1:  # the rank's own slot range
             live = np.arange(R) < len(slots)
             meta = dataclasses.replace(

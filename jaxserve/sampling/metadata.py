@@ -46,6 +46,9 @@ class SamplingMetadata:
     uniform: jax.Array  # [R] f32 in [0, 1): the row's random number, row_uniforms(seed, pos)
     logprobs: jax.Array  # [R] int32 -1 = none, k >= 0: sampled token + top k
     reset_slots: jax.Array  # [R] int32 slots to reset in update_state_from_tokens; S = none
+    # [R, ceil(V/32)] int32 structured output's allowed tokens (bit t % 32 of word t // 32);
+    # all ones (-1) for free rows. The builder always sets it; None: nothing is masked.
+    token_bitmask: jax.Array | None = None
 
 
 def abstract_metadata(config: SamplerConfig, num_rows: int) -> SamplingMetadata:
@@ -111,6 +114,8 @@ class SamplingMetadataBuilder:
         self._pending_reset: set[int] = set()
         self._pending_writes: list[tuple[int, np.ndarray, np.ndarray]] = []
         self._no_words = np.full((B, L), PAD_WORD, np.int32)
+        self._words = (config.vocab_size + 31) // 32
+        self._free_masks: dict[int, np.ndarray] = {}  # num_rows -> all-ones bitmask (read only)
 
     # ------------------------------------------------------------------ admission
     def admit(
@@ -191,9 +196,11 @@ class SamplingMetadataBuilder:
         slots: Sequence[int] | np.ndarray,
         output_lens: Sequence[int] | np.ndarray,
         num_rows: int,
+        token_bitmask: np.ndarray | None = None,
     ) -> SamplingMetadata:
         """Numpy metadata for one step: row i samples for the request in slots[i], which has
-        generated output_lens[i] tokens so far. Rows n..num_rows-1 are padding."""
+        generated output_lens[i] tokens so far. Rows n..num_rows-1 are padding.
+        `token_bitmask` ([n, W] int32, or None: all allowed): structured output's rows."""
         S = self.config.max_num_seqs
         n = len(slots)
         if n > num_rows:
@@ -212,6 +219,14 @@ class SamplingMetadataBuilder:
             self._pending_reset.difference_update(live)
         dev_slots = idx.astype(np.int32)
         dev_slots[n:] = 0
+        if token_bitmask is None:
+            mask = self._free_masks.get(num_rows)
+            if mask is None:
+                mask = self._free_masks[num_rows] = np.full((num_rows, self._words), -1, np.int32)
+                mask.flags.writeable = False
+        else:
+            mask = np.full((num_rows, self._words), -1, np.int32)
+            mask[: len(token_bitmask)] = token_bitmask
         return SamplingMetadata(
             slots=dev_slots,
             temperature=self._temperature[idx],
@@ -226,4 +241,5 @@ class SamplingMetadataBuilder:
             uniform=row_uniforms(self._seed[idx], out_len),
             logprobs=self._logprobs[idx],
             reset_slots=reset,
+            token_bitmask=mask,
         )

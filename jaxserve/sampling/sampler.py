@@ -1,6 +1,9 @@
 """The sampler fused into the compiled step: logits [R, V] -> tokens (+ raw logprobs).
 
 Order of transforms (vLLM v1's):
+  0. structured output's token bitmask: tokens the request's grammar does not allow -> -inf
+     (vLLM applies it to the logits before its sampler; greedy rows included; here it is
+     applied to the buffer of steps 1-3, which gives the same logits: -inf stays -inf);
   1. per-slot row: allowed_token_ids mask, bad words (single-token: always; multi-token: when
      the last outputs match the word's prefix) -> -inf, then + logit_bias;
   2. min_tokens: EOS and stop_token_ids -> -inf while output_len < min_tokens;
@@ -18,8 +21,10 @@ Order of transforms (vLLM v1's):
      parameters, seed and position, never on the batch composition or the row index.
      (With SamplerConfig.native, steps 5-7 run in the CPU kernel pallas_kernels/cpu/sample.py.)
 
-Logprobs, ranks and top logprobs are vLLM's "raw" ones: log_softmax of the logits the model
-produced (before steps 1-7); rank = #{tokens with logit >= the sampled token's} (1-based).
+Logprobs, ranks and top logprobs are vLLM's "raw" ones (its default logprobs_mode): log_softmax
+of the logits the sampler receives, so after step 0 (as in vLLM, where the bitmask is applied
+before the sampler) and before steps 1-7; rank = #{tokens with logit >= the sampled token's}
+(1-based).
 
 Every optional feature sits behind a lax.cond on a batch-wide flag (a scalar computed from the
 [R] parameter arrays), so a batch that does not use a feature does not pay for it, and both
@@ -29,6 +34,7 @@ branches live in the same executable: no parameter mix ever recompiles.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -59,6 +65,8 @@ def sample(
     static (close over it or use functools.partial); `state` is read only."""
     raw = logits.astype(jnp.float32)  # [R, V]
     R, _ = raw.shape
+    bitmask = meta.token_bitmask
+    any_mask = jnp.any(bitmask != -1) if bitmask is not None else jnp.asarray(False)
     greedy = meta.temperature == 0.0  # [R]  (padding rows have temperature < 0: neither)
     random = meta.temperature > 0.0
     any_greedy, any_random = jnp.any(greedy), jnp.any(random)
@@ -73,7 +81,16 @@ def sample(
             lambda: tok_greedy,
         )
 
-    # Steps 1-3 only when some row uses them. `choose` sits inside both branches, so the
+    def step0(x):  # tokens outside the grammar -> -inf (x: a buffer of the steps-1-3 branch)
+        return ops.batch_cond(any_mask, lambda: apply_token_bitmask(x, bitmask), lambda: x)
+
+    def logprobs_after_step0():  # (the unmasked logits are not copied through a cond)
+        lps = functools.partial(_raw_logprobs, tok=tok, k=k, native=config.native)
+        if bitmask is None:
+            return lps(raw)
+        return ops.batch_cond(any_mask, lambda: lps(apply_token_bitmask(raw, bitmask)), lambda: lps(raw))
+
+    # Steps 0-3 only when some row uses them. `choose` sits inside both branches, so the
     # untouched logits are never copied through a cond.
     pen = (
         (meta.presence_penalty != 0.0)
@@ -83,8 +100,9 @@ def sample(
     use_rows, stops = jnp.any(meta.use_slot_rows), jnp.any(meta.stop_ids >= 0)
     with jax.named_scope("sampler"):
         tok = ops.batch_cond(
-            use_rows | stops | jnp.any(pen),
-            lambda: choose(_process(raw, meta, state, use_rows, jnp.any(pen))),
+            use_rows | stops | jnp.any(pen) | any_mask,
+            lambda: choose(_process(raw, meta, state, use_rows, jnp.any(pen),
+                                    step0 if bitmask is not None else None)),
             lambda: choose(raw),
         )
     with jax.named_scope("sampler_logprobs"):
@@ -95,9 +113,7 @@ def sample(
             return (z, jnp.zeros((R, k), jnp.int32), jnp.zeros((R, k), jnp.float32),
                     jnp.zeros((R,), jnp.int32))
 
-        lp, ids, top_lp, rank = ops.batch_cond(
-            jnp.any(meta.logprobs >= 0), lambda: _raw_logprobs(raw, tok, k, config.native), none
-        )
+        lp, ids, top_lp, rank = ops.batch_cond(jnp.any(meta.logprobs >= 0), logprobs_after_step0, none)
     return SamplerOutput(token_ids=tok, logprobs=lp, topk_ids=ids, topk_logprobs=top_lp, rank=rank)
 
 
@@ -113,9 +129,21 @@ def prompt_logprobs(
 
 
 # ---------------------------------------------------------------------------- transforms
-def _process(x, meta, state, any_rows, any_pen):
-    """Steps 1-3. The -inf bans (bad words, min_tokens) commute with the penalties (-inf stays
-    -inf), so they are scattered last, in place into the fresh buffer the other steps made."""
+def apply_token_bitmask(x: jax.Array, bitmask: jax.Array) -> jax.Array:
+    """Step 0: x [R, V] with every token whose bit is clear in bitmask [R, ceil(V/32)] int32
+    (bit t % 32 of word t // 32) set to -inf."""
+    R, V = x.shape
+    shifts = jnp.arange(32, dtype=jnp.int32)
+    bits = (jnp.right_shift(bitmask[:, :, None], shifts) & 1).reshape(R, -1)[:, :V]  # [R, V]
+    return jnp.where(bits != 0, x, NEG_INF)
+
+
+def _process(x, meta, state, any_rows, any_pen, step0=None):
+    """Steps 0-3. The -inf bans (bad words, min_tokens) commute with the penalties (-inf stays
+    -inf), so they are scattered last, in place into the fresh buffer the other steps made.
+    Step 0 (`step0`, the grammar's bitmask) commutes with steps 1-3 the same way (a masked token
+    stays -inf through bias and penalties), so it is applied to that buffer too rather than
+    to a copy of the logits."""
     x = ops.batch_cond(
         any_rows,
         lambda: ops.batch_cond(
@@ -127,6 +155,8 @@ def _process(x, meta, state, any_rows, any_pen):
             any_pen, lambda: _apply_penalties(x, meta, state), lambda: x + 0.0
         ),
     )
+    if step0 is not None:
+        x = step0(x)
     rows = jnp.arange(x.shape[0], dtype=jnp.int32)[:, None]  # [R, 1]
     return x.at[rows, _bans(meta, state, any_rows, x.shape[1])].set(NEG_INF, mode="drop")
 

@@ -10,6 +10,8 @@ import dataclasses
 import threading
 import time
 
+import numpy as np
+
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.sched_output import PENDING, SchedulerOutput
 from jaxserve.core.scheduler import Scheduler, SchedulerConfig
@@ -71,6 +73,13 @@ class _Counter:
 @dataclasses.dataclass
 class _Plan:
     rows: list[tuple[str, list[int], int, bool, int | None]]  # (id, tokens, start, sample, logprobs k)
+    bitmask: np.ndarray | None = None  # structured output's rows, in row order
+
+
+def allowed_ids(row: np.ndarray) -> np.ndarray:
+    """The token ids a bitmask row ([W] int32) allows."""
+    bits = (row[:, None].astype(np.int64) >> np.arange(32)) & 1
+    return np.flatnonzero(bits.reshape(-1))
 
 
 class FakeRunner:
@@ -80,10 +89,14 @@ class FakeRunner:
     `reject_token` is a token id the runner cannot take: prepare raises RequestFailedError
     naming each newly admitted request whose prompt holds it, after it has taken state for the
     rows before (as a real runner may); `gate` (set by default) holds collect until set;
-    `scheduled` records the request ids of each step."""
+    `scheduled` records the request ids of each step. A row with a structured-output bitmask
+    takes the model's token if the bitmask allows it, else the allowed token picked by the same
+    hash."""
 
-    def __init__(self, step_seconds: float = 0.0) -> None:
+    def __init__(self, step_seconds: float = 0.0, sampler_config: SamplerConfig | None = None) -> None:
+        self.sampler_config = sampler_config or SamplerConfig(max_num_seqs=8, vocab_size=VOCAB)
         self.step_seconds = step_seconds
+        self.masked_steps = 0
         self.explode = False
         self.reject_token: int | None = None
         self.gate = threading.Event()
@@ -95,7 +108,7 @@ class FakeRunner:
         self.counter = _Counter()
         self.is_sleeping = False
 
-    def prepare(self, so: SchedulerOutput) -> _Plan | None:
+    def prepare(self, so: SchedulerOutput, token_bitmask: np.ndarray | None = None) -> _Plan | None:
         if so.is_empty:
             return None
         rows = []
@@ -107,7 +120,10 @@ class FakeRunner:
                 self.prompts.append(list(s.request.prompt_token_ids))
             rows.append((s.request_id, list(s.token_ids), s.start_pos, s.sample, s.request.sampling_params.logprobs))
         self.scheduled.append([s.request_id for s in so.scheduled])
-        return _Plan(rows)
+        if token_bitmask is not None:
+            self.masked_steps += 1
+            assert token_bitmask.shape == (len(rows), (self.sampler_config.vocab_size + 31) // 32)
+        return _Plan(rows, token_bitmask)
 
     def launch(self, plan: _Plan) -> _Plan:
         return plan
@@ -119,10 +135,14 @@ class FakeRunner:
         if self.step_seconds:
             time.sleep(self.step_seconds)
         sampled, logprobs = {}, {}
-        for rid, tokens, start, sample, k in plan.rows:
+        for i, (rid, tokens, start, sample, k) in enumerate(plan.rows):
             last = tokens[-1] if tokens[-1] != PENDING else self.last[rid]
             if sample:
                 tok = next_token(last, start + len(tokens) - 1)
+                if plan.bitmask is not None and not (plan.bitmask[i] == -1).all():
+                    allowed = allowed_ids(plan.bitmask[i])
+                    if tok not in allowed:
+                        tok = int(allowed[(last * 7 + start) % len(allowed)])
                 self.last[rid] = tok
                 sampled[rid] = [tok]
                 if k is not None:
@@ -139,15 +159,14 @@ class FakeRunner:
 def fake_parts(*, async_scheduling: bool = True, max_num_seqs: int = 8, budget: int = 64,
                max_model_len: int = 128, num_blocks: int = 256, block_size: int = 4,
                step_seconds: float = 0.0, extra_eos: tuple[int, ...] = (), tokenizer=None,
-               vocab_size: int = VOCAB) -> EngineParts:
+               vocab_size: int = VOCAB, eos: int = EOS, policy: str = "fcfs") -> EngineParts:
     """The real engine over FakeRunner; `tokenizer` (default CharTokenizer) may be a real one
-    (with `vocab_size` its vocabulary)."""
+    (with `vocab_size` its vocabulary and `eos` its end-of-sequence id)."""
     kv = KVCacheManager(block_size, num_blocks, True, max_model_len)
-    sc = SchedulerConfig(max_num_seqs, budget, max_model_len, async_scheduling=async_scheduling)
-    core = EngineCore(Scheduler(sc, kv), FakeRunner(step_seconds), async_scheduling=async_scheduling)
-    info = ModelInfo(name="fake", vocab_size=vocab_size, max_model_len=max_model_len, eos_token_id=EOS,
-                     extra_eos_token_ids=extra_eos,
-                     sampler_config=SamplerConfig(max_num_seqs=max_num_seqs, vocab_size=vocab_size,
-                                                  max_logprobs=min(5, vocab_size), topk_candidates=min(64, vocab_size)),
-                     sampling_defaults={})
+    sc = SchedulerConfig(max_num_seqs, budget, max_model_len, async_scheduling=async_scheduling, policy=policy)
+    sampler_config = SamplerConfig(max_num_seqs=max_num_seqs, vocab_size=vocab_size, max_logprobs=min(5, vocab_size),
+                                   topk_candidates=min(64, vocab_size))
+    core = EngineCore(Scheduler(sc, kv), FakeRunner(step_seconds, sampler_config), async_scheduling=async_scheduling)
+    info = ModelInfo(name="fake", vocab_size=vocab_size, max_model_len=max_model_len, eos_token_id=eos,
+                     extra_eos_token_ids=extra_eos, sampler_config=sampler_config, sampling_defaults={})
     return EngineParts(tokenizer or CharTokenizer(), info, core)

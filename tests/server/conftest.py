@@ -1,5 +1,6 @@
 """One real server per test session: the default model with small buckets, served by uvicorn on a
-free loopback port in a background thread, protected by an API key that the clients send."""
+free loopback port in a background thread, protected by an API key that the clients send, with
+the Hermes tool-call parser and auto tool choice on."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ def live_server() -> Iterator[LiveServer]:
 
     engine = AsyncEngine(build_engine(EngineConfig.from_kwargs(model=None, **ENGINE_OPTIONS)))
     app = build_app(engine, served_model_names=[MODEL, "alias"], api_keys=[API_KEY],
-                    max_body_bytes=1 << 20, shutdown_grace_seconds=5, enable_sleep_mode=True)
+                    max_body_bytes=1 << 20, shutdown_grace_seconds=5, enable_sleep_mode=True,
+                    tool_call_parser="hermes", enable_auto_tool_choice=True)
     srv = LiveServer(app, free_port())
     srv.start()
     yield srv

@@ -27,11 +27,12 @@ def tokenizer():
     return Tokenizer.from_pretrained(resolve_model(None))
 
 
-def _fake_app(tokenizer: Any, **options: Any) -> tuple[AsyncEngine, TestClient]:
+def _fake_app(tokenizer: Any, fake: dict[str, Any] | None = None, **options: Any) -> tuple[AsyncEngine, TestClient]:
+    """The app (build_app `options`) over the fake runner (`fake_parts` options in `fake`)."""
     from jaxserve.server.app import build_app
 
     parts = fake_parts(tokenizer=tokenizer, vocab_size=tokenizer.vocab_size, max_model_len=MAX_MODEL_LEN,
-                       num_blocks=8 * MAX_MODEL_LEN // 4 + 1, budget=512)
+                       num_blocks=8 * MAX_MODEL_LEN // 4 + 1, budget=512, **(fake or {}))
     engine = AsyncEngine(parts)
     client = TestClient(build_app(engine, **options), raise_server_exceptions=False)
     return engine, client.__enter__()  # the lifespan starts the engine thread
@@ -110,3 +111,59 @@ def _explode(*args: Any, **kwargs: Any) -> list[int]:
 
 def _explode_secretly(*args: Any, **kwargs: Any) -> Any:
     raise RuntimeError("secret detail")
+
+
+def test_operator_chat_template_and_request_logging(tokenizer, caplog) -> None:
+    template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+    engine, c = _fake_app(tokenizer, chat_template=template, log_requests=True)
+    with caplog.at_level("INFO", logger="jaxserve.server.serving_base"):
+        r = c.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2, "temperature": 0})
+    assert r.status_code == 200
+    assert engine.core.runner.prompts[-1] == tokenizer.encode(f"[user] {CHAT[0]['content']}\n", add_special_tokens=False)
+    assert c.get("/tokenizer_info").json()["chat_template"] == template
+    lines = [rec.getMessage() for rec in caplog.records if "Received request chatcmpl-" in rec.getMessage()]
+    assert lines and "max_tokens=2" in lines[0] and "temperature=0.0" in lines[0] and CHAT[0]["content"] not in lines[0]
+    _, quiet = _fake_app(tokenizer)  # the default (build_app): no request lines
+    caplog.clear()
+    with caplog.at_level("INFO", logger="jaxserve.server.serving_base"):
+        quiet.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 1})
+    assert not [rec for rec in caplog.records if "Received request" in rec.getMessage()]
+
+
+def test_priority_needs_the_priority_policy(tokenizer) -> None:
+    _, fcfs = _fake_app(tokenizer)
+    err = assert_envelope(fcfs.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 1, "priority": 3}), 400)
+    assert "--scheduling-policy priority" in err["message"] and err["param"] == "priority"
+    assert fcfs.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 1, "priority": 0}).status_code == 200
+
+
+def test_priority_policy_orders_waiting_requests(tokenizer) -> None:
+    """One sequence at a time: while a runs, b (priority 5) and c (priority -1) wait; c goes first."""
+    import asyncio
+
+    from jaxserve.sampling_params import SamplingParams
+
+    async def run() -> list[str]:
+        parts = fake_parts(tokenizer=tokenizer, vocab_size=tokenizer.vocab_size, max_model_len=256, max_num_seqs=1,
+                           step_seconds=0.002, policy="priority")
+        engine = AsyncEngine(parts)
+        engine.start()
+        done: list[str] = []
+
+        async def drain(stream) -> None:
+            while not (await stream.queue.get()).finished:
+                pass
+            done.append(stream.request_id)
+
+        a = await engine.add_request("a", PROMPT, SamplingParams(max_tokens=30, ignore_eos=True))
+        await a.queue.get()  # a runs
+        b = await engine.add_request("b", PROMPT, SamplingParams(max_tokens=3, ignore_eos=True), priority=5)
+        c = await engine.add_request("c", PROMPT, SamplingParams(max_tokens=3, ignore_eos=True), priority=-1)
+        await asyncio.gather(drain(a), drain(b), drain(c))
+        engine.shutdown()
+        return done
+
+    assert asyncio.run(run()) == ["a", "c", "b"]
+    _, prio = _fake_app(tokenizer, {"policy": "priority"})
+    assert prio.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 1, "priority": 3}).status_code == 200
+

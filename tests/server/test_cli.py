@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaxserve.server.cli import build_parser, engine_options, serve_model
+from jaxserve.server.cli import build_parser, chat_template_arg, engine_options, main, serve_model, uvicorn_options
 
 
 def test_model_flag_after_multi_value_bucket_flags():
@@ -27,6 +27,55 @@ def test_two_different_models_is_an_error():
     args = build_parser().parse_args(["serve", "/a.gguf", "--model", "/b.gguf"])
     with pytest.raises(SystemExit, match="two models"):
         serve_model(args)
+
+
+def test_vllm_serve_flags_map_to_engine_options():
+    from jaxserve.config import EngineConfig
+
+    args = build_parser().parse_args([
+        "serve", "--gpu-memory-utilization", "0.5", "--kv-cache-dtype", "bfloat16", "--no-enable-prefix-caching",
+        "--no-enable-chunked-prefill", "--max-num-batched-tokens", "2048", "--block-size", "32", "--dtype", "half",
+        "--scheduling-policy", "priority"])
+    opts = engine_options(args)
+    assert opts == {"device_memory_utilization": 0.5, "kv_cache_dtype": "bfloat16", "enable_prefix_caching": False,
+                    "enable_chunked_prefill": False, "max_num_batched_tokens": 2048, "page_size": 32,
+                    "dtype": "float16", "policy": "priority"}
+    cfg = EngineConfig.from_kwargs(**opts)
+    assert cfg.cache.page_size == 32 and cfg.scheduler.policy == "priority" and not cfg.cache.enable_prefix_caching
+    assert engine_options(build_parser().parse_args(["serve", "--dtype", "float", "--enable-prefix-caching"])) == {
+        "dtype": "float32", "enable_prefix_caching": True}
+    assert engine_options(build_parser().parse_args(["serve"])) == {}
+
+
+def test_uvicorn_options_tls_root_path_and_log_levels():
+    args = build_parser().parse_args(["serve", "--root-path", "/llm", "--ssl-keyfile", "k.pem", "--ssl-certfile",
+                                      "c.pem", "--log-level", "warning"])
+    opts = uvicorn_options(args)
+    assert opts["root_path"] == "/llm" and opts["ssl_keyfile"] == "k.pem" and opts["ssl_certfile"] == "c.pem"
+    assert opts["log_level"] == "warning"
+    args = build_parser().parse_args(["serve", "--uvicorn-log-level", "debug", "--ssl-keyfile", "k.pem"])
+    with pytest.raises(ValueError, match="go together"):
+        uvicorn_options(args)
+    args = build_parser().parse_args(["serve", "--uvicorn-log-level", "debug"])
+    assert uvicorn_options(args)["log_level"] == "debug" and "ssl_keyfile" not in uvicorn_options(args)
+
+
+def test_chat_template_flag_takes_a_file_or_the_template(tmp_path):
+    f = tmp_path / "t.jinja"
+    f.write_text("{{ messages[0].content }}")
+    assert chat_template_arg(str(f)) == "{{ messages[0].content }}"
+    assert chat_template_arg("{% for m in messages %}{{ m.content }}{% endfor %}").startswith("{%")
+    with pytest.raises(ValueError, match="neither a file"):
+        chat_template_arg(str(tmp_path / "missing.jinja"))
+
+
+def test_auto_tool_choice_needs_a_parser(capsys):
+    assert main(["serve", "--enable-auto-tool-choice"]) == 2
+    assert "--tool-call-parser" in capsys.readouterr().err
+    args = build_parser().parse_args(["serve", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
+    assert args.tool_call_parser == "hermes" and not args.disable_log_requests
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--tool-call-parser", "nope"])
 
 
 def test_generate_on_the_haswell_kernel_build(tmp_path, compile_cache_dir):

@@ -1,0 +1,108 @@
+"""StructuredOutputManager: the engine core's grammar state, one matcher per constrained
+sequence, and the token bitmask of each step.
+
+The matchers live with the scheduler on the engine core's side because they need every
+accepted token in order. They are advanced lazily, when a step is planned: a matcher catches up
+with its request's output tokens (the scheduler appended them in `update_from_output`), then
+writes its row of the bitmask. A request preempted by recompute keeps its output tokens, so its
+matcher stays valid; nothing is rebuilt unless a matcher finds itself ahead of its request's
+outputs (it then starts again from the grammar's initial state and replays them).
+
+The bitmask is one [n, W] int32 array per step (W = ceil(V / 32), one bit per token id, bit
+t % 32 of word t // 32), a row per scheduled request: all ones for free requests and for rows
+that sample nothing (a prefill chunk), so constrained and free requests share a batch. The
+runner packs it into the step's int32 buffer and the sampler applies it before anything else.
+
+The step that needs a bitmask needs the tokens of the step before it on the host: while a
+constrained request is unfinished the engine core does not overlap steps (see core.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable
+
+import numpy as np
+
+from jaxserve.core.sched_output import SchedulerOutput
+from jaxserve.request import EngineRequest
+from jaxserve.structured.compiler import CompiledGrammar, GrammarMatcher, bitmask_words
+
+logger = logging.getLogger(__name__)
+
+
+class _State:
+    __slots__ = ("grammar", "matcher")
+
+    def __init__(self, grammar: CompiledGrammar):
+        self.grammar = grammar
+        self.matcher: GrammarMatcher = grammar.matcher()
+
+
+def default_mask_threads() -> int:
+    """Threads filling a step's bitmask rows: llguidance's pool (80% of the cores, at most 32)
+    on hosts with more than 4 cores; on smaller ones the engine thread alone. On the 2-core
+    development host, in the engine loop, one thread filled 32 rows in about half the time of
+    the pool (the hand-offs cost more than the second core gives)."""
+    return 1 if (os.cpu_count() or 1) <= 4 else 0
+
+
+class StructuredOutputManager:
+    def __init__(self, vocab_size: int, num_threads: int | None = None):
+        """`num_threads`: 1 fills the bitmask on the calling thread, 0 uses llguidance's pool at
+        its default size, n > 1 a pool of n; None: `default_mask_threads()`."""
+        self.words = bitmask_words(vocab_size)
+        self._states: dict[str, _State] = {}
+        self._num_threads = default_mask_threads() if num_threads is None else num_threads
+        self._executor = None  # llguidance's thread pool for the masks of a step, built on first use
+
+    @property
+    def active(self) -> bool:
+        """Some unfinished request is constrained."""
+        return bool(self._states)
+
+    def add(self, request: EngineRequest) -> None:
+        if request.grammar is not None:
+            self._states[request.request_id] = _State(request.grammar)
+
+    def remove(self, request_ids: Iterable[str]) -> None:
+        for rid in request_ids:
+            self._states.pop(rid, None)
+
+    def bitmask(self, so: SchedulerOutput) -> np.ndarray | None:
+        """The [len(so.scheduled), W] bitmask of a step (None when no row is constrained).
+        Drops the matchers of requests finished since the last step."""
+        self.remove(so.finished_request_ids)
+        states = self._states
+        rows: list[tuple[int, GrammarMatcher]] = []
+        for i, s in enumerate(so.scheduled):
+            st = states.get(s.request.request_id) if s.sample else None
+            if st is None:
+                continue
+            out = s.request.output_token_ids
+            m = st.matcher
+            if m.num_tokens > len(out):  # cannot happen with the scheduler's bookkeeping; recover anyway
+                m = st.matcher = st.grammar.matcher()
+            for tok in out[m.num_tokens:]:
+                m.accept(tok)
+            rows.append((i, m))
+        if not rows:
+            return None
+        mask = np.full((len(so.scheduled), self.words), -1, np.int32)
+        live = [(m.ll, i) for i, m in rows if not m.failed]
+        if live:
+            self._fill(live, mask)
+        return mask
+
+    def _fill(self, live, mask: np.ndarray) -> None:
+        if len(live) == 1 or self._num_threads == 1:
+            for m, i in live:
+                row = mask[i]
+                m.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+            return
+        if self._executor is None:
+            import llguidance
+
+            self._executor = llguidance.LLExecutor(num_threads=self._num_threads or None)
+        self._executor.unsafe_compute_mask_ptr(live, mask.ctypes.data, mask.shape[1] * 4, mask.shape[0])
