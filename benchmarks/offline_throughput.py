@@ -20,7 +20,10 @@ warm-up request) is reported separately and excluded.
 size c, left-padded `generate`) on the same prompts and prints jaxserve/HF output tok/s ratios.
 `--compare-vllm` runs benchmarks/vllm_worker.py under `--vllm-python` (vLLM's CPU build: the
 same closed loop, one engine per dtype) and prints jaxserve/vLLM ratios.
-One JSON line per (dtype, concurrency) goes to benchmarks/results/offline_throughput.jsonl.
+`--mesh 1x1 1x2 2x1` runs one engine per data x tensor parallel mesh as well (with `--devices N`
+simulated CPU devices: `XLA_FLAGS=--xla_force_host_platform_device_count=N`, set before jax
+is imported); outputs are compared with the first mesh's.
+One JSON line per (mesh, dtype, concurrency) goes to benchmarks/results/offline_throughput.jsonl.
 The machine may be shared: check the load average in each JSON line before trusting a figure.
 """
 
@@ -66,6 +69,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="weight quantization(s) to run with each dtype (int8: int8 weights, the dtype computes)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (with --temperature)")
+    p.add_argument("--mesh", nargs="+", default=["1x1"], help="data x tensor parallel sizes, e.g. 1x1 1x2 2x1")
+    p.add_argument("--devices", type=int, default=None, help="simulate N CPU devices (for --mesh)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--token-buckets", type=int, nargs="+", default=None)
     p.add_argument("--request-buckets", type=int, nargs="+", default=None)
@@ -91,6 +96,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("need 1 <= --min-input <= --max-input, --num-prompts >= 1 and --output-len >= 1")
     if min(args.concurrency) < 1:
         p.error("--concurrency values must be >= 1")
+    try:
+        args.mesh = [tuple(int(x) for x in m.lower().split("x")) for m in args.mesh]
+    except ValueError:
+        p.error("--mesh takes DATAxTENSOR sizes such as 1x2")
+    if any(len(m) != 2 or min(m) < 1 for m in args.mesh):
+        p.error("--mesh takes DATAxTENSOR sizes such as 1x2")
     return args
 
 
@@ -224,6 +235,9 @@ def main(argv=None) -> None:
                           "torch and transformers (plus accelerate and gguf)")
     if args.compare_vllm:
         check_peer_python(args.vllm_python, "vllm", "vllm", "vLLM")
+    if args.devices:
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                   f" --xla_force_host_platform_device_count={args.devices}").strip()
     import jax
 
     from jaxserve.entrypoints.llm import LLM
@@ -249,14 +263,16 @@ def main(argv=None) -> None:
         options["kv_cache_memory_bytes"] = int(args.kv_cache_gib * (1 << 30))
 
     rows = []
-    for dtype, quant in [(d, q) for d in args.dtype for q in args.quantization]:
+    first_ids: dict[tuple, list] = {}
+    for (dp, tp), dtype, quant in [(m, d, q) for m in args.mesh for d in args.dtype for q in args.quantization]:
         t0 = time.perf_counter()
-        llm = LLM(args.model, dtype=dtype, quantization=None if quant == "none" else quant, **options)
+        llm = LLM(args.model, dtype=dtype, quantization=None if quant == "none" else quant,
+                  data_parallel_size=dp, tensor_parallel_size=tp, **options)
         engine = llm.engine
         dev0 = jax.devices()[0]  # the weights' bytes on one device, from the live buffers
         weight_bytes = sum(s.data.nbytes for a in engine.runner.params for s in a.addressable_shards
                            if s.device == dev0)
-        tag = dtype if quant == "none" else f"{dtype}+{quant}"
+        tag = (dtype if quant == "none" else f"{dtype}+{quant}") + ("" if (dp, tp) == (1, 1) else f"@{dp}x{tp}")
         build_s = time.perf_counter() - t0
         run_closed_loop(engine, prompts[:1], 1, params.clone(max_tokens=2), f"warmup-{tag}")
         startup = {"build_s": build_s, "startup_s": time.perf_counter() - t0, "load_s": engine.parts.load_seconds,
@@ -269,9 +285,12 @@ def main(argv=None) -> None:
             recompiles0 = engine.num_compiles_after_warmup
             fig = run_closed_loop(engine, prompts, c, params, f"c{c}-{tag}")
             fig["recompiles"] = engine.num_compiles_after_warmup - recompiles0
+            ref_ids = first_ids.setdefault((dtype, quant, c), fig["output_ids"])
+            fig["greedy_prefix_match_first_mesh"] = prefix_match(fig["output_ids"], ref_ids)
             print(f"[{tag}] c={c}: {fig['output_tok_s']:.1f} output tok/s, wall {fig['wall_s']:.1f}s",
                   flush=True)
-            config = {"dtype": dtype, "quantization": quant, "concurrency": c, **options, "model": args.model}
+            config = {"dtype": dtype, "quantization": quant, "concurrency": c, "data_parallel_size": dp,
+                      "tensor_parallel_size": tp, **options, "model": args.model}
             rows.append({"benchmark": "offline_throughput", "config": config, "workload": workload,
                          "startup": startup, "figures": fig, "load_avg_before": load0,
                          "load_avg_after": os.getloadavg(), **env})
@@ -311,7 +330,7 @@ def main(argv=None) -> None:
 def print_table(rows, env, hf, vl=None) -> None:
     print(f"\n{env['device']}, jax {env['versions']['jax']}, git {str(env['git_sha'])[:10]}"
           f"{' (dirty)' if env['git_dirty'] else ''}, load {rows[-1]['load_avg_after'][0]:.2f}")
-    head = f"{'dtype':9} {'c':>3} {'out tok/s':>10} {'total tok/s':>11} {'TTFT mean':>10} {'TTFT med':>9} " \
+    head = f"{'engine':15} {'c':>3} {'out tok/s':>10} {'total tok/s':>11} {'TTFT mean':>10} {'TTFT med':>9} " \
            f"{'step ms':>8} {'steps':>6}"
     if hf:
         head += f" {'HF out tok/s':>12} {'HF TTFT':>8} {'ratio':>6} {'greedy=':>7}"
@@ -321,7 +340,9 @@ def print_table(rows, env, hf, vl=None) -> None:
     for r in rows:
         f = r["figures"]
         q = r["config"].get("quantization", "none")
-        line = (f"{r['config']['dtype'] + ('' if q == 'none' else '+' + q):9} {r['config']['concurrency']:>3} {f['output_tok_s']:>10.1f} "
+        mesh = f"{r['config'].get('data_parallel_size', 1)}x{r['config'].get('tensor_parallel_size', 1)}"
+        name = r['config']['dtype'] + ('' if q == 'none' else '+' + q) + ('' if mesh == '1x1' else '@' + mesh)
+        line = (f"{name:15} {r['config']['concurrency']:>3} {f['output_tok_s']:>10.1f} "
                 f"{f['total_tok_s']:>11.1f} {f['ttft_mean_ms']:>8.0f}ms {f['ttft_median_ms']:>7.0f}ms "
                 f"{f['step_mean_ms']:>8.1f} {f['steps']:>6}")
         if hf:

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.sharding import same_on_every_rank
+from jaxserve.models.sharding import same_on_every_rank
 
 NEG_INF = float("-inf")
 

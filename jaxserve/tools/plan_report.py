@@ -32,7 +32,8 @@ def target_name(target: dict) -> str:
     if target["kind"] == "tpu":
         return target["topology"]
     if target["kind"] == "cpu":
-        return f"cpu x{target['devices']}"
+        hosts = target.get("hosts", 1)
+        return f"cpu x{target['devices']}" + (f" over {hosts} processes" if hosts > 1 else "")
     return "real"
 
 

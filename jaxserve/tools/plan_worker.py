@@ -36,7 +36,8 @@ def target_devices(target: dict):
     devices = jax.devices()
     kind = devices[0].device_kind
     if target["kind"] == "cpu":
-        return devices, f"{kind} (simulated)", None
+        hosts = target.get("hosts", 1)
+        return devices, f"{kind} (simulated{f', {hosts} processes' if hosts > 1 else ''})", None
     stats = devices[0].memory_stats() or {}
     return devices, kind, stats.get("bytes_limit")
 
@@ -70,6 +71,10 @@ def run_job(job: dict, emit) -> None:
 def main() -> int:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     job = json.loads(sys.stdin.read())
+    if job.get("distributed"):  # one of several local processes forming one mesh (--hosts)
+        import jax
+
+        jax.distributed.initialize(**job["distributed"])
     logging.getLogger().setLevel(job.get("log_level", "WARNING").upper())
     out = sys.stdout
 

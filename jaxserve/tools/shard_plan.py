@@ -22,6 +22,7 @@ import logging
 import os
 import pathlib
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -83,7 +84,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                        help="compile for TPU slices without a TPU, e.g. v5e:2x4 (comma-separated; needs libtpu: "
                             "pip install 'jaxserve[tpu]')")
     where.add_argument("--real", action="store_true", help="the devices of this machine")
-    p.add_argument("--hosts", type=int, default=None, help="a mesh spanning N local processes (not yet)")
+    p.add_argument("--hosts", type=int, default=None,
+                   help="simulate the devices as N local processes joined by jax.distributed (gloo collectives "
+                        "between them): the mesh spans the processes, as on N hosts; with --devices")
     p.add_argument("--device-memory", type=parse_bytes, default=None,
                    help="memory per device for the verdict (default: the TPU chip's HBM, the real device's limit)")
     p.add_argument("--measure", action="store_true", help="time decode and prefill steps on random weights")
@@ -142,23 +145,42 @@ def _worker_env(target: dict) -> dict[str, str]:
     env["JAX_PLATFORMS"] = "cpu"  # TPU topologies compile from the CPU host
     flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", "")).strip()
     if target["kind"] == "cpu":
-        flags = f"{flags} --xla_force_host_platform_device_count={target['devices']}".strip()
+        per_process = target["devices"] // target.get("hosts", 1)
+        flags = f"{flags} --xla_force_host_platform_device_count={per_process}".strip()
     env["XLA_FLAGS"] = flags
     return env
 
 
 def run_worker(job: dict, on_record) -> int:
-    """Run one worker process; `on_record(record)` for each configuration as it finishes."""
+    """Run one worker process (one per simulated host with --hosts: process 0 reports);
+    `on_record(record)` for each configuration as it finishes."""
     cmd = [sys.executable, "-m", "jaxserve.tools.plan_worker"]
-    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=_worker_env(job["target"]),
-                            text=True)
-    assert proc.stdin is not None and proc.stdout is not None
-    proc.stdin.write(json.dumps(job))
-    proc.stdin.close()
-    for line in proc.stdout:
+    hosts = job["target"].get("hosts", 1)
+    jobs = [job]
+    if hosts > 1:
+        address = f"127.0.0.1:{_free_port()}"
+        jobs = [{**job, "distributed": {"coordinator_address": address, "num_processes": hosts, "process_id": i}}
+                for i in range(hosts)]
+    procs = []
+    for i, j in enumerate(jobs):
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE if i == 0 else subprocess.DEVNULL,
+                                env=_worker_env(job["target"]), text=True)
+        assert proc.stdin is not None
+        proc.stdin.write(json.dumps(j))
+        proc.stdin.close()
+        procs.append(proc)
+    assert procs[0].stdout is not None
+    for line in procs[0].stdout:
         if line.startswith(RECORD_PREFIX):
             on_record(json.loads(line[len(RECORD_PREFIX):]))
-    return proc.wait()
+    codes = [p.wait() for p in procs]
+    return next((c for c in codes if c), 0)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def build_jobs(args, arch: dict) -> list[dict]:
@@ -175,7 +197,12 @@ def build_jobs(args, arch: dict) -> list[dict]:
         targets = [({"kind": "real"}, jax.device_count(), jax.default_backend())]
     else:
         n = args.devices or 8
-        targets = [({"kind": "cpu", "devices": n}, n, "cpu")]
+        target = {"kind": "cpu", "devices": n}
+        if args.hosts and args.hosts > 1:
+            if n % args.hosts:
+                raise ValueError(f"--hosts {args.hosts} must divide the {n} devices")
+            target["hosts"] = args.hosts
+        targets = [(target, n, "cpu")]
     settings = dict(arch=arch, max_model_len=max_model_len, max_num_seqs=args.max_num_seqs or max(r for _, r in buckets),
                     page_size=args.page_size, kv_cache_memory=args.kv_cache_memory, dtype=args.dtype,
                     kv_cache_dtype=args.kv_cache_dtype, attention_impl=args.attention_impl,
@@ -194,9 +221,9 @@ def build_jobs(args, arch: dict) -> list[dict]:
 def run(args: argparse.Namespace) -> int:
     from jaxserve.tools import plan_report
 
-    if args.hosts is not None:
-        print("jaxserve shard-plan: --hosts is not available yet: measuring a mesh over several processes needs "
-              "the multi-host runtime, which is being built; use --devices N (simulated) or --topology", file=sys.stderr)
+    if args.hosts is not None and (args.hosts < 1 or args.topology or args.real):
+        print("jaxserve shard-plan: --hosts N (N >= 1) simulates hosts of CPU devices: use it with --devices, "
+              "not --topology or --real", file=sys.stderr)
         return 2
     try:
         from jaxserve.models.sharding import load_rules

@@ -5,6 +5,8 @@ prefix hits on the rank that holds the prefix, and nothing compiled after warm-u
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from jaxserve import LLM, SamplingParams
@@ -55,3 +57,27 @@ def test_dp2_matches_one_rank(model, single, tp, compile_cache_dir):
 def test_dp_limits_must_split_evenly(model):
     with pytest.raises(ValueError, match="max_num_seqs .* multiple of data_parallel_size"):
         LLM(model, data_parallel_size=2, max_num_seqs=7, max_num_batched_tokens=32, **OPTIONS)
+
+
+def test_structured_output_rows_reach_their_rank(default_model_dir, compile_cache_dir):
+    """Constrained and free requests spread over two data-parallel ranks: each rank's step gets
+    its own rows of the grammar bitmask (the default model: the grammar engine needs a real
+    tokenizer), and the outputs are the single-rank engine's."""
+    from jaxserve.sampling_params import StructuredOutputsParams
+
+    code = SamplingParams(max_tokens=8, temperature=0.0,
+                          structured_outputs=StructuredOutputsParams(regex="[0-9]{3}-[a-z]{2}"))
+    choice = SamplingParams(max_tokens=8, temperature=0.0, structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    free = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = ["The code is", "Once upon a time", "Is the sky blue?", "Hello there", "Numbers:"]
+    params = [code, free, choice, free, code]
+    options = dict(OPTIONS, model=str(default_model_dir), max_model_len=256, compilation_cache_dir=compile_cache_dir)
+    runs = []
+    for dp in (1, 2):
+        llm = LLM(data_parallel_size=dp, max_num_seqs=8 * dp, max_num_batched_tokens=16 * dp, **options)
+        runs.append([o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)])
+        assert llm.engine.num_compiles_after_warmup == 0
+    one, two = runs
+    assert two == one
+    assert re.fullmatch("[0-9]{3}-[a-z]{2}", two[0]) and re.fullmatch("[0-9]{3}-[a-z]{2}", two[4])
+    assert two[2] in ("yes", "no")

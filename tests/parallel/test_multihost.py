@@ -1,5 +1,6 @@
 """Multi-host serving on one machine: 2 processes x 2 simulated CPU devices (gloo) form one
-4-device mesh, tensor parallelism across the processes. Through `jaxserve serve` over HTTP and
+4-device mesh: tensor parallelism across the processes (1 x 4), or a data-parallel rank per
+process with tensor parallelism within it (2 x 2). Through `jaxserve serve` over HTTP and
 through `LLM.generate`, outputs equal the single-process engine's; then the failure paths."""
 
 from __future__ import annotations
@@ -53,48 +54,53 @@ def _metric(url: str, name: str) -> float:
     raise AssertionError(name)
 
 
+def _serves_like_one_process(url: str, reference) -> None:
+    """Greedy, chunked prefill, a prefix hit, preemption, n = 2 seeded, prompt logprobs and an
+    abort over HTTP, each as the single-process engine gives it."""
+    greedy = SamplingParams(max_tokens=8, temperature=0.0)
+    ref = {tuple(o.prompt_token_ids): o.outputs[0].text
+           for o in reference.generate([[5, 6, 7, 8], LONG], greedy, use_tqdm=False)}
+    for prompt in ([5, 6, 7, 8], LONG, LONG):  # the second LONG hits the prefix cache
+        assert _complete(url, prompt=prompt)["choices"][0]["text"] == ref[tuple(prompt)]
+    assert _metric(url, "prefix_cache_hits_total") >= 32
+    # preemption: 6 prompts of 72 + 16 tokens (one request: queued at once) need 36 pages of
+    # 16; the cache has 15 (per data-parallel rank: 3 requests need 18)
+    prompts = [[7 + i, *range(21, 92)] for i in range(6)]
+    got = _complete(url, prompt=prompts, max_tokens=16)
+    assert _metric(url, "num_preemptions_total") > 0
+    want = reference.generate(prompts, greedy.clone(max_tokens=16), use_tqdm=False)
+    assert [c["text"] for c in sorted(got["choices"], key=lambda c: c["index"])] == [o.outputs[0].text for o in want]
+    # n = 2 and a seeded sample
+    sampled = SamplingParams(max_tokens=8, temperature=0.8, seed=7, n=2)
+    (ref_n,) = reference.generate([[9, 10, 11]], sampled, use_tqdm=False)
+    got = _complete(url, prompt=[9, 10, 11], temperature=0.8, seed=7, n=2)
+    assert sorted(c["text"] for c in got["choices"]) == sorted(o.text for o in ref_n.outputs)
+    # prompt logprobs
+    (ref_p,) = reference.generate([LONG[:20]], SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=1),
+                                  use_tqdm=False)
+    got = _complete(url, prompt=LONG[:20], max_tokens=2, prompt_logprobs=1)["choices"][0]["prompt_logprobs"]
+    for pos in range(1, 20):
+        tok = LONG[pos]
+        assert abs(got[pos][str(tok)]["logprob"] - ref_p.prompt_logprobs[pos][tok].logprob) < 1e-4
+    # an abort: a stream dropped after its first chunk; the run keeps serving, nothing leaks
+    with httpx.stream("POST", url + "/v1/completions", timeout=60,
+                      json={"prompt": LONG, "max_tokens": 40, "stream": True}) as r:
+        next(line for line in r.iter_lines() if line.startswith("data: "))
+    assert _complete(url, prompt=[5, 6, 7, 8])["choices"][0]["text"]
+    deadline = time.monotonic() + 30
+    while _metric(url, "num_requests_running") or _metric(url, "kv_cache_usage_perc"):
+        assert time.monotonic() < deadline, "the aborted request kept its blocks"
+        time.sleep(0.2)
+
+
 def test_serve_across_two_processes_then_lose_a_follower(model_dir, reference):
-    """1 x 4 mesh over two processes: greedy, chunked prefill, a prefix hit, preemption, n = 2
-    seeded, a seeded sample, prompt logprobs and an abort, all as the single-process engine
-    gives them; then SIGKILL the follower mid-generation: the request fails, /health says
-    which follower is gone, and the leader exits non-zero within 10 s."""
+    """1 x 4 mesh over two processes (tensor parallelism across them) serves as one process
+    does; then SIGKILL the follower mid-generation: the request fails, /health says which
+    follower is gone, and the leader exits non-zero within 10 s."""
     procs, url = mh.start_serve(model_dir, [*FLAGS, "--tensor-parallel-size", "4"])
     try:
         mh.wait_healthy(procs, url)
-        greedy = SamplingParams(max_tokens=8, temperature=0.0)
-        ref = {tuple(o.prompt_token_ids): o.outputs[0].text
-               for o in reference.generate([[5, 6, 7, 8], LONG], greedy, use_tqdm=False)}
-        for prompt in ([5, 6, 7, 8], LONG, LONG):  # the second LONG hits the prefix cache
-            assert _complete(url, prompt=prompt)["choices"][0]["text"] == ref[tuple(prompt)]
-        assert _metric(url, "prefix_cache_hits_total") >= 32
-        # preemption: 6 prompts of 72 + 16 tokens (one request: queued at once) need 36 pages of
-        # 16; the cache has 15
-        prompts = [[7 + i, *range(21, 92)] for i in range(6)]
-        got = _complete(url, prompt=prompts, max_tokens=16)
-        assert _metric(url, "num_preemptions_total") > 0
-        want = reference.generate(prompts, greedy.clone(max_tokens=16), use_tqdm=False)
-        assert [c["text"] for c in sorted(got["choices"], key=lambda c: c["index"])] == [o.outputs[0].text for o in want]
-        # n = 2 and a seeded sample
-        sampled = SamplingParams(max_tokens=8, temperature=0.8, seed=7, n=2)
-        (ref_n,) = reference.generate([[9, 10, 11]], sampled, use_tqdm=False)
-        got = _complete(url, prompt=[9, 10, 11], temperature=0.8, seed=7, n=2)
-        assert sorted(c["text"] for c in got["choices"]) == sorted(o.text for o in ref_n.outputs)
-        # prompt logprobs
-        (ref_p,) = reference.generate([LONG[:20]], SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=1),
-                                      use_tqdm=False)
-        got = _complete(url, prompt=LONG[:20], max_tokens=2, prompt_logprobs=1)["choices"][0]["prompt_logprobs"]
-        for pos in range(1, 20):
-            tok = LONG[pos]
-            assert abs(got[pos][str(tok)]["logprob"] - ref_p.prompt_logprobs[pos][tok].logprob) < 1e-4
-        # an abort: a stream dropped after its first chunk; the run keeps serving, nothing leaks
-        with httpx.stream("POST", url + "/v1/completions", timeout=60,
-                          json={"prompt": LONG, "max_tokens": 40, "stream": True}) as r:
-            next(line for line in r.iter_lines() if line.startswith("data: "))
-        assert _complete(url, prompt=[5, 6, 7, 8])["choices"][0]["text"]
-        deadline = time.monotonic() + 30
-        while _metric(url, "num_requests_running") or _metric(url, "kv_cache_usage_perc"):
-            assert time.monotonic() < deadline, "the aborted request kept its blocks"
-            time.sleep(0.2)
+        _serves_like_one_process(url, reference)
 
         # Lose the follower in the middle of a long generation.
         events: list[str] = []
@@ -130,21 +136,33 @@ def test_serve_across_two_processes_then_lose_a_follower(model_dir, reference):
         mh.stop(procs)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
-def test_the_leader_going_away_ends_the_run(model_dir, sig):
-    """SIGTERM on the leader drains it, shuts the follower down, and both exit 0; a leader that
-    dies (SIGKILL) leaves its follower to exit non-zero within seconds."""
+def test_serve_data_parallel_across_two_processes_then_sigterm(model_dir, reference):
+    """2 x 2 mesh over two processes (a data-parallel rank per process, tensor parallelism
+    within it) serves as one process does; SIGTERM on the leader drains it, shuts the follower
+    down, and both exit 0."""
+    # Each rank has its own KV pages: a smaller budget per device, so that each rank preempts.
+    flags = [*FLAGS, "--data-parallel-size", "2", "--tensor-parallel-size", "2", "--max-num-batched-tokens", "32",
+             "--kv-cache-memory", str(8 * 8192)]
+    procs, url = mh.start_serve(model_dir, flags)
+    try:
+        mh.wait_healthy(procs, url)
+        _serves_like_one_process(url, reference)
+        procs[0].send_signal(signal.SIGTERM)
+        assert (procs[0].wait(60), procs[1].wait(60)) == (0, 0)
+    finally:
+        mh.stop(procs)
+
+
+def test_a_lost_leader_ends_its_followers(model_dir):
+    """A leader that dies (SIGKILL) leaves its follower to exit non-zero within seconds (SIGTERM:
+    see the data-parallel serve test)."""
     procs, url = mh.start_serve(model_dir, [*FLAGS, "--tensor-parallel-size", "4"])
     try:
         mh.wait_healthy(procs, url)
         assert _complete(url, prompt=[5, 6, 7])["choices"][0]["text"]
-        procs[0].send_signal(sig)
+        procs[0].send_signal(signal.SIGKILL)
         t0 = time.monotonic()
-        follower = procs[1].wait(60)
-        if sig == signal.SIGTERM:
-            assert (procs[0].wait(60), follower) == (0, 0)
-        else:
-            assert follower != 0 and time.monotonic() - t0 < 10
+        assert procs[1].wait(60) != 0 and time.monotonic() - t0 < 10
     finally:
         mh.stop(procs)
 
