@@ -106,9 +106,23 @@ def test_command_end_to_end(tmp_path, capsys):
         assert png.stat().st_size > 1000
 
 
-def test_hosts_is_not_there_yet(capsys):
-    assert main(["shard-plan", "--hosts", "2"]) == 2
-    assert "not available yet" in capsys.readouterr().err
+def test_a_mesh_over_two_processes(tmp_path, capsys):
+    """--hosts 2: the 4 devices are two local processes of two (jax.distributed), the mesh spans
+    them; the step compiles and runs (--measure) across the processes, and its plan is the one
+    a single process makes of the same mesh."""
+    out = tmp_path / "plan.jsonl"
+    common = [str(FIXTURE / "qwen3"), "--devices", "4", "--mesh", "2x2", "--rules", "tp", "--buckets", "16x8",
+              "--max-model-len", "256", "--dtype", "float32", "--json", str(out)]
+    assert main(["shard-plan", *common, "--hosts", "2", "--measure", "--steps", "2"]) == 0
+    assert main(["shard-plan", *common]) == 0
+    two, one = [json.loads(line) for line in out.read_text().splitlines()]
+    assert "2 processes" in two["device_kind"] and "processes" not in one["device_kind"]
+    assert not two.get("error") and two["measure"]["decode_ms"] > 0
+    assert two["params"] == one["params"] and two["kv"] == one["kv"]
+    assert two["collectives"]["count"] == one["collectives"]["count"]
+    assert "cpu x4 over 2 processes" in capsys.readouterr().out
+    assert main(["shard-plan", "--hosts", "2", "--topology", "v5e:2x2"]) == 2
+    assert "with --devices" in capsys.readouterr().err
 
 
 def test_bad_arguments_are_refused(capsys):
