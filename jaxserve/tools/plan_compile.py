@@ -136,10 +136,14 @@ def plan_one(settings: PlanSettings, mesh: Mesh, rules_spec: str, bucket: tuple[
              device_kind: str) -> dict[str, Any]:
     """Compile and analyse one (mesh, rules, bucket); the report's record."""
     cfg = ArchConfig.from_hf(settings.arch)
-    rules = ax.load_rules(rules_spec)
+    D = mesh.shape["data"]  # data-parallel ranks: as `serve`, each its own pages, slots and rows
+    if settings.max_num_seqs % D:
+        raise ValueError(f"max_num_seqs ({settings.max_num_seqs}) must be a multiple of the {D} data-parallel ranks")
+    rules = ax.serving_rules(ax.load_rules(rules_spec), D)
     T, R = bucket
     rec: dict[str, Any] = {"mesh": f"{mesh.shape['data']}x{mesh.shape['model']}", "rules": ax.rules_name(rules_spec),
-                           "bucket": [T, R], "device_kind": device_kind, "num_devices": mesh.size}
+                           "bucket": [T, R], "device_kind": device_kind, "num_devices": mesh.size,
+                           "data_parallel": D}
     plan = resolve_plan(settings, cfg, mesh, rules)
     rec.update(plan)
     dtype, kv_dtype = DTYPES[plan["dtype"]], DTYPES[plan["kv_dtype"]]
@@ -190,7 +194,7 @@ def plan_one(settings: PlanSettings, mesh: Mesh, rules_spec: str, bucket: tuple[
     per_page = 2 * cfg.num_layers * settings.page_size * (cfg.num_kv_heads // head_split) * cfg.head_dim * \
         jnp.dtype(kv_dtype).itemsize  # one page's bytes on the devices that hold it
     pages_per_req = -(-settings.max_model_len // settings.page_size)
-    wanted = settings.max_num_seqs * pages_per_req + 1  # + the null page
+    wanted = D * (settings.max_num_seqs // D * pages_per_req + 1)  # + each rank's null page
     if settings.kv_cache_memory is not None:
         num_pages = int(settings.kv_cache_memory // per_page) * page_split
     else:
@@ -200,15 +204,16 @@ def plan_one(settings: PlanSettings, mesh: Mesh, rules_spec: str, bucket: tuple[
     kv_local = sum(_local_bytes(a) for a in (*kv.k, *kv.v))
     rec["kv"] = {"dtype": plan["kv_dtype"], "bytes_per_page_per_device": per_page // page_split if page_split > 1
                  else per_page, "page_size": settings.page_size, "num_pages": num_pages,
-                 "tokens": (num_pages - 1) * settings.page_size, "per_device": kv_local,
+                 "tokens": (num_pages - D) * settings.page_size, "per_device": kv_local,
                  "spec": str(kv_spec), "budget": settings.kv_cache_memory,
                  "workload_pages": wanted, "fits_workload": num_pages >= wanted,
-                 "max_requests_at_max_len": (num_pages - 1) // pages_per_req}
-    # ---- sampling state and step inputs (replicated, as the runner has them)
+                 "max_requests_at_max_len": D * ((num_pages // D - 1) // pages_per_req)}
+    # ---- sampling state (its slots split over "data" like the pages) and step inputs
+    # (replicated), as the runner has them
     replicated_sh = NamedSharding(mesh, P())
     sampler_config = SamplerConfig(max_num_seqs=settings.max_num_seqs, vocab_size=cfg.vocab_size,
                                    native=plan["native_sampling"])
-    sstate = abstract_sampling_state(sampler_config, replicated_sh)
+    sstate = abstract_sampling_state(sampler_config, NamedSharding(mesh, P("data")) if D > 1 else replicated_sh)
     rec["sampling_state_per_device"] = sum(_local_bytes(a) for a in jax.tree.leaves(sstate))
     layout = step_layout(T, R, pages_per_req=pages_per_req, page_size=settings.page_size,
                          sampler_config=sampler_config)
@@ -216,7 +221,10 @@ def plan_one(settings: PlanSettings, mesh: Mesh, rules_spec: str, bucket: tuple[
     if mesh.size > 1 or settings.platform != "cpu":
         ax.check_servable(rules)
     t0 = time.perf_counter()
-    lowered = step.lower(layout, flat_params, kv, sstate, replicated_sh)
+    if D > 1:  # the bucket is each rank's
+        lowered = step.lower_data_parallel(layout, mesh, flat_params, kv, sstate, replicated_sh)
+    else:
+        lowered = step.lower(layout, flat_params, kv, sstate, replicated_sh)
     try:
         compiled = lowered.compile()
     except Exception as e:  # a compiler that refuses for lack of memory is a verdict, not an error

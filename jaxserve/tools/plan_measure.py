@@ -2,12 +2,14 @@
 
 Random weights (`create_model` without a checkpoint) and a zeroed KV cache in the plan's
 shardings, then two synthetic steps through the very executable the plan compiled: decode (R
-requests, one token each, at context C) and a prefill chunk (one request, T tokens). Each is
+requests, one token each, at context C) and a prefill chunk (one request, T tokens); with data
+parallelism every rank runs those rows (R capped by the rank's share of max_num_seqs). Each is
 run once to warm up, then `steps` times; the median is reported.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 
@@ -60,18 +62,24 @@ def measure_step(settings, cfg, mesh, rules, plan, compiled, layout, sampler_con
 
     params = jax.tree.leaves(nnx.split(model)[1])
     del model
-    replicated = NamedSharding(mesh, P())
+    D = mesh.shape["data"]  # with data parallelism every rank runs the same synthetic rows
     kv = allocate_kv_cache(cfg, num_pages, ps, dtype[plan["kv_dtype"]], mesh, rules)
-    sstate = jax.device_put(init_sampling_state(sampler_config), replicated)
+    sstate = jax.device_put(init_sampling_state(sampler_config), NamedSharding(mesh, P("data") if D > 1 else P()))
+    rank_pages = num_pages // D
+    # A rank's rows name its own slots and pages (the sentinel slot is the rank's slot count).
+    rank_config = dataclasses.replace(sampler_config, max_num_seqs=sampler_config.max_num_seqs // D)
     context = settings.context or min(settings.max_model_len, 1024)
-    context = max(1, min(context, pages_per_req * ps, (num_pages - 1) // R * ps))
-    out = {"context": context}
-    cases = {"decode": ([1] * R, [context - 1] * R), "prefill": ([T], [0])}
+    n = min(R, rank_config.max_num_seqs)  # decoding requests per rank
+    context = max(1, min(context, pages_per_req * ps, (rank_pages - 1) // n * ps))
+    out = {"context": context, "decode_requests": n * D}
+    cases = {"decode": ([1] * n, [context - 1] * n), "prefill": ([T], [0])}
     for name, (lens, starts) in cases.items():
-        buffers, used = _buffers(layout, sampler_config, ps, pages_per_req, T, R, lens, starts, cfg.vocab_size)
-        if used > num_pages:
+        buffers, used = _buffers(layout, rank_config, ps, pages_per_req, T, R, lens, starts, cfg.vocab_size)
+        if used > rank_pages:
             out[f"{name}_ms"] = None
             continue
+        if D > 1:
+            buffers = tuple(np.stack([b] * D) for b in buffers)
         times = []
         for i in range(settings.steps + 1):
             t0 = time.perf_counter()

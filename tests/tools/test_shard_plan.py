@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import pytest
 
 from jaxserve.models.arch_config import ArchConfig
-from jaxserve.models.sharding import load_rules
+from jaxserve.models.sharding import load_rules, serving_rules
 from jaxserve.models.weights import create_model
 from jaxserve.parallel.mesh import make_mesh
 from jaxserve.runner.kv_cache import allocate_kv_cache
@@ -42,9 +42,11 @@ def test_predicted_bytes_equal_the_live_buffers(mesh_shape, rules):
     for d in range(mesh.size):
         live = sum(a.addressable_shards[d].data.nbytes for a in leaves)
         assert rec["params"]["per_device"] == live
-    kv = allocate_kv_cache(cfg, rec["kv"]["num_pages"], 16, jnp.float32, mesh, load_rules(rules))
+    D = mesh_shape[0]  # data-parallel ranks, as serve runs them: pages over "data", a null page each
+    kv = allocate_kv_cache(cfg, rec["kv"]["num_pages"], 16, jnp.float32, mesh, serving_rules(load_rules(rules), D))
     assert rec["kv"]["per_device"] == sum(a.addressable_shards[0].data.nbytes for a in (*kv.k, *kv.v))
-    assert rec["kv"]["num_pages"] == rec["kv"]["workload_pages"] == 8 * 128 // 16 + 1
+    assert rec["kv"]["num_pages"] == rec["kv"]["workload_pages"] == D * (8 // D * 128 // 16 + 1)
+    assert rec["data_parallel"] == D
     args = rec["memory"]["argument"]
     assert args >= rec["params"]["per_device"] + rec["kv"]["per_device"] + rec["sampling_state_per_device"]
     assert rec["collectives"]["count"] >= (0 if mesh_shape[1] == 1 else 1)
@@ -97,9 +99,13 @@ def test_command_end_to_end(tmp_path, capsys):
         (m, r) for m in ("2x2", "4x1") for r in ("tp", "fsdp"))
     assert all(not r.get("error") and r["git_sha"] is not None and r["versions"]["jax"] for r in records)
     by = {(r["mesh"], r["rules"]): r for r in records}
-    # fsdp on 4x1 splits the weights over data; tp there replicates them (no model axis)
-    assert by[("4x1", "fsdp")]["params"]["per_device"] < by[("4x1", "tp")]["params"]["per_device"]
-    assert by[("4x1", "fsdp")]["collectives"]["count"] > 0 == by[("4x1", "tp")]["collectives"]["count"]
+    # 4x1 is four data-parallel ranks. fsdp splits the weights over them; tp replicates them (no
+    # model axis), so its only collectives are the ranks agreeing on batch-wide branches and
+    # the sampled rows gathered, none inside the layers; fsdp gathers its weights besides
+    tp41, fsdp41 = by[("4x1", "tp")], by[("4x1", "fsdp")]
+    assert fsdp41["params"]["per_device"] < tp41["params"]["per_device"]
+    assert not tp41["collectives"]["per_layer"] and tp41["collectives"]["count"] > 0
+    assert fsdp41["collectives"]["bytes"] > 10 * tp41["collectives"]["bytes"]
     assert "| cpu x4 | 2x2 | tp |" in md.read_text()
     assert "cpu x4" in capsys.readouterr().out
     if png is not None:
