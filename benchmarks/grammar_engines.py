@@ -155,15 +155,9 @@ class XGrammar:
 
 def _byte_decoder() -> dict[str, int]:
     """GPT-2's byte-level alphabet, inverted: token characters -> bytes."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(bs, cs)}
+    from jaxserve.models.gguf_tokenizer import bytes_to_unicode
+
+    return {c: b for b, c in bytes_to_unicode().items()}
 
 
 class Outlines:

@@ -90,7 +90,7 @@ def _byte_level_backend(tok: dict[str, Any]) -> Tokenizer:
     from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers, processors
     from tokenizers.models import BPE
 
-    spelling = _bytes_to_unicode()
+    spelling = bytes_to_unicode()
     alphabet = set(spelling.values())
     vocab = {
         t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")): i
@@ -126,7 +126,7 @@ def _byte_level_backend(tok: dict[str, Any]) -> Tokenizer:
     return backend
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte → printable character table."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
     bs += list(range(ord("®"), ord("ÿ") + 1))

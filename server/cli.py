@@ -109,7 +109,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--generation-config", default=None,
                    help="'auto' (the model's generation_config.json: default sampling settings and EOS ids), "
                         "'vllm' (ignore its sampling defaults) or a folder holding a generation_config.json")
-    g.add_argument("--data-parallel-size", type=int, default=None, help="mesh 'data' axis size")
+    g.add_argument("--data-parallel-size", type=int, default=None,
+                   help="data-parallel ranks (the mesh's data axis): each its own scheduler, requests and KV pages")
     h = p.add_argument_group("several hosts (every host runs the same command, each with its --process-id)")
     h.add_argument("--coordinator-address", default=None,
                    help="HOST:PORT of process 0 (JAX's coordinator), or 'auto' to detect a Cloud TPU, SLURM or "

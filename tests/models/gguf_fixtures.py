@@ -155,9 +155,9 @@ def _metadata(w: gguf.GGUFWriter, arch: str, hf: dict) -> None:
 
 def bpe_vocabulary(size: int) -> tuple[list[str], list[int], list[str]]:
     """Byte-level BPE: 3 control tokens, the printable ASCII bytes, merges up to `size` tokens."""
-    from jaxserve.models.gguf_tokenizer import _bytes_to_unicode
+    from jaxserve.models.gguf_tokenizer import bytes_to_unicode
 
-    spell = _bytes_to_unicode()
+    spell = bytes_to_unicode()
     tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + [spell[b] for b in range(32, 127)]
     merges = ["h e", "l l", "he ll", "hell o", "Ġ w", "o r", "Ġw or", "l d", "Ġwor ld"]
     merges += [f"Ġ {c}" for c in "abcdefghijklmnopqrstuv"]

@@ -73,9 +73,9 @@ CONTROL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
 def tiny_vocab() -> tuple[list[str], list[int], list[str]]:
-    from jaxserve.models.gguf_tokenizer import _bytes_to_unicode
+    from jaxserve.models.gguf_tokenizer import bytes_to_unicode
 
-    alphabet = list(_bytes_to_unicode().values())
+    alphabet = list(bytes_to_unicode().values())
     merges = ["h e", "l l", "he ll", "hell o", "Ġ w"]
     merged = ["he", "ll", "hell", "hello", "Ġw"]
     tokens = CONTROL + alphabet + merged
