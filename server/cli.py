@@ -306,6 +306,10 @@ def _serve(args: argparse.Namespace) -> int:
     except FingerprintMismatch as e:  # several processes started with different flags or models
         log.error("%s", e)
         return 2
+    except ValueError as e:  # a setting the model or the devices cannot take (e.g. too few devices)
+        log.debug("the engine could not be built", exc_info=True)
+        print(f"jaxserve serve: {e}", file=sys.stderr)
+        return 2
     if parts.is_follower:  # headless: the leader serves HTTP, this process runs its steps
         return _follow(parts, log)
     aengine = AsyncEngine(parts, max_waiting_requests=args.max_waiting_requests)

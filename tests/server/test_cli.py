@@ -69,6 +69,19 @@ def test_chat_template_flag_takes_a_file_or_the_template(tmp_path):
         chat_template_arg(str(tmp_path / "missing.jinja"))
 
 
+def test_a_mesh_larger_than_the_devices_is_a_message_not_a_traceback(tmp_path, capsys):
+    import jax
+
+    from tests.model_dirs import write_model_dir
+
+    model = write_model_dir(tmp_path / "m")
+    too_many = 2 * len(jax.devices())
+    assert main(["serve", str(model), "--data-parallel-size", str(too_many), "--max-num-seqs", str(too_many),
+                 "--max-num-batched-tokens", str(16 * too_many)]) == 2
+    err = capsys.readouterr().err
+    assert f"needs {too_many} devices" in err and "Traceback" not in err
+
+
 def test_auto_tool_choice_needs_a_parser(capsys):
     assert main(["serve", "--enable-auto-tool-choice"]) == 2
     assert "--tool-call-parser" in capsys.readouterr().err
