@@ -1,22 +1,17 @@
-"""The server's input boundary: whatever a client sends, the answer is a 200 or a 4xx in OpenAI's
-error envelope, never a 500 and never a dropped connection.
-
-- Property tests of the body parser and the protocol models (pure Python, no model).
-- Specific cases found by fuzzing (deep JSON, integers past Python's 4300-digit limit, lone
-  UTF-16 surrogates, NaN and Infinity, form-encoded and oddly typed bodies, auth path tricks)
-  and a seeded hypothesis fuzz of the routes (>= 2,000 requests), against the live server on
-  the default model; it must answer a valid request correctly afterwards.
-
+"""The live server's input boundary: whatever a client sends, the answer is a 200 or a 4xx in
+OpenAI's error envelope, never a 500 and never a dropped connection. Specific cases found by
+fuzzing (deep JSON, integers past Python's 4300-digit limit, lone UTF-16 surrogates, NaN and
+Infinity, form-encoded and oddly typed bodies, auth path tricks) and a seeded hypothesis fuzz of
+the routes (>= 2,000 requests), against the live server on the default model; it must answer a
+valid request correctly afterwards. The parser and protocol models alone: test_input_boundary.py.
 App settings (trusted chat templates, the body limit, 500s) are in test_app_settings.py.
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
 import copy
 import json
-import math
 from typing import Any
 
 import httpx
@@ -24,254 +19,33 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jaxserve.server.body import MAX_JSON_DEPTH, parse_json
-from jaxserve.server.errors import APIError, error_response, quote
+from jaxserve.server.body import MAX_JSON_DEPTH
 from jaxserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
 )
+from tests.server.bad_input import (
+    CHAT,
+    CHAT_INT_FIELDS,
+    FLOAT_FIELDS,
+    GENERATION_PATHS,
+    HUGE_INT,
+    INT_FIELDS,
+    NON_FINITE,
+    PROMPT,
+    assert_envelope,
+    deep_dict,
+    deep_list,
+    dumps,
+    field_values,
+    nasty,
+)
 from tests.server.conftest import API_KEY, MODEL
 
-PROMPT = "The capital of France is"
-CHAT = [{"role": "user", "content": "What is the capital of France?"}]
-INT_FIELDS = ["max_tokens", "seed", "n", "top_k", "logprobs", "min_tokens", "best_of", "priority",
-              "prompt_logprobs"]
-CHAT_INT_FIELDS = ["max_completion_tokens", "top_logprobs"]
-FLOAT_FIELDS = ["temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"]
-NON_FINITE = ["NaN", "Infinity", "-Infinity", "1e999", "-1e999"]
-HUGE_INT = "9" * 4301
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
-def assert_envelope(r: httpx.Response, status: int | None = None) -> dict:
-    """A 4xx (or exactly `status`) in OpenAI's error envelope; returns the error object."""
-    if status is not None:
-        assert r.status_code == status, r.text[:300]
-    assert 400 <= r.status_code < 500, r.text[:300]
-    err = r.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"}, err
-    assert err["code"] == r.status_code and isinstance(err["message"], str) and err["message"]
-    assert isinstance(err["type"], str) and err["type"]
-    return err
-
-
-# ---------------------------------------------------------------------------- JSON text a client can send
-class Raw:
-    """A JSON fragment written as is: Python's json module cannot write everything a client can
-    send (integers over 4300 digits, lone surrogates as raw bytes, deep nesting)."""
-
-    def __init__(self, text: str):
-        self.text = text
-
-    def __repr__(self) -> str:
-        return f"Raw({self.text[:40]!r}{'...' if len(self.text) > 40 else ''}, {len(self.text)} chars)"
-
-
-def dumps(value: Any, ascii: bool = True) -> str:
-    """JSON text of `value`, with Raw fragments spliced in; NaN and ±inf as Python writes them.
-    With `ascii` False, non-ASCII characters (lone surrogates too) are written as themselves."""
-    if isinstance(value, Raw):
-        return value.text
-    if isinstance(value, dict):
-        return "{" + ",".join(f"{json.dumps(str(k), ensure_ascii=ascii)}:{dumps(v, ascii)}"
-                              for k, v in value.items()) + "}"
-    if isinstance(value, list):
-        return "[" + ",".join(dumps(v, ascii) for v in value) + "]"
-    return json.dumps(value, ensure_ascii=ascii)
-
-
-def deep_list(depth: int) -> Raw:
-    return Raw("[" * depth + "]" * depth)
-
-
-def deep_dict(depth: int) -> Raw:
-    return Raw('{"a":' * depth + "1" + "}" * depth)
-
-
-RAW_FRAGMENTS = [*NON_FINITE, HUGE_INT, "-" + "9" * 5000, "1" + "0" * 400, "1.5e308", "-0", "0.0", "1e-400",
-                 '"\\ud800"', '"x\\udfffy"', '"\\ud83d\\ude00"', '"\\u0000"', '"\\udc00\\ud800"', '{"\\ud800": 1}',
-                 "[]", "{}", '""', "true", "null"]
-
-
-def _with_surrogate(parts: tuple[str, int, str]) -> str:
-    return parts[0] + chr(parts[1]) + parts[2]
-
-
-scalars = st.one_of(
-    st.none(), st.booleans(),
-    st.integers(min_value=-(2**70), max_value=2**70),
-    st.floats(allow_nan=True, allow_infinity=True),
-    st.text(max_size=12),
-    st.tuples(st.text(max_size=4), st.integers(0xD800, 0xDFFF), st.text(max_size=4)).map(_with_surrogate),
-)
-nasty = st.one_of(
-    scalars,
-    st.sampled_from(RAW_FRAGMENTS).map(Raw),
-    st.integers(1, 3000).map(deep_list),
-    st.integers(1, 3000).map(deep_dict),
-    st.recursive(scalars, lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=6), c, max_size=4),
-                 max_leaves=8),
-)
-# values a field is more likely to take as valid: small numbers, the non-finite ones, token-id maps
-numbers = st.one_of(st.sampled_from([math.nan, math.inf, -math.inf, 0, 1, -1, 0.5, 2.0, 100.0]),
-                    st.floats(allow_nan=True, allow_infinity=True), st.integers(-3, 3))
-token_maps = st.dictionaries(st.integers(-5, 60_000).map(str), numbers, min_size=1, max_size=3)
-field_values = st.one_of(nasty, numbers, token_maps)
-
-
-# ---------------------------------------------------------------------------- the body parser
-@settings(max_examples=400, derandomize=True, deadline=None, database=None)
-@given(value=nasty)
-def test_parse_json_answers_4xx_or_a_value(value: Any) -> None:
-    # strings escaped ("\\ud800"), and as raw UTF-8 bytes (a lone surrogate as ED A0 80)
-    for body in (dumps(value).encode(), dumps(value, ascii=False).encode("utf-8", "surrogatepass")):
-        try:
-            parse_json(body)
-        except APIError as e:
-            assert e.status == 400 and e.message
-
-
-@settings(max_examples=300, derandomize=True, deadline=None, database=None)
-@given(body=st.binary(max_size=64))
-def test_parse_json_on_random_bytes(body: bytes) -> None:
-    try:
-        parse_json(body)
-    except APIError as e:
-        assert e.status == 400
-
-
-@pytest.mark.parametrize("depth", [MAX_JSON_DEPTH + 1, 990, 5000, 100_000])
-def test_parse_json_refuses_deep_nesting(depth: int) -> None:
-    for raw in (deep_list(depth), deep_dict(depth), Raw('{"extra": ' + deep_list(depth).text + "}")):
-        with pytest.raises(APIError, match="nested more than") as ei:
-            parse_json(raw.text.encode())
-        assert ei.value.status == 400
-    assert parse_json(deep_list(MAX_JSON_DEPTH).text.encode())  # the limit itself is fine
-
-
-def test_parse_json_names_the_field_of_a_surrogate() -> None:
-    for body in (b'{"messages": [{"role": "user", "content": "a\\ud800"}]}',
-                 b'{"messages": [{"role": "user", "content": "a\xed\xa0\x80"}]}'):  # escaped; raw bytes
-        with pytest.raises(APIError, match="surrogate") as ei:
-            parse_json(body)
-        assert ei.value.param == "messages"
-    assert parse_json(b'{"prompt": "\\ud83d\\ude00"}') == {"prompt": "\U0001f600"}  # a pair is fine
-
-
-def test_error_bodies_always_encode() -> None:
-    """A message quoting client text with a lone surrogate still renders (as a backslash escape)."""
-    r = error_response(404, "The model '\ud800' does not exist.", param="mo\udc00del")
-    err = json.loads(r.body)["error"]
-    assert err["message"] == "The model '\\ud800' does not exist." and err["param"] == "mo\\udc00del"
-    assert quote("x" * 1000).endswith("...") and len(quote("x" * 1000)) == 100
-
-
-# ---------------------------------------------------------------------------- the protocol models
-BASES: dict[type, dict[str, Any]] = {
-    CompletionRequest: {"model": MODEL, "prompt": PROMPT, "max_tokens": 1, "temperature": 0},
-    ChatCompletionRequest: {"model": MODEL, "messages": CHAT, "max_tokens": 1, "logprobs": True, "top_logprobs": 2},
-    TokenizeRequest: {"model": MODEL, "messages": CHAT},
-    DetokenizeRequest: {"tokens": [1, 2, 3]},
-}
-
-
-def _python(value: Any) -> Any:
-    """The value json.loads would give for a generated one (Raw fragments parsed)."""
-    if isinstance(value, Raw):
-        try:
-            return parse_json(b'{"v": ' + value.text.encode() + b"}")["v"]
-        except APIError:
-            return None
-    if isinstance(value, dict):
-        return {str(k): _python(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_python(v) for v in value]
-    return value
-
-
-@st.composite
-def model_inputs(draw: st.DrawFn) -> tuple[type, dict[str, Any]]:
-    model = draw(st.sampled_from(list(BASES)))
-    data = copy.deepcopy(BASES[model])
-    fields = sorted(model.model_fields) + ["unknown_extra"]
-    for _ in range(draw(st.integers(1, 3))):
-        field = draw(st.sampled_from(fields))
-        if draw(st.integers(0, 9)) == 0:
-            data.pop(field, None)
-        else:
-            data[field] = _python(draw(field_values))
-    return model, data
-
-
-def _floats(value: Any) -> list[float]:
-    if isinstance(value, float):
-        return [value]
-    if isinstance(value, dict):
-        value = list(value.values())
-    return [x for v in value for x in _floats(v)] if isinstance(value, list) else []
-
-
-FREE_FORM = frozenset({"chat_template_kwargs", "guided_json", "json_", "schema_", "parameters"})
-
-
-def _declared(value: Any, skip: frozenset[str] = FREE_FORM) -> Any:
-    """A request model's declared fields, recursively, less the free-form JSON ones (template
-    arguments, JSON schemas: the grammar compiler refuses what is not JSON). Unknown fields
-    are kept only to be listed (X-Ignored-Fields), never used, so their values may be anything
-    JSON holds."""
-    from pydantic import BaseModel
-
-    if isinstance(value, BaseModel):
-        return {k: _declared(getattr(value, k)) for k in type(value).model_fields if k not in skip}
-    if isinstance(value, list):
-        return [_declared(v) for v in value]
-    return value
-
-
-@settings(max_examples=1500, derandomize=True, deadline=None, database=None,
-          suppress_health_check=[HealthCheck.too_slow])
-@given(case=model_inputs())
-def test_protocol_models_raise_only_validation_errors(case: tuple[type, dict[str, Any]]) -> None:
-    model, data = case
-    try:
-        request = model.model_validate(data)
-    except ValueError:  # pydantic's ValidationError is a ValueError: a 400
-        return
-    # every number a request model accepted is finite (free-form JSON aside)
-    assert all(math.isfinite(x) for x in _floats(_declared(request))), request
-    if hasattr(request, "to_sampling_params"):
-        with contextlib.suppress(ValueError):  # a 400 as well
-            request.to_sampling_params().validate()
-
-
-FLOAT_SLOTS = [*((CompletionRequest, f) for f in FLOAT_FIELDS), (CompletionRequest, "logit_bias"),
-               (ChatCompletionRequest, "temperature"), (ChatCompletionRequest, "logit_bias")]
-
-
-@settings(max_examples=600, derandomize=True, deadline=None, database=None)
-@given(slot=st.sampled_from(FLOAT_SLOTS), value=numbers)
-def test_every_float_field_is_finite_or_refused(slot: tuple[type, str], value: float) -> None:
-    model, field = slot
-    data = {**BASES[model], field: {"30": value} if field == "logit_bias" else value}
-    try:
-        request = model.model_validate(data)
-    except ValueError as e:
-        assert math.isfinite(value) or "finite number" in str(e)
-        return
-    assert all(math.isfinite(x) for x in _floats(_declared(request, frozenset()))), request
-    params = request.to_sampling_params()
-    assert all(math.isfinite(x) for x in (params.temperature, params.repetition_penalty,
-                                          *(params.logit_bias or {}).values()))
-
-
-@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
-@pytest.mark.parametrize("field", FLOAT_FIELDS + ["logit_bias"])
-def test_protocol_models_refuse_non_finite_floats(field: str, value: float) -> None:
-    data = {"prompt": PROMPT, field: {"30": value} if field == "logit_bias" else value}
-    with pytest.raises(ValueError, match="finite"):
-        CompletionRequest.model_validate(data)
 
 
 # ---------------------------------------------------------------------------- specific cases, live server
