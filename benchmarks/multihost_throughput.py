@@ -19,7 +19,6 @@ import datetime
 import json
 import os
 import pathlib
-import socket
 import subprocess
 import sys
 import tempfile
@@ -54,22 +53,11 @@ print("RESULT " + json.dumps(res), flush=True)
 """
 
 
-def free_port() -> int:
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", port + 1))  # the leader's step channel
-            return port
-        except OSError:
-            continue
-
-
 def run(job: dict, num_processes: int, devices: int) -> dict:
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
-    port = free_port()
+    from jaxserve.parallel.multihost import free_coordinator_port
+
+    port = free_coordinator_port()
     procs = []
     for pid in range(num_processes):
         options = dict(job["options"])

@@ -33,6 +33,7 @@ import json
 import logging
 import os
 import pathlib
+import socket
 import struct
 import threading
 import time
@@ -119,8 +120,6 @@ def shared_key(topo: Topology) -> bytes:
 def fingerprint(config, model_path: pathlib.Path | None) -> dict[str, Any]:
     """What must agree across processes: every engine option but the process's own place in the
     run, the model's identity, and the versions of what compiles the step."""
-    from jaxserve.config import EngineConfig  # noqa: F401 - the config's type
-
     flat: dict[str, Any] = {}
     for part in dataclasses.fields(config):
         value = getattr(config, part.name)
@@ -156,6 +155,22 @@ def first_difference(a: dict, b: dict, prefix: str = "") -> str | None:
         elif va != vb:
             return f"{prefix}{key}: leader {va!r}, follower {vb!r}"
     return None
+
+
+def free_coordinator_port() -> int:
+    """A free local port whose successor is free too: a coordinator address for a run of local
+    processes (the leader's step channel takes the next port). For tests, benchmarks and
+    `shard-plan --hosts`."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            continue
 
 
 # ---------------------------------------------------------------------------- step messages

@@ -22,7 +22,6 @@ import logging
 import os
 import pathlib
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -158,7 +157,9 @@ def run_worker(job: dict, on_record) -> int:
     hosts = job["target"].get("hosts", 1)
     jobs = [job]
     if hosts > 1:
-        address = f"127.0.0.1:{_free_port()}"
+        from jaxserve.parallel.multihost import free_coordinator_port
+
+        address = f"127.0.0.1:{free_coordinator_port()}"
         jobs = [{**job, "distributed": {"coordinator_address": address, "num_processes": hosts, "process_id": i}}
                 for i in range(hosts)]
     procs = []
@@ -175,12 +176,6 @@ def run_worker(job: dict, on_record) -> int:
             on_record(json.loads(line[len(RECORD_PREFIX):]))
     codes = [p.wait() for p in procs]
     return next((c for c in codes if c), 0)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def build_jobs(args, arch: dict) -> list[dict]:

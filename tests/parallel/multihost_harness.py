@@ -4,28 +4,15 @@ gloo collectives on localhost): `jaxserve serve` on every process, or a script."
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
 
 import httpx
 
+from jaxserve.parallel.multihost import free_coordinator_port as free_port
+
 DEVICES_PER_PROCESS = 2
-
-
-def free_port() -> int:
-    """A port whose successor is free too (the leader's step channel)."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", port + 1))
-            return port
-        except OSError:
-            continue
 
 
 def env() -> dict[str, str]:
