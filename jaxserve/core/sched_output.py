@@ -68,3 +68,8 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+    @property
+    def ranks(self) -> tuple[SchedulerOutput]:
+        """One rank's output per data-parallel rank: this one alone (see DataParallelOutput)."""
+        return (self,)

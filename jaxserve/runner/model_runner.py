@@ -236,8 +236,7 @@ class ModelRunner:
             self._release(rid)
         if so.is_empty:
             return None
-        ranks = getattr(so, "ranks", (so,))
-        rows = [self._rows(r, rank_so) for r, rank_so in enumerate(ranks)]
+        rows = [self._rows(r, rank_so) for r, rank_so in enumerate(so.ranks)]
         T, R = self.grid.pick(max(len(x[4]) for x in rows), max(len(x[0]) for x in rows))
         masks = [None] * len(rows)
         if token_bitmask is not None:  # split by rank: so.scheduled lists the ranks' rows in order
