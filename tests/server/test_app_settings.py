@@ -14,7 +14,7 @@ from starlette.testclient import TestClient
 from jaxserve.server.async_engine import AsyncEngine
 from jaxserve.server.body import default_max_body_bytes
 from tests.engine.fakes import fake_parts
-from tests.server.test_fuzz import CHAT, PROMPT, assert_envelope
+from tests.server.bad_input import CHAT, PROMPT, assert_envelope
 
 MAX_MODEL_LEN = 2048
 
