@@ -8,6 +8,7 @@ directory (`$XDG_CACHE_HOME`, else `~/.cache`), as other tools locate it.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import pathlib
 from typing import Any, Literal
@@ -21,6 +22,7 @@ __all__ = [
     "ModelConfig",
     "ParallelConfig",
     "SchedulerConfig",
+    "SpeculativeConfig",
 ]
 
 
@@ -121,6 +123,63 @@ class CompileConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, vLLM's `speculative_config`. The one method is "ngram" (prompt
+    lookup): the drafts are the tokens that followed the latest earlier occurrence of the
+    longest n-gram (prompt_lookup_min <= n <= prompt_lookup_max) ending the request's context,
+    and the model checks them all in one step (jaxserve/spec_decode/)."""
+
+    method: Literal["ngram"] = "ngram"
+    num_speculative_tokens: int = 0
+    prompt_lookup_min: int | None = None  # vLLM's defaults: both 5; one given sets the other
+    prompt_lookup_max: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in ("ngram", "[ngram]"):
+            raise ValueError(f"speculative_config: method {self.method!r} is not supported; jaxserve "
+                             "drafts with 'ngram' (prompt lookup) only.")
+        object.__setattr__(self, "method", "ngram")
+        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
+            raise ValueError("speculative_config: num_speculative_tokens must be a positive integer, "
+                             f"got {self.num_speculative_tokens!r}.")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if lo is None and hi is None:
+            lo = hi = 5
+        lo = hi if lo is None else lo
+        hi = lo if hi is None else hi
+        for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"speculative_config: {name} must be a positive integer, got {v!r}.")
+        if lo > hi:
+            raise ValueError(f"speculative_config: prompt_lookup_min ({lo}) exceeds prompt_lookup_max ({hi}).")
+        object.__setattr__(self, "prompt_lookup_min", lo)
+        object.__setattr__(self, "prompt_lookup_max", hi)
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:
+        """From vLLM's forms: a dict (`LLM(speculative_config={...})`), its JSON text
+        (`--speculative-config`), or None (off). Unknown keys are an error naming them."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config: not valid JSON ({e})") from None
+        if not isinstance(value, dict):
+            raise ValueError("speculative_config must be a JSON object, e.g. "
+                             '{"method": "ngram", "num_speculative_tokens": 4}.')
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unsupported key(s) {', '.join(unknown)}; "
+                             f"accepted: {', '.join(sorted(known))}.")
+        if "method" not in value:
+            raise ValueError('speculative_config: "method" is required ("ngram").')
+        return cls(**value)
+
+
+@dataclasses.dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = ModelConfig()
     cache: CacheConfig = CacheConfig()
@@ -128,6 +187,10 @@ class EngineConfig:
     parallel: ParallelConfig = ParallelConfig()
     compile: CompileConfig = CompileConfig()
     max_logprobs: int = 20
+    speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

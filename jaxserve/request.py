@@ -122,6 +122,9 @@ class Request:
     # KVCacheManager.
     block_hashes: list[bytes] = field(default_factory=list)
     stop_token_ids: frozenset[int] = frozenset()  # from sampling_params, for the stop check
+    # Speculative decoding: draft tokens to check after the last known token (set by the
+    # engine's proposer after each step; the scheduler feeds as many as the step has room for).
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)

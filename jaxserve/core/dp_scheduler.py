@@ -155,4 +155,7 @@ class DataParallelScheduler:
             prefix_cache_queries=sum(s.prefix_cache_queries for s in stats),
             prefix_cache_hits=sum(s.prefix_cache_hits for s in stats),
             num_preemptions=sum(s.num_preemptions for s in stats),
+            spec_num_drafts=sum(s.spec_num_drafts for s in stats),
+            spec_num_draft_tokens=sum(s.spec_num_draft_tokens for s in stats),
+            spec_num_accepted_tokens=sum(s.spec_num_accepted_tokens for s in stats),
         )

@@ -133,8 +133,11 @@ class KVCacheManager:
         request: Request,
         num_new_tokens: int,
         new_computed_blocks: list[KVCacheBlock] | None = None,
+        num_draft_tokens: int = 0,
     ) -> list[int] | None:
-        """Make room for `num_new_tokens` more tokens after the request's computed ones.
+        """Make room for `num_new_tokens` more tokens after the request's computed ones, the
+        last `num_draft_tokens` of them speculative drafts (never registered in the prefix
+        cache: only blocks of known tokens are).
 
         `new_computed_blocks` (a prefix-cache hit from `get_computed_blocks`) may only be given
         when the request holds no blocks yet, i.e. at admission; the tokens they cover come
@@ -157,7 +160,7 @@ class KVCacheManager:
         assert not hits or not req_blocks, "prefix hits are only taken at admission"
         num_computed = request.num_computed_tokens + len(hits) * self.block_size
         num_total = num_computed + num_new_tokens  # tokens with KV after this step
-        assert num_total <= request.num_tokens + request.num_output_placeholders, (
+        assert num_total <= request.num_tokens + request.num_output_placeholders + num_draft_tokens, (
             num_total, request.num_tokens)
         if self.max_model_len is not None:
             assert num_total <= self.max_model_len, (num_total, self.max_model_len)

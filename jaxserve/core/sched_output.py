@@ -4,7 +4,9 @@ One step feeds, for each scheduled request in batch order, the tokens at positio
 [start_pos, start_pos + num_scheduled_tokens) — a prefill chunk, a whole prompt, a recompute
 after preemption or the one token sampled last step, all alike — and writes their KV into the
 request's blocks. When `sample` is set, the logits at the last fed position produce one new
-token, reported back through `Scheduler.update_from_output`.
+token, reported back through `Scheduler.update_from_output`; with speculative decoding the
+last fed tokens may be drafts, and the positions from the last known token on each sample
+one (jaxserve/spec_decode/).
 
 A token the scheduler does not know yet (sampled by a step still in flight) is `PENDING` in
 `token_ids`; the runner reads it on the device from the request's slot.
@@ -37,6 +39,9 @@ class ScheduledRequest:
     # per-request runner state (block table row, sampler rows, penalty counts …).
     is_new: bool
     is_resumed: bool  # is_new because of a preemption (the request has output tokens already)
+    # Speculative decoding: the last num_draft_tokens of token_ids are drafts (not the request's
+    # tokens yet); the step samples at each of them too and keeps the confirmed ones.
+    num_draft_tokens: int = 0
 
     @property
     def request_id(self) -> str:

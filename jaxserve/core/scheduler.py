@@ -83,6 +83,11 @@ class SchedulerStats:
     prefix_cache_queries: int  # tokens looked up in the prefix cache (cumulative)
     prefix_cache_hits: int  # of which found (cumulative)
     num_preemptions: int  # cumulative
+    # Speculative decoding (cumulative): steps of a request that fed drafts, drafts fed, and
+    # drafts accepted (vLLM's spec_decode_num_drafts / _num_draft_tokens / _num_accepted_tokens).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -141,6 +146,7 @@ class Scheduler:
         self._seq = itertools.count()
         self._finished_ids: set[str] = set()  # since the last schedule()
         self.num_preemptions = 0
+        self.spec_num_drafts = self.spec_num_draft_tokens = self.spec_num_accepted_tokens = 0
 
     # ------------------------------------------------------------------ requests in and out
     def add_request(self, request: Request) -> None:
@@ -225,6 +231,11 @@ class Scheduler:
         budget = cfg.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
+        # A step samples on at most max_num_seqs rows (the largest request bucket): one per
+        # request, and one per draft token. Drafts take the rows that neither the running
+        # requests nor the waiting ones that could be admitted need.
+        free_seqs = cfg.max_num_seqs - len(self.running)
+        spare_rows = free_seqs - min(len(self.waiting), free_seqs)
 
         # 1. Running requests, in order. The last one is the preemption victim.
         i = 0
@@ -234,7 +245,11 @@ class Scheduler:
             if n == 0:  # nothing to compute until its sampled token arrives
                 i += 1
                 continue
-            new_blocks = self.kv.allocate_slots(req, n)
+            k = self._num_drafts(req, n, budget, spare_rows) if req.spec_token_ids else 0
+            new_blocks = self.kv.allocate_slots(req, n + k, num_draft_tokens=k)
+            if new_blocks is None and k:
+                k = 0
+                new_blocks = self.kv.allocate_slots(req, n)
             while new_blocks is None:
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -243,8 +258,9 @@ class Scheduler:
                     break
                 new_blocks = self.kv.allocate_slots(req, n)
             if new_blocks is not None:
-                scheduled.append(self._advance(req, n, new_blocks, is_new=False, resumed=False))
-                budget -= n
+                scheduled.append(self._advance(req, n, new_blocks, is_new=False, resumed=False, num_drafts=k))
+                budget -= n + k
+                spare_rows -= k
                 i += 1
 
         # 2. Waiting requests, in key order; head-of-line blocking keeps the order fair.
@@ -306,6 +322,15 @@ class Scheduler:
             tokens = sampled_token_ids.get(req.request_id)
             if not tokens:
                 raise RuntimeError(f"The runner returned no token for request {req.request_id!r}.")
+            if s.num_draft_tokens:
+                # tokens: the accepted drafts and one more. The rejected drafts' KV is void:
+                # their positions are computed again (overwritten) by later steps.
+                accepted = len(tokens) - 1
+                self.spec_num_drafts += 1
+                self.spec_num_draft_tokens += s.num_draft_tokens
+                self.spec_num_accepted_tokens += accepted
+                if req.status == RequestStatus.RUNNING:
+                    req.num_computed_tokens -= s.num_draft_tokens - accepted
             taken = 0
             for token in tokens:
                 req.output_token_ids.append(token)
@@ -327,6 +352,9 @@ class Scheduler:
             prefix_cache_queries=self.kv.prefix_cache_queries,
             prefix_cache_hits=self.kv.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
+            spec_num_drafts=self.spec_num_drafts,
+            spec_num_draft_tokens=self.spec_num_draft_tokens,
+            spec_num_accepted_tokens=self.spec_num_accepted_tokens,
         )
 
     # ------------------------------------------------------------------ internals
@@ -343,12 +371,24 @@ class Scheduler:
         n = num_tokens + pending - req.num_computed_tokens
         return max(0, min(n, budget, self.config.max_model_len - req.num_computed_tokens))
 
+    def _num_drafts(self, req: Request, n: int, budget: int, spare_rows: int) -> int:
+        """How many of the request's drafts this step feeds: only after its last known token
+        (n == 1, nothing pending), within the token budget, the spare rows, max_model_len and
+        what max_tokens still allows (the step emits up to drafts + 1 tokens)."""
+        if n != 1 or req.num_output_placeholders or req.num_computed_tokens != req.num_tokens - 1:
+            return 0
+        k = min(len(req.spec_token_ids), spare_rows, budget - 1,
+                self.config.max_model_len - req.num_tokens)
+        max_tokens = req.sampling_params.max_tokens
+        if max_tokens is not None:
+            k = min(k, max_tokens - req.num_output_tokens - 1)
+        return max(k, 0)
+
     def _advance(self, req: Request, n: int, block_ids: list[int], *, is_new: bool,
-                 resumed: bool) -> ScheduledRequest:
-        """Describe one scheduled request and count its tokens as computed."""
+                 resumed: bool, num_drafts: int = 0) -> ScheduledRequest:
+        """Describe one scheduled request and count its tokens (and drafts) as computed."""
         start = req.num_computed_tokens
         end = start + n
-        req.num_computed_tokens = end
         known = len(req.prompt_token_ids) + len(req.output_token_ids)
         if end <= known:
             tokens = tuple(req.get_token_ids(start, end))
@@ -359,13 +399,19 @@ class Scheduler:
         sample = end == known + req.num_output_placeholders
         if sample:
             req.num_output_placeholders += 1
-        return ScheduledRequest(req, tokens, start, n, tuple(block_ids), sample, is_new, resumed)
+        if num_drafts:
+            tokens += tuple(req.spec_token_ids[:num_drafts])
+        req.spec_token_ids = []  # used (or outdated once this step's tokens arrive)
+        req.num_computed_tokens = end + num_drafts
+        return ScheduledRequest(req, tokens, start, n + num_drafts, tuple(block_ids), sample, is_new, resumed,
+                                num_drafts)
 
     def _preempt(self, req: Request) -> None:
         logger.debug("Preempting %s (%d tokens) by recompute", req.request_id, req.num_tokens)
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.push(self._keys[req.request_id], req)

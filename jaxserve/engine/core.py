@@ -25,6 +25,10 @@ while one is unfinished, steps do not overlap: a step in flight is collected fir
 launches nothing), then each step is schedule -> grammar bitmask -> prepare -> launch ->
 collect -> update. The tokens are the same either way (a row's random draw depends on its
 seed and position only); the grammar state is the StructuredOutputManager's.
+
+Speculative decoding (`proposer`): after each step the proposer drafts the next tokens of every
+request that may draft (jaxserve/spec_decode/), from its tokens so far; the scheduler feeds
+them in the next step. Drafts need the last token on the host, so steps do not overlap.
 """
 
 from __future__ import annotations
@@ -34,11 +38,14 @@ import logging
 import time
 from collections.abc import Iterable
 
+import numpy as np
+
 from jaxserve.core.scheduler import Scheduler, SchedulerStats
 from jaxserve.core.sched_output import SchedulerOutput
 from jaxserve.outputs import SampleLogprobs
 from jaxserve.request import EngineRequest, Request, RequestFailedError, RequestStatus
 from jaxserve.runner.model_runner import LaunchedStep, ModelRunner, RunnerOutput
+from jaxserve.spec_decode import NgramProposer, can_speculate
 from jaxserve.structured.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -91,10 +98,13 @@ class HostTimes:
 
 
 class EngineCore:
-    def __init__(self, scheduler: Scheduler, runner: ModelRunner, *, async_scheduling: bool = True):
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, *, async_scheduling: bool = True,
+                 proposer: NgramProposer | None = None):
         self.scheduler = scheduler
         self.runner = runner
-        self.async_scheduling = async_scheduling
+        self.proposer = proposer
+        self.async_scheduling = async_scheduling and proposer is None
+        self._may_draft: set[str] = set()  # requests the proposer drafts for
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
         self.times = HostTimes()
         self.num_steps = 0
@@ -110,12 +120,15 @@ class EngineCore:
             raise EngineSleepingError("the engine is sleeping; wake it up first (POST /wake_up)")
         self.scheduler.add_request(Request.from_engine_request(request))
         self.structured.add(request)
+        if self.proposer is not None and can_speculate(request.sampling_params):
+            self._may_draft.add(request.request_id)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Finish these requests now (unknown or finished ids are ignored); no output follows."""
         request_ids = list(request_ids)
         self.scheduler.abort_requests(request_ids)
         self.structured.remove(request_ids)
+        self._may_draft.difference_update(request_ids)
 
     def has_work(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self._in_flight is not None
@@ -179,6 +192,7 @@ class EngineCore:
         preempted = sched.discard_step(so)  # first: it uncaches the blocks the step was to fill
         sched.finish_requests(failed, RequestStatus.FINISHED_ABORTED)
         self.structured.remove(failed)
+        self._may_draft.difference_update(failed)
         preempted = [rid for rid in preempted if rid not in failed]
         # The runner may have taken state for any of these before it raised.
         self._release_finished.update(so.finished_request_ids)
@@ -202,9 +216,12 @@ class EngineCore:
                                    first_scheduled_time=req.first_scheduled_time)
             lp = result.logprobs.get(rid)
             if lp is not None:
-                out.logprobs = [lp]
+                out.logprobs = lp[:n]
             if req.is_finished:
                 out.finish_reason, out.stop_reason = req.get_finished_reason(), req.stop_reason
+                self._may_draft.discard(rid)
+            elif rid in self._may_draft:
+                req.spec_token_ids = self.proposer.propose(np.asarray(req.all_token_ids, np.int64))
             outputs[rid] = out
         for rid, plp in result.prompt_logprobs.items():
             req = self.scheduler.get_request(rid)

@@ -35,6 +35,7 @@ from jaxserve.runner.compile import enable_persistent_cache
 from jaxserve.runner.kv_cache import num_pages_for_budget
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.sampling.config import SamplerConfig
+from jaxserve.spec_decode import NgramProposer
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +133,10 @@ def build_engine(config: EngineConfig) -> EngineParts:
             link.start()
             runner = multihost.LeaderRunner(runner, link)
     scheduler = DataParallelScheduler(sc, kv_managers) if D > 1 else Scheduler(sc, kv_managers[0])
-    core = EngineCore(scheduler, runner, async_scheduling=sc.async_scheduling)
+    spec = config.speculative_config
+    proposer = (NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+                if spec is not None else None)
+    core = EngineCore(scheduler, runner, async_scheduling=sc.async_scheduling, proposer=proposer)
     eos = tokenizer.eos_token_id
     if eos is None and gen.eos_token_ids:
         eos = gen.eos_token_ids[0]
@@ -151,7 +155,8 @@ def build_engine(config: EngineConfig) -> EngineParts:
     logger.info("engine ready: %s, %s, %d KV pages of %d%s, %d buckets compiled in %.1fs (load %.1fs)%s",
                 info.name, plan.dtype, num_pages, cc.page_size, f" ({D} data-parallel ranks)" if D > 1 else "",
                 runner.num_buckets, runner.compile_seconds, load_seconds,
-                ", overlapped steps" if sc.async_scheduling else "")
+                ", overlapped steps" if core.async_scheduling else
+                f", n-gram speculation ({spec.num_speculative_tokens} tokens)" if spec is not None else "")
     return EngineParts(tokenizer, info, core, model_path, arch, backend, plan, load_seconds, topo, link)
 
 

@@ -45,14 +45,15 @@ from jaxserve.sampling.config import SamplerConfig
 from jaxserve.sampling.metadata import SamplingMetadataBuilder
 from jaxserve.sampling.sampler import SamplerOutput
 from jaxserve.sampling.state import SlotRowsWrite, init_sampling_state, write_slot_rows
+from jaxserve.spec_decode.ngram import accept_drafts
 
 logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(slots=True)
 class RunnerOutput:
-    sampled: dict[str, list[int]]
-    logprobs: dict[str, SampleLogprobs]
+    sampled: dict[str, list[int]]  # one token, or with drafts the accepted ones and the next
+    logprobs: dict[str, list[SampleLogprobs]]  # one per sampled token
     # request id -> (first position, per-position SampleLogprobs of the NEXT prompt token)
     prompt_logprobs: dict[str, tuple[int, list[SampleLogprobs]]]
 
@@ -70,6 +71,8 @@ class StepPlan:
     logprob_rows: list[tuple[int, str, int]]  # (row, request id, top k)
     # (request id, first flat token, count, first position, top k)
     prompt_logprob_rows: list[tuple[str, int, int, int, int]]
+    # Speculative decoding: request id -> its drafts (it samples on len + 1 rows)
+    drafts: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(slots=True)
@@ -237,7 +240,7 @@ class ModelRunner:
         if so.is_empty:
             return None
         rows = [self._rows(r, rank_so) for r, rank_so in enumerate(so.ranks)]
-        T, R = self.grid.pick(max(len(x[4]) for x in rows), max(len(x[0]) for x in rows))
+        T, R = self.grid.pick(max(len(x[4]) for x in rows), max(len(x[0]) + sum(x[6]) for x in rows))
         masks = [None] * len(rows)
         if token_bitmask is not None:  # split by rank: so.scheduled lists the ranks' rows in order
             bounds = np.cumsum([0] + [len(x[0]) for x in rows])
@@ -253,13 +256,17 @@ class ModelRunner:
             sample_rows.append(srows + r * R)
             logprob_rows += [(row + r * R, rid, k) for row, rid, k in lrows]
             prompt_rows += [(rid, lo + r * T, count, first, k) for rid, lo, count, first, k in prows]
+        drafts = {s.request_id: s.token_ids[s.num_scheduled_tokens - s.num_draft_tokens:]
+                  for s in so.scheduled if s.num_draft_tokens}
         return StepPlan((T, R), self.builder.take_slot_writes(), buffers, sample_ids, np.concatenate(sample_rows),
-                        logprob_rows, prompt_rows)
+                        logprob_rows, prompt_rows, drafts)
 
     def _rows(self, rank: int, so: SchedulerOutput):
-        """One rank's rows: (slots, starts, lens, samples, tokens, scheduled), admitting new requests."""
+        """One rank's rows: (slots, starts, lens, samples, tokens, scheduled, drafts per
+        request), admitting new requests."""
         n = len(so.scheduled)
         slots, starts, lens, samples, tokens = [0] * n, [0] * n, [0] * n, [False] * n, []
+        drafts = [s.num_draft_tokens for s in so.scheduled]
         slot_of, table, num_blocks = self.slot_of, self.block_table, self.num_blocks
         for i, s in enumerate(so.scheduled):
             if s.is_new:
@@ -272,14 +279,17 @@ class ModelRunner:
                     num_blocks[slot] = nb + len(s.new_block_ids)
             slots[i], starts[i], lens[i], samples[i] = slot, s.start_pos, s.num_scheduled_tokens, s.sample
             tokens.extend(s.token_ids)
-        return slots, starts, lens, samples, tokens, so.scheduled
+        return slots, starts, lens, samples, tokens, so.scheduled, drafts
 
     def _pack(self, rank: int, rows, T: int, R: int, token_bitmask: np.ndarray | None):
         """One rank's rows packed into a (T, R) bucket: (buffers, sample ids, sample rows,
         logprob rows, prompt-logprob rows), rows and tokens indexed within the rank. Slots are
         the rank's own (the step sees its range of the sampling state; the sentinel for "none"
-        is the range's size)."""
-        slots, starts, lens, samples, tokens, scheduled = rows
+        is the range's size).
+
+        A request samples on one row, or with k drafts on k + 1 rows (its last k + 1 tokens'
+        logits, each with its own output position); rows are requests when no request drafts."""
+        slots, starts, lens, samples, tokens, scheduled, drafts = rows
         per = self.max_num_seqs // self.dp
         offset = rank * per
         total = len(tokens)
@@ -291,17 +301,38 @@ class ModelRunner:
         tok_slots[:total] = np.repeat(slots_np, lens_np)
         valid = np.zeros(T, np.bool_)
         valid[:total] = True
-        is_prompt = valid & (inputs.positions < self.prompt_len[tok_slots])
+        out_lens = starts_np + lens_np - self.prompt_len[slots_np]
         samples_np = np.asarray(samples, np.bool_)
-        sample_rows = np.flatnonzero(samples_np)
+        if any(drafts):
+            ks = np.asarray(drafts, np.int64)
+            per_req = 1 + ks
+            first_row = np.cumsum(per_req) - per_req
+            row_req = np.repeat(np.arange(len(slots)), per_req)  # [m] the request of each row
+            back = (first_row + ks)[row_req] - np.arange(len(row_req))  # [m] drafts after the row
+            logits_indices = np.zeros(R, np.int32)
+            logits_indices[: len(row_req)] = inputs.logits_indices[row_req] - back
+            inputs = dataclasses.replace(inputs, logits_indices=logits_indices)
+            # Drafts are not folded into the sampling state (a drafting request never reads it).
+            from_end = np.repeat(starts_np + lens_np, lens_np) - inputs.positions[:total]  # 1 = a row's last
+            valid[:total] = from_end > np.repeat(ks, lens_np)
+            out_lens = out_lens[row_req] - back
+            if token_bitmask is not None:
+                token_bitmask = np.repeat(token_bitmask, per_req, axis=0)
+        else:
+            row_req = first_row = np.arange(len(slots))
+        row_slots = slots_np[row_req]
+        is_prompt = valid & (inputs.positions < self.prompt_len[tok_slots])
+        sample_rows = np.flatnonzero(samples_np[row_req])
         sample_slots = np.full(R, per, np.int32)
-        sample_slots[sample_rows] = slots_np[sample_rows] - offset
+        sample_slots[sample_rows] = row_slots[sample_rows] - offset
         nxt = np.full(T, -1, np.int32)
         logprob_rows, prompt_rows = [], []
         lo = 0
         for i, slot in enumerate(slots):
             if samples[i] and self._logprobs_k[slot] is not None:
-                logprob_rows.append((i, scheduled[i].request.request_id, self._k(self._logprobs_k[slot])))
+                rid, k = scheduled[i].request.request_id, self._k(self._logprobs_k[slot])
+                first = int(first_row[i])
+                logprob_rows += [(row, rid, k) for row in range(first, first + 1 + drafts[i])]
             if self._prompt_logprobs_k[slot] is not None:
                 pos = starts[i] + np.arange(lens[i])
                 has_next = pos + 1 < self.prompt_len[slot]
@@ -313,14 +344,14 @@ class ModelRunner:
             lo += lens[i]
         tok = TokenInfo(slots=tok_slots - offset, is_prompt=is_prompt, valid=valid, next_prompt_token=nxt,
                         sample_slots=sample_slots)
-        meta = self.builder.build(slots_np, starts_np + lens_np - self.prompt_len[slots_np], R, token_bitmask)
+        meta = self.builder.build(row_slots, out_lens, R, token_bitmask)
         if self.dp > 1:  # the rank's own slot range
-            live = np.arange(R) < len(slots)
+            live = np.arange(R) < len(row_slots)
             meta = dataclasses.replace(
                 meta, slots=np.where(live, meta.slots - offset, 0).astype(np.int32),
                 reset_slots=np.where(meta.reset_slots == self.max_num_seqs, per, meta.reset_slots - offset)
                 .astype(np.int32))
-        sample_ids = [scheduled[i].request.request_id for i in sample_rows.tolist()]
+        sample_ids = [scheduled[i].request.request_id for i in row_req[sample_rows].tolist()]
         buffers = self.layouts[(T, R)].pack((inputs, meta, tok))
         return buffers, sample_ids, sample_rows, logprob_rows, prompt_rows
 
@@ -337,13 +368,22 @@ class ModelRunner:
         """The step's sampled tokens (and log-probs) on the host; waits for the device."""
         plan, out, plp = step.plan, step.out, step.plp
         token_ids = np.asarray(out.token_ids)  # the one device->host transfer of a plain step
-        sampled = {rid: [t] for rid, t in zip(plan.sample_ids, token_ids[plan.sample_rows].tolist())}
+        if not plan.drafts:
+            sampled = {rid: [t] for rid, t in zip(plan.sample_ids, token_ids[plan.sample_rows].tolist())}
+        else:
+            sampled = {}
+            for rid, t in zip(plan.sample_ids, token_ids[plan.sample_rows].tolist()):
+                sampled.setdefault(rid, []).append(t)
+            for rid, drafts in plan.drafts.items():
+                sampled[rid] = accept_drafts(sampled[rid], drafts)
         logprobs, prompt_lps = {}, {}
         if plan.logprob_rows:
             lp, rank, ids, top = jax.device_get((out.logprobs, out.rank, out.topk_ids, out.topk_logprobs))
             for row, rid, k in plan.logprob_rows:
-                logprobs[rid] = SampleLogprobs(float(lp[row]), int(rank[row]), ids[row, :k].tolist(),
-                                               top[row, :k].tolist())
+                row_lps = logprobs.setdefault(rid, [])
+                if len(row_lps) < len(sampled[rid]):  # (with drafts: the accepted rows only)
+                    row_lps.append(SampleLogprobs(float(lp[row]), int(rank[row]), ids[row, :k].tolist(),
+                                                  top[row, :k].tolist()))
         if plan.prompt_logprob_rows:
             p_lp, p_rank, p_ids, p_top = jax.device_get((plp.logprob, plp.rank, plp.topk_ids, plp.topk_logprobs))
             for rid, lo, count, first, k in plan.prompt_logprob_rows:

@@ -185,3 +185,25 @@ def test_overlapped_steps_equal_plain_steps(small_engine_options, golden, llm):
             assert la.keys() == lb.keys()
             assert all(abs(la[t].logprob - lb[t].logprob) < 1e-5 for t in la)
     assert llm.engine.num_compiles_after_warmup == 0 and plain.engine.num_compiles_after_warmup == 0
+
+
+def test_speculative_decoding_keeps_the_golden_outputs(small_engine_options, golden, llm):
+    """n-gram speculative decoding: every golden case one at a time (all rows spare, the most
+    drafts) and all at once gives the greedy tokens without it, log-probs included, many of
+    the drafts accepted, and nothing compiles after warm-up."""
+    spec = LLM(**small_engine_options, speculative_config={"method": "ngram", "num_speculative_tokens": 4,
+                                                           "prompt_lookup_min": 2, "prompt_lookup_max": 4})
+    cases = golden["cases"]
+    for case in cases:
+        (out,) = spec.generate([case["prompt_token_ids"]], greedy(case), use_tqdm=False)
+        assert_matches_golden(case, out.outputs[0].token_ids)
+    stats = spec.engine.scheduler.make_stats()
+    assert stats.spec_num_accepted_tokens > 0.2 * stats.spec_num_draft_tokens > 0
+    params = [greedy(c).clone(logprobs=2) for c in cases]
+    prompts = [c["prompt_token_ids"] for c in cases]
+    for a, b in zip(spec.generate(prompts, params, use_tqdm=False), llm.generate(prompts, params, use_tqdm=False)):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert la.keys() == lb.keys()
+            assert all(abs(la[t].logprob - lb[t].logprob) < 1e-4 for t in la)
+    assert spec.engine.num_compiles_after_warmup == 0
