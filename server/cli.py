@@ -109,6 +109,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--generation-config", default=None,
                    help="'auto' (the model's generation_config.json: default sampling settings and EOS ids), "
                         "'vllm' (ignore its sampling defaults) or a folder holding a generation_config.json")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, as vLLM: e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (n-gram prompt lookup; default: off)')
     g.add_argument("--data-parallel-size", type=int, default=None,
                    help="data-parallel ranks (the mesh's data axis): each its own scheduler, requests and KV pages")
     h = p.add_argument_group("several hosts (every host runs the same command, each with its --process-id)")
@@ -145,7 +148,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
               "sharding_rules": "sharding_rules",
               "enable_prefix_caching": "enable_prefix_caching", "enable_chunked_prefill": "enable_chunked_prefill",
               "gpu_memory_utilization": "device_memory_utilization", "kv_cache_dtype": "kv_cache_dtype",
-              "scheduling_policy": "policy"}
+              "scheduling_policy": "policy", "speculative_config": "speculative_config"}
     for arg, key in simple.items():
         v = getattr(args, arg, None)
         if v is not None:

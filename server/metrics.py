@@ -58,6 +58,12 @@ class _EngineCollector(Collector):
         yield counter("prefix_cache_queries", "Prefix-cache queries, in tokens.", s.prefix_cache_queries)
         yield counter("prefix_cache_hits", "Prefix-cache hits, in tokens.", s.prefix_cache_hits)
         yield counter("num_preemptions", "Cumulative number of preemptions.", s.num_preemptions)
+        yield counter("spec_decode_num_drafts", "Speculative decoding: request steps that fed drafts.",
+                      s.spec_num_drafts)
+        yield counter("spec_decode_num_draft_tokens", "Speculative decoding: draft tokens fed.",
+                      s.spec_num_draft_tokens)
+        yield counter("spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted.",
+                      s.spec_num_accepted_tokens)
         yield counter("compile_seconds", "Seconds spent compiling step executables.", stats.compile_seconds)
         yield counter("recompiles", "Compilations after warm-up (should stay 0).", float(stats.recompiles))
         yield counter("compiles", "Step executables compiled, warm-up included.", float(stats.num_compiles))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from jaxserve.config import EngineConfig
 from jaxserve.server.cli import build_parser, chat_template_arg, engine_options, main, serve_model, uvicorn_options
 
 
@@ -89,6 +90,18 @@ def test_auto_tool_choice_needs_a_parser(capsys):
     assert args.tool_call_parser == "hermes" and not args.disable_log_requests
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--tool-call-parser", "nope"])
+
+
+def test_speculative_config_flag(capsys):
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}'
+    opts = engine_options(build_parser().parse_args(["serve", "--speculative-config", spec]))
+    assert opts["speculative_config"] == spec
+    config = EngineConfig.from_kwargs(**opts).speculative_config
+    assert (config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max) == (3, 4, 4)
+    assert main(["serve", "--speculative-config", '{"method": "eagle", "num_speculative_tokens": 3}']) == 2
+    assert "'ngram'" in capsys.readouterr().err
+    assert main(["serve", "--speculative-config", "{oops"]) == 2
+    assert "not valid JSON" in capsys.readouterr().err
 
 
 def test_generate_on_the_haswell_kernel_build(tmp_path, compile_cache_dir):
