@@ -1,0 +1,179 @@
+"""Speculative decoding (n-gram prompt lookup) against plain decoding, same prompts, same run.
+
+Two engines of the same settings, one with `--speculative-config`, run alternately (plain,
+speculative, plain, ...; `--repeats` each) on each workload and concurrency, as a closed loop
+(at most c requests in flight, see offline_throughput.py). Reported per (workload, c): output
+tok/s of each (median of the repeats) and their ratio, the acceptance rate (accepted / drafted
+tokens), the mean accepted length (tokens a request gains per step that fed drafts: accepted
+drafts + 1), and whether the greedy outputs are identical (they must be).
+
+Workloads:
+  repeat  chat prompts that ask to repeat, copy-edit or lightly rewrite a passage (the
+          answer repeats much of the prompt: where prompt lookup helps), greedy, up to
+          `--output-len` tokens, stopping at EOS (the same tokens with and without drafts);
+  peers   the peer workload (32 random-token prompts of 96-160 tokens, 128 new tokens each,
+          EOS ignored). Nothing in a random prompt is worth looking up, but greedy decoding
+          of such prompts soon repeats itself, and then its own output is.
+
+Drafts take only the sampling rows no request needs (`max_num_seqs` rows a step): at c equal
+to max_num_seqs nothing drafts, and the run shows the cost of speculation's non-overlapped
+steps alone.
+
+    .venv/bin/python benchmarks/spec_decode_benchmark.py [--workload repeat peers] [--concurrency 1 8]
+        [--dtype bfloat16] [--speculative-config '{"method": "ngram", "num_speculative_tokens": 4}']
+
+One JSON line per (workload, dtype, c) to benchmarks/results/spec_decode.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import statistics
+import sys
+import time
+
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from offline_throughput import environment, make_prompts, run_closed_loop  # noqa: E402
+
+RESULTS = HERE / "results" / "spec_decode.jsonl"
+DEFAULT_SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}'
+
+PASSAGES = [
+    "The harbour town woke slowly. Fishing boats came in with the tide, gulls argued over the nets, and the baker "
+    "on the corner opened his shutters at six, as he had every morning for thirty years. By eight the market "
+    "square was full of crates of oranges, bolts of cloth and the voices of traders calling out their prices.",
+    "To install the package, first create a virtual environment and activate it. Then run the install command "
+    "with the version you need, and check that the command-line tool starts by asking it for its version. If "
+    "the tool cannot be found, make sure the environment's bin folder is on your PATH and open a new shell.",
+    "Maria planted tomatoes, beans and basil in the spring. She watered them every evening, pulled the weeds on "
+    "Saturdays and tied the tomato plants to bamboo canes when they grew tall. In August the garden gave her "
+    "more tomatoes than she could eat, so she gave baskets of them to her neighbours and made jars of sauce.",
+    "The meeting will start at ten o'clock in the large conference room on the third floor. Please bring the "
+    "quarterly report, your notes from the last review and any questions about the new budget. Coffee will be "
+    "served at half past nine, and the meeting should end before noon so that everyone can make it to lunch.",
+    "A good cup of tea needs fresh water, a warm pot and patience. Boil the water, pour a little into the pot "
+    "to warm it, then empty it and add one spoon of leaves for each cup. Pour the water over the leaves, wait "
+    "four minutes, and serve it with milk or lemon, as your guests prefer.",
+    "The old library kept its rarest books in a locked room at the end of the east corridor. Visitors could "
+    "read them only at the long oak table under the window, wearing cotton gloves, with a librarian nearby. "
+    "Nobody was allowed to take a pen into the room; pencils were given out at the door and collected again.",
+    "Every Friday the team writes a short summary of the week: what was finished, what is still in progress, "
+    "and what is blocked. The summary goes to the whole department, so it should be clear to readers who do "
+    "not know the details of the project, and it should never be longer than one page.",
+    "The train left the station at exactly seven minutes past nine. It crossed the river, passed the old mill "
+    "and the wheat fields, and climbed slowly into the hills, where the morning fog still lay in the valleys. "
+    "Most of the passengers were asleep; a few read newspapers, and one small boy counted the tunnels aloud.",
+]
+TASKS = [
+    "Repeat the following passage exactly, word for word:\n\n{p}",
+    "Copy this text and correct any spelling mistakes in it:\n\n{p}",
+    "Rewrite this paragraph in the past tense where it is not already, keeping everything else the same:\n\n{p}",
+    "Here is a paragraph:\n\n{p}\n\nWrite it out again, but replace every comma with a semicolon.",
+]
+
+
+def repeat_prompts(tokenizer, n: int) -> list[list[int]]:
+    out = []
+    for i in range(n):
+        text = TASKS[i % len(TASKS)].format(p=PASSAGES[i % len(PASSAGES)])
+        out.append(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                 tokenize=True, return_dict=False))
+    return [list(p) for p in out]
+
+
+def spec_counters(engine) -> tuple[int, int, int]:
+    s = engine.scheduler.make_stats()
+    return s.spec_num_drafts, s.spec_num_draft_tokens, s.spec_num_accepted_tokens
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workload", nargs="+", default=["repeat", "peers"], choices=["repeat", "peers"])
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--dtype", nargs="+", default=["bfloat16"], choices=["float32", "bfloat16"])
+    p.add_argument("--num-prompts", type=int, default=None, help="default: 8 (repeat), 32 (peers)")
+    p.add_argument("--output-len", type=int, default=None, help="default: 256 (repeat), 128 (peers)")
+    p.add_argument("--repeats", type=int, default=3, help="alternating runs of each engine (median)")
+    p.add_argument("--speculative-config", default=DEFAULT_SPEC)
+    p.add_argument("--model", default=None)
+    p.add_argument("--max-num-seqs", type=int, default=None, help="default: the engine's")
+    p.add_argument("--compilation-cache-dir", default=None)
+    p.add_argument("--results", default=str(RESULTS), help="JSONL file to append to ('' = none)")
+    args = p.parse_args(argv)
+
+    from jaxserve.entrypoints.llm import LLM
+    from jaxserve.models.loader import load_tokenizer, resolve_model
+    from jaxserve.sampling_params import SamplingParams
+
+    tokenizer = load_tokenizer(resolve_model(args.model))
+    env = environment()
+    spec = json.loads(args.speculative_config)
+    options = {"enable_prefix_caching": False, "show_progress": False}
+    for key in ("max_num_seqs", "compilation_cache_dir"):
+        if getattr(args, key) is not None:
+            options[key] = getattr(args, key)
+    rows = []
+    for dtype in args.dtype:
+        engines = {"plain": LLM(args.model, dtype=dtype, **options).engine,
+                   "spec": LLM(args.model, dtype=dtype, speculative_config=spec, **options).engine}
+        for workload in args.workload:
+            if workload == "repeat":
+                prompts = repeat_prompts(tokenizer, args.num_prompts or 8)
+                params = SamplingParams(temperature=0.0, max_tokens=args.output_len or 256)
+            else:
+                prompts = make_prompts(tokenizer, args.num_prompts or 32, 96, 160, 0)
+                params = SamplingParams(temperature=0.0, max_tokens=args.output_len or 128, ignore_eos=True)
+            for name, engine in engines.items():  # warm-up
+                run_closed_loop(engine, prompts[:1], 1, params.clone(max_tokens=4), f"warmup-{name}")
+            for c in args.concurrency:
+                figs: dict[str, list[dict]] = {"plain": [], "spec": []}
+                load0 = os.getloadavg()
+                before = spec_counters(engines["spec"])
+                for r in range(args.repeats):
+                    for name, engine in engines.items():
+                        figs[name].append(run_closed_loop(engine, prompts, c, params, f"{workload}-{name}-{c}-{r}"))
+                drafts, draft_tokens, accepted = (a - b for a, b in zip(spec_counters(engines["spec"]), before))
+                tok_s = {name: statistics.median(f["output_tok_s"] for f in fs) for name, fs in figs.items()}
+                same = all(a["output_ids"] == b["output_ids"] for a, b in zip(figs["plain"], figs["spec"]))
+                row = {
+                    "benchmark": "spec_decode", "workload": workload, "dtype": dtype, "concurrency": c,
+                    "speculative_config": spec, "options": options, "num_prompts": len(prompts),
+                    "output_tokens": figs["plain"][0]["output_tokens"],
+                    "plain_output_tok_s": tok_s["plain"], "spec_output_tok_s": tok_s["spec"],
+                    "ratio": tok_s["spec"] / tok_s["plain"],
+                    "plain_runs": [f["output_tok_s"] for f in figs["plain"]],
+                    "spec_runs": [f["output_tok_s"] for f in figs["spec"]],
+                    "acceptance_rate": accepted / draft_tokens if draft_tokens else 0.0,
+                    "mean_accepted_length": 1 + accepted / drafts if drafts else 1.0,
+                    "drafting_steps": drafts, "draft_tokens": draft_tokens, "accepted_tokens": accepted,
+                    "identical_outputs": same, "load_avg_before": load0, "load_avg_after": os.getloadavg(),
+                    **env, "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                }
+                rows.append(row)
+                print(f"[{dtype} {workload} c={c}] plain {tok_s['plain']:.1f} tok/s, speculative "
+                      f"{tok_s['spec']:.1f} tok/s ({row['ratio']:.2f}x), acceptance {row['acceptance_rate']:.2f}, "
+                      f"mean accepted length {row['mean_accepted_length']:.2f}, identical {same}", flush=True)
+        del engines
+    if args.results:
+        os.makedirs(os.path.dirname(os.path.abspath(args.results)), exist_ok=True)
+        with open(args.results, "a") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+    print(f"\n{env['host']['cpu']}, {env['device']}, git {str(env['git_sha'])[:10]}, spec {args.speculative_config}")
+    print(f"{'dtype':9} {'workload':8} {'c':>3} {'plain tok/s':>11} {'spec tok/s':>10} {'ratio':>6} "
+          f"{'accept':>6} {'mean len':>8} {'same':>5}")
+    for r in rows:
+        print(f"{r['dtype']:9} {r['workload']:8} {r['concurrency']:>3} {r['plain_output_tok_s']:>11.1f} "
+              f"{r['spec_output_tok_s']:>10.1f} {r['ratio']:>5.2f}x {r['acceptance_rate']:>6.2f} "
+              f"{r['mean_accepted_length']:>8.2f} {str(r['identical_outputs']):>5}")
+
+
+if __name__ == "__main__":
+    t0 = time.perf_counter()
+    main()
+    print(f"({time.perf_counter() - t0:.0f} s)")
