@@ -28,7 +28,9 @@ seed and position only); the grammar state is the StructuredOutputManager's.
 
 Speculative decoding (`proposer`): after each step the proposer drafts the next tokens of every
 request that may draft (jaxserve/spec_decode/), from its tokens so far; the scheduler feeds
-them in the next step. Drafts need the last token on the host, so steps do not overlap.
+them in the next step. Drafts need the last token on the host, so while a request that may
+draft runs and the step has spare sampling rows (drafts take no others), steps do not overlap
+(as with structured output); at full occupancy nothing could draft, and steps overlap again.
 """
 
 from __future__ import annotations
@@ -103,7 +105,7 @@ class EngineCore:
         self.scheduler = scheduler
         self.runner = runner
         self.proposer = proposer
-        self.async_scheduling = async_scheduling and proposer is None
+        self.async_scheduling = async_scheduling
         self._may_draft: set[str] = set()  # requests the proposer drafts for
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
         self.times = HostTimes()
@@ -138,8 +140,9 @@ class EngineCore:
         t = self.times
         cpu = time.thread_time  # host work: the engine thread's CPU time, not the machine's load
         constrained = self.structured.active
-        if constrained and self._in_flight is not None:
-            # The next bitmask needs the tokens of the step in flight: collect it first.
+        plain = not (constrained or self._may_draft_now())  # the next step needs no token on the host
+        if not plain and self._in_flight is not None:
+            # The next bitmask or drafts need the tokens of the step in flight: collect it first.
             done, self._in_flight = self._in_flight, None
             return self._collect(done, [])
         c0 = cpu()
@@ -161,11 +164,16 @@ class EngineCore:
         t.grammar += cg - c1
         t.prepare += c2 - cg
         t.launch += c3 - c2
-        if self.async_scheduling and not constrained:
+        if self.async_scheduling and plain:
             done, self._in_flight = self._in_flight, (so, launched) if launched is not None else None
         else:
             done = (so, launched) if launched is not None else None
         return self._collect(done, failed)
+
+    def _may_draft_now(self) -> bool:
+        """Whether a step now could feed drafts: a request that may draft runs and the step has
+        spare sampling rows (fewer requests than max_num_seqs). Otherwise steps may overlap."""
+        return bool(self._may_draft) and len(self.scheduler.requests) < self.scheduler.config.max_num_seqs
 
     def _collect(self, done: tuple[SchedulerOutput, LaunchedStep] | None,
                  failed: list[EngineCoreOutput]) -> list[EngineCoreOutput]:

@@ -155,8 +155,8 @@ def build_engine(config: EngineConfig) -> EngineParts:
     logger.info("engine ready: %s, %s, %d KV pages of %d%s, %d buckets compiled in %.1fs (load %.1fs)%s",
                 info.name, plan.dtype, num_pages, cc.page_size, f" ({D} data-parallel ranks)" if D > 1 else "",
                 runner.num_buckets, runner.compile_seconds, load_seconds,
-                ", overlapped steps" if core.async_scheduling else
-                f", n-gram speculation ({spec.num_speculative_tokens} tokens)" if spec is not None else "")
+                (", overlapped steps" if core.async_scheduling else "") +
+                (f", n-gram speculation ({spec.num_speculative_tokens} tokens)" if spec is not None else ""))
     return EngineParts(tokenizer, info, core, model_path, arch, backend, plan, load_seconds, topo, link)
 
 

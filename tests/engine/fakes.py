@@ -146,7 +146,7 @@ class FakeRunner:
                 self.last[rid] = tok
                 sampled[rid] = [tok]
                 if k is not None:
-                    logprobs[rid] = SampleLogprobs(-0.5, 1, [tok, 1][:k], [-0.5, -1.5][:k])
+                    logprobs[rid] = [SampleLogprobs(-0.5, 1, [tok, 1][:k], [-0.5, -1.5][:k])]
         return RunnerOutput(sampled, logprobs, {})
 
     def sleep(self) -> None:

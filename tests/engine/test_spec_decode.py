@@ -192,6 +192,27 @@ def test_the_sampled_distribution_is_unchanged(spec_llm, plain_llm):
         assert p > 1e-3, (pos, p, table)
 
 
+def test_steps_overlap_when_no_row_is_spare(spec_llm, plain_llm):
+    """With every sampling row taken nothing can draft, and the steps overlap again (the core
+    collects a step in flight first whenever drafts become possible); the tokens do not change."""
+    core = spec_llm.engine.core
+    assert core.async_scheduling
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = [[5 + i, 6 + i, 7 + i, 5 + i, 6 + i] for i in range(12)]  # 12 requests, 8 rows
+    overlapped = 0
+    engine = spec_llm.engine
+    for i, p in enumerate(prompts):
+        engine.add_request(f"o{i}", p, greedy)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+        overlapped += core._in_flight is not None
+    assert overlapped > 5
+    assert [done[f"o{i}"] for i in range(len(prompts))] == tokens(plain_llm, prompts, greedy)
+
+
 def test_with_data_parallelism(model_dir, plain_llm, compile_cache_dir):
     """Two data-parallel ranks (simulated devices), each drafting within its own rows."""
     llm = LLM(model_dir, data_parallel_size=2, max_num_seqs=16, max_num_batched_tokens=64, token_buckets=(32,),
