@@ -45,6 +45,7 @@ from jaxserve.sampling.config import SamplerConfig
 from jaxserve.sampling.metadata import SamplingMetadataBuilder
 from jaxserve.sampling.sampler import SamplerOutput
 from jaxserve.sampling.state import SlotRowsWrite, init_sampling_state, write_slot_rows
+from jaxserve.startup_timer import NULL_TIMER, StartupTimer
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +97,7 @@ class ModelRunner:
         seed: int = 0,
         show_progress: bool = True,
         rules=None,
+        timer: StartupTimer = NULL_TIMER,
     ):
         self.mesh = mesh
         self.rules = rules  # the sharding rules of the KV cache (None: the default "tp")
@@ -120,9 +122,11 @@ class ModelRunner:
         del state
         self.layer_impl = backend.layer_impl(model)
         self.step_function = StepFunction(self.graphdef, self._params_treedef, self.layer_impl, sampler_config)
-        backend.place_weights(model, self.params, self._params_treedef)
+        with timer.phase("weight arena"):
+            backend.place_weights(model, self.params, self._params_treedef)
         self.replicated = NamedSharding(mesh, P())
-        self._allocate_state()
+        with timer.phase("kv cache"):
+            self._allocate_state()
         self.builder = SamplingMetadataBuilder(sampler_config, seed=seed)
         self._reset_slots()
         self._host_params: list[np.ndarray] | None = None  # the weights while asleep
@@ -130,7 +134,7 @@ class ModelRunner:
         self._compiled: dict[tuple[int, int], jax.stages.Compiled] = {}
         self.layouts: dict[tuple[int, int], BufferLayout] = {}
         t0 = time.perf_counter()
-        with self.counter.active():
+        with self.counter.active(), timer.phase("executables"):
             self._compile_all(show_progress)
         self.compile_seconds = time.perf_counter() - t0
         self.counter.mark_warm()
