@@ -31,7 +31,7 @@ from jaxserve.models.weights import create_model
 from jaxserve.parallel import multihost
 from jaxserve.parallel.mesh import bytes_per_device, make_mesh, replicated_axes
 from jaxserve.runner.buckets import BucketGrid
-from jaxserve.runner.compile import enable_persistent_cache
+from jaxserve.runner.compile import enable_persistent_cache, executable_cache
 from jaxserve.runner.kv_cache import num_pages_for_budget
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.sampling.config import SamplerConfig
@@ -134,7 +134,9 @@ def build_engine(config: EngineConfig, timer: StartupTimer | None = None) -> Eng
         model, backend=backend, mesh=mesh, num_pages=num_pages, page_size=cc.page_size,
         max_model_len=max_model_len, max_num_seqs=sc.max_num_seqs, grid=grid, sampler_config=sampler_config,
         kv_dtype=kv_dtype, seed=mc.seed, show_progress=config.compile.show_progress, rules=rules, timer=timer,
+        executable_cache=executable_cache(config.compile),
     )
+    timer.note("executables", f"{runner.executables_loaded} loaded, {runner.executables_compiled} compiled")
     if mesh.size > 1:
         _log_placement(model, runner, mesh, rules)
     if topo is not None:
@@ -162,9 +164,10 @@ def build_engine(config: EngineConfig, timer: StartupTimer | None = None) -> Eng
     with timer.phase("gc"):
         gc.collect()
         gc.freeze()
-    logger.info("engine ready: %s, %s, %d KV pages of %d%s, %d buckets compiled in %.1fs (load %.1fs)%s",
-                info.name, plan.dtype, num_pages, cc.page_size, f" ({D} data-parallel ranks)" if D > 1 else "",
-                runner.num_buckets, runner.compile_seconds, load_seconds,
+    logger.info("engine ready: %s, %s, %d KV pages of %d%s, %d buckets in %.1fs (%d executables loaded, %d "
+                "compiled; load %.1fs)%s", info.name, plan.dtype, num_pages, cc.page_size,
+                f" ({D} data-parallel ranks)" if D > 1 else "", runner.num_buckets, runner.compile_seconds,
+                runner.executables_loaded, runner.executables_compiled, load_seconds,
                 ", overlapped steps" if sc.async_scheduling else "")
     if own_timer:  # else the caller logs it when it is ready (the server: once it listens)
         logger.info("%s", timer.summary())

@@ -23,6 +23,7 @@ needs only the launched step.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 
@@ -37,6 +38,7 @@ from jaxserve.outputs import SampleLogprobs
 from jaxserve.request import RequestFailedError
 from jaxserve.runner.buckets import BucketGrid
 from jaxserve.runner.compile import CompileCounter
+from jaxserve.runner.executable_cache import ExecutableCache, ExecutableScope, canonical, executable_scope, signature
 from jaxserve.runner.kv_cache import allocate_kv_cache
 from jaxserve.runner.step_buffers import BufferLayout
 from jaxserve.runner.step_fn import PromptLogprobs, StepFunction, step_layout
@@ -98,6 +100,7 @@ class ModelRunner:
         show_progress: bool = True,
         rules=None,
         timer: StartupTimer = NULL_TIMER,
+        executable_cache: ExecutableCache | None = None,
     ):
         self.mesh = mesh
         self.rules = rules  # the sharding rules of the KV cache (None: the default "tp")
@@ -131,6 +134,7 @@ class ModelRunner:
         self._reset_slots()
         self._host_params: list[np.ndarray] | None = None  # the weights while asleep
         self.counter = CompileCounter()
+        self.executable_cache = executable_cache
         self._compiled: dict[tuple[int, int], jax.stages.Compiled] = {}
         self.layouts: dict[tuple[int, int], BufferLayout] = {}
         t0 = time.perf_counter()
@@ -177,16 +181,34 @@ class ModelRunner:
         # results are replicated, so that every process can read them locally.
         keep = (jax.tree.map(lambda x: x.sharding, self.kv), jax.tree.map(lambda x: x.sharding, self.sstate))
         rep = self.replicated
+        scope = self._executable_scope(params, kv, sstate)
         for T, R in tqdm(shapes, desc="compiling buckets", disable=not show_progress, unit="bucket"):
             layout = self.layouts[(T, R)] = self.step_layout(T, R)
             if self.dp > 1:
-                lowered = self.step_function.lower_data_parallel(layout, self.mesh, params, kv, sstate, rep)
+                lower = functools.partial(self.step_function.lower_data_parallel, layout, self.mesh, params, kv,
+                                          sstate, rep)
+                buffers = [jax.ShapeDtypeStruct((self.dp, n), dt, sharding=rep)
+                           for n, dt in zip(layout.sizes, layout.dtypes)]
             else:
-                lowered = self.step_function.lower(layout, params, kv, sstate, rep)
-            self._compiled[(T, R)] = lowered.compile()
+                lower = functools.partial(self.step_function.lower, layout, params, kv, sstate, rep)
+                buffers = layout.abstract(rep)
+            self._compiled[(T, R)] = scope.get(f"step-{T}x{R}", (params, kv, sstate, *buffers),
+                                               lambda: lower().compile())
         rows = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep), self.empty_slot_write())
-        self._write_rows = jax.jit(write_slot_rows, donate_argnums=(0,), out_shardings=keep[1]).lower(
-            sstate, rows).compile()
+        self._write_rows = scope.get("write-slot-rows", (sstate, rows), lambda: jax.jit(
+            write_slot_rows, donate_argnums=(0,), out_shardings=keep[1]).lower(sstate, rows).compile())
+        self.executables_loaded, self.executables_compiled = scope.loaded, scope.compiled
+
+    def _executable_scope(self, params, kv, sstate) -> ExecutableScope:
+        """The keys of this runner's executables in the executable cache: everything the steps
+        are a function of besides the environment (see runner/executable_cache.py)."""
+        layer = self.layer_impl and f"{self.layer_impl.__module__}.{self.layer_impl.__qualname__}"
+        return executable_scope(
+            self.executable_cache, self.mesh.devices.flat, graphdef=canonical(self.graphdef),
+            params=signature(params), params_treedef=str(self._params_treedef), kv=signature(kv),
+            sstate=signature(sstate), layer_impl=str(layer), sampler=canonical(self.sampler_config),
+            mesh=repr(self.mesh), pages=f"{self.page_size} {self.pages_per_req} {self.num_pages} {self.dp}",
+            replicated=repr(self.replicated))
 
     def empty_slot_write(self) -> SlotRowsWrite:
         c = self.sampler_config
