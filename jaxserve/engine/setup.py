@@ -7,6 +7,7 @@ cache, the scheduler and the compiled runner.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import gc
 import logging
@@ -90,8 +91,12 @@ def build_engine(config: EngineConfig, timer: StartupTimer | None = None) -> Eng
         enable_persistent_cache(config.compile.cache_dir())
     with timer.phase("model files"):
         model_path = resolve_model(mc.model, cache_dir=mc.model_cache_dir)
-    with timer.phase("tokenizer"):
-        tokenizer = Tokenizer.from_pretrained(model_path)
+    # The tokenizer (transformers' import and its files: ~1 s) loads on a thread of its own while
+    # this one reads and lays out the weights and loads the steps (numpy, XLA, deserialization:
+    # most of it without the GIL).
+    tokenizer_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxserve-tokenizer")
+    tokenizer_future = tokenizer_pool.submit(Tokenizer.from_pretrained, model_path)
+    tokenizer_pool.shutdown(wait=False)
     with timer.phase("checkpoint"):
         ckpt = load_checkpoint(model_path)
         arch = ArchConfig.from_hf(ckpt.config)
@@ -148,6 +153,8 @@ def build_engine(config: EngineConfig, timer: StartupTimer | None = None) -> Eng
             runner = multihost.LeaderRunner(runner, link)
     scheduler = DataParallelScheduler(sc, kv_managers) if D > 1 else Scheduler(sc, kv_managers[0])
     core = EngineCore(scheduler, runner, async_scheduling=sc.async_scheduling)
+    with timer.phase("tokenizer"):  # what is left of it
+        tokenizer = tokenizer_future.result()
     eos = tokenizer.eos_token_id
     if eos is None and gen.eos_token_ids:
         eos = gen.eos_token_ids[0]
