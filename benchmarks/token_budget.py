@@ -92,7 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--serve-args", default="", help="extra arguments for jaxserve serve")
+    p.add_argument("--serve-args", default="--no-enable-prefix-caching",
+                   help="extra arguments for jaxserve serve (default: prefix caching off, as every round sends the "
+                        "same prompts again)")
     p.add_argument("--compilation-cache-dir", default=None,
                    help="shared by the servers (default: a temporary directory: the first start of each budget "
                         "is then a cold start)")
