@@ -1,4 +1,4 @@
-"""Where start-up time goes: the wall time of each phase, logged once when the engine is ready.
+"""Where start-up time goes: the wall time of each phase, logged once when serving begins.
 
 `jaxserve serve` logs one line such as
 
@@ -12,11 +12,8 @@ the phases inside it is not counted twice); unnamed gaps count as "other".
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import time
-
-logger = logging.getLogger(__name__)
 
 
 def process_age() -> float | None:
@@ -46,7 +43,7 @@ class StartupTimer:
         self.before = age if age is not None else 0.0
 
     @contextlib.contextmanager
-    def phase(self, name: str, note: str | None = None):
+    def phase(self, name: str):
         frame = [time.perf_counter(), 0.0]
         self._stack.append(frame)
         try:
@@ -57,8 +54,6 @@ class StartupTimer:
             self.phases[name] = self.phases.get(name, 0.0) + total - frame[1]
             if self._stack:
                 self._stack[-1][1] += total
-            if note is not None:
-                self.notes[name] = note
 
     def add(self, name: str, seconds: float) -> None:
         """Count `seconds` to phase `name` (time measured outside a `with phase`)."""
@@ -85,22 +80,3 @@ class StartupTimer:
                          for name, t in parts)
         since = "since launch" if self.before else "since the engine build began"
         return f"start-up {total:.1f} s {since}: {body}"
-
-    def as_dict(self) -> dict[str, float]:
-        out = {"imports": self.before} if self.before else {}
-        out.update(self.phases)
-        return out
-
-
-class _NullTimer(StartupTimer):
-    """A timer that records nothing (a runner built outside `build_engine`)."""
-
-    def __init__(self) -> None:
-        self.phases, self.notes, self._stack, self.created, self.before = {}, {}, [], 0.0, 0.0
-
-    @contextlib.contextmanager
-    def phase(self, name: str, note: str | None = None):
-        yield self
-
-
-NULL_TIMER = _NullTimer()

@@ -47,7 +47,7 @@ from jaxserve.sampling.config import SamplerConfig
 from jaxserve.sampling.metadata import SamplingMetadataBuilder
 from jaxserve.sampling.sampler import SamplerOutput
 from jaxserve.sampling.state import SlotRowsWrite, init_sampling_state, write_slot_rows
-from jaxserve.startup_timer import NULL_TIMER, StartupTimer
+from jaxserve.startup_timer import StartupTimer
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ class ModelRunner:
         seed: int = 0,
         show_progress: bool = True,
         rules=None,
-        timer: StartupTimer = NULL_TIMER,
+        timer: StartupTimer | None = None,
         executable_cache: ExecutableCache | None = None,
     ):
         self.mesh = mesh
@@ -118,6 +118,7 @@ class ModelRunner:
         self.sampler_config = sampler_config
         self.max_num_seqs = max_num_seqs
         self.backend = backend
+        timer = timer or StartupTimer()  # the phases of this runner's start (build_engine logs them)
         self.graphdef, state = nnx.split(model)
         # The weights travel to the step as a flat list of arrays: flattening the nnx State (one
         # Variable per weight) on every call costs milliseconds of host time per step.
