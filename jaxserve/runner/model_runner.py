@@ -39,9 +39,9 @@ from jaxserve.request import RequestFailedError
 from jaxserve.runner.buckets import BucketGrid
 from jaxserve.runner.compile import CompileCounter
 from jaxserve.runner.executable_cache import ExecutableCache, ExecutableScope, canonical, executable_scope, signature
-from jaxserve.runner.kv_cache import allocate_kv_cache
+from jaxserve.runner.kv_cache import abstract_kv_cache, allocate_kv_cache, zeros_compiler
 from jaxserve.runner.step_buffers import BufferLayout
-from jaxserve.runner.step_fn import PromptLogprobs, StepFunction, step_layout
+from jaxserve.runner.step_fn import PromptLogprobs, StepFunction, abstract_sampling_state, step_layout
 from jaxserve.runner.step_inputs import TokenInfo, pack_rows
 from jaxserve.sampling.config import SamplerConfig
 from jaxserve.sampling.metadata import SamplingMetadataBuilder
@@ -129,13 +129,16 @@ class ModelRunner:
         with timer.phase("weight arena"):
             backend.place_weights(model, self.params, self._params_treedef)
         self.replicated = NamedSharding(mesh, P())
-        with timer.phase("kv cache"):
+        # Slots split over "data" like the pages (one range per rank); replicated without it.
+        self.state_sharding = NamedSharding(mesh, P("data") if self.dp > 1 else P())
+        self.counter = CompileCounter()
+        self.executable_cache = executable_cache
+        with self.counter.active(), timer.phase("kv cache"):
+            self._scope = self._executable_scope()
             self._allocate_state()
         self.builder = SamplingMetadataBuilder(sampler_config, seed=seed)
         self._reset_slots()
         self._host_params: list[np.ndarray] | None = None  # the weights while asleep
-        self.counter = CompileCounter()
-        self.executable_cache = executable_cache
         self._compiled: dict[tuple[int, int], jax.stages.Compiled] = {}
         self.layouts: dict[tuple[int, int], BufferLayout] = {}
         t0 = time.perf_counter()
@@ -145,13 +148,21 @@ class ModelRunner:
         self.counter.mark_warm()
 
     def _allocate_state(self) -> None:
-        """The KV cache and the sampling state (device), zeroed."""
-        self.kv = allocate_kv_cache(self.cfg, self.num_pages, self.page_size, self.kv_dtype, self.mesh, self.rules)
+        """The KV cache and the sampling state (device), zeroed, by two small executables of the
+        executable cache (as eager ops, some ten compilations: ~0.3 s of a start)."""
+        one = self._abstract_kv().k[0]
+        zeros = self._scope.get("kv-zeros", (), zeros_compiler(one))
+        self.kv = allocate_kv_cache(self.cfg, self.num_pages, self.page_size, self.kv_dtype, self.mesh, self.rules,
+                                    zeros=zeros)
         # The thread advising huge pages under the host buffers (CPU), if any.
         self.huge_pages = self.backend.place_kv_cache([*self.params, *self.kv.k, *self.kv.v])
-        # Slots split over "data" like the pages (one range per rank); replicated without it.
-        self.state_sharding = NamedSharding(self.mesh, P("data") if self.dp > 1 else P())
-        self.sstate = jax.device_put(init_sampling_state(self.sampler_config), self.state_sharding)
+        init = self._scope.get("sampling-state", (), lambda: jax.jit(
+            functools.partial(init_sampling_state, self.sampler_config), out_shardings=self.state_sharding
+        ).lower().compile())
+        self.sstate = init()
+
+    def _abstract_kv(self):
+        return abstract_kv_cache(self.cfg, self.num_pages, self.page_size, self.kv_dtype, self.mesh, self.rules)
 
     def _reset_slots(self) -> None:
         """Per-slot host state: which request holds each sampling slot, and its block table."""
@@ -182,7 +193,7 @@ class ModelRunner:
         # results are replicated, so that every process can read them locally.
         keep = (jax.tree.map(lambda x: x.sharding, self.kv), jax.tree.map(lambda x: x.sharding, self.sstate))
         rep = self.replicated
-        scope = self._executable_scope(params, kv, sstate)
+        scope = self._scope
         for T, R in tqdm(shapes, desc="compiling buckets", disable=not show_progress, unit="bucket"):
             layout = self.layouts[(T, R)] = self.step_layout(T, R)
             if self.dp > 1:
@@ -200,9 +211,11 @@ class ModelRunner:
             write_slot_rows, donate_argnums=(0,), out_shardings=keep[1]).lower(sstate, rows).compile())
         self.executables_loaded, self.executables_compiled = scope.loaded, scope.compiled
 
-    def _executable_scope(self, params, kv, sstate) -> ExecutableScope:
+    def _executable_scope(self) -> ExecutableScope:
         """The keys of this runner's executables in the executable cache: everything the steps
         are a function of besides the environment (see runner/executable_cache.py)."""
+        params = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in self.params]
+        kv, sstate = self._abstract_kv(), abstract_sampling_state(self.sampler_config, self.state_sharding)
         layer = self.layer_impl and f"{self.layer_impl.__module__}.{self.layer_impl.__qualname__}"
         return executable_scope(
             self.executable_cache, self.mesh.devices.flat, graphdef=canonical(self.graphdef),
