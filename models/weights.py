@@ -73,7 +73,7 @@ def create_model(
                    quantization=quantization, rules=rules)
 
     graphdef, abs_state, shardings = abstract_model(cfg, dtype=dtype, mesh=mesh, attention_impl=attention_impl,
-                                                    seed=seed, quantization=quantization, rules=rules)
+                                                    quantization=quantization, rules=rules)
 
     if get_tensor is None:
         # Random weights (tests, benchmarks): initialise under jit straight into the shardings.
@@ -149,18 +149,22 @@ def abstract_model(
     dtype=jnp.float32,
     mesh: Mesh | None = None,
     attention_impl: str = "auto",
-    seed: int = 0,
     quantization: str | None = None,
     rules: Mapping[str, str | None] | None = None,
 ):
     """The model of `create_model` without any memory: (graphdef, abstract state of
-    ShapeDtypeStructs, the state's NamedShardings from the rules)."""
+    ShapeDtypeStructs, the state's NamedShardings from the rules).
+
+    Built without an `nnx.Rngs` (parameters would be zeros; only shapes are computed): the
+    same graph and state structure, while each random draw under `eval_shape` made flax ask
+    the tracer for its sharding, and JAX prints the whole trace so far into that error
+    message: ~1 s for a 30-layer model, quadratic in depth."""
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None; got {quantization!r}")
     cls = get_model_class(cfg.architecture)
     mesh = mesh or single_device_mesh()
     rules = DEFAULT_RULES if rules is None else rules
-    abstract = nnx.eval_shape(lambda: cls(cfg, dtype=dtype, rngs=nnx.Rngs(seed), mesh=mesh,
+    abstract = nnx.eval_shape(lambda: cls(cfg, dtype=dtype, rngs=None, mesh=mesh,
                                           attention_impl=attention_impl, quantization=quantization, rules=rules))
     graphdef, abs_state = nnx.split(abstract)
     return graphdef, abs_state, state_shardings(abs_state, mesh, rules)

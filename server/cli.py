@@ -9,6 +9,7 @@ import math
 import os
 import re
 import sys
+import time
 from typing import Any
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
@@ -287,6 +288,7 @@ def _serve(args: argparse.Namespace) -> int:
     from jaxserve.server.app import build_app
     from jaxserve.server.async_engine import AsyncEngine
     from jaxserve.server.draining import DrainingServer
+    from jaxserve.startup_timer import StartupTimer
 
     model = serve_model(args)
     names = args.served_model_name
@@ -304,8 +306,9 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"jaxserve serve: {e}", file=sys.stderr)
         return 2
     log = logging.getLogger(__name__)
+    timer = StartupTimer(since_launch=True)
     try:
-        parts = build_engine(config)
+        parts = build_engine(config, timer)
     except FingerprintMismatch as e:  # several processes started with different flags or models
         log.error("%s", e)
         return 2
@@ -315,6 +318,7 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     if parts.is_follower:  # headless: the leader serves HTTP, this process runs its steps
         return _follow(parts, log)
+    server_t0 = time.perf_counter()
     aengine = AsyncEngine(parts, max_waiting_requests=args.max_waiting_requests)
     app = build_app(aengine, served_model_names=names, api_keys=args.api_key, allowed_origins=args.allowed_origins,
                     max_body_bytes=args.max_request_body, request_id_header=not args.disable_request_id_header,
@@ -328,7 +332,12 @@ def _serve(args: argparse.Namespace) -> int:
              (names or [aengine.model_name])[0], scheme, args.host, args.port, args.root_path or "",
              aengine.max_waiting_requests, f"{args.request_timeout:g} s" if args.request_timeout else "off")
     config = uvicorn.Config(app, **server_opts)
-    DrainingServer(config, aengine, args.shutdown_grace).run()
+
+    def started() -> None:
+        timer.add("server", time.perf_counter() - server_t0)
+        log.info("%s", timer.summary())
+
+    DrainingServer(config, aengine, args.shutdown_grace, on_started=started).run()
     if aengine.error is not None:
         # The engine failed for good (a device error, a lost follower): exit non-zero so that a
         # supervisor restarts the server; in-flight requests have been answered with the error.

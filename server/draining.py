@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+from collections.abc import Callable
 
 import uvicorn
 
@@ -22,11 +23,18 @@ class DrainingServer(uvicorn.Server):
     error, /health answers 503 until the listener closes, and `run()` returns (the CLI then
     exits 1)."""
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, grace_seconds: float):
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, grace_seconds: float,
+                 on_started: Callable[[], None] | None = None):
         super().__init__(config)
         self.engine = engine
         self.grace_seconds = grace_seconds
+        self.on_started = on_started  # called once the server listens
         engine.add_dead_callback(self._engine_failed)
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.on_started is not None and self.started:
+            self.on_started()
 
     def _engine_failed(self, error: BaseException) -> None:
         # /health answers 503 (with the reason) for a moment before the listener closes.

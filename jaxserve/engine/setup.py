@@ -7,6 +7,7 @@ cache, the scheduler and the compiled runner.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import gc
 import logging
@@ -31,11 +32,12 @@ from jaxserve.models.weights import create_model
 from jaxserve.parallel import multihost
 from jaxserve.parallel.mesh import bytes_per_device, make_mesh, replicated_axes
 from jaxserve.runner.buckets import BucketGrid
-from jaxserve.runner.compile import enable_persistent_cache
+from jaxserve.runner.compile import enable_persistent_cache, executable_cache
 from jaxserve.runner.kv_cache import num_pages_for_budget
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.sampling.config import SamplerConfig
 from jaxserve.spec_decode import NgramProposer
+from jaxserve.startup_timer import StartupTimer
 
 logger = logging.getLogger(__name__)
 
@@ -77,35 +79,51 @@ class EngineParts:
             jax.distributed.shutdown()
 
 
-def build_engine(config: EngineConfig) -> EngineParts:
+def build_engine(config: EngineConfig, timer: StartupTimer | None = None) -> EngineParts:
+    """The engine's parts from `config`. `timer` (optional) collects the wall time of each
+    start-up phase; the summary is logged when the engine is ready."""
+    own_timer = timer is None
+    timer = timer or StartupTimer()
     t0 = time.perf_counter()
     mc, cc = config.model, config.cache
-    topo = multihost.initialize(config.parallel)  # first: before anything touches a JAX backend
+    with timer.phase("distributed"):
+        topo = multihost.initialize(config.parallel)  # first: before anything touches a JAX backend
     if config.compile.enable_compilation_cache:
         enable_persistent_cache(config.compile.cache_dir())
-    model_path = resolve_model(mc.model, cache_dir=mc.model_cache_dir)
-    tokenizer = Tokenizer.from_pretrained(model_path)
-    ckpt = load_checkpoint(model_path)
-    arch = ArchConfig.from_hf(ckpt.config)
-    gen = load_generation_config(model_path, mc.generation_config, ckpt.config)
-    backend = select_backend()
+    with timer.phase("model files"):
+        model_path = resolve_model(mc.model, cache_dir=mc.model_cache_dir)
+    # The tokenizer (transformers' import and its files: ~1 s) loads on a thread of its own while
+    # this one reads and lays out the weights and loads the steps (numpy, XLA, deserialization:
+    # most of it without the GIL).
+    tokenizer_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxserve-tokenizer")
+    tokenizer_future = tokenizer_pool.submit(Tokenizer.from_pretrained, model_path)
+    tokenizer_pool.shutdown(wait=False)
+    with timer.phase("checkpoint"):
+        ckpt = load_checkpoint(model_path)
+        arch = ArchConfig.from_hf(ckpt.config)
+        gen = load_generation_config(model_path, mc.generation_config, ckpt.config)
     max_model_len = mc.max_model_len or min(arch.max_position_embeddings, 2048)
     if max_model_len > arch.max_position_embeddings:
         logger.warning("max_model_len %d exceeds the model's max_position_embeddings %d",
                        max_model_len, arch.max_position_embeddings)
-    sc = dataclasses.replace(config.scheduler, max_model_len=max_model_len)
     D = config.parallel.data_parallel_size
     rules = serving_rules(load_rules(config.parallel.sharding_rules), D)
     check_servable(rules)
-    mesh = make_mesh(D, config.parallel.tensor_parallel_size)
-    plan = backend.plan(mc, cc, mesh)
+    with timer.phase("backend"):
+        backend = select_backend()
+        mesh = make_mesh(D, config.parallel.tensor_parallel_size)
+        plan = backend.plan(mc, cc, mesh)
+    sc = dataclasses.replace(config.scheduler, max_model_len=max_model_len)
     link = None
     if topo is not None:  # the leader resolves the "auto"s; every follower takes them
-        link, plan = _join(topo, config, model_path, plan)
+        with timer.phase("distributed"):
+            link, plan = _join(topo, config, model_path, plan)
     dtype, kv_dtype = DTYPES[plan.dtype], DTYPES[plan.kv_dtype]
-    model = create_model(arch, dtype=dtype, mesh=mesh, attention_impl=mc.attention_impl, get_tensor=ckpt.get_tensor,
-                         quantization=mc.quantization, rules=rules)
-    backend.prepare_model(model, plan)
+    with timer.phase("weights"):
+        model = create_model(arch, dtype=dtype, mesh=mesh, attention_impl=mc.attention_impl,
+                             get_tensor=ckpt.get_tensor, quantization=mc.quantization, rules=rules)
+    with timer.phase("packing"):
+        backend.prepare_model(model, plan)
     load_seconds = time.perf_counter() - t0
     # Pages per data-parallel rank (each rank's devices hold its own; `num_pages` counts them all).
     rank_pages = (cc.num_pages // D if cc.num_pages else
@@ -121,8 +139,10 @@ def build_engine(config: EngineConfig) -> EngineParts:
     runner = ModelRunner(
         model, backend=backend, mesh=mesh, num_pages=num_pages, page_size=cc.page_size,
         max_model_len=max_model_len, max_num_seqs=sc.max_num_seqs, grid=grid, sampler_config=sampler_config,
-        kv_dtype=kv_dtype, seed=mc.seed, show_progress=config.compile.show_progress, rules=rules,
+        kv_dtype=kv_dtype, seed=mc.seed, show_progress=config.compile.show_progress, rules=rules, timer=timer,
+        executable_cache=executable_cache(config.compile),
     )
+    timer.note("executables", f"{runner.executables_loaded} loaded, {runner.executables_compiled} compiled")
     if mesh.size > 1:
         _log_placement(model, runner, mesh, rules)
     if topo is not None:
@@ -137,6 +157,8 @@ def build_engine(config: EngineConfig) -> EngineParts:
     proposer = (NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
                 if spec is not None else None)
     core = EngineCore(scheduler, runner, async_scheduling=sc.async_scheduling, proposer=proposer)
+    with timer.phase("tokenizer"):  # what is left of it
+        tokenizer = tokenizer_future.result()
     eos = tokenizer.eos_token_id
     if eos is None and gen.eos_token_ids:
         eos = gen.eos_token_ids[0]
@@ -150,13 +172,17 @@ def build_engine(config: EngineConfig) -> EngineParts:
     # Everything built so far lives as long as the engine: move it out of the garbage
     # collector's generations, so that the collections the steps' short-lived objects trigger do
     # not walk it (at 1,024 running requests full collections cost milliseconds per step).
-    gc.collect()
-    gc.freeze()
-    logger.info("engine ready: %s, %s, %d KV pages of %d%s, %d buckets compiled in %.1fs (load %.1fs)%s",
-                info.name, plan.dtype, num_pages, cc.page_size, f" ({D} data-parallel ranks)" if D > 1 else "",
-                runner.num_buckets, runner.compile_seconds, load_seconds,
+    with timer.phase("gc"):
+        gc.collect()
+        gc.freeze()
+    logger.info("engine ready: %s, %s, %d KV pages of %d%s, %d buckets in %.1fs (%d executables loaded, %d "
+                "compiled; load %.1fs)%s", info.name, plan.dtype, num_pages, cc.page_size,
+                f" ({D} data-parallel ranks)" if D > 1 else "", runner.num_buckets, runner.compile_seconds,
+                runner.executables_loaded, runner.executables_compiled, load_seconds,
                 (", overlapped steps" if core.async_scheduling else "") +
                 (f", n-gram speculation ({spec.num_speculative_tokens} tokens)" if spec is not None else ""))
+    if own_timer:  # else the caller logs it when it is ready (the server: once it listens)
+        logger.info("%s", timer.summary())
     return EngineParts(tokenizer, info, core, model_path, arch, backend, plan, load_seconds, topo, link)
 
 

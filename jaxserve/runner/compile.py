@@ -1,4 +1,5 @@
-"""Compilation bookkeeping: the persistent XLA cache, and a counter of compilations.
+"""Compilation bookkeeping: the persistent XLA cache, the cache of serialized executables
+(`executable_cache.py`, in a folder of the same directory), and a counter of compilations.
 
 Every executable the engine needs is compiled at start-up. After warm-up any compilation is a
 bug (a shape that escaped the bucket grid, a non-static argument that changed): the counter
@@ -9,13 +10,21 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
+from typing import TYPE_CHECKING
 
 import jax
+
+from jaxserve.runner.executable_cache import ExecutableCache
+
+if TYPE_CHECKING:
+    from jaxserve.config import CompileConfig
 
 logger = logging.getLogger(__name__)
 
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+EXECUTABLES_SUBDIR = "executables"  # in the compilation cache's directory (JAX's cache ignores folders)
 _lock = threading.Lock()
 _listener_installed = False
 # The counter whose engine is working on this thread (compilation runs on the calling thread),
@@ -64,6 +73,14 @@ class CompileCounter:
 
     def mark_warm(self) -> None:
         self._warm = True
+
+
+def executable_cache(config: CompileConfig) -> ExecutableCache | None:
+    """The cache of serialized executables (`executable_cache.py`), in the compilation cache's
+    directory; None when the compilation cache is off."""
+    if not config.enable_compilation_cache:
+        return None
+    return ExecutableCache(os.path.join(config.cache_dir(), EXECUTABLES_SUBDIR))
 
 
 def enable_persistent_cache(cache_dir: str) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
@@ -57,11 +59,16 @@ def abstract_kv_cache(cfg: ArchConfig, num_pages: int, page_size: int, dtype, me
     return KVCache(k=(one,) * L, v=(one,) * L)
 
 
+def zeros_compiler(one: jax.ShapeDtypeStruct) -> Callable[[], jax.stages.Compiled]:
+    """Compiles the function that makes one zeroed layer array like `one` (shape, dtype, sharding)."""
+    return lambda: jax.jit(lambda: jnp.zeros(one.shape, one.dtype), out_shardings=one.sharding).lower().compile()
+
+
 def allocate_kv_cache(cfg: ArchConfig, num_pages: int, page_size: int, dtype, mesh: Mesh,
-                      rules: Rules | None = None) -> KVCache:
-    """Zeroed K and V pages (one array each per layer), created directly in their sharding."""
-    shape = kv_cache_shape(cfg, num_pages, page_size)
-    sharding = kv_cache_sharding(cfg, num_pages, page_size, mesh, rules)
-    zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+                      rules: Rules | None = None, zeros: Callable[[], jax.Array] | None = None) -> KVCache:
+    """Zeroed K and V pages (one array each per layer), created directly in their sharding.
+    `zeros`: the compiled function making one (`zeros_compiler`; compiled here when not given)."""
+    if zeros is None:
+        zeros = zeros_compiler(abstract_kv_cache(cfg, num_pages, page_size, dtype, mesh, rules).k[0])()
     L = cfg.num_layers
     return KVCache(k=tuple(zeros() for _ in range(L)), v=tuple(zeros() for _ in range(L)))

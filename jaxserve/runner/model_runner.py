@@ -23,6 +23,7 @@ needs only the launched step.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 
@@ -37,15 +38,17 @@ from jaxserve.outputs import SampleLogprobs
 from jaxserve.request import RequestFailedError
 from jaxserve.runner.buckets import BucketGrid
 from jaxserve.runner.compile import CompileCounter
-from jaxserve.runner.kv_cache import allocate_kv_cache
+from jaxserve.runner.executable_cache import ExecutableCache, ExecutableScope, canonical, executable_scope, signature
+from jaxserve.runner.kv_cache import abstract_kv_cache, allocate_kv_cache, zeros_compiler
 from jaxserve.runner.step_buffers import BufferLayout
-from jaxserve.runner.step_fn import PromptLogprobs, StepFunction, step_layout
+from jaxserve.runner.step_fn import PromptLogprobs, StepFunction, abstract_sampling_state, step_layout
 from jaxserve.runner.step_inputs import TokenInfo, pack_rows
 from jaxserve.sampling.config import SamplerConfig
 from jaxserve.sampling.metadata import SamplingMetadataBuilder
 from jaxserve.sampling.sampler import SamplerOutput
 from jaxserve.sampling.state import SlotRowsWrite, init_sampling_state, write_slot_rows
 from jaxserve.spec_decode.ngram import accept_drafts
+from jaxserve.startup_timer import StartupTimer
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +102,8 @@ class ModelRunner:
         seed: int = 0,
         show_progress: bool = True,
         rules=None,
+        timer: StartupTimer | None = None,
+        executable_cache: ExecutableCache | None = None,
     ):
         self.mesh = mesh
         self.rules = rules  # the sharding rules of the KV cache (None: the default "tp")
@@ -116,6 +121,7 @@ class ModelRunner:
         self.sampler_config = sampler_config
         self.max_num_seqs = max_num_seqs
         self.backend = backend
+        timer = timer or StartupTimer()  # the phases of this runner's start (build_engine logs them)
         self.graphdef, state = nnx.split(model)
         # The weights travel to the step as a flat list of arrays: flattening the nnx State (one
         # Variable per weight) on every call costs milliseconds of host time per step.
@@ -123,29 +129,43 @@ class ModelRunner:
         del state
         self.layer_impl = backend.layer_impl(model)
         self.step_function = StepFunction(self.graphdef, self._params_treedef, self.layer_impl, sampler_config)
-        backend.place_weights(model, self.params, self._params_treedef)
+        with timer.phase("weight arena"):
+            backend.place_weights(model, self.params, self._params_treedef)
         self.replicated = NamedSharding(mesh, P())
-        self._allocate_state()
+        # Slots split over "data" like the pages (one range per rank); replicated without it.
+        self.state_sharding = NamedSharding(mesh, P("data") if self.dp > 1 else P())
+        self.counter = CompileCounter()
+        self.executable_cache = executable_cache
+        with self.counter.active(), timer.phase("kv cache"):
+            self._scope = self._executable_scope()
+            self._allocate_state()
         self.builder = SamplingMetadataBuilder(sampler_config, seed=seed)
         self._reset_slots()
         self._host_params: list[np.ndarray] | None = None  # the weights while asleep
-        self.counter = CompileCounter()
         self._compiled: dict[tuple[int, int], jax.stages.Compiled] = {}
         self.layouts: dict[tuple[int, int], BufferLayout] = {}
         t0 = time.perf_counter()
-        with self.counter.active():
+        with self.counter.active(), timer.phase("executables"):
             self._compile_all(show_progress)
         self.compile_seconds = time.perf_counter() - t0
         self.counter.mark_warm()
 
     def _allocate_state(self) -> None:
-        """The KV cache and the sampling state (device), zeroed."""
-        self.kv = allocate_kv_cache(self.cfg, self.num_pages, self.page_size, self.kv_dtype, self.mesh, self.rules)
+        """The KV cache and the sampling state (device), zeroed, by two small executables of the
+        executable cache (as eager ops, some ten compilations: ~0.3 s of a start)."""
+        one = self._abstract_kv().k[0]
+        zeros = self._scope.get("kv-zeros", (), zeros_compiler(one))
+        self.kv = allocate_kv_cache(self.cfg, self.num_pages, self.page_size, self.kv_dtype, self.mesh, self.rules,
+                                    zeros=zeros)
         # The thread advising huge pages under the host buffers (CPU), if any.
         self.huge_pages = self.backend.place_kv_cache([*self.params, *self.kv.k, *self.kv.v])
-        # Slots split over "data" like the pages (one range per rank); replicated without it.
-        self.state_sharding = NamedSharding(self.mesh, P("data") if self.dp > 1 else P())
-        self.sstate = jax.device_put(init_sampling_state(self.sampler_config), self.state_sharding)
+        init = self._scope.get("sampling-state", (), lambda: jax.jit(
+            functools.partial(init_sampling_state, self.sampler_config), out_shardings=self.state_sharding
+        ).lower().compile())
+        self.sstate = init()
+
+    def _abstract_kv(self):
+        return abstract_kv_cache(self.cfg, self.num_pages, self.page_size, self.kv_dtype, self.mesh, self.rules)
 
     def _reset_slots(self) -> None:
         """Per-slot host state: which request holds each sampling slot, and its block table."""
@@ -176,16 +196,36 @@ class ModelRunner:
         # results are replicated, so that every process can read them locally.
         keep = (jax.tree.map(lambda x: x.sharding, self.kv), jax.tree.map(lambda x: x.sharding, self.sstate))
         rep = self.replicated
+        scope = self._scope
         for T, R in tqdm(shapes, desc="compiling buckets", disable=not show_progress, unit="bucket"):
             layout = self.layouts[(T, R)] = self.step_layout(T, R)
             if self.dp > 1:
-                lowered = self.step_function.lower_data_parallel(layout, self.mesh, params, kv, sstate, rep)
+                lower = functools.partial(self.step_function.lower_data_parallel, layout, self.mesh, params, kv,
+                                          sstate, rep)
+                buffers = [jax.ShapeDtypeStruct((self.dp, n), dt, sharding=rep)
+                           for n, dt in zip(layout.sizes, layout.dtypes)]
             else:
-                lowered = self.step_function.lower(layout, params, kv, sstate, rep)
-            self._compiled[(T, R)] = lowered.compile()
+                lower = functools.partial(self.step_function.lower, layout, params, kv, sstate, rep)
+                buffers = layout.abstract(rep)
+            self._compiled[(T, R)] = scope.get(f"step-{T}x{R}", (params, kv, sstate, *buffers),
+                                               lambda: lower().compile())
         rows = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep), self.empty_slot_write())
-        self._write_rows = jax.jit(write_slot_rows, donate_argnums=(0,), out_shardings=keep[1]).lower(
-            sstate, rows).compile()
+        self._write_rows = scope.get("write-slot-rows", (sstate, rows), lambda: jax.jit(
+            write_slot_rows, donate_argnums=(0,), out_shardings=keep[1]).lower(sstate, rows).compile())
+        self.executables_loaded, self.executables_compiled = scope.loaded, scope.compiled
+
+    def _executable_scope(self) -> ExecutableScope:
+        """The keys of this runner's executables in the executable cache: everything the steps
+        are a function of besides the environment (see runner/executable_cache.py)."""
+        params = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in self.params]
+        kv, sstate = self._abstract_kv(), abstract_sampling_state(self.sampler_config, self.state_sharding)
+        layer = self.layer_impl and f"{self.layer_impl.__module__}.{self.layer_impl.__qualname__}"
+        return executable_scope(
+            self.executable_cache, self.mesh.devices.flat, graphdef=canonical(self.graphdef),
+            params=signature(params), params_treedef=str(self._params_treedef), kv=signature(kv),
+            sstate=signature(sstate), layer_impl=str(layer), sampler=canonical(self.sampler_config),
+            mesh=repr(self.mesh), pages=f"{self.page_size} {self.pages_per_req} {self.num_pages} {self.dp}",
+            replicated=repr(self.replicated))
 
     def empty_slot_write(self) -> SlotRowsWrite:
         c = self.sampler_config

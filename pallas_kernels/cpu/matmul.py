@@ -74,10 +74,15 @@ def pack_weight(w: np.ndarray) -> np.ndarray:
         raise ValueError(f"pack_weight: K={k} and N={n} must be positive multiples of 32")
     if w.dtype == np.float32:
         return np.ascontiguousarray(np.asarray(w).reshape(k, n // 32, 32).transpose(1, 0, 2))
-    w = np.asarray(w).astype(ml_dtypes.bfloat16)
-    # [kb, p, e, nb, c] -> [nb, kb, p, c, e]
-    return np.ascontiguousarray(w.reshape(k // 32, 16, 2, n // 16, 16).transpose(3, 0, 1, 4, 2)
-                                .reshape(n // 16, k // 32, 16, 32))
+    # [kb, p, e, nb, c] -> [nb, kb, p, c, e], in two contiguous passes: rows 2i and 2i + 1 side
+    # by side (a uint32 pair per column), then 16-pair runs moved as blocks. (One transpose with
+    # e innermost copies element by element: 3-6x slower, ~0.4 s of a start of the default model.)
+    bits = np.asarray(w, dtype=ml_dtypes.bfloat16).view(np.uint16)
+    pairs = np.empty((k // 2, n, 2), np.uint16)
+    pairs[:, :, 0] = bits[0::2]
+    pairs[:, :, 1] = bits[1::2]
+    blocks = pairs.view(np.uint32).reshape(k // 32, 16, n // 16, 16).transpose(2, 0, 1, 3)
+    return np.ascontiguousarray(blocks).view(ml_dtypes.bfloat16).reshape(n // 16, k // 32, 16, 32)
 
 
 def packed_shape(packed: jax.Array) -> tuple[int, int]:

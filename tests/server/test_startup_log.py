@@ -1,0 +1,35 @@
+"""`jaxserve serve` logs where its start-up went once it listens, and a second start of the same
+configuration loads every executable instead of compiling (a real process, a tiny model)."""
+
+from __future__ import annotations
+
+import re
+import signal
+
+from tests.model_dirs import write_model_dir
+from tests.server.test_shutdown import _start
+
+
+def _start_up_line(model_dir, cache_dir) -> str:
+    proc, _ = _start(model_dir, cache_dir, grace=0.0, log_level="info")
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out[-2000:]
+    lines = [line for line in out.splitlines() if "start-up " in line and "since launch" in line]
+    assert len(lines) == 1, out[-3000:]
+    return lines[0]
+
+
+def test_the_start_up_line_names_its_phases_and_a_restart_loads_its_executables(tmp_path):
+    model = write_model_dir(tmp_path / "m")
+    cache = str(tmp_path / "cache")  # empty: the first start compiles
+    first = _start_up_line(model, cache)
+    for phase in ("imports", "weights", "kv cache", "executables", "server"):
+        assert f" {phase} " in first, first
+    compiled = re.search(r"executables [\d.]+ s \(0 loaded, (\d+) compiled\)", first)
+    assert compiled and int(compiled.group(1)) >= 2, first
+    total = float(re.search(r"start-up ([\d.]+) s since launch", first).group(1))
+    phases = sum(float(x) for x in re.findall(r" ([\d.]+) s", first.split(": ", 2)[-1]))
+    assert abs(phases - total) < 0.2  # the phases (and "other") add up to the whole
+    second = _start_up_line(model, cache)
+    assert f"({compiled.group(1)} loaded, 0 compiled)" in second, second
