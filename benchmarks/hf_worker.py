@@ -108,7 +108,10 @@ def main(job_path: str) -> None:
                      "ttft_mean_ms": 1e3 * sum(ttfts) / len(ttfts), "step_mean_ms": 1e3 * wall / steps,
                      "output_ids": rows})
         log(f"c={c}: {n_out / wall:.1f} output tok/s, wall {wall:.1f}s")
-    print(json.dumps({"startup_s": startup, "hf_dir": str(hf_dir), "runs": runs,
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+    from cpu_class import torch_isa
+
+    print(json.dumps({"startup_s": startup, "hf_dir": str(hf_dir), "runs": runs, "isa": torch_isa(torch),
                       "versions": {"torch": torch.__version__, "transformers": transformers.__version__}}))
 
 

@@ -20,6 +20,10 @@ warm-up request) is reported separately and excluded.
 size c, left-padded `generate`) on the same prompts and prints jaxserve/HF output tok/s ratios.
 `--compare-vllm` runs benchmarks/vllm_worker.py under `--vllm-python` (vLLM's CPU build: the
 same closed loop, one engine per dtype) and prints jaxserve/vLLM ratios.
+`--cpu-class avx2` runs every side as on an AVX2-only CPU (no AVX-512, no AMX), emulated here:
+jaxserve with XLA capped to AVX2 and its kernels built for haswell, the peers with torch, oneDNN,
+MKL and vLLM's kernel choice capped the same way (benchmarks/cpu_class.py says what and how; the
+script re-executes itself once under that environment). The class goes into the JSON lines.
 `--mesh 1x1 1x2 2x1` runs one engine per data x tensor parallel mesh as well (with `--devices N`
 simulated CPU devices: `XLA_FLAGS=--xla_force_host_platform_device_count=N`, set before jax
 is imported); outputs are compared with the first mesh's.
@@ -43,6 +47,8 @@ import tempfile
 import time
 
 import numpy as np
+
+import cpu_class
 
 HERE = pathlib.Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "offline_throughput.jsonl"
@@ -88,6 +94,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--vllm-python", default=sys.executable, help="python with vLLM")
     p.add_argument("--vllm-threads", type=int, default=None, help="cores vLLM binds (default: all)")
     p.add_argument("--gguf", default=None, help="GGUF to build the HF model from (default: the default model)")
+    p.add_argument("--cpu-class", choices=cpu_class.CLASSES, default="native",
+                   help="native: this CPU; avx2: every side as on an AVX2-only CPU (benchmarks/cpu_class.py)")
     args = p.parse_args(argv)
     for key, value in PRESETS[args.workload].items():
         if getattr(args, key) is None:
@@ -131,7 +139,7 @@ def environment() -> dict:
         "versions": {"jax": jax.__version__, "jaxlib": jaxlib.__version__,
                      "flax": importlib.metadata.version("flax"), "python": platform.python_version()},
         "device": f"{len(devs)}x {devs[0].device_kind} ({devs[0].platform})",
-        "host": {"cpu": cpu_model(), "cpu_count": os.cpu_count()},
+        "host": {"cpu": cpu_model(), "cpu_count": os.cpu_count(), "cpu_flags": cpu_class.host_cpu()["flags"]},
     }
 
 
@@ -142,6 +150,21 @@ def cpu_model() -> str:
     except OSError:
         names = []
     return names[0] if names else platform.processor()
+
+
+def plan_of(engine) -> dict:
+    """What the CPU backend resolved (products, attention, kernel build) for the JSON lines."""
+    import dataclasses
+
+    plan = getattr(engine.parts, "plan", None)
+    out = dataclasses.asdict(plan) if dataclasses.is_dataclass(plan) else {}
+    try:
+        from jaxserve.pallas_kernels import cpu as kernels
+
+        out["cpu_kernel_target"] = kernels.selected_target()
+    except (ImportError, AttributeError):
+        pass
+    return out
 
 
 def run_closed_loop(engine, prompts, concurrency: int, params, tag: str) -> dict:
@@ -175,12 +198,14 @@ def run_closed_loop(engine, prompts, concurrency: int, params, tag: str) -> dict
     }
 
 
-def run_worker(script: str, job: dict, python: str) -> dict:
-    """Run a peer's worker script on `job` under `python`; return the JSON line it prints."""
+def run_worker(script: str, job: dict, python: str, cls: str = "native") -> dict:
+    """Run a peer's worker script on `job` under `python`, in CPU class `cls`'s environment;
+    return the JSON line it prints."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(job, f)
     try:
-        proc = subprocess.run([python, str(HERE / script), f.name], stdout=subprocess.PIPE, text=True)
+        proc = subprocess.run([python, str(HERE / script), f.name], stdout=subprocess.PIPE, text=True,
+                              env=cpu_class.peer_env(cls))
     finally:
         os.unlink(f.name)
     if proc.returncode != 0:
@@ -199,7 +224,7 @@ def run_vllm(args, prompts) -> dict:
     job = {"prompts": prompts, "concurrency": args.concurrency, "max_new_tokens": args.output_len,
            "dtypes": args.dtype, "gguf": default_gguf(args), "cache_dir": str(CACHE),
            "threads": args.vllm_threads}
-    return run_worker("vllm_worker.py", job, args.vllm_python)
+    return run_worker("vllm_worker.py", job, args.vllm_python, args.cpu_class)
 
 
 def check_peer_python(python: str, modules: str, peer: str, what: str) -> None:
@@ -216,7 +241,7 @@ def run_hf(args, prompts, pad_token_id: int) -> dict:
     job = {"prompts": prompts, "concurrency": args.concurrency, "max_new_tokens": args.output_len,
            "dtype": args.hf_dtype, "threads": args.hf_threads, "gguf": default_gguf(args),
            "cache_dir": str(CACHE), "pad_token_id": pad_token_id}
-    return run_worker("hf_worker.py", job, args.hf_python)
+    return run_worker("hf_worker.py", job, args.hf_python, args.cpu_class)
 
 
 def prefix_match(a: list[list[int]], b: list[list[int]]) -> float:
@@ -230,6 +255,7 @@ def prefix_match(a: list[list[int]], b: list[list[int]]) -> float:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    cpu_class.reexec_for(args.cpu_class)  # before jax starts: XLA, glibc and numpy read it then
     if args.compare_hf:
         check_peer_python(args.hf_python, "torch, transformers", "hf",
                           "torch and transformers (plus accelerate and gguf)")
@@ -254,7 +280,9 @@ def main(argv=None) -> None:
     env = environment()
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.output_len,
                             ignore_eos=True)
-    options = {"max_num_seqs": max(args.concurrency), "enable_prefix_caching": False, "show_progress": False}
+    options = {"max_num_seqs": max(args.concurrency), "enable_prefix_caching": False, "show_progress": False,
+               **cpu_class.jaxserve_options(args.cpu_class)}
+    env["cpu_class"] = cpu_class.describe(args.cpu_class)
     for key in ("max_num_batched_tokens", "token_buckets", "request_buckets", "compilation_cache_dir",
                 "async_scheduling"):
         if getattr(args, key) is not None:
@@ -277,9 +305,9 @@ def main(argv=None) -> None:
         run_closed_loop(engine, prompts[:1], 1, params.clone(max_tokens=2), f"warmup-{tag}")
         startup = {"build_s": build_s, "startup_s": time.perf_counter() - t0, "load_s": engine.parts.load_seconds,
                    "compile_s": engine.runner.compile_seconds, "num_buckets": engine.runner.num_buckets,
-                   "weight_bytes_per_device": weight_bytes}
+                   "weight_bytes_per_device": weight_bytes, "plan": plan_of(engine)}
         print(f"[{tag}] startup {startup['startup_s']:.1f}s (load {startup['load_s']:.1f}s, "
-              f"compile {startup['compile_s']:.1f}s, {startup['num_buckets']} buckets)", flush=True)
+              f"compile {startup['compile_s']:.1f}s, {startup['num_buckets']} buckets; {startup['plan']})", flush=True)
         for c in args.concurrency:
             load0 = os.getloadavg()
             recompiles0 = engine.num_compiles_after_warmup
@@ -306,7 +334,7 @@ def main(argv=None) -> None:
             hf_ids = h.pop("output_ids")
             h["greedy_prefix_match"] = prefix_match(row["figures"]["output_ids"], hf_ids)
             row["hf"] = {**h, "dtype": args.hf_dtype, "threads": args.hf_threads,
-                         "startup_s": hf["startup_s"], "versions": hf["versions"]}
+                         "startup_s": hf["startup_s"], "versions": hf["versions"], "isa": hf.get("isa")}
             row["ratio_output_tok_s"] = row["figures"]["output_tok_s"] / h["output_tok_s"]
     vl = None
     if args.compare_vllm:
@@ -315,7 +343,7 @@ def main(argv=None) -> None:
         for row in rows:
             v = dict(by[(row["config"]["dtype"], row["config"]["concurrency"])])
             v["greedy_prefix_match"] = prefix_match(row["figures"]["output_ids"], v.pop("output_ids"))
-            row["vllm"] = {**v, "versions": vl["versions"], "env": vl["env"]}
+            row["vllm"] = {**v, "versions": vl["versions"], "env": vl["env"], "isa": vl.get("isa")}
             row["ratio_vllm_output_tok_s"] = row["figures"]["output_tok_s"] / v["output_tok_s"]
     timestamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     if args.results:
@@ -327,9 +355,20 @@ def main(argv=None) -> None:
     print_table(rows, env, hf, vl)
 
 
+def isa_summary(isa: dict) -> str:
+    """One line of what a peer's torch reported (benchmarks/cpu_class.py: torch_isa)."""
+    off = [k for k, v in isa.get("torch_cpu_reports", {}).items() if not v]
+    return (f"class {isa.get('cpu_class')}, ATen {isa.get('aten_capability')}, torch.cpu reports no "
+            f"{'/'.join(off) or '-'}, oneDNN bfloat16 {isa.get('onednn_bf16')}")
+
+
 def print_table(rows, env, hf, vl=None) -> None:
-    print(f"\n{env['device']}, jax {env['versions']['jax']}, git {str(env['git_sha'])[:10]}"
-          f"{' (dirty)' if env['git_dirty'] else ''}, load {rows[-1]['load_avg_after'][0]:.2f}")
+    cls = env.get("cpu_class", {})
+    print(f"\n{env['device']}, {env['host']['cpu']} ({' '.join(env['host'].get('cpu_flags', []))}), "
+          f"CPU class {cls.get('name', 'native')}{' (emulated)' if cls.get('emulated') else ''}, "
+          f"jax {env['versions']['jax']}, git {str(env['git_sha'])[:10]}"
+          f"{' (dirty)' if env['git_dirty'] else ''}, load {rows[0]['load_avg_before'][0]:.2f} -> "
+          f"{rows[-1]['load_avg_after'][0]:.2f}")
     head = f"{'engine':15} {'c':>3} {'out tok/s':>10} {'total tok/s':>11} {'TTFT mean':>10} {'TTFT med':>9} " \
            f"{'step ms':>8} {'steps':>6}"
     if hf:
@@ -358,9 +397,15 @@ def print_table(rows, env, hf, vl=None) -> None:
         print(f"HF: transformers {hf['versions']['transformers']}, torch {hf['versions']['torch']}, "
               f"{rows[0]['hf']['dtype']}, {rows[0]['hf']['threads']} threads, startup {hf['startup_s']:.1f}s; "
               "ratio = jaxserve/HF output tok/s; greedy= = mean agreeing output prefix")
+    if hf and hf.get("isa"):
+        print(f"HF ISA: {isa_summary(hf['isa'])}")
     if vl:
         print(f"vLLM {vl['versions']['vllm']} ({', '.join(f'{k}={v}' for k, v in vl['env'].items())}); "
               "ratio = jaxserve/vLLM output tok/s")
+        if vl.get("isa"):
+            print(f"vLLM ISA: {isa_summary(vl['isa']['torch'])}; " + "; ".join(
+                f"{d}: {', '.join(e['libraries'])}, attention {e['attention_isa']}"
+                for d, e in vl["isa"]["engines"].items()))
     for r in rows:
         f, cfg = r["figures"], r["config"]
         if f["recompiles"] or f["preemptions"]:

