@@ -70,17 +70,23 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: min(model, 2048))")
     g.add_argument("--max-num-seqs", type=int, default=None, help="max sequences per step (default 32)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step (default 512)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget per step (default: the backend's: 8192 on TPU/GPU, as vLLM; 512 on a CPU, "
+                        "where larger steps only delay first tokens; with --token-buckets: the largest)")
     g.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
                    help="KV cache size in bytes; suffixes allowed (e.g. 2GiB, 512MB)")
     g.add_argument("--page-size", "--block-size", dest="page_size", type=int, default=None,
                    help="tokens per KV page (power of two, default 16); --block-size is vLLM's name")
     g.add_argument("--token-buckets", type=_int_list, nargs="+", default=None,
-                   help="padded token counts to compile, e.g. 16 64 512 or 16,64,512")
+                   help="padded token counts to compile, e.g. 16 64 512 or 16,64,512 (default: x2 from 16 up to "
+                        "the token budget; on TPU/GPU x4 above 1024)")
     g.add_argument("--request-buckets", type=_int_list, nargs="+", default=None,
                    help="padded request counts to compile, e.g. 1 8 32")
-    g.add_argument("--compilation-cache-dir", default=None, help="JAX persistent compilation cache directory")
-    g.add_argument("--no-compilation-cache", action="store_true", help="disable the persistent compilation cache")
+    g.add_argument("--compilation-cache-dir", default=None,
+                   help="JAX persistent compilation cache directory; the compiled steps are kept in its "
+                        "executables/ folder (default: <user cache>/jaxserve/xla)")
+    g.add_argument("--no-compilation-cache", action="store_true",
+                   help="disable the persistent compilation cache and the cached executables")
     g.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16", "half", "float"],
                    help="weights' dtype (half = float16, float = float32, as in vLLM)")
     g.add_argument("--attention-impl", default=None, help="auto, reference, tpu, gpu; tpu-interpret and gpu-interpret run the kernels on any host (slow, for checking)")

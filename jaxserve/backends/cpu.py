@@ -5,6 +5,7 @@ What differs from the accelerators (see docs/DESIGN.md §9 for the measurements)
 - KV dtype "auto": the model dtype when the native attention kernel writes the cache, else
   float32 (XLA:CPU's bfloat16 scatter is orders of magnitude slower);
 - the KV budget: 1 GiB unless given (host memory has no useful "free" figure);
+- the token budget per step: 512 unless given (larger steps delay first tokens here);
 - products on weights packed once at load time (AMX bfloat16, AVX-512 or AVX2 float32), one
   device, on the kernel build `ModelConfig.cpu_kernel_target` selects;
 - a fused decoder layer (`cpu_layer.py`) when the model's layer features are all covered;
@@ -41,6 +42,12 @@ MATMUL_IMPLS = ("auto", "xla", "amx", "avx512", "avx2")
 class CpuBackend(Backend):
     name = "cpu"
     fused_layer_features = cpu_layer.FEATURES
+    # Tokens per step by default. A CPU step's time grows with its tokens (a few hundred already
+    # keep the cores busy), so a larger step only makes a burst of requests wait for all of it
+    # before any first token: at 32 streams on 2 cores, TTFT p50 was 1.4-3.1x that of 512 with
+    # 1024 or 2048 tokens, and 1.07x with 256 (docs/DESIGN.md §4b). Token buckets x2 throughout.
+    default_max_num_batched_tokens = 512
+    dense_buckets_up_to = 1 << 30
 
     def __init__(self, platform: str = "cpu"):
         super().__init__(platform)

@@ -53,7 +53,9 @@ SortKey = tuple[int | float, ...]
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 32
-    max_num_batched_tokens: int = 512
+    # Tokens per step; None: the engine's backend chooses (jaxserve/backends: 8192 on TPU/GPU,
+    # less on a CPU), as the largest explicit token bucket when there are some.
+    max_num_batched_tokens: int | None = None
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
     policy: Literal["fcfs", "priority"] = "fcfs"
@@ -62,11 +64,12 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}.")
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+        if (not self.enable_chunked_prefill and self.max_num_batched_tokens is not None
+                and self.max_num_batched_tokens < self.max_model_len):
             raise ValueError(
                 f"Without chunked prefill, max_num_batched_tokens ({self.max_num_batched_tokens})"
                 f" must be >= max_model_len ({self.max_model_len}), or long prompts could never"
@@ -132,6 +135,9 @@ class Scheduler:
                 f"KVCacheManager.max_model_len ({self.kv.max_model_len}) differs from "
                 f"SchedulerConfig.max_model_len ({scheduler_config.max_model_len})."
             )
+        if scheduler_config.max_num_batched_tokens is None:
+            raise ValueError("SchedulerConfig.max_num_batched_tokens is unresolved (None: the engine's backend "
+                             "chooses it); give the scheduler a number.")
         capacity = (self.kv.num_blocks - 1) * self.kv.block_size
         if capacity < scheduler_config.max_model_len:
             raise ValueError(

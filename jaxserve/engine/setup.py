@@ -113,7 +113,11 @@ def build_engine(config: EngineConfig, timer: StartupTimer | None = None) -> Eng
         backend = select_backend()
         mesh = make_mesh(D, config.parallel.tensor_parallel_size)
         plan = backend.plan(mc, cc, mesh)
-    sc = dataclasses.replace(config.scheduler, max_model_len=max_model_len)
+    # The token budget: the user's, else the largest of their token buckets, else the backend's.
+    budget = backend.resolve_max_num_batched_tokens(
+        config.scheduler.max_num_batched_tokens, config.compile.token_buckets, D,
+        at_least=1 if config.scheduler.enable_chunked_prefill else max_model_len)
+    sc = dataclasses.replace(config.scheduler, max_model_len=max_model_len, max_num_batched_tokens=budget)
     link = None
     if topo is not None:  # the leader resolves the "auto"s; every follower takes them
         with timer.phase("distributed"):
@@ -135,7 +139,8 @@ def build_engine(config: EngineConfig, timer: StartupTimer | None = None) -> Eng
                                    max_logprobs=config.max_logprobs, native=plan.native_sampling)
     share = rank_config(sc, D)  # the buckets are one rank's
     grid = BucketGrid.build(share.max_num_batched_tokens, share.max_num_seqs,
-                            config.compile.token_buckets, config.compile.request_buckets)
+                            config.compile.token_buckets or backend.default_token_buckets(share.max_num_batched_tokens),
+                            config.compile.request_buckets)
     runner = ModelRunner(
         model, backend=backend, mesh=mesh, num_pages=num_pages, page_size=cc.page_size,
         max_model_len=max_model_len, max_num_seqs=sc.max_num_seqs, grid=grid, sampler_config=sampler_config,

@@ -88,3 +88,60 @@ def test_buckets_without_limits_set_the_limits():
     assert c.scheduler.max_num_seqs == 8
     c = EngineConfig.from_kwargs(token_buckets=[16, 64, 256], max_num_batched_tokens=128, max_num_seqs=4)
     assert (c.scheduler.max_num_batched_tokens, c.scheduler.max_num_seqs) == (128, 4)
+
+
+# ---------------------------------------------------------------------- the token budget and buckets
+def test_the_token_budget_defaults_to_the_backends():
+    cpu, tpu, gpu = CpuBackend(), select_backend("tpu"), select_backend("cuda")
+    assert tpu.resolve_max_num_batched_tokens(None, None) == gpu.resolve_max_num_batched_tokens(None, None) == 8192
+    assert cpu.resolve_max_num_batched_tokens(None, None) == CpuBackend.default_max_num_batched_tokens
+    assert CpuBackend.default_max_num_batched_tokens < 8192
+    assert tpu.resolve_max_num_batched_tokens(None, None, data_parallel_size=2) == 2 * 8192  # per rank
+    # Without chunked prefill a whole prompt must fit a step.
+    assert cpu.resolve_max_num_batched_tokens(None, None, at_least=4096) == 4096
+
+
+def test_an_explicit_budget_or_explicit_buckets_win():
+    for backend in (CpuBackend(), select_backend("tpu")):
+        assert backend.resolve_max_num_batched_tokens(300, None) == 300
+        assert backend.resolve_max_num_batched_tokens(300, (16, 512)) == 300
+        assert backend.resolve_max_num_batched_tokens(None, (16, 64)) == 64
+
+
+def test_default_token_buckets_by_backend():
+    tpu = select_backend("tpu")
+    assert tpu.default_token_buckets(8192) == (16, 32, 64, 128, 256, 512, 1024, 4096, 8192)
+    assert tpu.default_token_buckets(512) == (16, 32, 64, 128, 256, 512)
+    assert CpuBackend().default_token_buckets(2048) == (16, 32, 64, 128, 256, 512, 1024, 2048)
+    assert CpuBackend().default_token_buckets(100) == (16, 32, 64, 100)
+    from jaxserve.runner.buckets import BucketGrid
+
+    assert len(BucketGrid.build(8192, 32, tpu.default_token_buckets(8192)).shapes()) == 17  # bounded
+
+
+def test_engine_config_leaves_the_budget_to_the_backend():
+    from jaxserve.config import EngineConfig
+
+    assert EngineConfig.from_kwargs().scheduler.max_num_batched_tokens is None
+    assert EngineConfig.from_kwargs(max_num_batched_tokens=1024).scheduler.max_num_batched_tokens == 1024
+
+
+def test_the_engine_takes_the_backends_budget_unless_told(tmp_path, monkeypatch, compile_cache_dir):
+    """Through build_engine on a tiny model: the CPU backend's default budget and its grid, and
+    an explicit budget or explicit buckets instead."""
+    from jaxserve import LLM
+    from tests.model_dirs import write_model_dir
+
+    model = str(write_model_dir(tmp_path / "m"))
+    monkeypatch.setattr(CpuBackend, "default_max_num_batched_tokens", 32)  # a small grid, for speed
+    opts = dict(dtype="float32", max_num_seqs=8, request_buckets=(8,), compilation_cache_dir=compile_cache_dir,
+                show_progress=False)
+
+    def limits(**kw):
+        core = LLM(model, **opts, **kw).engine.core
+        return core.scheduler.config.max_num_batched_tokens, core.runner.grid.token_buckets
+
+    assert limits() == (32, (16, 32))
+    assert limits(max_num_batched_tokens=16) == (16, (16,))
+    assert limits(token_buckets=(8, 16)) == (16, (8, 16))
+    assert limits(max_num_batched_tokens=24, token_buckets=(8, 32)) == (24, (8, 32))
