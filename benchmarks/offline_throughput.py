@@ -89,6 +89,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--hf-python", default=sys.executable, help="python with torch + transformers")
     p.add_argument("--hf-dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--hf-threads", type=int, default=2, help="torch.set_num_threads in the worker")
+    p.add_argument("--hf-concurrency", type=int, nargs="+", default=None,
+                   help="the concurrencies HF runs (default: --concurrency's); its static batches at c = 1 "
+                        "take long on a CPU")
     p.add_argument("--compare-vllm", action="store_true",
                    help="also run vLLM (its CPU build) on the same prompts, same closed loop")
     p.add_argument("--vllm-python", default=sys.executable, help="python with vLLM")
@@ -238,8 +241,9 @@ def check_peer_python(python: str, modules: str, peer: str, what: str) -> None:
 
 
 def run_hf(args, prompts, pad_token_id: int) -> dict:
-    job = {"prompts": prompts, "concurrency": args.concurrency, "max_new_tokens": args.output_len,
-           "dtype": args.hf_dtype, "threads": args.hf_threads, "gguf": default_gguf(args),
+    job = {"prompts": prompts, "concurrency": args.hf_concurrency or args.concurrency,
+           "max_new_tokens": args.output_len, "dtype": args.hf_dtype, "threads": args.hf_threads,
+           "gguf": default_gguf(args),
            "cache_dir": str(CACHE), "pad_token_id": pad_token_id}
     return run_worker("hf_worker.py", job, args.hf_python, args.cpu_class)
 
@@ -330,6 +334,8 @@ def main(argv=None) -> None:
         hf = run_hf(args, prompts, pad)
         by_c = {r["concurrency"]: r for r in hf["runs"]}
         for row in rows:
+            if row["config"]["concurrency"] not in by_c:  # not in --hf-concurrency
+                continue
             h = dict(by_c[row["config"]["concurrency"]])
             hf_ids = h.pop("output_ids")
             h["greedy_prefix_match"] = prefix_match(row["figures"]["output_ids"], hf_ids)
@@ -353,6 +359,10 @@ def main(argv=None) -> None:
                 row["figures"] = {k: v for k, v in row["figures"].items() if k != "output_ids"}
                 f.write(json.dumps({**row, "timestamp": timestamp}) + "\n")
     print_table(rows, env, hf, vl)
+
+
+def first_hf(rows) -> dict:
+    return next((r["hf"] for r in rows if "hf" in r), {})
 
 
 def isa_summary(isa: dict) -> str:
@@ -384,10 +394,12 @@ def print_table(rows, env, hf, vl=None) -> None:
         line = (f"{name:15} {r['config']['concurrency']:>3} {f['output_tok_s']:>10.1f} "
                 f"{f['total_tok_s']:>11.1f} {f['ttft_mean_ms']:>8.0f}ms {f['ttft_median_ms']:>7.0f}ms "
                 f"{f['step_mean_ms']:>8.1f} {f['steps']:>6}")
-        if hf:
+        if hf and "hf" in r:
             h = r["hf"]
             line += (f" {h['output_tok_s']:>12.1f} {h['ttft_mean_ms']:>6.0f}ms"
                      f" {r['ratio_output_tok_s']:>5.2f}x {100 * h['greedy_prefix_match']:>6.0f}%")
+        elif hf:
+            line += f" {'-':>12} {'-':>8} {'-':>6} {'-':>7}"
         if vl:
             v = r["vllm"]
             line += (f" {v['output_tok_s']:>10.1f} {v['ttft_mean_ms']:>7.0f}ms"
@@ -395,7 +407,7 @@ def print_table(rows, env, hf, vl=None) -> None:
         print(line)
     if hf:
         print(f"HF: transformers {hf['versions']['transformers']}, torch {hf['versions']['torch']}, "
-              f"{rows[0]['hf']['dtype']}, {rows[0]['hf']['threads']} threads, startup {hf['startup_s']:.1f}s; "
+              f"{first_hf(rows).get('dtype')}, {first_hf(rows).get('threads')} threads, startup {hf['startup_s']:.1f}s; "
               "ratio = jaxserve/HF output tok/s; greedy= = mean agreeing output prefix")
     if hf and hf.get("isa"):
         print(f"HF ISA: {isa_summary(hf['isa'])}")
