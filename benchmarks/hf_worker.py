@@ -93,7 +93,7 @@ def main(job_path: str) -> None:
     startup = time.perf_counter() - t0
     runs = []
     for c in job["concurrency"]:
-        rows, wall, ttfts = [], 0.0, []
+        rows, wall, ttfts, load0 = [], 0.0, [], os.getloadavg()
         for i in range(0, len(prompts), c):
             batch = prompts[i : i + c]
             new, w, ttft = generate_batch(model, torch, batch, n, pad)
@@ -106,7 +106,7 @@ def main(job_path: str) -> None:
                      "output_tokens": n_out, "output_tok_s": n_out / wall,
                      "total_tok_s": (n_prompt + n_out) / wall,
                      "ttft_mean_ms": 1e3 * sum(ttfts) / len(ttfts), "step_mean_ms": 1e3 * wall / steps,
-                     "output_ids": rows})
+                     "load_avg_before": load0, "load_avg_after": os.getloadavg(), "output_ids": rows})
         log(f"c={c}: {n_out / wall:.1f} output tok/s, wall {wall:.1f}s")
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
     from cpu_class import torch_isa

@@ -411,6 +411,10 @@ def print_table(rows, env, hf, vl=None) -> None:
               "ratio = jaxserve/HF output tok/s; greedy= = mean agreeing output prefix")
     if hf and hf.get("isa"):
         print(f"HF ISA: {isa_summary(hf['isa'])}")
+    for name, peer in (("HF", hf), ("vLLM", vl)):
+        loads = [x for r in (peer or {}).get("runs", []) for x in (r.get("load_avg_before"), r.get("load_avg_after")) if x]
+        if loads:
+            print(f"{name} ran at a 1-minute load average of {min(l[0] for l in loads):.2f}-{max(l[0] for l in loads):.2f}")
     if vl:
         print(f"vLLM {vl['versions']['vllm']} ({', '.join(f'{k}={v}' for k, v in vl['env'].items())}); "
               "ratio = jaxserve/vLLM output tok/s")

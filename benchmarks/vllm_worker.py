@@ -119,8 +119,9 @@ def main(job_path: str) -> None:
         closed_loop(engine, prompts[:1], 1, warmup, f"warmup-{dtype}", TokensPrompt)
         startup = time.perf_counter() - t0
         for c in cs:
+            load0 = os.getloadavg()
             run = closed_loop(engine, prompts, c, params, f"c{c}-{dtype}", TokensPrompt)
-            run.update(dtype=dtype, startup_s=startup)
+            run.update(dtype=dtype, startup_s=startup, load_avg_before=load0, load_avg_after=os.getloadavg())
             result["runs"].append(run)
             log(f"{dtype} c={c}: {run['output_tok_s']:.1f} output tok/s, wall {run['wall_s']:.1f}s")
         del llm, engine
