@@ -640,7 +640,7 @@ def compare(args: argparse.Namespace) -> None:
                 runs = asyncio.run(measure(args, url, f["model"], prompts, lens))
             finally:
                 stop_server(proc)
-            facts[name] = {"model": f["model"], "version": f["version"],
+            facts[name] = {"model": printable([f["model"]], model_dir), "version": f["version"],
                            "prompt_tokens_mean": (statistics.fmean(x for x in f["prompt_tokens"] if x is not None)
                                                   if any(x is not None for x in f["prompt_tokens"]) else None)}
             results[name].append(runs)
