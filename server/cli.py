@@ -116,6 +116,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--generation-config", default=None,
                    help="'auto' (the model's generation_config.json: default sampling settings and EOS ids), "
                         "'vllm' (ignore its sampling defaults) or a folder holding a generation_config.json")
+    g.add_argument("--executable-cache", action=argparse.BooleanOptionalAction, default=None,
+                   help="keep the compiled steps on disk and load them at the next start, without tracing "
+                        "(default: off; experimental: on XLA:CPU a loaded executable can fail its first step)")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, as vLLM: e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (n-gram prompt lookup; default: off)')
@@ -155,7 +158,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
               "sharding_rules": "sharding_rules",
               "enable_prefix_caching": "enable_prefix_caching", "enable_chunked_prefill": "enable_chunked_prefill",
               "gpu_memory_utilization": "device_memory_utilization", "kv_cache_dtype": "kv_cache_dtype",
-              "scheduling_policy": "policy", "speculative_config": "speculative_config"}
+              "scheduling_policy": "policy", "speculative_config": "speculative_config",
+              "executable_cache": "enable_executable_cache"}
     for arg, key in simple.items():
         v = getattr(args, arg, None)
         if v is not None:

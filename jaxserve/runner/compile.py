@@ -77,8 +77,8 @@ class CompileCounter:
 
 def executable_cache(config: CompileConfig) -> ExecutableCache | None:
     """The cache of serialized executables (`executable_cache.py`), in the compilation cache's
-    directory; None when the compilation cache is off."""
-    if not config.enable_compilation_cache:
+    directory; None when it or the compilation cache is off."""
+    if not (config.enable_compilation_cache and config.enable_executable_cache):
         return None
     return ExecutableCache(os.path.join(config.cache_dir(), EXECUTABLES_SUBDIR))
 

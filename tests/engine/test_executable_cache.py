@@ -24,7 +24,7 @@ from tests.model_dirs import write_model_dir
 HELPERS = 3
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16, 17, 18, 19]]
 OPTIONS = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=16, token_buckets=(8, 16),
-               request_buckets=(8,), show_progress=False)
+               request_buckets=(8,), show_progress=False, enable_executable_cache=True)
 
 
 @pytest.fixture(scope="module")
@@ -111,6 +111,8 @@ def test_broken_entries_are_compiled_again(model_dir, tmp_path, caplog):
 
 def test_no_compilation_cache_stores_nothing(model_dir, tmp_path):
     runner = _runner(_llm(model_dir, tmp_path, enable_compilation_cache=False))
+    assert runner.executables_loaded == 0 and not (tmp_path / EXECUTABLES_SUBDIR).exists()
+    runner = _runner(_llm(model_dir, tmp_path, enable_executable_cache=False))  # the default
     assert runner.executables_loaded == 0 and not (tmp_path / EXECUTABLES_SUBDIR).exists()
 
 

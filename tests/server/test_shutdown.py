@@ -25,13 +25,13 @@ def _free_port() -> int:
 
 
 def _start(model_dir, compile_cache_dir, grace: float, launcher: tuple[str, ...] = ("-m", "jaxserve.server.cli"),
-           log_level: str = "warning"):
+           log_level: str = "warning", extra: tuple[str, ...] = ()):
     """`jaxserve serve` on the tiny model (`launcher`: the Python arguments before the CLI's)."""
     port = _free_port()
     cmd = [sys.executable, *launcher, "serve", str(model_dir), "--port", str(port),
            "--dtype", "float32", "--max-num-seqs", "8", "--max-num-batched-tokens", "16",
            "--token-buckets", "16", "--request-buckets", "8", "--shutdown-grace", str(grace),
-           "--compilation-cache-dir", compile_cache_dir, "--log-level", log_level]
+           "--compilation-cache-dir", compile_cache_dir, "--log-level", log_level, *extra]
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"

@@ -11,7 +11,7 @@ from tests.server.test_shutdown import _start
 
 
 def _start_up_line(model_dir, cache_dir) -> str:
-    proc, _ = _start(model_dir, cache_dir, grace=0.0, log_level="info")
+    proc, _ = _start(model_dir, cache_dir, grace=0.0, log_level="info", extra=("--executable-cache",))
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, out[-2000:]
