@@ -265,7 +265,8 @@ def _jaxserve_probe(target: str, dump: str) -> dict:
     return {"kernel_target": kernels.selected_target(), "kernel_library": lib,
             "amx_available": matmul.amx_available(), "avx512_available": matmul.avx512_available(),
             "avx2_available": matmul.avx2_available(), "matmul_impl_auto": impls,
-            "xla_flags": os.environ.get("XLA_FLAGS", ""), "dump": dump}
+            "xla_flags": " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
+                                  if not f.startswith("--xla_dump_to=")), "dump": dump}
 
 
 def _torch_probe() -> dict:
