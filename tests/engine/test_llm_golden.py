@@ -30,6 +30,17 @@ def assert_matches_golden(case, token_ids):
     assert token_ids == want
 
 
+def assert_same_greedy_outputs(a_llm, b_llm, cases, tol):
+    """Every case in one batch on both engines: the same greedy tokens and top-2 log-probs."""
+    params = [greedy(c).clone(logprobs=2) for c in cases]
+    prompts = [c["prompt_token_ids"] for c in cases]
+    for a, b in zip(a_llm.generate(prompts, params, use_tqdm=False), b_llm.generate(prompts, params, use_tqdm=False)):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert la.keys() == lb.keys()
+            assert all(abs(la[t].logprob - lb[t].logprob) < tol for t in la)
+
+
 @pytest.fixture(scope="module")
 def llm(small_engine_options):
     return LLM(**small_engine_options)
@@ -176,14 +187,7 @@ def test_overlapped_steps_equal_plain_steps(small_engine_options, golden, llm):
     assert llm.engine.core.async_scheduling
     plain = LLM(**small_engine_options, async_scheduling=False)
     assert not plain.engine.core.async_scheduling
-    cases = golden["cases"]
-    params = [greedy(c).clone(logprobs=2) for c in cases]
-    prompts = [c["prompt_token_ids"] for c in cases]
-    for a, b in zip(llm.generate(prompts, params, use_tqdm=False), plain.generate(prompts, params, use_tqdm=False)):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
-            assert la.keys() == lb.keys()
-            assert all(abs(la[t].logprob - lb[t].logprob) < 1e-5 for t in la)
+    assert_same_greedy_outputs(llm, plain, golden["cases"], tol=1e-5)
     assert llm.engine.num_compiles_after_warmup == 0 and plain.engine.num_compiles_after_warmup == 0
 
 
@@ -199,11 +203,5 @@ def test_speculative_decoding_keeps_the_golden_outputs(small_engine_options, gol
         assert_matches_golden(case, out.outputs[0].token_ids)
     stats = spec.engine.scheduler.make_stats()
     assert stats.spec_num_accepted_tokens > 0.2 * stats.spec_num_draft_tokens > 0
-    params = [greedy(c).clone(logprobs=2) for c in cases]
-    prompts = [c["prompt_token_ids"] for c in cases]
-    for a, b in zip(spec.generate(prompts, params, use_tqdm=False), llm.generate(prompts, params, use_tqdm=False)):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
-            assert la.keys() == lb.keys()
-            assert all(abs(la[t].logprob - lb[t].logprob) < 1e-4 for t in la)
+    assert_same_greedy_outputs(spec, llm, cases, tol=1e-4)
     assert spec.engine.num_compiles_after_warmup == 0
