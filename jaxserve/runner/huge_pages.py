@@ -16,11 +16,13 @@ Where transparent huge pages are off, or the system is not Linux, both do nothin
 from __future__ import annotations
 
 import ctypes
+import errno
 import logging
 import mmap
 import pathlib
 import sys
 import threading
+import time
 from typing import Iterable
 
 import jax
@@ -69,7 +71,11 @@ def host_ranges(arrays: Iterable[jax.Array]) -> list[tuple[int, int]]:
 
 
 def advise_huge_pages(arrays: Iterable[jax.Array]) -> int:
-    """Asks for huge pages under the arrays' CPU buffers; returns the bytes collapsed."""
+    """Asks for huge pages under the arrays' CPU buffers; returns the bytes collapsed.
+
+    MADV_COLLAPSE is best-effort: one huge page at a time, a page the kernel could not isolate
+    now (EAGAIN: pages in use, e.g. by a step running meanwhile) is tried again a few times; a
+    page it has no free huge page for (ENOMEM: fragmented memory) stays small."""
     madvise = _madvise()
     if madvise is None:
         return 0
@@ -77,9 +83,20 @@ def advise_huge_pages(arrays: Iterable[jax.Array]) -> int:
     for start, length in host_ranges(arrays):
         if madvise(start, length, MADV_HUGEPAGE) != 0:
             return done  # transparent huge pages are off (or unsupported) here
-        if madvise(start, length, MADV_COLLAPSE) == 0:
-            done += length
+        for page in range(start, start + length, HUGE_PAGE):
+            if _collapse(madvise, page):
+                done += HUGE_PAGE
     return done
+
+
+def _collapse(madvise, page: int, tries: int = 5) -> bool:
+    for attempt in range(tries):
+        if madvise(page, HUGE_PAGE, MADV_COLLAPSE) == 0:
+            return True
+        if ctypes.get_errno() != errno.EAGAIN:
+            return False
+        time.sleep(0.01 * (attempt + 1))
+    return False
 
 
 def place_on_huge_pages(arrays: list[jax.Array]) -> tuple[list[jax.Array], int]:
@@ -131,14 +148,22 @@ def _on_one_cpu(x: jax.Array) -> bool:
     return len(devices) == 1 and next(iter(devices)).platform == "cpu"
 
 
-def advise_in_background(arrays: Iterable[jax.Array]) -> threading.Thread:
-    """advise_huge_pages on a daemon thread (it holds the arrays until done)."""
-    arrays = list(arrays)
+class HugePageAdvice(threading.Thread):
+    """advise_huge_pages on a daemon thread (it holds the arrays until done); `collapsed` is
+    the bytes it backed with huge pages, once joined."""
 
-    def work():
-        done = advise_huge_pages(arrays)
-        logger.debug("huge pages: %.0f MiB collapsed", done / 2**20)
+    def __init__(self, arrays: Iterable[jax.Array]):
+        super().__init__(name="jaxserve-huge-pages", daemon=True)
+        self.arrays = list(arrays)
+        self.collapsed = 0
 
-    thread = threading.Thread(target=work, name="jaxserve-huge-pages", daemon=True)
+    def run(self):
+        self.collapsed = advise_huge_pages(self.arrays)
+        self.arrays = []
+        logger.debug("huge pages: %.0f MiB collapsed", self.collapsed / 2**20)
+
+
+def advise_in_background(arrays: Iterable[jax.Array]) -> HugePageAdvice:
+    thread = HugePageAdvice(arrays)
     thread.start()
     return thread
