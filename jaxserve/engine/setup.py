@@ -32,7 +32,7 @@ from jaxserve.models.weights import create_model
 from jaxserve.parallel import multihost
 from jaxserve.parallel.mesh import bytes_per_device, make_mesh, replicated_axes
 from jaxserve.runner.buckets import BucketGrid
-from jaxserve.runner.compile import enable_persistent_cache, executable_cache
+from jaxserve.runner.compile import executable_cache
 from jaxserve.runner.kv_cache import num_pages_for_budget
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.sampling.config import SamplerConfig
@@ -87,8 +87,6 @@ def build_engine(config: EngineConfig, timer: StartupTimer | None = None) -> Eng
     mc, cc = config.model, config.cache
     with timer.phase("distributed"):
         topo = multihost.initialize(config.parallel)  # first: before anything touches a JAX backend
-    if config.compile.enable_compilation_cache:
-        enable_persistent_cache(config.compile.cache_dir())
     with timer.phase("model files"):
         model_path = resolve_model(mc.model, cache_dir=mc.model_cache_dir)
     # The tokenizer (transformers' import and its files: ~1 s) loads on a thread of its own while
