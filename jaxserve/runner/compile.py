@@ -1,6 +1,6 @@
-"""Compilation bookkeeping: the compilation cache (serialized executables,
-`executable_cache.py`, in a folder of the compilation cache directory), and a counter of
-compilations.
+"""Compilation bookkeeping: the compilation caches (serialized executables,
+`executable_cache.py`, and laid-out weights, `weight_cache.py`, in folders of the compilation
+cache directory), and a counter of compilations.
 
 JAX's own persistent compilation cache is not used: it finds its entries by the lowered
 program, so every start still traced each step, and an XLA:CPU executable that JAX loaded from
@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import jax
 
 from jaxserve.runner.executable_cache import ExecutableCache
+from jaxserve.runner.weight_cache import WeightCache
 
 if TYPE_CHECKING:
     from jaxserve.config import CompileConfig
@@ -31,8 +32,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
-# A folder of the compilation cache's directory.
+# Folders of the compilation cache's directory.
 EXECUTABLES_SUBDIR = "executables"
+WEIGHTS_SUBDIR = "weights"
 _lock = threading.Lock()
 _listener_installed = False
 # The counter whose engine is working on this thread (compilation runs on the calling thread),
@@ -89,4 +91,12 @@ def executable_cache(config: CompileConfig) -> ExecutableCache | None:
     if not config.enable_compilation_cache:
         return None
     return ExecutableCache(os.path.join(config.cache_dir(), EXECUTABLES_SUBDIR))
+
+
+def weight_cache(config: CompileConfig) -> WeightCache | None:
+    """The cache of weights as the backend laid them out (`weight_cache.py`), in the
+    compilation cache's directory; None when the compilation cache is off."""
+    if not config.enable_compilation_cache:
+        return None
+    return WeightCache(os.path.join(config.cache_dir(), WEIGHTS_SUBDIR))
 
