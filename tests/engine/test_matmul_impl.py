@@ -18,9 +18,9 @@ needs_amx = pytest.mark.skipif(not amx_available(), reason="this CPU has no AMX-
 def test_bfloat16_engine_on_amx_agrees_with_xla(small_engine_options, golden):
     opts = dict(small_engine_options, dtype="bfloat16")
     amx, xla = LLM(**opts), LLM(**opts, matmul_impl="xla")
-    assert (amx.engine.matmul_impl, xla.engine.matmul_impl) == ("amx", "xla")
+    assert (amx.engine.parts.plan.matmul_impl, xla.engine.parts.plan.matmul_impl) == ("amx", "xla")
     # The native attention kernel writes the cache itself, so the cache is bfloat16 too.
-    assert amx.engine.kv_dtype == xla.engine.kv_dtype == jnp.bfloat16
+    assert amx.engine.core.runner.kv_dtype == xla.engine.core.runner.kv_dtype == jnp.bfloat16
     cases = golden["cases"]
     sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
     prompts = [c["prompt_token_ids"] for c in cases]
