@@ -13,8 +13,8 @@ JSON line to benchmarks/results/startup.jsonl (git sha, CPU, load average, the s
 start-up phase log when it prints one) and a table of medians follows.
 
     .venv/bin/python benchmarks/startup.py                                  # this checkout, 3 rounds
-    git worktree add /tmp/before <sha> && (cd /tmp/before && make install)
-    .venv/bin/python benchmarks/startup.py --variant before=/tmp/before --variant after=. --runs 5
+    git worktree add --detach ../before <sha> && (cd ../before && make install)
+    .venv/bin/python benchmarks/startup.py --variant before=../before --variant after=. --runs 5
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ import json
 import os
 import pathlib
 import shlex
+import shutil
 import signal
 import statistics
 import subprocess
@@ -96,8 +97,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="extra arguments for jaxserve serve (default: prefix caching off, as every round sends the "
                         "same prompts again)")
     p.add_argument("--compilation-cache-dir", default=None,
-                   help="shared by the servers (default: a temporary directory: the first start of each budget "
-                        "is then a cold start)")
+                   help="shared by the servers (default: a temporary directory, removed at the end: the first "
+                        "start of each budget is then a cold start)")
     p.add_argument("--launch-timeout", type=float, default=1800)
     p.add_argument("--results", default=str(RESULTS), help="JSON lines file ('' for none)")
     args = p.parse_args(argv)
@@ -138,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
         for proc, log, _, _ in servers.values():
             stop(proc)
             log.close()
+        if args.compilation_cache_dir is None:
+            shutil.rmtree(cache_dir, ignore_errors=True)
 
     print(f"\n{cpu}; git {str(sha)[:10]}{' (dirty)' if dirty else ''}; load average {os.getloadavg()[0]:.2f} "
           f"at the end; medians of {args.rounds} rounds; {args.input_len}-token prompts, {args.output_len} new tokens")

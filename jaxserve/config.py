@@ -117,10 +117,8 @@ class CompileConfig:
     compilation_cache_dir: str | None = None  # None = <user cache>/jaxserve/xla
     enable_compilation_cache: bool = True
     # Keep the compiled steps themselves on disk (runner/executable_cache.py), so that a restart
-    # loads them without tracing. Off by default: on XLA:CPU an executable deserialized in a new
-    # process can miss a function its code calls ("Function wrapped_convert not found", seen
-    # with the bundled model in bfloat16 on an AMX host), which fails the first step.
-    enable_executable_cache: bool = False
+    # loads them without tracing or compiling. Needs the compilation cache's folder.
+    enable_executable_cache: bool = True
     show_progress: bool = True
 
     def cache_dir(self) -> str:

@@ -170,6 +170,28 @@ def abstract_model(
     return graphdef, abs_state, state_shardings(abs_state, mesh, rules)
 
 
+def sharded_abstract_model(
+    cfg: ArchConfig,
+    *,
+    dtype=jnp.float32,
+    mesh: Mesh | None = None,
+    attention_impl: str = "auto",
+    rules: Mapping[str, str | None] | None = None,
+):
+    """The model `create_model` builds from a checkpoint (float weights), with ShapeDtypeStructs
+    carrying the shardings `create_model` places each weight in for values: no memory."""
+    mesh = mesh or single_device_mesh()
+    graphdef, abs_state, shardings = abstract_model(cfg, dtype=dtype, mesh=mesh, attention_impl=attention_impl,
+                                                    rules=rules)
+    flat = {_path_key(p): s for p, s in jax.tree_util.tree_leaves_with_path(shardings)}
+
+    def sharded(path, var):
+        value = var.get_value()
+        return var.replace(jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=flat[_path_key(path)]))
+
+    return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(sharded, abs_state, is_leaf=_is_var))
+
+
 class _FloatTensor(Exception):
     """A checkpoint tensor asked for as int8 blocks is stored as floats."""
 

@@ -83,10 +83,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--request-buckets", type=_int_list, nargs="+", default=None,
                    help="padded request counts to compile, e.g. 1 8 32")
     g.add_argument("--compilation-cache-dir", default=None,
-                   help="JAX persistent compilation cache directory; the compiled steps are kept in its "
-                        "executables/ folder (default: <user cache>/jaxserve/xla)")
+                   help="where compiled steps (executables/) and, on a CPU, the weights packed for its kernels "
+                        "(weights/) are kept, so that restarts load them (default: <user cache>/jaxserve/xla)")
     g.add_argument("--no-compilation-cache", action="store_true",
-                   help="disable the persistent compilation cache and the cached executables")
+                   help="keep no compiled steps or packed weights: compile and pack at every start")
     g.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16", "half", "float"],
                    help="weights' dtype (half = float16, float = float32, as in vLLM)")
     g.add_argument("--attention-impl", default=None, help="auto, reference, tpu, gpu; tpu-interpret and gpu-interpret run the kernels on any host (slow, for checking)")
@@ -118,7 +118,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "'vllm' (ignore its sampling defaults) or a folder holding a generation_config.json")
     g.add_argument("--executable-cache", action=argparse.BooleanOptionalAction, default=None,
                    help="keep the compiled steps on disk and load them at the next start, without tracing "
-                        "(default: off; experimental: on XLA:CPU a loaded executable can fail its first step)")
+                        "or compiling (default: on; --no-executable-cache compiles at every start)")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, as vLLM: e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (n-gram prompt lookup; default: off)')

@@ -129,8 +129,13 @@ class Backend:
         return min(budgets)
 
     # ------------------------------------------------------------------ the model
-    def prepare_model(self, model, plan: DevicePlan) -> None:
-        """Lay the weights out for the product kernel in `plan` (nothing to do on XLA's dot)."""
+    def prepare_model(self, model, plan: DevicePlan, abstract: bool = False) -> None:
+        """Lay the weights out for the product kernel in `plan` (nothing to do on XLA's dot).
+        abstract: `model` holds ShapeDtypeStructs; give it the layout's structure only."""
+
+    def lays_out_weights(self, plan: DevicePlan) -> bool:
+        """Whether `prepare_model` does work worth keeping (`runner/weight_cache.py`)."""
+        return False
 
     def layer_impl(self, model) -> LayerImpl | None:
         """A fused replacement for `model`'s decoder layer, or None to run the model's own."""

@@ -116,11 +116,15 @@ class CpuBackend(Backend):
         return cc.kv_cache_memory_bytes if cc.kv_cache_memory_bytes is not None else CPU_KV_BYTES
 
     # ------------------------------------------------------------------ the model
-    def prepare_model(self, model, plan: DevicePlan) -> None:
+    def prepare_model(self, model, plan: DevicePlan, abstract: bool = False) -> None:
         if plan.matmul_impl == "xla":
             return
-        n = pack_linear_weights(model, *model.product_specs)
-        logger.info("packed %d weights for the %s matmul kernel", n, plan.matmul_impl)
+        n = pack_linear_weights(model, *model.product_specs, abstract=abstract)
+        if not abstract:
+            logger.info("packed %d weights for the %s matmul kernel", n, plan.matmul_impl)
+
+    def lays_out_weights(self, plan: DevicePlan) -> bool:
+        return plan.matmul_impl != "xla"
 
     def layer_impl(self, model) -> LayerImpl | None:
         """The fused layer when the model's layer features are all covered and every product of

@@ -28,11 +28,12 @@ from jaxserve.engine.tokenizer import Tokenizer
 from jaxserve.models.arch_config import ArchConfig
 from jaxserve.models.loader import load_checkpoint, resolve_model
 from jaxserve.models.sharding import check_servable, load_rules, serving_rules
-from jaxserve.models.weights import create_model
+from jaxserve.models.weights import create_model, sharded_abstract_model
 from jaxserve.parallel import multihost
 from jaxserve.parallel.mesh import bytes_per_device, make_mesh, replicated_axes
 from jaxserve.runner.buckets import BucketGrid
-from jaxserve.runner.compile import enable_persistent_cache, executable_cache
+from jaxserve.runner.compile import executable_cache, weight_cache
+from jaxserve.runner.executable_cache import canonical
 from jaxserve.runner.kv_cache import num_pages_for_budget
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.sampling.config import SamplerConfig
@@ -88,8 +89,6 @@ def build_engine(config: EngineConfig, timer: StartupTimer | None = None) -> Eng
     mc, cc = config.model, config.cache
     with timer.phase("distributed"):
         topo = multihost.initialize(config.parallel)  # first: before anything touches a JAX backend
-    if config.compile.enable_compilation_cache:
-        enable_persistent_cache(config.compile.cache_dir())
     with timer.phase("model files"):
         model_path = resolve_model(mc.model, cache_dir=mc.model_cache_dir)
     # The tokenizer (transformers' import and its files: ~1 s) loads on a thread of its own while
@@ -123,11 +122,7 @@ def build_engine(config: EngineConfig, timer: StartupTimer | None = None) -> Eng
         with timer.phase("distributed"):
             link, plan = _join(topo, config, model_path, plan)
     dtype, kv_dtype = DTYPES[plan.dtype], DTYPES[plan.kv_dtype]
-    with timer.phase("weights"):
-        model = create_model(arch, dtype=dtype, mesh=mesh, attention_impl=mc.attention_impl,
-                             get_tensor=ckpt.get_tensor, quantization=mc.quantization, rules=rules)
-    with timer.phase("packing"):
-        backend.prepare_model(model, plan)
+    model = _prepared_model(config, ckpt, arch, backend, plan, mesh, rules, timer)
     load_seconds = time.perf_counter() - t0
     # Pages per data-parallel rank (each rank's devices hold its own; `num_pages` counts them all).
     rank_pages = (cc.num_pages // D if cc.num_pages else
@@ -189,6 +184,35 @@ def build_engine(config: EngineConfig, timer: StartupTimer | None = None) -> Eng
     if own_timer:  # else the caller logs it when it is ready (the server: once it listens)
         logger.info("%s", timer.summary())
     return EngineParts(tokenizer, info, core, model_path, arch, backend, plan, load_seconds, topo, link)
+
+
+def _prepared_model(config: EngineConfig, ckpt, arch: ArchConfig, backend: Backend, plan: DevicePlan, mesh, rules,
+                    timer: StartupTimer):
+    """The model with its weights placed and laid out by the backend: from the weight cache when
+    the backend lays them out (packing for the CPU kernels) and they were kept, else from the
+    checkpoint (then kept)."""
+    mc, dtype = config.model, DTYPES[plan.dtype]
+    cache = weight_cache(config.compile) if backend.lays_out_weights(plan) and mc.quantization is None else None
+    if cache is not None:
+        with timer.phase("weights"):
+            key = cache.key(ckpt.path, ckpt.config, mesh.devices.flat, dtype=plan.dtype, plan=canonical(plan),
+                            rules=canonical(rules), arch=canonical(arch))
+            abstract = sharded_abstract_model(arch, dtype=dtype, mesh=mesh, attention_impl=mc.attention_impl,
+                                              rules=rules)
+            backend.prepare_model(abstract, plan, abstract=True)
+            model = cache.load(key, abstract)
+        if model is not None:
+            timer.note("weights", "laid out, from the weight cache")
+            return model
+    with timer.phase("weights"):
+        model = create_model(arch, dtype=dtype, mesh=mesh, attention_impl=mc.attention_impl,
+                             get_tensor=ckpt.get_tensor, quantization=mc.quantization, rules=rules)
+    with timer.phase("packing"):
+        backend.prepare_model(model, plan)
+    if cache is not None:
+        with timer.phase("weight cache"):
+            cache.store(key, model)
+    return model
 
 
 def _log_placement(model, runner: ModelRunner, mesh, rules) -> None:

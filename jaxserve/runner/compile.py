@@ -1,5 +1,12 @@
-"""Compilation bookkeeping: the persistent XLA cache, the cache of serialized executables
-(`executable_cache.py`, in a folder of the same directory), and a counter of compilations.
+"""Compilation bookkeeping: the compilation caches (serialized executables,
+`executable_cache.py`, and laid-out weights, `weight_cache.py`, in folders of the compilation
+cache directory), and a counter of compilations.
+
+JAX's own persistent compilation cache is not used: it finds its entries by the lowered
+program, so every start still traced each step, and an XLA:CPU executable that JAX loaded from
+it serializes incompletely (jaxlib 0.10.2: a kernel such as `wrapped_broadcast` is left out, and
+the executable fails with NOT_FOUND when a fresh process runs it), so the executable cache
+could not take it over. Every executable the cache stores is compiled in its process.
 
 Every executable the engine needs is compiled at start-up. After warm-up any compilation is a
 bug (a shape that escaped the bucket grid, a non-static argument that changed): the counter
@@ -17,6 +24,7 @@ from typing import TYPE_CHECKING
 import jax
 
 from jaxserve.runner.executable_cache import ExecutableCache
+from jaxserve.runner.weight_cache import WeightCache
 
 if TYPE_CHECKING:
     from jaxserve.config import CompileConfig
@@ -24,7 +32,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
-EXECUTABLES_SUBDIR = "executables"  # in the compilation cache's directory (JAX's cache ignores folders)
+# Folders of the compilation cache's directory.
+EXECUTABLES_SUBDIR = "executables"
+WEIGHTS_SUBDIR = "weights"
 _lock = threading.Lock()
 _listener_installed = False
 # The counter whose engine is working on this thread (compilation runs on the calling thread),
@@ -83,8 +93,10 @@ def executable_cache(config: CompileConfig) -> ExecutableCache | None:
     return ExecutableCache(os.path.join(config.cache_dir(), EXECUTABLES_SUBDIR))
 
 
-def enable_persistent_cache(cache_dir: str) -> None:
-    """Turn on JAX's persistent compilation cache in `cache_dir` (idempotent)."""
-    jax.config.update("jax_compilation_cache_dir", cache_dir)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+def weight_cache(config: CompileConfig) -> WeightCache | None:
+    """The cache of weights as the backend laid them out (`weight_cache.py`), in the
+    compilation cache's directory; None when the compilation cache is off."""
+    if not config.enable_compilation_cache:
+        return None
+    return WeightCache(os.path.join(config.cache_dir(), WEIGHTS_SUBDIR))
+

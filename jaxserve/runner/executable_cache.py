@@ -36,12 +36,33 @@ import os
 import pathlib
 import pickle
 import platform
-from collections.abc import Callable, Iterable
+import threading
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import jax
 
 logger = logging.getLogger(__name__)
+
+# JAX's own persistent cache, where something enabled it: an executable it returns was loaded,
+# not compiled, and XLA:CPU serializes such an executable incompletely (see runner/compile.py).
+_JAX_CACHE_HIT = "/jax/compilation_cache/cache_hits"
+_jax_cache_hits = threading.local()
+_listener_lock = threading.Lock()
+_listening = False
+
+
+def _on_event(event: str, **kwargs) -> None:
+    if event == _JAX_CACHE_HIT:
+        _jax_cache_hits.count = getattr(_jax_cache_hits, "count", 0) + 1
+
+
+def _listen() -> None:
+    global _listening
+    with _listener_lock:
+        if not _listening:
+            jax.monitoring.register_event_listener(_on_event)
+            _listening = True
 
 FORMAT = 1  # bump when the file layout changes
 _SUFFIX = ".jexe"
@@ -111,13 +132,14 @@ def environment_fingerprint(devices: Iterable[jax.Device]) -> dict[str, str]:
 
 
 def canonical(x: Any) -> str:
-    """A description of `x` that is the same in every process: like repr, with sets sorted (a
-    set's repr follows string hashes, which differ from process to process) and dataclasses
-    written field by field (so sets inside them are sorted too)."""
+    """A description of `x` that is the same in every process and for equal values: like repr,
+    with sets sorted (a set's repr follows string hashes, which differ from process to
+    process), dicts sorted by key (flax orders a variable's metadata by how it was made), and
+    dataclasses written field by field (so what they hold is sorted too)."""
     if isinstance(x, (set, frozenset)):
         return "{" + ",".join(sorted(canonical(e) for e in x)) + "}"
-    if isinstance(x, dict):
-        return "{" + ",".join(f"{canonical(k)}:{canonical(v)}" for k, v in x.items()) + "}"
+    if isinstance(x, Mapping):
+        return "{" + ",".join(sorted(f"{canonical(k)}:{canonical(v)}" for k, v in x.items())) + "}"
     if isinstance(x, (list, tuple)):
         return f"{type(x).__name__}(" + ",".join(map(canonical, x)) + ")"
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
@@ -257,9 +279,14 @@ class ExecutableScope:
         if compiled is not None:
             self.loaded += 1
             return compiled
+        _listen()
+        hits = getattr(_jax_cache_hits, "count", 0)
         compiled = compile_fn()
-        self.cache.store(key, name, compiled)
         self.compiled += 1
+        if getattr(_jax_cache_hits, "count", 0) != hits:
+            logger.info("not caching the executable %s: JAX's persistent cache gave it (loaded, not compiled)", name)
+        else:
+            self.cache.store(key, name, compiled)
         return compiled
 
 

@@ -243,26 +243,50 @@ def dense_group(spec: str, x: jax.Array, w: PackedWeight) -> list[jax.Array]:
     return [p.reshape(*lead, *s) for p, s in zip(parts, w.out_shapes)]
 
 
-def pack_for_spec(spec: str, w: np.ndarray) -> tuple[np.ndarray, tuple[int, ...]] | None:
-    """The product kernel's layout of weight `w` as used by `dense(spec, x, w)`, and its output dims;
-    None when the product does not fit the kernel (K or N not a multiple of 32, or the
-    contracted dims not trailing in x)."""
-    from jaxserve.pallas_kernels.cpu.matmul import pack_weight, packable
+def _pack_geometry(spec: str, shape: tuple[int, ...]):
+    """(permutation to [contracted..., output...], K, N, output dims) of a weight of `shape` used
+    as `dense(spec, x, w)`, or None when the product does not fit the kernel."""
+    from jaxserve.pallas_kernels.cpu.matmul import packable
 
     xs, ws, out, contract = _parse(spec)
     w_out = "".join(c for c in out if c in ws)
     if not xs.endswith(contract) or out != xs[: len(xs) - len(contract)] + w_out:
         return None
     perm = [ws.index(c) for c in contract + w_out]
-    out_shape = tuple(w.shape[ws.index(c)] for c in w_out)
-    k, n = math.prod(w.shape[ws.index(c)] for c in contract), math.prod(out_shape)
+    out_shape = tuple(shape[ws.index(c)] for c in w_out)
+    k, n = math.prod(shape[ws.index(c)] for c in contract), math.prod(out_shape)
     if not packable(k, n):
         return None
+    return perm, k, n, out_shape
+
+
+def pack_for_spec(spec: str, w: np.ndarray) -> tuple[np.ndarray, tuple[int, ...]] | None:
+    """The product kernel's layout of weight `w` as used by `dense(spec, x, w)`, and its output dims;
+    None when the product does not fit the kernel (K or N not a multiple of 32, or the
+    contracted dims not trailing in x)."""
+    from jaxserve.pallas_kernels.cpu.matmul import pack_weight
+
+    geometry = _pack_geometry(spec, w.shape)
+    if geometry is None:
+        return None
+    perm, k, n, out_shape = geometry
     return pack_weight(np.transpose(w, perm).reshape(k, n)), out_shape
 
 
+def packed_layout_for_spec(spec: str, w: jax.ShapeDtypeStruct) -> tuple[jax.ShapeDtypeStruct, tuple[int, ...]] | None:
+    """`pack_for_spec` on shapes only: the packed weight as a ShapeDtypeStruct (with `w`'s
+    sharding), and its output dims."""
+    from jaxserve.pallas_kernels.cpu.matmul import packed_weight_shape
+
+    geometry = _pack_geometry(spec, w.shape)
+    if geometry is None:
+        return None
+    _, k, n, out_shape = geometry
+    return jax.ShapeDtypeStruct(packed_weight_shape(k, n, w.dtype), w.dtype, sharding=w.sharding), out_shape
+
+
 def pack_linear_weights(model, specs: dict[str, str], groups: dict[str, tuple[str, ...]],
-                        head_specs: tuple[str, str]) -> int:
+                        head_specs: tuple[str, str], abstract: bool = False) -> int:
     """Replace `model`'s bfloat16 or float32 matmul weights by packed ones (the CPU product
     kernel's layout), in place; returns how many products a step now runs on the kernel per
     layer stack (fused groups count once).
@@ -272,18 +296,29 @@ def pack_linear_weights(model, specs: dict[str, str], groups: dict[str, tuple[st
     the fused weight replaces them. head_specs: the LM head's spec with a separate `lm_head`
     [E, V] and with the tied embedding [V, E]; a tied model gets a packed `lm_head` (the
     embedding stays, for the lookup).
+
+    abstract: `model`'s values are ShapeDtypeStructs (with shardings), and so are the packed
+    ones: the structure packing gives, without the work (for weights packed earlier and kept,
+    see jaxserve/runner/weight_cache.py).
     """
     count = 0
 
     def packed(spec: str, value: jax.Array):
         if value.dtype not in (jnp.bfloat16, jnp.float32):
             return None
+        if abstract:
+            return packed_layout_for_spec(spec, value)
         return pack_for_spec(spec, np.asarray(value))
 
     def param(value: jax.Array, parts) -> PackedParam:
+        out_shapes = tuple(s for _, s in parts)
+        if abstract:
+            first = parts[0][0]
+            shape = (sum(b.shape[0] for b, _ in parts), *first.shape[1:])  # N blocks lead
+            return PackedParam(jax.ShapeDtypeStruct(shape, first.dtype, sharding=value.sharding),
+                               out_shapes=out_shapes)
         blocks = np.concatenate([b for b, _ in parts], axis=0)  # N blocks lead: concatenation
-        return PackedParam(jax.device_put(blocks, value.sharding),
-                           out_shapes=tuple(s for _, s in parts))
+        return PackedParam(jax.device_put(blocks, value.sharding), out_shapes=out_shapes)
 
     for layer in model.layers:
         grouped = set()
@@ -291,9 +326,9 @@ def pack_linear_weights(model, specs: dict[str, str], groups: dict[str, tuple[st
             vars_ = [getattr(layer, n, None) for n in names]
             if any(v is None or isinstance(v, PackedParam) for v in vars_):
                 continue
-            parts = [packed(specs[n], v[...]) for n, v in zip(names, vars_)]
+            parts = [packed(specs[n], v.get_value()) for n, v in zip(names, vars_)]
             if all(p is not None for p in parts):
-                setattr(layer, fused, param(vars_[0][...], parts))
+                setattr(layer, fused, param(vars_[0].get_value(), parts))
                 for n in names:
                     delattr(layer, n)
                 grouped.update(names)
@@ -302,13 +337,13 @@ def pack_linear_weights(model, specs: dict[str, str], groups: dict[str, tuple[st
             var = getattr(layer, name, None)
             if name in grouped or var is None or isinstance(var, PackedParam):
                 continue
-            res = packed(spec, var[...])
+            res = packed(spec, var.get_value())
             if res is not None:
-                setattr(layer, name, param(var[...], [res]))
+                setattr(layer, name, param(var.get_value(), [res]))
                 count += 1
     head = getattr(model, "lm_head", None)
     if not isinstance(head, PackedParam):
-        value = head[...] if head is not None else model.embed[...]
+        value = head.get_value() if head is not None else model.embed.get_value()
         res = packed(head_specs[0] if head is not None else head_specs[1], value)
         if res is not None:
             model.lm_head = param(value, [res])

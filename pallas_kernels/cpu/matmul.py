@@ -62,6 +62,11 @@ def packable(k: int, n: int) -> bool:
     return k % 32 == 0 and n % 32 == 0 and k > 0 and n > 0
 
 
+def packed_weight_shape(k: int, n: int, dtype) -> tuple[int, ...]:
+    """The shape `pack_weight` gives a [K, N] weight of `dtype` (bfloat16 or float32)."""
+    return (n // 32, k, 32) if np.dtype(dtype) == np.float32 else (n // 16, k // 32, 16, 32)
+
+
 def pack_weight(w: np.ndarray) -> np.ndarray:
     """[K, N] (K, N multiples of 32) -> the kernel's layout, by dtype.
 

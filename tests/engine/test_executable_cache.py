@@ -112,7 +112,7 @@ def test_broken_entries_are_compiled_again(model_dir, tmp_path, caplog):
 def test_no_compilation_cache_stores_nothing(model_dir, tmp_path):
     runner = _runner(_llm(model_dir, tmp_path, enable_compilation_cache=False))
     assert runner.executables_loaded == 0 and not (tmp_path / EXECUTABLES_SUBDIR).exists()
-    runner = _runner(_llm(model_dir, tmp_path, enable_executable_cache=False))  # the default
+    runner = _runner(_llm(model_dir, tmp_path, enable_executable_cache=False))
     assert runner.executables_loaded == 0 and not (tmp_path / EXECUTABLES_SUBDIR).exists()
 
 
@@ -136,6 +136,22 @@ def test_a_loaded_executable_must_take_the_same_arguments(tmp_path):
         assert cache.load("k", "add", other) is None
         cache.store("k", "add", compiled)
     assert cache.load("another key", "add", args) is None
+
+
+def test_an_executable_from_jaxs_persistent_cache_is_not_stored(tmp_path):
+    """One that JAX loaded from its own cache (if something enabled it) would serialize without
+    some of its kernels on XLA:CPU; the scope stores only what was compiled in its process."""
+    a = jax.ShapeDtypeStruct((4,), jnp.float32)
+    scope = ec.ExecutableCache(tmp_path).scope(jax.devices()[:1], what="test")
+
+    def from_jax_cache():
+        jax.monitoring.record_event("/jax/compilation_cache/cache_hits")
+        return jax.jit(_add).lower(a, {"b": a}).compile()
+
+    scope.get("add", (a, {"b": a}), from_jax_cache)
+    assert not list(tmp_path.glob("*.jexe"))
+    scope.get("add", (a, {"b": a}), lambda: jax.jit(_add).lower(a, {"b": a}).compile())
+    assert len(list(tmp_path.glob("*.jexe"))) == 1
 
 
 def test_least_recently_used_entries_go_past_the_limit(tmp_path):
@@ -165,3 +181,4 @@ def test_canonical_descriptions_do_not_depend_on_string_hashing():
                            env={**os.environ, "PYTHONHASHSEED": str(seed)}).stdout for seed in (1, 2, 3, 4)}
     assert len(outs) == 1
     assert ec.canonical(frozenset({"b", "a"})) == ec.canonical(frozenset({"a", "b"})) == "{'a','b'}"
+    assert ec.canonical({"y": 1, "x": (2, 3)}) == ec.canonical({"x": (2, 3), "y": 1})

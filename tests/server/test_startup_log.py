@@ -1,17 +1,24 @@
 """`jaxserve serve` logs where its start-up went once it listens, and a second start of the same
-configuration loads every executable instead of compiling (a real process, a tiny model)."""
+configuration loads every executable instead of compiling, and serves with them (real
+processes, a tiny model)."""
 
 from __future__ import annotations
 
 import re
 import signal
 
+import httpx
+
 from tests.model_dirs import write_model_dir
 from tests.server.test_shutdown import _start
 
 
 def _start_up_line(model_dir, cache_dir) -> str:
-    proc, _ = _start(model_dir, cache_dir, grace=0.0, log_level="info", extra=("--executable-cache",))
+    proc, url = _start(model_dir, cache_dir, grace=0.0, log_level="info")
+    # A request runs the steps (the second time: executables another process compiled).
+    r = httpx.post(url + "/v1/completions", json={"prompt": "w5 w6 w7", "max_tokens": 4, "temperature": 0},
+                   timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, out[-2000:]

@@ -1,0 +1,169 @@
+"""Weights as the backend laid them out (packed for the CPU product kernels), kept on disk, so
+that a restart reads them instead of reading, converting and packing the checkpoint again.
+
+On the 2-core CPU the default model's weights took ~0.8 s to read from the converted float32
+checkpoint and convert to bfloat16, and ~0.6 s more to pack (a third of a warm start by then);
+read back from this cache they take the time of one copy. Only backends whose
+`prepare_model` does such work use it (`Backend.lays_out_weights`: the CPU with its product
+kernels), and only for float weights.
+
+An entry is one file: a magic, the header's length, a JSON header (the key, and each leaf's
+path, shape, dtype and place) and the leaves' bytes, page-aligned, in the order of the model's
+state. Its key covers what the bytes depend on:
+the checkpoint (config.json, and each weight file's name, size, modification time and first
+and last MiB), the dtype, the backend's plan, the sharding rules, and the environment of the
+executable cache (the jaxserve sources, library versions, devices, CPU). On a restart the
+model's structure is rebuilt without any work (the abstract model, laid out on shapes only)
+and must match the header leaf for leaf, or the entry is ignored and the weights are prepared
+from the checkpoint. Writes are atomic; past `max_bytes` the least recently used entries go.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import mmap
+import os
+import pathlib
+import struct
+from collections.abc import Iterable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxserve.runner.executable_cache import canonical, environment_fingerprint
+
+logger = logging.getLogger(__name__)
+
+FORMAT = 1
+MAGIC = b"JXSWGT01"
+DEFAULT_MAX_BYTES = 8 << 30
+_SUFFIX = ".weights"
+_ALIGN = 4096
+_MIB = 1 << 20
+
+
+def checkpoint_identity(path: pathlib.Path, config: dict) -> str:
+    """config.json, and for each weight file its name, size, modification time and first and
+    last MiB (as the GGUF conversion cache identifies its source)."""
+    h = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
+    for file in sorted(pathlib.Path(path).glob("*.safetensors")):
+        stat = file.stat()
+        h.update(f"{file.name}|{stat.st_size}|{stat.st_mtime_ns}|".encode())
+        with open(file, "rb") as f:
+            h.update(f.read(_MIB))
+            f.seek(max(0, stat.st_size - _MIB))
+            h.update(f.read(_MIB))
+    return h.hexdigest()
+
+
+def _data_start(header_bytes: int) -> int:
+    """Where the leaves' bytes begin (their offsets count from there): after the magic, the
+    header's length and the header, aligned."""
+    return -(-(len(MAGIC) + 8 + header_bytes) // _ALIGN) * _ALIGN
+
+
+def _leaves(model) -> tuple[list[tuple[str, object]], object, object]:
+    """The model's state leaves with their paths, the state's tree and the graph definition."""
+    graphdef, state = nnx.split(model)
+    with_paths, treedef = jax.tree_util.tree_flatten_with_path(state)
+    return [(jax.tree_util.keystr(p), x) for p, x in with_paths], treedef, graphdef
+
+
+class WeightCache:
+    def __init__(self, directory: str | os.PathLike[str], max_bytes: int = DEFAULT_MAX_BYTES):
+        self.directory = pathlib.Path(directory)
+        self.max_bytes = max_bytes
+
+    def key(self, checkpoint: pathlib.Path, config: dict, devices: Iterable[jax.Device], **parts: str) -> str:
+        material = {**environment_fingerprint(devices), "checkpoint": checkpoint_identity(checkpoint, config),
+                    **parts}
+        return hashlib.sha256(canonical(sorted(material.items())).encode()).hexdigest()
+
+    def _path(self, key: str) -> pathlib.Path:
+        return self.directory / f"{key[:40]}{_SUFFIX}"
+
+    def load(self, key: str, abstract_model):
+        """`abstract_model` (ShapeDtypeStructs with shardings, laid out as the backend lays out
+        the weights) with the stored weights, or None when there is no entry that fits."""
+        path = self._path(key)
+        expected, treedef, graphdef = _leaves(abstract_model)
+        try:
+            f = open(path, "rb")
+        except FileNotFoundError:
+            return None
+        try:
+            with f:
+                if f.read(len(MAGIC)) != MAGIC:
+                    raise ValueError("not a weight cache entry")
+                (n,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(n))
+                leaves = header["leaves"]
+                if header.get("format") != FORMAT or header.get("key") != key:
+                    raise ValueError("another format or key")
+                if [(p, tuple(s), d) for p, s, d, _, _ in leaves] != [
+                        (p, tuple(x.shape), jnp.dtype(x.dtype).name) for p, x in expected]:
+                    raise ValueError("the model's layout differs")
+                start = _data_start(n)
+                # Copied from the mapping into the device buffers (the mapping closes when the
+                # last view of it goes).
+                mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                arrays = []
+                for (_, shape, dtype, offset, nbytes), (_, x) in zip(leaves, expected):
+                    host = np.frombuffer(mm, jnp.dtype(dtype), nbytes // jnp.dtype(dtype).itemsize, start + offset)
+                    arrays.append(jax.device_put(host.reshape(shape), x.sharding, may_alias=False))
+                jax.block_until_ready(arrays)
+                del host, mm
+        except Exception as e:  # noqa: BLE001 - any unreadable entry: prepare the weights instead
+            logger.warning("ignoring the cached weights %s (%s: %s)", path.name, type(e).__name__, e)
+            return None
+        try:
+            os.utime(path)  # recently used: kept longest
+        except OSError:
+            pass
+        return nnx.merge(graphdef, jax.tree.unflatten(treedef, arrays))
+
+    def store(self, key: str, model) -> None:
+        """Keep `model`'s weights under `key` (best effort: a failure is logged)."""
+        leaves, _, _ = _leaves(model)
+        table, offset = [], 0
+        for p, x in leaves:
+            offset = -(-offset // _ALIGN) * _ALIGN
+            table.append([p, list(x.shape), jnp.dtype(x.dtype).name, offset, int(x.nbytes)])
+            offset += int(x.nbytes)
+        if offset > self.max_bytes:
+            logger.info("not caching %.1f GiB of weights (more than the cache's %.1f GiB)", offset / 2**30,
+                        self.max_bytes / 2**30)
+            return
+        header = json.dumps({"format": FORMAT, "key": key, "leaves": table}).encode()
+        start = _data_start(len(header))
+        path = self._path(key)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            with open(tmp, "wb") as f:
+                f.write(MAGIC + struct.pack("<Q", len(header)) + header)
+                for (_, x), (_, _, _, off, _) in zip(leaves, table):
+                    f.seek(start + off)
+                    np.ascontiguousarray(np.asarray(x)).tofile(f)
+            os.replace(tmp, path)  # atomic: concurrent writers each install a whole file
+        except Exception as e:  # noqa: BLE001 - e.g. a full disk: serving goes on
+            logger.warning("cannot cache the weights (%s: %s)", type(e).__name__, e)
+            tmp.unlink(missing_ok=True)
+            return
+        self._evict()
+
+    def _evict(self) -> None:
+        try:
+            entries = [(p.stat().st_mtime, p.stat().st_size, p) for p in self.directory.glob(f"*{_SUFFIX}")]
+        except OSError:
+            return
+        total = sum(size for _, size, _ in entries)
+        for _, size, path in sorted(entries, key=lambda e: e[0]):
+            if total <= self.max_bytes:
+                break
+            path.unlink(missing_ok=True)
+            total -= size
