@@ -121,7 +121,7 @@ def run(dtype, shapes: list[tuple[int, int]], m: int, iters: int, rng, bw_gbs: f
     nbytes = sum(w.nbytes for w in weights)
 
     unpacked = [jnp.asarray(w) for w in weights]
-    packed = [jnp.asarray(pack_weight(w)) for w in weights]
+    packed = [jnp.asarray(pack_weight(w, tiles=kernel_name == "amx")) for w in weights]
     k_of = [w.shape[0] for w in weights]
 
     def xla(xs, ws):
@@ -187,16 +187,16 @@ def main() -> None:
     if args.lm_head:
         sets.append(("lm_head", [LM_HEAD]))
     for name in args.dtypes:
-        if name == "bfloat16":
-            kernel = "amx" if amx_available() else None
-        else:
-            kernel = "avx512" if avx512_available() else "avx2" if avx2_available() else None
+        # bfloat16: AMX tiles where they run, else strips like float32 (widened in the kernel)
+        kernel = "avx512" if avx512_available() else "avx2" if avx2_available() else None
+        if name == "bfloat16" and amx_available():
+            kernel = "amx"
         if kernel is None:
             print(f"{name}: no kernel in this build on this CPU, skipped")
             continue
         dtype = ml_dtypes.bfloat16 if name == "bfloat16" else np.float32
         compare = None
-        if args.compare_target and name == "float32":
+        if args.compare_target and kernel != "amx":  # strips on both sides
             t = args.compare_target
             other = ("avx512" if avx512_available(t) else "avx2" if avx2_available(t) else None)
             compare = (t, other) if other else None

@@ -74,11 +74,11 @@ class CpuBackend(Backend):
         """"amx", "avx512", "avx2" or "xla" for `requested` (one of MATMUL_IMPLS).
 
         The kernels need a one-device mesh (packed weights are not sharded), and: "amx" bfloat16
-        weights and a CPU with AMX; "avx512" float32 weights and a CPU with AVX-512; "avx2"
-        float32 weights and a kernel build without AVX-512 on a CPU with AVX2 and FMA (all on the
-        process's kernel build, `ModelConfig.cpu_kernel_target`). "auto" picks the one that fits
-        the weights' dtype (float32: AVX-512 where the build has it, else AVX2), else "xla"; an
-        explicit one that cannot run raises ValueError."""
+        weights and a CPU with AMX; "avx512" float32 or bfloat16 weights (computed in float32)
+        and a CPU with AVX-512; "avx2" the same with a kernel build without AVX-512 on a CPU with
+        AVX2 and FMA (all on the process's kernel build, `ModelConfig.cpu_kernel_target`).
+        "auto" picks AMX for bfloat16 where it runs, else AVX-512 where the build has it, else
+        AVX2, else "xla"; an explicit one that cannot run raises ValueError."""
         if requested not in MATMUL_IMPLS:
             raise ValueError(f"matmul_impl must be 'auto', 'xla', 'amx', 'avx512' or 'avx2'; got {requested!r}")
         if requested == "xla":
@@ -86,12 +86,13 @@ class CpuBackend(Backend):
         dt = jnp.dtype(dtype)
         name = requested
         if requested == "auto":
-            name = ("amx" if dt == jnp.bfloat16 else
-                    "avx2" if not avx512_available() and avx2_available() else "avx512")
-        want = {"amx": jnp.bfloat16, "avx512": jnp.float32, "avx2": jnp.float32}[name]
+            strips = "avx2" if not avx512_available() and avx2_available() else "avx512"
+            name = "amx" if dt == jnp.bfloat16 and amx_available() else strips
+        want = {"amx": (jnp.bfloat16,), "avx512": (jnp.bfloat16, jnp.float32),
+                "avx2": (jnp.bfloat16, jnp.float32)}[name]
         reasons = []
-        if dt != want:
-            reasons.append(f"the weights are {dt.name}, not {jnp.dtype(want).name}")
+        if dt not in want:
+            reasons.append(f"the weights are {dt.name}, not " + " or ".join(jnp.dtype(w).name for w in want))
         if mesh.size != 1:
             reasons.append(f"the mesh has {mesh.size} devices")
         if not reasons and not {"amx": amx_available, "avx512": avx512_available, "avx2": avx2_available}[name]():
@@ -119,7 +120,7 @@ class CpuBackend(Backend):
     def prepare_model(self, model, plan: DevicePlan, abstract: bool = False) -> None:
         if plan.matmul_impl == "xla":
             return
-        n = pack_linear_weights(model, *model.product_specs, abstract=abstract)
+        n = pack_linear_weights(model, *model.product_specs, tiles=plan.matmul_impl == "amx", abstract=abstract)
         if not abstract:
             logger.info("packed %d weights for the %s matmul kernel", n, plan.matmul_impl)
 

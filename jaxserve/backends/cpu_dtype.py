@@ -1,7 +1,8 @@
 """Which weight dtype serves faster on this CPU — measured, not read off a feature list.
 
-A CPU with AVX512-BF16 but no AMX multiplies bfloat16 through XLA's dot, which may lose to the
-float32 kernel; an AVX2-only CPU emulates bfloat16; an AMX CPU has a bfloat16 kernel several
+Without AMX, bfloat16 weights go through the same strips kernel as float32 (widened as they are
+loaded: half the bytes to read, the same float32 FMAs), where a bfloat16 KV cache also halves
+attention's reads but the activations are rounded; an AMX CPU has a bfloat16 kernel several
 times faster than float32. So "auto" times the products a decode step is made of (SmolLM2's
 MLP shapes, at 1 and 32 rows: one request and a full batch) through the path the engine would
 take for each dtype (the packed kernel where one runs, else XLA's dot), alternating the two,
@@ -31,7 +32,7 @@ logger = logging.getLogger(__name__)
 SHAPES = ((576, 1536), (1536, 576))  # (K, N): a decode step's MLP products
 ROWS = (1, 32)
 REPEATS = 15
-VERSION = 1  # bump when the measurement changes
+VERSION = 2  # bump when the measurement changes
 
 
 def _cache_file(key: str) -> pathlib.Path:
@@ -46,7 +47,7 @@ def _product(dtype: str, impl: str, k: int, n: int) -> Callable[[jax.Array], jax
     if impl != "xla":
         from jaxserve.pallas_kernels.cpu.matmul import pack_weight, packed_matmul
 
-        packed = jnp.asarray(pack_weight(w.astype(jnp.dtype(dtype))))
+        packed = jnp.asarray(pack_weight(w.astype(jnp.dtype(dtype)), tiles=impl == "amx"))
         return jax.jit(lambda x: packed_matmul(x, packed))
     wd = jnp.asarray(w, dtype)
     return jax.jit(lambda x: jnp.einsum("mk,kn->mn", x.astype(wd.dtype), wd, preferred_element_type=jnp.float32))

@@ -6,7 +6,7 @@ standard mixed-precision pattern. Activations are cast to the weight dtype at th
 
 On the CPU, weights can instead be packed once at load time (`pack_linear_weights`) into the
 layout of the native product kernel (`pallas_kernels/cpu/matmul.py`: bfloat16 on AMX, float32
-with AVX-512); `dense` then calls that kernel. A packed weight lives in a `PackedParam` (an
+or bfloat16 with AVX-512 or AVX2 FMAs); `dense` then calls that kernel. A packed weight lives in a `PackedParam` (an
 `nnx.Param` whose value is the packed array, with the logical output shape as metadata), and
 the model reads it through `weight_value`, which hands `dense` a `PackedWeight`.
 
@@ -38,7 +38,7 @@ class PackedParam(nnx.Param):
 
 @dataclasses.dataclass(frozen=True)
 class PackedWeight:
-    blocks: jax.Array  # `pack_weight`'s layout: bfloat16 [N/16, K/32, 16, 32], float32 [N/32, K, 32]
+    blocks: jax.Array  # `pack_weight`'s layout: bfloat16 tiles [N/16, K/32, 16, 32] or strips [N/32, K, 32]
     out_shapes: tuple[tuple[int, ...], ...]
 
 
@@ -260,20 +260,20 @@ def _pack_geometry(spec: str, shape: tuple[int, ...]):
     return perm, k, n, out_shape
 
 
-def pack_for_spec(spec: str, w: np.ndarray) -> tuple[np.ndarray, tuple[int, ...]] | None:
-    """The product kernel's layout of weight `w` as used by `dense(spec, x, w)`, and its output dims;
-    None when the product does not fit the kernel (K or N not a multiple of 32, or the
-    contracted dims not trailing in x)."""
+def pack_for_spec(spec: str, w: np.ndarray, tiles: bool) -> tuple[np.ndarray, tuple[int, ...]] | None:
+    """The product kernel's layout of weight `w` as used by `dense(spec, x, w)` (AMX `tiles` or
+    strips, see `pack_weight`), and its output dims; None when the product does not fit the
+    kernel (K or N not a multiple of 32, or the contracted dims not trailing in x)."""
     from jaxserve.pallas_kernels.cpu.matmul import pack_weight
 
     geometry = _pack_geometry(spec, w.shape)
     if geometry is None:
         return None
     perm, k, n, out_shape = geometry
-    return pack_weight(np.transpose(w, perm).reshape(k, n)), out_shape
+    return pack_weight(np.transpose(w, perm).reshape(k, n), tiles), out_shape
 
 
-def packed_layout_for_spec(spec: str, w: jax.ShapeDtypeStruct) -> tuple[jax.ShapeDtypeStruct, tuple[int, ...]] | None:
+def packed_layout_for_spec(spec: str, w: jax.ShapeDtypeStruct, tiles: bool) -> tuple[jax.ShapeDtypeStruct, tuple[int, ...]] | None:
     """`pack_for_spec` on shapes only: the packed weight as a ShapeDtypeStruct (with `w`'s
     sharding), and its output dims."""
     from jaxserve.pallas_kernels.cpu.matmul import packed_weight_shape
@@ -282,11 +282,12 @@ def packed_layout_for_spec(spec: str, w: jax.ShapeDtypeStruct) -> tuple[jax.Shap
     if geometry is None:
         return None
     _, k, n, out_shape = geometry
-    return jax.ShapeDtypeStruct(packed_weight_shape(k, n, w.dtype), w.dtype, sharding=w.sharding), out_shape
+    shape = packed_weight_shape(k, n, tiles)
+    return jax.ShapeDtypeStruct(shape, w.dtype, sharding=w.sharding), out_shape
 
 
 def pack_linear_weights(model, specs: dict[str, str], groups: dict[str, tuple[str, ...]],
-                        head_specs: tuple[str, str], abstract: bool = False) -> int:
+                        head_specs: tuple[str, str], tiles: bool, abstract: bool = False) -> int:
     """Replace `model`'s bfloat16 or float32 matmul weights by packed ones (the CPU product
     kernel's layout), in place; returns how many products a step now runs on the kernel per
     layer stack (fused groups count once).
@@ -295,7 +296,8 @@ def pack_linear_weights(model, specs: dict[str, str], groups: dict[str, tuple[st
     share one input (e.g. "wqkv": ("wq", "wk", "wv")), packed together when all of them pack;
     the fused weight replaces them. head_specs: the LM head's spec with a separate `lm_head`
     [E, V] and with the tied embedding [V, E]; a tied model gets a packed `lm_head` (the
-    embedding stays, for the lookup).
+    embedding stays, for the lookup). tiles: bfloat16 weights in AMX tile order, else strips
+    (`pack_weight`).
 
     abstract: `model`'s values are ShapeDtypeStructs (with shardings), and so are the packed
     ones: the structure packing gives, without the work (for weights packed earlier and kept,
@@ -307,8 +309,8 @@ def pack_linear_weights(model, specs: dict[str, str], groups: dict[str, tuple[st
         if value.dtype not in (jnp.bfloat16, jnp.float32):
             return None
         if abstract:
-            return packed_layout_for_spec(spec, value)
-        return pack_for_spec(spec, np.asarray(value))
+            return packed_layout_for_spec(spec, value, tiles)
+        return pack_for_spec(spec, np.asarray(value), tiles)
 
     def param(value: jax.Array, parts) -> PackedParam:
         out_shapes = tuple(s for _, s in parts)

@@ -5,8 +5,11 @@
 //   (nb, kb) row p holds, for each of its 16 columns n, the pair (W[32 kb + 2 p, 16 nb + n],
 //   W[32 kb + 2 p + 1, 16 nb + n]). A is cast to bfloat16. Requires the process to be granted
 //   AMX tile data (arch_prctl), done once on first use.
-// - float32 W, with AVX-512 FMAs, or AVX2 FMAs where the build has no AVX-512 (JAXSERVE_AVX2,
-//   simd.h): column strips, strips[N / 32][K][32], the same packing for both.
+// - float32 or bfloat16 W, with AVX-512 FMAs, or AVX2 FMAs where the build has no AVX-512
+//   (JAXSERVE_AVX2, simd.h): column strips, strips[N / 32][K][32], the same packing for both.
+//   A bfloat16 strip row is widened to float32 as it is loaded (a shift: bfloat16 is the top
+//   half of a float32), so the products compute in float32 while reading half the bytes: what
+//   CPUs without AMX (and XLA's slow bfloat16 dot there) get for bfloat16 weights.
 // K and N must be multiples of 32. A is x (float32 or bfloat16), or with `norm` RMSNorm(x) *
 // norm computed in float32. The result can be added to a float32 `residual`, or with `glu`
 // (W = [gate | up], N/2 columns each) be silu(gate) * up. These are the ops around each
@@ -262,16 +265,23 @@ class AmxJob : public StripJob {
 #endif  // JAXSERVE_HAVE_AMX
 
 #if defined(__AVX512F__)
+// 16 weights of a strip row as float32.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
 // c[R x 32] = a[R rows, stride k] @ b[k][32]: 2R accumulator registers, one broadcast of A per
-// row and two weight loads per k.
-template <int R>
-void f32_rows(const float* a, int64_t k, const float* b, float* c) {
+// row and two weight loads per k. W: float (float32) or uint16_t (bfloat16 bits).
+template <int R, typename W>
+void f32_rows(const float* a, int64_t k, const W* b, float* c) {
   __m512 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   for (int64_t kk = 0; kk < k; ++kk) {
     _mm_prefetch(reinterpret_cast<const char*>(b + (kk + 16) * 32), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(b + (kk + 16) * 32 + 16), _MM_HINT_T0);
-    const __m512 b0 = _mm512_loadu_ps(b + kk * 32), b1 = _mm512_loadu_ps(b + kk * 32 + 16);
+    const __m512 b0 = load16(b + kk * 32), b1 = load16(b + kk * 32 + 16);
     for (int r = 0; r < R; ++r) {
       const __m512 av = _mm512_set1_ps(a[r * k + kk]);
       acc[r][0] = _mm512_fmadd_ps(av, b0, acc[r][0]);
@@ -284,25 +294,27 @@ void f32_rows(const float* a, int64_t k, const float* b, float* c) {
   }
 }
 
+template <typename W>
 class F32Job : public StripJob {
  public:
   static constexpr int64_t kRows = 12;
 
-  F32Job(const float* a, const float* w, const float* residual, bool glu, float* out, int64_t m,
+  F32Job(const float* a, const W* w, const float* residual, bool glu, float* out, int64_t m,
          int64_t k, int64_t n)
       : StripJob(residual, glu, out, m, k, n, kRows), a_(a), w_(w) {}
 
  private:
   void block(int64_t s, int64_t m0, int64_t rows, float* c) const override {
-    using Fn = void (*)(const float*, int64_t, const float*, float*);
-    static constexpr Fn kFns[kRows] = {f32_rows<1>, f32_rows<2>, f32_rows<3>, f32_rows<4>,
-                                       f32_rows<5>, f32_rows<6>, f32_rows<7>, f32_rows<8>,
-                                       f32_rows<9>, f32_rows<10>, f32_rows<11>, f32_rows<12>};
+    using Fn = void (*)(const float*, int64_t, const W*, float*);
+    static constexpr Fn kFns[kRows] = {
+        f32_rows<1, W>, f32_rows<2, W>, f32_rows<3, W>,  f32_rows<4, W>,
+        f32_rows<5, W>, f32_rows<6, W>, f32_rows<7, W>,  f32_rows<8, W>,
+        f32_rows<9, W>, f32_rows<10, W>, f32_rows<11, W>, f32_rows<12, W>};
     kFns[rows - 1](a_ + m0 * k_, k_, w_ + s * k_ * 32, c);
   }
 
   const float* a_;
-  const float* w_;
+  const W* w_;
 };
 #elif JAXSERVE_AVX2
 // AVX2 has 16 ymm registers of 8 floats, too few for the AVX-512 kernel's one pass of 12 rows
@@ -317,14 +329,21 @@ class F32Job : public StripJob {
 constexpr int64_t kChunk = 64;
 constexpr int64_t kAhead = 64;  // prefetch distance, weight rows
 
+// 8 weights of a strip row as float32.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
 // The accumulators are named variables: with an array of them GCC also stores the array to
 // the stack on every k, which ran at a third of the speed.
 #define JAXSERVE_ROWS6(X) X(0) X(1) X(2) X(3) X(4) X(5)
 
 // c[R x 16] (row stride 32; + c itself with `accumulate`) = a[R rows, stride lda] @ b[kn][16]
-// (row stride 32), R <= 6.
-template <int R>
-void f32_half_rows_avx2(const float* a, int64_t lda, int64_t kn, const float* b, float* c,
+// (row stride 32), R <= 6. W: float (float32) or uint16_t (bfloat16 bits).
+template <int R, typename W>
+void f32_half_rows_avx2(const float* a, int64_t lda, int64_t kn, const W* b, float* c,
                         bool accumulate) {
   static_assert(R >= 1 && R <= 6);
   __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00,
@@ -353,7 +372,7 @@ void f32_half_rows_avx2(const float* a, int64_t lda, int64_t kn, const float* b,
     const char* ahead = reinterpret_cast<const char*>(b + (kk + kAhead) * 32);
     _mm_prefetch(ahead, _MM_HINT_T0);
     _mm_prefetch(ahead + 64, _MM_HINT_T0);
-    const __m256 b0 = _mm256_loadu_ps(b + kk * 32), b1 = _mm256_loadu_ps(b + kk * 32 + 8);
+    const __m256 b0 = load8(b + kk * 32), b1 = load8(b + kk * 32 + 8);
     JAXSERVE_ROWS6(JAXSERVE_FMA)
   }
   JAXSERVE_ROWS6(JAXSERVE_STORE)
@@ -363,8 +382,8 @@ void f32_half_rows_avx2(const float* a, int64_t lda, int64_t kn, const float* b,
 }
 
 // c[R x 32] (+ c with `accumulate`) = a[R rows, stride lda] @ b[kn][32], R <= 2.
-template <int R>
-void f32_full_rows_avx2(const float* a, int64_t lda, int64_t kn, const float* b, float* c,
+template <int R, typename W>
+void f32_full_rows_avx2(const float* a, int64_t lda, int64_t kn, const W* b, float* c,
                         bool accumulate) {
   static_assert(R >= 1 && R <= 2);
   __m256 c00 = _mm256_setzero_ps(), c01 = c00, c02 = c00, c03 = c00, c10 = c00, c11 = c00,
@@ -398,9 +417,9 @@ void f32_full_rows_avx2(const float* a, int64_t lda, int64_t kn, const float* b,
     const char* ahead = reinterpret_cast<const char*>(b + (kk + kAhead) * 32);
     _mm_prefetch(ahead, _MM_HINT_T0);
     _mm_prefetch(ahead + 64, _MM_HINT_T0);
-    const float* bk = b + kk * 32;
-    const __m256 b0 = _mm256_loadu_ps(bk), b1 = _mm256_loadu_ps(bk + 8);
-    const __m256 b2 = _mm256_loadu_ps(bk + 16), b3 = _mm256_loadu_ps(bk + 24);
+    const W* bk = b + kk * 32;
+    const __m256 b0 = load8(bk), b1 = load8(bk + 8);
+    const __m256 b2 = load8(bk + 16), b3 = load8(bk + 24);
     JAXSERVE_FMA(0) JAXSERVE_FMA(1)
   }
   JAXSERVE_STORE(0) JAXSERVE_STORE(1)
@@ -410,22 +429,23 @@ void f32_full_rows_avx2(const float* a, int64_t lda, int64_t kn, const float* b,
 }
 #undef JAXSERVE_ROWS6
 
+template <typename W>
 class F32Job : public StripJob {
  public:
   static constexpr int64_t kRows = 32;  // per block(); split into sub-blocks of <= 6 rows
 
-  F32Job(const float* a, const float* w, const float* residual, bool glu, float* out, int64_t m,
+  F32Job(const float* a, const W* w, const float* residual, bool glu, float* out, int64_t m,
          int64_t k, int64_t n)
       : StripJob(residual, glu, out, m, k, n, kRows), a_(a), w_(w) {}
 
  private:
   void block(int64_t s, int64_t m0, int64_t rows, float* c) const override {
-    using Fn = void (*)(const float*, int64_t, int64_t, const float*, float*, bool);
-    static constexpr Fn kHalf[6] = {f32_half_rows_avx2<1>, f32_half_rows_avx2<2>,
-                                    f32_half_rows_avx2<3>, f32_half_rows_avx2<4>,
-                                    f32_half_rows_avx2<5>, f32_half_rows_avx2<6>};
-    static constexpr Fn kFull[2] = {f32_full_rows_avx2<1>, f32_full_rows_avx2<2>};
-    const float* b = w_ + s * k_ * 32;
+    using Fn = void (*)(const float*, int64_t, int64_t, const W*, float*, bool);
+    static constexpr Fn kHalf[6] = {f32_half_rows_avx2<1, W>, f32_half_rows_avx2<2, W>,
+                                    f32_half_rows_avx2<3, W>, f32_half_rows_avx2<4, W>,
+                                    f32_half_rows_avx2<5, W>, f32_half_rows_avx2<6, W>};
+    static constexpr Fn kFull[2] = {f32_full_rows_avx2<1, W>, f32_full_rows_avx2<2, W>};
+    const W* b = w_ + s * k_ * 32;
     const int64_t blocks = (rows + 5) / 6;  // balanced: 8 rows are 4 + 4, 32 are 6 6 5 5 5 5
     for (int64_t k0 = 0; k0 < k_; k0 += kChunk) {
       const int64_t kn = std::min(kChunk, k_ - k0);
@@ -445,7 +465,7 @@ class F32Job : public StripJob {
   }
 
   const float* a_;
-  const float* w_;
+  const W* w_;
 };
 #endif  // __AVX512F__, JAXSERVE_AVX2
 
@@ -463,12 +483,14 @@ ffi::Error PackedMatmulImpl(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi:
                             ffi::ResultBuffer<ffi::F32> out, float eps, int32_t glu) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
-  const bool amx = w.element_type() == ffi::DataType::BF16;
-  if (xd.size() != 2 || !((amx && wd.size() == 4 && wd[2] == 16 && wd[3] == 32) ||
-                          (w.element_type() == ffi::DataType::F32 && wd.size() == 3 &&
-                           wd[2] == 32))) {
+  const bool w_bf16 = w.element_type() == ffi::DataType::BF16;
+  const bool amx = w_bf16 && wd.size() == 4;  // AMX tiles; otherwise strips
+  if (xd.size() != 2 || !((amx && wd[2] == 16 && wd[3] == 32) ||
+                          ((w_bf16 || w.element_type() == ffi::DataType::F32) &&
+                           wd.size() == 3 && wd[2] == 32))) {
     return ffi::Error::InvalidArgument(
-        "packed_matmul: x must be [M, K], w bf16 [N/16, K/32, 16, 32] or f32 [N/32, K, 32]");
+        "packed_matmul: x must be [M, K], w bf16 tiles [N/16, K/32, 16, 32] or bf16/f32 "
+        "strips [N/32, K, 32]");
   }
   const int64_t m = xd[0], k = xd[1], n = amx ? wd[0] * 16 : wd[0] * 32;
   if ((amx ? wd[1] * 32 : wd[1]) != k || k % 32 != 0 || n % 32 != 0 ||
@@ -523,9 +545,15 @@ ffi::Error PackedMatmulImpl(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi:
     jaxserve::parallel_for(prologue.items(), prologue);
     a_rows = a.data();
   }
-  F32Job job(a_rows, static_cast<const float*>(w.untyped_data()), res, glu != 0,
-             out->typed_data(), live, k, n);
-  jaxserve::parallel_for(job.items(), job);
+  if (w_bf16) {
+    F32Job<uint16_t> job(a_rows, static_cast<const uint16_t*>(w.untyped_data()), res, glu != 0,
+                         out->typed_data(), live, k, n);
+    jaxserve::parallel_for(job.items(), job);
+  } else {
+    F32Job<float> job(a_rows, static_cast<const float*>(w.untyped_data()), res, glu != 0,
+                      out->typed_data(), live, k, n);
+    jaxserve::parallel_for(job.items(), job);
+  }
   return ffi::Error::Success();
 #else
   return ffi::Error(ffi::ErrorCode::kUnimplemented,
@@ -566,7 +594,7 @@ extern "C" int JaxserveAvx2Available() {
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePackedMatmul, PackedMatmulImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()         // x [M, K] f32 or bf16
-                                  .Arg<ffi::AnyBuffer>()         // w, packed (bf16 or f32)
+                                  .Arg<ffi::AnyBuffer>()         // w, packed (see above)
                                   .Arg<ffi::Buffer<ffi::F32>>()  // norm [K] or [0]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // residual [M, N] or [0]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // live rows [1] or [0]: all

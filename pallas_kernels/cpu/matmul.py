@@ -1,6 +1,7 @@
 """Matrix products on pre-packed weights (`matmul.cc`), for the CPU serving path: bfloat16 on
-Intel AMX, float32 with AVX-512 FMAs, or with AVX2 FMAs in a build without AVX-512 (an
-AVX2-only CPU's "native" build, or build target "haswell" anywhere; `cpu.BUILD_TARGETS`).
+Intel AMX (tiles), float32 or bfloat16 weights (column strips, computed in float32) with AVX-512
+FMAs, or with AVX2 FMAs in a build without AVX-512 (an AVX2-only CPU's "native" build, or build
+target "haswell" anywhere; `cpu.BUILD_TARGETS`).
 
 XLA:CPU runs SmolLM2's bfloat16 decode products at about 130 GFLOP/s on two cores; the AMX
 tile unit does several times that, and at small batch the product is bound by reading the
@@ -47,13 +48,13 @@ def amx_available(target: str | None = None) -> bool:
 
 @functools.cache
 def avx512_available(target: str | None = None) -> bool:
-    """True when this CPU has AVX-512F and the kernels build with it (the float32 product)."""
+    """True when this CPU has AVX-512F and the kernels build with it (the strips' product)."""
     return _library_says("JaxserveAvx512Available", ("avx512f",), target)
 
 
 @functools.cache
 def avx2_available(target: str | None = None) -> bool:
-    """True when this CPU has AVX2 and FMA and the kernels' float32 product is the AVX2 one:
+    """True when this CPU has AVX2 and FMA and the kernels' strips' product is the AVX2 one:
     a build without AVX-512 (target "haswell", or "native" on an AVX2-only CPU)."""
     return _library_says("JaxserveAvx2Available", ("avx2", "fma"), target)
 
@@ -62,23 +63,28 @@ def packable(k: int, n: int) -> bool:
     return k % 32 == 0 and n % 32 == 0 and k > 0 and n > 0
 
 
-def packed_weight_shape(k: int, n: int, dtype) -> tuple[int, ...]:
-    """The shape `pack_weight` gives a [K, N] weight of `dtype` (bfloat16 or float32)."""
-    return (n // 32, k, 32) if np.dtype(dtype) == np.float32 else (n // 16, k // 32, 16, 32)
+def packed_weight_shape(k: int, n: int, tiles: bool) -> tuple[int, ...]:
+    """The shape `pack_weight` gives a [K, N] weight (its dtype stays)."""
+    return (n // 16, k // 32, 16, 32) if tiles else (n // 32, k, 32)
 
 
-def pack_weight(w: np.ndarray) -> np.ndarray:
-    """[K, N] (K, N multiples of 32) -> the kernel's layout, by dtype.
+def pack_weight(w: np.ndarray, tiles: bool) -> np.ndarray:
+    """[K, N] (K, N multiples of 32, bfloat16 or float32) -> the kernel's layout.
 
-    bfloat16: AMX tile order [N/16, K/32, 16, 32]; block (nb, kb), row p, holds for each of its
-    16 columns c the pair (w[32 kb + 2 p, 16 nb + c], w[32 kb + 2 p + 1, 16 nb + c]).
-    float32: column strips [N/32, K, 32].
+    tiles (bfloat16 only, for AMX): tile order [N/16, K/32, 16, 32]; block (nb, kb), row p,
+    holds for each of its 16 columns c the pair (w[32 kb + 2 p, 16 nb + c],
+    w[32 kb + 2 p + 1, 16 nb + c]). Otherwise column strips [N/32, K, 32] of w's dtype (the
+    AVX-512 and AVX2 products).
     """
     k, n = w.shape
     if not packable(k, n):
         raise ValueError(f"pack_weight: K={k} and N={n} must be positive multiples of 32")
-    if w.dtype == np.float32:
+    if w.dtype not in (np.float32, ml_dtypes.bfloat16):
+        raise ValueError(f"pack_weight: weights must be float32 or bfloat16, not {w.dtype}")
+    if not tiles:
         return np.ascontiguousarray(np.asarray(w).reshape(k, n // 32, 32).transpose(1, 0, 2))
+    if w.dtype != ml_dtypes.bfloat16:
+        raise ValueError("pack_weight: AMX tiles hold bfloat16 weights")
     # [kb, p, e, nb, c] -> [nb, kb, p, c, e], in two contiguous passes: rows 2i and 2i + 1 side
     # by side (a uint32 pair per column), then 16-pair runs moved as blocks. (One transpose with
     # e innermost copies element by element: 3-6x slower, ~0.4 s of a start of the default model.)
@@ -94,7 +100,7 @@ def packed_shape(packed: jax.Array) -> tuple[int, int]:
     """(K, N) of a packed weight."""
     if packed.dtype == jnp.bfloat16 and packed.ndim == 4 and packed.shape[2:] == (16, 32):
         return packed.shape[1] * 32, packed.shape[0] * 16
-    if packed.dtype == jnp.float32 and packed.ndim == 3 and packed.shape[2] == 32:
+    if packed.dtype in (jnp.float32, jnp.bfloat16) and packed.ndim == 3 and packed.shape[2] == 32:
         return packed.shape[1], packed.shape[0] * 32
     raise ValueError(f"not a packed weight: {packed.shape} {packed.dtype}")
 
@@ -112,7 +118,8 @@ def packed_matmul(
 ) -> jax.Array:
     """x [M, K] @ a packed weight (`pack_weight`) -> float32 [M, N].
 
-    x may be float32 or bfloat16 (cast to bfloat16 in the kernel for a bfloat16 weight). With
+    x may be float32 or bfloat16 (cast to bfloat16 in the kernel for AMX tiles, to float32
+    for strips). With
     `norm` ([K]) the product takes RMSNorm(x) * norm (float32, `eps`, as
     `models/layers/norm.py`) instead of x. With `residual` ([M, N]) the result is residual +
     product. With `glu` the weight holds [gate | up] (N/2 columns each, N/2 a multiple of 32)

@@ -58,26 +58,25 @@ def test_resolve_matmul_impl():
             assert b.resolve_matmul_impl("auto", dtype, mesh) == "xla"
         with pytest.raises(ValueError, match="matmul_impl='amx' cannot run here"):
             b.resolve_matmul_impl("amx", dtype, mesh)
-    for dtype, mesh in (("bfloat16", ONE), ("float32", EIGHT)):
-        if dtype == "float32":
-            assert b.resolve_matmul_impl("auto", dtype, mesh) == "xla"
-        with pytest.raises(ValueError, match="matmul_impl='avx512' cannot run here"):
-            b.resolve_matmul_impl("avx512", dtype, mesh)
-        with pytest.raises(ValueError, match="matmul_impl='avx2' cannot run here"):
-            b.resolve_matmul_impl("avx2", dtype, mesh)
+    assert b.resolve_matmul_impl("auto", "float32", EIGHT) == "xla"
+    for name in ("avx512", "avx2"):
+        with pytest.raises(ValueError, match=f"matmul_impl='{name}' cannot run here"):
+            b.resolve_matmul_impl(name, "float32", EIGHT)
     with pytest.raises(ValueError, match="'auto', 'xla', 'amx', 'avx512' or 'avx2'"):
         b.resolve_matmul_impl("onednn", "bfloat16", ONE)
-    assert b.resolve_matmul_impl("auto", "bfloat16", ONE) == ("amx" if amx_available() else "xla")
-    # float32: AVX-512 where the process's kernel build has it, else AVX2 (a build without
-    # AVX-512 on a CPU with AVX2 and FMA), else XLA.
-    assert b.resolve_matmul_impl("auto", "float32", ONE) == (
-        "avx512" if avx512_available() else "avx2" if avx2_available() else "xla")
+    # The strips' products (float32 or bfloat16 weights): AVX-512 where the process's kernel
+    # build has it, else AVX2 (a build without AVX-512 on a CPU with AVX2 and FMA), else XLA;
+    # bfloat16 takes AMX first.
+    strips = "avx512" if avx512_available() else "avx2" if avx2_available() else "xla"
+    assert b.resolve_matmul_impl("auto", "float32", ONE) == strips
+    assert b.resolve_matmul_impl("auto", "bfloat16", ONE) == ("amx" if amx_available() else strips)
     for name, ok in (("avx512", avx512_available()), ("avx2", avx2_available())):
-        if ok:
-            assert b.resolve_matmul_impl(name, "float32", ONE) == name
-        else:
-            with pytest.raises(ValueError, match=f"matmul_impl='{name}' cannot run here"):
-                b.resolve_matmul_impl(name, "float32", ONE)
+        for dtype in ("float32", "bfloat16"):
+            if ok:
+                assert b.resolve_matmul_impl(name, dtype, ONE) == name
+            else:
+                with pytest.raises(ValueError, match=f"matmul_impl='{name}' cannot run here"):
+                    b.resolve_matmul_impl(name, dtype, ONE)
 
 
 def test_buckets_without_limits_set_the_limits():

@@ -1,6 +1,6 @@
-"""`matmul_impl`: which engines pack their weights for the CPU product kernels, and a bfloat16 engine
-(bfloat16 KV cache, written by the native attention kernel) on AMX agreeing with the same engine
-on XLA's dot (on the real default model)."""
+"""`matmul_impl`: which engines pack their weights for the CPU product kernels, and bfloat16 engines
+(bfloat16 KV cache, written by the native attention kernel) on AMX and on the AVX2 build's strips
+kernel agreeing with the same engine on XLA's dot (on the real default model)."""
 
 from __future__ import annotations
 
@@ -42,3 +42,59 @@ def test_bfloat16_engine_on_amx_agrees_with_xla(small_engine_options, golden):
                 break
     assert len(diffs) >= 2 * len(cases)
     assert max(diffs) < 0.2 and sum(diffs) / len(diffs) < 0.03, sorted(diffs)[-5:]
+
+
+_STRIPS_VS_XLA = """
+import json, sys
+from jaxserve import LLM, SamplingParams
+opts, prompts = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
+out = {}
+for impl in ("auto", "xla"):
+    llm = LLM(**opts, matmul_impl=impl)
+    plan = llm.engine.parts.plan
+    res = llm.generate(prompts, sp, use_tqdm=False)
+    out[impl] = {"plan": [plan.matmul_impl, plan.kv_dtype],
+                 "tokens": [r.outputs[0].token_ids for r in res],
+                 "logprobs": [[{str(t): v.logprob for t, v in lp.items()} for lp in r.outputs[0].logprobs]
+                              for r in res]}
+print("RESULT " + json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_bfloat16_engine_on_the_avx2_build_agrees_with_xla(small_engine_options, golden):
+    """On the AVX2 build (what AVX2-only CPUs run), bfloat16 weights go through the strips
+    kernel (widened to float32 in the kernel) instead of XLA's bfloat16 dot, and give the same
+    greedy tokens and log-probs up to bfloat16 rounding of the activations (which XLA does at
+    each product and the kernel does not). A process of its own: the build is chosen per
+    process."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from jaxserve.pallas_kernels import cpu
+
+    if cpu.missing_isa("haswell"):
+        pytest.skip("this CPU cannot run the haswell build")
+    opts = dict(small_engine_options, dtype="bfloat16", cpu_kernel_target="haswell")
+    cases = golden["cases"]
+    prompts = [c["prompt_token_ids"] for c in cases]
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    res = subprocess.run([sys.executable, "-c", _STRIPS_VS_XLA, json.dumps(opts), json.dumps(prompts)],
+                         cwd=root, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.split("RESULT ", 1)[1])
+    assert out["auto"]["plan"] == ["avx2", "bfloat16"] and out["xla"]["plan"] == ["xla", "bfloat16"]
+    diffs = []
+    for ta, tx, las, lxs in zip(out["auto"]["tokens"], out["xla"]["tokens"], out["auto"]["logprobs"],
+                                out["xla"]["logprobs"]):
+        for i, (la, lx) in enumerate(zip(las, lxs)):
+            diffs += [abs(la[t] - lx[t]) for t in set(la) & set(lx)]
+            top = sorted(lx.values(), reverse=True)
+            if ta[i] != tx[i]:
+                assert top[0] - top[1] < 0.15, f"diverged at step {i}"
+                break
+    assert len(diffs) >= 2 * len(cases)
+    assert max(diffs) < 0.3 and sum(diffs) / len(diffs) < 0.05, sorted(diffs)[-5:]

@@ -162,7 +162,7 @@ print("AMX", amx_available(), CpuBackend().resolve_matmul_impl("auto", "bfloat16
 
 def test_build_target_is_chosen_per_process():
     """`select_target` before first use makes every default call use that build (the haswell
-    one here: the AVX2 float32 product, `auto` picking it); choosing another afterwards is an
+    one here: the AVX2 strips product, `auto` picking it for float32 and bfloat16); choosing another afterwards is an
     error, and another build's kernels stay callable under their own FFI names."""
     need_cpu_target("haswell")
     code = """
@@ -178,9 +178,10 @@ import jax
 from jaxserve.backends.cpu import CpuBackend
 one = jax.sharding.Mesh(jax.devices()[:1], ("model",))
 assert CpuBackend().resolve_matmul_impl("auto", "float32", one) == "avx2"
+assert CpuBackend().resolve_matmul_impl("auto", "bfloat16", one) == "avx2"
 w = np.arange(64 * 32, dtype=np.float32).reshape(64, 32) / 1000
 x = np.ones((3, 64), np.float32)
-got = matmul.packed_matmul(jnp.asarray(x), jnp.asarray(matmul.pack_weight(w)))
+got = matmul.packed_matmul(jnp.asarray(x), jnp.asarray(matmul.pack_weight(w, tiles=False)))
 np.testing.assert_allclose(np.asarray(got), x @ w, rtol=1e-6)
 cpu.select_target("haswell")  # the same again is fine
 try:
