@@ -1,7 +1,7 @@
 """Time the CPU product kernels against XLA's dot on SmolLM2's shapes.
 
-For each weight dtype (bfloat16: the AMX kernel; float32: the AVX-512 or AVX2 kernel, whichever
-the kernel build has) and each row count M, it times `layers` distinct weights of each
+For each weight dtype (bfloat16: the AMX kernel where it runs, else the strips kernel like
+float32; float32: the AVX-512 or AVX2 kernel, whichever the kernel build has) and each row count M, it times `layers` distinct weights of each
 decoder-layer shape (q/k/v fused, o, gate/up fused, down) in one compiled function, so that
 the weights come from memory as in a real step (their total is far above the caches), and
 with --lm-head the tied LM head (576 x 49152: 113 MB in float32) alone. XLA's dot runs the
@@ -15,7 +15,7 @@ read as int32), timed in the same alternation, so that others' work on a shared 
 slows both alike (numpy reads more slowly than the best probe, so this one can pass 100 %).
 One JSON line per (dtype, shapes, M, impl) is appended to benchmarks/results/matmul.jsonl (or
 --out), with the CPU, the kernel build target, XLA_FLAGS and the load average.
---compare-target adds another build's float32 kernel to the alternation (e.g. the host's
+--compare-target adds another build's strips kernel to the alternation (e.g. the host's
 AVX-512 one next to the AVX2 one).
 
 AVX2-only CPUs (no AVX-512, no AMX) can be emulated on a larger x86 CPU: XLA limited with
@@ -165,7 +165,7 @@ def main() -> None:
     ap.add_argument("--kernel-target", default=cpu.DEFAULT_TARGET, choices=list(cpu.BUILD_TARGETS),
                     help="the kernels' build target (haswell: AVX2 + FMA, no AVX-512)")
     ap.add_argument("--compare-target", choices=list(cpu.BUILD_TARGETS), default=None,
-                    help="also time this build's float32 kernel (alternating with the others)")
+                    help="also time this build's strips kernel (alternating with the others)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", default=RESULTS, help="JSONL file to append to ('' = none)")
     args = ap.parse_args()
