@@ -234,20 +234,7 @@ class ExecutableCache:
         except Exception as e:  # noqa: BLE001 - e.g. an executable that cannot be serialized
             logger.warning("cannot cache the executable %s (%s: %s)", name, type(e).__name__, e)
             return
-        self._evict()
-
-    def _evict(self) -> None:
-        """Remove the least recently used entries while the directory holds over max_bytes."""
-        try:
-            entries = [(p.stat().st_mtime, p.stat().st_size, p) for p in self.directory.glob(f"*{_SUFFIX}")]
-        except OSError:
-            return
-        total = sum(size for _, size, _ in entries)
-        for _, size, path in sorted(entries, key=lambda e: e[0]):
-            if total <= self.max_bytes:
-                break
-            _unlink(path)
-            total -= size
+        evict_least_recently_used(self.directory, _SUFFIX, self.max_bytes)
 
 
 def executable_scope(cache: ExecutableCache | None, devices: Iterable[jax.Device], **parts: str) -> ExecutableScope:
@@ -304,6 +291,21 @@ def _same_arguments(compiled: jax.stages.Compiled, args: tuple) -> bool:
         if want is not None and have is not None and not have.is_equivalent_to(want, len(x.shape)):
             return False
     return True
+
+
+def evict_least_recently_used(directory: pathlib.Path, suffix: str, max_bytes: int) -> None:
+    """Remove a cache directory's least recently used `*suffix` entries (by modification time,
+    which loads refresh) while they hold over max_bytes."""
+    try:
+        entries = [(p.stat().st_mtime, p.stat().st_size, p) for p in directory.glob(f"*{suffix}")]
+    except OSError:
+        return
+    total = sum(size for _, size, _ in entries)
+    for _, size, path in sorted(entries, key=lambda e: e[0]):
+        if total <= max_bytes:
+            break
+        _unlink(path)
+        total -= size
 
 
 def _unlink(path: pathlib.Path) -> None:

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxserve.runner.executable_cache import canonical, environment_fingerprint
+from jaxserve.runner.executable_cache import canonical, environment_fingerprint, evict_least_recently_used
 
 logger = logging.getLogger(__name__)
 
@@ -154,16 +154,4 @@ class WeightCache:
             logger.warning("cannot cache the weights (%s: %s)", type(e).__name__, e)
             tmp.unlink(missing_ok=True)
             return
-        self._evict()
-
-    def _evict(self) -> None:
-        try:
-            entries = [(p.stat().st_mtime, p.stat().st_size, p) for p in self.directory.glob(f"*{_SUFFIX}")]
-        except OSError:
-            return
-        total = sum(size for _, size, _ in entries)
-        for _, size, path in sorted(entries, key=lambda e: e[0]):
-            if total <= self.max_bytes:
-                break
-            path.unlink(missing_ok=True)
-            total -= size
+        evict_least_recently_used(self.directory, _SUFFIX, self.max_bytes)
