@@ -70,17 +70,19 @@ def host_ranges(arrays: Iterable[jax.Array]) -> list[tuple[int, int]]:
     return out
 
 
-def advise_huge_pages(arrays: Iterable[jax.Array]) -> int:
-    """Asks for huge pages under the arrays' CPU buffers; returns the bytes collapsed.
+def advise_huge_pages(ranges: Iterable[tuple[int, int]]) -> int:
+    """Asks for huge pages under host memory ranges (see host_ranges); returns the bytes
+    collapsed.
 
     MADV_COLLAPSE is best-effort: one huge page at a time, a page the kernel could not isolate
     now (EAGAIN: pages in use, e.g. by a step running meanwhile) is tried again a few times; a
-    page it has no free huge page for (ENOMEM: fragmented memory) stays small."""
+    page it has no free huge page for (ENOMEM: fragmented memory) stays small. Neither advice
+    changes contents, and a range no longer mapped fails harmlessly."""
     madvise = _madvise()
     if madvise is None:
         return 0
     done = 0
-    for start, length in host_ranges(arrays):
+    for start, length in ranges:
         if madvise(start, length, MADV_HUGEPAGE) != 0:
             return done  # transparent huge pages are off (or unsupported) here
         for page in range(start, start + length, HUGE_PAGE):
@@ -149,21 +151,26 @@ def _on_one_cpu(x: jax.Array) -> bool:
 
 
 class HugePageAdvice(threading.Thread):
-    """advise_huge_pages on a daemon thread (it holds the arrays until done); `collapsed` is
-    the bytes it backed with huge pages, once joined."""
+    """advise_huge_pages on a daemon thread; `collapsed` is the bytes it backed with huge
+    pages, once joined.
 
-    def __init__(self, arrays: Iterable[jax.Array]):
+    The thread is given addresses, never the arrays: a daemon thread that drops the last
+    reference to a jax.Array while the interpreter exits aborts the process (the array's
+    destructor waits for the GIL, which an exiting interpreter answers by ending the thread
+    inside C++). The buffers outlive the advice: the runner holds the weights, and each step
+    donates the KV cache back into the same buffers."""
+
+    def __init__(self, ranges: list[tuple[int, int]]):
         super().__init__(name="jaxserve-huge-pages", daemon=True)
-        self.arrays = list(arrays)
+        self.ranges = ranges
         self.collapsed = 0
 
     def run(self):
-        self.collapsed = advise_huge_pages(self.arrays)
-        self.arrays = []
+        self.collapsed = advise_huge_pages(self.ranges)
         logger.debug("huge pages: %.0f MiB collapsed", self.collapsed / 2**20)
 
 
 def advise_in_background(arrays: Iterable[jax.Array]) -> HugePageAdvice:
-    thread = HugePageAdvice(arrays)
+    thread = HugePageAdvice(host_ranges(arrays))
     thread.start()
     return thread

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import gc
 import pathlib
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +13,7 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.runner.huge_pages import (
     HUGE_PAGE,
     advise_huge_pages,
+    advise_in_background,
     host_ranges,
     place_on_huge_pages,
     thp_enabled,
@@ -45,7 +47,7 @@ def test_ranges_are_whole_aligned_huge_pages_inside_the_buffer():
 def test_collapsing_keeps_contents_and_backs_the_buffer_with_huge_pages():
     x = jax.random.normal(jax.random.key(0), (4 * HUGE_PAGE // 4 + 123,), jnp.float32)
     before = np.asarray(x).copy()
-    done = advise_huge_pages([x])
+    done = advise_huge_pages(host_ranges([x]))
     np.testing.assert_array_equal(np.asarray(x), before)
     np.testing.assert_array_equal(np.asarray(x * 2), before * 2)  # XLA still reads it right
     if not thp_enabled():
@@ -53,6 +55,20 @@ def test_collapsing_keeps_contents_and_backs_the_buffer_with_huge_pages():
         return
     assert done >= 3 * HUGE_PAGE
     assert anon_huge_bytes(host_ranges([x])[0][0]) >= done
+
+
+def test_the_background_advice_holds_no_array():
+    """The advice thread is a daemon: were it to drop the last reference to an array while the
+    interpreter exits, the array's destructor would end the thread inside C++ and abort the
+    process. It is given the arrays' addresses only."""
+    x = jnp.zeros(8 * HUGE_PAGE // 4, jnp.float32)
+    alive = weakref.ref(x)
+    thread = advise_in_background([x])
+    assert thread.ranges == host_ranges([x])
+    del x
+    gc.collect()
+    assert alive() is None  # freed at once, whether or not the thread is still advising
+    thread.join()
 
 
 def test_the_weight_arena_aliases_xla_buffers_and_keeps_them_alive():
