@@ -143,17 +143,14 @@ def printable(cmd: list[str], model_dir: str) -> str:
 
 
 def batched_tokens_defaults(args, env: dict) -> dict:
-    """Each server's default max_num_batched_tokens (neither server logs it): jaxserve's
-    scheduler default, and what vLLM's own code gives its OpenAI server on this platform."""
+    """Each server's default max_num_batched_tokens (neither server logs it): what jaxserve's
+    CPU backend resolves it to, and what vLLM's own code gives its OpenAI server on this platform."""
     out = {}
     try:
-        import dataclasses
+        from jaxserve.backends.cpu import CpuBackend
 
-        from jaxserve.core.scheduler import SchedulerConfig
-
-        out["jaxserve"] = next(f.default for f in dataclasses.fields(SchedulerConfig)
-                               if f.name == "max_num_batched_tokens")
-    except (ImportError, StopIteration):
+        out["jaxserve"] = CpuBackend.default_max_num_batched_tokens
+    except ImportError:
         out["jaxserve"] = None
     code = ("from vllm.engine.arg_utils import EngineArgs; from vllm.usage.usage_lib import UsageContext; "
             "print(EngineArgs.get_batch_defaults(1)[0][UsageContext.OPENAI_API_SERVER])")
