@@ -1,18 +1,20 @@
 """Time the CPU product kernels against XLA's dot on SmolLM2's shapes.
 
 For each weight dtype (bfloat16: the AMX kernel where it runs, else the strips kernel like
-float32; float32: the AVX-512 or AVX2 kernel, whichever the kernel build has) and each row count M, it times `layers` distinct weights of each
-decoder-layer shape (q/k/v fused, o, gate/up fused, down) in one compiled function, so that
-the weights come from memory as in a real step (their total is far above the caches), and
-with --lm-head the tied LM head (576 x 49152: 113 MB in float32) alone. XLA's dot runs the
+float32; float32: the AVX-512 or AVX2 kernel, whichever the kernel build has) and each row
+count M, it times `layers` distinct weights of each decoder-layer shape (q/k/v fused, o,
+gate/up fused, down) in one compiled function, as in a real step, and with --lm-head the tied LM head (576 x 49152: 113 MB in float32) alone. XLA's dot runs the
 same products on unpacked weights (`dense`). The implementations alternate call by call in one
-process (A/B/A/B), and each reports the median time per product, the weight-read GB/s, the
-GFLOP/s and the fraction of the memory-bandwidth floor, the bound that matters at one row,
-two ways: `of floor` reads the weights at the best streaming rate measured at start (numpy
-reductions on 1 and 2 threads over 512 MiB); `vs read` against the time numpy takes to read
-the same bytes on 2 threads (np.dot of each half with itself; a max over bfloat16 weights
-read as int32), timed in the same alternation, so that others' work on a shared machine
-slows both alike (numpy reads more slowly than the best probe, so this one can pass 100 %).
+process (A/B/A/B), each call timed with the last-level cache emptied first (a read of twice
+its size), as in a decode step whose weights stream from memory, and each reports the median
+time per product, the weight-read GB/s, the GFLOP/s and the fraction of the memory-bandwidth
+floor, the bound that matters at one row, two ways: `of floor` reads the weights at the
+streaming rate measured at start (numpy reductions on 1 and 2 threads over 512 MiB, each pass
+from memory: the median pass of the fastest way); `vs read` against the time numpy takes to
+read the same bytes on 2 threads (np.dot of each half with itself; a max over bfloat16
+weights read as int32), timed in the same alternation, so that others' work on a shared
+machine slows both alike (numpy reads these many small arrays more slowly than the probe
+its one large one, so this one can pass 100 %).
 One JSON line per (dtype, shapes, M, impl) is appended to benchmarks/results/matmul.jsonl (or
 --out), with the CPU, the kernel build target, XLA_FLAGS and the load average.
 --compare-target adds another build's strips kernel to the alternation (e.g. the host's
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import glob
 import json
 import os
 import platform
@@ -68,22 +71,50 @@ def cpu_model() -> str:
     return line.partition(":")[2].strip() or platform.processor()
 
 
-def read_bandwidth_gbs(mib: int = 512, repeats: int = 5) -> float:
-    """The best streaming read rate of a few numpy reductions over `mib` MiB on 1 and 2 threads
-    (GB/s): the floor's denominator."""
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache's size (sysfs), or 64 MiB where it cannot be read."""
+    sizes = []
+    for d in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*"):
+        try:
+            with open(os.path.join(d, "size")) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+        sizes.append(int(text.rstrip("KMG")) * scale)
+    return max(sizes, default=64 * 2**20)
+
+
+class CacheEvictor:
+    """Empties the CPU caches of earlier data: a read of twice the last-level cache."""
+
+    def __init__(self):
+        self.buf = np.ones(2 * last_level_cache_bytes() // 4, np.float32)
+
+    def __call__(self) -> None:
+        self.buf.max()
+
+
+def read_bandwidth_gbs(evict: CacheEvictor, mib: int = 512, repeats: int = 5) -> float:
+    """The streaming read rate of numpy reductions over `mib` MiB on 1 and 2 threads (GB/s),
+    each pass from memory: the median of `repeats` passes of the fastest way. The floor's
+    denominator."""
     a = np.ones(mib * 2**20 // 4, np.float32)
     best = 0.0
     for fn in (np.max, lambda p: np.dot(p, p)):
         for n in (1, 2):
             parts = np.array_split(a, n)
+            rates = []
             for _ in range(repeats):
+                evict()
                 ts = [threading.Thread(target=fn, args=(p,)) for p in parts]
                 t0 = time.perf_counter()
                 for t in ts:
                     t.start()
                 for t in ts:
                     t.join()
-                best = max(best, a.nbytes / (time.perf_counter() - t0) / 1e9)
+                rates.append(a.nbytes / (time.perf_counter() - t0) / 1e9)
+            best = max(best, float(np.median(rates)))
     return best
 
 
@@ -99,13 +130,15 @@ def _read_all(chunks: list[list[np.ndarray]]) -> None:
         t.join()
 
 
-def alternate_medians(fns: dict, iters: int) -> dict[str, float]:
-    """Median seconds per call of each fn(), called in turn (A, B, A, B, ...) after a warm-up."""
+def alternate_medians(fns: dict, iters: int, evict: CacheEvictor) -> dict[str, float]:
+    """Median seconds per call of each fn(), called in turn (A, B, A, B, ...) after a warm-up,
+    the caches emptied before each."""
     for f in fns.values():
         jax.block_until_ready(f())
     ts = {name: [] for name in fns}
     for _ in range(iters):
         for name, f in fns.items():
+            evict()
             t0 = time.perf_counter()
             jax.block_until_ready(f())
             ts[name].append(time.perf_counter() - t0)
@@ -113,7 +146,7 @@ def alternate_medians(fns: dict, iters: int) -> dict[str, float]:
 
 
 def run(dtype, shapes: list[tuple[int, int]], m: int, iters: int, rng, bw_gbs: float,
-        kernel_name: str, compare: tuple[str, str] | None = None) -> list[dict]:
+        kernel_name: str, evict: CacheEvictor, compare: tuple[str, str] | None = None) -> list[dict]:
     weights = [(0.05 * rng.standard_normal((k, n))).astype(dtype) for k, n in shapes]
     ks = sorted({k for k, _ in shapes})
     xs = {k: jnp.asarray(rng.standard_normal((m, k)), jnp.float32) for k in ks}
@@ -140,7 +173,7 @@ def run(dtype, shapes: list[tuple[int, int]], m: int, iters: int, rng, bw_gbs: f
     if compare is not None:
         fns["kernel@" + compare[0]] = lambda: kernel_jit(xs, packed, target=compare[0])
         names["kernel@" + compare[0]] = compare[1]
-    times = alternate_medians(fns, iters)
+    times = alternate_medians(fns, iters, evict)
     t_read = times.pop("read")
     rows = []
     for impl, t in times.items():
@@ -172,11 +205,13 @@ def main() -> None:
 
     cpu.select_target(args.kernel_target)
     rng = np.random.default_rng(0)
-    bw = read_bandwidth_gbs()
+    evict = CacheEvictor()
+    bw = read_bandwidth_gbs(evict)
     env = {"time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "machine": platform.machine(), "cpu": cpu_model(), "cores": os.cpu_count(),
            "jax": jax.__version__, "xla_flags": os.environ.get("XLA_FLAGS", ""),
            "kernel_target": args.kernel_target, "read_gbs": bw,
+           "caches": "emptied before each call",
            "loadavg_1m": os.getloadavg()[0]}  # others' work on the machine skews the times
     print(f"{env['cpu']}, {env['cores']} cores; kernels built for {args.kernel_target!r}; "
           f"XLA_FLAGS={env['xla_flags']!r}; streaming read ~{bw:.1f} GB/s; "
@@ -202,7 +237,7 @@ def main() -> None:
             compare = (t, other) if other else None
         for set_name, shapes in sets:
             for m in args.rows:
-                for row in run(dtype, shapes, m, args.iters, rng, bw, kernel, compare):
+                for row in run(dtype, shapes, m, args.iters, rng, bw, kernel, evict, compare):
                     row = {"shapes": set_name, **row}
                     print(f"{row['dtype']:9} {set_name:8} {row['rows']:>4} {row['kernel']:>7} "
                           f"{row['us_per_product']:>11.1f} {row['weight_gbs']:>12.1f} "
