@@ -3,18 +3,20 @@
 For each weight dtype (bfloat16: the AMX kernel where it runs, else the strips kernel like
 float32; float32: the AVX-512 or AVX2 kernel, whichever the kernel build has) and each row
 count M, it times `layers` distinct weights of each decoder-layer shape (q/k/v fused, o,
-gate/up fused, down) in one compiled function, as in a real step, and with --lm-head the tied LM head (576 x 49152: 113 MB in float32) alone. XLA's dot runs the
-same products on unpacked weights (`dense`). The implementations alternate call by call in one
-process (A/B/A/B), each call timed with the last-level cache emptied first (a read of twice
-its size), as in a decode step whose weights stream from memory, and each reports the median
-time per product, the weight-read GB/s, the GFLOP/s and the fraction of the memory-bandwidth
-floor, the bound that matters at one row, two ways: `of floor` reads the weights at the
-streaming rate measured at start (numpy reductions on 1 and 2 threads over 512 MiB, each pass
-from memory: the median pass of the fastest way); `vs read` against the time numpy takes to
-read the same bytes on 2 threads (np.dot of each half with itself; a max over bfloat16
-weights read as int32), timed in the same alternation, so that others' work on a shared
-machine slows both alike (numpy reads these many small arrays more slowly than the probe
-its one large one, so this one can pass 100 %).
+gate/up fused, down) in one compiled function, as in a real step, and with --lm-head the tied
+LM head (576 x 49152: 113 MB in float32) alone. XLA's dot runs the same products on unpacked
+weights (`dense`). Weights sit on transparent huge pages where the system has them, as the
+engine places them. The implementations alternate call by call in one process (A/B/A/B), each
+call timed with the last-level cache emptied first (a read of twice its size), as in a decode
+step whose weights stream from memory, and each reports the median time per product, the
+weight-read GB/s, the GFLOP/s and the fraction of the memory-bandwidth floor, the bound that
+matters at one row, two ways: `of floor` reads the weights at the streaming rate measured at
+start (numpy reductions on 1 and 2 threads over 512 MiB on huge pages, each pass from memory:
+the median pass of the fastest way); `vs read` against the time numpy takes to read the same
+bytes on 2 threads (np.dot of each half with itself; a max over bfloat16 weights read as
+int32), timed in the same alternation, so that others' work on a shared machine slows both
+alike (numpy reads these many small arrays more slowly than the probe its one large one, so
+this one can pass 100 %).
 One JSON line per (dtype, shapes, M, impl) is appended to benchmarks/results/matmul.jsonl (or
 --out), with the CPU, the kernel build target, XLA_FLAGS and the load average.
 --compare-target adds another build's strips kernel to the alternation (e.g. the host's
@@ -54,6 +56,7 @@ from jaxserve.pallas_kernels.cpu.matmul import (
     pack_weight,
     packed_matmul,
 )
+from jaxserve.runner.huge_pages import place_on_huge_pages, thp_enabled
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results", "matmul.jsonl")
 # SmolLM2-135M: hidden 576, 9 + 2 x 3 heads of 64, MLP 1536 (gate and up fused), vocabulary
@@ -99,7 +102,8 @@ def read_bandwidth_gbs(evict: CacheEvictor, mib: int = 512, repeats: int = 5) ->
     """The streaming read rate of numpy reductions over `mib` MiB on 1 and 2 threads (GB/s),
     each pass from memory: the median of `repeats` passes of the fastest way. The floor's
     denominator."""
-    a = np.ones(mib * 2**20 // 4, np.float32)
+    (on_huge_pages,), _ = place_on_huge_pages([jnp.ones(mib * 2**20 // 4, jnp.float32)])
+    a = np.asarray(on_huge_pages)  # a view of the arena, as the weights in run()
     best = 0.0
     for fn in (np.max, lambda p: np.dot(p, p)):
         for n in (1, 2):
@@ -153,8 +157,10 @@ def run(dtype, shapes: list[tuple[int, int]], m: int, iters: int, rng, bw_gbs: f
     flops = 2 * m * sum(k * n for k, n in shapes)
     nbytes = sum(w.nbytes for w in weights)
 
-    unpacked = [jnp.asarray(w) for w in weights]
-    packed = [jnp.asarray(pack_weight(w, tiles=kernel_name == "amx")) for w in weights]
+    # On huge pages, as the engine places its weights (with 4 KiB pages the one-row products
+    # read ~25 % slower).
+    unpacked = place_on_huge_pages([jnp.asarray(w) for w in weights])[0]
+    packed = place_on_huge_pages([jnp.asarray(pack_weight(w, tiles=kernel_name == "amx")) for w in weights])[0]
     k_of = [w.shape[0] for w in weights]
 
     def xla(xs, ws):
@@ -211,7 +217,7 @@ def main() -> None:
            "machine": platform.machine(), "cpu": cpu_model(), "cores": os.cpu_count(),
            "jax": jax.__version__, "xla_flags": os.environ.get("XLA_FLAGS", ""),
            "kernel_target": args.kernel_target, "read_gbs": bw,
-           "caches": "emptied before each call",
+           "caches": "emptied before each call", "huge_pages": thp_enabled(),
            "loadavg_1m": os.getloadavg()[0]}  # others' work on the machine skews the times
     print(f"{env['cpu']}, {env['cores']} cores; kernels built for {args.kernel_target!r}; "
           f"XLA_FLAGS={env['xla_flags']!r}; streaming read ~{bw:.1f} GB/s; "
