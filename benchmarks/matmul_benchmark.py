@@ -51,10 +51,9 @@ from jaxserve.models.layers.linear import dense
 from jaxserve.pallas_kernels import cpu
 from jaxserve.pallas_kernels.cpu.matmul import (
     amx_available,
-    avx2_available,
-    avx512_available,
     pack_weight,
     packed_matmul,
+    strips_kernel,
 )
 from jaxserve.runner.huge_pages import place_on_huge_pages, thp_enabled
 
@@ -229,18 +228,15 @@ def main() -> None:
         sets.append(("lm_head", [LM_HEAD]))
     for name in args.dtypes:
         # bfloat16: AMX tiles where they run, else strips like float32 (widened in the kernel)
-        kernel = "avx512" if avx512_available() else "avx2" if avx2_available() else None
-        if name == "bfloat16" and amx_available():
-            kernel = "amx"
+        kernel = "amx" if name == "bfloat16" and amx_available() else strips_kernel()
         if kernel is None:
             print(f"{name}: no kernel in this build on this CPU, skipped")
             continue
         dtype = ml_dtypes.bfloat16 if name == "bfloat16" else np.float32
         compare = None
         if args.compare_target and kernel != "amx":  # strips on both sides
-            t = args.compare_target
-            other = ("avx512" if avx512_available(t) else "avx2" if avx2_available(t) else None)
-            compare = (t, other) if other else None
+            other = strips_kernel(args.compare_target)
+            compare = (args.compare_target, other) if other else None
         for set_name, shapes in sets:
             for m in args.rows:
                 for row in run(dtype, shapes, m, args.iters, rng, bw, kernel, evict, compare):

@@ -29,7 +29,7 @@ from jaxserve.backends.base import Backend, DevicePlan, LayerImpl, layer_feature
 from jaxserve.config import CacheConfig, ModelConfig
 from jaxserve.models.layers.linear import PackedParam, pack_linear_weights
 from jaxserve.pallas_kernels import cpu as kernels
-from jaxserve.pallas_kernels.cpu.matmul import amx_available, avx2_available, avx512_available
+from jaxserve.pallas_kernels.cpu.matmul import amx_available, avx2_available, avx512_available, strips_kernel
 from jaxserve.runner import huge_pages
 
 logger = logging.getLogger(__name__)
@@ -86,8 +86,8 @@ class CpuBackend(Backend):
         dt = jnp.dtype(dtype)
         name = requested
         if requested == "auto":
-            strips = "avx2" if not avx512_available() and avx2_available() else "avx512"
-            name = "amx" if dt == jnp.bfloat16 and amx_available() else strips
+            # (neither strips kernel: "avx512", which cannot run, so auto falls back to XLA)
+            name = "amx" if dt == jnp.bfloat16 and amx_available() else strips_kernel() or "avx512"
         want = {"amx": (jnp.bfloat16,), "avx512": (jnp.bfloat16, jnp.float32),
                 "avx2": (jnp.bfloat16, jnp.float32)}[name]
         reasons = []

@@ -59,6 +59,11 @@ def avx2_available(target: str | None = None) -> bool:
     return _library_says("JaxserveAvx2Available", ("avx2", "fma"), target)
 
 
+def strips_kernel(target: str | None = None) -> str | None:
+    """The strips' product a build runs here: "avx512", "avx2", or None."""
+    return "avx512" if avx512_available(target) else "avx2" if avx2_available(target) else None
+
+
 def packable(k: int, n: int) -> bool:
     return k % 32 == 0 and n % 32 == 0 and k > 0 and n > 0
 
