@@ -231,10 +231,11 @@ class EngineCore:
             elif rid in self._may_draft:
                 req.spec_token_ids = self.proposer.propose(np.asarray(req.all_token_ids, np.int64))
             outputs[rid] = out
+        # Prompt log-probs belong to the step that computed them: the request comes from the
+        # step's own rows, finished or not (a request may end in the step that ends its prompt).
+        scheduled = {s.request_id: s.request for s in so.scheduled} if result.prompt_logprobs else {}
         for rid, plp in result.prompt_logprobs.items():
-            req = self.scheduler.get_request(rid)
-            if req is None:
-                continue  # finished or aborted since
+            req = scheduled[rid]
             out = outputs.get(rid)
             if out is None:
                 out = outputs[rid] = EngineCoreOutput(rid, [], num_cached_tokens=req.num_cached_tokens,

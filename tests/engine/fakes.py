@@ -63,6 +63,11 @@ def next_token(prev: int, pos: int) -> int:
     return 1 + (prev * 7 + pos * 3) % (VOCAB - 1)
 
 
+def prompt_logprob(pos: int) -> float:
+    """The fake model's log-prob of the prompt token at position `pos` (>= 1)."""
+    return -pos / 100
+
+
 @dataclasses.dataclass
 class _Counter:
     num_compiles: int = 3
@@ -74,6 +79,8 @@ class _Counter:
 class _Plan:
     rows: list[tuple[str, list[int], int, bool, int | None]]  # (id, tokens, start, sample, logprobs k)
     bitmask: np.ndarray | None = None  # structured output's rows, in row order
+    # (id, first fed position, tokens fed, prompt length) of the rows that want prompt log-probs
+    prompt_rows: list[tuple[str, int, int, int]] = dataclasses.field(default_factory=list)
 
 
 def allowed_ids(row: np.ndarray) -> np.ndarray:
@@ -111,7 +118,7 @@ class FakeRunner:
     def prepare(self, so: SchedulerOutput, token_bitmask: np.ndarray | None = None) -> _Plan | None:
         if so.is_empty:
             return None
-        rows = []
+        rows, prompt_rows = [], []
         for s in so.scheduled:
             if s.is_new and self.reject_token is not None and self.reject_token in s.request.prompt_token_ids:
                 self.num_failed_prepares += 1
@@ -119,11 +126,13 @@ class FakeRunner:
             if s.is_new and not s.is_resumed:
                 self.prompts.append(list(s.request.prompt_token_ids))
             rows.append((s.request_id, list(s.token_ids), s.start_pos, s.sample, s.request.sampling_params.logprobs))
+            if s.request.sampling_params.prompt_logprobs is not None:
+                prompt_rows.append((s.request_id, s.start_pos, s.num_scheduled_tokens, s.num_prompt_tokens))
         self.scheduled.append([s.request_id for s in so.scheduled])
         if token_bitmask is not None:
             self.masked_steps += 1
             assert token_bitmask.shape == (len(rows), (self.sampler_config.vocab_size + 31) // 32)
-        return _Plan(rows, token_bitmask)
+        return _Plan(rows, token_bitmask, prompt_rows)
 
     def launch(self, plan: _Plan) -> _Plan:
         return plan
@@ -147,7 +156,12 @@ class FakeRunner:
                 sampled[rid] = [tok]
                 if k is not None:
                     logprobs[rid] = [SampleLogprobs(-0.5, 1, [tok, 1][:k], [-0.5, -1.5][:k])]
-        return RunnerOutput(sampled, logprobs, {})
+        prompt_lps = {}
+        for rid, start, n, prompt_len in plan.prompt_rows:
+            scored = range(start + 1, min(start + n + 1, prompt_len))  # the next prompt token of each
+            if scored:
+                prompt_lps[rid] = (start + 1, [SampleLogprobs(prompt_logprob(p), 1, [], []) for p in scored])
+        return RunnerOutput(sampled, logprobs, prompt_lps)
 
     def sleep(self) -> None:
         self.is_sleeping = True

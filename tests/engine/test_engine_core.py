@@ -10,7 +10,7 @@ from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.app import build_app
 from jaxserve.server.async_engine import AsyncEngine
-from tests.engine.fakes import EOS, CharTokenizer, fake_parts, next_token
+from tests.engine.fakes import EOS, CharTokenizer, fake_parts, next_token, prompt_logprob
 
 
 def expected_tokens(prompt_ids: list[int], n: int) -> list[int]:
@@ -202,3 +202,42 @@ def test_detokenize_false_returns_token_ids_only():
     assert len(toks) == 4 and text == "" and finish == "length"
     with pytest.raises(ValueError, match="detokenize"):
         SamplingParams(stop=["x"], detokenize=False)
+
+
+ENDINGS = ["length", "stop_token", "extra_eos", "stop_string", "abort_after_prompt"]
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["overlapped", "plain"])
+@pytest.mark.parametrize("budget", [64, 4], ids=["whole", "chunked"])
+@pytest.mark.parametrize("ending", ENDINGS)
+def test_prompt_logprobs_reach_the_client_however_the_request_ends(ending, budget, async_scheduling):
+    """Every prompt position's log-prob reaches the output, also when the request ends in the
+    step that ends its prompt (max_tokens=1, a stop token or EOS as the first token, a stop
+    string in the first token) or is aborted after its prompt, whole or in chunks."""
+    prompt = "The capital of France"
+    ids = CharTokenizer().encode(prompt)
+    first = expected_tokens(ids, 1)[0]
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    extra_eos = ()
+    if ending == "stop_token":
+        params = params.clone(max_tokens=8, stop_token_ids=[first])
+    elif ending == "extra_eos":
+        params, extra_eos = params.clone(max_tokens=8), (first,)
+    elif ending == "stop_string":
+        params = params.clone(max_tokens=8, stop=[CharTokenizer().decode([first])])
+    elif ending == "abort_after_prompt":
+        params = params.clone(max_tokens=8)
+    engine = LLMEngine(fake_parts(async_scheduling=async_scheduling, budget=budget, extra_eos=extra_eos))
+    engine.add_request("a", prompt, params)
+    final = None
+    while final is None:
+        outs = engine.step()
+        final = next((o for o in outs if o.finished), None)
+        if ending == "abort_after_prompt" and engine.core.scheduler.get_request("a").num_output_tokens:
+            (final,) = engine.abort_request("a")
+    assert final.outputs[0].finish_reason == {"length": "length", "abort_after_prompt": "abort"}.get(ending, "stop")
+    plp = final.prompt_logprobs
+    assert plp[0] is None and len(plp) == len(ids)
+    for pos in range(1, len(ids)):
+        assert list(plp[pos]) == [ids[pos]], pos  # prompt_logprobs=0: the prompt token alone
+        assert plp[pos][ids[pos]].logprob == pytest.approx(prompt_logprob(pos)), pos

@@ -205,3 +205,79 @@ def test_speculative_decoding_keeps_the_golden_outputs(small_engine_options, gol
     assert stats.spec_num_accepted_tokens > 0.2 * stats.spec_num_draft_tokens > 0
     assert_same_greedy_outputs(spec, llm, cases, tol=1e-4)
     assert spec.engine.num_compiles_after_warmup == 0
+
+
+def golden_prompt_logprobs(case, extra: int = 0) -> tuple[list[int], list[float]]:
+    """A case's prompt (and `extra` tokens of its greedy completion) with transformers' log-prob
+    of each token after the first (teacher-forced: the completion's steps continue the prompt's)."""
+    ids = case["prompt_token_ids"] + case["completion_token_ids"][:extra]
+    return ids, case["prompt_logprobs"] + [s["logprob"] for s in case["steps"][:extra]]
+
+
+def assert_prompt_logprobs(plp, ids, want, k, tol=1e-3):
+    """vLLM's prompt_logprobs: None first, then per position the prompt token's own log-prob
+    (its dict holds only it for k = 0) and up to k alternatives, ranked."""
+    assert plp is not None and len(plp) == len(ids) and plp[0] is None
+    for j in range(1, len(ids)):
+        entry = plp[j]
+        assert entry is not None, f"prompt position {j} has no log-prob"
+        assert next(iter(entry)) == ids[j]
+        assert abs(entry[ids[j]].logprob - want[j - 1]) < tol, (j, entry[ids[j]].logprob, want[j - 1])
+        assert sorted(v.rank for v in entry.values() if v.rank <= k) == list(range(1, k + 1)), (j, entry)
+        assert len(entry) == k + (entry[ids[j]].rank > k), (j, entry)
+
+
+@pytest.mark.parametrize("k", [0, 1, 5])
+def test_prompt_logprobs_when_the_first_token_ends_the_request(llm, golden, k):
+    """max_tokens=1 (lm-eval's log-likelihood requests): the request ends in the step that ends
+    its prompt, and every prompt position still has its log-prob, equal to transformers'."""
+    cases = golden["cases"]
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=k)
+    outs = llm.generate([c["prompt_token_ids"] for c in cases], params, use_tqdm=False)
+    for case, out in zip(cases, outs):
+        assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 1
+        assert_prompt_logprobs(out.prompt_logprobs, *golden_prompt_logprobs(case), k)
+
+
+def test_prompt_logprobs_when_eos_a_stop_token_or_a_stop_string_ends_the_request(llm, golden):
+    """The prompt runs up to just before the golden completion's end of turn, so the first
+    generated token is EOS (or, as a stop token or a stop string, the first golden token)."""
+    case = next(c for c in golden["cases"] if c["name"] == "chat_capital")
+    eos_at = case["completion_token_ids"].index(2)
+    ids, want = golden_prompt_logprobs(case, eos_at)
+    first = case["completion_token_ids"][0]
+    endings = [SamplingParams(temperature=0.0, max_tokens=8, prompt_logprobs=1),  # EOS next
+               SamplingParams(temperature=0.0, max_tokens=8, prompt_logprobs=1, stop_token_ids=[first]),
+               SamplingParams(temperature=0.0, max_tokens=8, prompt_logprobs=1,
+                              stop=[llm.get_tokenizer().decode([first])])]
+    prompts = [ids, case["prompt_token_ids"], case["prompt_token_ids"]]
+    wants = [want, golden_prompt_logprobs(case)[1], golden_prompt_logprobs(case)[1]]
+    outs = llm.generate(prompts, endings, use_tqdm=False)
+    assert [(o.outputs[0].finish_reason, o.outputs[0].stop_reason) for o in outs] == [
+        ("stop", None), ("stop", first), ("stop", llm.get_tokenizer().decode([first]))]
+    assert [len(o.outputs[0].token_ids) for o in outs] == [1, 1, 1]
+    for prompt, w, out in zip(prompts, wants, outs):
+        assert_prompt_logprobs(out.prompt_logprobs, prompt, w, 1)
+
+
+def test_prompt_logprobs_of_a_chunked_prompt_ending_at_once(tight_llm, golden):
+    """A 279-token prompt in chunks of 32 tokens, max_tokens=1: every chunk's log-probs arrive."""
+    case = next(c for c in golden["cases"] if c["name"] == "plain_long")
+    (out,) = tight_llm.generate([case["prompt_token_ids"]], SamplingParams(temperature=0.0, max_tokens=1,
+                                                                           prompt_logprobs=0), use_tqdm=False)
+    assert_prompt_logprobs(out.prompt_logprobs, *golden_prompt_logprobs(case), 0)
+
+
+def test_prompt_logprobs_skip_the_prefix_cache(llm, golden):
+    """As in vLLM, a request that asks for prompt log-probs computes its whole prompt (it never
+    reads the prefix cache, whose blocks hold KV but no logits): after the same prompt ran
+    without them, its log-probs are all there and no token came from the cache."""
+    case = next(c for c in golden["cases"] if c["name"] == "chat_multi_turn")
+    (warm,) = llm.generate([case["prompt_token_ids"]], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+    (again,) = llm.generate([case["prompt_token_ids"]], SamplingParams(temperature=0.0, max_tokens=1),
+                            use_tqdm=False)
+    assert again.num_cached_tokens > 0  # the prompt's blocks are cached
+    (out,) = llm.generate([case["prompt_token_ids"]], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1),
+                          use_tqdm=False)
+    assert out.num_cached_tokens == 0
+    assert_prompt_logprobs(out.prompt_logprobs, *golden_prompt_logprobs(case), 1)

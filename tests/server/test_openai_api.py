@@ -140,6 +140,67 @@ def test_extra_body_vllm_fields(client):
     assert all(len(d) in (1, 2) for d in plp[1:])
 
 
+def _golden_plp(case) -> list[float]:
+    return case["prompt_logprobs"]  # position j >= 1 of the prompt: want[j - 1]
+
+
+@pytest.mark.parametrize("k", [0, 1, 5])
+def test_prompt_logprobs_with_max_tokens_1_match_golden(http, golden, k):
+    """vLLM's prompt_logprobs at max_tokens=1 (the request ends in the step that ends its
+    prompt): every position is there, the prompt token first (alone for k = 0), equal to
+    transformers' log-probs; the 279-token case runs in chunks (the server's budget is 128)."""
+    cases = golden["cases"]
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": [c["prompt_token_ids"] for c in cases],
+                                           "max_tokens": 1, "temperature": 0, "prompt_logprobs": k})
+    assert r.status_code == 200, r.text
+    for case, choice in zip(cases, sorted(r.json()["choices"], key=lambda c: c["index"])):
+        ids, plp, want = case["prompt_token_ids"], choice["prompt_logprobs"], _golden_plp(case)
+        assert choice["finish_reason"] == "length" and plp[0] is None and len(plp) == len(ids)
+        for j in range(1, len(ids)):
+            entry = plp[j]
+            assert list(entry)[0] == str(ids[j]) and len(entry) in (max(k, 1), k + 1), (case["name"], j, entry)
+            assert entry[str(ids[j])]["logprob"] == pytest.approx(want[j - 1], abs=1e-3), (case["name"], j)
+
+
+def test_echo_logprobs_with_max_tokens_1_match_golden(http, golden):
+    """lm-eval's log-likelihood request (echo, logprobs=1, max_tokens=1): token_logprobs holds
+    null and then every prompt token's log-prob, equal to transformers', then the new token's."""
+    cases = golden["cases"]
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": [c["prompt_token_ids"] for c in cases],
+                                           "max_tokens": 1, "temperature": 0, "logprobs": 1, "echo": True})
+    assert r.status_code == 200, r.text
+    for case, choice in zip(cases, sorted(r.json()["choices"], key=lambda c: c["index"])):
+        lp, n = choice["logprobs"], len(case["prompt_token_ids"])
+        assert len(lp["token_logprobs"]) == n + 1 and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        assert lp["token_logprobs"][1:n] == pytest.approx(_golden_plp(case), abs=1e-3), case["name"]
+        for tok, val, top in zip(lp["tokens"][1:], lp["token_logprobs"][1:], lp["top_logprobs"][1:]):
+            assert top[tok] == pytest.approx(val) and 1 <= len(top) <= 2
+
+
+def test_lm_eval_loglikelihood_request_replayed(http, golden, data_dir):
+    """A request body recorded from lm-eval's `local-completions` model (loglikelihood: the
+    context and continuation token ids batched, echo, logprobs 1, max_tokens 1), scored the
+    way lm-eval scores it (the continuation's token log-probs summed, greedy if each is the
+    top one): equal to transformers' log-likelihoods."""
+    recorded = json.loads((data_dir / "lm_eval_loglikelihood.json").read_text())
+    body = dict(recorded["body"], model=MODEL)
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    choices = sorted(r.json()["choices"], key=lambda c: c["index"])
+    assert len(choices) == len(body["prompt"]) == len(recorded["items"])
+    by_ids = {tuple(c["prompt_token_ids"]): c for c in golden["cases"]}
+    for choice, item, ids in zip(choices, recorded["items"], body["prompt"]):
+        ctxlen = item["ctxlen"]
+        token_lps = choice["logprobs"]["token_logprobs"][ctxlen:-1]  # as lm-eval parses it
+        top = choice["logprobs"]["top_logprobs"][ctxlen:-1]
+        loglikelihood = sum(token_lps)
+        is_greedy = all(t == max(d.values()) for t, d in zip(token_lps, top))
+        case = by_ids[tuple(ids)]
+        want = sum(case["prompt_logprobs"][ctxlen - 1:])
+        assert loglikelihood == pytest.approx(want, abs=1e-3 * len(token_lps)), case["name"]
+        assert is_greedy == item["is_greedy"], case["name"]
+
+
 # ---------------------------------------------------------------------------- chat
 def test_chat_and_stream(client):
     full = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=10, temperature=0)
