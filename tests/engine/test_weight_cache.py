@@ -80,7 +80,7 @@ def test_a_broken_entry_is_ignored(model_dir, tmp_path, caplog):
     entry = next((tmp_path / "c" / WEIGHTS_SUBDIR).glob("*.weights"))
     entry.write_bytes(entry.read_bytes()[: entry.stat().st_size // 2])
     llm, hit = _build(model_dir, tmp_path / "c", caplog)
-    assert not hit and "ignoring the cached weights" in caplog.text
+    assert not hit and "are damaged" in caplog.text and entry.name in caplog.text
     assert all(np.array_equal(x.view(np.uint8), y.view(np.uint8)) for x, y in zip(expected, _weights(llm)))
 
 
