@@ -13,8 +13,6 @@ import os
 import pathlib
 from typing import Any, Literal
 
-from jaxserve.core.scheduler import SchedulerConfig
-
 __all__ = [
     "CacheConfig",
     "CompileConfig",
@@ -26,18 +24,57 @@ __all__ = [
 ]
 
 
+# Field metadata: an option that may differ between the processes of a multi-host run, because
+# the compiled step and the weights do not depend on it (the leader's front end and scheduling,
+# each process's own caches and place in the run). Every other option must agree
+# (jaxserve/parallel/multihost.py: fingerprint).
+PER_PROCESS = {"per_process": True}
+
+
+def per_process(default: Any = None) -> Any:
+    """A dataclass field of an option that may differ between processes (see PER_PROCESS)."""
+    return dataclasses.field(default=default, metadata=PER_PROCESS)
+
+
 def _user_cache_dir() -> pathlib.Path:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return pathlib.Path(base) / "jaxserve"
 
 
 @dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 32
+    # Tokens per step; None: the engine's backend chooses (jaxserve/backends: 8192 on TPU/GPU,
+    # less on a CPU), as the largest explicit token bucket when there are some.
+    max_num_batched_tokens: int | None = None
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+    policy: Literal["fcfs", "priority"] = per_process("fcfs")  # the leader's scheduler's
+    # Overlap host and device: plan and launch step t+1 while step t runs (the engine core).
+    async_scheduling: bool = per_process(True)
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}.")
+        if (not self.enable_chunked_prefill and self.max_num_batched_tokens is not None
+                and self.max_num_batched_tokens < self.max_model_len):
+            raise ValueError(
+                f"Without chunked prefill, max_num_batched_tokens ({self.max_num_batched_tokens})"
+                f" must be >= max_model_len ({self.max_model_len}), or long prompts could never"
+                " be scheduled; raise it or enable chunked prefill."
+            )
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    model: str | None = None  # None = the bundled default model
-    served_model_name: str | None = None
+    model: str | None = per_process()  # None = the bundled default model (its identity: config.json)
+    served_model_name: str | None = per_process()
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     max_model_len: int | None = None  # None = min(model's max_position_embeddings, 2048)
-    model_cache_dir: str | None = None  # where GGUF conversions are cached
+    model_cache_dir: str | None = per_process()  # where GGUF conversions are cached
     attention_impl: str = "auto"
     # Native CPU product kernels (one device; weights packed at load time): "amx" for bfloat16
     # weights on CPUs with AMX, "avx512" for float32 weights on CPUs with AVX-512, "avx2" for
@@ -52,7 +89,7 @@ class ModelConfig:
     # Default sampling settings and EOS ids: "auto" (the model's generation_config.json),
     # "vllm" (ignore its sampling defaults) or a folder / file path (see
     # jaxserve/engine/generation_config.py).
-    generation_config: str = "auto"
+    generation_config: str = per_process("auto")
     # Weight-only quantization at load: "int8" keeps every matmul weight (and the embedding)
     # int8 in device memory with per-channel float32 scales, converted inside the product.
     quantization: Literal["int8"] | None = None
@@ -70,7 +107,7 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = None
     device_memory_utilization: float = 0.9
     num_pages: int | None = None  # overrides the budget (tests)
-    enable_prefix_caching: bool = True
+    enable_prefix_caching: bool = per_process(True)  # the leader's scheduler's
     # "auto": the model dtype, except float32 on a CPU without the native attention kernel
     # (there XLA writes the cache, and its bfloat16 scatter is orders of magnitude slower).
     kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
@@ -95,13 +132,15 @@ class ParallelConfig:
     # Several processes (hosts) in one mesh (jaxserve/parallel/multihost.py): the JAX
     # coordinator's HOST:PORT (process 0's host), or "auto" to detect a Cloud TPU, SLURM or
     # Kubernetes job; None = one process.
-    coordinator_address: str | None = None
+    coordinator_address: str | None = per_process()
     num_processes: int | None = None
-    process_id: int | None = None
-    follower_port: int | None = None  # the leader's step channel; None = the coordinator's port + 1
-    step_timeout_seconds: float = 120.0  # a follower hearing nothing for this long exits
+    process_id: int | None = per_process()
+    # the leader's step channel; None = the coordinator's port + 1
+    follower_port: int | None = per_process()
+    # a follower hearing nothing for this long exits (the leader sends its own)
+    step_timeout_seconds: float = per_process(120.0)
     heartbeat_timeout_seconds: int = 100  # JAX's coordination service (jax.distributed.initialize)
-    startup_timeout_seconds: float = 300.0  # for every follower to connect to the leader
+    startup_timeout_seconds: float = per_process(300.0)  # for every follower to connect to the leader
 
     def __post_init__(self) -> None:
         for name in ("data_parallel_size", "tensor_parallel_size"):
@@ -114,12 +153,12 @@ class CompileConfig:
     # Padded token counts and request counts compiled at start-up; None = geometric defaults.
     token_buckets: tuple[int, ...] | None = None
     request_buckets: tuple[int, ...] | None = None
-    compilation_cache_dir: str | None = None  # None = <user cache>/jaxserve/xla
-    enable_compilation_cache: bool = True
+    compilation_cache_dir: str | None = per_process()  # None = <user cache>/jaxserve/xla
+    enable_compilation_cache: bool = per_process(True)
     # Keep the compiled steps themselves on disk (runner/executable_cache.py), so that a restart
     # loads them without tracing or compiling. Needs the compilation cache's folder.
-    enable_executable_cache: bool = True
-    show_progress: bool = True
+    enable_executable_cache: bool = per_process(True)
+    show_progress: bool = per_process(True)
 
     def cache_dir(self) -> str:
         return self.compilation_cache_dir or str(_user_cache_dir() / "xla")
@@ -190,7 +229,8 @@ class EngineConfig:
     parallel: ParallelConfig = ParallelConfig()
     compile: CompileConfig = CompileConfig()
     max_logprobs: int = 20
-    speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding
+    # None: no speculative decoding (the leader drafts; the step is the same)
+    speculative_config: SpeculativeConfig | None = per_process()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))

@@ -39,8 +39,8 @@ import logging
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Literal
 
+from jaxserve.config import SchedulerConfig
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.sched_output import PENDING, ScheduledRequest, SchedulerOutput
 from jaxserve.request import Request, RequestStatus
@@ -48,33 +48,6 @@ from jaxserve.request import Request, RequestStatus
 logger = logging.getLogger(__name__)
 
 SortKey = tuple[int | float, ...]
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int = 32
-    # Tokens per step; None: the engine's backend chooses (jaxserve/backends: 8192 on TPU/GPU,
-    # less on a CPU), as the largest explicit token bucket when there are some.
-    max_num_batched_tokens: int | None = None
-    max_model_len: int = 2048
-    enable_chunked_prefill: bool = True
-    policy: Literal["fcfs", "priority"] = "fcfs"
-    # Overlap host and device: plan and launch step t+1 while step t runs (the engine core).
-    async_scheduling: bool = True
-
-    def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
-        if self.policy not in ("fcfs", "priority"):
-            raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}.")
-        if (not self.enable_chunked_prefill and self.max_num_batched_tokens is not None
-                and self.max_num_batched_tokens < self.max_model_len):
-            raise ValueError(
-                f"Without chunked prefill, max_num_batched_tokens ({self.max_num_batched_tokens})"
-                f" must be >= max_model_len ({self.max_model_len}), or long prompts could never"
-                " be scheduled; raise it or enable chunked prefill."
-            )
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,10 +14,10 @@ the device), so the device always has the next step queued while the host waits 
 one. Without it a step is schedule -> prepare -> launch -> collect -> update.
 
 Failures inside a step. When the runner cannot prepare a step because of some requests' input
-it raises `RequestFailedError` naming them: those requests fail (their output carries the
-error), the step is discarded (its other requests are preempted and recomputed, and the blocks
-it was to fill leave the prefix cache) and the engine goes on; a step in flight is still
-collected. Any other exception (in launch or collect: the device; in update: a bug) leaves the
+(or a request's grammar can no longer be enforced), `RequestFailedError` names them: those
+requests fail (their output carries the error), the step is discarded (its other requests are
+preempted and recomputed, and the blocks it was to fill leave the prefix cache) and the engine
+goes on; a step in flight is still collected. Any other exception (in launch or collect: the device; in update: a bug) leaves the
 core in an unknown state and propagates: the engine is dead.
 
 Structured output: a constrained request's next bitmask needs its last token on the host, so
@@ -149,11 +149,11 @@ class EngineCore:
         so = self.scheduler.schedule()
         if self._release_finished or self._release_preempted:
             so = self._with_releases(so)
-        c1 = cpu()
-        bitmask = self.structured.bitmask(so) if constrained else None
-        cg = cpu()
+        c1 = cg = cpu()
         failed: list[EngineCoreOutput] = []
         try:
+            bitmask = self.structured.bitmask(so) if constrained else None
+            cg = cpu()
             plan = self.runner.prepare(so) if bitmask is None else self.runner.prepare(so, bitmask)
         except RequestFailedError as e:
             failed, plan = self._discard(so, e), None

@@ -118,14 +118,18 @@ def shared_key(topo: Topology) -> bytes:
 
 
 def fingerprint(config, model_path: pathlib.Path | None) -> dict[str, Any]:
-    """What must agree across processes: every engine option but the process's own place in the
-    run, the model's identity, and the versions of what compiles the step."""
+    """What must agree across processes: every engine option the step or the weights depend on
+    (not those marked per-process: the leader's front end and scheduling, each process's caches
+    and place in the run; jaxserve.config.PER_PROCESS), the model's identity, and the versions
+    of what compiles the step."""
     flat: dict[str, Any] = {}
     for part in dataclasses.fields(config):
+        if part.metadata.get("per_process"):
+            continue
         value = getattr(config, part.name)
         if dataclasses.is_dataclass(value):
             for f in dataclasses.fields(value):
-                if f.name not in ("process_id", "coordinator_address", "follower_port"):
+                if not f.metadata.get("per_process"):
                     flat[f.name] = getattr(value, f.name)
         else:
             flat[part.name] = value

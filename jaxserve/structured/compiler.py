@@ -65,7 +65,7 @@ class GrammarMatcher:
     def __init__(self, ll_matcher: Any):
         self.ll = ll_matcher
         self.num_tokens = 0
-        self.failed = False  # a token was refused: the sequence runs unconstrained from then on
+        self.failed = False  # a token was refused: the request fails (StructuredOutputManager.bitmask)
 
     def accept(self, token: int) -> bool:
         self.num_tokens += 1
@@ -75,8 +75,7 @@ class GrammarMatcher:
             return True  # only end-of-sequence ids were allowed (ignore_eos feeds them on)
         if not self.ll.consume_token(int(token)):
             self.failed = True
-            logger.warning("structured output: token %d was refused by the grammar (%s); the sequence "
-                           "continues unconstrained", token, self.ll.get_error().splitlines()[0][:200])
+            logger.warning("structured output: token %d was refused by the grammar (%s)", token, self.error())
             return False
         return True
 
@@ -86,6 +85,10 @@ class GrammarMatcher:
             row[:] = -1
         else:
             self.ll.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+
+    def error(self) -> str:
+        """llguidance's error, first line (empty when there is none)."""
+        return (self.ll.get_error() or "").splitlines()[0][:200] if self.ll.get_error() else ""
 
     @property
     def is_terminated(self) -> bool:

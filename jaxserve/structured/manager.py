@@ -15,6 +15,11 @@ runner packs it into the step's int32 buffer and the sampler applies it before a
 
 The step that needs a bitmask needs the tokens of the step before it on the host: while a
 constrained request is unfinished the engine core does not overlap steps (see core.py).
+
+A constraint that llguidance stops enforcing part-way (its parser limits, which bound the time a
+step's masks may take: e.g. at most 2,000 items in a parser row, which a choice among
+thousands of strings passes after its first token) fails its request with that error
+(`RequestFailedError`, a 400), never letting it go on unconstrained.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from jaxserve.core.sched_output import SchedulerOutput
-from jaxserve.request import EngineRequest
+from jaxserve.request import EngineRequest, RequestFailedError
 from jaxserve.structured.compiler import CompiledGrammar, GrammarMatcher, bitmask_words
 
 logger = logging.getLogger(__name__)
@@ -72,10 +77,11 @@ class StructuredOutputManager:
 
     def bitmask(self, so: SchedulerOutput) -> np.ndarray | None:
         """The [len(so.scheduled), W] bitmask of a step (None when no row is constrained).
-        Drops the matchers of requests finished since the last step."""
+        Drops the matchers of requests finished since the last step. Raises
+        RequestFailedError naming the requests whose grammar can no longer be enforced."""
         self.remove(so.finished_request_ids)
         states = self._states
-        rows: list[tuple[int, GrammarMatcher]] = []
+        rows: list[tuple[int, str, GrammarMatcher]] = []
         for i, s in enumerate(so.scheduled):
             st = states.get(s.request.request_id) if s.sample else None
             if st is None:
@@ -86,16 +92,22 @@ class StructuredOutputManager:
                 m = st.matcher = st.grammar.matcher()
             for tok in out[m.num_tokens:]:
                 m.accept(tok)
-            rows.append((i, m))
+            rows.append((i, s.request.request_id, m))
         if not rows:
             return None
         mask = np.full((len(so.scheduled), self.words), -1, np.int32)
-        live = [(m.ll, i) for i, m in rows if not m.failed]
-        if live:
-            self._fill(live, mask)
+        self._fill([(m.ll, i) for i, _, m in rows if not m.failed], mask)
+        failed = {rid: m.error() for _, rid, m in rows if m.failed or m.ll.is_error()}
+        if failed:
+            rid, error = next(iter(failed.items()))
+            raise RequestFailedError(failed, ValueError(
+                f"structured output: the constraint cannot be enforced past output token "
+                f"{states[rid].matcher.num_tokens} ({error}); simplify the constraint"))
         return mask
 
     def _fill(self, live, mask: np.ndarray) -> None:
+        if not live:
+            return
         if len(live) == 1 or self._num_threads == 1:
             for m, i in live:
                 row = mask[i]

@@ -267,3 +267,24 @@ def test_regex_choice_grammar_and_json_object(llm):
         assert all(lp[tok].logprob > -1e9 for tok, lp in zip(o.token_ids, o.logprobs))
         assert o.logprobs[-1][EOS].logprob == pytest.approx(0.0, abs=1e-5)
     assert llm.engine.num_compiles_after_warmup == 0
+
+
+def test_a_constraint_past_the_grammar_engines_limits_fails_its_request(tokenizer):
+    """llguidance stops enforcing a choice among 5,000 strings after its first token (its parser
+    row limit, 2,000 items, bounds the time of a step's masks): the request fails with that
+    error instead of going on unconstrained, and the free request beside it is unaffected."""
+    engine = _engine(tokenizer)
+    many = [f"option number {i}" for i in range(5000)]
+    engine.add_request("c", tokenizer.encode("Pick:"), SamplingParams(
+        max_tokens=20, temperature=0, structured_outputs=StructuredOutputsParams(choice=many)))
+    engine.add_request("free", tokenizer.encode("Hello"), SamplingParams(max_tokens=8, temperature=0))
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert [rid for rid, _ in engine.failures] == ["c"]
+    error = engine.failures[0][1]
+    assert isinstance(error, ValueError) and "cannot be enforced" in str(error) and "2000" in str(error)
+    assert len(done["free"].outputs[0].token_ids) == 8
+    assert not engine.core.structured.active

@@ -29,6 +29,11 @@ FLAGS = ["--dtype", "float32", "--max-num-seqs", "8", "--max-num-batched-tokens"
 OPTIONS = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=16, token_buckets=(16,),
                request_buckets=(8,), max_model_len=96, kv_cache_memory_bytes=16 * 8192, show_progress=False)
 LONG = list(range(20, 60))  # 40 tokens: prefilled in chunks of 16
+# Options of the leader's front end and scheduler, and of each process's own caches: a follower
+# may be started with other values (or none) of these.
+FRONT_END_FLAGS = ["--served-model-name", "other-name", "--api-key", "follower-key", "--port", "1",
+                   "--generation-config", "vllm", "--no-enable-prefix-caching", "--scheduling-policy", "priority",
+                   "--max-waiting-requests", "3", "--request-timeout", "5", "--no-executable-cache"]
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +148,9 @@ def test_serve_data_parallel_across_two_processes_then_sigterm(model_dir, refere
     # Each rank has its own KV pages: a smaller budget per device, so that each rank preempts.
     flags = [*FLAGS, "--data-parallel-size", "2", "--tensor-parallel-size", "2", "--max-num-batched-tokens", "32",
              "--kv-cache-memory", str(8 * 8192)]
-    procs, url = mh.start_serve(model_dir, flags)
+    # The follower is started without the leader's front-end options, and with others: only
+    # what the step depends on must agree.
+    procs, url = mh.start_serve(model_dir, flags, per_process=[[], FRONT_END_FLAGS])
     try:
         mh.wait_healthy(procs, url)
         _serves_like_one_process(url, reference)
@@ -220,3 +227,22 @@ def test_llm_generate_across_two_processes(model_dir, reference, tmp_path, dp, t
     line = next(ln for ln in outs[0].splitlines() if ln.startswith("channel"))
     _, sent, steps, seconds = line.split()
     assert int(steps) > 0 and int(sent) / int(steps) < 64 * 1024  # small step messages
+
+
+def test_only_what_the_step_depends_on_must_agree():
+    """The fingerprint processes compare: per-process options (front end, scheduling policy,
+    caches, place in the run) are left out, anything the step depends on is in."""
+    from jaxserve.config import EngineConfig
+    from jaxserve.parallel.multihost import fingerprint, first_difference
+
+    leader = EngineConfig.from_kwargs(model="/models/a", **OPTIONS, process_id=0)
+    follower = EngineConfig.from_kwargs(
+        model="/mnt/elsewhere/a", **{**OPTIONS, "show_progress": True}, served_model_name="x", process_id=1,
+        generation_config="vllm", enable_prefix_caching=False, policy="priority", async_scheduling=False,
+        compilation_cache_dir="/tmp/other", enable_executable_cache=False,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    assert first_difference(fingerprint(leader, None), fingerprint(follower, None)) is None
+    for option, value in (("max_num_seqs", 4), ("dtype", "bfloat16"), ("page_size", 32), ("max_logprobs", 5),
+                          ("token_buckets", (16, 32)), ("sharding_rules", "fsdp"), ("seed", 3)):
+        other = EngineConfig.from_kwargs(model="/models/a", **{**OPTIONS, option: value})
+        assert option in first_difference(fingerprint(leader, None), fingerprint(other, None)), option

@@ -335,10 +335,25 @@ def _check_fuzz_response(r: httpx.Response, method: str, path: str, authorized: 
 FUZZ_EXAMPLES = 2000
 
 
+_compiles: list[str] = []  # XLA compilations anywhere in the process while the fuzz runs
+_counting = False
+
+
+def _on_compile(event: str, duration: float, **kwargs) -> None:
+    if _counting and event == "/jax/core/compile/backend_compile_duration":
+        _compiles.append(kwargs.get("fun_name", "?"))
+
+
 @pytest.mark.slow
 def test_fuzz_routes_never_answer_5xx(live_server) -> None:
+    """... and nothing compiles meanwhile, on any thread: a request's latency never includes a
+    compilation (benchmarks/fuzz_latency.py measures small requests' latency during the fuzz)."""
+    global _counting
+    import jax
+
     keyed = {"Authorization": f"Bearer {API_KEY}"}
     statuses: collections.Counter[int] = collections.Counter()
+    jax.monitoring.register_event_duration_secs_listener(_on_compile)
     with httpx.Client(base_url=live_server.base_url, timeout=120) as c:
         reference = c.post("/v1/completions", headers=keyed,
                            json={"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0}).json()
@@ -352,7 +367,12 @@ def test_fuzz_routes_never_answer_5xx(live_server) -> None:
             statuses[r.status_code] += 1
             _check_fuzz_response(r, method, path, headers.get("Authorization") == keyed["Authorization"])
 
-        run()
+        _counting = True
+        try:
+            run()
+        finally:
+            _counting = False
+        assert not _compiles, _compiles
         assert sum(statuses.values()) >= FUZZ_EXAMPLES, statuses
         # both sides of the boundary were exercised: many refusals, and real generations
         assert statuses[200] >= 100 and statuses[400] >= FUZZ_EXAMPLES // 4 and statuses[401] > 0, statuses

@@ -123,6 +123,25 @@ def test_uncompilable_constraints_are_400s_naming_the_problem(client):
         assert needle in ei.value.body["message"], (extra, ei.value.body)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_constraint_the_engine_stops_enforcing_is_an_error_not_free_text(http, stream):
+    """A choice among 5,000 strings passes llguidance's parser limits after its first token:
+    the answer is a 400 (an error event once a stream has started) naming it, never text
+    generated without the constraint."""
+    many = [f"option number {i}" for i in range(5000)]
+    body = {"model": MODEL, "prompt": "Pick:", "max_tokens": 12, "temperature": 0, "stream": stream,
+            "structured_outputs": {"choice": many}}
+    r = http.post("/v1/completions", json=body)
+    if stream:
+        events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+        assert r.text.rstrip().endswith("data: [DONE]")
+        errors = [e["error"] for e in events if "error" in e]
+        assert errors and errors[0]["code"] == 400 and "cannot be enforced" in errors[0]["message"], r.text[-500:]
+    else:
+        assert r.status_code == 400, r.text
+        assert "cannot be enforced" in r.json()["error"]["message"]
+
+
 # ---------------------------------------------------------------------------- tools
 def test_tool_call_round_trip_required_and_named(client, http):
     for choice, finish in (("required", "tool_calls"),
