@@ -10,7 +10,8 @@ from jaxserve.request import Request, RequestStatus, needs_full_prompt_compute
 from jaxserve.sampling_params import SamplingParams
 
 
-ALLOWED_IMPORTS = {"jaxserve.core", "jaxserve.request", "jaxserve.sampling_params"}
+# The config layer (plain dataclasses, stdlib only) is below the core.
+ALLOWED_IMPORTS = {"jaxserve.core", "jaxserve.request", "jaxserve.sampling_params", "jaxserve.config"}
 
 
 def test_core_sources_import_only_stdlib_and_core():
