@@ -94,7 +94,7 @@ def sanitize(text: str, tok_parent: pathlib.Path) -> str:
     """The transcript without this machine's paths."""
     for path, name in ((str(tok_parent), "<tokenizer dir>"), (str(HERE), "benchmarks"),
                        (str(pathlib.Path(tempfile.gettempdir())), "<tmp>"), (str(pathlib.Path.home()), "~")):
-        text = text.replace(path, name)
+        text = text.replace(path + "/", name + "/")
     return re.sub(r"\S*/bin/python3?(\.\d+)?", "python", text)
 
 
