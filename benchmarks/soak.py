@@ -33,6 +33,7 @@ import os
 import pathlib
 import platform
 import random
+import re
 import shlex
 import signal
 import socket
@@ -214,13 +215,15 @@ async def probe(client: httpx.AsyncClient) -> list[str]:
 
 
 def metrics(text: str) -> dict[str, float]:
+    """Labelled samples by name without the prefix (vLLM's `vllm:`, jaxserve's own `jaxserve:`),
+    labels other than model_name and engine in brackets: `request_success_total[stop]`."""
     out: dict[str, float] = {}
     for line in text.splitlines():
-        if line.startswith("jaxserve:") and "{" in line:
-            name, labels = line.split("{", 1)
-            value = float(line.rsplit(" ", 1)[1])
-            reason = labels.split('finished_reason="', 1)[1].split('"', 1)[0] if "finished_reason" in labels else None
-            out[name.removeprefix("jaxserve:") + (f"[{reason}]" if reason else "")] = value
+        if line.startswith(("vllm:", "jaxserve:")) and "{" in line:
+            name, rest = line.split("{", 1)
+            labels = re.findall(r'(\w+)="([^"]*)"', rest.rsplit("}", 1)[0])
+            extra = ",".join(v for k, v in labels if k not in ("model_name", "engine"))
+            out[name.split(":", 1)[1] + (f"[{extra}]" if extra else "")] = float(line.rsplit(" ", 1)[1])
     return out
 
 
@@ -328,9 +331,10 @@ async def amain(args: argparse.Namespace, base_url: str) -> dict[str, Any]:
         idle_s, m1 = await seconds_to_idle(client, args.idle_timeout)
         after = await probe(client)
     summary = summarize(outs, duration)
-    delta = {k: m1.get(k, 0) - m0.get(k, 0) for k in ("requests_refused_total", "num_preemptions_total",
-                                                     "request_success_total[stop]", "request_success_total[length]",
-                                                     "request_success_total[abort]", "recompiles_total")}
+    counters = ("admission_rejections_total[max_num_queued_reqs]", "num_preemptions_total",
+                "request_success_total[stop]", "request_success_total[length]", "request_success_total[abort]",
+                "recompiles_total")
+    delta = {k: m1.get(k, 0) - m0.get(k, 0) for k in counters}
     summary.update(
         seconds_to_idle=idle_s, idle=idle_s is not None,
         gauges_after={k: m1[k] for k in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")},

@@ -19,10 +19,12 @@ from starlette.routing import Route
 import jaxserve
 from jaxserve.parallel.multihost import FollowerLostError
 from jaxserve.server.async_engine import AsyncEngine
-from jaxserve.server.auth import APIKeyMiddleware
+from jaxserve.server.auth import PUBLIC_PATHS, APIKeyMiddleware
 from jaxserve.server.body import Disconnected, default_max_body_bytes, parse_body
 from jaxserve.server.errors import APIError, error_response, from_api_error
 from jaxserve.server.metrics import CONTENT_TYPE, ServerMetrics
+from jaxserve.server.playground import PUBLIC_PATHS as PLAYGROUND_PATHS
+from jaxserve.server.playground import playground_routes
 from jaxserve.server.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -85,7 +87,7 @@ def build_app(
                         trust_request_chat_template=trust_request_chat_template, request_timeout=request_timeout,
                         tool_call_parser=tool_call_parser, enable_auto_tool_choice=enable_auto_tool_choice,
                         log_requests=log_requests, chat_template=chat_template)
-    metrics = ServerMetrics(names[0])
+    metrics = ServerMetrics(names[0], engine.max_model_len)
     engine.listener = metrics
     metrics.attach(engine)
     created = int(time.time())
@@ -203,7 +205,8 @@ def build_app(
         middleware.append(Middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
                                      allow_headers=["*"], allow_credentials=True))
     if api_keys:
-        middleware.append(Middleware(APIKeyMiddleware, api_keys=list(api_keys)))
+        middleware.append(Middleware(APIKeyMiddleware, api_keys=list(api_keys),
+                                     public_paths=PUBLIC_PATHS | PLAYGROUND_PATHS))
     routes = [
         Route("/health", health, methods=["GET"]),
         Route("/ping", health, methods=["GET", "POST"]),  # vLLM's (SageMaker's) liveness route
@@ -216,6 +219,7 @@ def build_app(
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/tokenizer_info", tokenizer_info, methods=["GET"]),
         Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
+        *playground_routes(),  # the chat page at /: public, its API calls carry the key
     ]
     if enable_sleep_mode:
         routes += [Route("/sleep", sleep, methods=["POST"]), Route("/wake_up", wake_up, methods=["POST"]),

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
+import re
 import time
 from collections.abc import Callable, Sequence
 
@@ -73,11 +74,15 @@ async def run_mix(base_url: str, kinds: Sequence[str], prompt: Callable[[int], s
 
 
 def gauges(metrics_text: str) -> dict[str, float]:
+    """Every labelled sample by its name without the prefix (`vllm:` or `jaxserve:`); labels
+    other than model_name and engine go in brackets: `admission_rejections_total[max_num_queued_reqs]`."""
     out = {}
     for line in metrics_text.splitlines():
-        if line.startswith("jaxserve:") and "{" in line:
-            name, value = line.split("{", 1)[0], line.rsplit(" ", 1)[1]
-            out[name.removeprefix("jaxserve:")] = float(value)
+        if line.startswith(("vllm:", "jaxserve:")) and "{" in line:
+            name, rest = line.split("{", 1)
+            labels = re.findall(r'(\w+)="([^"]*)"', rest.rsplit("}", 1)[0])
+            extra = ",".join(v for k, v in labels if k not in ("model_name", "engine"))
+            out[name.split(":", 1)[1] + (f"[{extra}]" if extra else "")] = float(line.rsplit(" ", 1)[1])
     return out
 
 

@@ -169,7 +169,7 @@ def test_commands_reach_the_engine_thread(served):
     assert client.post("/wake_up").status_code == 200
     assert client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 2}).status_code == 200
     metrics = client.get("/metrics").text
-    assert "jaxserve:engine_steps_total" in metrics and "jaxserve:engine_sleeping" in metrics
+    assert "jaxserve:engine_steps_total" in metrics and "vllm:engine_sleep_state" in metrics
 
 
 def test_engine_death_fails_requests_and_health(served):

@@ -105,7 +105,7 @@ def test_a_full_waiting_queue_refuses_with_503_and_retry_after():
         r = httpx.post(srv.base_url + "/v1/completions", json={"prompt": "e", "max_tokens": 4})
         assert r.status_code == 200
         g = gauges(httpx.get(srv.base_url + "/metrics").text)
-        assert g["requests_refused_total"] == 2 and g["max_waiting_requests"] == 2
+        assert g["admission_rejections_total[max_num_queued_reqs]"] == 2 and g["max_waiting_requests"] == 2
     assert_idle(parts.core)
 
 
@@ -199,7 +199,7 @@ def test_nothing_leaks_after_a_mixed_load():
         else:
             assert outcome in allowed[kind], (kind, outcome)
     # (a client that gave up within 50 ms may have been refused too)
-    assert 0 < refused <= g["requests_refused_total"] <= refused + kinds.count("client_timeout")
+    assert 0 < refused <= g["admission_rejections_total[max_num_queued_reqs]"] <= refused + kinds.count("client_timeout")
     assert took < 2.0
     assert engine.num_in_flight == 0 and engine.num_waiting == 0
     assert_idle(parts.core)

@@ -54,7 +54,7 @@ def _complete(url: str, **body) -> dict:
 
 def _metric(url: str, name: str) -> float:
     for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith(f"jaxserve:{name}"):
+        if line.startswith(f"vllm:{name}"):
             return float(line.rsplit(" ", 1)[1])
     raise AssertionError(name)
 

@@ -15,7 +15,7 @@ PROMPT = "w9 w10 w11 w9 w10 w11 w9 w50 w50 w53 w18 w91 w18 w91 w18"
 
 
 def _metric(text: str, name: str) -> float:
-    return float(re.search(rf"^jaxserve:{name}\{{[^}}]*\}} (\S+)$", text, re.MULTILINE).group(1))
+    return float(re.search(rf"^vllm:{name}\{{[^}}]*\}} (\S+)$", text, re.MULTILINE).group(1))
 
 
 def test_speculative_decoding_over_http(tmp_path, compile_cache_dir):
