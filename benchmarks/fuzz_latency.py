@@ -73,13 +73,13 @@ def main() -> None:
     from jaxserve.config import EngineConfig
     from jaxserve.engine.setup import build_engine
     from jaxserve.server.app import build_app
-    from jaxserve.server.async_engine import AsyncEngine
+    from jaxserve.engine.async_client import AsyncEngineClient
     from tests.live_server import LiveServer, free_port
     from tests.server.conftest import API_KEY, ENGINE_OPTIONS, MODEL
 
     if args.uncapped:
         fuzz._cheap = lambda path, body: body
-    engine = AsyncEngine(build_engine(EngineConfig.from_kwargs(model=None, **ENGINE_OPTIONS)))
+    engine = AsyncEngineClient.in_thread(build_engine(EngineConfig.from_kwargs(model=None, **ENGINE_OPTIONS)))
     app = build_app(engine, served_model_names=[MODEL, "alias"], api_keys=[API_KEY], max_body_bytes=1 << 20,
                     shutdown_grace_seconds=5, enable_sleep_mode=True, tool_call_parser="hermes",
                     enable_auto_tool_choice=True)
@@ -150,7 +150,7 @@ def main() -> None:
            "load_avg_1m": os.getloadavg()[0], "probes": len(probes),
            "probe_p50_s": percentile(probes, 0.5), "probe_p99_s": percentile(probes, 0.99),
            "probe_max_s": max(probes, default=float("nan")), "compiles_after_warmup": len(compiles),
-           "engine_recompiles": engine.core.stats().recompiles, "event_loop_max_lag_s": max(lags, default=0.0),
+           "engine_recompiles": engine.stats.recompiles, "event_loop_max_lag_s": max(lags, default=0.0),
            "statuses": statuses, "slow_fuzz_requests": sorted(slow, reverse=True)[:10]}
     print(json.dumps(row, indent=1))
     RESULTS.parent.mkdir(parents=True, exist_ok=True)

@@ -17,8 +17,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 import jaxserve
-from jaxserve.parallel.multihost import FollowerLostError
-from jaxserve.server.async_engine import AsyncEngine
+from jaxserve.engine.client import EngineClient
 from jaxserve.server.auth import PUBLIC_PATHS, APIKeyMiddleware
 from jaxserve.server.body import Disconnected, default_max_body_bytes, parse_body
 from jaxserve.server.errors import APIError, error_response, from_api_error
@@ -51,7 +50,7 @@ def display_name(model: str) -> str:
 
 
 def build_app(
-    engine: AsyncEngine,
+    engine: EngineClient,
     *,
     served_model_names: Sequence[str] | None = None,
     api_keys: Sequence[str] | None = None,
@@ -67,7 +66,7 @@ def build_app(
     enable_auto_tool_choice: bool = False,
     log_requests: bool = False,
 ) -> Starlette:
-    """The app over `engine` (an AsyncEngine, started by the app's lifespan).
+    """The app over `engine` (an EngineClient, started by the app's lifespan).
 
     `api_keys` protect every route but /health, /ping, /version and /metrics. `max_body_bytes`
     None fits the limit to the context length (`default_max_body_bytes`). A chat template sent
@@ -98,9 +97,8 @@ def build_app(
     async def health(request: Request) -> Response:
         if engine.is_alive:
             return Response(status_code=200)
-        link = getattr(engine.parts, "link", None)
-        reason = getattr(link, "failure", None) or engine.error
-        if isinstance(reason, FollowerLostError):  # names the lost host, nothing internal
+        reason = engine.error
+        if getattr(reason, "public", False):  # names what failed (a lost host), nothing internal
             return error_response(503, f"the engine is not running: {reason}")
         return error_response(503, "the engine is not running; the server log has the details.")
 

@@ -176,6 +176,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's spellings
+DEFAULT_ENGINE_CORE = "thread"  # where the engine core runs (--engine-core)
 
 
 def _add_openai_args(s: argparse.ArgumentParser) -> None:
@@ -260,6 +261,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "scheduled (n > 1 and each prompt of a batch count one each); default: "
                         "max(max_num_seqs, 4 * KV cache tokens // max_model_len), enough queued "
                         "sequences to fill the KV cache four times at full context")
+    s.add_argument("--engine-core", choices=["thread", "process"], default=None,
+                   help="where the engine core (scheduler, runner, device calls) runs: on a thread of the "
+                        "server's process, or in a process of its own, so that the HTTP event loop and "
+                        "detokenizing never share an interpreter with the steps (default: " + DEFAULT_ENGINE_CORE
+                        + "; see README, Performance)")
     s.add_argument("--request-timeout", type=_positive_seconds, default=None,
                    help="seconds from a request's arrival to its last token: past it the request is "
                         "aborted (its KV freed) and the client gets a 504, or an error event in a "
@@ -292,11 +298,8 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from jaxserve.config import EngineConfig
-    from jaxserve.engine.setup import build_engine
-    from jaxserve.models.sharding import check_servable, load_rules
-    from jaxserve.parallel.multihost import FingerprintMismatch
+    from jaxserve.engine.client import FingerprintMismatch, FollowerRole, open_engine
     from jaxserve.server.app import build_app
-    from jaxserve.server.async_engine import AsyncEngine
     from jaxserve.server.draining import DrainingServer
     from jaxserve.startup_timer import StartupTimer
 
@@ -311,14 +314,16 @@ def _serve(args: argparse.Namespace) -> int:
         chat_template = chat_template_arg(args.chat_template)
         server_opts = uvicorn_options(args)
         config = EngineConfig.from_kwargs(model=model, **opts)
-        check_servable(load_rules(config.parallel.sharding_rules))
     except (ValueError, TypeError) as e:
         print(f"jaxserve serve: {e}", file=sys.stderr)
         return 2
     log = logging.getLogger(__name__)
     timer = StartupTimer(since_launch=True)
     try:
-        parts = build_engine(config, timer)
+        aengine = open_engine(config, core=args.engine_core or DEFAULT_ENGINE_CORE, timer=timer,
+                              max_waiting_requests=args.max_waiting_requests)
+    except FollowerRole as follower:  # headless: the leader serves HTTP, this process runs its steps
+        return _follow(follower, log)
     except FingerprintMismatch as e:  # several processes started with different flags or models
         log.error("%s", e)
         return 2
@@ -326,10 +331,7 @@ def _serve(args: argparse.Namespace) -> int:
         log.debug("the engine could not be built", exc_info=True)
         print(f"jaxserve serve: {e}", file=sys.stderr)
         return 2
-    if parts.is_follower:  # headless: the leader serves HTTP, this process runs its steps
-        return _follow(parts, log)
     server_t0 = time.perf_counter()
-    aengine = AsyncEngine(parts, max_waiting_requests=args.max_waiting_requests)
     app = build_app(aengine, served_model_names=names, api_keys=args.api_key, allowed_origins=args.allowed_origins,
                     max_body_bytes=args.max_request_body, request_id_header=not args.disable_request_id_header,
                     shutdown_grace_seconds=args.shutdown_grace, enable_sleep_mode=args.enable_sleep_mode,
@@ -352,30 +354,29 @@ def _serve(args: argparse.Namespace) -> int:
         # The engine failed for good (a device error, a lost follower): exit non-zero so that a
         # supervisor restarts the server; in-flight requests have been answered with the error.
         log.error("exiting: the engine failed (%r)", aengine.error)
-        if parts.topology is not None:
+        if config.parallel.coordinator_address is not None:
             # Not through the interpreter's exit: JAX's distributed shutdown would wait for the
             # lost process at its barrier (minutes), and the engine thread may be stuck in a
             # collective. The run is over for every process.
             logging.shutdown()
             os._exit(1)
         return 1
-    parts.close()  # several processes: the followers shut down with the leader
+    aengine.close()  # several processes: the followers shut down with the leader
     return 0
 
 
-def _follow(parts, log: logging.Logger) -> int:
+def _follow(follower, log: logging.Logger) -> int:
     """A follower process: run the leader's steps; exit 0 when it shuts down, 1 when it is lost."""
-    from jaxserve.parallel.multihost import LeaderLostError
+    from jaxserve.engine.client import LeaderLostError
 
     try:
-        parts.run_follower()
+        return follower.run()
     except LeaderLostError as e:
         # Not through the interpreter's exit: JAX's distributed shutdown would wait at its
         # barrier for the leader that is gone.
         log.error("exiting: %s", e)
         logging.shutdown()
         os._exit(1)
-    return 0
 
 
 def graceful_shutdown_timeout(grace_seconds: float) -> int:

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import uvicorn
 
-from jaxserve.server.async_engine import AsyncEngine
+from jaxserve.engine.client import EngineClient
 
 FAILED_HEALTH_SECONDS = 2.0
 
@@ -23,7 +23,7 @@ class DrainingServer(uvicorn.Server):
     error, /health answers 503 until the listener closes, and `run()` returns (the CLI then
     exits 1)."""
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, grace_seconds: float,
+    def __init__(self, config: uvicorn.Config, engine: EngineClient, grace_seconds: float,
                  on_started: Callable[[], None] | None = None):
         super().__init__(config)
         self.engine = engine

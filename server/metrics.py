@@ -16,9 +16,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-from jaxserve.engine.output_processor import StatsListener
+from jaxserve.engine.client import EngineClient, StatsListener
 from jaxserve.outputs import RequestOutput
-from jaxserve.server.async_engine import AsyncEngine
 from jaxserve.server.metrics_engine import ENGINE_INDEX, LABELS, EngineCollector
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -107,7 +106,7 @@ class ServerMetrics(StatsListener):
         # request id -> {sample index: tokens generated so far}, while the request runs
         self._generated: dict[str, dict[int, int]] = {}
 
-    def attach(self, engine: AsyncEngine) -> None:
+    def attach(self, engine: EngineClient) -> None:
         self.registry.register(EngineCollector(engine, self.model_name))
 
     # StatsListener (called by the output processor, on the event loop). The server's outputs

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from jaxserve.server.async_engine import AsyncEngine
+from jaxserve.engine.client import EngineClient
 
 LABELS = ["model_name", "engine"]
 ENGINE_INDEX = "0"  # one engine core (vLLM labels each data-parallel engine core; here the
@@ -19,7 +19,7 @@ CACHE_HIT_SOURCES = ("device", "host", "p2p", "disk", "external_unspecified")
 
 
 class EngineCollector(Collector):
-    def __init__(self, engine: AsyncEngine, model_name: str):
+    def __init__(self, engine: EngineClient, model_name: str):
         self.engine = engine
         self.values = [model_name, ENGINE_INDEX]
         self.model_name = model_name

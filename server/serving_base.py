@@ -16,17 +16,18 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from jaxserve.outputs import LogprobsDict, RequestOutput
-from jaxserve.sampling_params import SamplingParams
-from jaxserve.server import field_policy, sse
-from jaxserve.engine.core import EngineSleepingError
-from jaxserve.server.async_engine import (
-    AsyncEngine,
+from jaxserve.engine.client import (
+    EngineClient,
     EngineDeadError,
     EngineOverloadedError,
     EngineShutdownError,
+    EngineSleepingError,
+    OutputKind,
     RequestStream,
 )
+from jaxserve.outputs import LogprobsDict, RequestOutput
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.server import field_policy, sse
 from jaxserve.server.body import Disconnected
 from jaxserve.server.errors import APIError, error_body, internal_error, quote
 from jaxserve.server.protocol import (
@@ -62,7 +63,7 @@ class Deadline:
 class ServerState:
     """Everything a handler needs, built once by build_app."""
 
-    def __init__(self, engine: AsyncEngine, served_model_names: list[str], *, max_body_bytes: int,
+    def __init__(self, engine: EngineClient, served_model_names: list[str], *, max_body_bytes: int,
                  request_id_header: bool = True, trust_request_chat_template: bool = False,
                  request_timeout: float | None = None, tool_call_parser: str | None = None,
                  enable_auto_tool_choice: bool = False, log_requests: bool = False,
@@ -103,14 +104,9 @@ class ServerState:
 
 
 def check_request(state: ServerState, body: Any, route: str) -> dict[str, str]:
-    """What every generation request goes through after validation: its priority must suit
-    the scheduling policy (as in vLLM), and its unknown fields are logged; returns the response
-    headers that list them."""
-    policy = state.engine.core.scheduler.config.policy
-    if body.priority != 0 and policy != "priority":
-        raise APIError(400, f"priority {body.priority} was sent, but this server schedules by arrival "
-                            f"({policy!r}); start it with --scheduling-policy priority, or omit priority.",
-                       param="priority")
+    """What every generation request goes through after validation (the engine validates the
+    rest, its priority among it): its unknown fields are logged; returns the response headers
+    that list them."""
     return field_policy.report(body.ignored_fields, route)
 
 
@@ -144,7 +140,7 @@ def engine_error(e: BaseException, request_id: str | None = None) -> APIError:
     if isinstance(e, APIError):
         return e
     if isinstance(e, ValueError):
-        return APIError(400, str(e))
+        return APIError(400, str(e), param=getattr(e, "param", None))
     if isinstance(e, EngineOverloadedError):
         return APIError(503, str(e), headers={"Retry-After": str(e.retry_after)})
     if isinstance(e, (EngineShutdownError, EngineSleepingError)):
@@ -154,15 +150,19 @@ def engine_error(e: BaseException, request_id: str | None = None) -> APIError:
     return internal_error(e, request_id)
 
 
-async def add_all(engine: AsyncEngine, request_ids: list[str], prompts: list[str | list[int]],
+async def add_all(engine: EngineClient, request_ids: list[str], prompts: Any,
                   params: SamplingParams, priority: int, arrival_time: float,
-                  add_special_tokens: bool = True, cache_salt: str | None = None) -> list[RequestStream]:
+                  add_special_tokens: bool = True, cache_salt: str | None = None, *,
+                  stream: bool) -> list[RequestStream]:
     """Add one engine request per prompt, all in one command (they can share the next step);
-    bad input raises the 400 before anything is queued, a full queue the 503."""
+    `prompts` may be a function making them (run in the engine's worker thread, with the
+    tokenizing). A stream gets each step's new tokens (DELTA outputs), a plain response its
+    final output alone. Bad input raises the 400 before anything is queued, a full queue the 503."""
     try:
         return await engine.add_requests(request_ids, prompts, params, priority=priority,
                                          arrival_time=arrival_time, add_special_tokens=add_special_tokens,
-                                         cache_salt=cache_salt)
+                                         cache_salt=cache_salt,
+                                         output_kind=OutputKind.DELTA if stream else OutputKind.FINAL_ONLY)
     except (ValueError, EngineOverloadedError, EngineShutdownError, EngineSleepingError) as e:
         raise engine_error(e) from None
     except EngineDeadError:
@@ -302,7 +302,7 @@ class EventStream(StreamingResponse):
             self._on_close()
 
 
-def abort_all(engine: AsyncEngine, request_ids: list[str]) -> Callable[[], None]:
+def abort_all(engine: EngineClient, request_ids: list[str]) -> Callable[[], None]:
     def close() -> None:
         for rid in request_ids:
             engine.abort(rid)

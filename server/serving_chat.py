@@ -13,7 +13,6 @@ Calls come back as `message.tool_calls` (content null) or, streaming, as `delta.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import time
 from collections.abc import AsyncIterator
@@ -135,20 +134,24 @@ class ChatHandler:
                 params = params.clone(structured_outputs=constraint)
             if tools.mode == "auto" and self.state.tool_parser.needs_special_tokens:
                 params = params.clone(skip_special_tokens=False)  # its markers are special tokens
-            # Templates can be slow (and are the client's input): off the event loop.
-            text = await asyncio.to_thread(
-                render_chat, self.tokenizer, body.messages, add_generation_prompt=body.add_generation_prompt,
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+
+        def prompts() -> list[str]:
+            """The conversation through its template (slow, and the client's input: rendered
+            off the event loop, in the same worker-thread hop as the tokenizing)."""
+            return [render_chat(
+                self.tokenizer, body.messages, add_generation_prompt=body.add_generation_prompt,
                 continue_final_message=body.continue_final_message, chat_template=body.chat_template,
                 chat_template_kwargs=body.chat_template_kwargs,
                 trust_chat_template=self.state.trust_request_chat_template,
                 tools=tool_dicts(body.tools) if body.tools else None, tool_format=self.state.tool_call_parser,
-                default_template=self.state.chat_template)
-        except ValueError as e:
-            raise APIError(400, str(e)) from None
+                default_template=self.state.chat_template)]
+
         rid = f"chatcmpl-{body.request_id}" if body.request_id else random_id("chatcmpl")
         log_request(self.state, rid, 1, params)
-        (stream,) = await add_all(self.engine, [rid], [text], params, body.priority, arrival,
-                                  body.add_special_tokens, body.cache_salt)
+        (stream,) = await add_all(self.engine, [rid], prompts, params, body.priority, arrival,
+                                  body.add_special_tokens, body.cache_salt, stream=body.stream)
         queues = [stream.queue]
         ctx = _Ctx(rid, int(arrival), model, body, list(stream.prompt_token_ids), tools, self._echo(body), deadline)
         if body.stream:

@@ -19,7 +19,6 @@ from typing import Any
 from jaxserve.engine.tokenizer import Tokenizer
 from jaxserve.request import EngineRequest
 from jaxserve.sampling.config import SamplerConfig
-from jaxserve.sampling.metadata import tokenize_bad_words
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.structured.compiler import GrammarCompiler
 
@@ -36,6 +35,9 @@ class ModelInfo:
     sampler_config: SamplerConfig  # the sampler's static limits (logprobs, stop ids, bad words)
     sampling_defaults: dict[str, Any]  # from generation_config.json (SamplingParams names)
     default_max_tokens: int | None = None  # generation_config.json's max_new_tokens
+    scheduling_policy: str = "fcfs"  # "priority": requests may carry a priority
+    max_num_seqs: int = 1  # sequences a step runs at most
+    kv_cache_tokens: int = 0  # tokens the KV cache holds (all data-parallel ranks)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +52,35 @@ class ProcessedRequest:
     sequences: tuple[EngineRequest, ...]
 
 
+def tokenize_bad_words(bad_words: Sequence[str], encode) -> list[list[int]]:
+    """Token id sequences for `SamplingParams.bad_words`, as vLLM does it: each word encoded
+    as-is and with a leading space (the spaced form is kept when it is a different token
+    sequence of the same length). `encode(text) -> list[int]` must not add special tokens."""
+    out: list[list[int]] = []
+    for word in bad_words:
+        plain = list(encode(word.lstrip()))
+        if plain:
+            out.append(plain)
+        spaced = list(encode(" " + word.lstrip()))
+        if spaced and (not plain or (spaced[0] != plain[0] and len(spaced) == len(plain))):
+            out.append(spaced)
+    return out
+
+
+class InvalidParamError(ValueError):
+    """Bad input that one request parameter explains (`param`: its name, as the API spells it)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+def grammar_compiler(tokenizer: Tokenizer, info: ModelInfo) -> GrammarCompiler:
+    """The structured-output compiler of a model (its tokenizer tables are built on first use)."""
+    eos = [t for t in (info.eos_token_id, *info.extra_eos_token_ids) if t is not None]
+    return GrammarCompiler(tokenizer.hf_tokenizer, info.vocab_size, eos)
+
+
 class InputProcessor:
     def __init__(self, tokenizer: Tokenizer, info: ModelInfo):
         self.tokenizer = tokenizer
@@ -62,9 +93,7 @@ class InputProcessor:
         """The structured-output compiler (its tokenizer tables are built on first use)."""
         with self._grammars_lock:
             if self._grammars is None:
-                info = self.info
-                eos = [t for t in (info.eos_token_id, *info.extra_eos_token_ids) if t is not None]
-                self._grammars = GrammarCompiler(self.tokenizer.hf_tokenizer, info.vocab_size, eos)
+                self._grammars = grammar_compiler(self.tokenizer, self.info)
             return self._grammars
 
     def default_sampling_params(self) -> SamplingParams:
@@ -97,6 +126,10 @@ class InputProcessor:
         cache_salt: str | None = None,
     ) -> ProcessedRequest:
         info = self.info
+        if priority != 0 and info.scheduling_policy != "priority":
+            raise InvalidParamError("priority", f"priority {priority} was sent, but this engine schedules by arrival "
+                             f"({info.scheduling_policy!r}); start it with --scheduling-policy priority "
+                             "(policy='priority' offline), or omit priority.")
         params = params if params is not None else self.default_sampling_params()
         prompt_ids = self.encode(prompt, add_special_tokens)
         if params.truncate_prompt_tokens is not None:

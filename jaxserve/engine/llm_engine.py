@@ -6,8 +6,9 @@ The offline API (`LLM.generate`) drives it in a plain loop:
     output processor (detokenize, stop strings, log-prob dicts)
 
 It is put together from its parts (`EngineParts`: tokenizer, model facts, engine core), built
-from a config by `from_config`, or injected (tests use a fake runner). The server drives the
-same parts from two threads instead (server/async_engine.py).
+from a config by `from_config`, or injected (tests use a fake runner). The server drives an
+engine through `AsyncEngineClient` instead (async_client.py: the core on a thread or in a
+process of its own); both share the frontend (frontend.py) and its policies.
 """
 
 from __future__ import annotations
@@ -17,8 +18,7 @@ import time
 from collections.abc import Sequence
 
 from jaxserve.config import EngineConfig
-from jaxserve.engine.input_processor import InputProcessor
-from jaxserve.engine.output_processor import OutputProcessor
+from jaxserve.engine.frontend import Frontend
 from jaxserve.engine.setup import EngineParts, build_engine
 from jaxserve.outputs import OutputKind, RequestOutput
 from jaxserve.sampling_params import SamplingParams
@@ -30,8 +30,8 @@ class LLMEngine:
         self.tokenizer = parts.tokenizer
         self.info = parts.info
         self.core = parts.core
-        self.input_processor = InputProcessor(parts.tokenizer, parts.info)
-        self.output_processor = OutputProcessor(parts.tokenizer)
+        self.frontend = Frontend(parts.tokenizer, parts.info)
+        self.output_processor = self.frontend.output_processor
         self._ids = itertools.count()
         self.failures: list[tuple[str, BaseException]] = []  # see step()
 
@@ -40,14 +40,6 @@ class LLMEngine:
         return cls(build_engine(config))
 
     # ------------------------------------------------------------------ facts
-    @property
-    def model_name(self) -> str:
-        return self.info.name
-
-    @property
-    def max_model_len(self) -> int:
-        return self.info.max_model_len
-
     @property
     def scheduler(self):
         return self.core.scheduler
@@ -61,7 +53,7 @@ class LLMEngine:
         return self.core.runner.counter.recompiles
 
     def default_sampling_params(self) -> SamplingParams:
-        return self.input_processor.default_sampling_params()
+        return self.frontend.default_sampling_params()
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -78,12 +70,13 @@ class LLMEngine:
         """Validate and queue a request (n > 1 becomes n sequences sharing the prompt's cached
         blocks); raises ValueError for bad input, before anything is queued."""
         request_id = request_id or f"req-{next(self._ids)}"
-        if self.output_processor.has(request_id):
+        fe = self.frontend
+        if fe.output_processor.has(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
         arrival = arrival_time or time.time()
-        req = self.input_processor.process(request_id, prompt, params, arrival_time=arrival, priority=priority,
-                                           add_special_tokens=add_special_tokens)
-        self.output_processor.add(req, output_kind, arrival)
+        req = fe.process(request_id, prompt, params, arrival_time=arrival, priority=priority,
+                         add_special_tokens=add_special_tokens)
+        fe.register([req], output_kind, arrival)
         for seq in req.sequences:
             self.core.add_request(seq)
         return request_id
@@ -92,8 +85,8 @@ class LLMEngine:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         outs = []
         for rid in ids:
-            self.core.abort_requests(self.output_processor.sequence_ids(rid))
-            out = self.output_processor.abort(rid)
+            out, seq_ids = self.frontend.abort(rid)
+            self.core.abort_requests(seq_ids)
             if out is not None:
                 outs.append(out)
         return outs
@@ -106,17 +99,8 @@ class LLMEngine:
         """One engine step. A request whose input failed inside the step (the engine core
         names it) is dropped, and its error is kept in `failures` (request id, exception) for
         the caller; the engine goes on with the others."""
-        core_outputs = self.core.step()
-        failed = [o for o in core_outputs if o.error is not None]
-        if failed:
-            core_outputs = [o for o in core_outputs if o.error is None]
-        op = self.output_processor
-        outputs, stopped = op.process(core_outputs)
-        for o in failed:
-            seq = op.seqs.get(o.request_id)
-            if seq is not None:
-                self.failures.append((seq.parent.request_id, o.error))
-                stopped += op.fail_sequence(o.request_id, o.error)
-        if stopped:
-            self.core.abort_requests(stopped)
+        outputs, to_abort, failures = self.frontend.take_outputs(self.core.step())
+        self.failures += failures
+        if to_abort:
+            self.core.abort_requests(to_abort)
         return outputs

@@ -3,7 +3,7 @@
 It owns everything the frontend keeps per request: incremental detokenization, stop strings,
 log-prob dictionaries, the gathering of n > 1 samples under their parent, per-request metrics,
 and (in the server) the queue the request's outputs go to. It never runs on the engine's
-thread: the offline `LLMEngine` calls it after each step, the server's `AsyncEngine` on its
+thread: the offline `LLMEngine` calls it after each step, the server's `AsyncEngineClient` on its
 event loop.
 
 The scheduler owns the token-level stop rules (EOS, stop_token_ids, max_tokens); stop *strings*

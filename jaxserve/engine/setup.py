@@ -2,7 +2,7 @@
 cache, the scheduler and the compiled runner.
 
 `build_engine` returns the parts (`EngineParts`); the offline `LLMEngine` and the server's
-`AsyncEngine` are put together from them, and tests can put them together from fakes.
+`AsyncEngineClient` are put together from them, and tests can put them together from fakes.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import gc
 import logging
 import pathlib
 import time
+from collections.abc import Callable
 
 import jax.numpy as jnp
 
@@ -80,17 +81,24 @@ class EngineParts:
             jax.distributed.shutdown()
 
 
-def build_engine(config: EngineConfig, timer: StartupTimer | None = None) -> EngineParts:
+def build_engine(config: EngineConfig, timer: StartupTimer | None = None, *,
+                 on_model_path: Callable[[pathlib.Path], None] | None = None) -> EngineParts:
     """The engine's parts from `config`. `timer` (optional) collects the wall time of each
-    start-up phase; the summary is logged when the engine is ready."""
+    start-up phase; the summary is logged when the engine is ready. `on_model_path(path)` is
+    called as soon as the model's directory is known (a frontend elsewhere loads its tokenizer)."""
     own_timer = timer is None
     timer = timer or StartupTimer()
     t0 = time.perf_counter()
     mc, cc = config.model, config.cache
+    D = config.parallel.data_parallel_size
+    rules = serving_rules(load_rules(config.parallel.sharding_rules), D)
+    check_servable(rules)  # before anything slow: a bad preset or file fails at once
     with timer.phase("distributed"):
         topo = multihost.initialize(config.parallel)  # first: before anything touches a JAX backend
     with timer.phase("model files"):
         model_path = resolve_model(mc.model, cache_dir=mc.model_cache_dir)
+    if on_model_path is not None:
+        on_model_path(model_path)
     # The tokenizer (transformers' import and its files: ~1 s) loads on a thread of its own while
     # this one reads and lays out the weights and loads the steps (numpy, XLA, deserialization:
     # most of it without the GIL).
@@ -105,9 +113,6 @@ def build_engine(config: EngineConfig, timer: StartupTimer | None = None) -> Eng
     if max_model_len > arch.max_position_embeddings:
         logger.warning("max_model_len %d exceeds the model's max_position_embeddings %d",
                        max_model_len, arch.max_position_embeddings)
-    D = config.parallel.data_parallel_size
-    rules = serving_rules(load_rules(config.parallel.sharding_rules), D)
-    check_servable(rules)
     with timer.phase("backend"):
         backend = select_backend()
         mesh = make_mesh(D, config.parallel.tensor_parallel_size)
@@ -167,7 +172,8 @@ def build_engine(config: EngineConfig, timer: StartupTimer | None = None) -> Eng
         vocab_size=arch.vocab_size, max_model_len=max_model_len, eos_token_id=eos,
         extra_eos_token_ids=tuple(t for t in gen.eos_token_ids if t != eos),
         sampler_config=sampler_config, sampling_defaults=gen.sampling_defaults,
-        default_max_tokens=gen.max_new_tokens,
+        default_max_tokens=gen.max_new_tokens, scheduling_policy=sc.policy, max_num_seqs=sc.max_num_seqs,
+        kv_cache_tokens=scheduler.cache_tokens,
     )
     # Everything built so far lives as long as the engine: move it out of the garbage
     # collector's generations, so that the collections the steps' short-lived objects trigger do

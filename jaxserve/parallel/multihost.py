@@ -55,6 +55,8 @@ PING_SECONDS = 1.0
 class FollowerLostError(RuntimeError):
     """A follower's process died or its connection broke: multi-host serving cannot go on."""
 
+    public = True  # the message names the lost follower and nothing internal: /health shows it
+
 
 class LeaderLostError(RuntimeError):
     """The leader went away (or stalled past the step timeout)."""

@@ -25,36 +25,23 @@ Design notes (measured at R=32, V=49152 on the 2-core development CPU):
   position), which keeps threefry out of the executable (it cost 2 s of compile time).
 """
 
-from jaxserve.sampling.config import SamplerConfig
-from jaxserve.sampling.metadata import (
-    SamplingMetadata,
-    SamplingMetadataBuilder,
-    abstract_metadata,
-    row_uniforms,
-    tokenize_bad_words,
-)
-from jaxserve.sampling.sampler import SamplerOutput, prompt_logprobs, sample
-from jaxserve.sampling.state import (
-    SamplingState,
-    SlotRowsWrite,
-    init_sampling_state,
-    update_state_from_tokens,
-    write_slot_rows,
-)
+# The names below, imported lazily (PEP 562): `jaxserve.sampling.config` is plain Python, needed by
+# request validation in processes that never run a step (a frontend beside an engine process).
+_EXPORTS = {
+    "SamplerConfig": "config",
+    "SamplingMetadata": "metadata", "SamplingMetadataBuilder": "metadata", "abstract_metadata": "metadata",
+    "row_uniforms": "metadata",
+    "SamplerOutput": "sampler", "prompt_logprobs": "sampler", "sample": "sampler",
+    "SamplingState": "state", "SlotRowsWrite": "state", "init_sampling_state": "state",
+    "update_state_from_tokens": "state", "write_slot_rows": "state",
+}
+__all__ = sorted(_EXPORTS)
 
-__all__ = [
-    "SamplerConfig",
-    "SamplerOutput",
-    "SamplingMetadata",
-    "SamplingMetadataBuilder",
-    "SamplingState",
-    "SlotRowsWrite",
-    "abstract_metadata",
-    "init_sampling_state",
-    "prompt_logprobs",
-    "row_uniforms",
-    "sample",
-    "tokenize_bad_words",
-    "update_state_from_tokens",
-    "write_slot_rows",
-]
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'jaxserve.sampling' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(f"jaxserve.sampling.{module}"), name)

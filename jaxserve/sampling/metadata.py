@@ -74,21 +74,6 @@ def row_uniforms(seeds: np.ndarray, positions: np.ndarray) -> np.ndarray:
     return (z >> _S40).astype(np.float32) * np.float32(2.0**-24)
 
 
-def tokenize_bad_words(bad_words: Sequence[str], encode) -> list[list[int]]:
-    """Token id sequences for `SamplingParams.bad_words`, as vLLM does it: each word encoded
-    as-is and with a leading space (the spaced form is kept when it is a different token
-    sequence of the same length). `encode(text) -> list[int]` must not add special tokens."""
-    out: list[list[int]] = []
-    for word in bad_words:
-        plain = list(encode(word.lstrip()))
-        if plain:
-            out.append(plain)
-        spaced = list(encode(" " + word.lstrip()))
-        if spaced and (not plain or (spaced[0] != plain[0] and len(spaced) == len(plain))):
-            out.append(spaced)
-    return out
-
-
 class SamplingMetadataBuilder:
     """Turns admitted requests + per-step (slot, output_len) rows into `SamplingMetadata`."""
 

@@ -32,7 +32,7 @@ import numpy as np
 
 from jaxserve.core.sched_output import SchedulerOutput
 from jaxserve.request import EngineRequest, RequestFailedError
-from jaxserve.structured.compiler import CompiledGrammar, GrammarMatcher, bitmask_words
+from jaxserve.structured.compiler import CompiledGrammar, GrammarCompiler, GrammarMatcher, bitmask_words
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +61,9 @@ class StructuredOutputManager:
         self._states: dict[str, _State] = {}
         self._num_threads = default_mask_threads() if num_threads is None else num_threads
         self._executor = None  # llguidance's thread pool for the masks of a step, built on first use
+        # Compiles the constraints of requests that arrive without their grammar (from another
+        # process: engine/core_process.py); None where requests come compiled.
+        self.compiler: GrammarCompiler | None = None
 
     @property
     def active(self) -> bool:
@@ -68,8 +71,12 @@ class StructuredOutputManager:
         return bool(self._states)
 
     def add(self, request: EngineRequest) -> None:
-        if request.grammar is not None:
-            self._states[request.request_id] = _State(request.grammar)
+        grammar = request.grammar
+        constraint = request.sampling_params.structured_outputs
+        if grammar is None and constraint is not None and self.compiler is not None:
+            grammar = self.compiler.compile(constraint)  # cached; validated by the frontend already
+        if grammar is not None:
+            self._states[request.request_id] = _State(grammar)
 
     def remove(self, request_ids: Iterable[str]) -> None:
         for rid in request_ids:

@@ -180,7 +180,9 @@ def fake_parts(*, async_scheduling: bool = True, max_num_seqs: int = 8, budget: 
     sc = SchedulerConfig(max_num_seqs, budget, max_model_len, async_scheduling=async_scheduling, policy=policy)
     sampler_config = SamplerConfig(max_num_seqs=max_num_seqs, vocab_size=vocab_size, max_logprobs=min(5, vocab_size),
                                    topk_candidates=min(64, vocab_size))
-    core = EngineCore(Scheduler(sc, kv), FakeRunner(step_seconds, sampler_config), async_scheduling=async_scheduling)
+    scheduler = Scheduler(sc, kv)
+    core = EngineCore(scheduler, FakeRunner(step_seconds, sampler_config), async_scheduling=async_scheduling)
     info = ModelInfo(name="fake", vocab_size=vocab_size, max_model_len=max_model_len, eos_token_id=eos,
-                     extra_eos_token_ids=extra_eos, sampler_config=sampler_config, sampling_defaults={})
+                     extra_eos_token_ids=extra_eos, sampler_config=sampler_config, sampling_defaults={},
+                     scheduling_policy=policy, max_num_seqs=max_num_seqs, kv_cache_tokens=scheduler.cache_tokens)
     return EngineParts(tokenizer or CharTokenizer(), info, core)

@@ -9,7 +9,7 @@ from starlette.testclient import TestClient
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.app import build_app
-from jaxserve.server.async_engine import AsyncEngine
+from jaxserve.engine.async_client import AsyncEngineClient
 from tests.engine.fakes import EOS, CharTokenizer, fake_parts, next_token, prompt_logprob
 
 
@@ -129,7 +129,7 @@ def test_validation_happens_before_anything_is_queued():
 @pytest.fixture()
 def served():
     parts = fake_parts()
-    engine = AsyncEngine(parts)
+    engine = AsyncEngineClient.in_thread(parts)
     with TestClient(build_app(engine, shutdown_grace_seconds=1, enable_sleep_mode=True)) as client:
         yield parts, engine, client
 

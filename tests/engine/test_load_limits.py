@@ -17,7 +17,7 @@ from starlette.testclient import TestClient
 
 from jaxserve.server.app import build_app
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.server.async_engine import RETRY_AFTER_SECONDS, AsyncEngine, EngineOverloadedError, default_max_waiting
+from jaxserve.engine.async_client import RETRY_AFTER_SECONDS, AsyncEngineClient, EngineOverloadedError, default_max_waiting
 from jaxserve.server.cli import build_parser
 from tests.engine.fakes import fake_parts
 from tests.engine.test_engine_faults import POISON, assert_idle
@@ -38,10 +38,10 @@ def test_the_default_waiting_limit_comes_from_the_kv_cache():
     assert default_max_waiting(46576, 2048, 32) == 4 * 46576 // 2048 == 90
     assert default_max_waiting(4096, 2048, 32) == 32  # never under one full batch
     parts = fake_parts(num_blocks=257, block_size=4, max_model_len=128, max_num_seqs=8)
-    assert AsyncEngine(parts).max_waiting_requests == 4 * 256 * 4 // 128
-    assert AsyncEngine(parts, max_waiting_requests=3).max_waiting_requests == 3
+    assert AsyncEngineClient.in_thread(parts).max_waiting_requests == 4 * 256 * 4 // 128
+    assert AsyncEngineClient.in_thread(parts, max_waiting_requests=3).max_waiting_requests == 3
     with pytest.raises(ValueError):
-        AsyncEngine(parts, max_waiting_requests=0)
+        AsyncEngineClient.in_thread(parts, max_waiting_requests=0)
     args = build_parser().parse_args(["serve", "--max-waiting-requests", "5", "--request-timeout", "2.5"])
     assert (args.max_waiting_requests, args.request_timeout) == (5, 2.5)
     for bad in (["--max-waiting-requests", "0"], ["--request-timeout", "0"], ["--request-timeout", "nan"]):
@@ -53,7 +53,7 @@ def test_what_free_slots_will_take_does_not_count_as_waiting():
     """The count the limit applies to, with the engine thread not started (nothing is taken):
     of the sequences sent to an idle engine, those beyond its free running slots wait; n = 2
     counts two; a request is taken whole while the count is under the limit."""
-    engine = AsyncEngine(fake_parts(max_num_seqs=4), max_waiting_requests=2)
+    engine = AsyncEngineClient.in_thread(fake_parts(max_num_seqs=4), max_waiting_requests=2)
     params = SamplingParams(max_tokens=2)
 
     async def send() -> list[str]:
@@ -74,7 +74,7 @@ def test_what_free_slots_will_take_does_not_count_as_waiting():
 def test_a_full_waiting_queue_refuses_with_503_and_retry_after():
     parts = fake_parts(max_num_seqs=1)
     runner = parts.core.runner
-    engine = AsyncEngine(parts, max_waiting_requests=2)
+    engine = AsyncEngineClient.in_thread(parts, max_waiting_requests=2)
     results: dict[str, httpx.Response] = {}
     with LiveServer(build_app(engine), free_port()) as srv:
         def post(name: str) -> None:
@@ -113,7 +113,7 @@ def test_a_full_waiting_queue_refuses_with_503_and_retry_after():
 def slow_served():
     """The fake engine at 20 ms a step, with a 0.3 s request timeout."""
     parts = fake_parts(step_seconds=0.02, max_num_seqs=2)
-    engine = AsyncEngine(parts)
+    engine = AsyncEngineClient.in_thread(parts)
     with TestClient(build_app(engine, request_timeout=0.3)) as client:
         yield parts, engine, client
 
@@ -141,7 +141,7 @@ def test_a_request_past_its_deadline_is_aborted_with_a_504(slow_served):
 
 def test_a_stream_past_its_deadline_is_aborted_before_its_client_hears_of_it():
     parts = fake_parts(step_seconds=0.02)
-    engine = AsyncEngine(parts)
+    engine = AsyncEngineClient.in_thread(parts)
     with LiveServer(build_app(engine, request_timeout=0.3), free_port()) as srv:
         with httpx.stream("POST", srv.base_url + "/v1/completions", timeout=30,
                           json={"prompt": "abc", "max_tokens": 100, "stream": True}) as r:
@@ -180,7 +180,7 @@ def test_nothing_leaks_after_a_mixed_load():
     refused), and then the engine is idle."""
     parts = fake_parts(step_seconds=0.01, max_num_seqs=8, max_model_len=512, num_blocks=512)
     parts.core.runner.reject_token = parts.tokenizer.encode(POISON)[0]
-    engine = AsyncEngine(parts, max_waiting_requests=24)
+    engine = AsyncEngineClient.in_thread(parts, max_waiting_requests=24)
     kinds = [KINDS[i % len(KINDS)] for i in range(48)]
     with LiveServer(build_app(engine, request_timeout=3.0), free_port()) as srv:
         def prompt(i: int) -> str:

@@ -11,7 +11,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from jaxserve.server.app import build_app
-from jaxserve.server.async_engine import AsyncEngine
+from jaxserve.engine.async_client import AsyncEngineClient
 from tests.engine.fakes import fake_parts
 from tests.engine.test_engine_faults import POISON, POISON_ID, assert_idle
 
@@ -19,7 +19,7 @@ from tests.engine.test_engine_faults import POISON, POISON_ID, assert_idle
 @pytest.fixture()
 def served():
     parts = fake_parts()
-    engine = AsyncEngine(parts)
+    engine = AsyncEngineClient.in_thread(parts)
     with TestClient(build_app(engine, shutdown_grace_seconds=1)) as client:
         yield parts, engine, client
 
@@ -75,9 +75,9 @@ def test_an_output_processor_failure_is_fatal_too(served, monkeypatch):
     def broken(outputs):
         raise RuntimeError("detokenizer failure")
 
-    monkeypatch.setattr(engine.output_processor, "process", broken)
+    monkeypatch.setattr(engine.frontend.output_processor, "process", broken)
     r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3})
     assert r.status_code == 500 and "request id" in r.json()["error"]["message"]
     assert client.get("/health").status_code == 503 and len(died) == 1
-    engine._thread.join(5)
-    assert not engine._thread.is_alive()
+    engine.transport._thread.join(5)
+    assert not engine.transport._thread.is_alive()

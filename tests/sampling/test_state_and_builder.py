@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from jaxserve.engine.input_processor import tokenize_bad_words
 from jaxserve.sampling import (
     SamplerConfig,
     SamplingMetadataBuilder,
     abstract_metadata,
     init_sampling_state,
     row_uniforms,
-    tokenize_bad_words,
 )
 from jaxserve.sampling_params import SamplingParams
 from tests.sampling.harness import Req, feed, jitted

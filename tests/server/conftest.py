@@ -21,9 +21,9 @@ def live_server() -> Iterator[LiveServer]:
     from jaxserve.config import EngineConfig
     from jaxserve.engine.setup import build_engine
     from jaxserve.server.app import build_app
-    from jaxserve.server.async_engine import AsyncEngine
+    from jaxserve.engine.async_client import AsyncEngineClient
 
-    engine = AsyncEngine(build_engine(EngineConfig.from_kwargs(model=None, **ENGINE_OPTIONS)))
+    engine = AsyncEngineClient.in_thread(build_engine(EngineConfig.from_kwargs(model=None, **ENGINE_OPTIONS)))
     app = build_app(engine, served_model_names=[MODEL, "alias"], api_keys=[API_KEY],
                     max_body_bytes=1 << 20, shutdown_grace_seconds=5, enable_sleep_mode=True,
                     tool_call_parser="hermes", enable_auto_tool_choice=True)

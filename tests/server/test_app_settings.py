@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from starlette.testclient import TestClient
 
-from jaxserve.server.async_engine import AsyncEngine
+from jaxserve.engine.async_client import AsyncEngineClient
 from jaxserve.server.body import default_max_body_bytes
 from tests.engine.fakes import fake_parts
 from tests.server.bad_input import CHAT, PROMPT, assert_envelope
@@ -27,13 +27,13 @@ def tokenizer():
     return Tokenizer.from_pretrained(resolve_model(None))
 
 
-def _fake_app(tokenizer: Any, fake: dict[str, Any] | None = None, **options: Any) -> tuple[AsyncEngine, TestClient]:
+def _fake_app(tokenizer: Any, fake: dict[str, Any] | None = None, **options: Any) -> tuple[AsyncEngineClient, TestClient]:
     """The app (build_app `options`) over the fake runner (`fake_parts` options in `fake`)."""
     from jaxserve.server.app import build_app
 
     parts = fake_parts(tokenizer=tokenizer, vocab_size=tokenizer.vocab_size, max_model_len=MAX_MODEL_LEN,
                        num_blocks=8 * MAX_MODEL_LEN // 4 + 1, budget=512, **(fake or {}))
-    engine = AsyncEngine(parts)
+    engine = AsyncEngineClient.in_thread(parts)
     client = TestClient(build_app(engine, **options), raise_server_exceptions=False)
     return engine, client.__enter__()  # the lifespan starts the engine thread
 
@@ -47,7 +47,7 @@ def test_trusted_chat_template_is_rendered_in_the_sandbox(tokenizer) -> None:
     r = c.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 1,
                                              "chat_template_kwargs": {"chat_template": template}})
     assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
-    assert engine.core.runner.prompts[-1] == tokenizer.encode(f"<user>{CHAT[0]['content']}", add_special_tokens=False)
+    assert engine.transport.core.runner.prompts[-1] == tokenizer.encode(f"<user>{CHAT[0]['content']}", add_special_tokens=False)
     # the sandbox still stands between a trusted template and Python's internals
     escape = "{{ ''.__class__.__mro__[1].__subclasses__() }}"
     for path in ("/tokenize", "/v1/chat/completions"):
@@ -58,7 +58,7 @@ def test_trusted_chat_template_is_rendered_in_the_sandbox(tokenizer) -> None:
 def test_untrusted_is_the_default(tokenizer) -> None:
     engine, c = _fake_app(tokenizer)
     r = c.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 1, "chat_template": "{{ 1 }}"})
-    assert assert_envelope(r, 400)["param"] == "chat_template" and engine.core.runner.prompts == []
+    assert assert_envelope(r, 400)["param"] == "chat_template" and engine.transport.core.runner.prompts == []
     r = c.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 1})
     assert r.status_code == 200  # the model's own template is always fine
 
@@ -81,7 +81,7 @@ def test_body_limit_fits_the_context(tokenizer) -> None:
 
 def test_500s_name_the_request_id_not_the_exception(tokenizer, monkeypatch) -> None:
     engine, c = _fake_app(tokenizer)
-    monkeypatch.setattr(engine.input_processor, "process", _explode_secretly)
+    monkeypatch.setattr(engine.frontend.input_processor, "process", _explode_secretly)
     for path, body in (("/v1/completions", {"prompt": PROMPT, "max_tokens": 1}),
                        ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 1})):
         r = c.post(path, json=body, headers={"X-Request-Id": "req-42"})
@@ -95,7 +95,7 @@ def test_500s_name_the_request_id_not_the_exception(tokenizer, monkeypatch) -> N
     for body in ({"prompt": PROMPT, "max_tokens": 1, "stream": True},
                  {"prompt": PROMPT, "max_tokens": 1}):
         engine, c = _fake_app(tokenizer)
-        engine.core.runner.explode = True  # the engine dies during the request: in-stream or body error
+        engine.transport.core.runner.explode = True  # the engine dies during the request: in-stream or body error
         r = c.post("/v1/completions", json=body, headers={"X-Request-Id": "req-43"})
         assert "req-43" in r.text and "secret" not in r.text
     # a failure outside the engine (here: the tokenizer) is a 500 with the id as well
@@ -119,7 +119,7 @@ def test_operator_chat_template_and_request_logging(tokenizer, caplog) -> None:
     with caplog.at_level("INFO", logger="jaxserve.server.serving_base"):
         r = c.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2, "temperature": 0})
     assert r.status_code == 200
-    assert engine.core.runner.prompts[-1] == tokenizer.encode(f"[user] {CHAT[0]['content']}\n", add_special_tokens=False)
+    assert engine.transport.core.runner.prompts[-1] == tokenizer.encode(f"[user] {CHAT[0]['content']}\n", add_special_tokens=False)
     assert c.get("/tokenizer_info").json()["chat_template"] == template
     lines = [rec.getMessage() for rec in caplog.records if "Received request chatcmpl-" in rec.getMessage()]
     assert lines and "max_tokens=2" in lines[0] and "temperature=0.0" in lines[0] and CHAT[0]["content"] not in lines[0]
@@ -146,7 +146,7 @@ def test_priority_policy_orders_waiting_requests(tokenizer) -> None:
     async def run() -> list[str]:
         parts = fake_parts(tokenizer=tokenizer, vocab_size=tokenizer.vocab_size, max_model_len=256, max_num_seqs=1,
                            step_seconds=0.002, policy="priority")
-        engine = AsyncEngine(parts)
+        engine = AsyncEngineClient.in_thread(parts)
         engine.start()
         done: list[str] = []
 

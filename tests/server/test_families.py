@@ -17,14 +17,14 @@ def test_family_serves_a_chat_completion(family, data_dir, tmp_path, compile_cac
     from jaxserve.config import EngineConfig
     from jaxserve.engine.setup import build_engine
     from jaxserve.server.app import build_app
-    from jaxserve.server.async_engine import AsyncEngine
+    from jaxserve.engine.async_client import AsyncEngineClient
 
     model = write_model_dir(tmp_path / family, family)
     parts = build_engine(EngineConfig.from_kwargs(
         model=str(model), dtype="float32", max_num_seqs=8, max_num_batched_tokens=64, token_buckets=(16, 64),
         request_buckets=(8,), max_model_len=32, num_pages=32, page_size=8,
         compilation_cache_dir=compile_cache_dir, show_progress=False))
-    app = build_app(AsyncEngine(parts), served_model_names=[family], shutdown_grace_seconds=1)
+    app = build_app(AsyncEngineClient.in_thread(parts), served_model_names=[family], shutdown_grace_seconds=1)
     with TestClient(app) as client:
         r = client.post("/v1/chat/completions", json={
             "model": family, "max_tokens": 5, "temperature": 0,

@@ -41,7 +41,7 @@ def test_nothing_leaks_after_a_mixed_load(live_server, http, monkeypatch):
                                    long_tokens=1500))
     assert dict(outcomes) == {("deadline", "stream-504"): 2}
     monkeypatch.undo()
-    kv = engine.core.scheduler.kv
+    kv = engine.transport.core.scheduler.kv
     wait_idle(live_server.base_url, kv.num_blocks, headers=HEADERS, timeout=30)
     assert all(b.ref_cnt == 0 for b in kv.pool.blocks)
     assert engine.num_in_flight == 0 and engine.num_waiting == 0

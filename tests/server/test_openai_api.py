@@ -342,7 +342,7 @@ def test_disconnects_free_the_kv_cache(live_server, http):
     text = _wait_idle(http)
     assert _metric(text, "vllm:kv_cache_usage_perc") == 0.0
     assert _metric(text, "vllm:num_requests_running") == 0.0
-    scheduler = live_server.engine.core.scheduler
+    scheduler = live_server.engine.transport.core.scheduler
     assert live_server.engine.stats.scheduler.num_free_blocks == scheduler.make_stats().num_free_blocks
     # No leak: every block is free again (cached blocks stay evictable in the free queue).
     assert scheduler.kv.get_num_free_blocks() == scheduler.kv.num_blocks - 1

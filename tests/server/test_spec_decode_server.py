@@ -22,13 +22,13 @@ def test_speculative_decoding_over_http(tmp_path, compile_cache_dir):
     from jaxserve.config import EngineConfig
     from jaxserve.engine.setup import build_engine
     from jaxserve.server.app import build_app
-    from jaxserve.server.async_engine import AsyncEngine
+    from jaxserve.engine.async_client import AsyncEngineClient
 
     parts = build_engine(EngineConfig.from_kwargs(
         model=str(write_model_dir(tmp_path / "m")), dtype="float32", max_num_seqs=8, max_num_batched_tokens=64,
         token_buckets=(16, 64), request_buckets=(8,), compilation_cache_dir=compile_cache_dir, show_progress=False,
         speculative_config='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}'))
-    app = build_app(AsyncEngine(parts), served_model_names=["tiny"], shutdown_grace_seconds=1)
+    app = build_app(AsyncEngineClient.in_thread(parts), served_model_names=["tiny"], shutdown_grace_seconds=1)
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 24, "temperature": 0, "logprobs": 2,
             "ignore_eos": True, "return_token_ids": True}
     with TestClient(app) as client:

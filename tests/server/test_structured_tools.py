@@ -326,4 +326,4 @@ def test_no_recompiles_with_constrained_and_free_requests_mixed(live_server, htt
     text = http.get("/metrics").text
     m = re.search(r'^jaxserve:recompiles_total\{[^}]*\} (\S+)$', text, re.MULTILINE)
     assert m and float(m.group(1)) == 0
-    assert live_server.engine.core.runner.counter.recompiles == 0
+    assert live_server.engine.transport.core.runner.counter.recompiles == 0

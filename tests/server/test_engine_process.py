@@ -1,0 +1,111 @@
+"""The engine core in a process of its own (`jaxserve serve --engine-core process`): the server
+over it answers exactly as over the engine thread (greedy tokens, log-probs, prompt log-probs,
+streams, n > 1, a constraint compiled on the engine's side, commands), a request's abort frees
+its KV in the engine process, an engine that cannot be built says why, and an engine process
+that dies fails the requests in flight, /health and new requests, and runs the dead-engine
+callbacks. A tiny Qwen3 GGUF with a byte-level BPE vocabulary (structured output needs one)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+from starlette.testclient import TestClient
+
+from jaxserve.config import EngineConfig
+from jaxserve.engine.client import open_engine
+from jaxserve.server.app import build_app
+from tests.models.gguf_fixtures import write_fixture_gguf
+
+OPTIONS = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=32, token_buckets=(16, 32),
+               request_buckets=(8,), max_model_len=64, num_pages=64, show_progress=False)
+REQUESTS = [
+    ("/v1/completions", {"prompt": "a b c d", "max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": 2,
+                         "prompt_logprobs": 1}),
+    ("/v1/completions", {"prompt": ["a b", "c d e"], "max_tokens": 4, "temperature": 0.8, "seed": 3, "n": 2,
+                         "ignore_eos": True}),
+    ("/v1/completions", {"prompt": "a b c", "max_tokens": 8, "temperature": 0, "structured_outputs":
+                         {"regex": "[a-c]( [a-c]){2}"}}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a b c"}], "max_tokens": 5,
+                              "temperature": 0, "ignore_eos": True, "logprobs": True, "top_logprobs": 2}),
+]
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory, data_dir, compile_cache_dir) -> EngineConfig:
+    gguf = write_fixture_gguf(data_dir, "qwen3", tmp_path_factory.mktemp("engine-process") / "tiny.gguf")
+    return EngineConfig.from_kwargs(model=str(gguf), model_cache_dir=str(tmp_path_factory.mktemp("models")),
+                                    compilation_cache_dir=compile_cache_dir, **OPTIONS)
+
+
+def _answers(client: TestClient) -> list:
+    out = []
+    for path, body in REQUESTS:
+        r = client.post(path, json=body)
+        assert r.status_code == 200, r.text
+        data = r.json()
+        out.append([{k: c.get(k) for k in ("text", "message", "logprobs", "prompt_logprobs", "finish_reason")}
+                    for c in data["choices"]])
+    with client.stream("POST", "/v1/chat/completions", json={**REQUESTS[3][1], "stream": True}) as s:
+        events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    out.append([{k: v for k, v in e.items() if k not in ("id", "created")} for e in events])
+    return out
+
+
+@pytest.fixture(scope="module")
+def thread_answers(config):
+    engine = open_engine(config, core="thread")
+    with TestClient(build_app(engine, shutdown_grace_seconds=1)) as client:
+        answers = _answers(client)
+    return answers
+
+
+def test_the_process_engine_serves_as_the_thread_engine(config, thread_answers):
+    engine = open_engine(config, core="process")
+    assert engine.mode == "process"
+    with TestClient(build_app(engine, shutdown_grace_seconds=1, enable_sleep_mode=True)) as client:
+        answers = _answers(client)
+        assert answers == thread_answers
+        constrained = answers[2][0]["text"]
+        assert constrained.count(" ") == 2 and set(constrained.replace(" ", "")) <= set("abc"), constrained
+        # a client that goes away mid-stream: its request is aborted in the engine process
+        with client.stream("POST", "/v1/completions", json={"prompt": "a b", "max_tokens": 50, "ignore_eos": True,
+                                                             "stream": True}) as s:
+            next(s.iter_lines())
+        deadline = time.monotonic() + 30
+        while engine.stats.scheduler.num_running and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert engine.stats.scheduler.num_running == 0 and engine.num_in_flight == 0
+        assert client.post("/sleep").status_code == 200 and client.get("/is_sleeping").json()["is_sleeping"]
+        assert client.post("/v1/completions", json=REQUESTS[0][1]).status_code == 503
+        assert client.post("/wake_up").status_code == 200
+        assert client.get("/health").status_code == 200
+        metrics = client.get("/metrics").text
+        assert 'vllm:request_success_total{engine="0",finished_reason="length"' in metrics
+    assert not engine.transport.process.is_alive()
+
+
+def test_an_engine_that_cannot_be_built_says_why(config, tmp_path):
+    with pytest.raises(ValueError, match="not found"):
+        open_engine(EngineConfig.from_kwargs(model=str(tmp_path / "missing"), **OPTIONS), core="process")
+
+
+def test_a_dead_engine_process_fails_its_requests_and_health(config):
+    engine = open_engine(config, core="process")
+    died: list[BaseException] = []
+    engine.add_dead_callback(died.append)
+    with TestClient(build_app(engine, shutdown_grace_seconds=1)) as client:
+        assert client.get("/health").status_code == 200
+        with client.stream("POST", "/v1/completions", json={"prompt": "a b", "max_tokens": 50, "ignore_eos": True,
+                                                             "stream": True}) as s:
+            lines = s.iter_lines()
+            next(lines)
+            os.kill(engine.transport.process.pid, signal.SIGKILL)
+            events = [line for line in lines if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]" and json.loads(events[-2][6:])["error"]["code"] == 500
+        assert client.get("/health").status_code == 503
+        assert client.post("/v1/completions", json=REQUESTS[0][1]).status_code == 503
+        assert died and "exited" in str(died[0])
