@@ -343,13 +343,13 @@ def _serve(args: argparse.Namespace) -> int:
     log.info("serving %s on %s://%s:%d%s (at most %d waiting sequences, request timeout %s)",
              (names or [aengine.model_name])[0], scheme, args.host, args.port, args.root_path or "",
              aengine.max_waiting_requests, f"{args.request_timeout:g} s" if args.request_timeout else "off")
-    config = uvicorn.Config(app, **server_opts)
+    uvicorn_config = uvicorn.Config(app, **server_opts)
 
     def started() -> None:
         timer.add("server", time.perf_counter() - server_t0)
         log.info("%s", timer.summary())
 
-    DrainingServer(config, aengine, args.shutdown_grace, on_started=started).run()
+    DrainingServer(uvicorn_config, aengine, args.shutdown_grace, on_started=started).run()
     if aengine.error is not None:
         # The engine failed for good (a device error, a lost follower): exit non-zero so that a
         # supervisor restarts the server; in-flight requests have been answered with the error.
