@@ -37,7 +37,7 @@ import typing
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["add_arguments", "field_docs", "flag_fields", "flag_type", "non_negative", "option", "parse_bytes", "positive",
+__all__ = ["add_arguments", "field_docs", "flag_fields", "flag_name", "flag_type", "non_negative", "option", "parse_bytes", "positive",
            "run_checks", "values_from_args"]
 
 # Field metadata keys.
@@ -217,19 +217,20 @@ def _default_text(f: dataclasses.Field) -> str:
     return str(f.default)
 
 
-def field_help(cls: type, f: dataclasses.Field, doc: str | None = None) -> str:
-    """The help of a field's flag: its docstring, then its default."""
-    doc = doc if doc is not None else field_docs(cls).get(f.name, "")
+def field_help(cls: type, f: dataclasses.Field, extra: str = "") -> str:
+    """The help of a field's flag: its docstring (and `extra`), then its default."""
+    doc = field_docs(cls).get(f.name, "") + extra
     default = _default_text(f)
     text = f"{doc} (default: {default})" if default else doc
     return text.replace("%", "%%")
 
 
 def argument_spec(cls: type, f: dataclasses.Field, help_override: str | None = None) -> tuple[list[str], dict]:
-    """(option strings, add_argument keywords) of one field's flag."""
+    """(option strings, add_argument keywords) of one field's flag. `help_override`, a
+    command's own help for it, is the whole help (its default included)."""
     meta, tp = f.metadata, _unwrap_optional(_hints(cls)[f.name])
     names = [flag_name(f), *meta.get(ALIASES, ())]
-    kw: dict[str, Any] = {"dest": f.name, "default": None, "help": field_help(cls, f, help_override)}
+    kw: dict[str, Any] = {"dest": f.name, "default": None, "help": field_help(cls, f)}
     check = meta.get(CHECK)
     origin = typing.get_origin(tp)
     if tp is bool:
@@ -237,7 +238,7 @@ def argument_spec(cls: type, f: dataclasses.Field, help_override: str | None = N
     elif dataclasses.is_dataclass(tp):  # a JSON object, given to the configuration as text
         keys = ", ".join(x.name for x in dataclasses.fields(tp))
         kw.update(type=str, metavar="JSON")
-        kw["help"] = field_help(cls, f, (help_override or field_docs(cls).get(f.name, "")) + f" Keys: {keys}.")
+        kw["help"] = field_help(cls, f, f" Keys: {keys}.")
     elif origin is tuple:
         element = typing.get_args(tp)[0]
         parse = meta.get(PARSE) or (_split_ints if element is int else _element_parser(element))
@@ -259,6 +260,8 @@ def argument_spec(cls: type, f: dataclasses.Field, help_override: str | None = N
             kw["choices"] = tuple(choices)
             if aliases:  # the aliases are accepted and shown, the canonical value is stored
                 kw["metavar"] = "{" + ",".join([*map(str, choices), *aliases]) + "}"
+    if help_override is not None:
+        kw["help"] = help_override.replace("%", "%%")
     if meta.get(METAVAR):
         kw["metavar"] = meta[METAVAR]
     elif "metavar" not in kw and "choices" not in kw and kw.get("action") is not argparse.BooleanOptionalAction:
