@@ -116,9 +116,9 @@ class SchedulerConfig:
 class ModelConfig:
     """The model: its files, dtype, context, and the kernels that run it."""
 
-    model: str | None = per_process(not_a_flag="the commands' MODEL argument (serve: positional or --model)")
+    model: str | None = per_process(not_a_flag="the commands' MODEL argument (or serve's --model)")
     """HF model directory or .gguf file. Default: the bundled model (its identity: config.json)."""
-    served_model_name: str | None = per_process(not_a_flag="set from serve's --served-model-name (its first name)")
+    served_model_name: str | None = per_process(not_a_flag="from serve's --served-model-name")
     """The model's name in responses. Default: the model argument, or the bundled model's name."""
     dtype: DtypeOrAuto = option("auto", choice_aliases=DTYPE_ALIASES)
     """The weights' dtype (half = float16, float = float32, as in vLLM). auto: the backend's:
@@ -154,7 +154,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", DTYPE_ALIASES.get(self.dtype, self.dtype))
         if self.dtype not in get_args(DtypeOrAuto):
-            raise ValueError(f"dtype must be one of {', '.join(get_args(DtypeOrAuto))}, got {self.dtype!r}.")
+            raise ValueError(f"dtype must be one of {', '.join(get_args(DtypeOrAuto))}, "
+                             f"got {self.dtype!r}.")
         if self.quantization not in (None, "int8"):
             raise ValueError(f"quantization must be 'int8' or None, got {self.quantization!r}.")
 
@@ -169,8 +170,10 @@ class CacheConfig:
 
     page_size: int = option(16, aliases=("--block-size",))
     """Tokens per KV-cache page, a power of two (--block-size is vLLM's name)."""
-    kv_cache_memory_bytes: int | None = option(None, flag="--kv-cache-memory", parse=parse_bytes)
-    """KV-cache bytes per device; suffixes allowed (2GiB, 512MB). Default: on accelerators
+    kv_cache_memory_bytes: int | None = option(
+        None, flag="--kv-cache-memory", aliases=("--kv-cache-memory-bytes",), parse=parse_bytes)
+    """KV-cache bytes per device; suffixes allowed (2GiB, 512MB); --kv-cache-memory-bytes is
+    vLLM's name. Default: on accelerators
     device_memory_utilization of each device's free memory (the least over devices and
     processes), on a CPU 1 GiB."""
     device_memory_utilization: float = option(0.9, flag="--gpu-memory-utilization")
@@ -252,7 +255,7 @@ class CompileConfig:
     enable_executable_cache: bool = per_process(True, flag="--executable-cache")
     """Keep the compiled steps themselves on disk (runner/executable_cache.py), so that a restart
     loads them without tracing or compiling; needs the compilation cache."""
-    show_progress: bool = per_process(True, not_a_flag="the command's: serve shows it, generate does not")
+    show_progress: bool = per_process(True, not_a_flag="the command's: on in serve, not generate")
     """Show a progress bar while the steps compile."""
 
     def cache_dir(self) -> str:
@@ -320,19 +323,22 @@ class SpeculativeConfig:
         return cls(**value)
 
 
+_PART = "a part: its fields are the flags of the help group of its name"
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Every engine option: one part per concern, and the few that are the engine's own."""
 
-    model: ModelConfig = option(ModelConfig(), not_a_flag="its fields are the model group's flags")
+    model: ModelConfig = option(ModelConfig(), not_a_flag=_PART)
     """The model."""
-    cache: CacheConfig = option(CacheConfig(), not_a_flag="its fields are the cache group's flags")
+    cache: CacheConfig = option(CacheConfig(), not_a_flag=_PART)
     """The KV cache."""
-    scheduler: SchedulerConfig = option(SchedulerConfig(), not_a_flag="its fields are the scheduler group's flags")
+    scheduler: SchedulerConfig = option(SchedulerConfig(), not_a_flag=_PART)
     """The scheduler."""
-    parallel: ParallelConfig = option(ParallelConfig(), not_a_flag="its fields are the parallel group's flags")
+    parallel: ParallelConfig = option(ParallelConfig(), not_a_flag=_PART)
     """The device mesh and the processes."""
-    compile: CompileConfig = option(CompileConfig(), not_a_flag="its fields are the compile group's flags")
+    compile: CompileConfig = option(CompileConfig(), not_a_flag=_PART)
     """The compiled steps."""
     max_logprobs: int = option(20, group="model")
     """The most log-probs a request may ask for (logprobs, prompt_logprobs): the width of the
@@ -387,9 +393,13 @@ class EngineConfig:
 
     # ------------------------------------------------------------------ the command line
     @classmethod
-    def add_cli_args(cls, parser: argparse.ArgumentParser, names: Iterable[str] | None = None,
-                     help_overrides: Mapping[str, str] | None = None,
-                     groups: Mapping[str, argparse._ArgumentGroup] | None = None) -> dict[str, argparse._ArgumentGroup]:
+    def add_cli_args(
+        cls,
+        parser: argparse.ArgumentParser,
+        names: Iterable[str] | None = None,
+        help_overrides: Mapping[str, str] | None = None,
+        groups: Mapping[str, argparse._ArgumentGroup] | None = None,
+    ) -> dict[str, argparse._ArgumentGroup]:
         """Add a flag for every engine option (or for those in `names`) to `parser`, in one help
         group per part (model, cache, scheduler, parallel, compile; those in `groups` are the
         caller's); returns the groups by name. `help_overrides` replaces a field's help where a

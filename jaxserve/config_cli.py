@@ -37,8 +37,19 @@ import typing
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["add_arguments", "field_docs", "flag_fields", "flag_name", "flag_type", "non_negative", "option", "parse_bytes", "positive",
-           "run_checks", "values_from_args"]
+__all__ = [
+    "add_arguments",
+    "field_docs",
+    "flag_fields",
+    "flag_name",
+    "flag_type",
+    "non_negative",
+    "option",
+    "parse_bytes",
+    "positive",
+    "run_checks",
+    "values_from_args",
+]
 
 # Field metadata keys.
 FLAG = "flag"  # the flag's spelling where it differs from "--" + the field's name with dashes
@@ -52,17 +63,34 @@ GROUP = "group"  # the help group of a field whose class has none of its own
 NOT_A_FLAG = "not_a_flag"  # why this field has no flag
 
 
-def option(default: Any = dataclasses.MISSING, *, flag: str | None = None, aliases: Sequence[str] = (),
-           parse: Callable[[str], Any] | None = None, check: Callable[[Any], None] | None = None,
-           choices: Sequence[Any] | None = None, choice_aliases: Mapping[str, Any] | None = None,
-           metavar: str | None = None, group: str | None = None, not_a_flag: str | None = None,
-           metadata: Mapping[str, Any] | None = None) -> Any:
+def option(
+    default: Any = dataclasses.MISSING,
+    *,
+    flag: str | None = None,
+    aliases: Sequence[str] = (),
+    parse: Callable[[str], Any] | None = None,
+    check: Callable[[Any], None] | None = None,
+    choices: Sequence[Any] | None = None,
+    choice_aliases: Mapping[str, Any] | None = None,
+    metavar: str | None = None,
+    group: str | None = None,
+    not_a_flag: str | None = None,
+    metadata: Mapping[str, Any] | None = None,
+) -> Any:
     """A dataclass field with its command-line details (see the module's docstring). `metadata`
     is merged in (e.g. jaxserve.config.PER_PROCESS)."""
     meta: dict[str, Any] = dict(metadata or {})
-    for key, value in ((FLAG, flag), (ALIASES, tuple(aliases) or None), (PARSE, parse), (CHECK, check),
-                       (CHOICES, tuple(choices) if choices is not None else None), (CHOICE_ALIASES, choice_aliases),
-                       (METAVAR, metavar), (GROUP, group), (NOT_A_FLAG, not_a_flag)):
+    for key, value in (
+        (FLAG, flag),
+        (ALIASES, tuple(aliases) or None),
+        (PARSE, parse),
+        (CHECK, check),
+        (CHOICES, tuple(choices) if choices is not None else None),
+        (CHOICE_ALIASES, choice_aliases),
+        (METAVAR, metavar),
+        (GROUP, group),
+        (NOT_A_FLAG, not_a_flag),
+    ):
         if value is not None:
             meta[key] = value
     return dataclasses.field(default=default, metadata=meta)
@@ -70,9 +98,26 @@ def option(default: Any = dataclasses.MISSING, *, flag: str | None = None, alias
 
 # ---------------------------------------------------------------------------------- value parsers
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-          "t": 10**12, "tb": 10**12, "ki": 1 << 10, "kib": 1 << 10, "mi": 1 << 20, "mib": 1 << 20,
-          "gi": 1 << 30, "gib": 1 << 30, "ti": 1 << 40, "tib": 1 << 40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "t": 10**12,
+    "tb": 10**12,
+    "ki": 1 << 10,
+    "kib": 1 << 10,
+    "mi": 1 << 20,
+    "mib": 1 << 20,
+    "gi": 1 << 30,
+    "gib": 1 << 30,
+    "ti": 1 << 40,
+    "tib": 1 << 40,
+}
 
 
 def parse_bytes(text: str) -> int:
@@ -119,9 +164,13 @@ def field_docs(cls: type) -> dict[str, str]:
         tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
         body = tree.body[0].body  # type: ignore[attr-defined]
         for stmt, nxt in itertools.pairwise(body):
-            if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
-                    and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
-                    and isinstance(nxt.value.value, str)):
+            if (
+                isinstance(stmt, ast.AnnAssign)
+                and isinstance(stmt.target, ast.Name)
+                and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)
+            ):
                 docs[stmt.target.id] = " ".join(inspect.cleandoc(nxt.value.value).split())
     return docs
 
@@ -194,8 +243,9 @@ def flag_type(parse: Callable[[str], Any], check: Callable[[Any], None] | None =
         try:
             value = parse(text)
         except ValueError as e:
-            raise argparse.ArgumentTypeError(f"expected {_WHAT[parse]}, got {text!r}" if parse in _WHAT
-                                             else str(e)) from None
+            raise argparse.ArgumentTypeError(
+                f"expected {_WHAT[parse]}, got {text!r}" if parse in _WHAT else str(e)
+            ) from None
         if check is not None:
             for v in value if isinstance(value, list) else [value]:
                 try:
@@ -225,7 +275,9 @@ def field_help(cls: type, f: dataclasses.Field, extra: str = "") -> str:
     return text.replace("%", "%%")
 
 
-def argument_spec(cls: type, f: dataclasses.Field, help_override: str | None = None) -> tuple[list[str], dict]:
+def argument_spec(
+    cls: type, f: dataclasses.Field, help_override: str | None = None
+) -> tuple[list[str], dict]:
     """(option strings, add_argument keywords) of one field's flag. `help_override`, a
     command's own help for it, is the whole help (its default included)."""
     meta, tp = f.metadata, _unwrap_optional(_hints(cls)[f.name])
@@ -264,13 +316,21 @@ def argument_spec(cls: type, f: dataclasses.Field, help_override: str | None = N
         kw["help"] = help_override.replace("%", "%%")
     if meta.get(METAVAR):
         kw["metavar"] = meta[METAVAR]
-    elif "metavar" not in kw and "choices" not in kw and kw.get("action") is not argparse.BooleanOptionalAction:
+    elif (
+        "metavar" not in kw
+        and "choices" not in kw
+        and kw.get("action") is not argparse.BooleanOptionalAction
+    ):
         kw["metavar"] = names[0].lstrip("-").upper().replace("-", "_")
     return names, kw
 
 
-def add_arguments(group: argparse._ActionsContainer, cls: type, names: Iterable[str] | None = None,
-                  help_overrides: Mapping[str, str] | None = None) -> list[str]:
+def add_arguments(
+    group: argparse._ActionsContainer,
+    cls: type,
+    names: Iterable[str] | None = None,
+    help_overrides: Mapping[str, str] | None = None,
+) -> list[str]:
     """Add the flags of `cls`'s flag fields (those in `names`, in that order, when given) to a
     parser or argument group; returns their dests (the fields' names)."""
     fields = {f.name: f for f in flag_fields(cls)}

@@ -15,9 +15,11 @@ from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.config_cli import add_arguments, class_doc, values_from_args
 from jaxserve.server.config import TOOL_PARSER_NAMES, ServerConfig
 
-__all__ = ["TOOL_PARSER_NAMES", "build_parser", "engine_options", "main", "server_config", "uvicorn_options"]
+__all__ = ["TOOL_PARSER_NAMES", "build_parser", "engine_options", "main", "server_config",
+           "uvicorn_options"]
 
 LOG_LEVELS = ["debug", "info", "warning", "error", "critical"]
+MODEL_HELP = "HF model directory or .gguf file (default: the bundled model)"
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -50,9 +52,11 @@ def chat_template_arg(value: str | None) -> str | None:
 def uvicorn_options(server: ServerConfig, log_level: str) -> dict[str, Any]:
     """uvicorn.Config's options from the front end's (`log_level`: the process's, unless
     server.uvicorn_log_level says otherwise)."""
-    opts: dict[str, Any] = dict(host=server.host, port=server.port, log_level=server.uvicorn_log_level or log_level,
-                                timeout_keep_alive=5,
-                                timeout_graceful_shutdown=graceful_shutdown_timeout(server.shutdown_grace))
+    opts: dict[str, Any] = {
+        "host": server.host, "port": server.port, "log_level": server.uvicorn_log_level or log_level,
+        "timeout_keep_alive": 5,
+        "timeout_graceful_shutdown": graceful_shutdown_timeout(server.shutdown_grace),
+    }
     if server.root_path:
         opts["root_path"] = server.root_path
     if server.ssl_keyfile:
@@ -67,17 +71,18 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server",
                        description="Run the OpenAI-compatible HTTP server. Every option is a field of "
                                    "jaxserve/config.py (engine) or server/config.py (server).")
-    s.add_argument("model", nargs="?", default=None, help="HF model directory or .gguf file (default: bundled model)")
+    s.add_argument("model", nargs="?", default=None, help=MODEL_HELP)
     s.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     model_group = s.add_argument_group("model", class_doc(ModelConfig))
     model_group.add_argument("--model", dest="model_flag", default=None, metavar="MODEL",
-                             help="The model as an option; it can follow multi-value flags such as --token-buckets.")
+                             help="The model as an option; it can follow multi-value flags such as "
+                                  "--token-buckets.")
     EngineConfig.add_cli_args(s, groups={"model": model_group})
     add_arguments(s.add_argument_group("server", class_doc(ServerConfig)), ServerConfig)
 
     g = sub.add_parser("generate", help="generate text for one prompt and print it")
     g.add_argument("prompt")
-    g.add_argument("--model", default=None, help="HF model directory or .gguf file (default: bundled model)")
+    g.add_argument("--model", default=None, help=MODEL_HELP)
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)

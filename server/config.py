@@ -60,7 +60,9 @@ class ServerConfig:
     tool_choice "required" or a named function)."""
     disable_log_requests: bool = False
     """Do not log each request received."""
-    uvicorn_log_level: Literal["debug", "info", "warning", "error", "critical", "trace"] | None = None
+    uvicorn_log_level: Literal["debug", "info", "warning", "error", "critical", "trace"] | None = (
+        None
+    )
     """uvicorn's log level. Default: --log-level."""
     root_path: str | None = None
     """The path prefix a proxy serves this server under. Default: none."""
@@ -76,5 +78,7 @@ class ServerConfig:
         if self.enable_auto_tool_choice and not self.tool_call_parser:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
-            raise ValueError(f"unknown tool call parser {self.tool_call_parser!r}; available: "
-                             f"{', '.join(TOOL_PARSER_NAMES)}")
+            raise ValueError(
+                f"unknown tool call parser {self.tool_call_parser!r}; available: "
+                f"{', '.join(TOOL_PARSER_NAMES)}"
+            )

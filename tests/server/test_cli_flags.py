@@ -12,7 +12,15 @@ import typing
 import pytest
 
 from jaxserve.config import EngineConfig, ModelConfig, SpeculativeConfig
-from jaxserve.config_cli import CHOICES, NOT_A_FLAG, PARSE, field_docs, flag_fields, flag_name, parse_bytes
+from jaxserve.config_cli import (
+    CHOICES,
+    NOT_A_FLAG,
+    PARSE,
+    field_docs,
+    flag_fields,
+    flag_name,
+    parse_bytes,
+)
 from jaxserve.server.cli import build_parser, engine_options, server_config
 from jaxserve.server.config import ServerConfig
 
@@ -30,7 +38,7 @@ def options_by_dest(parser: argparse.ArgumentParser) -> dict[str, list[str]]:
     return {a.dest: a.option_strings for a in parser._actions if a.option_strings}
 
 
-# ------------------------------------------------------------------------- every field is accounted for
+# ------------------------------------------------------------------ every field is accounted for
 @pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__name__)
 def test_every_field_is_a_flag_or_says_why_not(cls):
     serve = options_by_dest(subparser("serve"))
@@ -38,7 +46,9 @@ def test_every_field_is_a_flag_or_says_why_not(cls):
     for f in dataclasses.fields(cls):
         assert docs.get(f.name), f"{cls.__name__}.{f.name} has no docstring"
         if NOT_A_FLAG in f.metadata:
-            assert f.metadata[NOT_A_FLAG].strip(), f"{cls.__name__}.{f.name}: not a flag, but no reason"
+            assert f.metadata[NOT_A_FLAG].strip(), (
+                f"{cls.__name__}.{f.name}: not a flag, but no reason"
+            )
             continue
         assert flag_name(f) in serve.get(f.name, []), f"{cls.__name__}.{f.name} is not a serve flag"
         if f.default is None:  # the help must say what unset means
@@ -61,7 +71,7 @@ def test_the_speculative_flag_lists_its_keys():
         assert f.name in spec.help and docs.get(f.name)
 
 
-# ------------------------------------------------------------------------------ each flag round-trips
+# ------------------------------------------------------------------------- each flag round-trips
 def _sample(cls, f) -> tuple[list[str], object]:
     """(argv after the flag, the field's expected value): a value other than the default."""
     tp = typing.get_type_hints(cls)[f.name]
@@ -71,11 +81,19 @@ def _sample(cls, f) -> tuple[list[str], object]:
     if tp is bool:
         return ([f"--no-{flag[2:]}"], False) if f.default else ([flag], True)
     if dataclasses.is_dataclass(tp):
-        return [flag, '{"method": "ngram", "num_speculative_tokens": 3}'], tp(num_speculative_tokens=3)
+        return [flag, '{"method": "ngram", "num_speculative_tokens": 3}'], tp(
+            num_speculative_tokens=3
+        )
     if typing.get_origin(tp) is tuple:
         element = typing.get_args(tp)[0]
-        return ([flag, "8,16", "32"], (8, 16, 32)) if element is int else ([flag, "a", "b"], ("a", "b"))
-    choices = typing.get_args(tp) if typing.get_origin(tp) is typing.Literal else f.metadata.get(CHOICES)
+        return (
+            ([flag, "8,16", "32"], (8, 16, 32))
+            if element is int
+            else ([flag, "a", "b"], ("a", "b"))
+        )
+    choices = (
+        typing.get_args(tp) if typing.get_origin(tp) is typing.Literal else f.metadata.get(CHOICES)
+    )
     if choices:
         value = [c for c in choices if c != f.default][-1]
         return [flag, str(value)], value
@@ -91,12 +109,18 @@ def _sample(cls, f) -> tuple[list[str], object]:
 
 
 # Flags that need another to make sense.
-_WITH = {"ssl_keyfile": ["--ssl-certfile", "c.pem"], "ssl_certfile": ["--ssl-keyfile", "k.pem"],
-         "enable_auto_tool_choice": ["--tool-call-parser", "hermes"]}
+_WITH = {
+    "ssl_keyfile": ["--ssl-certfile", "c.pem"],
+    "ssl_certfile": ["--ssl-keyfile", "k.pem"],
+    "enable_auto_tool_choice": ["--tool-call-parser", "hermes"],
+}
 
 
-@pytest.mark.parametrize(("cls", "name"), [(c, f.name) for c in CLASSES for f in flag_fields(c)],
-                         ids=lambda x: x if isinstance(x, str) else x.__name__)
+@pytest.mark.parametrize(
+    ("cls", "name"),
+    [(c, f.name) for c in CLASSES for f in flag_fields(c)],
+    ids=lambda x: x if isinstance(x, str) else x.__name__,
+)
 def test_each_flag_reaches_its_field(cls, name):
     """parse -> configuration -> the field's value, for every flag, with a value other than the
     default."""
@@ -109,41 +133,59 @@ def test_each_flag_reaches_its_field(cls, name):
         assert engine_options(args) == {}
         return
     config = EngineConfig.from_kwargs(**engine_options(args))
-    part = config if cls is EngineConfig else getattr(config, next(k for k, v in ENGINE_PARTS.items() if v is cls))
+    part = (
+        config
+        if cls is EngineConfig
+        else getattr(config, next(k for k, v in ENGINE_PARTS.items() if v is cls))
+    )
     assert getattr(part, name) == expected
     assert server_config(args) == ServerConfig()
 
 
 def test_vllm_spellings_and_aliases():
     parse = build_parser().parse_args
-    for argv, key, value in ((["--block-size", "32"], "page_size", 32), (["--dtype", "half"], "dtype", "float16"),
-                             (["--dtype", "float"], "dtype", "float32"),
-                             (["--gpu-memory-utilization", "0.5"], "device_memory_utilization", 0.5),
-                             (["--kv-cache-memory", "2GiB"], "kv_cache_memory_bytes", 2 << 30),
-                             (["--scheduling-policy", "priority"], "policy", "priority"),
-                             (["--no-compilation-cache"], "enable_compilation_cache", False),
-                             (["--token-buckets", "64", "16", "--token-buckets", "16,256"], "token_buckets",
-                              (64, 16, 16, 256))):
+    for argv, key, value in (
+        (["--block-size", "32"], "page_size", 32),
+        (["--dtype", "half"], "dtype", "float16"),
+        (["--dtype", "float"], "dtype", "float32"),
+        (["--gpu-memory-utilization", "0.5"], "device_memory_utilization", 0.5),
+        (["--kv-cache-memory", "2GiB"], "kv_cache_memory_bytes", 2 << 30),
+        (["--kv-cache-memory-bytes", "1000"], "kv_cache_memory_bytes", 1000),
+        (["--scheduling-policy", "priority"], "policy", "priority"),
+        (["--no-compilation-cache"], "enable_compilation_cache", False),
+        (
+            ["--token-buckets", "64", "16", "--token-buckets", "16,256"],
+            "token_buckets",
+            (64, 16, 16, 256),
+        ),
+    ):
         assert engine_options(parse(["serve", *argv])) == {key: value}, argv
     # The buckets reach the configuration sorted, once each, and set the token budget.
-    config = EngineConfig.from_kwargs(**engine_options(parse(["serve", "--token-buckets", "64", "16,64"])))
-    assert config.compile.token_buckets == (16, 64) and config.scheduler.max_num_batched_tokens == 64
+    config = EngineConfig.from_kwargs(
+        **engine_options(parse(["serve", "--token-buckets", "64", "16,64"]))
+    )
+    assert (
+        config.compile.token_buckets == (16, 64) and config.scheduler.max_num_batched_tokens == 64
+    )
     # Python callers get vLLM's dtype spellings too.
     assert ModelConfig(dtype="half").dtype == "float16"
     with pytest.raises(ValueError, match="dtype must be one of"):
         ModelConfig(dtype="fp8")
 
 
-@pytest.mark.parametrize(("argv", "message"), [
-    (["--kv-cache-memory", "2XB"], "not a byte size"),
-    (["--token-buckets", "16,x"], "integers separated"),
-    (["--max-num-seqs", "many"], "expected an integer"),
-    (["--shutdown-grace", "-1"], "finite number >= 0"),
-    (["--request-timeout", "nan"], "finite number > 0"),
-    (["--max-waiting-requests", "0"], "finite number > 0"),
-    (["--dtype", "fp8"], "invalid choice"),
-    (["--tool-call-parser", "nope"], "invalid choice"),
-])
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--kv-cache-memory", "2XB"], "not a byte size"),
+        (["--token-buckets", "16,x"], "integers separated"),
+        (["--max-num-seqs", "many"], "expected an integer"),
+        (["--shutdown-grace", "-1"], "finite number >= 0"),
+        (["--request-timeout", "nan"], "finite number > 0"),
+        (["--max-waiting-requests", "0"], "finite number > 0"),
+        (["--dtype", "fp8"], "invalid choice"),
+        (["--tool-call-parser", "nope"], "invalid choice"),
+    ],
+)
 def test_bad_values_are_refused_naming_the_flag(argv, message, capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", *argv])
@@ -163,13 +205,17 @@ def test_server_rules_hold_for_python_callers_too():
 def test_the_context_a_user_gives_is_the_schedulers_before_the_model_loads():
     """Without chunked prefill the token budget must cover the context: the one asked for, not
     the default one."""
-    config = EngineConfig.from_kwargs(max_model_len=512, enable_chunked_prefill=False, max_num_batched_tokens=1024)
+    config = EngineConfig.from_kwargs(
+        max_model_len=512, enable_chunked_prefill=False, max_num_batched_tokens=1024
+    )
     assert config.model.max_model_len == config.scheduler.max_model_len == 512
     with pytest.raises(ValueError, match="Without chunked prefill"):
-        EngineConfig.from_kwargs(max_model_len=4096, enable_chunked_prefill=False, max_num_batched_tokens=1024)
+        EngineConfig.from_kwargs(
+            max_model_len=4096, enable_chunked_prefill=False, max_num_batched_tokens=1024
+        )
 
 
-# ---------------------------------------------------------------------------------------------- --help
+# ------------------------------------------------------------------------------------------ --help
 def _help_sections(parser: argparse.ArgumentParser) -> dict[str, list[str]]:
     """The flags listed under each heading of a help text."""
     sections: dict[str, list[str]] = {}
@@ -185,8 +231,16 @@ def _help_sections(parser: argparse.ArgumentParser) -> dict[str, list[str]]:
 def test_serve_help_lists_every_group_with_its_flags_and_defaults():
     serve = subparser("serve")
     sections = _help_sections(serve)
-    assert list(sections) == ["positional arguments", "options", "model", "cache", "scheduler", "parallel", "compile",
-                              "server"]
+    assert list(sections) == [
+        "positional arguments",
+        "options",
+        "model",
+        "cache",
+        "scheduler",
+        "parallel",
+        "compile",
+        "server",
+    ]
     groups = {**ENGINE_PARTS, "server": ServerConfig}
     for title, cls in groups.items():
         for f in flag_fields(cls):
@@ -194,9 +248,17 @@ def test_serve_help_lists_every_group_with_its_flags_and_defaults():
     for f in flag_fields(EngineConfig):  # the engine's own options join the group they belong to
         assert flag_name(f) in sections[f.metadata["group"]]
     text = " ".join(serve.format_help().split())
-    for fragment in ("Sequences in one step at most", "(default: 32)", "(default: 16)", "(default: 0.9)",
-                     "(default: 127.0.0.1)", "(default: 8000)", "--no-enable-prefix-caching", "(default: on)",
-                     "Default: the model's max_position_embeddings"):
+    for fragment in (
+        "Sequences in one step at most",
+        "(default: 32)",
+        "(default: 16)",
+        "(default: 0.9)",
+        "(default: 127.0.0.1)",
+        "(default: 8000)",
+        "--no-enable-prefix-caching",
+        "(default: on)",
+        "Default: the model's max_position_embeddings",
+    ):
         assert fragment in text, fragment
 
 
@@ -205,10 +267,16 @@ def test_generate_and_shard_plan_share_the_engine_flags():
     for title, cls in ENGINE_PARTS.items():
         assert {flag_name(f) for f in flag_fields(cls)} <= set(generate[title])
     plan = _help_sections(subparser("shard-plan"))
-    assert {"--max-model-len", "--dtype", "--quantization", "--max-num-seqs"} <= {x for s in plan.values() for x in s}
-    assert {"--page-size", "--block-size", "--kv-cache-memory", "--kv-cache-dtype"} <= set(plan["cache"])
+    assert {"--max-model-len", "--dtype", "--quantization", "--max-num-seqs"} <= {
+        x for s in plan.values() for x in s
+    }
+    assert {"--page-size", "--block-size", "--kv-cache-memory", "--kv-cache-dtype"} <= set(
+        plan["cache"]
+    )
     # A command may say how it uses a flag differently; the spelling and parsing stay the engine's.
-    args = build_parser().parse_args(["shard-plan", "--kv-cache-memory", "1GiB", "--block-size", "32"])
+    args = build_parser().parse_args(
+        ["shard-plan", "--kv-cache-memory", "1GiB", "--block-size", "32"]
+    )
     assert (args.kv_cache_memory_bytes, args.page_size) == (1 << 30, 32)
     assert "largest request bucket" in " ".join(subparser("shard-plan").format_help().split())
 
@@ -219,5 +287,8 @@ def test_defaults_live_in_the_dataclasses():
     for action in subparser("serve")._actions:
         if action.dest not in ("help", "log_level"):
             assert action.default is None, action.dest
-    assert EngineConfig.from_kwargs(**engine_options(build_parser().parse_args(["serve"]))) == EngineConfig()
+    assert (
+        EngineConfig.from_kwargs(**engine_options(build_parser().parse_args(["serve"])))
+        == EngineConfig()
+    )
     assert server_config(build_parser().parse_args(["serve"])) == ServerConfig()
