@@ -1,17 +1,33 @@
 """Engine configuration: small frozen dataclasses, one per concern, composed by EngineConfig.
 
-Every knob is a field here and a CLI flag (see server/cli.py). "auto" values are resolved by
-the engine's backend (jaxserve/backends), once. The only environment read is the user cache
-directory (`$XDG_CACHE_HOME`, else `~/.cache`), as other tools locate it.
+Every knob is a field here, and every field is a CLI flag or says why not: each field documents
+itself once with an attribute docstring (the string below it), and jaxserve/config_cli.py makes
+the flags of `jaxserve serve`, `generate` and `shard-plan` from them (`EngineConfig.add_cli_args`,
+`EngineConfig.cli_options`). A flag is spelled as its field unless the field says otherwise
+(`option(flag=...)`: vLLM's names). "auto" values are resolved by the engine's backend
+(jaxserve/backends), once. The only environment read is the user cache directory
+(`$XDG_CACHE_HOME`, else `~/.cache`), as other tools locate it.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
 import pathlib
-from typing import Any, Literal
+from collections.abc import Iterable, Mapping
+from typing import Any, Literal, get_args
+
+from jaxserve.config_cli import (
+    GROUP,
+    add_arguments,
+    class_doc,
+    flag_fields,
+    option,
+    parse_bytes,
+    values_from_args,
+)
 
 __all__ = [
     "CacheConfig",
@@ -31,9 +47,27 @@ __all__ = [
 PER_PROCESS = {"per_process": True}
 
 
-def per_process(default: Any = None) -> Any:
-    """A dataclass field of an option that may differ between processes (see PER_PROCESS)."""
-    return dataclasses.field(default=default, metadata=PER_PROCESS)
+def per_process(default: Any = None, **cli: Any) -> Any:
+    """A dataclass field of an option that may differ between processes (see PER_PROCESS);
+    `cli` as config_cli.option's."""
+    return option(default, metadata=PER_PROCESS, **cli)
+
+
+# A request's context when neither the user nor a smaller model limit sets it.
+DEFAULT_MAX_MODEL_LEN = 2048
+
+Dtype = Literal["float32", "bfloat16", "float16"]
+DtypeOrAuto = Literal["auto", Dtype]
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's spellings
+
+
+def jax_dtype(name: str) -> Any:
+    """The JAX dtype of a resolved dtype name ("float32", "bfloat16", "float16")."""
+    if name not in get_args(Dtype):
+        raise ValueError(f"dtype must be one of {', '.join(get_args(Dtype))}, got {name!r}.")
+    import jax.numpy as jnp
+
+    return getattr(jnp, name)
 
 
 def _user_cache_dir() -> pathlib.Path:
@@ -43,15 +77,25 @@ def _user_cache_dir() -> pathlib.Path:
 
 @dataclasses.dataclass(frozen=True)
 class SchedulerConfig:
+    """What each step takes: sequences, tokens, order (vLLM's scheduler options)."""
+
     max_num_seqs: int = 32
-    # Tokens per step; None: the engine's backend chooses (jaxserve/backends: 8192 on TPU/GPU,
-    # less on a CPU), as the largest explicit token bucket when there are some.
+    """Sequences in one step at most (the sampler's slots), for the whole mesh: data-parallel
+    ranks split it evenly. With --request-buckets and no value: the largest bucket."""
     max_num_batched_tokens: int | None = None
-    max_model_len: int = 2048
+    """Tokens in one step at most (the token budget), for the whole mesh. Default: the largest
+    --token-buckets value when given, else the backend's: 8192 on TPU/GPU (vLLM's), less on a
+    CPU, where larger steps only delay first tokens (jaxserve/backends)."""
+    max_model_len: int = option(DEFAULT_MAX_MODEL_LEN,
+                                not_a_flag="the engine sets it to the resolved --max-model-len")
+    """The context length the scheduler enforces."""
     enable_chunked_prefill: bool = True
-    policy: Literal["fcfs", "priority"] = per_process("fcfs")  # the leader's scheduler's
-    # Overlap host and device: plan and launch step t+1 while step t runs (the engine core).
+    """Split long prompts over several steps; off needs max_num_batched_tokens >= max_model_len."""
+    policy: Literal["fcfs", "priority"] = per_process("fcfs", flag="--scheduling-policy")
+    """fcfs: by arrival; priority: by the requests' priority field (lower first), then arrival.
+    The leader's scheduler's."""
     async_scheduling: bool = per_process(True)
+    """Overlap host and device: plan and launch step t+1 while step t runs (the engine core)."""
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -70,77 +114,122 @@ class SchedulerConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    model: str | None = per_process()  # None = the bundled default model (its identity: config.json)
-    served_model_name: str | None = per_process()
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    max_model_len: int | None = None  # None = min(model's max_position_embeddings, 2048)
-    model_cache_dir: str | None = per_process()  # where GGUF conversions are cached
+    """The model: its files, dtype, context, and the kernels that run it."""
+
+    model: str | None = per_process(not_a_flag="the commands' MODEL argument (or serve's --model)")
+    """HF model directory or .gguf file. Default: the bundled model (its identity: config.json)."""
+    served_model_name: str | None = per_process(not_a_flag="from serve's --served-model-name")
+    """The model's name in responses. Default: the model argument, or the bundled model's name."""
+    dtype: DtypeOrAuto = option("auto", choice_aliases=DTYPE_ALIASES)
+    """The weights' dtype (half = float16, float = float32, as in vLLM). auto: the backend's:
+    bfloat16 on TPU/GPU, on a CPU the faster of bfloat16 and float32 (measured once per CPU)."""
+    max_model_len: int | None = None
+    """Context length (prompt and output tokens) of a request. Default: the model's
+    max_position_embeddings, at most 2048 (DEFAULT_MAX_MODEL_LEN)."""
+    model_cache_dir: str | None = per_process()
+    """Where GGUF files are converted to (once) and kept, under models/. Default: <user
+    cache>/jaxserve."""
     attention_impl: str = "auto"
-    # Native CPU product kernels (one device; weights packed at load time): "amx" for bfloat16
-    # weights on CPUs with AMX, "avx512" for float32 weights on CPUs with AVX-512, "avx2" for
-    # float32 weights with a kernel build without AVX-512 (AVX2-only CPUs); "xla": XLA's dot;
-    # "auto": the kernel that fits the weights' dtype where it can run, else xla.
+    """The paged-attention kernel: auto (the backend's), reference (pure JAX), cpu, tpu, gpu;
+    tpu-interpret and gpu-interpret run the kernels on any host (slow, for checking)."""
     matmul_impl: Literal["auto", "xla", "amx", "avx512", "avx2"] = "auto"
-    # The instruction set the native CPU kernels are built for: "native" (this CPU), "haswell"
-    # (AVX2 + FMA, no AVX-512: the class of most laptops, reproducible on newer CPUs) or
-    # "x86-64" (portable loops). One build serves a process.
+    """Native CPU product kernels (one device; weights packed at load time): amx for bfloat16
+    weights on CPUs with AMX, avx512 for float32 weights on CPUs with AVX-512, avx2 for float32
+    weights with a kernel build without AVX-512 (AVX2-only CPUs); xla: XLA's dot; auto: the
+    kernel that fits the weights' dtype where it can run, else xla."""
     cpu_kernel_target: Literal["native", "haswell", "x86-64"] = "native"
-    seed: int = 0  # seeds unseeded requests' generators
-    # Default sampling settings and EOS ids: "auto" (the model's generation_config.json),
-    # "vllm" (ignore its sampling defaults) or a folder / file path (see
-    # jaxserve/engine/generation_config.py).
+    """The instruction set the native CPU kernels are built for: native (this CPU), haswell (AVX2
+    + FMA, no AVX-512: the class of most laptops, reproducible on newer CPUs) or x86-64 (portable
+    loops). One build serves a process."""
+    seed: int = 0
+    """Seeds the random generators of requests that give no seed."""
     generation_config: str = per_process("auto")
-    # Weight-only quantization at load: "int8" keeps every matmul weight (and the embedding)
-    # int8 in device memory with per-channel float32 scales, converted inside the product.
+    """Default sampling settings and EOS ids: auto (the model's generation_config.json), vllm
+    (ignore its sampling defaults) or a folder or file holding a generation_config.json."""
     quantization: Literal["int8"] | None = None
+    """Weight-only quantization at load: int8 keeps every matmul weight (and the embedding) int8
+    in device memory with per-channel float32 scales, converted inside the product. Default:
+    the checkpoint's weights as they are."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", DTYPE_ALIASES.get(self.dtype, self.dtype))
+        if self.dtype not in get_args(DtypeOrAuto):
+            raise ValueError(f"dtype must be one of {', '.join(get_args(DtypeOrAuto))}, "
+                             f"got {self.dtype!r}.")
         if self.quantization not in (None, "int8"):
             raise ValueError(f"quantization must be 'int8' or None, got {self.quantization!r}.")
+
+    def resolve_max_model_len(self, max_position_embeddings: int) -> int:
+        """The context length: the user's, else the model's, at most DEFAULT_MAX_MODEL_LEN."""
+        return self.max_model_len or min(max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
 
 
 @dataclasses.dataclass(frozen=True)
 class CacheConfig:
-    page_size: int = 16
-    # KV cache size per device: an explicit byte budget, or a fraction of free device memory on
-    # accelerators (the least over devices and processes). On the CPU without a budget, 1 GiB.
-    kv_cache_memory_bytes: int | None = None
-    device_memory_utilization: float = 0.9
-    num_pages: int | None = None  # overrides the budget (tests)
-    enable_prefix_caching: bool = per_process(True)  # the leader's scheduler's
-    # "auto": the model dtype, except float32 on a CPU without the native attention kernel
-    # (there XLA writes the cache, and its bfloat16 scatter is orders of magnitude slower).
-    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """The paged KV cache: page size, size, dtype, prefix caching."""
+
+    page_size: int = option(16, aliases=("--block-size",))
+    """Tokens per KV-cache page, a power of two (--block-size is vLLM's name)."""
+    kv_cache_memory_bytes: int | None = option(
+        None, flag="--kv-cache-memory", aliases=("--kv-cache-memory-bytes",), parse=parse_bytes)
+    """KV-cache bytes per device; suffixes allowed (2GiB, 512MB); --kv-cache-memory-bytes is
+    vLLM's name. Default: on accelerators
+    device_memory_utilization of each device's free memory (the least over devices and
+    processes), on a CPU 1 GiB."""
+    device_memory_utilization: float = option(0.9, flag="--gpu-memory-utilization")
+    """Fraction of each accelerator's free memory for the KV cache when no byte budget is given
+    (vLLM's --gpu-memory-utilization)."""
+    num_pages: int | None = option(None, not_a_flag="tests only: a page count instead of a budget")
+    """KV pages for the whole mesh, overriding the budget. Default: as many as the budget holds."""
+    enable_prefix_caching: bool = per_process(True)
+    """Reuse the KV cache of shared prompt prefixes (the leader's scheduler's)."""
+    kv_cache_dtype: DtypeOrAuto = "auto"
+    """The KV cache's dtype. auto: the model's, except float32 on a CPU without the native
+    attention kernel (there XLA writes the cache, and its bfloat16 scatter is orders of magnitude
+    slower)."""
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a power of two, got {self.page_size}.")
         if not 0.0 < self.device_memory_utilization <= 1.0:
             raise ValueError("device_memory_utilization must be in (0, 1].")
+        if self.kv_cache_dtype not in get_args(DtypeOrAuto):
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(get_args(DtypeOrAuto))}, "
+                             f"got {self.kv_cache_dtype!r}.")
 
 
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
-    """The device mesh: `data_parallel_size` x `tensor_parallel_size` devices (vLLM's names)."""
+    """The device mesh, data_parallel_size x tensor_parallel_size devices (vLLM's names), and
+    several hosts in one mesh: every host runs the same command, each with its --process-id;
+    process 0 serves, the others run its steps headless."""
 
     data_parallel_size: int = 1
+    """Data-parallel ranks (the mesh's data axis), each with its own scheduler, requests and KV
+    pages."""
     tensor_parallel_size: int = 1
-    # How weights and the KV cache are laid over the mesh: a preset of
-    # jaxserve.models.sharding.RULE_PRESETS ("tp", "tp-replicate-vocab", "tp-kv-replicated",
-    # "fsdp", "expert-parallel", "attn-dp") or a JSON / YAML rules file.
-    sharding_rules: str = "tp"
-    # Several processes (hosts) in one mesh (jaxserve/parallel/multihost.py): the JAX
-    # coordinator's HOST:PORT (process 0's host), or "auto" to detect a Cloud TPU, SLURM or
-    # Kubernetes job; None = one process.
+    """Devices each rank's weights and KV heads are split over (the mesh's model axis)."""
+    sharding_rules: str = option("tp", metavar="PRESET|FILE")
+    """How weights and the KV cache are laid over the mesh: a preset of
+    jaxserve.models.sharding.RULE_PRESETS (tp, tp-replicate-vocab, tp-kv-replicated, fsdp,
+    expert-parallel, attn-dp) or a JSON / YAML file mapping logical axes to mesh axes."""
     coordinator_address: str | None = per_process()
+    """Several processes (hosts) in one mesh (jaxserve/parallel/multihost.py): the JAX
+    coordinator's HOST:PORT (process 0's host), or auto to detect a Cloud TPU, SLURM or Kubernetes
+    job. Default: one process."""
     num_processes: int | None = None
+    """Processes (hosts) in the run. Default: one, or what auto detects."""
     process_id: int | None = per_process()
-    # the leader's step channel; None = the coordinator's port + 1
+    """This process's index (0: the leader). Default: 0, or what auto detects."""
     follower_port: int | None = per_process()
-    # a follower hearing nothing for this long exits (the leader sends its own)
-    step_timeout_seconds: float = per_process(120.0)
-    heartbeat_timeout_seconds: int = 100  # JAX's coordination service (jax.distributed.initialize)
-    startup_timeout_seconds: float = per_process(300.0)  # for every follower to connect to the leader
+    """The leader's port for its step channel. Default: the coordinator's port + 1."""
+    step_timeout_seconds: float = per_process(120.0, flag="--step-timeout")
+    """Seconds a follower waits to hear from the leader before it exits (the leader sends its
+    own)."""
+    heartbeat_timeout_seconds: int = option(100, flag="--heartbeat-timeout")
+    """Seconds JAX's coordination service waits for a silent process (jax.distributed)."""
+    startup_timeout_seconds: float = per_process(300.0, flag="--startup-timeout")
+    """Seconds the leader waits for every follower to connect."""
 
     def __post_init__(self) -> None:
         for name in ("data_parallel_size", "tensor_parallel_size"):
@@ -150,15 +239,24 @@ class ParallelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class CompileConfig:
-    # Padded token counts and request counts compiled at start-up; None = geometric defaults.
+    """The compiled steps: the bucket grid and the caches that keep them across restarts."""
+
     token_buckets: tuple[int, ...] | None = None
+    """Padded token counts to compile, e.g. 16 64 512 or 16,64,512. Default: x2 from 16 up to the
+    token budget (on TPU/GPU x4 above 1024)."""
     request_buckets: tuple[int, ...] | None = None
-    compilation_cache_dir: str | None = per_process()  # None = <user cache>/jaxserve/xla
-    enable_compilation_cache: bool = per_process(True)
-    # Keep the compiled steps themselves on disk (runner/executable_cache.py), so that a restart
-    # loads them without tracing or compiling. Needs the compilation cache's folder.
-    enable_executable_cache: bool = per_process(True)
-    show_progress: bool = per_process(True)
+    """Padded request counts to compile, e.g. 8 32. Default: x4 from 8 up to max_num_seqs."""
+    compilation_cache_dir: str | None = per_process()
+    """Where compiled steps (executables/) and, on a CPU, the weights packed for its kernels
+    (weights/) are kept, so that restarts load them. Default: <user cache>/jaxserve/xla."""
+    enable_compilation_cache: bool = per_process(True, flag="--compilation-cache")
+    """Keep compiled steps and packed weights in compilation_cache_dir (--no-compilation-cache:
+    compile and pack at every start)."""
+    enable_executable_cache: bool = per_process(True, flag="--executable-cache")
+    """Keep the compiled steps themselves on disk (runner/executable_cache.py), so that a restart
+    loads them without tracing or compiling; needs the compilation cache."""
+    show_progress: bool = per_process(True, not_a_flag="the command's: on in serve, not generate")
+    """Show a progress bar while the steps compile."""
 
     def cache_dir(self) -> str:
         return self.compilation_cache_dir or str(_user_cache_dir() / "xla")
@@ -172,9 +270,13 @@ class SpeculativeConfig:
     and the model checks them all in one step (jaxserve/spec_decode/)."""
 
     method: Literal["ngram"] = "ngram"
+    """How drafts are made: ngram (prompt lookup), the one method."""
     num_speculative_tokens: int = 0
-    prompt_lookup_min: int | None = None  # vLLM's defaults: both 5; one given sets the other
+    """Draft tokens per step and request at most (required, >= 1)."""
+    prompt_lookup_min: int | None = None
+    """The shortest n-gram matched. Default: prompt_lookup_max if given, else 5 (vLLM's)."""
     prompt_lookup_max: int | None = None
+    """The longest n-gram matched. Default: prompt_lookup_min if given, else 5 (vLLM's)."""
 
     def __post_init__(self) -> None:
         if self.method not in ("ngram", "[ngram]"):
@@ -221,19 +323,39 @@ class SpeculativeConfig:
         return cls(**value)
 
 
+_PART = "a part: its fields are the flags of the help group of its name"
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    model: ModelConfig = ModelConfig()
-    cache: CacheConfig = CacheConfig()
-    scheduler: SchedulerConfig = SchedulerConfig()
-    parallel: ParallelConfig = ParallelConfig()
-    compile: CompileConfig = CompileConfig()
-    max_logprobs: int = 20
-    # None: no speculative decoding (the leader drafts; the step is the same)
-    speculative_config: SpeculativeConfig | None = per_process()
+    """Every engine option: one part per concern, and the few that are the engine's own."""
+
+    model: ModelConfig = option(ModelConfig(), not_a_flag=_PART)
+    """The model."""
+    cache: CacheConfig = option(CacheConfig(), not_a_flag=_PART)
+    """The KV cache."""
+    scheduler: SchedulerConfig = option(SchedulerConfig(), not_a_flag=_PART)
+    """The scheduler."""
+    parallel: ParallelConfig = option(ParallelConfig(), not_a_flag=_PART)
+    """The device mesh and the processes."""
+    compile: CompileConfig = option(CompileConfig(), not_a_flag=_PART)
+    """The compiled steps."""
+    max_logprobs: int = option(20, group="model")
+    """The most log-probs a request may ask for (logprobs, prompt_logprobs): the width of the
+    sampler's top-logprobs outputs."""
+    speculative_config: SpeculativeConfig | None = per_process(group="scheduler")
+    """Speculative decoding, as vLLM's: e.g. {"method": "ngram", "num_speculative_tokens": 4,
+    "prompt_lookup_max": 4, "prompt_lookup_min": 2} (n-gram prompt lookup; the leader drafts,
+    the step is the same). Default: off."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+
+    @staticmethod
+    def parts() -> dict[str, type]:
+        """The sub-configurations by field name (also the CLI's help groups)."""
+        return {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
+                "parallel": ParallelConfig, "compile": CompileConfig}
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -242,8 +364,7 @@ class EngineConfig:
         `LLM(model, max_num_seqs=8, page_size=16, ...)` and the CLI use this. An unknown name
         raises ValueError listing the accepted ones.
         """
-        parts = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
-                 "parallel": ParallelConfig, "compile": CompileConfig}
+        parts = cls.parts()
         own = {f.name for f in dataclasses.fields(cls) if f.name not in parts}
         buckets: dict[str, dict[str, Any]] = {name: {} for name in parts}
         top: dict[str, Any] = {}
@@ -258,10 +379,51 @@ class EngineConfig:
             else:
                 known = sorted(own | {f.name for k in parts.values() for f in dataclasses.fields(k)})
                 raise ValueError(f"unknown engine option {key!r}; accepted: {', '.join(known)}")
+        # The scheduler enforces the context the user asked for (the engine replaces it with the
+        # resolved one), so that its checks see the same length.
+        if buckets["model"].get("max_model_len") is not None:
+            buckets["scheduler"]["max_model_len"] = buckets["model"]["max_model_len"]
         # Explicit buckets without a limit: the largest bucket is the limit (token budget per
         # step, sequences per step).
         for key, limit in (("token_buckets", "max_num_batched_tokens"), ("request_buckets", "max_num_seqs")):
             if buckets["compile"].get(key) is not None:
-                buckets["compile"][key] = tuple(sorted(int(x) for x in buckets["compile"][key]))
+                buckets["compile"][key] = tuple(sorted({int(x) for x in buckets["compile"][key]}))
                 buckets["scheduler"].setdefault(limit, buckets["compile"][key][-1])
         return cls(**{name: parts[name](**vals) for name, vals in buckets.items()}, **top)
+
+    # ------------------------------------------------------------------ the command line
+    @classmethod
+    def add_cli_args(
+        cls,
+        parser: argparse.ArgumentParser,
+        names: Iterable[str] | None = None,
+        help_overrides: Mapping[str, str] | None = None,
+        groups: Mapping[str, argparse._ArgumentGroup] | None = None,
+    ) -> dict[str, argparse._ArgumentGroup]:
+        """Add a flag for every engine option (or for those in `names`) to `parser`, in one help
+        group per part (model, cache, scheduler, parallel, compile; those in `groups` are the
+        caller's); returns the groups by name. `help_overrides` replaces a field's help where a
+        command uses it differently."""
+        wanted = None if names is None else set(names)
+        own = flag_fields(cls)
+        groups, added = dict(groups or {}), set()
+        for title, klass in cls.parts().items():
+            fields = [(klass, f.name) for f in flag_fields(klass)]
+            fields += [(cls, f.name) for f in own if f.metadata.get(GROUP) == title]
+            fields = [(k, n) for k, n in fields if wanted is None or n in wanted]
+            if fields:
+                group = groups.get(title) or parser.add_argument_group(title, class_doc(klass))
+                groups[title] = group
+                for klass_, name in fields:
+                    added.update(add_arguments(group, klass_, [name], help_overrides))
+        if wanted is not None and wanted - added:
+            raise KeyError(f"not engine flags: {', '.join(sorted(wanted - added))}")
+        return groups
+
+    @classmethod
+    def cli_options(cls, args: argparse.Namespace) -> dict[str, Any]:
+        """The engine options given on the command line, as from_kwargs's keywords."""
+        opts = values_from_args(cls, args)
+        for klass in cls.parts().values():
+            opts.update(values_from_args(klass, args))
+        return opts

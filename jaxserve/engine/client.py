@@ -48,7 +48,12 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-CoreMode = Literal["thread", "process"]
+CoreMode = Literal["auto", "thread", "process"]
+
+
+def default_engine_core() -> Literal["thread", "process"]:
+    """Where the engine core runs when the user does not say (`--engine-core auto`)."""
+    return "thread"
 
 
 class EngineClient(Protocol):
@@ -99,11 +104,13 @@ class FollowerRole(Exception):
         self.run = run
 
 
-def open_engine(config, *, core: CoreMode = "thread", timer=None, max_waiting_requests: int | None = None,
+def open_engine(config, *, core: CoreMode = "auto", timer=None, max_waiting_requests: int | None = None,
                 stats_listener: StatsListener | None = None) -> AsyncEngineClient:
     """Build the engine of `config` with its core on a thread of this process or in a process of
     its own, and the client that serves it (not started: `start()` on the event loop). Raises
     what building the engine raises, and FollowerRole on a multi-host follower."""
+    if core == "auto":
+        core = default_engine_core()
     if core == "thread":
         from jaxserve.engine.setup import build_engine
 

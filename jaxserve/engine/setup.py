@@ -15,10 +15,8 @@ import pathlib
 import time
 from collections.abc import Callable
 
-import jax.numpy as jnp
-
 from jaxserve.backends import Backend, DevicePlan, select_backend
-from jaxserve.config import EngineConfig
+from jaxserve.config import EngineConfig, jax_dtype
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.dp_scheduler import DataParallelScheduler, rank_config
 from jaxserve.core.scheduler import Scheduler
@@ -43,7 +41,6 @@ from jaxserve.startup_timer import StartupTimer
 
 logger = logging.getLogger(__name__)
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
@@ -109,7 +106,7 @@ def build_engine(config: EngineConfig, timer: StartupTimer | None = None, *,
         ckpt = load_checkpoint(model_path)
         arch = ArchConfig.from_hf(ckpt.config)
         gen = load_generation_config(model_path, mc.generation_config, ckpt.config)
-    max_model_len = mc.max_model_len or min(arch.max_position_embeddings, 2048)
+    max_model_len = mc.resolve_max_model_len(arch.max_position_embeddings)
     if max_model_len > arch.max_position_embeddings:
         logger.warning("max_model_len %d exceeds the model's max_position_embeddings %d",
                        max_model_len, arch.max_position_embeddings)
@@ -126,7 +123,7 @@ def build_engine(config: EngineConfig, timer: StartupTimer | None = None, *,
     if topo is not None:  # the leader resolves the "auto"s; every follower takes them
         with timer.phase("distributed"):
             link, plan = _join(topo, config, model_path, plan)
-    dtype, kv_dtype = DTYPES[plan.dtype], DTYPES[plan.kv_dtype]
+    kv_dtype = jax_dtype(plan.kv_dtype)
     model = _prepared_model(config, ckpt, arch, backend, plan, mesh, rules, timer)
     load_seconds = time.perf_counter() - t0
     # Pages per data-parallel rank (each rank's devices hold its own; `num_pages` counts them all).
@@ -197,7 +194,7 @@ def _prepared_model(config: EngineConfig, ckpt, arch: ArchConfig, backend: Backe
     """The model with its weights placed and laid out by the backend: from the weight cache when
     the backend lays them out (packing for the CPU kernels) and they were kept, else from the
     checkpoint (then kept)."""
-    mc, dtype = config.model, DTYPES[plan.dtype]
+    mc, dtype = config.model, jax_dtype(plan.dtype)
     cache = weight_cache(config.compile) if backend.lays_out_weights(plan) and mc.quantization is None else None
     if cache is not None:
         with timer.phase("weights"):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxserve.config import EngineConfig
 from jaxserve.sampling_params import SamplingParams
 
 
@@ -30,7 +31,7 @@ class SamplerConfig:
 
     max_num_seqs: int
     vocab_size: int
-    max_logprobs: int = 20
+    max_logprobs: int = EngineConfig.max_logprobs
     max_stop_ids: int = 16
     max_bad_words: int = 16
     max_bad_word_len: int = 8

@@ -25,20 +25,19 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxserve.backends import select_backend
-from jaxserve.config import CacheConfig, ModelConfig
+from jaxserve.config import CacheConfig, ModelConfig, jax_dtype
 from jaxserve.models import sharding as ax
 from jaxserve.models.arch_config import ArchConfig
 from jaxserve.models.interface import KV_CACHE_AXES
 from jaxserve.models.layers.moe import resolve_impl as resolve_moe_impl
 from jaxserve.models.weights import abstract_model
-from jaxserve.runner.kv_cache import abstract_kv_cache, kv_cache_shape
+from jaxserve.runner.kv_cache import abstract_kv_cache, bytes_per_page, kv_cache_shape
 from jaxserve.runner.step_fn import StepFunction, abstract_sampling_state, step_layout
 from jaxserve.sampling.config import SamplerConfig
 from jaxserve.tools.hlo_collectives import parse_collectives, summarize
 
 logger = logging.getLogger(__name__)
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 _ATTENTION = ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo", "q_norm", "k_norm")
 _MLP = ("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down")
 
@@ -51,11 +50,11 @@ class PlanSettings:
     platform: str  # the target's JAX platform: "cpu", "tpu", "gpu"
     max_model_len: int
     max_num_seqs: int
-    page_size: int = 16
+    page_size: int = CacheConfig.page_size
     kv_cache_memory: int | None = None  # per device; None: R x max_model_len tokens
-    dtype: str = "auto"
-    kv_cache_dtype: str = "auto"
-    attention_impl: str = "auto"
+    dtype: str = ModelConfig.dtype
+    kv_cache_dtype: str = CacheConfig.kv_cache_dtype
+    attention_impl: str = ModelConfig.attention_impl
     quantization: str | None = None
     device_memory: int | None = None  # per device, for the verdict
     measure: bool = False
@@ -125,7 +124,7 @@ def resolve_plan(settings: PlanSettings, cfg: ArchConfig, mesh: Mesh, rules) -> 
         check = tpu.supports if impl == "tpu" else gpu.supports
         try:
             check(jnp.zeros((1, 1, cfg.head_dim)),
-                  jax.ShapeDtypeStruct((1, settings.page_size, local_heads, cfg.head_dim), DTYPES[plan.kv_dtype]))
+                  jax.ShapeDtypeStruct((1, settings.page_size, local_heads, cfg.head_dim), jax_dtype(plan.kv_dtype)))
         except ValueError as e:
             impl, note = "reference", f"{plan.attention_impl} kernel unsupported: {e}"
     return {"dtype": plan.dtype, "kv_dtype": plan.kv_dtype, "attention_impl": impl, "attention_note": note,
@@ -146,7 +145,7 @@ def plan_one(settings: PlanSettings, mesh: Mesh, rules_spec: str, bucket: tuple[
                            "data_parallel": D}
     plan = resolve_plan(settings, cfg, mesh, rules)
     rec.update(plan)
-    dtype, kv_dtype = DTYPES[plan["dtype"]], DTYPES[plan["kv_dtype"]]
+    dtype, kv_dtype = jax_dtype(plan["dtype"]), jax_dtype(plan["kv_dtype"])
 
     # ---- parameters: abstract, with the engine's shardings
     graphdef, abs_state, shardings = abstract_model(cfg, dtype=dtype, mesh=mesh, attention_impl=plan["attention_impl"],
@@ -189,10 +188,8 @@ def plan_one(settings: PlanSettings, mesh: Mesh, rules_spec: str, bucket: tuple[
     # ---- KV cache: pages for the budget, per device
     probe = abstract_kv_cache(cfg, 1, settings.page_size, kv_dtype, mesh, rules).k[0]
     kv_spec = probe.sharding.spec
-    head_split = ax.mesh_axes_size(mesh, kv_spec[2])
     page_split = ax.mesh_axes_size(mesh, ax.logical_to_spec(KV_CACHE_AXES, (1 << 20, 1, 1, 1), mesh, rules)[0])
-    per_page = 2 * cfg.num_layers * settings.page_size * (cfg.num_kv_heads // head_split) * cfg.head_dim * \
-        jnp.dtype(kv_dtype).itemsize  # one page's bytes on the devices that hold it
+    per_page = bytes_per_page(cfg, settings.page_size, kv_dtype, mesh, rules)  # on the devices that hold it
     pages_per_req = -(-settings.max_model_len // settings.page_size)
     wanted = D * (settings.max_num_seqs // D * pages_per_req + 1)  # + each rank's null page
     if settings.kv_cache_memory is not None:

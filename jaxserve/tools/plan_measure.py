@@ -17,6 +17,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxserve.config import jax_dtype
 from jaxserve.models.weights import create_model
 from jaxserve.runner.kv_cache import allocate_kv_cache
 from jaxserve.runner.step_inputs import TokenInfo, pack_rows
@@ -51,19 +52,16 @@ def _buffers(layout, sampler_config, page_size, pages_per_req, T, R, lens, start
 
 def measure_step(settings, cfg, mesh, rules, plan, compiled, layout, sampler_config, num_pages, pages_per_req,
                  bucket) -> dict:
-    import jax.numpy as jnp
-
-    dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
     T, R = bucket
     ps = settings.page_size
-    model = create_model(cfg, dtype=dtype[plan["dtype"]], mesh=mesh, attention_impl=plan["attention_impl"],
+    model = create_model(cfg, dtype=jax_dtype(plan["dtype"]), mesh=mesh, attention_impl=plan["attention_impl"],
                          quantization=settings.quantization, rules=rules)
     from flax import nnx
 
     params = jax.tree.leaves(nnx.split(model)[1])
     del model
     D = mesh.shape["data"]  # with data parallelism every rank runs the same synthetic rows
-    kv = allocate_kv_cache(cfg, num_pages, ps, dtype[plan["kv_dtype"]], mesh, rules)
+    kv = allocate_kv_cache(cfg, num_pages, ps, jax_dtype(plan["kv_dtype"]), mesh, rules)
     sstate = jax.device_put(init_sampling_state(sampler_config), NamedSharding(mesh, P("data") if D > 1 else P()))
     rank_pages = num_pages // D
     # A rank's rows name its own slots and pages (the sentinel slot is the rank's slot count).

@@ -107,7 +107,7 @@ def markdown(records: list[dict], header: dict, args) -> str:
         f"hidden {arch.get('hidden_size')}, {arch.get('num_attention_heads')} query / "
         f"{arch.get('num_key_value_heads')} KV heads, vocab {arch.get('vocab_size')})",
         f"- max_model_len {header['max_model_len']}, KV cache sized for {header['max_num_seqs']} sequences"
-        + (f" (or {mib(args.kv_cache_memory)} per device)" if args.kv_cache_memory else ""),
+        + (f" (or {mib(args.kv_cache_memory_bytes)} per device)" if args.kv_cache_memory_bytes else ""),
         f"- jax {header['versions'].get('jax')}, libtpu {header['versions'].get('libtpu') or '-'}, "
         f"git {header['git_sha']}, {header['time']}",
         "- per device: params, KV cache, peak = XLA's memory analysis of the compiled step (arguments + outputs "

@@ -26,6 +26,9 @@ import subprocess
 import sys
 import time
 
+from jaxserve.config import EngineConfig
+from jaxserve.config_cli import flag_type, parse_bytes
+from jaxserve.models.arch_config import ArchConfig
 from jaxserve.tools.plan_worker import RECORD_PREFIX
 
 logger = logging.getLogger(__name__)
@@ -52,9 +55,19 @@ def _names(text: str) -> list[str]:
     return [x for x in re.split(r"[,\s]+", text.strip()) if x]
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    from jaxserve.server.cli import parse_bytes  # the CLI's byte sizes (2GiB, 512MB)
+# The engine's options a plan takes, with the engine's flags (jaxserve/config.py), and the help
+# of those whose default differs here.
+ENGINE_FLAGS = ("max_model_len", "max_num_seqs", "kv_cache_memory_bytes", "page_size", "dtype", "kv_cache_dtype",
+                "attention_impl", "quantization")
+_PLAN_HELP = {
+    "max_num_seqs": "Sequences the KV cache must hold at max-model-len when --kv-cache-memory is not given "
+                    "(default: the largest request bucket).",
+    "kv_cache_memory_bytes": "KV-cache bytes per device, suffixes allowed (2GiB, 512MB). Default: "
+                             "max-num-seqs x max-model-len tokens.",
+}
 
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None,
                    help=f"HF directory, config.json, GGUF file or preset ({', '.join(ARCH_PRESETS)}); "
                         "default: the bundled model. No weights are read.")
@@ -64,18 +77,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="sharding rule presets or JSON/YAML files, comma-separated (default: tp)")
     p.add_argument("--buckets", default="16x8,512x32", type=lambda t: _pairs(t, "buckets"),
                    help="(tokens x requests) step buckets to compile, e.g. 16x8,512x32")
-    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: min(model, 2048))")
-    p.add_argument("--max-num-seqs", type=int, default=None,
-                   help="sequences the KV cache must hold at max-model-len when --kv-cache-memory is not given "
-                        "(default: the largest request bucket)")
-    p.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
-                   help="KV cache bytes per device (suffixes allowed); default: max-num-seqs x max-model-len tokens")
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="weights' dtype (auto: the target's, as serve resolves it)")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--attention-impl", default="auto")
-    p.add_argument("--quantization", default=None, choices=["int8"])
     where = p.add_mutually_exclusive_group()
     where.add_argument("--devices", type=int, default=None,
                        help="simulate N CPU devices (default: 8 unless --topology or --real)")
@@ -86,7 +87,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hosts", type=int, default=None,
                    help="simulate the devices as N local processes joined by jax.distributed (gloo collectives "
                         "between them): the mesh spans the processes, as on N hosts; with --devices")
-    p.add_argument("--device-memory", type=parse_bytes, default=None,
+    p.add_argument("--device-memory", type=flag_type(parse_bytes), default=None,
                    help="memory per device for the verdict (default: the TPU chip's HBM, the real device's limit)")
     p.add_argument("--measure", action="store_true", help="time decode and prefill steps on random weights")
     p.add_argument("--steps", type=int, default=5, help="timed steps per measurement (median)")
@@ -95,6 +96,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--markdown", default=None, help="write a markdown report here")
     p.add_argument("--plot", default=None, help="write a PNG plot here (needs matplotlib: the bench extra)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error", "critical"])
+    EngineConfig.add_cli_args(p, ENGINE_FLAGS, _PLAN_HELP)
 
 
 def model_config(model: str | None) -> tuple[str, dict]:
@@ -183,7 +185,9 @@ def build_jobs(args, arch: dict) -> list[dict]:
     for T, R in buckets:
         if R > T:
             raise ValueError(f"bucket {T}x{R}: a step has at least one token per request (R <= T)")
-    max_model_len = args.max_model_len or min(int(arch.get("max_position_embeddings", 2048)), 2048)
+    opts = EngineConfig.cli_options(args)
+    engine = EngineConfig.from_kwargs(**opts)  # the engine's defaults and checks
+    max_model_len = engine.model.resolve_max_model_len(ArchConfig.from_hf(arch).max_position_embeddings)
     if args.topology:
         targets = [({"kind": "tpu", "topology": t}, topology_chips(t), "tpu") for t in args.topology]
     elif args.real:
@@ -198,11 +202,12 @@ def build_jobs(args, arch: dict) -> list[dict]:
                 raise ValueError(f"--hosts {args.hosts} must divide the {n} devices")
             target["hosts"] = args.hosts
         targets = [(target, n, "cpu")]
-    settings = dict(arch=arch, max_model_len=max_model_len, max_num_seqs=args.max_num_seqs or max(r for _, r in buckets),
-                    page_size=args.page_size, kv_cache_memory=args.kv_cache_memory, dtype=args.dtype,
-                    kv_cache_dtype=args.kv_cache_dtype, attention_impl=args.attention_impl,
-                    quantization=args.quantization, device_memory=args.device_memory, measure=args.measure,
-                    steps=args.steps, context=args.context)
+    settings = dict(arch=arch, max_model_len=max_model_len,
+                    max_num_seqs=opts.get("max_num_seqs") or max(r for _, r in buckets),
+                    page_size=engine.cache.page_size, kv_cache_memory=engine.cache.kv_cache_memory_bytes,
+                    dtype=engine.model.dtype, kv_cache_dtype=engine.cache.kv_cache_dtype,
+                    attention_impl=engine.model.attention_impl, quantization=engine.model.quantization,
+                    device_memory=args.device_memory, measure=args.measure, steps=args.steps, context=args.context)
     jobs = []
     for target, count, platform in targets:
         meshes = factorizations(count) if args.mesh == "auto" else _pairs(args.mesh, "meshes")

@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 
 from jaxserve.config import EngineConfig
-from jaxserve.server.cli import build_parser, chat_template_arg, engine_options, main, serve_model, uvicorn_options
+from jaxserve.server.cli import (
+    build_parser,
+    chat_template_arg,
+    engine_options,
+    main,
+    serve_model,
+    server_config,
+    uvicorn_options,
+)
 
 
 def test_model_flag_after_multi_value_bucket_flags():
@@ -51,14 +59,15 @@ def test_vllm_serve_flags_map_to_engine_options():
 def test_uvicorn_options_tls_root_path_and_log_levels():
     args = build_parser().parse_args(["serve", "--root-path", "/llm", "--ssl-keyfile", "k.pem", "--ssl-certfile",
                                       "c.pem", "--log-level", "warning"])
-    opts = uvicorn_options(args)
+    opts = uvicorn_options(server_config(args), args.log_level)
     assert opts["root_path"] == "/llm" and opts["ssl_keyfile"] == "k.pem" and opts["ssl_certfile"] == "c.pem"
     assert opts["log_level"] == "warning"
     args = build_parser().parse_args(["serve", "--uvicorn-log-level", "debug", "--ssl-keyfile", "k.pem"])
     with pytest.raises(ValueError, match="go together"):
-        uvicorn_options(args)
+        server_config(args)
     args = build_parser().parse_args(["serve", "--uvicorn-log-level", "debug"])
-    assert uvicorn_options(args)["log_level"] == "debug" and "ssl_keyfile" not in uvicorn_options(args)
+    opts = uvicorn_options(server_config(args), args.log_level)
+    assert opts["log_level"] == "debug" and "ssl_keyfile" not in opts
 
 
 def test_chat_template_flag_takes_a_file_or_the_template(tmp_path):

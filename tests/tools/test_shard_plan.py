@@ -138,3 +138,46 @@ def test_bad_arguments_are_refused(capsys):
     assert "R <= T" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["shard-plan", "--mesh", "1x8", "--buckets", "oops"])
+
+
+def test_engine_flags_and_defaults_are_the_engines():
+    """shard-plan's engine options parse as serve's and default to the engine's defaults."""
+    from jaxserve.config import DEFAULT_MAX_MODEL_LEN, CacheConfig, ModelConfig
+    from jaxserve.server.cli import build_parser
+    from jaxserve.tools.shard_plan import build_jobs
+
+    def settings(*flags):
+        args = build_parser().parse_args(["shard-plan", "--devices", "4", "--buckets", "16x8", *flags])
+        return build_jobs(args, {**TINY, "max_position_embeddings": 4096})[0]["settings"]
+
+    s = settings()
+    assert (s["page_size"], s["dtype"], s["kv_cache_dtype"], s["attention_impl"], s["kv_cache_memory"]) == (
+        CacheConfig().page_size, ModelConfig().dtype, CacheConfig().kv_cache_dtype, ModelConfig().attention_impl, None)
+    assert s["max_model_len"] == DEFAULT_MAX_MODEL_LEN and s["max_num_seqs"] == 8  # the largest request bucket
+    s = settings("--block-size", "32", "--dtype", "half", "--kv-cache-memory", "2GiB", "--max-model-len", "512",
+                 "--max-num-seqs", "16")
+    assert (s["page_size"], s["dtype"], s["kv_cache_memory"], s["max_model_len"], s["max_num_seqs"]) == (
+        32, "float16", 2 << 30, 512, 16)
+    with pytest.raises(ValueError, match="power of two"):
+        settings("--page-size", "24")
+
+
+def test_the_engine_layer_does_not_import_the_server():
+    """jaxserve/ (engine, tools, configuration) and the layers below it sit below server/: no
+    module of theirs imports jaxserve.server, at the top or inside a function."""
+    import ast
+
+    import jaxserve
+    import jaxserve.models
+    import jaxserve.pallas_kernels
+
+    offenders, seen = [], set()
+    for package in (jaxserve, jaxserve.models, jaxserve.pallas_kernels):
+        for path in sorted(pathlib.Path(package.__file__).parent.rglob("*.py")):
+            seen.add(path.name)
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                         else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+                offenders += [f"{path}: {n}" for n in names if n.startswith("jaxserve.server")]
+    assert {"shard_plan.py", "config.py", "config_cli.py", "loader.py"} <= seen
+    assert not offenders, offenders
