@@ -10,7 +10,7 @@ import pathlib
 
 import jaxserve.server
 
-ALLOWED = ("jaxserve.server", "jaxserve.engine.client", "jaxserve.config", "jaxserve.outputs",
+ALLOWED = ("jaxserve.server", "jaxserve.engine.client", "jaxserve.config", "jaxserve.config_cli", "jaxserve.outputs",
            "jaxserve.sampling_params", "jaxserve.startup_timer", "jaxserve.entrypoints", "jaxserve.tools")
 
 
