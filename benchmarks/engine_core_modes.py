@@ -193,7 +193,7 @@ def main() -> None:
     print("\nmedians over rounds (process / thread):")
     for workload in args.workloads:
         for c in args.concurrency:
-            def med(mode: str, key) -> float:
+            def med(mode: str, key, workload=workload, c=c) -> float:
                 return statistics.median(key(x) for x in rows if x["workload"] == workload and x["concurrency"] == c
                                          and x["mode"] == mode)
             for name, key in (("out tok/s", lambda x: x["output_throughput"]),

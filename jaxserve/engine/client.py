@@ -134,9 +134,11 @@ def open_engine(config, *, core: CoreMode = "auto", timer=None, max_waiting_requ
             BuildEngine(config),
             on_model_directory=lambda path: tokenizer.append(pool.submit(Tokenizer.from_pretrained, path)))
     except FollowerProcess as f:
+        process = f.process  # (the name `f` is unbound after the except clause)
+
         def wait() -> int:
-            f.process.join()
-            return f.process.exitcode or 0
+            process.join()
+            return process.exitcode or 0
         raise FollowerRole(wait) from None
     finally:
         pool.shutdown(wait=False)
