@@ -2,7 +2,7 @@
 
     jaxserve shard-plan [MODEL] --mesh 1x8,2x4|auto --rules tp,tp-kv-replicated \
         --buckets 16x8,512x32 --max-model-len 8192 [--kv-cache-memory 16GiB] \
-        [--devices 8 | --topology v5e:2x4 | --real] [--measure] \
+        [--devices 8 | --topology v5e:2x4,h100:1x8 | --real] [--measure] \
         [--json plan.jsonl] [--markdown plan.md] [--plot plan.png]
 
 MODEL is an HF directory, a config.json, a GGUF file, a named architecture preset
@@ -10,7 +10,8 @@ MODEL is an HF directory, a config.json, a GGUF file, a named architecture prese
 bundled model); only its configuration is read. For every (mesh, rules, bucket) the runner's
 step is compiled on abstract inputs (`plan_compile.py`) in one worker process per device set
 (`plan_worker.py`): N simulated CPU devices, a compile-only TPU topology (libtpu, no TPU
-needed), or the real devices. The results: a table on stdout, JSON lines, a markdown report
+needed), GPU hosts (JAX's CUDA plugin and XLA's target description of the chip, no GPU
+needed; `chips.py`), or the real devices. The results: a table on stdout, JSON lines, a markdown report
 and a plot (`plan_report.py`).
 """
 
@@ -26,6 +27,7 @@ import subprocess
 import sys
 import time
 
+from jaxserve.tools.chips import parse_target, target_chip_count
 from jaxserve.tools.plan_worker import RECORD_PREFIX
 
 logger = logging.getLogger(__name__)
@@ -80,8 +82,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     where.add_argument("--devices", type=int, default=None,
                        help="simulate N CPU devices (default: 8 unless --topology or --real)")
     where.add_argument("--topology", type=_names, default=None,
-                       help="compile for TPU slices without a TPU, e.g. v5e:2x4 (comma-separated; needs libtpu: "
-                            "pip install 'jaxserve[tpu]')")
+                       help="compile without the chips: TPU slices (v5e:2x4; needs libtpu: pip install "
+                            "'jaxserve[tpu]') or GPU hosts x GPUs per host (h100:1x8, h200:2x8; needs JAX's CUDA "
+                            "plugin: pip install 'jaxserve[gpu-compile]'); comma-separated")
     where.add_argument("--real", action="store_true", help="the devices of this machine")
     p.add_argument("--hosts", type=int, default=None,
                    help="simulate the devices as N local processes joined by jax.distributed (gloo collectives "
@@ -129,19 +132,11 @@ def factorizations(n: int) -> list[tuple[int, int]]:
     return [(n // m, m) for m in range(1, n + 1) if n % m == 0][::-1]
 
 
-def topology_chips(topology: str) -> int:
-    dims = topology.split(":")[-1]
-    n = 1
-    for d in dims.split("x"):
-        n *= int(d)
-    return n
-
-
 def _worker_env(target: dict) -> dict[str, str]:
     env = dict(os.environ)
     if target["kind"] == "real":
         return env
-    env["JAX_PLATFORMS"] = "cpu"  # TPU topologies compile from the CPU host
+    env["JAX_PLATFORMS"] = "cpu"  # TPU and GPU topologies compile from the CPU host
     flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", "")).strip()
     if target["kind"] == "cpu":
         per_process = target["devices"] // target.get("hosts", 1)
@@ -185,7 +180,8 @@ def build_jobs(args, arch: dict) -> list[dict]:
             raise ValueError(f"bucket {T}x{R}: a step has at least one token per request (R <= T)")
     max_model_len = args.max_model_len or min(int(arch.get("max_position_embeddings", 2048)), 2048)
     if args.topology:
-        targets = [({"kind": "tpu", "topology": t}, topology_chips(t), "tpu") for t in args.topology]
+        parsed = [parse_target(t) for t in args.topology]
+        targets = [(t, target_chip_count(t), t["kind"]) for t in parsed]
     elif args.real:
         import jax
 
@@ -206,7 +202,7 @@ def build_jobs(args, arch: dict) -> list[dict]:
     jobs = []
     for target, count, platform in targets:
         meshes = factorizations(count) if args.mesh == "auto" else _pairs(args.mesh, "meshes")
-        if args.measure and target["kind"] == "tpu":
+        if args.measure and target["kind"] in ("tpu", "gpu"):
             raise ValueError("--measure needs devices that run: use --devices or --real (a topology only compiles)")
         jobs.append({"target": target, "meshes": meshes, "rules": args.rules, "buckets": buckets,
                      "settings": {**settings, "platform": platform}, "log_level": args.log_level})
