@@ -44,28 +44,52 @@ def _gpu_memory(config: str) -> int:
 
 
 GiB = 1 << 30
-CHIPS: dict[str, Chip] = {c.name: c for c in (
-    Chip("v4", "tpu", "TPU v4", 32 * GiB, 1228e9, 275e12, 150e9),
-    Chip("v5e", "tpu", "TPU v5 lite", 16 * GiB, 819e9, 197e12, 200e9),
-    Chip("v5p", "tpu", "TPU v5", 95 * GiB, 2765e9, 459e12, 300e9),
-    Chip("v6e", "tpu", "TPU v6 lite", 32 * GiB, 1638e9, 918e12, 400e9),
-    Chip("h100", "gpu", "NVIDIA H100 80GB HBM3", _gpu_memory("h100_sxm.txtpb"), 3.35e12, 989e12, 450e9,
-         "h100_sxm.txtpb"),
-    Chip("h200", "gpu", "NVIDIA H200 141GB HBM3e", _gpu_memory("h200.txtpb"), 4.8e12, 989e12, 450e9,
-         "h200.txtpb"),
-)}
+CHIPS: dict[str, Chip] = {
+    c.name: c
+    for c in (
+        Chip("v4", "tpu", "TPU v4", 32 * GiB, 1228e9, 275e12, 150e9),
+        Chip("v5e", "tpu", "TPU v5 lite", 16 * GiB, 819e9, 197e12, 200e9),
+        Chip("v5p", "tpu", "TPU v5", 95 * GiB, 2765e9, 459e12, 300e9),
+        Chip("v6e", "tpu", "TPU v6 lite", 32 * GiB, 1638e9, 918e12, 400e9),
+        Chip(
+            "h100",
+            "gpu",
+            "NVIDIA H100 80GB HBM3",
+            _gpu_memory("h100_sxm.txtpb"),
+            3.35e12,
+            989e12,
+            450e9,
+            "h100_sxm.txtpb",
+        ),
+        Chip(
+            "h200",
+            "gpu",
+            "NVIDIA H200 141GB HBM3e",
+            _gpu_memory("h200.txtpb"),
+            4.8e12,
+            989e12,
+            450e9,
+            "h200.txtpb",
+        ),
+    )
+}
 # What `device_kind` reports -> HBM per chip, for the memory verdict ("TPU v5" is v5p's kind).
-HBM_BY_DEVICE_KIND = {c.device_kind: c.hbm_bytes for c in CHIPS.values()} | {"TPU v4 lite": 8 * GiB, "TPU v5p": 95 * GiB}
+HBM_BY_DEVICE_KIND = {c.device_kind: c.hbm_bytes for c in CHIPS.values()} | {
+    "TPU v4 lite": 8 * GiB,
+    "TPU v5p": 95 * GiB,
+}
 
 
 def parse_target(text: str) -> dict:
     """`v5e:2x4` -> {"kind": "tpu", "topology": "v5e:2x4"}; `h100:1x8` -> {"kind": "gpu",
-    "chip": "h100", "hosts": 1, "gpus_per_host": 8, "topology": "h100:1x8"}. ValueError otherwise."""
+    "chip": "h100", "hosts": 1, "gpus_per_host": 8, "topology": "h100:1x8"}; else ValueError."""
     name, _, shape = text.partition(":")
     chip = CHIPS.get(name.lower())
     if chip is None or not shape:
-        raise ValueError(f"topology {text!r}: write CHIP:SHAPE with CHIP one of {', '.join(CHIPS)} "
-                         "(TPU slices as v5e:2x4, GPU hosts as h100:1x8 = hosts x GPUs per host)")
+        raise ValueError(
+            f"topology {text!r}: write CHIP:SHAPE with CHIP one of {', '.join(CHIPS)} "
+            "(TPU slices as v5e:2x4, GPU hosts as h100:1x8 = hosts x GPUs per host)"
+        )
     dims = shape.split("x")
     if not all(d.isdigit() and int(d) > 0 for d in dims):
         raise ValueError(f"topology {text!r}: the shape must be positive integers joined by x")
@@ -73,8 +97,13 @@ def parse_target(text: str) -> dict:
         return {"kind": "tpu", "topology": f"{chip.name}:{shape}"}
     if len(dims) != 2:
         raise ValueError(f"topology {text!r}: a GPU topology is HOSTSxGPUS, e.g. {chip.name}:1x8")
-    return {"kind": "gpu", "chip": chip.name, "hosts": int(dims[0]), "gpus_per_host": int(dims[1]),
-            "topology": f"{chip.name}:{shape}"}
+    return {
+        "kind": "gpu",
+        "chip": chip.name,
+        "hosts": int(dims[0]),
+        "gpus_per_host": int(dims[1]),
+        "topology": f"{chip.name}:{shape}",
+    }
 
 
 def target_chip_count(target: dict) -> int:
@@ -94,9 +123,15 @@ def gpu_devices(target: dict):
     from jax.experimental import topologies
 
     if importlib.util.find_spec("jax_cuda12_plugin") is None:
-        raise ValueError("compiling for GPUs needs JAX's CUDA plugin and ptxas: make install-gpu-compile "
-                         "(or pip install 'jaxserve[gpu-compile]')")
+        raise ValueError(
+            "compiling for GPUs needs JAX's CUDA plugin and ptxas: make install-gpu-compile "
+            "(or pip install 'jaxserve[gpu-compile]')"
+        )
     chip = CHIPS[target["chip"]]
-    topology = f"1x{target['hosts']}x{target['gpus_per_host']}"  # partitions x hosts x GPUs per host
-    desc = topologies.get_topology_desc(platform="cuda", topology=topology, target_config=chip.target_text())
+    topology = (
+        f"1x{target['hosts']}x{target['gpus_per_host']}"  # partitions x hosts x GPUs per host
+    )
+    desc = topologies.get_topology_desc(
+        platform="cuda", topology=topology, target_config=chip.target_text()
+    )
     return list(desc.devices)

@@ -33,8 +33,8 @@ def _dims(shape: str) -> list[int]:
 
 @dataclasses.dataclass(frozen=True)
 class Kernel:
-    target: str  # custom_call_target ("__gpu$xla.gpu.triton", "tpu_custom_call", "mosaic_gpu_v2", ...)
-    name: str  # the Pallas kernel's name (the op_name scope before "pallas_call"), else the instruction's
+    target: str  # custom_call_target: "__gpu$xla.gpu.triton", "tpu_custom_call", "mosaic_gpu_v2"
+    name: str  # the Pallas kernel's name (the op_name scope before "pallas_call"), or the op's
 
 
 def parse(hlo_text: str) -> tuple[int, list[Kernel]]:
@@ -45,7 +45,7 @@ def parse(hlo_text: str) -> tuple[int, list[Kernel]]:
         m = _INSTR.match(line)
         if not m:
             continue
-        shape, rest = _take_shape(line[m.end():])
+        shape, rest = _take_shape(line[m.end() :])
         shapes[m.group(1)] = shape
         lines.append((m.group(1), shape, rest, line))
     flops = 0
@@ -57,7 +57,11 @@ def parse(hlo_text: str) -> tuple[int, list[Kernel]]:
             lhs = ops.group(1).split(",")[0].strip().lstrip("%") if ops else ""
             contracting = _DIMS["lhs_contracting_dims"].search(line)
             lhs_dims = _dims(shapes.get(lhs, ""))
-            k = math.prod(lhs_dims[int(i)] for i in contracting.group(1).split(",") if i) if contracting else 1
+            k = (
+                math.prod(lhs_dims[int(i)] for i in contracting.group(1).split(",") if i)
+                if contracting
+                else 1
+            )
             flops += 2 * math.prod(_dims(shape)) * k
         elif opcode == "custom-call":
             target = _TARGET.search(line)
@@ -68,12 +72,18 @@ def parse(hlo_text: str) -> tuple[int, list[Kernel]]:
                 dims = _CUBLAS_DIMS.search(line)
                 lhs_dims = _dims(shapes.get(lhs, ""))
                 out = _dims(shape.strip("()").split(",")[0] if shape.startswith("(") else shape)
-                idx = [int(json.loads(i)) for i in dims.group(1).split(",") if i.strip()] if dims else []
+                idx = (
+                    [int(json.loads(i)) for i in dims.group(1).split(",") if i.strip()]
+                    if dims
+                    else []
+                )
                 flops += 2 * math.prod(out) * math.prod(lhs_dims[i] for i in idx)
                 continue
             op_name = _OP_NAME.search(line)
             scopes = op_name.group(1).split("/") if op_name else []
-            kernel = scopes[scopes.index("pallas_call") - 1] if "pallas_call" in scopes[1:] else name
+            kernel = (
+                scopes[scopes.index("pallas_call") - 1] if "pallas_call" in scopes[1:] else name
+            )
             kernels.append(Kernel(target_name, kernel))
     return flops, kernels
 

@@ -32,6 +32,7 @@ from jaxserve.models.arch_config import ArchConfig
 from jaxserve.models.interface import KV_CACHE_AXES
 from jaxserve.models.layers.moe import resolve_impl as resolve_moe_impl
 from jaxserve.models.weights import abstract_model
+from jaxserve.pallas_kernels.ragged_paged_attention.ops import supports_check
 from jaxserve.runner.kv_cache import abstract_kv_cache, kv_cache_shape
 from jaxserve.runner.step_fn import StepFunction, abstract_sampling_state, step_layout
 from jaxserve.sampling.config import SamplerConfig
@@ -119,14 +120,13 @@ def resolve_plan(settings: PlanSettings, cfg: ArchConfig, mesh: Mesh, rules) -> 
     cc = CacheConfig(kv_cache_dtype=settings.kv_cache_dtype, page_size=settings.page_size)
     plan = backend.plan(mc, cc, mesh)
     impl, note = plan.attention_impl, None
-    if impl in ("tpu", "gpu"):
+    check = supports_check(impl)
+    if check is not None:
         spec = ax.logical_to_spec(KV_CACHE_AXES, kv_cache_shape(cfg, 1, settings.page_size), mesh, rules)
-        local_heads = cfg.num_kv_heads // ax.mesh_axes_size(mesh, spec[2])
-        from jaxserve.pallas_kernels.ragged_paged_attention import gpu, tpu
-
-        check = tpu.supports if impl == "tpu" else gpu.supports
+        split = ax.mesh_axes_size(mesh, spec[2])
+        local_heads = cfg.num_kv_heads // split
         try:
-            check(jnp.zeros((1, 1, cfg.head_dim)),
+            check(jax.ShapeDtypeStruct((1, cfg.num_heads // split, cfg.head_dim), DTYPES[plan.kv_dtype]),
                   jax.ShapeDtypeStruct((1, settings.page_size, local_heads, cfg.head_dim), DTYPES[plan.kv_dtype]))
         except ValueError as e:
             impl, note = "reference", f"{plan.attention_impl} kernel unsupported: {e}"
