@@ -132,6 +132,15 @@ def factorizations(n: int) -> list[tuple[int, int]]:
     return [(n // m, m) for m in range(1, n + 1) if n % m == 0][::-1]
 
 
+def real_devices() -> tuple[int, str]:
+    """(device count, JAX platform) of this machine, asked of a child process: JAX in this
+    process would take the accelerator (a GPU's memory is preallocated) before the worker can."""
+    code = "import jax; print(jax.device_count(), jax.default_backend())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    count, platform = out.stdout.split()[-2:]
+    return int(count), platform
+
+
 def _worker_env(target: dict) -> dict[str, str]:
     env = dict(os.environ)
     if target["kind"] == "real":
@@ -183,9 +192,8 @@ def build_jobs(args, arch: dict) -> list[dict]:
         parsed = [parse_target(t) for t in args.topology]
         targets = [(t, target_chip_count(t), t["kind"]) for t in parsed]
     elif args.real:
-        import jax
-
-        targets = [({"kind": "real"}, jax.device_count(), jax.default_backend())]
+        count, platform = real_devices()
+        targets = [({"kind": "real"}, count, platform)]
     else:
         n = args.devices or 8
         target = {"kind": "cpu", "devices": n}

@@ -33,6 +33,9 @@ def impl(kernel_device):
     if kernel_device:
         if jax.default_backend() != "gpu":
             pytest.skip("--kernel-device: no GPU backend")
+        capability = float(getattr(jax.devices()[0], "compute_capability", "0") or 0)
+        if capability < 9.0:
+            pytest.skip(f"--kernel-device: Mosaic GPU needs Hopper or newer (compute capability {capability})")
         return "gpu-mosaic"
     return "gpu-mosaic-interpret"
 
