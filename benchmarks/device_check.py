@@ -118,7 +118,8 @@ def step_env(c: Check) -> str:
     code = (
         "import jax, json, importlib.metadata as m; d = jax.devices(); "
         "print(json.dumps({'backend': jax.default_backend(), 'devices': len(d), "
-        "'kind': d[0].device_kind, 'compute_capability': getattr(d[0], 'compute_capability', None), "
+        "'kind': d[0].device_kind, "
+        "'compute_capability': getattr(d[0], 'compute_capability', None), "
         "'jax': jax.__version__, 'jaxlib': m.version('jaxlib')}))"
     )
     rc, text = c.run("env", 120, [PY, "-c", code])

@@ -52,7 +52,8 @@ ANCHORS = (
         ((1, None), (2, None), (2, "int8")),
         159.0,
         "tok/s",
-        "jax-llm-examples, Llama-3.1-70B, v5e-16 (TP16), batch 8, context 2048: 159 tok/s a sequence, "
+        "jax-llm-examples, Llama-3.1-70B, v5e-16 (TP16), batch 8, context 2048: "
+        "159 tok/s a sequence, "
         "85.18 % of HBM bandwidth",
     ),
     (

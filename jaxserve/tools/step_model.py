@@ -19,13 +19,13 @@ Weights per chip follow the rules exactly as `shard-plan` lays them out (`abstra
 `sharding.spec_entries` on an abstract mesh, nothing compiled): a dimension the mesh does not
 divide is replicated, so with more chips than KV heads (Llama-3-70B on 16) the K/V projections
 and the KV cache are whole on every chip, and each chip's attention reads the whole cache.
-`kv_head_copies` models the other layout (each KV head copied so that the copies divide the
-mesh, as jax-llm-examples does for 70B on 16 chips), which jaxserve does not implement.
+`kv_head_copies` models the other layout, each KV head copied so that the copies divide the
+mesh (8 KV heads as 16 on 16 chips), which jaxserve does not implement.
 
-Assumptions (README, Performance): bfloat16 (or int8) weights, bfloat16 KV cache; 100 % of the published HBM
-bandwidth and peak flops (real kernels reach 70-90 %); activations at 2 bytes, each layer
-reading and writing its hidden state ~10 times plus its q/k/v, attention and MLP outputs
-once; collective latency `COLLECTIVE_LATENCY_S` each; the sampler, embedding gather and
+Assumptions (README, Performance): bfloat16 (or int8) weights, bfloat16 KV cache; 100 % of the
+published HBM bandwidth and peak flops (real kernels reach 70-90 %); activations at 2 bytes,
+each layer reading and writing its hidden state ~10 times plus its q/k/v, attention and MLP
+outputs once; collective latency `COLLECTIVE_LATENCY_S` each; the sampler, embedding gather and
 norms' flops left out.
 """
 
