@@ -18,7 +18,9 @@ the blocks). The differences come from the hardware path Mosaic GPU exposes:
   condition): the one after the last chunk re-reads the last chunk, from L2, and is waited for
   before the kernel ends; an empty block reads one chunk of its request's pages.
 - Scores are `q @ k^T` (wgmma, k transposed in shared memory), the online softmax runs in the
-  wgmma register layout, and `p @ v` takes p from registers.
+  wgmma register layout, and `p @ v` takes p from registers. Keys past a sequence's length get
+  p = 0 and their rows are not zeroed (the Triton kernel zeroes them): the rows a chunk reads
+  past the end are the cache's own (zeros, or K/V of other tokens), finite.
 - Only 16-bit caches (bfloat16, float16): wgmma has no float32 operands. `supports` refuses the
   rest, and `auto` then falls back as for any unsupported shape.
 
