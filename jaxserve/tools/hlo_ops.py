@@ -7,8 +7,9 @@ programs compiled without a GPU; the dots are where a transformer step's flops a
 are counted here instead. A dot's flops are 2 x (elements of its result) x (product of the
 left operand's contracting dimensions); dots inside fusions (XLA's Triton GEMM fusions) and
 split-K rewrites count alike, and cuBLAS calls (`__cublas$gemm`) by their dimension numbers.
-Custom calls (a Pallas kernel is one) are opaque: their work is not in the count. Static
-counts, like `hlo_collectives.py`: a dot inside a loop body counts once.
+Custom calls (a Pallas kernel is one: `pallas_call`, or `mpmd_map` for Mosaic GPU's
+`plgpu.kernel`) are named by the scope they were traced in, and are opaque: their work is not
+in the count. Static counts, like `hlo_collectives.py`: a dot inside a loop body counts once.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def _dims(shape: str) -> list[int]:
 @dataclasses.dataclass(frozen=True)
 class Kernel:
     target: str  # custom_call_target: "__gpu$xla.gpu.triton", "tpu_custom_call", "mosaic_gpu_v2"
-    name: str  # the Pallas kernel's name (the op_name scope before "pallas_call"), or the op's
+    name: str  # the Pallas kernel's name (its op_name scope before the call), or the op's
 
 
 def parse(hlo_text: str) -> tuple[int, list[Kernel]]:
@@ -81,9 +82,8 @@ def parse(hlo_text: str) -> tuple[int, list[Kernel]]:
                 continue
             op_name = _OP_NAME.search(line)
             scopes = op_name.group(1).split("/") if op_name else []
-            kernel = (
-                scopes[scopes.index("pallas_call") - 1] if "pallas_call" in scopes[1:] else name
-            )
+            call = next((x for x in ("pallas_call", "mpmd_map") if x in scopes[1:]), None)
+            kernel = scopes[scopes.index(call) - 1] if call else name
             kernels.append(Kernel(target_name, kernel))
     return flops, kernels
 

@@ -100,7 +100,10 @@ def test_attention_kernels_compile_for_gpu(chip, impl):
     assert kind.startswith("NVIDIA " + chip.upper()) and memory > 70 << 30
     compiled = _kernel_program(devices, impl)
     _, kernels = hlo_ops.parse(compiled.as_text())
-    assert [k.target for k in kernels] == [KERNEL_TARGETS[impl]], kernels
+    name = {"gpu": "ragged_paged_attention_gpu", "gpu-mosaic": "ragged_paged_attention_gpu_mosaic"}[
+        impl
+    ]
+    assert [(k.target, k.name) for k in kernels] == [(KERNEL_TARGETS[impl], name)], kernels
     assert compiled.memory_analysis().argument_size_in_bytes > 0
 
 
