@@ -103,7 +103,7 @@ def layout(
     for path, var in jax.tree_util.tree_leaves_with_path(
         state, is_leaf=lambda v: hasattr(v, "get_metadata")
     ):
-        shape = var.value.shape
+        shape = var.get_value().shape
         axes = var.get_metadata().get("logical_axes") or (None,) * len(shape)
         split = math.prod(
             ax.mesh_axes_size(mesh, granted)
@@ -115,7 +115,7 @@ def layout(
         )
         name = ".".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
         local = math.prod(shape) / split
-        weight += local * np.dtype(var.value.dtype).itemsize
+        weight += local * np.dtype(var.get_value().dtype).itemsize
         if name.endswith("_qscale"):
             continue
         if asked > split:
