@@ -122,15 +122,16 @@ def gpu_devices(target: dict):
 
     from jax.experimental import topologies
 
-    if importlib.util.find_spec("jax_cuda12_plugin") is None:
+    spec = importlib.util.find_spec
+    needed = ("jax_cuda12_plugin", "nvidia", "nvidia.cuda_nvcc")  # the plugin, ptxas's wheel
+    if any(spec(name) is None for name in needed):
         raise ValueError(
             "compiling for GPUs needs JAX's CUDA plugin and ptxas: make install-gpu-compile "
             "(or pip install 'jaxserve[gpu-compile]')"
         )
     chip = CHIPS[target["chip"]]
-    topology = (
-        f"1x{target['hosts']}x{target['gpus_per_host']}"  # partitions x hosts x GPUs per host
-    )
+    # partitions x hosts x GPUs per host
+    topology = f"1x{target['hosts']}x{target['gpus_per_host']}"
     desc = topologies.get_topology_desc(
         platform="cuda", topology=topology, target_config=chip.target_text()
     )

@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("jax_cuda12_plugin") is None
+    or importlib.util.find_spec("nvidia") is None
     or importlib.util.find_spec("nvidia.cuda_nvcc") is None,
     reason="JAX's CUDA plugin or ptxas is not installed (make install-gpu-compile)",
 )
