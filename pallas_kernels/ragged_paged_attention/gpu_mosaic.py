@@ -21,8 +21,10 @@ the blocks). The differences come from the hardware path Mosaic GPU exposes:
   wgmma register layout, and `p @ v` takes p from registers. Keys past a sequence's length get
   p = 0 and their rows are not zeroed (the Triton kernel zeroes them): the rows a chunk reads
   past the end are the cache's own (zeros, or K/V of other tokens), finite.
-- Only 16-bit caches (bfloat16, float16): wgmma has no float32 operands. `supports` refuses the
-  rest, and `auto` then falls back as for any unsupported shape.
+- Only 16-bit caches (bfloat16, float16): wgmma has no float32 operands. Head dims 64-256 in
+  steps of 64, but a block's shared memory must fit a Hopper SM's 227 KiB: head dim 256 needs
+  232,584 bytes (Mosaic GPU's count), 136 too many, and is refused. `supports` refuses what the
+  kernel cannot take, and `auto` then falls back as for any unsupported shape.
 
 The result is normalised per split with its log-sum-exp; `blocks.merge_splits` combines the
 splits as in the Triton kernel. `interpret=True` runs the kernel in Pallas's Mosaic GPU
@@ -47,6 +49,7 @@ _I32 = jnp.int32
 ROWS = 64  # one warpgroup's wgmma tile
 _SWIZZLE_ELEMS = 64  # 128-byte swizzle / 2-byte elements: wgmma's K granule
 _SLOTS = 2  # chunks in flight
+HOPPER_SMEM_PER_BLOCK = 232448  # shared_memory_per_block_optin of sm_90 (XLA's H100/H200 specs)
 
 
 def supports(q: jax.Array, k_cache: jax.Array) -> None:
@@ -70,6 +73,20 @@ def supports(q: jax.Array, k_cache: jax.Array) -> None:
         raise ValueError(
             f"the gpu-mosaic kernel takes at most {ROWS} query heads per KV head, got {G}"
         )
+    if shared_memory_bytes(D, ps) > HOPPER_SMEM_PER_BLOCK:
+        raise ValueError(
+            f"the gpu-mosaic kernel needs ~{shared_memory_bytes(D, ps)} bytes of shared memory "
+            f"for head dim {D} and pages of {ps}, more than a Hopper block's "
+            f"{HOPPER_SMEM_PER_BLOCK}"
+        )
+
+
+def shared_memory_bytes(head_dim: int, page_size: int) -> int:
+    """What a block asks for (an upper estimate of Mosaic GPU's own count: within 300 bytes of
+    it at D 64-256): q (16-bit), two slots of K and V chunks (16-bit), the float32 output and
+    log-sum-exp, barriers, and the 1 KiB alignment of swizzled buffers."""
+    K = max(_SWIZZLE_ELEMS, page_size)
+    return head_dim * (2 * ROWS + 2 * _SLOTS * 2 * K + 4 * ROWS) + 3500
 
 
 def _kernel(

@@ -35,7 +35,10 @@ def impl(kernel_device):
             pytest.skip("--kernel-device: no GPU backend")
         capability = float(getattr(jax.devices()[0], "compute_capability", "0") or 0)
         if capability < 9.0:
-            pytest.skip(f"--kernel-device: Mosaic GPU needs Hopper or newer (compute capability {capability})")
+            pytest.skip(
+                f"--kernel-device: Mosaic GPU needs Hopper or newer (compute capability "
+                f"{capability})"
+            )
         return "gpu-mosaic"
     return "gpu-mosaic-interpret"
 
@@ -86,6 +89,10 @@ def test_padding_only_batch_and_interpret_mapping():
         attn_ops.dispatch_name("gpu-mosaic", case["q"], case["kc"], interpret=True)
         == "gpu-mosaic-interpret"
     )
+    with pytest.raises(ValueError, match="shared memory for head dim 256"):  # 136 bytes too many
+        gpu_mosaic.supports(
+            jnp.zeros((1, 4, 256), jnp.bfloat16), jnp.zeros((2, 16, 1, 256), jnp.bfloat16)
+        )
     with pytest.raises(ValueError, match="bfloat16 or float16"):
         ragged_paged_attention(
             jnp.asarray(case["q"], jnp.float32),
