@@ -138,7 +138,8 @@ def test_bad_arguments_are_refused(capsys):
     assert "R <= T" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["shard-plan", "--mesh", "1x8", "--buckets", "oops"])
-    bad_topologies = (("h100:8", "HOSTSxGPUS"), ("a100:1x8", "CHIP:SHAPE"), ("v5e:2xz", "positive integers"))
+    bad_topologies = (("h100:8", "HOSTSxGPUS"), ("a100:1x8", "CHIP:SHAPE"),
+                      ("v5e:2xz", "positive integers"))
     for bad, says in bad_topologies:
         assert main(["shard-plan", "smollm2-135m", "--topology", bad]) == 2
         assert says in capsys.readouterr().err
