@@ -30,6 +30,7 @@ import argparse
 import json
 import os
 import pathlib
+import shutil
 import signal
 import socket
 import subprocess
@@ -204,7 +205,7 @@ def step_golden(c: Check) -> None:
 def step_throughput(c: Check, devices: int) -> None:
     out = c.out / "step_throughput.jsonl"
     if c.rehearse:
-        tmp = pathlib.Path(tempfile.mkdtemp(dir=c.out))
+        tmp = pathlib.Path(tempfile.mkdtemp())
         (tmp / "config.json").write_text(json.dumps(TINY_LLAMA))
         model, buckets, ctx, max_len, seqs = str(tmp / "config.json"), "16x8", 64, 128, 8
     else:  # 256 sequences of 1,152 tokens: 36 GiB of KV cache + 15 GiB of weights over the devices
@@ -233,6 +234,8 @@ def step_throughput(c: Check, devices: int) -> None:
         str(out),
     ]
     rc, text = c.run("step_throughput", 200, cmd)
+    if c.rehearse:
+        shutil.rmtree(tmp, ignore_errors=True)
     cells = []
     for line in out.read_text().splitlines() if out.exists() else []:
         r = json.loads(line)
@@ -274,7 +277,7 @@ def step_served_request(c: Check) -> None:
     if left < 30:
         c.record(step, "skipped", 0.0, reason="over the overall budget")
         return
-    port, cache = _free_port(), tempfile.mkdtemp(dir=c.out)
+    port, cache = _free_port(), tempfile.mkdtemp()  # the server's compiled steps, removed after
     budget = ["16"] if c.rehearse else ["16", "256"]  # token buckets (the last is the budget)
     cmd = [
         PY,
@@ -348,6 +351,7 @@ def step_served_request(c: Check) -> None:
                 os.killpg(server.pid, signal.SIGKILL)
                 server.wait()
         log.close()
+        shutil.rmtree(cache, ignore_errors=True)
     if status != "ok":
         fields["tail"] = (c.out / f"{step}.log").read_text(errors="replace")[-1500:]
     c.record(step, status, time.monotonic() - t0, **fields)

@@ -69,5 +69,6 @@ def test_device_check_rehearsal(tmp_path):
         and served["usage"]["completion_tokens"] > 0
         and served["text"].strip()
     )
-    for step in STEPS[1:-1]:  # each step's own output is kept
+    for step in STEPS[1:-1]:  # each step's own output is kept, and nothing else is left behind
         assert (tmp_path / f"{step}.log").stat().st_size > 0
+    assert not [p for p in tmp_path.iterdir() if p.is_dir()]
