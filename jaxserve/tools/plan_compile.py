@@ -6,7 +6,8 @@ engine would, lowers the runner's own step function (`jaxserve.runner.step_fn`: 
 sampler and all) and compiles it for the devices at hand: simulated CPU devices, a
 compile-only TPU topology, GPU hosts, or the real devices. It then reads back what XLA
 decided: memory, cost (XLA's cost analysis; for GPUs compiled without one, which it leaves
-empty, the flops of the HLO's dots), the collectives and the kernels in the HLO. `--measure` runs the same executable on random weights.
+empty, the flops of the HLO's dots), the collectives and the kernels in the HLO. `--measure`
+runs the same executable on random weights.
 
 This module runs inside a worker process (`plan_worker.py`) whose JAX backend was set up for
 its devices.
@@ -126,8 +127,9 @@ def resolve_plan(settings: PlanSettings, cfg: ArchConfig, mesh: Mesh, rules) -> 
         split = ax.mesh_axes_size(mesh, spec[2])
         local_heads = cfg.num_kv_heads // split
         try:
-            check(jax.ShapeDtypeStruct((1, cfg.num_heads // split, cfg.head_dim), DTYPES[plan.kv_dtype]),
-                  jax.ShapeDtypeStruct((1, settings.page_size, local_heads, cfg.head_dim), DTYPES[plan.kv_dtype]))
+            kv_dtype, D = DTYPES[plan.kv_dtype], cfg.head_dim
+            check(jax.ShapeDtypeStruct((1, cfg.num_heads // split, D), kv_dtype),
+                  jax.ShapeDtypeStruct((1, settings.page_size, local_heads, D), kv_dtype))
         except ValueError as e:
             impl, note = "reference", f"{plan.attention_impl} kernel unsupported: {e}"
     return {"dtype": plan.dtype, "kv_dtype": plan.kv_dtype, "attention_impl": impl, "attention_note": note,
@@ -281,7 +283,7 @@ def does_not_fit_record(error: Exception, device_memory: int | None) -> dict[str
     text = str(error)
     if "RESOURCE_EXHAUSTED" not in text and "out of memory" not in text.lower():
         return None
-    if "shared memory" in text.lower():  # a kernel's on-chip memory (GPU), not the device's: an error
+    if "shared memory" in text.lower():  # a GPU kernel's on-chip memory, not the device's: an error
         return None
     first = next((line for line in text.splitlines() if "memory" in line.lower()), text.splitlines()[0])
     return {"fits": False, "device_memory": device_memory, "compiler": first.strip()[:400]}

@@ -41,7 +41,8 @@ def run_header(name: str, arch: dict, jobs: list[dict]) -> dict:
     return {
         "tool": "shard-plan", "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "git_sha": git_sha(),
-        "versions": {p: _version(p) for p in ("jax", "jaxlib", "flax", "libtpu", "jax-cuda12-plugin")},
+        "versions": {p: _version(p)
+                     for p in ("jax", "jaxlib", "flax", "libtpu", "jax-cuda12-plugin")},
         "model": name,
         "arch": {k: arch.get(k) for k in ("architectures", "num_hidden_layers", "hidden_size", "num_attention_heads",
                                           "num_key_value_heads", "head_dim", "intermediate_size", "vocab_size",
@@ -165,7 +166,8 @@ def markdown(records: list[dict], header: dict, args) -> str:
             c = rec["cost"]
             accessed = (f"{c['bytes_accessed'] / 2**20:.1f} MiB accessed" if c.get("bytes_accessed")
                         else "bytes not analysed")
-            lines.append(f"- cost per device ({c.get('source', 'xla cost analysis')}): {c['flops'] / 1e9:.2f} GFLOP, "
+            source = c.get("source", "xla cost analysis")
+            lines.append(f"- cost per device ({source}): {c['flops'] / 1e9:.2f} GFLOP, "
                          f"{accessed}; compiled in {rec.get('compile_s')} s")
         if rec.get("measure"):
             m = rec["measure"]

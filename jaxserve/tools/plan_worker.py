@@ -1,7 +1,8 @@
 """The worker process of `jaxserve shard-plan`: one device set (a simulated CPU device count,
 a compile-only TPU or GPU topology, or the real devices) per process, since JAX fixes its
-devices when its backend starts. Reads a job (JSON) on stdin; writes one record per configuration on stdout,
-each line prefixed with RECORD_PREFIX (libraries may print on stdout too)."""
+devices when its backend starts. Reads a job (JSON) on stdin; writes one record per
+configuration on stdout, each line prefixed with RECORD_PREFIX (libraries may print on stdout
+too)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ def target_devices(target: dict):
         kind = devices[0].device_kind
         return devices, kind, HBM_BY_DEVICE_KIND.get(kind)
     if target["kind"] == "gpu":
-        return gpu_devices(target), CHIPS[target["chip"]].device_kind, CHIPS[target["chip"]].hbm_bytes
+        chip = CHIPS[target["chip"]]
+        return gpu_devices(target), chip.device_kind, chip.hbm_bytes
     devices = jax.devices()
     kind = devices[0].device_kind
     if target["kind"] == "cpu":

@@ -11,8 +11,8 @@ bundled model); only its configuration is read. For every (mesh, rules, bucket) 
 step is compiled on abstract inputs (`plan_compile.py`) in one worker process per device set
 (`plan_worker.py`): N simulated CPU devices, a compile-only TPU topology (libtpu, no TPU
 needed), GPU hosts (JAX's CUDA plugin and XLA's target description of the chip, no GPU
-needed; `chips.py`), or the real devices. The results: a table on stdout, JSON lines, a markdown report
-and a plot (`plan_report.py`).
+needed; `chips.py`), or the real devices. The results: a table on stdout, JSON lines, a
+markdown report and a plot (`plan_report.py`).
 """
 
 from __future__ import annotations
@@ -82,9 +82,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     where.add_argument("--devices", type=int, default=None,
                        help="simulate N CPU devices (default: 8 unless --topology or --real)")
     where.add_argument("--topology", type=_names, default=None,
-                       help="compile without the chips: TPU slices (v5e:2x4; needs libtpu: pip install "
-                            "'jaxserve[tpu]') or GPU hosts x GPUs per host (h100:1x8, h200:2x8; needs JAX's CUDA "
-                            "plugin: pip install 'jaxserve[gpu-compile]'); comma-separated")
+                       help="compile without the chips: TPU slices (v5e:2x4; needs libtpu: pip "
+                            "install 'jaxserve[tpu]') or GPU hosts x GPUs per host (h100:1x8, "
+                            "h200:2x8; needs JAX's CUDA plugin: pip install "
+                            "'jaxserve[gpu-compile]'); comma-separated")
     where.add_argument("--real", action="store_true", help="the devices of this machine")
     p.add_argument("--hosts", type=int, default=None,
                    help="simulate the devices as N local processes joined by jax.distributed (gloo collectives "

@@ -129,7 +129,8 @@ def validate_inputs(q, k_cache, v_cache, md: AttentionMetadata, *, sliding_windo
         raise ValueError(f"chunk_pages must be >= 1, got {chunk_pages}")
 
 
-def dispatch_name(impl: str, q, k_cache, *, interpret: bool = False, backend: str | None = None) -> str:
+def dispatch_name(impl: str, q, k_cache, *, interpret: bool = False,
+                  backend: str | None = None) -> str:
     """The implementation `impl` runs for these inputs on `backend` (default: JAX's): "auto"
     takes the backend's kernel when it supports them, else the reference, logging the reason
     once (a warning)."""

@@ -161,8 +161,10 @@ def test_a_gpu_serves_the_triton_kernel_and_falls_back_for_unsupported_shapes(mo
     monkeypatch.setattr(attn_ops._REGISTRY, "warned", set())
     with caplog.at_level(logging.WARNING):
         for _ in range(2):
-            assert attn_ops.dispatch_name("auto", q[..., :96], k[..., :96], backend="gpu") == "reference"
+            name = attn_ops.dispatch_name("auto", q[..., :96], k[..., :96], backend="gpu")
+            assert name == "reference"
     warnings = [r.getMessage() for r in caplog.records if "unsupported" in r.getMessage()]
-    assert warnings == ["ragged_paged_attention: gpu kernel unsupported here (the gpu kernel needs a "
-                        "power-of-two head dim >= 16, got D=96); using the pure-JAX reference"]
+    assert warnings == ["ragged_paged_attention: gpu kernel unsupported here (the gpu kernel "
+                        "needs a power-of-two head dim >= 16, got D=96); using the pure-JAX "
+                        "reference"]
     assert attn_ops.dispatch_name("gpu-mosaic", q, k, backend="gpu") == "gpu-mosaic"
