@@ -3,7 +3,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install install-tpu test serve bench clean
+.PHONY: install install-tpu install-gpu-compile test serve bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -21,6 +21,12 @@ install: $(STAMP)
 # wheel (~250 MB), so `make install` leaves it out; the CI installs it.
 install-tpu: $(STAMP)
 	$(PIP) install -q -e '.[tpu]'
+
+# JAX's CUDA plugin, pinned to the installed jax, and ptxas (the `gpu-compile` extra, ~223 MB, no
+# CUDA runtime): lets `jaxserve shard-plan --topology h100:1x8` and tests/tools/test_gpu_topology.py
+# compile for NVIDIA GPUs on any host. It sits beside libtpu; the CI installs both.
+install-gpu-compile: $(STAMP)
+	$(PIP) install -q -e '.[gpu-compile]'
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)

@@ -5,8 +5,9 @@ each implementation it reports the median wall time (after warm-up, calls interl
 round-robin), the K/V bytes the step must read, the achieved GB/s and its fraction of the
 device's measured copy bandwidth (a large on-device copy, read + write bytes / time). On a GPU
 the decode scenario also runs JAX's shipped `jax.experimental.pallas.ops.gpu.paged_attention`
-(its own head-major page layout, transposed once outside the timing). One JSON line per
-(scenario, impl) is appended to benchmarks/results/kernels.jsonl (or --out).
+(its own head-major page layout, transposed once outside the timing); the Mosaic GPU kernel
+("gpu-mosaic") runs on Hopper and newer and is skipped, with the reason, elsewhere. One JSON
+line per (scenario, impl) is appended to benchmarks/results/kernels.jsonl (or --out).
 
     python benchmarks/kernel_benchmark.py                   # device sizes
     python benchmarks/kernel_benchmark.py --small           # CPU: tiny sizes, interpret kernels
@@ -135,7 +136,7 @@ def main(argv=None):
     small = args.small or backend == "cpu"
     iters = args.iters or (5 if small else 30)
     impls = args.impls or {
-        "gpu": ["reference", "gpu", "jax-gpu-paged"],
+        "gpu": ["reference", "gpu", "gpu-mosaic", "jax-gpu-paged"],
         "tpu": ["reference", "tpu"],
     }.get(backend, ["reference", "cpu", "gpu-interpret", "tpu-interpret"])
     dtype = jnp.dtype(args.dtype)

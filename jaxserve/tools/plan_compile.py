@@ -4,8 +4,10 @@ For a mesh, a rules table and a (T, R) bucket, this builds the model abstractly 
 are read or allocated), lays its parameters, KV cache and sampling state over the mesh as the
 engine would, lowers the runner's own step function (`jaxserve.runner.step_fn`: model,
 sampler and all) and compiles it for the devices at hand: simulated CPU devices, a
-compile-only TPU topology, or the real devices. It then reads back what XLA decided: memory,
-cost and the collectives in the HLO. `--measure` runs the same executable on random weights.
+compile-only TPU topology, GPU hosts, or the real devices. It then reads back what XLA
+decided: memory, cost (XLA's cost analysis; for GPUs compiled without one, which it leaves
+empty, the flops of the HLO's dots), the collectives and the kernels in the HLO. `--measure`
+runs the same executable on random weights.
 
 This module runs inside a worker process (`plan_worker.py`) whose JAX backend was set up for
 its devices.
@@ -31,9 +33,11 @@ from jaxserve.models.arch_config import ArchConfig
 from jaxserve.models.interface import KV_CACHE_AXES
 from jaxserve.models.layers.moe import resolve_impl as resolve_moe_impl
 from jaxserve.models.weights import abstract_model
+from jaxserve.pallas_kernels.ragged_paged_attention.ops import supports_check
 from jaxserve.runner.kv_cache import abstract_kv_cache, bytes_per_page, kv_cache_shape
 from jaxserve.runner.step_fn import StepFunction, abstract_sampling_state, step_layout
 from jaxserve.sampling.config import SamplerConfig
+from jaxserve.tools import hlo_ops
 from jaxserve.tools.hlo_collectives import parse_collectives, summarize
 
 logger = logging.getLogger(__name__)
@@ -116,15 +120,15 @@ def resolve_plan(settings: PlanSettings, cfg: ArchConfig, mesh: Mesh, rules) -> 
     cc = CacheConfig(kv_cache_dtype=settings.kv_cache_dtype, page_size=settings.page_size)
     plan = backend.plan(mc, cc, mesh)
     impl, note = plan.attention_impl, None
-    if impl in ("tpu", "gpu"):
+    check = supports_check(impl)
+    if check is not None:
         spec = ax.logical_to_spec(KV_CACHE_AXES, kv_cache_shape(cfg, 1, settings.page_size), mesh, rules)
-        local_heads = cfg.num_kv_heads // ax.mesh_axes_size(mesh, spec[2])
-        from jaxserve.pallas_kernels.ragged_paged_attention import gpu, tpu
-
-        check = tpu.supports if impl == "tpu" else gpu.supports
+        split = ax.mesh_axes_size(mesh, spec[2])
+        local_heads = cfg.num_kv_heads // split
         try:
-            check(jnp.zeros((1, 1, cfg.head_dim)),
-                  jax.ShapeDtypeStruct((1, settings.page_size, local_heads, cfg.head_dim), jax_dtype(plan.kv_dtype)))
+            kv_dtype, D = jax_dtype(plan.kv_dtype), cfg.head_dim
+            check(jax.ShapeDtypeStruct((1, cfg.num_heads // split, D), kv_dtype),
+                  jax.ShapeDtypeStruct((1, settings.page_size, local_heads, D), kv_dtype))
         except ValueError as e:
             impl, note = "reference", f"{plan.attention_impl} kernel unsupported: {e}"
     return {"dtype": plan.dtype, "kv_dtype": plan.kv_dtype, "attention_impl": impl, "attention_note": note,
@@ -232,8 +236,11 @@ def plan_one(settings: PlanSettings, mesh: Mesh, rules_spec: str, bucket: tuple[
         return rec
     rec["compile_s"] = round(time.perf_counter() - t0, 2)
     rec["memory"] = memory_record(compiled, settings.device_memory)
-    rec["cost"] = cost_record(compiled)
-    rec["collectives"] = summarize(parse_collectives(compiled.as_text(), mesh.size), cfg.num_layers)
+    text = compiled.as_text()
+    dot_flops, kernels = hlo_ops.parse(text)
+    rec["cost"] = cost_record(compiled, dot_flops)
+    rec["kernels"] = hlo_ops.kernel_counts(kernels)
+    rec["collectives"] = summarize(parse_collectives(text, mesh.size), cfg.num_layers)
     if settings.measure:
         from jaxserve.tools.plan_measure import measure_step
 
@@ -253,13 +260,18 @@ def memory_record(compiled, device_memory: int | None) -> dict[str, Any]:
     return out
 
 
-def cost_record(compiled) -> dict[str, Any]:
+def cost_record(compiled, dot_flops: int) -> dict[str, Any]:
+    """XLA's cost analysis per device; where it gives none (GPU programs compiled without a
+    GPU), the flops of the HLO's dots (`hlo_ops.py`) and no byte count."""
     cost = compiled.cost_analysis()
     if isinstance(cost, list):
         cost = cost[0] if cost else {}
     cost = cost or {}
     flops, accessed = float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
-    return {"flops": flops, "bytes_accessed": accessed,
+    source = "xla cost analysis"
+    if not flops:
+        flops, accessed, source = float(dot_flops), 0.0, "hlo dots"
+    return {"flops": flops, "bytes_accessed": accessed, "dot_flops": dot_flops, "source": source,
             "arithmetic_intensity": round(flops / accessed, 2) if accessed else None}
 
 
@@ -267,6 +279,8 @@ def does_not_fit_record(error: Exception, device_memory: int | None) -> dict[str
     """A memory verdict from a compiler that refused the program for lack of memory."""
     text = str(error)
     if "RESOURCE_EXHAUSTED" not in text and "out of memory" not in text.lower():
+        return None
+    if "shared memory" in text.lower():  # a GPU kernel's on-chip memory, not the device's: an error
         return None
     first = next((line for line in text.splitlines() if "memory" in line.lower()), text.splitlines()[0])
     return {"fits": False, "device_memory": device_memory, "compiler": first.strip()[:400]}

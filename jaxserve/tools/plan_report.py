@@ -29,7 +29,7 @@ def git_sha() -> str | None:
 
 
 def target_name(target: dict) -> str:
-    if target["kind"] == "tpu":
+    if target["kind"] in ("tpu", "gpu"):
         return target["topology"]
     if target["kind"] == "cpu":
         hosts = target.get("hosts", 1)
@@ -41,7 +41,8 @@ def run_header(name: str, arch: dict, jobs: list[dict]) -> dict:
     return {
         "tool": "shard-plan", "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "git_sha": git_sha(),
-        "versions": {p: _version(p) for p in ("jax", "jaxlib", "flax", "libtpu")},
+        "versions": {p: _version(p)
+                     for p in ("jax", "jaxlib", "flax", "libtpu", "jax-cuda12-plugin")},
         "model": name,
         "arch": {k: arch.get(k) for k in ("architectures", "num_hidden_layers", "hidden_size", "num_attention_heads",
                                           "num_key_value_heads", "head_dim", "intermediate_size", "vocab_size",
@@ -109,6 +110,7 @@ def markdown(records: list[dict], header: dict, args) -> str:
         f"- max_model_len {header['max_model_len']}, KV cache sized for {header['max_num_seqs']} sequences"
         + (f" (or {mib(args.kv_cache_memory_bytes)} per device)" if args.kv_cache_memory_bytes else ""),
         f"- jax {header['versions'].get('jax')}, libtpu {header['versions'].get('libtpu') or '-'}, "
+        f"jax-cuda12-plugin {header['versions'].get('jax-cuda12-plugin') or '-'}, "
         f"git {header['git_sha']}, {header['time']}",
         "- per device: params, KV cache, peak = XLA's memory analysis of the compiled step (arguments + outputs "
         "- aliased + temporaries + code); coll/step: collective ops in the step's HLO and their result bytes",
@@ -131,6 +133,9 @@ def markdown(records: list[dict], header: dict, args) -> str:
         lines.append(f"- attention: {rec.get('attention_impl')}" + (f" ({rec['attention_note']})"
                                                                     if rec.get("attention_note") else "")
                      + f"; dtype {rec.get('dtype')}, KV {rec.get('kv_dtype')}")
+        if rec.get("kernels"):
+            lines.append("- kernels in the compiled step: "
+                         + ", ".join(f"{k} x{n}" for k, n in rec["kernels"].items()))
         if p:
             groups = ", ".join(f"{g} {mib(v['per_device'])}"
                                + (f" (asked {mib(v['requested_per_device'])})"
@@ -159,8 +164,11 @@ def markdown(records: list[dict], header: dict, args) -> str:
             lines.append(f"  - per layer: {per_layer or 'none'}; outside the layers: {other or 'none'}")
         if rec.get("cost"):
             c = rec["cost"]
-            lines.append(f"- cost: {c['flops'] / 1e9:.2f} GFLOP, {c['bytes_accessed'] / 2**20:.1f} MiB accessed; "
-                         f"compiled in {rec.get('compile_s')} s")
+            accessed = (f"{c['bytes_accessed'] / 2**20:.1f} MiB accessed" if c.get("bytes_accessed")
+                        else "bytes not analysed")
+            source = c.get("source", "xla cost analysis")
+            lines.append(f"- cost per device ({source}): {c['flops'] / 1e9:.2f} GFLOP, "
+                         f"{accessed}; compiled in {rec.get('compile_s')} s")
         if rec.get("measure"):
             m = rec["measure"]
             lines.append(f"- measured: decode {m.get('decode_ms')} ms (context {m.get('context')}), "

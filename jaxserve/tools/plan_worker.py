@@ -1,7 +1,8 @@
 """The worker process of `jaxserve shard-plan`: one device set (a simulated CPU device count,
-a compile-only TPU topology, or the real devices) per process, since JAX fixes its devices when
-its backend starts. Reads a job (JSON) on stdin; writes one record per configuration on stdout,
-each line prefixed with RECORD_PREFIX (libraries may print on stdout too)."""
+a compile-only TPU or GPU topology, or the real devices) per process, since JAX fixes its
+devices when its backend starts. Reads a job (JSON) on stdin; writes one record per
+configuration on stdout, each line prefixed with RECORD_PREFIX (libraries may print on stdout
+too)."""
 
 from __future__ import annotations
 
@@ -12,27 +13,22 @@ import traceback
 
 RECORD_PREFIX = "@@shard-plan@@ "
 
-# Per-chip HBM by TPU device kind (what `device_kind` reports), for the memory verdict.
-TPU_HBM = {
-    "TPU v5 lite": 16 << 30,  # v5e
-    "TPU v6 lite": 32 << 30,  # v6e (Trillium)
-    "TPU v5p": 95 << 30,
-    "TPU v5": 95 << 30,
-    "TPU v4": 32 << 30,
-    "TPU v4 lite": 8 << 30,
-}
-
 
 def target_devices(target: dict):
     """(devices, device kind, per-device memory or None) of a job's target."""
     import jax
+
+    from jaxserve.tools.chips import CHIPS, HBM_BY_DEVICE_KIND, gpu_devices
 
     if target["kind"] == "tpu":
         from jax.experimental import topologies
 
         devices = list(topologies.get_topology_desc(topology_name=target["topology"], platform="tpu").devices)
         kind = devices[0].device_kind
-        return devices, kind, TPU_HBM.get(kind)
+        return devices, kind, HBM_BY_DEVICE_KIND.get(kind)
+    if target["kind"] == "gpu":
+        chip = CHIPS[target["chip"]]
+        return gpu_devices(target), chip.device_kind, chip.hbm_bytes
     devices = jax.devices()
     kind = devices[0].device_kind
     if target["kind"] == "cpu":

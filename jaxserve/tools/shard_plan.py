@@ -2,7 +2,7 @@
 
     jaxserve shard-plan [MODEL] --mesh 1x8,2x4|auto --rules tp,tp-kv-replicated \
         --buckets 16x8,512x32 --max-model-len 8192 [--kv-cache-memory 16GiB] \
-        [--devices 8 | --topology v5e:2x4 | --real] [--measure] \
+        [--devices 8 | --topology v5e:2x4,h100:1x8 | --real] [--measure] \
         [--json plan.jsonl] [--markdown plan.md] [--plot plan.png]
 
 MODEL is an HF directory, a config.json, a GGUF file, a named architecture preset
@@ -10,8 +10,9 @@ MODEL is an HF directory, a config.json, a GGUF file, a named architecture prese
 bundled model); only its configuration is read. For every (mesh, rules, bucket) the runner's
 step is compiled on abstract inputs (`plan_compile.py`) in one worker process per device set
 (`plan_worker.py`): N simulated CPU devices, a compile-only TPU topology (libtpu, no TPU
-needed), or the real devices. The results: a table on stdout, JSON lines, a markdown report
-and a plot (`plan_report.py`).
+needed), GPU hosts (JAX's CUDA plugin and XLA's target description of the chip, no GPU
+needed; `chips.py`), or the real devices. The results: a table on stdout, JSON lines, a
+markdown report and a plot (`plan_report.py`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import time
 from jaxserve.config import EngineConfig
 from jaxserve.config_cli import flag_type, parse_bytes
 from jaxserve.models.arch_config import ArchConfig
+from jaxserve.tools.chips import parse_target, target_chip_count
 from jaxserve.tools.plan_worker import RECORD_PREFIX
 
 logger = logging.getLogger(__name__)
@@ -81,8 +83,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     where.add_argument("--devices", type=int, default=None,
                        help="simulate N CPU devices (default: 8 unless --topology or --real)")
     where.add_argument("--topology", type=_names, default=None,
-                       help="compile for TPU slices without a TPU, e.g. v5e:2x4 (comma-separated; needs libtpu: "
-                            "pip install 'jaxserve[tpu]')")
+                       help="compile without the chips: TPU slices (v5e:2x4; needs libtpu: pip "
+                            "install 'jaxserve[tpu]') or GPU hosts x GPUs per host (h100:1x8, "
+                            "h200:2x8; needs JAX's CUDA plugin: pip install "
+                            "'jaxserve[gpu-compile]'); comma-separated")
     where.add_argument("--real", action="store_true", help="the devices of this machine")
     p.add_argument("--hosts", type=int, default=None,
                    help="simulate the devices as N local processes joined by jax.distributed (gloo collectives "
@@ -131,19 +135,20 @@ def factorizations(n: int) -> list[tuple[int, int]]:
     return [(n // m, m) for m in range(1, n + 1) if n % m == 0][::-1]
 
 
-def topology_chips(topology: str) -> int:
-    dims = topology.split(":")[-1]
-    n = 1
-    for d in dims.split("x"):
-        n *= int(d)
-    return n
+def real_devices() -> tuple[int, str]:
+    """(device count, JAX platform) of this machine, asked of a child process: JAX in this
+    process would take the accelerator (a GPU's memory is preallocated) before the worker can."""
+    code = "import jax; print(jax.device_count(), jax.default_backend())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    count, platform = out.stdout.split()[-2:]
+    return int(count), platform
 
 
 def _worker_env(target: dict) -> dict[str, str]:
     env = dict(os.environ)
     if target["kind"] == "real":
         return env
-    env["JAX_PLATFORMS"] = "cpu"  # TPU topologies compile from the CPU host
+    env["JAX_PLATFORMS"] = "cpu"  # TPU and GPU topologies compile from the CPU host
     flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", "")).strip()
     if target["kind"] == "cpu":
         per_process = target["devices"] // target.get("hosts", 1)
@@ -189,11 +194,11 @@ def build_jobs(args, arch: dict) -> list[dict]:
     engine = EngineConfig.from_kwargs(**opts)  # the engine's defaults and checks
     max_model_len = engine.model.resolve_max_model_len(ArchConfig.from_hf(arch).max_position_embeddings)
     if args.topology:
-        targets = [({"kind": "tpu", "topology": t}, topology_chips(t), "tpu") for t in args.topology]
+        parsed = [parse_target(t) for t in args.topology]
+        targets = [(t, target_chip_count(t), t["kind"]) for t in parsed]
     elif args.real:
-        import jax
-
-        targets = [({"kind": "real"}, jax.device_count(), jax.default_backend())]
+        count, platform = real_devices()
+        targets = [({"kind": "real"}, count, platform)]
     else:
         n = args.devices or 8
         target = {"kind": "cpu", "devices": n}
@@ -211,7 +216,7 @@ def build_jobs(args, arch: dict) -> list[dict]:
     jobs = []
     for target, count, platform in targets:
         meshes = factorizations(count) if args.mesh == "auto" else _pairs(args.mesh, "meshes")
-        if args.measure and target["kind"] == "tpu":
+        if args.measure and target["kind"] in ("tpu", "gpu"):
             raise ValueError("--measure needs devices that run: use --devices or --real (a topology only compiles)")
         jobs.append({"target": target, "meshes": meshes, "rules": args.rules, "buckets": buckets,
                      "settings": {**settings, "platform": platform}, "log_level": args.log_level})

@@ -99,6 +99,18 @@ def gather_queries(q: jax.Array, tokens: jax.Array, num_kv_heads: int, group_pad
     return qb.transpose(0, 2, 1, 3, 4).reshape(NB, num_kv_heads, Bq * group_pad, D)
 
 
+def merge_splits(o_part: jax.Array, lse: jax.Array) -> jax.Array:
+    """Merge the KV splits of a split-K kernel by log-sum-exp: o_part [S, NB, Hkv, M, D]
+    (each split's normalised output), lse [S, NB, Hkv, M] (-inf for an empty split) ->
+    [NB, Hkv, M, D]."""
+    if o_part.shape[0] == 1:
+        return o_part[0]
+    mx = lse.max(axis=0)
+    w = jnp.exp(lse - jnp.where(mx == -jnp.inf, 0.0, mx)[None])  # 0 for empty splits
+    den = w.sum(axis=0)
+    return (w[..., None] * o_part).sum(axis=0) / jnp.where(den > 0, den, 1.0)[..., None]
+
+
 def scatter_outputs(o_blk: jax.Array, tokens: jax.Array, num_tokens: int, num_q_heads: int):
     """[NB, Hkv, Bq * Gp, D] -> [T, Hq, D]; tokens nobody writes (padding) are zeros."""
     NB, Hkv, rows, D = o_blk.shape

@@ -223,12 +223,6 @@ def ragged_paged_attention_gpu(
         blk_req, blk_idx, md.query_start_loc.astype(_I32), md.kv_lens.astype(_I32),
         md.block_tables.astype(_I32), q_blk, k_rows, v_rows,
     )
-    if S == 1:
-        o_blk = o_part[0]
-    else:  # merge the splits by log-sum-exp
-        mx = lse.max(axis=0)
-        w = jnp.exp(lse - jnp.where(mx == -jnp.inf, 0.0, mx)[None])  # 0 for empty splits
-        den = w.sum(axis=0)
-        o_blk = (w[..., None] * o_part).sum(axis=0) / jnp.where(den > 0, den, 1.0)[..., None]
+    o_blk = blocks.merge_splits(o_part, lse)
     return blocks.scatter_outputs(o_blk.astype(q.dtype), tokens, T, Hq)
 

@@ -12,11 +12,14 @@ the kernel registered under the name of JAX's default backend, and falls back to
 pure-JAX reference (the CPU default) when there is none, or when the kernel cannot take these
 shapes (e.g. a head dim that is not a power of two on GPU).
 
-Registered here: "reference"; "tpu" (Pallas Mosaic, `tpu.py`); "gpu" (Pallas Triton, `gpu.py`);
-and "tpu-interpret" / "gpu-interpret", the same kernels run by the Pallas interpreters, which
-work on any backend (CPU included: tests, and `ModelConfig.attention_impl="gpu-interpret"` to
-serve through a kernel on a CPU host; slow, for checking only). `interpret=True` on the op maps
-"tpu"/"gpu" (or "auto" resolving to one) to its interpret variant.
+Registered here: "reference"; "tpu" (Pallas Mosaic, `tpu.py`); "gpu" (Pallas Triton, `gpu.py`:
+what "auto" takes on a GPU); "gpu-mosaic" (Pallas Mosaic GPU, Hopper and newer,
+`gpu_mosaic.py`: chosen by name; DESIGN §5 says why it is not the default yet); and
+"tpu-interpret" / "gpu-interpret" / "gpu-mosaic-interpret", the same kernels run by the Pallas
+interpreters, which work on any backend (CPU included: tests, and
+`ModelConfig.attention_impl="gpu-interpret"` to serve through a kernel on a CPU host; slow, for
+checking only). `interpret=True` on the op maps a kernel (or "auto" resolving to one) to its
+interpret variant.
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ from jaxserve.pallas_kernels.registry import ImplRegistry
 _REGISTRY = ImplRegistry(
     "ragged_paged_attention",
     {"reference": ragged_paged_attention_reference},
-    known_kernels=("cpu", "tpu", "gpu", "tpu-interpret", "gpu-interpret"),
+    known_kernels=("cpu", "tpu", "gpu", "gpu-mosaic", "tpu-interpret", "gpu-interpret",
+                   "gpu-mosaic-interpret"),
 )
 # Shape checks of the kernels that "auto" consults before picking one: name -> fn(q, k_cache)
 # raising ValueError when the kernel cannot take those shapes.
@@ -57,6 +61,11 @@ def register_impl(name: str, fn: Callable, supports: Callable | None = None) -> 
     _REGISTRY.register(name, fn)
     if supports is not None:
         _SUPPORTS[name] = supports
+
+
+def supports_check(name: str) -> Callable | None:
+    """The shape check of kernel `name` (fn(q, k_cache) raising ValueError), None if it has none."""
+    return _SUPPORTS.get(name)
 
 
 def available_impls() -> tuple[str, ...]:
@@ -120,10 +129,12 @@ def validate_inputs(q, k_cache, v_cache, md: AttentionMetadata, *, sliding_windo
         raise ValueError(f"chunk_pages must be >= 1, got {chunk_pages}")
 
 
-def dispatch_name(impl: str, q, k_cache, *, interpret: bool = False) -> str:
-    """The implementation `impl` runs for these inputs ("auto": the backend's kernel when it
-    supports them, else the reference, with a warning)."""
-    name = resolve_impl(impl)
+def dispatch_name(impl: str, q, k_cache, *, interpret: bool = False,
+                  backend: str | None = None) -> str:
+    """The implementation `impl` runs for these inputs on `backend` (default: JAX's): "auto"
+    takes the backend's kernel when it supports them, else the reference, logging the reason
+    once (a warning)."""
+    name = resolve_impl(impl, backend)
     if impl == "auto" and name in _SUPPORTS:
         try:
             _SUPPORTS[name](q, k_cache)
@@ -131,7 +142,7 @@ def dispatch_name(impl: str, q, k_cache, *, interpret: bool = False) -> str:
             _REGISTRY.warn_once(f"unsupported-{name}", "ragged_paged_attention: %s kernel unsupported "
                                 "here (%s); using the pure-JAX reference", name, e)
             name = "reference"
-    if interpret and name in ("tpu", "gpu"):
+    if interpret and name in ("tpu", "gpu", "gpu-mosaic"):
         name = f"{name}-interpret"
     return name
 
@@ -214,17 +225,21 @@ def ragged_paged_attention(
 
 
 def _register_kernels() -> None:
-    from jaxserve.pallas_kernels.ragged_paged_attention import cpu, gpu, tpu
+    from jaxserve.pallas_kernels.ragged_paged_attention import cpu, gpu, gpu_mosaic, tpu
 
     register_impl("cpu", cpu.ragged_paged_attention_cpu, cpu.supports)
     _FUSED_WRITE["cpu"] = cpu.write_kv_and_attend_cpu
     _FUSED_ROPE["cpu"] = cpu.rope_write_kv_and_attend_cpu
     register_impl("tpu", tpu.ragged_paged_attention_tpu, tpu.supports)
     register_impl("gpu", gpu.ragged_paged_attention_gpu, gpu.supports)
+    register_impl("gpu-mosaic", gpu_mosaic.ragged_paged_attention_gpu_mosaic, gpu_mosaic.supports)
     register_impl("tpu-interpret",
                   functools.partial(tpu.ragged_paged_attention_tpu, interpret=True), tpu.supports)
     register_impl("gpu-interpret",
                   functools.partial(gpu.ragged_paged_attention_gpu, interpret=True), gpu.supports)
+    register_impl("gpu-mosaic-interpret",
+                  functools.partial(gpu_mosaic.ragged_paged_attention_gpu_mosaic, interpret=True),
+                  gpu_mosaic.supports)
 
 
 _register_kernels()

@@ -142,3 +142,29 @@ def test_tiny_llama_end_to_end(impl):
         assert np.abs(b).max() > 0.1
         np.testing.assert_allclose(a, b, atol=1e-4, rtol=0)
     assert math.isfinite(float(np.abs(logits[-1]).max()))
+
+
+def test_a_gpu_serves_the_triton_kernel_and_falls_back_for_unsupported_shapes(monkeypatch, caplog):
+    """On the gpu platform `auto` is the Triton kernel (what `jaxserve serve` takes, through the
+    GPU backend's plan); a shape it cannot take goes to the reference, with the reason logged
+    once as a warning; an explicit kernel name is never replaced."""
+    import logging
+
+    from jaxserve.backends import select_backend
+    from jaxserve.config import CacheConfig, ModelConfig
+    from jaxserve.parallel.mesh import make_mesh
+
+    plan = select_backend("gpu").plan(ModelConfig(), CacheConfig(), make_mesh(1, 1))
+    assert plan.attention_impl == "gpu" and plan.dtype == plan.kv_dtype == "bfloat16"
+    q, k = jnp.zeros((4, 8, 128), jnp.bfloat16), jnp.zeros((8, 16, 2, 128), jnp.bfloat16)
+    assert attn_ops.dispatch_name("auto", q, k, backend="gpu") == "gpu"
+    monkeypatch.setattr(attn_ops._REGISTRY, "warned", set())
+    with caplog.at_level(logging.WARNING):
+        for _ in range(2):
+            name = attn_ops.dispatch_name("auto", q[..., :96], k[..., :96], backend="gpu")
+            assert name == "reference"
+    warnings = [r.getMessage() for r in caplog.records if "unsupported" in r.getMessage()]
+    assert warnings == ["ragged_paged_attention: gpu kernel unsupported here (the gpu kernel "
+                        "needs a power-of-two head dim >= 16, got D=96); using the pure-JAX "
+                        "reference"]
+    assert attn_ops.dispatch_name("gpu-mosaic", q, k, backend="gpu") == "gpu-mosaic"

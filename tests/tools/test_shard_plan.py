@@ -138,6 +138,25 @@ def test_bad_arguments_are_refused(capsys):
     assert "R <= T" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["shard-plan", "--mesh", "1x8", "--buckets", "oops"])
+    bad_topologies = (("h100:8", "HOSTSxGPUS"), ("a100:1x8", "CHIP:SHAPE"),
+                      ("v5e:2xz", "positive integers"))
+    for bad, says in bad_topologies:
+        assert main(["shard-plan", "smollm2-135m", "--topology", bad]) == 2
+        assert says in capsys.readouterr().err
+    assert main(["shard-plan", "smollm2-135m", "--topology", "h200:1x8", "--measure"]) == 2
+    assert "a topology only compiles" in capsys.readouterr().err
+
+
+def test_gpu_topologies_are_hosts_of_gpus():
+    from jaxserve.tools.chips import CHIPS, parse_target, target_chip_count
+
+    target = parse_target("h200:2x8")
+    assert target == {"kind": "gpu", "chip": "h200", "hosts": 2, "gpus_per_host": 8,
+                      "topology": "h200:2x8"}
+    assert target_chip_count(target) == 16 and target_chip_count(parse_target("v5e:4x4")) == 16
+    # the memory verdict reads XLA's own description of the chip
+    assert CHIPS["h100"].hbm_bytes == 84942979072 and CHIPS["h200"].hbm_bytes == 151397597184
+    assert "NVIDIA H200" in CHIPS["h200"].target_text()
 
 
 def test_engine_flags_and_defaults_are_the_engines():

@@ -1,0 +1,182 @@
+"""Compiles for NVIDIA H100 and H200 on this CPU host (JAX's CUDA plugin with XLA's target
+description of each chip; no GPU, no CUDA runtime): both GPU attention kernels under a
+shard_map, kernel configurations the compilers refuse, and whole steps (SmolLM2-shaped, and a
+small Llama with head dim 128) whose attention is the kernel `jaxserve serve` takes on a GPU.
+A kernel or step change that breaks the GPU compilers fails here. Skipped where the plugin is
+not installed (make install-gpu-compile; the CI installs it)."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("jax_cuda12_plugin") is None
+    or importlib.util.find_spec("nvidia") is None
+    or importlib.util.find_spec("nvidia.cuda_nvcc") is None,
+    reason="JAX's CUDA plugin or ptxas is not installed (make install-gpu-compile)",
+)
+
+CHIPS = ("h100", "h200")
+KERNEL_TARGETS = {"gpu": "__gpu$xla.gpu.triton", "gpu-mosaic": "mosaic_gpu_v2"}
+TINY_LLAMA = dict(
+    architectures=["LlamaForCausalLM"],
+    vocab_size=512,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=128,
+    max_position_embeddings=2048,
+    tie_word_embeddings=False,
+)
+
+
+@functools.cache
+def _devices(chip: str):
+    from jaxserve.tools.plan_worker import target_devices
+
+    return target_devices({"kind": "gpu", "chip": chip, "hosts": 1, "gpus_per_host": 4})
+
+
+def _kernel_program(devices, impl: str, *, page_size: int = 16, head_dim: int = 128, **knobs):
+    """Attention kernel `impl` in a shard_map over KV heads on 4 GPUs, compiled for them."""
+    from jaxserve.pallas_kernels import AttentionMetadata, ragged_paged_attention
+    from jaxserve.pallas_kernels.ragged_paged_attention import gpu
+
+    mesh = Mesh(np.array(devices[:4]).reshape(1, 4), ("data", "model"))
+    T, R, Hq, Hkv, D, N, Pg = 64, 8, 16, 8, head_dim, 256, 16
+    heads, cache = P(None, "model", None), P(None, None, "model", None)
+
+    def sd(shape, dtype, spec=None):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec or P()))
+
+    md = AttentionMetadata(
+        block_tables=sd((R, Pg), jnp.int32),
+        kv_lens=sd((R,), jnp.int32),
+        query_start_loc=sd((R + 1,), jnp.int32),
+        num_seqs=sd((), jnp.int32),
+        slot_mapping=sd((T,), jnp.int32),
+    )
+
+    def local(q, kc, vc, md):
+        if knobs:  # the Triton kernel's own knobs
+            return gpu.ragged_paged_attention_gpu(q, kc, vc, md, sm_scale=0.1, **knobs)
+        return ragged_paged_attention(
+            q, kc, vc, md, sm_scale=0.1, sliding_window=128, soft_cap=30.0, impl=impl
+        )
+
+    def f(q, kc, vc, md):
+        return jax.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=(heads, cache, cache, jax.tree.map(lambda _: P(), md)),
+            out_specs=heads,
+            check_vma=False,
+        )(q, kc, vc, md)
+
+    args = (
+        sd((T, Hq, D), jnp.bfloat16, heads),
+        sd((N, page_size, Hkv, D), jnp.bfloat16, cache),
+        sd((N, page_size, Hkv, D), jnp.bfloat16, cache),
+        md,
+    )
+    return jax.jit(f).lower(*args).compile()
+
+
+@pytest.mark.parametrize("chip", CHIPS)
+@pytest.mark.parametrize("impl", list(KERNEL_TARGETS))
+def test_attention_kernels_compile_for_gpu(chip, impl):
+    from jaxserve.tools import hlo_ops
+
+    devices, kind, memory = _devices(chip)
+    assert kind.startswith("NVIDIA " + chip.upper()) and memory > 70 << 30
+    compiled = _kernel_program(devices, impl)
+    _, kernels = hlo_ops.parse(compiled.as_text())
+    name = {"gpu": "ragged_paged_attention_gpu", "gpu-mosaic": "ragged_paged_attention_gpu_mosaic"}[
+        impl
+    ]
+    assert [(k.target, k.name) for k in kernels] == [(KERNEL_TARGETS[impl], name)], kernels
+    assert compiled.memory_analysis().argument_size_in_bytes > 0
+
+
+def test_the_compilers_refuse_broken_kernel_configurations():
+    """Triton with 1,024 keys a chunk in 4 stages asks for more shared memory than an H100 has
+    (827,392 bytes of 232,448): XLA's GPU compiler refuses it, and the shard-plan does not take
+    that for a device-memory verdict. Mosaic GPU refuses head dim 512 (its wgmma tile) before
+    compiling, and the kernels' shape checks refuse what `auto` would then send to the reference."""
+    from jaxserve.pallas_kernels.ragged_paged_attention import gpu, gpu_mosaic
+
+    from jaxserve.tools.plan_compile import does_not_fit_record
+
+    devices, _, memory = _devices("h100")
+    assert (
+        "__gpu$xla.gpu.triton"
+        in _kernel_program(devices, "gpu", chunk_pages=4, num_stages=2).as_text()
+    )
+    with pytest.raises(Exception, match="Shared memory size limit exceeded") as refused:
+        _kernel_program(devices, "gpu", chunk_pages=64, num_stages=4)
+    assert does_not_fit_record(refused.value, memory) is None
+    with pytest.raises(ValueError, match="multiple of 64, at most 256"):
+        _kernel_program(devices, "gpu-mosaic", head_dim=512)
+    cache = jax.ShapeDtypeStruct((4, 16, 2, 96), jnp.bfloat16)
+    with pytest.raises(ValueError, match="power-of-two head dim"):
+        gpu.supports(jax.ShapeDtypeStruct((1, 4, 96), jnp.bfloat16), cache)
+    with pytest.raises(ValueError, match="bfloat16 or float16"):
+        gpu_mosaic.supports(
+            jax.ShapeDtypeStruct((1, 4, 128), jnp.float32),
+            jax.ShapeDtypeStruct((4, 16, 2, 128), jnp.float32),
+        )
+
+
+def _plan(chip: str, arch: dict):
+    from jaxserve.parallel.mesh import make_mesh
+    from jaxserve.tools.plan_compile import PlanSettings, plan_one
+
+    devices, kind, memory = _devices(chip)
+    settings = PlanSettings(
+        arch=arch, platform="gpu", max_model_len=1024, max_num_seqs=8, device_memory=memory
+    )
+    return plan_one(settings, make_mesh(1, 4, devices=devices), "tp", (16, 8), kind)
+
+
+@pytest.mark.parametrize("chip", CHIPS)
+def test_whole_steps_compile_for_h100_and_h200(chip):
+    """The runner's step (model, paged attention, sampler) for 4 GPUs of each chip: SmolLM2's
+    shapes with 2 of its 30 layers (the whole model compiles alike, 30 times the layers, in
+    ~80 s on this host) and a small Llama with head dim 128. Attention is the kernel `serve`
+    takes on a GPU (`auto` on the gpu platform), once per layer in the compiled program."""
+    from jaxserve.pallas_kernels.ragged_paged_attention.ops import resolve_impl
+
+    from jaxserve.tools.shard_plan import model_config
+
+    served = resolve_impl("auto", "gpu")
+    assert served == "gpu"
+    _, smollm2 = model_config("smollm2-135m")
+    for name, arch in (
+        ("smollm2", {**smollm2, "num_hidden_layers": 2}),
+        ("tiny-llama", TINY_LLAMA),
+    ):
+        rec = _plan(chip, arch)
+        assert rec["attention_impl"] == served and rec["attention_note"] is None, (name, rec)
+        assert rec["kernels"] == {f"ragged_paged_attention_gpu ({KERNEL_TARGETS[served]})": 2}, (
+            name,
+            rec["kernels"],
+        )
+        assert rec["memory"]["fits"] is True, (name, rec["memory"])
+        assert rec["collectives"]["per_layer"].get("all-reduce-start", {}).get("count", 0) >= 1, (
+            name,
+            rec,
+        )
+        assert rec["cost"]["source"] == "hlo dots" and rec["cost"]["flops"] > 0
+        assert rec["kv"]["dtype"] == "bfloat16" and rec["dtype"] == "bfloat16"
+        if name == "smollm2":  # 9 query / 3 KV heads over 4 GPUs: attention runs replicated
+            assert rec["params"]["replicated"]
