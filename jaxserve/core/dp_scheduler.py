@@ -133,17 +133,18 @@ class DataParallelScheduler:
         return DataParallelOutput(ranks, frozenset().union(*(so.finished_request_ids for so in ranks)),
                                   tuple(rid for so in ranks for rid in so.preempted_request_ids))
 
-    def update_from_output(self, out: DataParallelOutput, sampled: dict[str, list[int]]) -> list[tuple[Request, int]]:
+    def update_from_output(self, scheduler_output: DataParallelOutput,
+                           sampled_token_ids: dict[str, list[int]]) -> list[tuple[Request, int]]:
         updated = []
-        for sched, so in zip(self.ranks, out.ranks):
-            updated += sched.update_from_output(so, sampled)
+        for sched, so in zip(self.ranks, scheduler_output.ranks):
+            updated += sched.update_from_output(so, sampled_token_ids)
         for req, _ in updated:
             if req.is_finished:
                 self.rank_of.pop(req.request_id, None)
         return updated
 
-    def discard_step(self, out: DataParallelOutput) -> list[str]:
-        return [rid for sched, so in zip(self.ranks, out.ranks) for rid in sched.discard_step(so)]
+    def discard_step(self, scheduler_output: DataParallelOutput) -> list[str]:
+        return [rid for sched, so in zip(self.ranks, scheduler_output.ranks) for rid in sched.discard_step(so)]
 
     def make_stats(self) -> SchedulerStats:
         stats = [s.make_stats() for s in self.ranks]

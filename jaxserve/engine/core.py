@@ -39,14 +39,15 @@ import dataclasses
 import logging
 import time
 from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 
-from jaxserve.core.scheduler import Scheduler
-from jaxserve.core.sched_output import SchedulerOutput
+from jaxserve.core.protocol import ScheduledStep, StepScheduler
 from jaxserve.engine.messages import EngineCoreOutput, EngineSleepingError, EngineStats
 from jaxserve.request import EngineRequest, Request, RequestFailedError, RequestStatus
-from jaxserve.runner.model_runner import LaunchedStep, ModelRunner, RunnerOutput
+from jaxserve.runner.model_runner import RunnerOutput
+from jaxserve.runner.protocol import StepRunner
 from jaxserve.spec_decode import NgramProposer, can_speculate
 from jaxserve.structured.manager import StructuredOutputManager
 
@@ -68,14 +69,14 @@ class HostTimes:
 
 
 class EngineCore:
-    def __init__(self, scheduler: Scheduler, runner: ModelRunner, *, async_scheduling: bool = True,
+    def __init__(self, scheduler: StepScheduler, runner: StepRunner, *, async_scheduling: bool = True,
                  proposer: NgramProposer | None = None):
         self.scheduler = scheduler
         self.runner = runner
         self.proposer = proposer
         self.async_scheduling = async_scheduling
         self._may_draft: set[str] = set()  # requests the proposer drafts for
-        self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
+        self._in_flight: tuple[ScheduledStep, Any] | None = None
         self.times = HostTimes()
         self.num_steps = 0
         # Ids whose runner state a discarded step may have left behind: released next step.
@@ -143,7 +144,7 @@ class EngineCore:
         spare sampling rows (fewer requests than max_num_seqs). Otherwise steps may overlap."""
         return bool(self._may_draft) and len(self.scheduler.requests) < self.scheduler.config.max_num_seqs
 
-    def _collect(self, done: tuple[SchedulerOutput, LaunchedStep] | None,
+    def _collect(self, done: tuple[ScheduledStep, Any] | None,
                  failed: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
         """Waits for the step `done` (if any) and turns it into outputs, after `failed`'s."""
         t = self.times
@@ -159,7 +160,7 @@ class EngineCore:
         self.num_steps += 1
         return outputs
 
-    def _discard(self, so: SchedulerOutput, e: RequestFailedError) -> list[EngineCoreOutput]:
+    def _discard(self, so: ScheduledStep, e: RequestFailedError) -> list[EngineCoreOutput]:
         """The runner could not prepare `so` because of the requests `e` names: they fail, and
         the step's other requests are preempted (nothing of the step ran; they are recomputed).
         Returns the failed requests' outputs."""
@@ -178,13 +179,13 @@ class EngineCore:
                        e, len(failed), len(preempted))
         return [EngineCoreOutput(rid, [], finish_reason="abort", error=e.cause) for rid in failed]
 
-    def _with_releases(self, so: SchedulerOutput) -> SchedulerOutput:
+    def _with_releases(self, so: ScheduledStep) -> ScheduledStep:
         so = dataclasses.replace(so, finished_request_ids=so.finished_request_ids | self._release_finished,
                                  preempted_request_ids=(*self._release_preempted, *so.preempted_request_ids))
         self._release_finished, self._release_preempted = set(), []
         return so
 
-    def _outputs(self, so: SchedulerOutput, result: RunnerOutput) -> list[EngineCoreOutput]:
+    def _outputs(self, so: ScheduledStep, result: RunnerOutput) -> list[EngineCoreOutput]:
         outputs: dict[str, EngineCoreOutput] = {}
         for req, n in self.scheduler.update_from_output(so, result.sampled):
             rid = req.request_id

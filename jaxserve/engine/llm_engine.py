@@ -46,7 +46,8 @@ class LLMEngine:
 
     @property
     def runner(self):
-        return self.core.runner
+        """This process's model runner (the core's, unless a multi-host leader wraps it)."""
+        return self.parts.model_runner or self.core.runner
 
     @property
     def num_compiles_after_warmup(self) -> int:

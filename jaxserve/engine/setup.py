@@ -56,6 +56,7 @@ class EngineParts:
     load_seconds: float = 0.0
     topology: multihost.Topology | None = None  # several processes: this one's place
     link: multihost.Leader | multihost.Follower | None = None  # the step channel
+    model_runner: ModelRunner | None = None  # this process's devices (core.runner may wrap it)
 
     @property
     def is_follower(self) -> bool:
@@ -66,7 +67,7 @@ class EngineParts:
         shut down (raises LeaderLostError when it goes away)."""
         import jax
 
-        self.link.run(self.core.runner, self.link.settings["step_timeout_seconds"])
+        self.link.run(self.model_runner, self.link.settings["step_timeout_seconds"])
         jax.distributed.shutdown()
 
     def close(self) -> None:
@@ -147,6 +148,7 @@ def build_engine(config: EngineConfig, timer: StartupTimer | None = None, *,
     timer.note("executables", f"{runner.executables_loaded} loaded, {runner.executables_compiled} compiled")
     if mesh.size > 1:
         _log_placement(model, runner, mesh, rules)
+    model_runner = runner
     if topo is not None:
         from jax.experimental import multihost_utils
 
@@ -186,7 +188,8 @@ def build_engine(config: EngineConfig, timer: StartupTimer | None = None, *,
                 (f", n-gram speculation ({spec.num_speculative_tokens} tokens)" if spec is not None else ""))
     if own_timer:  # else the caller logs it when it is ready (the server: once it listens)
         logger.info("%s", timer.summary())
-    return EngineParts(tokenizer, info, core, model_path, arch, backend, plan, load_seconds, topo, link)
+    return EngineParts(tokenizer, info, core, model_path, arch, backend, plan, load_seconds, topo, link,
+                       model_runner)
 
 
 def _prepared_model(config: EngineConfig, ckpt, arch: ArchConfig, backend: Backend, plan: DevicePlan, mesh, rules,

@@ -39,9 +39,14 @@ import threading
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Client, Connection, Listener
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from jaxserve.runner.compile import CompileCounter
+    from jaxserve.runner.model_runner import ModelRunner
+    from jaxserve.sampling.config import SamplerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -344,30 +349,46 @@ class Leader:
 
 
 class LeaderRunner:
-    """The leader's runner: every step goes to the followers before the leader launches it; a
-    compilation after warm-up is fatal (the followers would wait in a step never run)."""
+    """The leader's runner (a `StepRunner` around this process's `ModelRunner`): every step goes
+    to the followers before the leader launches it; a compilation after warm-up is fatal (the
+    followers would wait in a step never run); sleep mode is refused."""
 
-    def __init__(self, runner, leader: Leader):
-        self._runner = runner
+    def __init__(self, runner: ModelRunner, leader: Leader):
+        self.model_runner = runner
         self.leader = leader
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._runner, name)
+    @property
+    def sampler_config(self) -> SamplerConfig:
+        return self.model_runner.sampler_config
+
+    @property
+    def counter(self) -> CompileCounter:
+        return self.model_runner.counter
+
+    @property
+    def is_sleeping(self) -> bool:
+        return False
+
+    def prepare(self, scheduler_output, token_bitmask=None):
+        return self.model_runner.prepare(scheduler_output, token_bitmask)
 
     def launch(self, plan):
         self.leader.send_step(plan)
-        step = self._runner.launch(plan)
-        if self._runner.counter.recompiles:
+        step = self.model_runner.launch(plan)
+        if self.model_runner.counter.recompiles:
             raise RuntimeError("a step compiled after warm-up: fatal with several processes")
         return step
 
     def collect(self, step):
         if self.leader.failure is not None:
             raise self.leader.failure
-        return self._runner.collect(step)
+        return self.model_runner.collect(step)
 
     def sleep(self) -> None:
         raise RuntimeError("sleep mode is not available with several processes")
+
+    def wake_up(self) -> None:
+        pass  # never asleep
 
 
 # ---------------------------------------------------------------------------- a follower
