@@ -52,7 +52,7 @@ class NullParts:
     def __init__(self, max_num_seqs: int):
         self.max_num_seqs = max_num_seqs
 
-    def __call__(self, on_model_path=None):
+    def __call__(self, on_model_path=None, timer=None):
         import dataclasses
 
         import host_overhead

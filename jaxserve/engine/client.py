@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-from collections.abc import Callable, Sequence
+import os
+import pathlib
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, Protocol
 
 from jaxserve.engine.async_client import (
@@ -49,11 +51,36 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 CoreMode = Literal["auto", "thread", "process"]
+# --engine-core auto, per platform: TBD by the measurement
+ENGINE_CORE_BY_PLATFORM: dict[str, Literal["thread", "process"]] = {"cpu": "process", "tpu": "process",
+                                                                    "gpu": "process"}
 
 
-def default_engine_core() -> Literal["thread", "process"]:
-    """Where the engine core runs when the user does not say (`--engine-core auto`)."""
-    return "thread"
+Platform = Literal["cpu", "tpu", "gpu"]
+
+
+def serving_platform(env: Mapping[str, str] | None = None, dev: str = "/dev") -> Platform:
+    """The accelerator JAX will serve on, told without loading JAX (the client must not: on a
+    TPU only one process may open the chips, and with `--engine-core process` that is the
+    engine's): the first entry of JAX_PLATFORMS when set, else the device files present (TPU:
+    /dev/accel<N> or /dev/vfio/<N>; GPU: /dev/nvidia<N> or ROCm's /dev/kfd), else the CPU."""
+    env = os.environ if env is None else env
+    first = env.get("JAX_PLATFORMS", "").split(",")[0].strip().lower()
+    if first:
+        return "tpu" if first == "tpu" else "cpu" if first == "cpu" else "gpu"
+    root = pathlib.Path(dev)
+    if any(root.glob("accel[0-9]*")) or any(p.name.isdigit() for p in root.glob("vfio/*")):
+        return "tpu"
+    if any(p.name[len("nvidia"):].isdigit() for p in root.glob("nvidia[0-9]*")) or (root / "kfd").exists():
+        return "gpu"
+    return "cpu"
+
+
+def default_engine_core(platform: Platform) -> Literal["thread", "process"]:
+    """Where the engine core runs when the user does not say (`--engine-core auto`): the faster
+    of the two on that platform as measured (benchmarks/engine_core_modes.py; README, "The
+    engine core on a thread or in a process of its own")."""
+    return ENGINE_CORE_BY_PLATFORM[platform]
 
 
 class EngineClient(Protocol):
@@ -110,7 +137,10 @@ def open_engine(config, *, core: CoreMode = "auto", timer=None, max_waiting_requ
     its own, and the client that serves it (not started: `start()` on the event loop). Raises
     what building the engine raises, and FollowerRole on a multi-host follower."""
     if core == "auto":
-        core = default_engine_core()
+        platform = serving_platform()
+        core = default_engine_core(platform)
+        logger.info("engine core: %s (the default on %s; --engine-core thread|process to choose)",
+                    core, platform)
     if core == "thread":
         from jaxserve.engine.setup import build_engine
 
@@ -131,7 +161,7 @@ def open_engine(config, *, core: CoreMode = "auto", timer=None, max_waiting_requ
     tokenizer: list[concurrent.futures.Future] = []
     try:
         transport, info, stats = ProcessCore.spawn(
-            BuildEngine(config),
+            BuildEngine(config), timer=timer,
             on_model_directory=lambda path: tokenizer.append(pool.submit(Tokenizer.from_pretrained, path)))
     except FollowerProcess as f:
         process = f.process  # (the name `f` is unbound after the except clause)

@@ -46,6 +46,8 @@ class ModelDirectory:
 class Ready:
     info: Any  # ModelInfo
     stats: Any  # EngineStats
+    startup_phases: dict[str, float] = dataclasses.field(default_factory=dict)  # the build's, in seconds
+    startup_notes: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(slots=True)
@@ -91,8 +93,11 @@ def _engine_main(build: Callable[..., Any], conn, log_level: int) -> None:
         with lock:
             conn.send(message)
 
+    from jaxserve.startup_timer import StartupTimer
+
+    timer = StartupTimer()  # the build's phases, reported to the serving process's start-up line
     try:
-        parts = build(on_model_path=lambda p: send(ModelDirectory(str(p))))
+        parts = build(on_model_path=lambda p: send(ModelDirectory(str(p))), timer=timer)
     except BaseException as e:  # noqa: BLE001 - reported to the serving process
         send(Failed(_picklable(e)))
         return
@@ -114,7 +119,7 @@ def _engine_main(build: Callable[..., Any], conn, log_level: int) -> None:
     link = parts.link
     if link is not None and hasattr(link, "add_failure_callback"):  # a multi-host leader
         link.add_failure_callback(lambda e: send(core_loop.Died(_picklable(e))))
-    send(Ready(parts.info, parts.core.stats()))
+    send(Ready(parts.info, parts.core.stats(), timer.phases, timer.notes))
 
     def next_commands(block: bool) -> list[Command]:
         commands = [conn.recv()] if block else []
@@ -148,14 +153,17 @@ class ProcessCore:
 
     @classmethod
     def spawn(cls, build: Callable[..., Any], *, on_model_directory: Callable[[str], None] | None = None,
-              timeout: float | None = None) -> tuple[ProcessCore, Any, Any]:
-        """Start an engine process, which calls `build(on_model_path=...)` (picklable, e.g.
-        `functools.partial(build_engine, config)`) for its EngineParts, and wait until it is
-        built; returns (transport, ModelInfo, EngineStats). `on_model_directory(path)` is called
-        (on this thread) as soon as the engine process has resolved the model. Raises the
+              timeout: float | None = None, timer=None) -> tuple[ProcessCore, Any, Any]:
+        """Start an engine process, which calls `build(on_model_path=..., timer=...)` (picklable,
+        e.g. BuildEngine(config)) for its EngineParts, and wait until it is built; returns
+        (transport, ModelInfo, EngineStats). `on_model_directory(path)` is called (on this
+        thread) as soon as the engine process has resolved the model. `timer` (a StartupTimer)
+        gets the build's phases, and the rest of the wait as "engine process" (starting the
+        interpreter, imports). Raises the
         engine's own error when it cannot be built; FollowerProcess when this process is a
         multi-host follower (then the engine process runs the leader's steps until it exits)."""
         ctx = multiprocessing.get_context("spawn")
+        started = time.perf_counter()
         ours, theirs = ctx.Pipe(duplex=True)
         process = ctx.Process(target=_engine_main, name="jaxserve-engine",
                               args=(build, theirs, logging.getLogger().getEffectiveLevel()), daemon=False)
@@ -177,6 +185,12 @@ class ProcessCore:
                 if on_model_directory is not None:
                     on_model_directory(message.path)
             elif isinstance(message, Ready):
+                if timer is not None:
+                    waited = time.perf_counter() - started
+                    for name, seconds in message.startup_phases.items():
+                        timer.add(name, seconds)
+                    timer.notes.update(message.startup_notes)
+                    timer.add("engine process", max(0.0, waited - sum(message.startup_phases.values())))
                 return cls(process, ours), message.info, message.stats
             elif isinstance(message, Failed):
                 process.join(30)

@@ -1,10 +1,13 @@
 """An unrecoverable engine failure in `jaxserve serve` (a real process on a tiny model): the
 request in flight gets a 500 naming its id, and the process exits 1 by itself, for its
-supervisor to restart it. The failure is a device error injected from outside the product: the
-test starts the CLI from a small script that wraps ModelRunner.collect to raise once a marker
-file exists (the product has no test hook)."""
+supervisor to restart it, with the engine core on a thread and in a process of its own. The
+failure is a device error injected from outside the product: a `sitecustomize` module on the
+server's PYTHONPATH (so that the engine process has it too) wraps ModelRunner.collect to raise
+once a marker file exists (the product has no test hook)."""
 
 from __future__ import annotations
+
+import os
 
 import httpx
 import pytest
@@ -12,11 +15,11 @@ import pytest
 from tests.model_dirs import write_model_dir
 from tests.server.test_shutdown import _start
 
-LAUNCHER = """
-import os, sys
+SITECUSTOMIZE = """
+import os
 from jaxserve.runner.model_runner import ModelRunner
 
-marker, collect = sys.argv[1], ModelRunner.collect
+marker, collect = os.environ["FAIL_MARKER"], ModelRunner.collect
 
 def collect_or_fail(self, step):
     if os.path.exists(marker):
@@ -24,8 +27,6 @@ def collect_or_fail(self, step):
     return collect(self, step)
 
 ModelRunner.collect = collect_or_fail
-from jaxserve.server.cli import main
-sys.exit(main(sys.argv[2:]))
 """
 
 
@@ -34,9 +35,15 @@ def model_dir(tmp_path_factory):
     return write_model_dir(tmp_path_factory.mktemp("tiny"))
 
 
-def test_a_device_error_fails_the_request_and_the_process_exits_1(model_dir, compile_cache_dir, tmp_path):
+@pytest.mark.parametrize("engine_core", ["thread", "process"])
+def test_a_device_error_fails_the_request_and_the_process_exits_1(model_dir, compile_cache_dir, tmp_path,
+                                                                   engine_core):
     marker = tmp_path / "fail-now"
-    proc, url = _start(model_dir, compile_cache_dir, 30.0, launcher=("-c", LAUNCHER, str(marker)))
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    path = os.pathsep.join(p for p in (str(tmp_path / "site"), os.environ.get("PYTHONPATH")) if p)
+    proc, url = _start(model_dir, compile_cache_dir, 30.0, extra=("--engine-core", engine_core),
+                       env={"PYTHONPATH": path, "FAIL_MARKER": str(marker)})
     try:
         body = {"prompt": "w5 w6 w7", "max_tokens": 4, "temperature": 0}
         assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 200

@@ -109,3 +109,25 @@ def test_a_dead_engine_process_fails_its_requests_and_health(config):
         assert client.get("/health").status_code == 503
         assert client.post("/v1/completions", json=REQUESTS[0][1]).status_code == 503
         assert died and "exited" in str(died[0])
+
+
+@pytest.mark.parametrize("env, files, platform", [
+    ({"JAX_PLATFORMS": "cpu"}, ["accel0"], "cpu"),  # the user's choice wins over the devices
+    ({"JAX_PLATFORMS": "tpu,cpu"}, [], "tpu"),
+    ({"JAX_PLATFORMS": "cuda"}, [], "gpu"),
+    ({}, ["accel0"], "tpu"),  # TPU v4 / v5p VMs
+    ({}, ["vfio/0", "vfio/vfio"], "tpu"),  # TPU v5e / v6e VMs
+    ({}, ["vfio/vfio"], "cpu"),  # the vfio control file alone is no chip
+    ({}, ["nvidia0", "nvidiactl", "nvidia-uvm"], "gpu"),
+    ({}, ["nvidiactl"], "cpu"),  # a driver without a GPU
+    ({}, ["kfd"], "gpu"),  # ROCm
+    ({}, [], "cpu"),
+])
+def test_the_serving_platform_is_told_without_jax(tmp_path, env, files, platform):
+    from jaxserve.engine.client import default_engine_core, serving_platform
+
+    for name in files:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).touch()
+    assert serving_platform(env, dev=str(tmp_path)) == platform
+    assert default_engine_core(platform) in ("thread", "process")

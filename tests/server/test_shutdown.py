@@ -25,14 +25,16 @@ def _free_port() -> int:
 
 
 def _start(model_dir, compile_cache_dir, grace: float, launcher: tuple[str, ...] = ("-m", "jaxserve.server.cli"),
-           log_level: str = "warning", extra: tuple[str, ...] = ()):
-    """`jaxserve serve` on the tiny model (`launcher`: the Python arguments before the CLI's)."""
+           log_level: str = "warning", extra: tuple[str, ...] = (), env: dict[str, str] | None = None):
+    """`jaxserve serve` on the tiny model (`launcher`: the Python arguments before the CLI's;
+    `env`: more environment variables)."""
     port = _free_port()
     cmd = [sys.executable, *launcher, "serve", str(model_dir), "--port", str(port),
            "--dtype", "float32", "--max-num-seqs", "8", "--max-num-batched-tokens", "16",
            "--token-buckets", "16", "--request-buckets", "8", "--shutdown-grace", str(grace),
            "--compilation-cache-dir", compile_cache_dir, "--log-level", log_level, *extra]
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu",
+               **(env or {}))
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
