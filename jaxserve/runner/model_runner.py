@@ -26,6 +26,7 @@ import dataclasses
 import functools
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
@@ -49,6 +50,9 @@ from jaxserve.sampling.sampler import SamplerOutput
 from jaxserve.sampling.state import SlotRowsWrite, init_sampling_state, write_slot_rows
 from jaxserve.spec_decode.ngram import accept_drafts
 from jaxserve.startup_timer import StartupTimer
+
+if TYPE_CHECKING:
+    from jaxserve.backends.base import Backend
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +94,7 @@ class ModelRunner:
         self,
         model,
         *,
-        backend,
+        backend: Backend,
         mesh: Mesh,
         num_pages: int,
         page_size: int,
