@@ -86,11 +86,14 @@ def _quant_of(filename: str) -> str:
 
 def _listing(files: list[str], limit: int = 12) -> str:
     shown = ", ".join(files[:limit])
-    return (shown + f", … ({len(files) - limit} more)" if len(files) > limit else shown) or "nothing"
+    if len(files) > limit:
+        shown += f", … ({len(files) - limit} more)"
+    return shown or "nothing"
 
 
-def download(name: str, *, revision: str | None = None, download_dir: str | os.PathLike | None = None,
-             gguf_file: str | None = None, config_only: bool = False) -> pathlib.Path:
+def download(name: str, *, revision: str | None = None,
+             download_dir: str | os.PathLike | None = None, gguf_file: str | None = None,
+             config_only: bool = False) -> pathlib.Path:
     """The local copy of the Hub model `name` (`org/name` or `org/name:QUANT`): its snapshot
     directory, or the .gguf file of a GGUF model. Downloads what is missing (with a progress
     bar) into `download_dir` (default: the Hugging Face cache, $HF_HOME/hub)."""

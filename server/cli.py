@@ -198,7 +198,7 @@ def _generate(args: argparse.Namespace) -> int:
     opts.setdefault("max_num_seqs", 8)
     try:
         llm = LLM(args.model, **opts)
-    except ValueError as e:  # a model that cannot be had (a missing file, a Hub error), a bad option
+    except ValueError as e:  # a model that cannot be had (a missing file, a Hub error)
         logging.getLogger(__name__).debug("the engine could not be built", exc_info=True)
         print(f"jaxserve generate: {e}", file=sys.stderr)
         return 2

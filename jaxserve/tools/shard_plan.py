@@ -73,7 +73,8 @@ _PLAN_HELP = {
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None,
                    help=f"HF directory, config.json, GGUF file, Hugging Face Hub name or preset "
-                        f"({', '.join(ARCH_PRESETS)}); default: the bundled model. No weights are read.")
+                        f"({', '.join(ARCH_PRESETS)}); default: the bundled model. No weights "
+                        "are read.")
     p.add_argument("--mesh", default="auto",
                    help="data x model mesh shapes, e.g. 1x8,2x4; 'auto': every factorization of the device count")
     p.add_argument("--rules", default="tp", type=_names,

@@ -180,9 +180,9 @@ def test_generate_command_with_a_hub_name(tmp_path, compile_cache_dir):
     env = dict(os.environ, HF_HOME=str(home), HF_HUB_OFFLINE="1",
                XLA_FLAGS="--xla_force_host_platform_device_count=1")
     env.pop("HF_HUB_CACHE", None)
-    base = [sys.executable, "-m", "jaxserve.server.cli", "generate", "w5 w6 w7", "--max-tokens", "4",
-            "--token-buckets", "16", "--request-buckets", "8", "--compilation-cache-dir",
-            compile_cache_dir]
+    base = [sys.executable, "-m", "jaxserve.server.cli", "generate", "w5 w6 w7",
+            "--max-tokens", "4", "--token-buckets", "16", "--request-buckets", "8",
+            "--compilation-cache-dir", compile_cache_dir]
     res = subprocess.run([*base, "--model", "org/tiny", "--revision", "v2"], env=env,
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
