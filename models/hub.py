@@ -102,8 +102,10 @@ def download(name: str, *, revision: str | None = None,
 
     repo, quant = split_name(name)
     cache_dir = pathlib.Path(download_dir or constants.HF_HUB_CACHE).expanduser()
-    offline = constants.is_offline_mode()
-    files = _cached_files(repo, revision, cache_dir) if offline else _remote_files(repo, revision)
+    if constants.is_offline_mode():
+        files = _cached_files(repo, revision, cache_dir)
+    else:
+        files = _remote_files(repo, revision, cache_dir)
     needed = select_files(repo, files, gguf_file=gguf_file, quant=quant, config_only=config_only)
     try:
         folder = pathlib.Path(huggingface_hub.snapshot_download(
@@ -115,17 +117,27 @@ def download(name: str, *, revision: str | None = None,
     return folder
 
 
-def _remote_files(repo: str, revision: str | None) -> list[str]:
+def _remote_files(repo: str, revision: str | None, cache_dir: pathlib.Path) -> list[str]:
+    """The files of `repo` at `revision` on the Hub; when the Hub cannot be reached (no network,
+    a time-out), those of its cached snapshot, as snapshot_download falls back to."""
     from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError
 
     try:
         return HfApi().list_repo_files(repo, revision=revision)
-    except Exception as e:  # noqa: BLE001
+    except HfHubHTTPError as e:  # the Hub answered: missing, gated, private, no such revision
         raise _hub_error(repo, revision, e) from e
+    except Exception as e:  # noqa: BLE001 - unreachable
+        try:
+            return _cached_files(repo, revision, cache_dir, offline=False)
+        except HubError:
+            raise HubError(f"{repo}: the Hugging Face Hub cannot be reached ({type(e).__name__}: "
+                           f"{e}) and the model is not in the cache ({cache_dir})") from e
 
 
-def _cached_files(repo: str, revision: str | None, cache_dir: pathlib.Path) -> list[str]:
-    """The files of `repo` at `revision` in the Hub cache (HF_HUB_OFFLINE: nothing else)."""
+def _cached_files(repo: str, revision: str | None, cache_dir: pathlib.Path, *,
+                  offline: bool = True) -> list[str]:
+    """The files of `repo` at `revision` in the Hub cache."""
     from huggingface_hub.file_download import repo_folder_name
 
     storage = cache_dir / repo_folder_name(repo_id=repo, repo_type="model")
@@ -135,6 +147,8 @@ def _cached_files(repo: str, revision: str | None, cache_dir: pathlib.Path) -> l
         commit = (storage / "refs" / rev).read_text().strip()
     snapshot = storage / "snapshots" / commit if commit else None
     if snapshot is None or not snapshot.is_dir():
+        if not offline:
+            raise HubError(f"{repo} (revision {rev}) is not in the Hugging Face cache")
         raise HubError(f"{repo} (revision {rev}) is not in the Hugging Face cache ({cache_dir}) "
                        "and HF_HUB_OFFLINE is set: download it once with network access, or "
                        "unset HF_HUB_OFFLINE")

@@ -142,6 +142,19 @@ def test_hub_errors_name_the_repository(online, error, message):
         hub.download("org/gone", revision="v9")
 
 
+def test_an_unreachable_hub_falls_back_to_the_cache(online, tmp_path):
+    home = hub_cache(tmp_path / "hf")
+    online.listing["org/tiny"] = ConnectionError("no route to host")
+    online.listing["org/absent"] = ConnectionError("no route to host")
+    hub.download("org/tiny", download_dir=home / "hub")
+    cached = sorted(p.name for p in (home / "hub/models--org--tiny/snapshots" / MAIN).iterdir())
+    assert sorted(online.calls[0]["allow_patterns"]) == cached  # the listing: the cache's
+    with pytest.raises(hub.HubError, match="org/absent: the Hugging Face Hub cannot be reached "
+                                           r"\(ConnectionError: no route to host\) and the model is "
+                                           "not in the cache"):
+        hub.download("org/absent", download_dir=home / "hub")
+
+
 # ----------------------------------------------------------------------------- the cache, offline
 
 
