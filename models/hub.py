@@ -102,7 +102,7 @@ def download(name: str, *, revision: str | None = None,
 
     repo, quant = split_name(name)
     cache_dir = pathlib.Path(download_dir or constants.HF_HUB_CACHE).expanduser()
-    if constants.is_offline_mode():
+    if constants.HF_HUB_OFFLINE:
         files = _cached_files(repo, revision, cache_dir)
     else:
         files = _remote_files(repo, revision, cache_dir)
