@@ -117,8 +117,11 @@ def model_config(model: str | None, *, revision: str | None = None,
         return "SmolLM2-135M-Instruct", gguf_loader.config_from_gguf(gguf_loader.open_gguf(path))
     if model in ARCH_PRESETS:
         return model, json.loads((PRESET_DIR / f"{model}.json").read_text())
-    path = locate_model(model, revision=revision, download_dir=download_dir, gguf_file=gguf_file,
-                        config_only=True)
+    try:
+        path = locate_model(model, revision=revision, download_dir=download_dir,
+                            gguf_file=gguf_file, config_only=True)
+    except ValueError as e:
+        raise ValueError(f"{e} (nor is it a preset: {', '.join(ARCH_PRESETS)})") from e
     if path.is_dir():
         if (path / "config.json").is_file():
             name = model if path.name != pathlib.Path(model).name else path.name  # a Hub name
