@@ -9,7 +9,6 @@ cache only, never the network), HF_ENDPOINT. Every failure is a HubError naming 
 
 from __future__ import annotations
 
-import fnmatch
 import os
 import pathlib
 import re
@@ -20,7 +19,10 @@ CONFIG_FILES = ("config.json", "generation_config.json")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
                    "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt",
                    "chat_template.jinja", "chat_template.json")
-WEIGHT_PATTERNS = ("*.safetensors", "*.safetensors.index.json")
+# The weights, chosen as the loader reads them (loader._weight_files): the index's shards when
+# there is an index (not, say, a consolidated copy beside them), else model.safetensors, else
+# every *.safetensors file.
+INDEX = "model.safetensors.index.json"
 # A repository name: `org/name` or a bare legacy name, letters, digits, '-', '_', '.'.
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}(/[\w.-]{1,96})?")
 _COMMIT = re.compile(r"[0-9a-f]{40}")
@@ -44,12 +46,14 @@ def is_repo_name(name: str) -> bool:
 
 
 def select_files(repo: str, files: list[str], *, gguf_file: str | None = None,
-                 quant: str | None = None, config_only: bool = False) -> list[str]:
+                 quant: str | None = None, config_only: bool = False,
+                 shards: list[str] | None = None) -> list[str]:
     """The files of `repo` (its listing: `files`) that the model needs.
 
     A GGUF model (`gguf_file`, or `quant` matched against the .gguf names, case-insensitively)
     is that one file. Otherwise: the configuration, the tokenizer's files and the safetensors
-    weights at the top level (only config.json with `config_only`)."""
+    weights at the top level (`shards`: the files the index names, when the listing has one);
+    only config.json with `config_only`."""
     top = [f for f in files if "/" not in f]
     ggufs = sorted(f for f in files if f.lower().endswith(".gguf"))
     if gguf_file is not None or quant is not None:
@@ -70,12 +74,22 @@ def select_files(repo: str, files: list[str], *, gguf_file: str | None = None,
         raise HubError(f"{repo} has no config.json{hint}")
     if config_only:
         return ["config.json"]
-    weights = [f for f in top if any(fnmatch.fnmatch(f, p) for p in WEIGHT_PATTERNS)]
-    if not any(f.endswith(".safetensors") for f in weights):
+    if INDEX in top:
+        if shards is None:
+            raise ValueError("the index's shards are needed to choose the weights")
+        absent = sorted(set(shards) - set(files))
+        if absent:
+            raise HubError(f"{repo}: {INDEX} names files the repository lacks: {_listing(absent)}")
+        weights = [INDEX, *sorted(set(shards))]
+    elif "model.safetensors" in top:
+        weights = ["model.safetensors"]
+    else:
+        weights = sorted(f for f in top if f.endswith(".safetensors"))
+    if not weights:
         raise HubError(f"{repo} has no *.safetensors weights at its top level (it holds: "
                        f"{_listing(files)}); jaxserve reads safetensors or GGUF checkpoints")
     wanted = {*CONFIG_FILES, *TOKENIZER_FILES}
-    return sorted(f for f in top if f in wanted) + sorted(weights)
+    return sorted(f for f in top if f in wanted) + weights
 
 
 def _quant_of(filename: str) -> str:
@@ -106,7 +120,11 @@ def download(name: str, *, revision: str | None = None,
         files = _cached_files(repo, revision, cache_dir)
     else:
         files = _remote_files(repo, revision, cache_dir)
-    needed = select_files(repo, files, gguf_file=gguf_file, quant=quant, config_only=config_only)
+    shards = None
+    if INDEX in files and not (config_only or gguf_file or quant):
+        shards = _index_shards(repo, revision, cache_dir)
+    needed = select_files(repo, files, gguf_file=gguf_file, quant=quant, config_only=config_only,
+                          shards=shards)
     try:
         folder = pathlib.Path(huggingface_hub.snapshot_download(
             repo, revision=revision, cache_dir=cache_dir, allow_patterns=needed))
@@ -115,6 +133,21 @@ def download(name: str, *, revision: str | None = None,
     if gguf_file is not None or quant is not None:
         return folder / needed[0]
     return folder
+
+
+def _index_shards(repo: str, revision: str | None, cache_dir: pathlib.Path) -> list[str]:
+    """The weight files the repository's safetensors index names (the index is fetched first)."""
+    import json
+
+    import huggingface_hub
+
+    try:
+        path = huggingface_hub.hf_hub_download(repo, INDEX, revision=revision, cache_dir=cache_dir)
+        return sorted(set(json.loads(pathlib.Path(path).read_text())["weight_map"].values()))
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+        raise HubError(f"{repo}: {INDEX} is not a valid safetensors index ({e})") from e
+    except Exception as e:  # noqa: BLE001
+        raise _hub_error(repo, revision, e) from e
 
 
 def _remote_files(repo: str, revision: str | None, cache_dir: pathlib.Path) -> list[str]:

@@ -5,6 +5,7 @@ HF_HUB_OFFLINE on (tests/conftest.py sets it for the whole suite) everywhere els
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import subprocess
@@ -58,13 +59,16 @@ REPO_FILES = [
     ".gitattributes", "README.md", "LICENSE", "config.json", "generation_config.json",
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "merges.txt",
     "vocab.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
-    "model.safetensors.index.json", "pytorch_model.bin", "original/consolidated.00.pth",
+    "model.safetensors.index.json", "consolidated.safetensors", "pytorch_model.bin",
+    "original/consolidated.00.pth",
     "onnx/model.safetensors", "onnx/config.json",
 ]
 NEEDED = ["config.json", "generation_config.json", "merges.txt", "special_tokens_map.json",
-          "tokenizer.json", "tokenizer_config.json", "vocab.json",
-          "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
-          "model.safetensors.index.json"]
+          "tokenizer.json", "tokenizer_config.json", "vocab.json", "model.safetensors.index.json",
+          "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+INDEX = {"metadata": {}, "weight_map": {"a": "model-00001-of-00002.safetensors",
+                                        "b": "model-00002-of-00002.safetensors",
+                                        "c": "model-00002-of-00002.safetensors"}}
 GGUF_FILES = [".gitattributes", "README.md", "X-IQ4_XS.gguf", "X-Q4_K_M.gguf", "X-Q4_K_S.gguf",
               "X-Q8_0.gguf", "x-q5_k_m.gguf"]
 
@@ -77,6 +81,7 @@ def online(monkeypatch, tmp_path):
     from huggingface_hub import HfApi, constants
 
     calls: list[dict] = []
+    fetched: list[str] = []
     listing: dict[str, list[str] | Exception] = {}
 
     def list_repo_files(self, repo, *, revision=None, **kw):
@@ -89,17 +94,25 @@ def online(monkeypatch, tmp_path):
         calls.append({"repo": repo, **kw})
         return str(tmp_path / "snapshot")
 
+    def hf_hub_download(repo, filename, **kw):
+        fetched.append(filename)
+        (tmp_path / filename).write_text(json.dumps(INDEX))
+        return str(tmp_path / filename)
+
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(HfApi, "list_repo_files", list_repo_files)
     monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
-    return types.SimpleNamespace(calls=calls, listing=listing, folder=tmp_path / "snapshot")
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", hf_hub_download)
+    return types.SimpleNamespace(calls=calls, listing=listing, fetched=fetched,
+                                 folder=tmp_path / "snapshot")
 
 
 def test_only_the_needed_files_are_downloaded(online, tmp_path):
     online.listing["org/m"] = REPO_FILES
     assert hub.download("org/m", revision="v1", download_dir=tmp_path / "dl") == online.folder
     [call] = online.calls
-    assert call["allow_patterns"] == NEEDED
+    assert call["allow_patterns"] == NEEDED  # the index's shards: no consolidated copy, no .bin
+    assert online.fetched == ["model.safetensors.index.json"]
     assert call["revision"] == "v1" and pathlib.Path(call["cache_dir"]) == tmp_path / "dl"
     online.calls.clear()
     hub.download("org/m", config_only=True)  # shard-plan: the configuration alone
@@ -120,6 +133,16 @@ def test_a_gguf_repository_file_by_quant_or_name(online):
     with pytest.raises(hub.HubError, match=r"org/X-GGUF has no config.json; .*org/X-GGUF:QUANT"):
         hub.download("org/X-GGUF")
     assert len(online.calls) == 3  # nothing downloaded for the failures
+
+
+def test_unsharded_weights(online):
+    online.listing["org/one"] = ["config.json", "model.safetensors", "consolidated.safetensors"]
+    online.listing["org/two"] = ["config.json", "weights.safetensors", "tokenizer.json"]
+    hub.download("org/one")
+    hub.download("org/two")
+    assert [c["allow_patterns"] for c in online.calls] == [
+        ["config.json", "model.safetensors"], ["config.json", "tokenizer.json", "weights.safetensors"]]
+    assert online.fetched == []
 
 
 def test_a_repository_without_safetensors_is_named(online):
