@@ -141,7 +141,8 @@ def test_unsharded_weights(online):
     hub.download("org/one")
     hub.download("org/two")
     assert [c["allow_patterns"] for c in online.calls] == [
-        ["config.json", "model.safetensors"], ["config.json", "tokenizer.json", "weights.safetensors"]]
+        ["config.json", "model.safetensors"],
+        ["config.json", "tokenizer.json", "weights.safetensors"]]
     assert online.fetched == []
 
 
@@ -172,9 +173,9 @@ def test_an_unreachable_hub_falls_back_to_the_cache(online, tmp_path):
     hub.download("org/tiny", download_dir=home / "hub")
     cached = sorted(p.name for p in (home / "hub/models--org--tiny/snapshots" / MAIN).iterdir())
     assert sorted(online.calls[0]["allow_patterns"]) == cached  # the listing: the cache's
-    with pytest.raises(hub.HubError, match="org/absent: the Hugging Face Hub cannot be reached "
-                                           r"\(ConnectionError: no route to host\) and the model is "
-                                           "not in the cache"):
+    unreachable = (r"org/absent: the Hugging Face Hub cannot be reached \(ConnectionError: no "
+                   r"route to host\) and the model is not in the cache")
+    with pytest.raises(hub.HubError, match=unreachable):
         hub.download("org/absent", download_dir=home / "hub")
 
 
