@@ -6,7 +6,8 @@ the flags of `jaxserve serve`, `generate` and `shard-plan` from them (`EngineCon
 `EngineConfig.cli_options`). A flag is spelled as its field unless the field says otherwise
 (`option(flag=...)`: vLLM's names). "auto" values are resolved by the engine's backend
 (jaxserve/backends), once. The only environment read is the user cache directory
-(`$XDG_CACHE_HOME`, else `~/.cache`), as other tools locate it.
+(`$XDG_CACHE_HOME`, else `~/.cache`), as other tools locate it; huggingface_hub reads its own
+(HF_TOKEN, HF_HOME, HF_HUB_OFFLINE: jaxserve/models/hub.py).
 """
 
 from __future__ import annotations
@@ -117,7 +118,15 @@ class ModelConfig:
     """The model: its files, dtype, context, and the kernels that run it."""
 
     model: str | None = per_process(not_a_flag="the commands' MODEL argument (or serve's --model)")
-    """HF model directory or .gguf file. Default: the bundled model (its identity: config.json)."""
+    """HF model directory, .gguf file or Hugging Face Hub name (org/name; org/name:QUANT picks a
+    GGUF repository's file by its quant, e.g. Q4_K_M). Default: the bundled model (its identity:
+    config.json)."""
+    revision: str | None = None
+    """The Hub model's branch, tag or commit. Default: main."""
+    download_dir: str | None = per_process()
+    """Where Hub models are downloaded to. Default: the Hugging Face cache ($HF_HOME/hub)."""
+    gguf_file: str | None = None
+    """The .gguf file of a GGUF repository (or of a local directory) to load."""
     served_model_name: str | None = per_process(not_a_flag="from serve's --served-model-name")
     """The model's name in responses. Default: the model argument, or the bundled model's name."""
     dtype: DtypeOrAuto = option("auto", choice_aliases=DTYPE_ALIASES)

@@ -1,8 +1,8 @@
 """Finding and reading model checkpoints: HF safetensors directories and GGUF files.
 
-- `resolve_model(model)` turns what a user typed (nothing, a .gguf file, an HF directory) into an
-  HF-style directory. GGUF files are converted once into a cache (see `convert_gguf_cached`).
-  Nothing is ever downloaded.
+- `resolve_model(model)` turns what a user typed (nothing, a .gguf file, an HF directory, a
+  Hugging Face Hub name) into an HF-style directory. Hub models are downloaded by `hub.py` (the
+  needed files only); GGUF files are converted once into a cache (see `convert_gguf_cached`).
 - `load_checkpoint(path)` reads config.json and indexes the (possibly sharded) safetensors files;
   `LoadedCheckpoint.get_tensor` returns memory-mapped numpy views, one tensor at a time.
 - `put_sharded` (from `placement.py`, re-exported here) places one weight on a mesh with
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from jaxserve.models import checksum
+from jaxserve.models import checksum, hub
 from jaxserve.models.placement import convert_dtype, put_sharded, to_numpy_dtype
 from jaxserve.models.safetensors_io import TensorEntry, memmap, read_header, tensor_view
 
@@ -80,20 +80,51 @@ def is_gguf_file(path: pathlib.Path) -> bool:
         return False
 
 
+def locate_model(
+    model: str | os.PathLike[str], *, revision: str | None = None,
+    download_dir: str | os.PathLike[str] | None = None, gguf_file: str | None = None,
+    config_only: bool = False,
+) -> pathlib.Path:
+    """The local path of `model`: itself when it exists on this machine, else the download of
+    the Hugging Face Hub model it names (`org/name`, `org/name:QUANT`; see hub.download, which
+    `revision`, `download_dir`, `gguf_file` and `config_only` go to). `gguf_file` also picks a
+    file of a local directory."""
+    text = os.fspath(model)
+    if not text.strip():
+        raise ValueError("model is an empty string; pass a path, a Hugging Face Hub name, or "
+                         "nothing for the default model")
+    path = pathlib.Path(text).expanduser()
+    if path.exists():
+        if revision is not None:
+            raise ValueError(f"--revision {revision!r} applies to Hugging Face Hub names; "
+                             f"{text!r} is a local path")
+        return path / gguf_file if gguf_file is not None and path.is_dir() else path
+    if hub.is_repo_name(text):
+        return hub.download(text, revision=revision, download_dir=download_dir,
+                            gguf_file=gguf_file, config_only=config_only)
+    raise ValueError(
+        f"model {text!r} was not found on this machine, and it is not a Hugging Face Hub name "
+        "(org/name, org/name:QUANT): pass a Hugging Face model directory (config.json + "
+        "*.safetensors), a .gguf file, a Hub name, or nothing for the default model "
+        "(SmolLM2-135M-Instruct)."
+    )
+
+
 def resolve_model(
-    model: str | os.PathLike[str] | None, *, cache_dir: str | os.PathLike[str] | None = None
+    model: str | os.PathLike[str] | None, *, cache_dir: str | os.PathLike[str] | None = None,
+    revision: str | None = None, download_dir: str | os.PathLike[str] | None = None,
+    gguf_file: str | None = None,
 ) -> pathlib.Path:
     """An HF-style model directory for `model`.
 
     None → the default model (SmolLM2-135M-Instruct, converted from its GGUF once, then cached);
-    a .gguf file (or a directory holding exactly one and no config.json) → its cached conversion;
-    a directory with config.json → itself. Anything else raises ValueError: models must be local.
+    a Hub name → its download (see locate_model); a .gguf file (or a directory holding exactly
+    one and no config.json) → its cached conversion; a directory with config.json → itself.
+    Anything else raises ValueError (hub.HubError for a Hub model that cannot be had).
     """
     if model is None:
         return convert_gguf_cached(default_gguf_path(), cache_dir=cache_dir)
-    if not os.fspath(model).strip():
-        raise ValueError("model is an empty string; pass a path, or nothing for the default model")
-    path = pathlib.Path(model).expanduser()
+    path = locate_model(model, revision=revision, download_dir=download_dir, gguf_file=gguf_file)
     if path.is_dir():
         if (path / "config.json").is_file():
             return path.resolve()
@@ -112,11 +143,7 @@ def resolve_model(
             f"model file {str(path)!r} is not a GGUF file; pass a .gguf file or a Hugging Face "
             "model directory (config.json + *.safetensors)."
         )
-    raise ValueError(
-        f"model {str(model)!r} was not found on this machine. jaxserve loads models from local "
-        "files only (it never downloads): pass a Hugging Face model directory (config.json + "
-        "*.safetensors), a .gguf file, or nothing for the default model (SmolLM2-135M-Instruct)."
-    )
+    raise ValueError(f"model file {str(path)!r} was not found.")
 
 
 def gguf_cache_key(gguf_path: pathlib.Path) -> str:
@@ -348,6 +375,7 @@ __all__ = [
     "load_checkpoint",
     "load_tokenizer",
     "put_sharded",
+    "locate_model",
     "resolve_model",
     "to_numpy_dtype",
 ]

@@ -19,7 +19,8 @@ __all__ = ["TOOL_PARSER_NAMES", "build_parser", "engine_options", "main", "serve
            "uvicorn_options"]
 
 LOG_LEVELS = ["debug", "info", "warning", "error", "critical"]
-MODEL_HELP = "HF model directory or .gguf file (default: the bundled model)"
+MODEL_HELP = ("HF model directory, .gguf file or Hugging Face Hub name (org/name, org/name:QUANT; "
+              "default: the bundled model)")
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -195,7 +196,12 @@ def _generate(args: argparse.Namespace) -> int:
     opts.setdefault("show_progress", False)
     # One prompt needs one running sequence: a small request bucket keeps start-up short.
     opts.setdefault("max_num_seqs", 8)
-    llm = LLM(args.model, **opts)
+    try:
+        llm = LLM(args.model, **opts)
+    except ValueError as e:  # a model that cannot be had (a missing file, a Hub error)
+        logging.getLogger(__name__).debug("the engine could not be built", exc_info=True)
+        print(f"jaxserve generate: {e}", file=sys.stderr)
+        return 2
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             seed=args.seed)
     if args.chat:

@@ -94,7 +94,8 @@ def build_engine(config: EngineConfig, timer: StartupTimer | None = None, *,
     with timer.phase("distributed"):
         topo = multihost.initialize(config.parallel)  # first: before anything touches a JAX backend
     with timer.phase("model files"):
-        model_path = resolve_model(mc.model, cache_dir=mc.model_cache_dir)
+        model_path = resolve_model(mc.model, cache_dir=mc.model_cache_dir, revision=mc.revision,
+                                   download_dir=mc.download_dir, gguf_file=mc.gguf_file)
     if on_model_path is not None:
         on_model_path(model_path)
     # The tokenizer (transformers' import and its files: ~1 s) loads on a thread of its own while

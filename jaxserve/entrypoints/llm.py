@@ -24,8 +24,10 @@ def _is_token_ids(x: Any) -> bool:
 
 
 class LLM:
-    """An engine driven in a plain loop. `model=None` serves the bundled default model;
-    other keyword arguments are engine options (see jaxserve.config, e.g. max_num_seqs=8)."""
+    """An engine driven in a plain loop. `model`: an HF directory, a .gguf file or a Hugging
+    Face Hub name (`org/name`; `revision=`, `download_dir=`, `gguf_file=` as the CLI's flags);
+    None serves the bundled default model; other keyword arguments are engine options (see
+    jaxserve.config, e.g. max_num_seqs=8)."""
 
     def __init__(self, model: str | None = None, **engine_options: Any):
         """With several processes (coordinator_address=...), only process 0 returns: the other

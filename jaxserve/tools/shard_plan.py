@@ -5,7 +5,8 @@
         [--devices 8 | --topology v5e:2x4,h100:1x8 | --real] [--measure] \
         [--json plan.jsonl] [--markdown plan.md] [--plot plan.png]
 
-MODEL is an HF directory, a config.json, a GGUF file, a named architecture preset
+MODEL is an HF directory, a config.json, a GGUF file, a Hugging Face Hub name (its config.json
+alone is downloaded), a named architecture preset
 (`ARCH_PRESETS`: llama3-8b, llama3-70b, qwen3-32b, mixtral-8x7b, smollm2-135m) or nothing (the
 bundled model); only its configuration is read. For every (mesh, rules, bucket) the runner's
 step is compiled on abstract inputs (`plan_compile.py`) in one worker process per device set
@@ -60,7 +61,7 @@ def _names(text: str) -> list[str]:
 # The engine's options a plan takes, with the engine's flags (jaxserve/config.py), and the help
 # of those whose default differs here.
 ENGINE_FLAGS = ("max_model_len", "max_num_seqs", "kv_cache_memory_bytes", "page_size", "dtype", "kv_cache_dtype",
-                "attention_impl", "quantization")
+                "attention_impl", "quantization", "revision", "download_dir", "gguf_file")
 _PLAN_HELP = {
     "max_num_seqs": "Sequences the KV cache must hold at max-model-len when --kv-cache-memory is not given "
                     "(default: the largest request bucket).",
@@ -71,8 +72,9 @@ _PLAN_HELP = {
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None,
-                   help=f"HF directory, config.json, GGUF file or preset ({', '.join(ARCH_PRESETS)}); "
-                        "default: the bundled model. No weights are read.")
+                   help=f"HF directory, config.json, GGUF file, Hugging Face Hub name or preset "
+                        f"({', '.join(ARCH_PRESETS)}); default: the bundled model. No weights "
+                        "are read.")
     p.add_argument("--mesh", default="auto",
                    help="data x model mesh shapes, e.g. 1x8,2x4; 'auto': every factorization of the device count")
     p.add_argument("--rules", default="tp", type=_names,
@@ -103,20 +105,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     EngineConfig.add_cli_args(p, ENGINE_FLAGS, _PLAN_HELP)
 
 
-def model_config(model: str | None) -> tuple[str, dict]:
-    """(name, HF config dict) of MODEL without reading weights."""
+def model_config(model: str | None, *, revision: str | None = None,
+                 download_dir: str | None = None, gguf_file: str | None = None) -> tuple[str, dict]:
+    """(name, HF config dict) of MODEL without reading weights (a Hub model: its config.json
+    alone is downloaded, or its GGUF file)."""
     from jaxserve.models import gguf_loader
-    from jaxserve.models.loader import default_gguf_path, is_gguf_file
+    from jaxserve.models.loader import default_gguf_path, is_gguf_file, locate_model
 
     if model is None:
         path = default_gguf_path()
         return "SmolLM2-135M-Instruct", gguf_loader.config_from_gguf(gguf_loader.open_gguf(path))
     if model in ARCH_PRESETS:
         return model, json.loads((PRESET_DIR / f"{model}.json").read_text())
-    path = pathlib.Path(model).expanduser()
+    try:
+        path = locate_model(model, revision=revision, download_dir=download_dir,
+                            gguf_file=gguf_file, config_only=True)
+    except ValueError as e:
+        raise ValueError(f"{e} (nor is it a preset: {', '.join(ARCH_PRESETS)})") from e
     if path.is_dir():
         if (path / "config.json").is_file():
-            return path.name, json.loads((path / "config.json").read_text())
+            name = model if path.name != pathlib.Path(model).name else path.name  # a Hub name
+            return name, json.loads((path / "config.json").read_text())
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:
             path = ggufs[0]
@@ -235,7 +244,8 @@ def run(args: argparse.Namespace) -> int:
 
         for r in args.rules:
             load_rules(r)
-        name, arch = model_config(args.model)
+        name, arch = model_config(args.model, revision=args.revision,
+                                  download_dir=args.download_dir, gguf_file=args.gguf_file)
         jobs = build_jobs(args, arch)
     except (ValueError, argparse.ArgumentTypeError) as e:
         print(f"jaxserve shard-plan: {e}", file=sys.stderr)

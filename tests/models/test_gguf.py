@@ -326,7 +326,7 @@ def test_byte_level_fallback_matches_transformers(tiny_gguf):
 def test_missing_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.gguf"):
         gguf_loader.open_gguf(tmp_path / "nope.gguf")
-    with pytest.raises(ValueError, match="local files only"):
+    with pytest.raises(ValueError, match="not found on this machine"):
         loader.resolve_model(tmp_path / "nope.gguf")
 
 

@@ -206,10 +206,9 @@ def test_resolve_directory_without_config(tmp_path):
         loader.resolve_model(tmp_path)
 
 
-@pytest.mark.parametrize("name", ["HuggingFaceTB/SmolLM2-135M-Instruct", "/no/such/dir"])
-def test_resolve_rejects_non_local(name):
-    with pytest.raises(ValueError, match="local files only"):
-        loader.resolve_model(name)
+def test_resolve_rejects_a_missing_path():
+    with pytest.raises(ValueError, match="not found on this machine, and it is not a Hugging Face"):
+        loader.resolve_model("/no/such/dir")
 
 
 def test_resolve_rejects_empty_name():
