@@ -48,8 +48,8 @@ import ml_dtypes
 import numpy as np
 
 from jaxserve.models.layers.linear import dense
-from jaxserve.pallas_kernels import cpu
-from jaxserve.pallas_kernels.cpu.matmul import (
+from jaxserve.backends.cpu import kernels as cpu
+from jaxserve.backends.cpu.kernels.matmul import (
     amx_available,
     pack_weight,
     packed_matmul,

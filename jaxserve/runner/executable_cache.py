@@ -107,7 +107,7 @@ def _version(module: str) -> str:
 
 def _kernels() -> str:
     """The native CPU kernels the step would call: build target and library, or none."""
-    from jaxserve.pallas_kernels import cpu
+    from jaxserve.backends.cpu import kernels as cpu
 
     target = cpu.selected_target()
     if jax.default_backend() != "cpu" or not cpu.available(target):
@@ -117,7 +117,7 @@ def _kernels() -> str:
 
 def environment_fingerprint(devices: Iterable[jax.Device]) -> dict[str, str]:
     """What besides the program decides the executable: versions, devices, CPU, flags."""
-    from jaxserve.pallas_kernels import cpu
+    from jaxserve.backends.cpu import kernels as cpu
 
     devices = list(devices)
     client = devices[0].client

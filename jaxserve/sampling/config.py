@@ -25,7 +25,7 @@ class SamplerConfig:
     slot_write_batch (A): rows per call of `write_slot_rows` (admissions with a bias row or bad
         words are written A at a time; padding rows are dropped).
     native: run steps 5-7 (temperature, min_p, top_k, top_p, the draw) and the raw logprobs
-        in the CPU kernels (pallas_kernels/cpu/sample.py) instead of JAX ops. The engine sets it
+        in the CPU kernels (backends/cpu/kernels/sample.py) instead of JAX ops. The engine sets it
         on the CPU backend with a one-device mesh when the kernels load.
     """
 

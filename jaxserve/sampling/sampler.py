@@ -19,7 +19,7 @@ Order of transforms (vLLM v1's):
   7. sample by inverse CDF with the row's uniform, a host-side hash of (request seed, output
      position) (metadata.row_uniforms): the token depends only on the row's logits,
      parameters, seed and position, never on the batch composition or the row index.
-     (With SamplerConfig.native, steps 5-7 run in the CPU kernel pallas_kernels/cpu/sample.py.)
+     (With SamplerConfig.native, steps 5-7 run in the CPU kernel backends/cpu/kernels/sample.py.)
 
 Logprobs, ranks and top logprobs are vLLM's "raw" ones (its default logprobs_mode): log_softmax
 of the logits the sampler receives, so after step 0 (as in vLLM, where the bitmask is applied
@@ -39,7 +39,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxserve.pallas_kernels.cpu import sample as cpu_sample
+from jaxserve.backends.cpu.kernels import sample as cpu_sample
 from jaxserve.sampling import ops
 from jaxserve.sampling.config import SamplerConfig
 from jaxserve.sampling.metadata import SamplingMetadata

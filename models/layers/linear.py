@@ -5,8 +5,8 @@ float32 (with >= 8 rows), while a bfloat16 output is much slower; on TPU/GPU thi
 standard mixed-precision pattern. Activations are cast to the weight dtype at the product.
 
 On the CPU, weights can instead be packed once at load time (`pack_linear_weights`) into the
-layout of the native product kernel (`pallas_kernels/cpu/matmul.py`: bfloat16 on AMX, float32
-or bfloat16 with AVX-512 or AVX2 FMAs); `dense` then calls that kernel. A packed weight lives in a `PackedParam` (an
+layout of the native product kernel (`jaxserve/backends/cpu/kernels/matmul.py`: bfloat16 on
+AMX, float32 or bfloat16 with AVX-512 or AVX2 FMAs); `dense` then calls that kernel. A packed weight lives in a `PackedParam` (an
 `nnx.Param` whose value is the packed array, with the logical output shape as metadata), and
 the model reads it through `weight_value`, which hands `dense` a `PackedWeight`.
 
@@ -233,7 +233,7 @@ def _dense_int8(spec: str, x: jax.Array, w: QuantizedWeight) -> jax.Array:
 
 def dense_group(spec: str, x: jax.Array, w: PackedWeight) -> list[jax.Array]:
     """`dense(spec, x, w_i)` for each weight w_i packed together in `w`, in one product."""
-    from jaxserve.pallas_kernels.cpu.matmul import packed_matmul
+    from jaxserve.backends.cpu.kernels.matmul import packed_matmul
 
     nc = len(_parse(spec)[3])
     lead = x.shape[: x.ndim - nc]
@@ -246,7 +246,7 @@ def dense_group(spec: str, x: jax.Array, w: PackedWeight) -> list[jax.Array]:
 def _pack_geometry(spec: str, shape: tuple[int, ...]):
     """(permutation to [contracted..., output...], K, N, output dims) of a weight of `shape` used
     as `dense(spec, x, w)`, or None when the product does not fit the kernel."""
-    from jaxserve.pallas_kernels.cpu.matmul import packable
+    from jaxserve.backends.cpu.kernels.matmul import packable
 
     xs, ws, out, contract = _parse(spec)
     w_out = "".join(c for c in out if c in ws)
@@ -264,7 +264,7 @@ def pack_for_spec(spec: str, w: np.ndarray, tiles: bool) -> tuple[np.ndarray, tu
     """The product kernel's layout of weight `w` as used by `dense(spec, x, w)` (AMX `tiles` or
     strips, see `pack_weight`), and its output dims; None when the product does not fit the
     kernel (K or N not a multiple of 32, or the contracted dims not trailing in x)."""
-    from jaxserve.pallas_kernels.cpu.matmul import pack_weight
+    from jaxserve.backends.cpu.kernels.matmul import pack_weight
 
     geometry = _pack_geometry(spec, w.shape)
     if geometry is None:
@@ -276,7 +276,7 @@ def pack_for_spec(spec: str, w: np.ndarray, tiles: bool) -> tuple[np.ndarray, tu
 def packed_layout_for_spec(spec: str, w: jax.ShapeDtypeStruct, tiles: bool) -> tuple[jax.ShapeDtypeStruct, tuple[int, ...]] | None:
     """`pack_for_spec` on shapes only: the packed weight as a ShapeDtypeStruct (with `w`'s
     sharding), and its output dims."""
-    from jaxserve.pallas_kernels.cpu.matmul import packed_weight_shape
+    from jaxserve.backends.cpu.kernels.matmul import packed_weight_shape
 
     geometry = _pack_geometry(spec, w.shape)
     if geometry is None:

@@ -23,7 +23,7 @@ from jaxserve.models.layers.linear import (
 from jaxserve.models.sharding import single_device_mesh
 from jaxserve.models.weights import create_model
 
-from jaxserve.backends import cpu_layer
+from jaxserve.backends.cpu import layer as cpu_layer
 from jaxserve.backends.base import DevicePlan
 from jaxserve.backends.cpu import CpuBackend
 from jaxserve.parallel.mesh import make_mesh

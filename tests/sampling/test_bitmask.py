@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxserve.pallas_kernels import cpu as cpu_kernels
+from jaxserve.backends.cpu import kernels as cpu_kernels
 from jaxserve.sampling import SamplerConfig, sampler
 from jaxserve.sampling_params import SamplingParams
 from tests.sampling.harness import Req, build, jitted

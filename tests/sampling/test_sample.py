@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxserve.pallas_kernels import cpu as cpu_kernels
+from jaxserve.backends.cpu import kernels as cpu_kernels
 from jaxserve.sampling import SamplerConfig, prompt_logprobs
 from jaxserve.sampling_params import SamplingParams
 from tests.sampling import reference as ref

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from jaxserve.pallas_kernels import cpu as cpu_kernels
+from jaxserve.backends.cpu import kernels as cpu_kernels
 from jaxserve.sampling import SamplerConfig, SamplingMetadata, row_uniforms, sampler
 from tests.sampling import reference as ref
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxserve.pallas_kernels import cpu
+from jaxserve.backends.cpu import kernels as cpu
 
 TARGET = "jaxserve_sample_rows"
 

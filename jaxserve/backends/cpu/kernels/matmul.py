@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from jaxserve.pallas_kernels import cpu
+from jaxserve.backends.cpu import kernels as cpu
 
 TARGET = "jaxserve_packed_matmul"
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from jaxserve.models.layers.linear import PackedWeight, dense, dense_group, pack_for_spec, pack_linear_weights
-from jaxserve.pallas_kernels.cpu.matmul import (
+from jaxserve.backends.cpu.kernels.matmul import (
     amx_available,
     avx2_available,
     avx512_available,
@@ -149,7 +149,7 @@ def test_fused_layer_matches_the_composed_packed_layer(dtype):
     """With every product packed, the CPU backend runs a layer as five kernel calls
     (`cpu_layer.fused_layer`: norms, residuals, GLU, rotary and casts inside the kernels); it
     gives the logits of the model's own layer on the same packed weights."""
-    from jaxserve.backends import cpu_layer
+    from jaxserve.backends.cpu import layer as cpu_layer
     from jaxserve.backends.base import DevicePlan
     from jaxserve.backends.cpu import CpuBackend
     from jaxserve.models.arch_config import ArchConfig

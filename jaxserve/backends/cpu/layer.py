@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from jaxserve.models import interface as features
 from jaxserve.models.layers.linear import PackedWeight
-from jaxserve.pallas_kernels.cpu.matmul import packed_matmul
+from jaxserve.backends.cpu.kernels.matmul import packed_matmul
 from jaxserve.pallas_kernels.ragged_paged_attention.metadata import AttentionMetadata
 from jaxserve.pallas_kernels.ragged_paged_attention.ops import fused_rope_kernel, write_kv_and_attend
 from jaxserve.models.layers.rotary import apply_rotary

@@ -1,4 +1,4 @@
-"""The CPU backend: native kernels (pallas_kernels/cpu/) where the host can build them.
+"""The CPU backend: native kernels (`kernels/`) where the host can build them.
 
 What differs from the accelerators (see docs/DESIGN.md §9 for the measurements):
 - dtype "auto": whichever of bfloat16 and float32 runs the products faster here (measured);
@@ -8,7 +8,7 @@ What differs from the accelerators (see docs/DESIGN.md §9 for the measurements)
 - the token budget per step: 512 unless given (larger steps delay first tokens here);
 - products on weights packed once at load time (AMX bfloat16, AVX-512 or AVX2 float32), one
   device, on the kernel build `ModelConfig.cpu_kernel_target` selects;
-- a fused decoder layer (`cpu_layer.py`) when the model's layer features are all covered;
+- a fused decoder layer (`layer.py`) when the model's layer features are all covered;
 - weights in a huge-page arena and the KV cache advised onto huge pages;
 - the sampler's random draws and logprobs in a native kernel (one device).
 Without a C++ compiler every native path is off and the engine runs XLA's ops (same results).
@@ -24,12 +24,16 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxserve.backends import cpu_dtype, cpu_layer
 from jaxserve.backends.base import Backend, DevicePlan, LayerImpl, layer_features_covered
+from jaxserve.backends.cpu import dtype as cpu_dtype
+from jaxserve.backends.cpu import kernels
+from jaxserve.backends.cpu import layer as cpu_layer
+from jaxserve.backends.cpu.kernels import attention  # noqa: F401  (registers attention's "cpu")
+from jaxserve.backends.cpu.kernels.matmul import (
+    amx_available, avx2_available, avx512_available, strips_kernel,
+)
 from jaxserve.config import CacheConfig, ModelConfig
 from jaxserve.models.layers.linear import PackedParam, pack_linear_weights
-from jaxserve.pallas_kernels import cpu as kernels
-from jaxserve.pallas_kernels.cpu.matmul import amx_available, avx2_available, avx512_available, strips_kernel
 from jaxserve.runner import huge_pages
 
 logger = logging.getLogger(__name__)
@@ -54,7 +58,7 @@ class CpuBackend(Backend):
 
     def resolve_dtype(self, requested: str, mesh: Mesh | None = None) -> str:
         """The faster of bfloat16 and float32 on this CPU for "auto", measured on the products
-        a decode step is made of, through the path each would take (`cpu_dtype.py`: once per
+        a decode step is made of, through the path each would take (`dtype.py`: once per
         CPU, cached). Set "float32" to match float32 references to the last digits."""
         if requested != "auto":
             return requested
