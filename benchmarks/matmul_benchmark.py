@@ -55,7 +55,7 @@ from jaxserve.backends.cpu.kernels.matmul import (
     packed_matmul,
     strips_kernel,
 )
-from jaxserve.runner.huge_pages import place_on_huge_pages, thp_enabled
+from jaxserve.backends.cpu.huge_pages import place_on_huge_pages, thp_enabled
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results", "matmul.jsonl")
 # SmolLM2-135M: hidden 576, 9 + 2 x 3 heads of 64, MLP 1536 (gate and up fused), vocabulary

@@ -157,8 +157,8 @@ class ModelRunner:
         zeros = self._scope.get("kv-zeros", (), zeros_compiler(one))
         self.kv = allocate_kv_cache(self.cfg, self.num_pages, self.page_size, self.kv_dtype, self.mesh, self.rules,
                                     zeros=zeros)
-        # The thread advising huge pages under the host buffers (CPU), if any.
-        self.huge_pages = self.backend.place_kv_cache([*self.params, *self.kv.k, *self.kv.v])
+        # The backend's thread placing the host buffers (the CPU's huge pages), if any.
+        self.host_placement = self.backend.place_kv_cache([*self.params, *self.kv.k, *self.kv.v])
         init = self._scope.get("sampling-state", (), lambda: jax.jit(
             functools.partial(init_sampling_state, self.sampler_config), out_shardings=self.state_sharding
         ).lower().compile())

@@ -26,6 +26,7 @@ from jax.sharding import Mesh
 
 from jaxserve.backends.base import Backend, DevicePlan, LayerImpl, layer_features_covered
 from jaxserve.backends.cpu import dtype as cpu_dtype
+from jaxserve.backends.cpu import huge_pages
 from jaxserve.backends.cpu import kernels
 from jaxserve.backends.cpu import layer as cpu_layer
 from jaxserve.backends.cpu.kernels import attention  # noqa: F401  (registers attention's "cpu")
@@ -34,7 +35,6 @@ from jaxserve.backends.cpu.kernels.matmul import (
 )
 from jaxserve.config import CacheConfig, ModelConfig
 from jaxserve.models.layers.linear import PackedParam, pack_linear_weights
-from jaxserve.runner import huge_pages
 
 logger = logging.getLogger(__name__)
 
@@ -142,7 +142,7 @@ class CpuBackend(Backend):
         return cpu_layer.fused_layer
 
     def place_weights(self, model, params: list[jax.Array], treedef) -> None:
-        """Copy the weights into one huge-page arena (see runner/huge_pages.py), in place in
+        """Copy the weights into one huge-page arena (see huge_pages.py), in place in
         `params`, and point `model`'s variables at them, so that XLA's copies are freed; the
         freed memory goes back to the system."""
         moved_params, moved = huge_pages.place_on_huge_pages(params)
