@@ -2,7 +2,7 @@
 
 The engine asks its backend (chosen once, from JAX's platform) for the dtype and KV dtype an
 "auto" setting means, the KV cache budget per device, the product kernel and how the weights are
-laid out for it, where host buffers live, whether the sampler's draws run in a native kernel,
+laid out for it, the MoE layers' grouped products, where host buffers live, whether the sampler's draws run in a native kernel,
 and whether a decoder layer may be replaced by a fused implementation. The accelerators (TPU,
 GPU) share this base; the CPU backend (`cpu.py`) adds its native kernels.
 
@@ -42,6 +42,7 @@ class DevicePlan:
     attention_impl: str  # the attention implementation "auto" dispatches to
     matmul_impl: str  # "xla", or a native CPU product kernel ("amx", "avx512")
     native_sampling: bool  # the sampler's random draws and logprobs in the CPU kernel
+    moe_impl: str  # MoE layers' grouped products (models/layers/moe.py's MOE_IMPLS)
 
 
 class Backend:
@@ -50,6 +51,8 @@ class Backend:
     name = "accelerator"
     # Layer features a fused decoder layer of this backend implements (none here).
     fused_layer_features: frozenset[str] = frozenset()
+    # MoE layers' grouped products: jax.lax.ragged_dot, a native grouped matmul here.
+    moe_impl = "ragged"
 
     def __init__(self, platform: str):
         self.platform = platform
@@ -80,6 +83,7 @@ class Backend:
             attention_impl=attention,
             matmul_impl=self.resolve_matmul_impl(mc.matmul_impl, dtype, mesh),
             native_sampling=self.native_sampling(mesh),
+            moe_impl=self.moe_impl,
         )
 
     # ------------------------------------------------------------------ step sizes

@@ -9,6 +9,7 @@ What differs from the accelerators (see docs/DESIGN.md §9 for the measurements)
 - products on weights packed once at load time (AMX bfloat16, AVX-512 or AVX2 float32), one
   device, on the kernel build `ModelConfig.cpu_kernel_target` selects;
 - a fused decoder layer (`layer.py`) when the model's layer features are all covered;
+- MoE layers' grouped products as tiles, or dense for small steps ("tiled-or-dense");
 - weights in a huge-page arena and the KV cache advised onto huge pages;
 - the sampler's random draws and logprobs in a native kernel (one device).
 Without a C++ compiler every native path is off and the engine runs XLA's ops (same results).
@@ -46,6 +47,9 @@ MATMUL_IMPLS = ("auto", "xla", "amx", "avx512", "avx2")
 class CpuBackend(Backend):
     name = "cpu"
     fused_layer_features = cpu_layer.FEATURES
+    # XLA:CPU lowers ragged_dot to every expert on every row: tiles of the sorted rows instead,
+    # and every expert on every token for small steps (models/layers/moe.py).
+    moe_impl = "tiled-or-dense"
     # Tokens per step by default. A CPU step's time grows with its tokens (a few hundred already
     # keep the cores busy), so a larger step only makes a burst of requests wait for all of it
     # before any first token: at 32 streams on 2 cores, TTFT p50 was 1.4-3.1x that of 512 with
