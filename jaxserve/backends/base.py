@@ -2,9 +2,10 @@
 
 The engine asks its backend (chosen once, from JAX's platform) for the dtype and KV dtype an
 "auto" setting means, the KV cache budget per device, the product kernel and how the weights are
-laid out for it, the MoE layers' grouped products, where host buffers live, whether the sampler's draws run in a native kernel,
-and whether a decoder layer may be replaced by a fused implementation. The accelerators (TPU,
-GPU) share this base; the CPU backend (`cpu.py`) adds its native kernels.
+laid out for it, the MoE layers' grouped products, where host buffers live, whether the
+sampler's draws run in a native kernel, and whether a decoder layer may be replaced by a fused
+implementation. The accelerators (TPU, GPU) share this base; the CPU backend (`cpu/`) adds its
+native kernels.
 
 A fused decoder layer replaces a model's pure-JAX layer only after a positive capability check:
 the backend lists the layer features its implementation covers, the model declares the ones

@@ -148,4 +148,5 @@ def test_the_backend_plans_the_moe_implementation():
     assert CpuBackend().plan(mc, cc, one).moe_impl == "tiled-or-dense"
     assert Backend("tpu").plan(mc, cc, one).moe_impl == "ragged"
     cfg = ArchConfig.from_hf(TINY_MOE)
-    assert create_model(cfg, dtype=jnp.float32, moe_impl="tiled-or-dense").moe_impl == "tiled-or-dense"
+    model = create_model(cfg, dtype=jnp.float32, moe_impl="tiled-or-dense")
+    assert model.moe_impl == "tiled-or-dense"
