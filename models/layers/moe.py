@@ -61,10 +61,11 @@ def route(logits: jax.Array, top_k: int, normalize: bool) -> tuple[jax.Array, ja
 # Where the dense form stops beating the tiles ("tiled-or-dense"), as tokens x (experts -
 # top_k): the expert-rows it computes beyond the grouped form. Measured with
 # benchmarks/moe_benchmark.py on a 2-core AVX-512 CPU (4 layers, hidden 1024, bfloat16,
-# tiled / dense median step times): 8 experts top-2 (intermediate 1024): 0.5-0.6x at 32-128 tokens, 0.74-0.99x at 256, 0.77-1.14x
-# at 512, 1.02x at 1024, 2.24x at 2048 (crossover ~1024 tokens: 6144 extra rows); 32 experts
-# top-2 (intermediate 256): 0.78x at 32, 0.74x at 64, 0.99x at 128 (~3840). float32 experts
-# (nothing converted): the tiles win from 32 tokens on (2.15x dense there, 1.62x at 128).
+# tiled / dense median step times): 8 experts top-2 (intermediate 1024): 0.5-0.6x at 32-128
+# tokens, 0.74-0.99x at 256, 0.77-1.14x at 512, 1.02x at 1024, 2.24x at 2048 (crossover ~1024
+# tokens: 6144 extra rows); 32 experts top-2 (intermediate 256): 0.78x at 32, 0.74x at 64,
+# 0.99x at 128 (~3840). float32 experts (nothing converted): the tiles win from 32 tokens on
+# (2.15x dense there, 1.62x at 128).
 DENSE_MAX_EXTRA_ROWS = 4096
 
 
