@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import platform
 from collections.abc import Callable
 
 import jax
@@ -149,6 +150,12 @@ class Backend:
     def place_weights(self, model, params: list[jax.Array], treedef) -> None:
         """Move the weights (`model`'s flattened state, in place in `params`) to where steps read
         them best; nothing to do on accelerators."""
+
+    def fingerprint(self) -> dict[str, str]:
+        """What the engine's compiled steps and laid-out weights depend on through this backend,
+        besides the program, the devices and the libraries: parts of the executable and weight
+        caches' keys (runner/executable_cache.py). Here the host's architecture."""
+        return {"cpu": platform.machine()}
 
     def place_kv_cache(self, arrays: list[jax.Array]):
         """Advise the memory under the KV cache and the weights; returns the thread doing it,

@@ -198,7 +198,8 @@ def _prepared_model(config: EngineConfig, ckpt, arch: ArchConfig, backend: Backe
     cache = weight_cache(config.compile) if backend.lays_out_weights(plan) and mc.quantization is None else None
     if cache is not None:
         with timer.phase("weights"):
-            key = cache.key(ckpt.path, ckpt.config, mesh.devices.flat, dtype=plan.dtype, plan=canonical(plan),
+            key = cache.key(ckpt.path, ckpt.config, mesh.devices.flat, **backend.fingerprint(),
+                            dtype=plan.dtype, plan=canonical(plan),
                             rules=canonical(rules), arch=canonical(arch))
             abstract = sharded_abstract_model(arch, dtype=dtype, mesh=mesh, attention_impl=mc.attention_impl,
                                               rules=rules, moe_impl=plan.moe_impl)

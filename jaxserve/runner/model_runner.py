@@ -221,7 +221,8 @@ class ModelRunner:
         kv, sstate = self._abstract_kv(), abstract_sampling_state(self.sampler_config, self.state_sharding)
         layer = self.layer_impl and f"{self.layer_impl.__module__}.{self.layer_impl.__qualname__}"
         return executable_scope(
-            self.executable_cache, self.mesh.devices.flat, graphdef=canonical(self.graphdef),
+            self.executable_cache, self.mesh.devices.flat, **self.backend.fingerprint(),
+            graphdef=canonical(self.graphdef),
             params=signature(params), params_treedef=str(self._params_treedef), kv=signature(kv),
             sstate=signature(sstate), layer_impl=str(layer), sampler=canonical(self.sampler_config),
             mesh=repr(self.mesh), pages=f"{self.page_size} {self.pages_per_req} {self.num_pages} {self.dp}",

@@ -18,6 +18,7 @@ Without a C++ compiler every native path is off and the engine runs XLA's ops (s
 from __future__ import annotations
 
 import logging
+import platform
 import types
 
 import jax
@@ -156,6 +157,15 @@ class CpuBackend(Backend):
             del moved_params
             nnx.update(model, jax.tree.unflatten(treedef, params))
             huge_pages.release_freed_host_memory()
+
+    def fingerprint(self) -> dict[str, str]:
+        """The host's instruction sets, and the native kernels the steps call: the build target
+        and its library (named by the hash of its sources, flags, compiler, jaxlib and CPU), or
+        their absence."""
+        target = kernels.selected_target()
+        library = kernels.library_path(target).name if kernels.available(target) else "unavailable"
+        return {"cpu": f"{platform.machine()} {kernels.cpu_flags().strip()}",
+                "kernels": f"{target}:{library}"}
 
     def place_kv_cache(self, arrays: list[jax.Array]):
         return huge_pages.advise_in_background(arrays)
