@@ -43,7 +43,9 @@ class DevicePlan:
     kv_dtype: str
     attention_impl: str  # the attention implementation "auto" dispatches to
     matmul_impl: str  # "xla", or a native CPU product kernel ("amx", "avx512")
-    native_sampling: bool  # the sampler's random draws and logprobs in the CPU kernel
+    # The sampler's draws and logprobs in a backend's native kernel (its name in
+    # sampling/native.py: "cpu"), or None for JAX's ops.
+    native_sampling: str | None
     moe_impl: str  # MoE layers' grouped products (models/layers/moe.py's MOE_IMPLS)
 
 
@@ -73,8 +75,8 @@ class Backend:
                              f"{self.platform}, not cpu")
         return "xla"
 
-    def native_sampling(self, mesh: Mesh) -> bool:
-        return False
+    def native_sampling(self, mesh: Mesh) -> str | None:
+        return None
 
     def plan(self, mc: ModelConfig, cc: CacheConfig, mesh: Mesh) -> DevicePlan:
         dtype = self.resolve_dtype(mc.dtype, mesh)

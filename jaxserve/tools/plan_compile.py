@@ -131,7 +131,8 @@ def resolve_plan(settings: PlanSettings, cfg: ArchConfig, mesh: Mesh, rules) -> 
         except ValueError as e:
             impl, note = "reference", f"{plan.attention_impl} kernel unsupported: {e}"
     return {"dtype": plan.dtype, "kv_dtype": plan.kv_dtype, "attention_impl": impl, "attention_note": note,
-            "native_sampling": plan.native_sampling and mesh.size == 1, "moe_impl": plan.moe_impl}
+            "native_sampling": plan.native_sampling if mesh.size == 1 else None,
+            "moe_impl": plan.moe_impl}
 
 
 def plan_one(settings: PlanSettings, mesh: Mesh, rules_spec: str, bucket: tuple[int, int],

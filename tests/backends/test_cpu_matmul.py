@@ -163,7 +163,7 @@ def test_fused_layer_matches_the_composed_packed_layer(dtype):
     backend = CpuBackend()
     assert backend.layer_impl(model) is None  # nothing packed yet: the model's own layer
     name = jnp.dtype(dtype).name
-    backend.prepare_model(model, DevicePlan(name, name, "cpu", impl, True))
+    backend.prepare_model(model, DevicePlan(name, name, "cpu", impl, "cpu", "ragged"))
     assert backend.layer_impl(model) is cpu_layer.fused_layer
     fused = _tiny_llama_logits(model, cpu_layer.fused_layer)
     composed = _tiny_llama_logits(model)

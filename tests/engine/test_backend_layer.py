@@ -20,7 +20,7 @@ from jaxserve.backends.cpu.kernels.matmul import avx512_available
 from tests.models.model_utils import PagedRunner
 from tests.models.test_arch_parity import CASES, load_fixture
 
-PACK = DevicePlan("float32", "float32", "cpu", "avx512", True)
+PACK = DevicePlan("float32", "float32", "cpu", "avx512", "cpu", "ragged")
 
 
 def test_the_check_is_positive():

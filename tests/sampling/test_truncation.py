@@ -57,7 +57,7 @@ _IMPL = "jax"
 
 
 def _random_fn(V):
-    return _random_fn_for(V, _IMPL == "native")
+    return _random_fn_for(V, "cpu" if _IMPL == "native" else None)
 
 
 @functools.cache

@@ -31,7 +31,8 @@ from jaxserve.backends.cpu import dtype as cpu_dtype
 from jaxserve.backends.cpu import huge_pages
 from jaxserve.backends.cpu import kernels
 from jaxserve.backends.cpu import layer as cpu_layer
-from jaxserve.backends.cpu.kernels import attention  # noqa: F401  (registers attention's "cpu")
+# (registering attention's "cpu" and the sampler's native "cpu")
+from jaxserve.backends.cpu.kernels import attention, sample  # noqa: F401
 from jaxserve.backends.cpu.kernels.matmul import (
     amx_available, avx2_available, avx512_available, strips_kernel,
 )
@@ -115,8 +116,8 @@ class CpuBackend(Backend):
             raise ValueError(f"matmul_impl={requested!r} cannot run here: " + "; ".join(reasons))
         return "xla"
 
-    def native_sampling(self, mesh: Mesh) -> bool:
-        return mesh.size == 1 and kernels.available()
+    def native_sampling(self, mesh: Mesh) -> str | None:
+        return "cpu" if mesh.size == 1 and kernels.available() else None
 
     def plan(self, mc: ModelConfig, cc: CacheConfig, mesh: Mesh) -> DevicePlan:
         kernels.select_target(mc.cpu_kernel_target)  # before anything loads the kernels
