@@ -37,7 +37,8 @@ from jaxserve.backends.cpu.kernels.matmul import (
     amx_available, avx2_available, avx512_available, strips_kernel,
 )
 from jaxserve.config import CacheConfig, ModelConfig
-from jaxserve.models.layers.linear import PackedParam, pack_linear_weights
+from jaxserve.backends.cpu.packing import pack_linear_weights
+from jaxserve.models.layers.linear import PackedParam
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +131,8 @@ class CpuBackend(Backend):
     def prepare_model(self, model, plan: DevicePlan, abstract: bool = False) -> None:
         if plan.matmul_impl == "xla":
             return
-        n = pack_linear_weights(model, *model.product_specs, tiles=plan.matmul_impl == "amx", abstract=abstract)
+        n = pack_linear_weights(model, *model.product_specs, tiles=plan.matmul_impl == "amx",
+                                abstract=abstract)
         if not abstract:
             logger.info("packed %d weights for the %s matmul kernel", n, plan.matmul_impl)
 
