@@ -214,7 +214,8 @@ def _sample_random(
     kept set in id order)."""
     if config.native is not None:
         tok, mask = native_impls.get(config.native).sample_rows(
-            x, meta.temperature, meta.top_k, meta.top_p, meta.min_p, meta.uniform, ~greedy, with_mask)
+            x, meta.temperature, meta.top_k, meta.top_p, meta.min_p, meta.uniform, ~greedy,
+            with_mask)
         return (tok, mask) if with_mask else tok
     R, V = x.shape
     K = min(config.topk_candidates, V)  # top_k <= K runs on the candidates

@@ -79,7 +79,8 @@ def test_dense_with_packed_weights_matches_einsum(spec, x_shape, w_shape):
     x = jnp.asarray(rng.standard_normal(x_shape), jnp.float32)
     w = _bf16(rng, *w_shape, scale=0.1)
     blocks, out_shape = pack_for_spec(spec, w, tiles=True)
-    got = jax.jit(lambda x, b: dense(spec, x, PackedWeight(b, (out_shape,), KERNEL)))(x, jnp.asarray(blocks))
+    got = jax.jit(lambda x, b: dense(spec, x, PackedWeight(b, (out_shape,), KERNEL)))(
+        x, jnp.asarray(blocks))
     want = dense(spec, x, jnp.asarray(w))
     assert got.shape == want.shape and got.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)

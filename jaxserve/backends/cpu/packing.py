@@ -36,7 +36,8 @@ def _pack_geometry(spec: str, shape: tuple[int, ...]):
     return perm, k, n, out_shape
 
 
-def pack_for_spec(spec: str, w: np.ndarray, tiles: bool) -> tuple[np.ndarray, tuple[int, ...]] | None:
+def pack_for_spec(spec: str, w: np.ndarray, tiles: bool
+                  ) -> tuple[np.ndarray, tuple[int, ...]] | None:
     """The product kernel's layout of weight `w` as used by `dense(spec, x, w)` (AMX `tiles` or
     strips, see `pack_weight`), and its output dims; None when the product does not fit the
     kernel (K or N not a multiple of 32, or the contracted dims not trailing in x)."""
@@ -47,7 +48,8 @@ def pack_for_spec(spec: str, w: np.ndarray, tiles: bool) -> tuple[np.ndarray, tu
     return pack_weight(np.transpose(w, perm).reshape(k, n), tiles), out_shape
 
 
-def packed_layout_for_spec(spec: str, w: jax.ShapeDtypeStruct, tiles: bool) -> tuple[jax.ShapeDtypeStruct, tuple[int, ...]] | None:
+def packed_layout_for_spec(spec: str, w: jax.ShapeDtypeStruct, tiles: bool
+                           ) -> tuple[jax.ShapeDtypeStruct, tuple[int, ...]] | None:
     """`pack_for_spec` on shapes only: the packed weight as a ShapeDtypeStruct (with `w`'s
     sharding), and its output dims."""
     geometry = _pack_geometry(spec, w.shape)
