@@ -252,8 +252,8 @@ def _jaxserve_probe(target: str, dump: str) -> dict:
     import jax.numpy as jnp
 
     from jaxserve.backends.cpu import _ONE_DEVICE, CpuBackend
-    from jaxserve.pallas_kernels import cpu as kernels
-    from jaxserve.pallas_kernels.cpu import matmul
+    from jaxserve.backends.cpu import kernels
+    from jaxserve.backends.cpu.kernels import matmul
 
     kernels.select_target(target)
     lib = str(kernels.library_path(target))

@@ -48,14 +48,14 @@ import ml_dtypes
 import numpy as np
 
 from jaxserve.models.layers.linear import dense
-from jaxserve.pallas_kernels import cpu
-from jaxserve.pallas_kernels.cpu.matmul import (
+from jaxserve.backends.cpu import kernels as cpu
+from jaxserve.backends.cpu.kernels.matmul import (
     amx_available,
     pack_weight,
     packed_matmul,
     strips_kernel,
 )
-from jaxserve.runner.huge_pages import place_on_huge_pages, thp_enabled
+from jaxserve.backends.cpu.huge_pages import place_on_huge_pages, thp_enabled
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results", "matmul.jsonl")
 # SmolLM2-135M: hidden 576, 9 + 2 x 3 heads of 64, MLP 1536 (gate and up fused), vocabulary

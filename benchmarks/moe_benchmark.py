@@ -4,15 +4,15 @@ A tiny but real-shaped Mixtral-style model with random weights (default: 4 layer
 1024, 16 query / 4 KV heads, 8 experts of intermediate 1024, top-2, vocab 8192) runs decode
 steps (`--decode-tokens`: n requests x 1 token, 128 tokens of context each; default 32) and
 one prefill step (32 requests x 16 tokens) through the paged model forward (embedding to
-logits), with each MoE implementation of layers/moe.py: "auto" (the default: on the CPU dense
-for small steps of bfloat16 experts, see `CPU_DENSE_MAX_EXTRA_ROWS`), "tiled" (the CPU's
-grouped products), "ragged" (jax.lax.ragged_dot: native on TPU/GPU, a masked dense product
+logits), with each MoE implementation of layers/moe.py: "tiled-or-dense" (the CPU backend's
+plan: dense for small steps of bfloat16 experts, see `DENSE_MAX_EXTRA_ROWS`), "tiled" (the
+grouped products in tiles), "ragged" (jax.lax.ragged_dot: native on TPU/GPU, a masked dense product
 on XLA:CPU) and "dense" (every expert on every token). The implementations alternate within each repetition
 (the machine may be shared); the table shows medians and the ratio to "dense".
 One JSON line per (step, tokens, impl) goes to benchmarks/results/moe.jsonl.
 
     python benchmarks/moe_benchmark.py [--dtype bfloat16] [--reps 7] [--decode-tokens 32 64 128]
-        [--impls auto tiled dense] [--steps decode prefill]
+        [--impls tiled-or-dense tiled dense] [--steps decode prefill]
 """
 
 from __future__ import annotations
@@ -49,12 +49,10 @@ def build(args):
         num_key_value_heads=args.kv_heads, num_local_experts=args.experts, num_experts_per_tok=args.top_k,
         max_position_embeddings=4096, rope_theta=1e6, tie_word_embeddings=False))
     dtype = jnp.dtype(args.dtype)
-    model = create_model(cfg, dtype=dtype, seed=0)
     kv = allocate_kv_cache(cfg, args.pages, 16, dtype, single_device_mesh())
     fwds = {}
-    for impl in args.impls:
-        model.moe_impl = impl
-        graphdef, state = nnx.split(model)
+    for impl in args.impls:  # the same weights (seed 0), built with each implementation
+        graphdef, state = nnx.split(create_model(cfg, dtype=dtype, seed=0, moe_impl=impl))
 
         def fwd(state, kv, inputs, graphdef=graphdef):
             m = nnx.merge(graphdef, state)
@@ -90,7 +88,7 @@ def step_inputs(kind: str, args, n: int):
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    p.add_argument("--impls", nargs="+", default=["auto", "tiled", "ragged", "dense"])
+    p.add_argument("--impls", nargs="+", default=["tiled-or-dense", "tiled", "ragged", "dense"])
     p.add_argument("--steps", nargs="+", default=["decode", "prefill"], choices=["decode", "prefill"])
     p.add_argument("--decode-tokens", type=int, nargs="+", default=[32],
                    help="decode steps of this many requests (one token each)")

@@ -162,7 +162,7 @@ def plan_of(engine) -> dict:
     plan = getattr(engine.parts, "plan", None)
     out = dataclasses.asdict(plan) if dataclasses.is_dataclass(plan) else {}
     try:
-        from jaxserve.pallas_kernels import cpu as kernels
+        from jaxserve.backends.cpu import kernels
 
         out["cpu_kernel_target"] = kernels.selected_target()
     except (ImportError, AttributeError):

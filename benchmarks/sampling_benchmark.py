@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.pallas_kernels import cpu as cpu_kernels
+from jaxserve.backends.cpu import kernels as cpu_kernels
 
 from jaxserve.sampling import (
     SamplerConfig,
@@ -82,7 +82,7 @@ def main() -> None:
                         topk_candidates=args.topk_candidates)
     impls = {"jax": cfg}
     if jax.default_backend() == "cpu" and cpu_kernels.available():
-        impls["native"] = dataclasses.replace(cfg, native=True)
+        impls["native"] = dataclasses.replace(cfg, native="cpu")
     rng = np.random.default_rng(0)
     # LM-like logits: a few strong candidates over a long tail; and a flat row for the
     # wide-nucleus case.

@@ -81,8 +81,9 @@ class CausalLM(Protocol):
     config: ArchConfig
     # What the decoder layer computes (names above); backends check it before fusing.
     layer_features: frozenset[str]
-    # The matmul weights for packing: (decoder-layer weight name -> `dense` spec, fused groups,
-    # LM head specs); see models/layers/linear.py:pack_linear_weights.
+    # The model's products, for a backend that lays weights out for its own product kernel:
+    # (decoder-layer weight name -> `dense` spec, fused groups, LM head specs); the CPU
+    # backend's packing reads them (jaxserve/backends/cpu/packing.py).
     product_specs: tuple
 
     def __call__(

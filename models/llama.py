@@ -168,6 +168,7 @@ class LlamaForCausalLM(nnx.Module):
         attention_impl: str = "auto",
         quantization: str | None = None,
         rules=DEFAULT_RULES,
+        moe_impl: str = "ragged",  # the MoE families' grouped products (moe.py); unused here
     ):
         cfg = config
         self.config = cfg

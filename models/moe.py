@@ -24,6 +24,7 @@ from jaxserve.models import sharding as ax
 from jaxserve.models.arch_config import ArchConfig
 from jaxserve.models.layers.linear import dense
 from jaxserve.models.layers.moe import EXPERT_SPECS, moe_mlp
+from jaxserve.models.layers.moe import check_impl as check_moe_impl
 from jaxserve.models.layers.rotary import layer_rope_spec
 from jaxserve.models.llama import (
     DecoderLayer,
@@ -65,11 +66,11 @@ class MoeDecoderLayer(DecoderLayer):
 class MixtralForCausalLM(LlamaForCausalLM):
     layer_class = MoeDecoderLayer
 
-    def __init__(self, config: ArchConfig, **kw):
-        super().__init__(config, **kw)
-        # The grouped-product implementation ("auto" | "ragged" | "tiled" | "dense"; see
-        # layers/moe.py); benchmarks set it on the instance before compiling.
-        self.moe_impl = "auto"
+    def __init__(self, config: ArchConfig, *, moe_impl: str = "ragged", **kw):
+        super().__init__(config, moe_impl=moe_impl, **kw)
+        # The grouped-product implementation (one of layers/moe.py's MOE_IMPLS), as the
+        # engine's backend planned it; static, so part of the compiled step's graph.
+        self.moe_impl = check_moe_impl(moe_impl)
 
     @staticmethod
     def features(cfg: ArchConfig, quantization: str | None) -> frozenset[str]:

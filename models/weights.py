@@ -55,6 +55,7 @@ def create_model(
     seed: int = 0,
     quantization: str | None = None,
     rules: Mapping[str, str | None] | None = None,
+    moe_impl: str = "ragged",
 ):
     """A model of cfg.architecture; weights from `get_tensor` (HF names) or random (seeded).
 
@@ -63,6 +64,8 @@ def create_model(
     device). A checkpoint storing int8 blocks (`cfg.int8_block_size`: a GGUF Q8_0 file) is
     dequantized for a float model; with "int8" its blocks are placed as they are, one scale
     per block. rules: the logical-axis rules (models/sharding.py; default DEFAULT_RULES).
+    moe_impl: the grouped products of MoE layers (layers/moe.py's MOE_IMPLS; the engine passes
+    its backend's `DevicePlan.moe_impl`).
     """
     cls = get_model_class(cfg.architecture)
     mesh = mesh or single_device_mesh()
@@ -70,10 +73,11 @@ def create_model(
 
     def build(rngs: nnx.Rngs):
         return cls(cfg, dtype=dtype, rngs=rngs, mesh=mesh, attention_impl=attention_impl,
-                   quantization=quantization, rules=rules)
+                   quantization=quantization, rules=rules, moe_impl=moe_impl)
 
     graphdef, abs_state, shardings = abstract_model(cfg, dtype=dtype, mesh=mesh, attention_impl=attention_impl,
-                                                    quantization=quantization, rules=rules)
+                                                    quantization=quantization, rules=rules,
+                                                    moe_impl=moe_impl)
 
     if get_tensor is None:
         # Random weights (tests, benchmarks): initialise under jit straight into the shardings.
@@ -151,6 +155,7 @@ def abstract_model(
     attention_impl: str = "auto",
     quantization: str | None = None,
     rules: Mapping[str, str | None] | None = None,
+    moe_impl: str = "ragged",
 ):
     """The model of `create_model` without any memory: (graphdef, abstract state of
     ShapeDtypeStructs, the state's NamedShardings from the rules).
@@ -165,7 +170,8 @@ def abstract_model(
     mesh = mesh or single_device_mesh()
     rules = DEFAULT_RULES if rules is None else rules
     abstract = nnx.eval_shape(lambda: cls(cfg, dtype=dtype, rngs=None, mesh=mesh,
-                                          attention_impl=attention_impl, quantization=quantization, rules=rules))
+                                          attention_impl=attention_impl, quantization=quantization,
+                                          rules=rules, moe_impl=moe_impl))
     graphdef, abs_state = nnx.split(abstract)
     return graphdef, abs_state, state_shardings(abs_state, mesh, rules)
 
@@ -177,12 +183,13 @@ def sharded_abstract_model(
     mesh: Mesh | None = None,
     attention_impl: str = "auto",
     rules: Mapping[str, str | None] | None = None,
+    moe_impl: str = "ragged",
 ):
     """The model `create_model` builds from a checkpoint (float weights), with ShapeDtypeStructs
     carrying the shardings `create_model` places each weight in for values: no memory."""
     mesh = mesh or single_device_mesh()
     graphdef, abs_state, shardings = abstract_model(cfg, dtype=dtype, mesh=mesh, attention_impl=attention_impl,
-                                                    rules=rules)
+                                                    rules=rules, moe_impl=moe_impl)
     flat = {_path_key(p): s for p, s in jax.tree_util.tree_leaves_with_path(shardings)}
 
     def sharded(path, var):
@@ -227,11 +234,12 @@ def _check_shape(key: str, got, expected) -> None:
 
 
 def load_model(path, *, dtype=jnp.float32, mesh: Mesh | None = None, attention_impl: str = "auto",
-               quantization: str | None = None, rules: Mapping[str, str | None] | None = None):
+               quantization: str | None = None, rules: Mapping[str, str | None] | None = None,
+               moe_impl: str = "ragged"):
     """The model in the HF directory `path` (see loader.resolve_model), weights on `mesh`."""
     ckpt = load_checkpoint(path)
     cfg = ArchConfig.from_hf(ckpt.config)
     return create_model(
         cfg, dtype=dtype, mesh=mesh, attention_impl=attention_impl, get_tensor=ckpt.get_tensor,
-        quantization=quantization, rules=rules,
+        quantization=quantization, rules=rules, moe_impl=moe_impl,
     )

@@ -2,9 +2,10 @@
 
 The engine asks its backend (chosen once, from JAX's platform) for the dtype and KV dtype an
 "auto" setting means, the KV cache budget per device, the product kernel and how the weights are
-laid out for it, where host buffers live, whether the sampler's draws run in a native kernel,
-and whether a decoder layer may be replaced by a fused implementation. The accelerators (TPU,
-GPU) share this base; the CPU backend (`cpu.py`) adds its native kernels.
+laid out for it, the MoE layers' grouped products, where host buffers live, whether the
+sampler's draws run in a native kernel, and whether a decoder layer may be replaced by a fused
+implementation. The accelerators (TPU, GPU) share this base; the CPU backend (`cpu/`) adds its
+native kernels.
 
 A fused decoder layer replaces a model's pure-JAX layer only after a positive capability check:
 the backend lists the layer features its implementation covers, the model declares the ones
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import platform
 from collections.abc import Callable
 
 import jax
@@ -41,7 +43,10 @@ class DevicePlan:
     kv_dtype: str
     attention_impl: str  # the attention implementation "auto" dispatches to
     matmul_impl: str  # "xla", or a native CPU product kernel ("amx", "avx512")
-    native_sampling: bool  # the sampler's random draws and logprobs in the CPU kernel
+    # The sampler's draws and logprobs in a backend's native kernel (its name in
+    # sampling/native.py: "cpu"), or None for JAX's ops.
+    native_sampling: str | None
+    moe_impl: str  # MoE layers' grouped products (models/layers/moe.py's MOE_IMPLS)
 
 
 class Backend:
@@ -50,6 +55,8 @@ class Backend:
     name = "accelerator"
     # Layer features a fused decoder layer of this backend implements (none here).
     fused_layer_features: frozenset[str] = frozenset()
+    # MoE layers' grouped products: jax.lax.ragged_dot, a native grouped matmul here.
+    moe_impl = "ragged"
 
     def __init__(self, platform: str):
         self.platform = platform
@@ -68,8 +75,8 @@ class Backend:
                              f"{self.platform}, not cpu")
         return "xla"
 
-    def native_sampling(self, mesh: Mesh) -> bool:
-        return False
+    def native_sampling(self, mesh: Mesh) -> str | None:
+        return None
 
     def plan(self, mc: ModelConfig, cc: CacheConfig, mesh: Mesh) -> DevicePlan:
         dtype = self.resolve_dtype(mc.dtype, mesh)
@@ -80,6 +87,7 @@ class Backend:
             attention_impl=attention,
             matmul_impl=self.resolve_matmul_impl(mc.matmul_impl, dtype, mesh),
             native_sampling=self.native_sampling(mesh),
+            moe_impl=self.moe_impl,
         )
 
     # ------------------------------------------------------------------ step sizes
@@ -144,6 +152,12 @@ class Backend:
     def place_weights(self, model, params: list[jax.Array], treedef) -> None:
         """Move the weights (`model`'s flattened state, in place in `params`) to where steps read
         them best; nothing to do on accelerators."""
+
+    def fingerprint(self) -> dict[str, str]:
+        """What the engine's compiled steps and laid-out weights depend on through this backend,
+        besides the program, the devices and the libraries: parts of the executable and weight
+        caches' keys (runner/executable_cache.py). Here the host's architecture."""
+        return {"cpu": platform.machine()}
 
     def place_kv_cache(self, arrays: list[jax.Array]):
         """Advise the memory under the KV cache and the weights; returns the thread doing it,

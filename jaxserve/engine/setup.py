@@ -202,10 +202,11 @@ def _prepared_model(config: EngineConfig, ckpt, arch: ArchConfig, backend: Backe
     cache = weight_cache(config.compile) if backend.lays_out_weights(plan) and mc.quantization is None else None
     if cache is not None:
         with timer.phase("weights"):
-            key = cache.key(ckpt.path, ckpt.config, mesh.devices.flat, dtype=plan.dtype, plan=canonical(plan),
+            key = cache.key(ckpt.path, ckpt.config, mesh.devices.flat, **backend.fingerprint(),
+                            dtype=plan.dtype, plan=canonical(plan),
                             rules=canonical(rules), arch=canonical(arch))
             abstract = sharded_abstract_model(arch, dtype=dtype, mesh=mesh, attention_impl=mc.attention_impl,
-                                              rules=rules)
+                                              rules=rules, moe_impl=plan.moe_impl)
             backend.prepare_model(abstract, plan, abstract=True)
             model = cache.load(key, abstract)
         if model is not None:
@@ -213,7 +214,8 @@ def _prepared_model(config: EngineConfig, ckpt, arch: ArchConfig, backend: Backe
             return model
     with timer.phase("weights"):
         model = create_model(arch, dtype=dtype, mesh=mesh, attention_impl=mc.attention_impl,
-                             get_tensor=ckpt.get_tensor, quantization=mc.quantization, rules=rules)
+                             get_tensor=ckpt.get_tensor, quantization=mc.quantization, rules=rules,
+                             moe_impl=plan.moe_impl)
     with timer.phase("packing"):
         backend.prepare_model(model, plan)
     if cache is not None:

@@ -9,10 +9,11 @@ tracing, from everything the program is a function of:
 - the code that is traced: every source file of the `jaxserve` packages (models, kernels,
   runner, sampler), hashed (`code_fingerprint`);
 - the library versions (jax, jaxlib, flax, numpy, ml_dtypes), the backend (platform and its
-  version), the devices of the mesh (ids, kinds, processes), the host CPU's instruction sets,
-  the XLA/TPU environment variables and JAX's configuration (`environment_fingerprint`);
-- the native CPU kernels: the build target and its library (named by the hash of its sources,
-  flags, compiler, jaxlib version and CPU), or their absence;
+  version), the devices of the mesh (ids, kinds, processes), the XLA/TPU environment variables
+  and JAX's configuration (`environment_fingerprint`);
+- what the engine's backend adds (`Backend.fingerprint`): the host's architecture; on the CPU,
+  its instruction sets and the native kernels (the build target and its library, named by the
+  hash of its sources, flags, compiler, jaxlib version and CPU, or their absence);
 - what the runner passes (`ExecutableCache.scope`): the model's graph definition (its
   architecture config and every static attribute), the weights', KV cache's and sampling
   state's shapes, dtypes and shardings, the fused layer, the sampler's sizes and the bucket.
@@ -37,7 +38,6 @@ import logging
 import os
 import pathlib
 import pickle
-import platform
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -105,20 +105,9 @@ def _version(module: str) -> str:
         return "-"
 
 
-def _kernels() -> str:
-    """The native CPU kernels the step would call: build target and library, or none."""
-    from jaxserve.pallas_kernels import cpu
-
-    target = cpu.selected_target()
-    if jax.default_backend() != "cpu" or not cpu.available(target):
-        return f"{target}:unavailable"
-    return f"{target}:{cpu.library_path(target).name}"
-
-
 def environment_fingerprint(devices: Iterable[jax.Device]) -> dict[str, str]:
-    """What besides the program decides the executable: versions, devices, CPU, flags."""
-    from jaxserve.pallas_kernels import cpu
-
+    """What besides the program decides the executable: versions, devices, flags (the backend
+    adds its own: `Backend.fingerprint`)."""
     devices = list(devices)
     client = devices[0].client
     config = {k: v for k, v in sorted(jax.config.values.items())
@@ -130,10 +119,8 @@ def environment_fingerprint(devices: Iterable[jax.Device]) -> dict[str, str]:
         "backend": f"{client.platform} {client.platform_version}",
         "devices": repr([(d.id, d.process_index, d.device_kind, d.platform) for d in devices]),
         "processes": f"{jax.process_index()}/{jax.process_count()}",
-        "cpu": f"{platform.machine()} {cpu.cpu_flags().strip()}",
         "env": repr(sorted((k, v) for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES))),
         "config": repr(config),
-        "kernels": _kernels(),
     }
 
 

@@ -161,8 +161,8 @@ class ModelRunner:
         zeros = self._scope.get("kv-zeros", (), zeros_compiler(one))
         self.kv = allocate_kv_cache(self.cfg, self.num_pages, self.page_size, self.kv_dtype, self.mesh, self.rules,
                                     zeros=zeros)
-        # The thread advising huge pages under the host buffers (CPU), if any.
-        self.huge_pages = self.backend.place_kv_cache([*self.params, *self.kv.k, *self.kv.v])
+        # The backend's thread placing the host buffers (the CPU's huge pages), if any.
+        self.host_placement = self.backend.place_kv_cache([*self.params, *self.kv.k, *self.kv.v])
         init = self._scope.get("sampling-state", (), lambda: jax.jit(
             functools.partial(init_sampling_state, self.sampler_config), out_shardings=self.state_sharding
         ).lower().compile())
@@ -225,7 +225,8 @@ class ModelRunner:
         kv, sstate = self._abstract_kv(), abstract_sampling_state(self.sampler_config, self.state_sharding)
         layer = self.layer_impl and f"{self.layer_impl.__module__}.{self.layer_impl.__qualname__}"
         return executable_scope(
-            self.executable_cache, self.mesh.devices.flat, graphdef=canonical(self.graphdef),
+            self.executable_cache, self.mesh.devices.flat, **self.backend.fingerprint(),
+            graphdef=canonical(self.graphdef),
             params=signature(params), params_treedef=str(self._params_treedef), kv=signature(kv),
             sstate=signature(sstate), layer_impl=str(layer), sampler=canonical(self.sampler_config),
             mesh=repr(self.mesh), pages=f"{self.page_size} {self.pages_per_req} {self.num_pages} {self.dp}",

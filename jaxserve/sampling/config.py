@@ -24,9 +24,10 @@ class SamplerConfig:
         bisection path over the whole vocabulary (lax.cond on a batch-wide flag).
     slot_write_batch (A): rows per call of `write_slot_rows` (admissions with a bias row or bad
         words are written A at a time; padding rows are dropped).
-    native: run steps 5-7 (temperature, min_p, top_k, top_p, the draw) and the raw logprobs
-        in the CPU kernels (pallas_kernels/cpu/sample.py) instead of JAX ops. The engine sets it
-        on the CPU backend with a one-device mesh when the kernels load.
+    native: the native implementation (native.py: registered by a backend, e.g. "cpu") that
+        runs steps 5-7 (temperature, min_p, top_k, top_p, the draw) and the raw logprobs
+        instead of JAX ops, or None. The engine takes it from its backend's plan
+        (`DevicePlan.native_sampling`: the CPU backend's kernels, on a one-device mesh).
     """
 
     max_num_seqs: int
@@ -37,7 +38,7 @@ class SamplerConfig:
     max_bad_word_len: int = 8
     topk_candidates: int = 64
     slot_write_batch: int = 4
-    native: bool = False
+    native: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.vocab_size < 2:

@@ -19,7 +19,7 @@ Order of transforms (vLLM v1's):
   7. sample by inverse CDF with the row's uniform, a host-side hash of (request seed, output
      position) (metadata.row_uniforms): the token depends only on the row's logits,
      parameters, seed and position, never on the batch composition or the row index.
-     (With SamplerConfig.native, steps 5-7 run in the CPU kernel pallas_kernels/cpu/sample.py.)
+     (With SamplerConfig.native, steps 5-7 run in the backend's native kernel: native.py.)
 
 Logprobs, ranks and top logprobs are vLLM's "raw" ones (its default logprobs_mode): log_softmax
 of the logits the sampler receives, so after step 0 (as in vLLM, where the bitmask is applied
@@ -39,7 +39,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxserve.pallas_kernels.cpu import sample as cpu_sample
+from jaxserve.sampling import native as native_impls
 from jaxserve.sampling import ops
 from jaxserve.sampling.config import SamplerConfig
 from jaxserve.sampling.metadata import SamplingMetadata
@@ -118,12 +118,12 @@ def sample(
 
 
 def prompt_logprobs(
-    logits: jax.Array, next_token_ids: jax.Array, k_max: int, native: bool = False
+    logits: jax.Array, next_token_ids: jax.Array, k_max: int, native: str | None = None
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """Raw logprobs at prompt positions: logits [T, V], next_token_ids [T] (the prompt token
     that follows each position) -> (token_logprob [T], topk_ids [T, k_max],
-    topk_logprobs [T, k_max], rank [T]). Jittable; k_max static; `native`: the CPU kernel
-    (SamplerConfig.native)."""
+    topk_logprobs [T, k_max], rank [T]). Jittable; k_max static; `native`: the registered
+    native implementation to run (SamplerConfig.native), None for JAX's ops."""
     raw = logits.astype(jnp.float32)
     return _raw_logprobs(raw, jnp.asarray(next_token_ids, jnp.int32), k_max, native)
 
@@ -210,10 +210,12 @@ def _sample_random(
 
     Works on x (not x / T): the order of the tokens is the same, thresholds are mapped into
     x's scale, and probabilities are exp((x - max) / T) — this saves passes over [R, V].
-    With config.native the CPU kernel does all of it (its draw walks the kept set in id order)."""
-    if config.native:
-        tok, mask = cpu_sample.sample_rows(x, meta.temperature, meta.top_k, meta.top_p,
-                                           meta.min_p, meta.uniform, ~greedy, with_mask)
+    With config.native the backend's native kernel does all of it (the CPU's draw walks the
+    kept set in id order)."""
+    if config.native is not None:
+        tok, mask = native_impls.get(config.native).sample_rows(
+            x, meta.temperature, meta.top_k, meta.top_p, meta.min_p, meta.uniform, ~greedy,
+            with_mask)
         return (tok, mask) if with_mask else tok
     R, V = x.shape
     K = min(config.topk_candidates, V)  # top_k <= K runs on the candidates
@@ -365,10 +367,10 @@ def _sample_block(V: int) -> int:
     return V if b == 1 else b
 
 
-def _raw_logprobs(raw: jax.Array, tok: jax.Array, k: int, native: bool = False):
+def _raw_logprobs(raw: jax.Array, tok: jax.Array, k: int, native: str | None = None):
     """log_softmax of the raw logits at `tok`, its rank, and the top k."""
-    if native:
-        return cpu_sample.raw_logprobs(raw, tok, k)
+    if native is not None:
+        return native_impls.get(native).raw_logprobs(raw, tok, k)
     R, V = raw.shape
     kk = max(k, 1)  # the top list also gives the max, and usually the rank
     vals, ids = ops.top_k_exact(raw, kk)  # [R, kk]

@@ -31,7 +31,6 @@ from jaxserve.config import CacheConfig, ModelConfig, jax_dtype
 from jaxserve.models import sharding as ax
 from jaxserve.models.arch_config import ArchConfig
 from jaxserve.models.interface import KV_CACHE_AXES
-from jaxserve.models.layers.moe import resolve_impl as resolve_moe_impl
 from jaxserve.models.weights import abstract_model
 from jaxserve.pallas_kernels.ragged_paged_attention.ops import supports_check
 from jaxserve.runner.kv_cache import abstract_kv_cache, bytes_per_page, kv_cache_shape
@@ -113,8 +112,8 @@ def _requested_split(axes, shape, mesh: Mesh, rules) -> tuple[int, int, list[str
 
 
 def resolve_plan(settings: PlanSettings, cfg: ArchConfig, mesh: Mesh, rules) -> dict[str, Any]:
-    """dtype, KV dtype and attention implementation as the target's backend resolves them, the
-    attention kernel checked on the per-device shapes (as `impl="auto"` does when serving)."""
+    """dtype, KV dtype, attention and MoE implementations as the target's backend resolves them,
+    the attention kernel checked on the per-device shapes (as `impl="auto"` does when serving)."""
     backend = select_backend(settings.platform)
     mc = ModelConfig(dtype=settings.dtype, attention_impl=settings.attention_impl, matmul_impl="xla")
     cc = CacheConfig(kv_cache_dtype=settings.kv_cache_dtype, page_size=settings.page_size)
@@ -132,7 +131,8 @@ def resolve_plan(settings: PlanSettings, cfg: ArchConfig, mesh: Mesh, rules) -> 
         except ValueError as e:
             impl, note = "reference", f"{plan.attention_impl} kernel unsupported: {e}"
     return {"dtype": plan.dtype, "kv_dtype": plan.kv_dtype, "attention_impl": impl, "attention_note": note,
-            "native_sampling": plan.native_sampling and mesh.size == 1}
+            "native_sampling": plan.native_sampling if mesh.size == 1 else None,
+            "moe_impl": plan.moe_impl}
 
 
 def plan_one(settings: PlanSettings, mesh: Mesh, rules_spec: str, bucket: tuple[int, int],
@@ -153,11 +153,8 @@ def plan_one(settings: PlanSettings, mesh: Mesh, rules_spec: str, bucket: tuple[
 
     # ---- parameters: abstract, with the engine's shardings
     graphdef, abs_state, shardings = abstract_model(cfg, dtype=dtype, mesh=mesh, attention_impl=plan["attention_impl"],
-                                                    quantization=settings.quantization, rules=rules)
-    model = nnx.merge(graphdef, abs_state)
-    if hasattr(model, "moe_impl"):
-        model.moe_impl = resolve_moe_impl("auto", settings.platform)
-    graphdef, abs_state = nnx.split(model)
+                                                    quantization=settings.quantization, rules=rules,
+                                                    moe_impl=plan["moe_impl"])
     groups: dict[str, dict[str, float]] = {}
     replicated: list[str] = []
     flat_params = []

@@ -4,11 +4,13 @@ On XLA:CPU a bfloat16 product with `preferred_element_type=float32` is about twi
 float32 (with >= 8 rows), while a bfloat16 output is much slower; on TPU/GPU this is the
 standard mixed-precision pattern. Activations are cast to the weight dtype at the product.
 
-On the CPU, weights can instead be packed once at load time (`pack_linear_weights`) into the
-layout of the native product kernel (`pallas_kernels/cpu/matmul.py`: bfloat16 on AMX, float32
-or bfloat16 with AVX-512 or AVX2 FMAs); `dense` then calls that kernel. A packed weight lives in a `PackedParam` (an
-`nnx.Param` whose value is the packed array, with the logical output shape as metadata), and
-the model reads it through `weight_value`, which hands `dense` a `PackedWeight`.
+A backend may instead pack weights once at load time into the layout of a native product
+kernel (the CPU backend: `jaxserve/backends/cpu/packing.py`, from the model's
+`product_specs`). A packed weight lives in a `PackedParam` (an `nnx.Param` whose value is the
+packed array, with the logical output shapes and the name of its product kernel as metadata),
+and the model reads it through `weight_value`, which hands `dense` a `PackedWeight`; `dense`
+calls the product the backend registered under that name (`register_packed_product`). The
+model never decides whether or how its weights are packed.
 
 Weight-only int8 (`quantize_int8`, `QuantizedParam`): symmetric, per output channel by default
 (or per block along the contracted dims, as GGUF's Q8_0 stores them). The int8 values stay int8
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -31,15 +34,25 @@ from flax import nnx
 
 
 class PackedParam(nnx.Param):
-    """Matmul weights in the CPU product kernel's layout, one or several sharing an input
+    """Matmul weights in a backend's product kernel layout, one or several sharing an input
     (q/k/v, gate/up) concatenated along the output; metadata `out_shapes`: each one's output
-    dims."""
+    dims, `kernel`: the registered product that reads them."""
 
 
 @dataclasses.dataclass(frozen=True)
 class PackedWeight:
-    blocks: jax.Array  # `pack_weight`'s layout: bfloat16 tiles [N/16, K/32, 16, 32] or strips [N/32, K, 32]
+    blocks: jax.Array  # the kernel's layout (the CPU's: tiles or strips, N blocks leading)
     out_shapes: tuple[tuple[int, ...], ...]
+    kernel: str  # the product registered under this name (`register_packed_product`)
+
+
+# Products on packed weights by name: fn(x [M, K], blocks) -> float32 [M, N]. A backend
+# registers its own when it loads (the CPU backend: "cpu").
+_PACKED_PRODUCTS: dict[str, Callable[[jax.Array, jax.Array], jax.Array]] = {}
+
+
+def register_packed_product(name: str, fn: Callable[[jax.Array, jax.Array], jax.Array]) -> None:
+    _PACKED_PRODUCTS[name] = fn
 
 
 class QuantizedParam(nnx.Param):
@@ -75,7 +88,8 @@ class QuantizedWeight:
 def weight_value(var: nnx.Variable) -> jax.Array | PackedWeight:
     """What `dense` takes for weight variable `var` (not a quantized one: see `module_weights`)."""
     if isinstance(var, PackedParam):
-        return PackedWeight(var[...], tuple(tuple(s) for s in var.get_metadata()["out_shapes"]))
+        meta = var.get_metadata()
+        return PackedWeight(var[...], tuple(tuple(s) for s in meta["out_shapes"]), meta["kernel"])
     return var[...]
 
 
@@ -104,7 +118,7 @@ def module_weights(module: nnx.Module) -> dict:
 
 def contracted_axes(spec: str) -> tuple[int, ...]:
     """The weight dims a `dense` spec contracts (those of x that the output lacks)."""
-    _, ws, _, contract = _parse(spec)
+    _, ws, _, contract = parse_spec(spec)
     return tuple(ws.index(c) for c in contract)
 
 
@@ -195,7 +209,7 @@ def embedding_lookup(table, ids: jax.Array) -> jax.Array:
     return table[ids].astype(jnp.float32)
 
 
-def _parse(spec: str) -> tuple[str, str, str, str]:
+def parse_spec(spec: str) -> tuple[str, str, str, str]:
     """'te,ehd->thd' -> (x letters, w letters, output letters, contracted letters)."""
     inputs, out = spec.split("->")
     xs, ws = inputs.split(",")
@@ -220,7 +234,7 @@ def _dense_int8(spec: str, x: jax.Array, w: QuantizedWeight) -> jax.Array:
     if not w.per_channel or any(w.scale.shape[a] != 1 for a in contracted_axes(spec)):
         return jnp.einsum(spec, x.astype(cdt), w.dequantize(cdt), preferred_element_type=jnp.float32)
     y = jnp.einsum(spec, x.astype(cdt), w.q.astype(cdt), preferred_element_type=jnp.float32)
-    _, ws, out, _ = _parse(spec)
+    _, ws, out, _ = parse_spec(spec)
     # the scale's output dims, laid out as y's (size 1 where y has a dim the weight lacks)
     keep = [i for i, c in enumerate(ws) if c in out]
     scale = w.scale.reshape([w.scale.shape[i] for i in keep])
@@ -233,121 +247,9 @@ def _dense_int8(spec: str, x: jax.Array, w: QuantizedWeight) -> jax.Array:
 
 def dense_group(spec: str, x: jax.Array, w: PackedWeight) -> list[jax.Array]:
     """`dense(spec, x, w_i)` for each weight w_i packed together in `w`, in one product."""
-    from jaxserve.pallas_kernels.cpu.matmul import packed_matmul
-
-    nc = len(_parse(spec)[3])
+    nc = len(parse_spec(spec)[3])
     lead = x.shape[: x.ndim - nc]
-    y = packed_matmul(x.reshape(math.prod(lead), -1), w.blocks)
+    y = _PACKED_PRODUCTS[w.kernel](x.reshape(math.prod(lead), -1), w.blocks)
     sizes = [math.prod(s) for s in w.out_shapes]
     parts = jnp.split(y, list(np.cumsum(sizes)[:-1]), axis=-1) if len(sizes) > 1 else [y]
     return [p.reshape(*lead, *s) for p, s in zip(parts, w.out_shapes)]
-
-
-def _pack_geometry(spec: str, shape: tuple[int, ...]):
-    """(permutation to [contracted..., output...], K, N, output dims) of a weight of `shape` used
-    as `dense(spec, x, w)`, or None when the product does not fit the kernel."""
-    from jaxserve.pallas_kernels.cpu.matmul import packable
-
-    xs, ws, out, contract = _parse(spec)
-    w_out = "".join(c for c in out if c in ws)
-    if not xs.endswith(contract) or out != xs[: len(xs) - len(contract)] + w_out:
-        return None
-    perm = [ws.index(c) for c in contract + w_out]
-    out_shape = tuple(shape[ws.index(c)] for c in w_out)
-    k, n = math.prod(shape[ws.index(c)] for c in contract), math.prod(out_shape)
-    if not packable(k, n):
-        return None
-    return perm, k, n, out_shape
-
-
-def pack_for_spec(spec: str, w: np.ndarray, tiles: bool) -> tuple[np.ndarray, tuple[int, ...]] | None:
-    """The product kernel's layout of weight `w` as used by `dense(spec, x, w)` (AMX `tiles` or
-    strips, see `pack_weight`), and its output dims; None when the product does not fit the
-    kernel (K or N not a multiple of 32, or the contracted dims not trailing in x)."""
-    from jaxserve.pallas_kernels.cpu.matmul import pack_weight
-
-    geometry = _pack_geometry(spec, w.shape)
-    if geometry is None:
-        return None
-    perm, k, n, out_shape = geometry
-    return pack_weight(np.transpose(w, perm).reshape(k, n), tiles), out_shape
-
-
-def packed_layout_for_spec(spec: str, w: jax.ShapeDtypeStruct, tiles: bool) -> tuple[jax.ShapeDtypeStruct, tuple[int, ...]] | None:
-    """`pack_for_spec` on shapes only: the packed weight as a ShapeDtypeStruct (with `w`'s
-    sharding), and its output dims."""
-    from jaxserve.pallas_kernels.cpu.matmul import packed_weight_shape
-
-    geometry = _pack_geometry(spec, w.shape)
-    if geometry is None:
-        return None
-    _, k, n, out_shape = geometry
-    shape = packed_weight_shape(k, n, tiles)
-    return jax.ShapeDtypeStruct(shape, w.dtype, sharding=w.sharding), out_shape
-
-
-def pack_linear_weights(model, specs: dict[str, str], groups: dict[str, tuple[str, ...]],
-                        head_specs: tuple[str, str], tiles: bool, abstract: bool = False) -> int:
-    """Replace `model`'s bfloat16 or float32 matmul weights by packed ones (the CPU product
-    kernel's layout), in place; returns how many products a step now runs on the kernel per
-    layer stack (fused groups count once).
-
-    specs: decoder-layer weight name -> its `dense` spec. groups: fused name -> weights that
-    share one input (e.g. "wqkv": ("wq", "wk", "wv")), packed together when all of them pack;
-    the fused weight replaces them. head_specs: the LM head's spec with a separate `lm_head`
-    [E, V] and with the tied embedding [V, E]; a tied model gets a packed `lm_head` (the
-    embedding stays, for the lookup). tiles: bfloat16 weights in AMX tile order, else strips
-    (`pack_weight`).
-
-    abstract: `model`'s values are ShapeDtypeStructs (with shardings), and so are the packed
-    ones: the structure packing gives, without the work (for weights packed earlier and kept,
-    see jaxserve/runner/weight_cache.py).
-    """
-    count = 0
-
-    def packed(spec: str, value: jax.Array):
-        if value.dtype not in (jnp.bfloat16, jnp.float32):
-            return None
-        if abstract:
-            return packed_layout_for_spec(spec, value, tiles)
-        return pack_for_spec(spec, np.asarray(value), tiles)
-
-    def param(value: jax.Array, parts) -> PackedParam:
-        out_shapes = tuple(s for _, s in parts)
-        if abstract:
-            first = parts[0][0]
-            shape = (sum(b.shape[0] for b, _ in parts), *first.shape[1:])  # N blocks lead
-            return PackedParam(jax.ShapeDtypeStruct(shape, first.dtype, sharding=value.sharding),
-                               out_shapes=out_shapes)
-        blocks = np.concatenate([b for b, _ in parts], axis=0)  # N blocks lead: concatenation
-        return PackedParam(jax.device_put(blocks, value.sharding), out_shapes=out_shapes)
-
-    for layer in model.layers:
-        grouped = set()
-        for fused, names in groups.items():
-            vars_ = [getattr(layer, n, None) for n in names]
-            if any(v is None or isinstance(v, PackedParam) for v in vars_):
-                continue
-            parts = [packed(specs[n], v.get_value()) for n, v in zip(names, vars_)]
-            if all(p is not None for p in parts):
-                setattr(layer, fused, param(vars_[0].get_value(), parts))
-                for n in names:
-                    delattr(layer, n)
-                grouped.update(names)
-                count += 1
-        for name, spec in specs.items():
-            var = getattr(layer, name, None)
-            if name in grouped or var is None or isinstance(var, PackedParam):
-                continue
-            res = packed(spec, var.get_value())
-            if res is not None:
-                setattr(layer, name, param(var.get_value(), [res]))
-                count += 1
-    head = getattr(model, "lm_head", None)
-    if not isinstance(head, PackedParam):
-        value = head.get_value() if head is not None else model.embed.get_value()
-        res = packed(head_specs[0] if head is not None else head_specs[1], value)
-        if res is not None:
-            model.lm_head = param(value, [res])
-            count += 1
-    return count

@@ -12,13 +12,15 @@ group through its own expert's weights. Implementations of the grouped product (
   pair whose rows overlap runs one [B, E] x [E, F] product with that expert's weights, in a
   loop (at most rows / B + experts - 1 pairs: the tiling of a grouped-matmul kernel);
 - "dense": every expert on every token, combined with the routing weights (zero for experts
-  not chosen): the baseline the grouped forms are measured against, and a reference.
+  not chosen): the baseline the grouped forms are measured against, and a reference;
+- "tiled-or-dense": "tiled", except for small steps with experts that are not float32, which
+  run "dense" (chosen per step, by its static token count): each (tile, expert) pair converts
+  its expert's weights to float32 (XLA:CPU has no bfloat16 dot inside a loop), and that costs
+  more than the dense form's extra products until those grow past `DENSE_MAX_EXTRA_ROWS`
+  (tokens times the experts a token does not use).
 
-"auto" is "ragged" on TPU/GPU; on the CPU it is "tiled", except for small steps with experts
-that are not float32, which run "dense": there each (tile, expert) pair converts its expert's
-weights to float32 (XLA:CPU has no bfloat16 dot inside a loop), and that costs more than the
-dense form's extra products until those grow past `CPU_DENSE_MAX_EXTRA_ROWS` (tokens times
-the experts a token does not use).
+The model receives its implementation at construction (`moe_impl`); the engine's backend
+picks it (`DevicePlan.moe_impl`: "ragged" on TPU/GPU, "tiled-or-dense" on the CPU).
 
 Expert parallelism: when the `expert` logical axis is sharded over a mesh axis (the
 EXPERT_PARALLEL_RULES preset), each device holds num_experts / n experts and computes, for
@@ -39,7 +41,7 @@ from jax.sharding import PartitionSpec as P
 from jaxserve.models.layers.linear import QuantizedWeight
 from jaxserve.models.sharding import context_mesh
 
-MOE_IMPLS = ("auto", "ragged", "tiled", "dense")
+MOE_IMPLS = ("ragged", "tiled", "dense", "tiled-or-dense")
 # `dense`-style specs of the stacked expert weights: they decide which dims hold the output
 # channels of an int8 expert weight (one scale per expert and output channel).
 EXPERT_SPECS = {"w_gate": "te,xef->txf", "w_up": "te,xef->txf", "w_down": "txf,xfe->txe"}
@@ -56,29 +58,32 @@ def route(logits: jax.Array, top_k: int, normalize: bool) -> tuple[jax.Array, ja
     return weights, ids.astype(jnp.int32)
 
 
-# Where the dense form stops beating the tiles on the CPU, as tokens x (experts - top_k): the
-# expert-rows it computes beyond the grouped form. Measured with benchmarks/moe_benchmark.py on
-# a 2-core AVX-512 CPU (4 layers, hidden 1024, bfloat16, tiled / dense median step times):
-# 8 experts top-2 (intermediate 1024): 0.5-0.6x at 32-128 tokens, 0.74-0.99x at 256, 0.77-1.14x
-# at 512, 1.02x at 1024, 2.24x at 2048 (crossover ~1024 tokens: 6144 extra rows); 32 experts
-# top-2 (intermediate 256): 0.78x at 32, 0.74x at 64, 0.99x at 128 (~3840). float32 experts
-# (nothing converted): the tiles win from 32 tokens on (2.15x dense there, 1.62x at 128).
-CPU_DENSE_MAX_EXTRA_ROWS = 4096
+# Where the dense form stops beating the tiles ("tiled-or-dense"), as tokens x (experts -
+# top_k): the expert-rows it computes beyond the grouped form. Measured with
+# benchmarks/moe_benchmark.py on a 2-core AVX-512 CPU (4 layers, hidden 1024, bfloat16,
+# tiled / dense median step times): 8 experts top-2 (intermediate 1024): 0.5-0.6x at 32-128
+# tokens, 0.74-0.99x at 256, 0.77-1.14x at 512, 1.02x at 1024, 2.24x at 2048 (crossover ~1024
+# tokens: 6144 extra rows); 32 experts top-2 (intermediate 256): 0.78x at 32, 0.74x at 64,
+# 0.99x at 128 (~3840). float32 experts (nothing converted): the tiles win from 32 tokens on
+# (2.15x dense there, 1.62x at 128).
+DENSE_MAX_EXTRA_ROWS = 4096
 
 
-def resolve_impl(impl: str, platform: str | None = None, num_tokens: int | None = None,
-                 num_experts: int = 0, top_k: int = 0, float32_experts: bool = False) -> str:
-    """The implementation `impl` ("auto" or one of MOE_IMPLS) runs as, for a step of
-    `num_tokens` tokens (static) over `num_experts` experts, `top_k` per token, on `platform`
-    (default: JAX's backend)."""
+def check_impl(impl: str) -> str:
+    """`impl`, when it is one of MOE_IMPLS; else ValueError."""
     if impl not in MOE_IMPLS:
         raise ValueError(f"moe impl must be one of {MOE_IMPLS}; got {impl!r}")
-    if impl != "auto":
+    return impl
+
+
+def step_impl(impl: str, num_tokens: int, num_experts: int, top_k: int,
+              float32_experts: bool = False) -> str:
+    """The grouped-product form `impl` (one of MOE_IMPLS) runs as for a step of `num_tokens`
+    tokens (static) over `num_experts` experts, `top_k` per token: "tiled-or-dense" decided,
+    the others as they are."""
+    if check_impl(impl) != "tiled-or-dense":
         return impl
-    if (platform or jax.default_backend()) != "cpu":
-        return "ragged"
-    if (not float32_experts and num_tokens is not None
-            and num_tokens * (num_experts - top_k) <= CPU_DENSE_MAX_EXTRA_ROWS):
+    if not float32_experts and num_tokens * (num_experts - top_k) <= DENSE_MAX_EXTRA_ROWS:
         return "dense"
     return "tiled"
 
@@ -202,8 +207,8 @@ def moe_mlp(x, router_logits, w_gate, w_up, w_down, *, top_k: int, normalize: bo
     not sharded)."""
     weights, ids = route(router_logits, top_k, normalize)
     float32_experts = not isinstance(w_gate, QuantizedWeight) and w_gate.dtype == jnp.float32
-    impl = resolve_impl(impl, num_tokens=x.shape[0], num_experts=w_gate.shape[0], top_k=top_k,
-                        float32_experts=float32_experts)
+    impl = step_impl(impl, num_tokens=x.shape[0], num_experts=w_gate.shape[0], top_k=top_k,
+                     float32_experts=float32_experts)
     if mesh is not None:
         mesh, manual = context_mesh(mesh)  # inside the data-parallel step "data" is manual:
         expert_axis = None if expert_axis in manual else expert_axis  # the weights are whole there

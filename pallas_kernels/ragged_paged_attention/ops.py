@@ -19,7 +19,9 @@ what "auto" takes on a GPU); "gpu-mosaic" (Pallas Mosaic GPU, Hopper and newer,
 interpreters, which work on any backend (CPU included: tests, and
 `ModelConfig.attention_impl="gpu-interpret"` to serve through a kernel on a CPU host; slow, for
 checking only). `interpret=True` on the op maps a kernel (or "auto" resolving to one) to its
-interpret variant.
+interpret variant. "cpu", the native CPU kernel (C++ through the XLA FFI, not Pallas),
+registers itself from the CPU backend (`jaxserve/backends/cpu/kernels/attention.py`), which
+loads it; in a process without that backend, "auto" on the CPU is the reference.
 """
 
 from __future__ import annotations
@@ -52,15 +54,22 @@ _FUSED_WRITE: dict[str, Callable] = {}
 _FUSED_ROPE: dict[str, Callable] = {}
 
 
-def register_impl(name: str, fn: Callable, supports: Callable | None = None) -> None:
+def register_impl(name: str, fn: Callable, supports: Callable | None = None, *,
+                  fused_write: Callable | None = None, fused_rope: Callable | None = None) -> None:
     """Register (or replace) implementation `name` of `ragged_paged_attention`.
 
     `supports(q, k_cache)`, optional, raises ValueError when the kernel cannot take those
-    shapes; `impl="auto"` then falls back to the reference.
+    shapes; `impl="auto"` then falls back to the reference. `fused_write`, optional: the same
+    kernel writing the step's K/V and attending in one call (`write_kv_and_attend`'s
+    signature); `fused_rope`: also applying the rotary embedding (`fused_rope_kernel`).
     """
     _REGISTRY.register(name, fn)
     if supports is not None:
         _SUPPORTS[name] = supports
+    if fused_write is not None:
+        _FUSED_WRITE[name] = fused_write
+    if fused_rope is not None:
+        _FUSED_ROPE[name] = fused_rope
 
 
 def supports_check(name: str) -> Callable | None:
@@ -177,7 +186,8 @@ def write_kv_and_attend(
 def fused_rope_kernel(impl: str, q: jax.Array, k_cache: jax.Array) -> Callable | None:
     """The kernel `impl` dispatches to for these inputs when it also applies the rotary
     embedding to a layer's fused q/k/v product, writes K/V and attends, in one call (the
-    signature of `cpu.rope_write_kv_and_attend_cpu`); None when it has no such entry point
+    signature of the CPU backend's `rope_write_kv_and_attend_cpu`); None when it has no such
+    entry point
     (the model then composes `apply_rotary` and `write_kv_and_attend`)."""
     return _FUSED_ROPE.get(dispatch_name(impl, q, k_cache))
 
@@ -225,11 +235,8 @@ def ragged_paged_attention(
 
 
 def _register_kernels() -> None:
-    from jaxserve.pallas_kernels.ragged_paged_attention import cpu, gpu, gpu_mosaic, tpu
+    from jaxserve.pallas_kernels.ragged_paged_attention import gpu, gpu_mosaic, tpu
 
-    register_impl("cpu", cpu.ragged_paged_attention_cpu, cpu.supports)
-    _FUSED_WRITE["cpu"] = cpu.write_kv_and_attend_cpu
-    _FUSED_ROPE["cpu"] = cpu.rope_write_kv_and_attend_cpu
     register_impl("tpu", tpu.ragged_paged_attention_tpu, tpu.supports)
     register_impl("gpu", gpu.ragged_paged_attention_gpu, gpu.supports)
     register_impl("gpu-mosaic", gpu_mosaic.ragged_paged_attention_gpu_mosaic, gpu_mosaic.supports)

@@ -9,17 +9,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.backends import cpu_layer, layer_features_covered
+from jaxserve.backends import layer_features_covered
+from jaxserve.backends.cpu import layer as cpu_layer
 from jaxserve.backends.base import DevicePlan
 from jaxserve.backends.cpu import CpuBackend
 from jaxserve.models import interface as features
 from jaxserve.models.llama import LlamaForCausalLM
 from jaxserve.models.weights import create_model
-from jaxserve.pallas_kernels.cpu.matmul import avx512_available
+from jaxserve.backends.cpu.kernels.matmul import avx512_available
 from tests.models.model_utils import PagedRunner
 from tests.models.test_arch_parity import CASES, load_fixture
 
-PACK = DevicePlan("float32", "float32", "cpu", "avx512", True)
+PACK = DevicePlan("float32", "float32", "cpu", "avx512", "cpu", "ragged")
 
 
 def test_the_check_is_positive():

@@ -6,9 +6,10 @@ import types
 
 import pytest
 
-from jaxserve.backends import Backend, cpu_dtype, select_backend
+from jaxserve.backends import Backend, select_backend
+from jaxserve.backends.cpu import dtype as cpu_dtype
 from jaxserve.backends.cpu import CpuBackend
-from jaxserve.pallas_kernels.cpu.matmul import amx_available, avx2_available, avx512_available
+from jaxserve.backends.cpu.kernels.matmul import amx_available, avx2_available, avx512_available
 
 ONE, EIGHT = types.SimpleNamespace(size=1), types.SimpleNamespace(size=8)
 

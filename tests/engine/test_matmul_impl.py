@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.pallas_kernels.cpu.matmul import amx_available
+from jaxserve.backends.cpu.kernels.matmul import amx_available
 
 needs_amx = pytest.mark.skipif(not amx_available(), reason="this CPU has no AMX-BF16")
 
@@ -74,7 +74,7 @@ def test_bfloat16_engine_on_the_avx2_build_agrees_with_xla(small_engine_options,
     import subprocess
     import sys
 
-    from jaxserve.pallas_kernels import cpu
+    from jaxserve.backends.cpu import kernels as cpu
 
     if cpu.missing_isa("haswell"):
         pytest.skip("this CPU cannot run the haswell build")

@@ -66,8 +66,7 @@ def test_moe_implementations_match_transformers(data_dir, name, impl):
     """Each MoE implementation (every expert on every token; jax.lax.ragged_dot; the CPU's
     tiled grouped products) gives transformers' logits."""
     cfg, tensors, expected = load_fixture(data_dir, name)
-    model = create_model(cfg, dtype=jnp.float32, get_tensor=tensors.__getitem__)
-    model.moe_impl = impl
+    model = create_model(cfg, dtype=jnp.float32, get_tensor=tensors.__getitem__, moe_impl=impl)
     runner = PagedRunner(model, page_size=4, num_pages=16)
     seqs = [expected["tokens_0"].tolist(), expected["tokens_1"].tolist()]
     out = runner.step([(0, seqs[0], 0), (1, seqs[1], 0)], num_tokens=32, num_reqs=4, pages_per_req=8)

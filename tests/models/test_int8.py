@@ -23,7 +23,7 @@ from jaxserve.models.layers.linear import (
 from jaxserve.models.sharding import single_device_mesh
 from jaxserve.models.weights import create_model
 
-from jaxserve.backends import cpu_layer
+from jaxserve.backends.cpu import layer as cpu_layer
 from jaxserve.backends.base import DevicePlan
 from jaxserve.backends.cpu import CpuBackend
 from jaxserve.parallel.mesh import make_mesh
@@ -118,7 +118,7 @@ def test_int8_weights_are_not_packed(data_dir):
     model = create_model(cfg, dtype=jnp.float32, get_tensor=tensors.__getitem__, quantization="int8")
     backend = CpuBackend()
     before = _logits(model, expected)
-    backend.prepare_model(model, DevicePlan("float32", "float32", "cpu", "avx512", True))
+    backend.prepare_model(model, DevicePlan("float32", "float32", "cpu", "avx512", "cpu", "ragged"))
     assert not any(isinstance(v, nnx.Param) and type(v).__name__ == "PackedParam"
                    for _, v in nnx.iter_graph(model))
     assert backend.layer_impl(model) is None and not model.layer_features <= cpu_layer.FEATURES

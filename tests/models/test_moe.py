@@ -114,20 +114,39 @@ def test_sharded_moe_equals_unsharded(rules):
     np.testing.assert_allclose(_run(sharded, mesh), _run(single, None), atol=1e-4, rtol=0)
 
 
-def test_auto_picks_dense_for_small_cpu_steps_of_converted_experts():
-    """On the CPU, "auto" runs a step dense while its extra expert-rows (tokens x unused
-    experts) stay within CPU_DENSE_MAX_EXTRA_ROWS and the experts are converted per tile
-    (bfloat16, int8), grouped tiles otherwise; TPU/GPU always take ragged_dot."""
-    from jaxserve.models.layers.moe import CPU_DENSE_MAX_EXTRA_ROWS, resolve_impl
+def test_tiled_or_dense_runs_small_steps_of_converted_experts_dense():
+    """"tiled-or-dense" (the CPU backend's plan) runs a step dense while its extra expert-rows
+    (tokens x unused experts) stay within DENSE_MAX_EXTRA_ROWS and the experts are converted
+    per tile (bfloat16, int8), grouped tiles otherwise; the other forms run as named."""
+    from jaxserve.models.layers.moe import DENSE_MAX_EXTRA_ROWS, step_impl
 
     mixtral = {"num_experts": 8, "top_k": 2}
-    assert resolve_impl("auto", "cpu", num_tokens=32, **mixtral) == "dense"
-    assert resolve_impl("auto", "cpu", num_tokens=512, **mixtral) == "dense"
-    assert resolve_impl("auto", "cpu", num_tokens=1024, **mixtral) == "tiled"
-    assert resolve_impl("auto", "cpu", num_tokens=CPU_DENSE_MAX_EXTRA_ROWS // 30, num_experts=32, top_k=2) == "dense"
-    assert resolve_impl("auto", "cpu", num_tokens=64, num_experts=128, top_k=8) == "tiled"
-    assert resolve_impl("auto", "cpu", num_tokens=32, float32_experts=True, **mixtral) == "tiled"
-    assert resolve_impl("auto", "gpu", num_tokens=32, **mixtral) == "ragged"
-    assert resolve_impl("tiled", "cpu", num_tokens=32, **mixtral) == "tiled"
+    assert step_impl("tiled-or-dense", num_tokens=32, **mixtral) == "dense"
+    assert step_impl("tiled-or-dense", num_tokens=512, **mixtral) == "dense"
+    assert step_impl("tiled-or-dense", num_tokens=1024, **mixtral) == "tiled"
+    assert step_impl("tiled-or-dense", num_tokens=DENSE_MAX_EXTRA_ROWS // 30, num_experts=32,
+                     top_k=2) == "dense"
+    assert step_impl("tiled-or-dense", num_tokens=64, num_experts=128, top_k=8) == "tiled"
+    assert step_impl("tiled-or-dense", num_tokens=32, float32_experts=True, **mixtral) == "tiled"
+    assert step_impl("ragged", num_tokens=32, **mixtral) == "ragged"
+    assert step_impl("tiled", num_tokens=32, **mixtral) == "tiled"
     with pytest.raises(ValueError, match="moe impl"):
-        resolve_impl("grouped")
+        step_impl("grouped", num_tokens=32, **mixtral)
+    with pytest.raises(ValueError, match="moe impl"):  # the model checks it at construction
+        create_model(ArchConfig.from_hf(TINY_MOE), dtype=jnp.float32, moe_impl="auto")
+
+
+def test_the_backend_plans_the_moe_implementation():
+    """The backend's plan picks the grouped products (the CPU's tiles, the accelerators'
+    ragged_dot), and the engine builds the model with that choice."""
+    from jaxserve.backends import Backend
+    from jaxserve.backends.cpu import CpuBackend
+    from jaxserve.config import CacheConfig, ModelConfig
+
+    one = make_mesh(1, 1)
+    mc, cc = ModelConfig(dtype="float32", matmul_impl="xla"), CacheConfig()
+    assert CpuBackend().plan(mc, cc, one).moe_impl == "tiled-or-dense"
+    assert Backend("tpu").plan(mc, cc, one).moe_impl == "ragged"
+    cfg = ArchConfig.from_hf(TINY_MOE)
+    model = create_model(cfg, dtype=jnp.float32, moe_impl="tiled-or-dense")
+    assert model.moe_impl == "tiled-or-dense"

@@ -15,7 +15,7 @@ from tests.pallas_kernels.attention_cases import (
     random_reqs,
 )
 
-# The CPU kernels' build targets the kernel tests run on (`pallas_kernels/cpu.BUILD_TARGETS`):
+# The CPU kernels' build targets the kernel tests run on (`backends/cpu/kernels.BUILD_TARGETS`):
 # the host's own instruction sets, AVX2 + FMA without AVX-512 (the code AVX2-only CPUs run),
 # and the portable loops of the x86-64 baseline.
 CPU_TARGETS = ("native", "haswell", "x86-64")
@@ -25,7 +25,7 @@ def need_cpu_target(target: str) -> None:
     """Skip the calling test, with the reason, when `target`'s kernel build cannot run here."""
     import pytest
 
-    from jaxserve.pallas_kernels import cpu
+    from jaxserve.backends.cpu import kernels as cpu
 
     missing = cpu.missing_isa(target)
     if missing:

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxserve.pallas_kernels import cpu as cpu_kernels
+from jaxserve.backends.cpu import kernels as cpu_kernels
 from jaxserve.sampling import SamplerConfig, prompt_logprobs
 from jaxserve.sampling_params import SamplingParams
 from tests.sampling import reference as ref
@@ -17,7 +17,7 @@ from tests.sampling.harness import Req, build, jitted
 
 V = 2048
 CFG = SamplerConfig(max_num_seqs=16, vocab_size=V, max_logprobs=6, topk_candidates=16)
-NATIVE = False
+NATIVE = None  # the native sampling implementation under test ("cpu"), or JAX's ops
 
 
 @pytest.fixture(params=["jax", "native"], autouse=True)
@@ -26,7 +26,7 @@ def impl(request):
         pytest.skip("the CPU kernels cannot be built on this host")
     global CFG, NATIVE
     saved = CFG, NATIVE
-    NATIVE = request.param == "native"
+    NATIVE = "cpu" if request.param == "native" else None
     CFG = dataclasses.replace(CFG, native=NATIVE)
     yield request.param
     CFG, NATIVE = saved

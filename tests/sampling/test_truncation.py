@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from jaxserve.pallas_kernels import cpu as cpu_kernels
+from jaxserve.backends.cpu import kernels as cpu_kernels
 from jaxserve.sampling import SamplerConfig, SamplingMetadata, row_uniforms, sampler
 from tests.sampling import reference as ref
 
@@ -57,7 +57,7 @@ _IMPL = "jax"
 
 
 def _random_fn(V):
-    return _random_fn_for(V, _IMPL == "native")
+    return _random_fn_for(V, "cpu" if _IMPL == "native" else None)
 
 
 @functools.cache

@@ -120,7 +120,7 @@ def test_generate_on_the_haswell_kernel_build(tmp_path, compile_cache_dir):
     import subprocess
     import sys
 
-    from jaxserve.pallas_kernels import cpu
+    from jaxserve.backends.cpu import kernels as cpu
     from tests.model_dirs import write_model_dir
 
     if cpu.missing_isa("haswell"):

@@ -1,4 +1,5 @@
-"""Ragged paged attention on XLA:CPU: the native kernel `pallas_kernels/cpu/attention.cc`.
+"""Ragged paged attention on XLA:CPU: the native kernel `attention.cc`, registered as the
+attention op's implementation "cpu" (what "auto" takes on the CPU) when this module loads.
 
 The pure-JAX reference spends most of a CPU decode step gathering and transposing K/V for
 small batched products (about 150 ms of a 250 ms SmolLM2 step at 32 requests). The kernel
@@ -7,9 +8,10 @@ from the paged cache, keeps an online softmax per row in float32 with AVX-512 or
 (portable loops elsewhere), and spreads its work items over the cores (`parallel.h`).
 Semantics are the reference's (`reference.py`), sliding window and soft cap included; q may be
 float32 or bfloat16 (computed in float32), the caches float32 or bfloat16. How the library is
-built and loaded: `pallas_kernels/cpu/__init__.py`; without a C++ compiler, `supports()` raises
-and `impl="auto"` falls back to the reference with a warning. `target` (the entry points'
-keyword) names the kernel build to call (`cpu.BUILD_TARGETS`; None: the process's).
+built and loaded: `__init__.py`; without a C++ compiler, `supports()` raises and `impl="auto"`
+falls back to the reference with a warning. `target` (the entry points' keyword) names the
+kernel build to call (`BUILD_TARGETS`; None: the process's). The CPU backend loads this module
+(`jaxserve.backends.cpu`); without it, "auto" on the CPU is the pure-JAX reference.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.pallas_kernels import cpu
+from jaxserve.backends.cpu import kernels
 from jaxserve.pallas_kernels.ragged_paged_attention.metadata import AttentionMetadata
+from jaxserve.pallas_kernels.ragged_paged_attention.ops import register_impl
 
 TARGET = "jaxserve_ragged_paged_attention"
 FUSED_TARGET = "jaxserve_write_kv_and_attend"
@@ -32,7 +35,7 @@ def supports(q: jax.Array, k_cache: jax.Array, target: str | None = None) -> Non
         raise ValueError(f"the cpu kernel takes float32 or bfloat16 caches, not {k_cache.dtype}")
     if q.dtype not in (jnp.float32, jnp.bfloat16):
         raise ValueError(f"the cpu kernel takes float32 or bfloat16 queries, not {q.dtype}")
-    cpu.ensure_loaded(target)
+    kernels.ensure_loaded(target)
 
 
 def ragged_paged_attention_cpu(
@@ -49,7 +52,8 @@ def ragged_paged_attention_cpu(
 ) -> jax.Array:
     """The op on the native CPU kernel. Same arguments and result as the reference."""
     supports(q, k_cache, target)
-    out = jax.ffi.ffi_call(cpu.ffi_target(TARGET, target), jax.ShapeDtypeStruct(q.shape, jnp.float32))(
+    out = jax.ffi.ffi_call(kernels.ffi_target(TARGET, target),
+                           jax.ShapeDtypeStruct(q.shape, jnp.float32))(
         q.astype(jnp.float32), k_cache, v_cache, *_metadata(md),
         **_attrs(sm_scale, sliding_window, soft_cap))
     return out.astype(q.dtype)
@@ -75,7 +79,7 @@ def write_kv_and_attend_cpu(
     """
     supports(q, k_cache, target)
     out, k_cache, v_cache = jax.ffi.ffi_call(
-        cpu.ffi_target(FUSED_TARGET, target),
+        kernels.ffi_target(FUSED_TARGET, target),
         (jax.ShapeDtypeStruct(q.shape, jnp.float32),
          jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
          jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)),
@@ -113,7 +117,7 @@ def rope_write_kv_and_attend_cpu(
         raise ValueError(f"rope_write_kv_and_attend: qkv {qkv.shape}, cos {cos.shape} do not fit "
                          f"{num_heads} + 2 x {hkv} heads of {d}")
     out, k_cache, v_cache = jax.ffi.ffi_call(
-        cpu.ffi_target(ROPE_TARGET, target),
+        kernels.ffi_target(ROPE_TARGET, target),
         (jax.ShapeDtypeStruct((T, num_heads, d), jnp.float32),
          jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
          jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)),
@@ -133,3 +137,7 @@ def _metadata(md: AttentionMetadata) -> tuple[jax.Array, ...]:
 def _attrs(sm_scale, sliding_window, soft_cap) -> dict:
     return dict(sm_scale=np.float32(sm_scale), sliding_window=np.int32(sliding_window or 0),
                 soft_cap=np.float32(soft_cap or 0.0))
+
+
+register_impl("cpu", ragged_paged_attention_cpu, supports, fused_write=write_kv_and_attend_cpu,
+              fused_rope=rope_write_kv_and_attend_cpu)

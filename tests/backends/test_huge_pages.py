@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.runner.huge_pages import (
+from jaxserve.backends.cpu.huge_pages import (
     HUGE_PAGE,
     advise_huge_pages,
     advise_in_background,
@@ -97,9 +97,9 @@ def test_the_weight_arena_aliases_xla_buffers_and_keeps_them_alive():
 def test_the_engine_puts_its_kv_cache_and_weights_on_huge_pages(small_engine_options):
     llm = LLM(**small_engine_options)
     runner = llm.engine.runner
-    runner.huge_pages.join()
+    runner.host_placement.join()
     advised = sum(n for _, n in host_ranges([*runner.params, *runner.kv.k, *runner.kv.v]))
-    not_collapsed = advised - runner.huge_pages.collapsed  # the kernel may lack free huge pages
+    not_collapsed = advised - runner.host_placement.collapsed  # the kernel may lack free huge pages
     start, length = max(host_ranges(runner.kv.k), key=lambda r: r[1])
     assert anon_huge_bytes(start) >= length - not_collapsed
     weights = [x.unsafe_buffer_pointer() for x in runner.params]

@@ -45,7 +45,7 @@ def _product(dtype: str, impl: str, k: int, n: int) -> Callable[[jax.Array], jax
     rng = np.random.default_rng(0)
     w = (0.05 * rng.standard_normal((k, n))).astype(np.float32)
     if impl != "xla":
-        from jaxserve.pallas_kernels.cpu.matmul import pack_weight, packed_matmul
+        from jaxserve.backends.cpu.kernels.matmul import pack_weight, packed_matmul
 
         packed = jnp.asarray(pack_weight(w.astype(jnp.dtype(dtype)), tiles=impl == "amx"))
         return jax.jit(lambda x: packed_matmul(x, packed))

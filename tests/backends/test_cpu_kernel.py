@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from jaxserve.pallas_kernels import ragged_paged_attention
-from jaxserve.pallas_kernels import cpu as native
-from jaxserve.pallas_kernels.ragged_paged_attention import cpu
+from jaxserve.backends.cpu import kernels as native
+from jaxserve.backends.cpu.kernels import attention as cpu
 from jaxserve.pallas_kernels.ragged_paged_attention import ops as attn_ops
 from tests.pallas_kernels.attention_cases import assert_close_to_naive, make_case
 from tests.pallas_kernels.kernel_checks import (
@@ -134,8 +134,7 @@ def test_no_compiler_falls_back_to_the_reference(tmp_path):
     code = """
 import jax, jax.numpy as jnp, numpy as np
 from jaxserve.pallas_kernels import ragged_paged_attention
-from jaxserve.pallas_kernels import cpu as native
-from jaxserve.pallas_kernels import cpu
+from jaxserve.backends.cpu import kernels as cpu
 from tests.pallas_kernels.attention_cases import make_case, assert_close_to_naive
 case = make_case([(5, 3), (9, 1)], page_size=16, hq=4, hkv=2, d=64, r_pad=2, t_pad=4)
 args = [jnp.asarray(case[k]) for k in ("q", "kc", "vc")] + [case["md"]]
@@ -146,7 +145,7 @@ try:
 except cpu.KernelUnavailable as e:
     print("ERROR", e)
 from jaxserve.backends.cpu import CpuBackend
-from jaxserve.pallas_kernels.cpu.matmul import amx_available
+from jaxserve.backends.cpu.kernels.matmul import amx_available
 one = jax.sharding.Mesh(jax.devices()[:1], ("model",))
 print("AMX", amx_available(), CpuBackend().resolve_matmul_impl("auto", "bfloat16", one))
 """
@@ -167,8 +166,8 @@ def test_build_target_is_chosen_per_process():
     need_cpu_target("haswell")
     code = """
 import jax.numpy as jnp, numpy as np
-from jaxserve.pallas_kernels import cpu
-from jaxserve.pallas_kernels.cpu import matmul
+from jaxserve.backends.cpu import kernels as cpu
+from jaxserve.backends.cpu.kernels import matmul
 cpu.select_target("haswell")
 assert cpu.selected_target() == "haswell"
 assert cpu.ensure_loaded() is cpu.ensure_loaded("haswell")
@@ -268,7 +267,7 @@ def test_rope_write_and_attend_matches_the_composed_ops(dtype, target):
     cache write, attention; one call) equals `apply_rotary` + casts + `write_kv_and_attend`:
     the caches bit for bit, the output to float32 rounding."""
     need_cpu_target(target)
-    from jaxserve.backends.cpu_layer import attention_qkv
+    from jaxserve.backends.cpu.layer import attention_qkv
     from jaxserve.models.layers.attention import AttentionSpec
     from jaxserve.models.layers.rotary import rotary_tables
 

@@ -8,8 +8,8 @@ tile unit does several times that, and at small batch the product is bound by re
 weights, which AMX streams once per 32 rows. XLA's float32 products with 8-32 rows run at
 35-80 GFLOP/s here, about half of what a register-blocked AVX-512 loop does; limited to AVX2
 (`--xla_cpu_max_isa=AVX2`), XLA's 32-row LM-head product runs at ~30 GFLOP/s. The kernel wants
-each weight pre-packed (`pack_weight`, done once at load time by `models/layers/linear.py:
-pack_linear_weights`); the result is float32 (the products' accumulator dtype everywhere in
+each weight pre-packed (`pack_weight`, done once at load time by the backend's
+`packing.pack_linear_weights`); the result is float32 (the products' accumulator dtype everywhere in
 the models). The ops around a decoder layer's products (RMSNorm before, residual
 add or silu(gate) * up after) can run inside the kernel (`packed_matmul`'s keyword arguments).
 """
@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from jaxserve.pallas_kernels import cpu
+from jaxserve.backends.cpu import kernels as cpu
 
 TARGET = "jaxserve_packed_matmul"
 

@@ -19,7 +19,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxserve.pallas_kernels import cpu
+from jaxserve.backends.cpu import kernels as cpu
+from jaxserve.sampling import native
 
 TARGET = "jaxserve_sample_rows"
 
@@ -57,3 +58,6 @@ def raw_logprobs(raw, tok, k: int, target: str | None = None):
         (jax.ShapeDtypeStruct((N,), jnp.float32), jax.ShapeDtypeStruct((N, k), jnp.int32),
          jax.ShapeDtypeStruct((N, k), jnp.float32), jax.ShapeDtypeStruct((N,), jnp.int32)),
     )(raw.astype(jnp.float32), tok.astype(jnp.int32))
+
+
+native.register("cpu", sample_rows, raw_logprobs)  # the sampler's SamplerConfig.native="cpu"

@@ -1,7 +1,7 @@
 """The CPU backend's fused decoder layer: five native kernel calls instead of about twenty ops.
 
-With every product of a layer packed (`pack_linear_weights`), the RMSNorms run in the product
-kernel's prologue, the residual adds and silu(gate) * up in its epilogue, and the rotary
+With every product of a layer packed (`packing.pack_linear_weights`), the RMSNorms run in the
+product kernel's prologue, the residual adds and silu(gate) * up in its epilogue, and the rotary
 embedding, casts and cache write inside the attention call. Each small XLA:CPU op costs 20-60
 us and a step had about 250 of them; fusing them took a 32-request SmolLM2 step from 71-76 ms
 to 60-67 ms in alternating runs.
@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from jaxserve.models import interface as features
 from jaxserve.models.layers.linear import PackedWeight
-from jaxserve.pallas_kernels.cpu.matmul import packed_matmul
+from jaxserve.backends.cpu.kernels.matmul import packed_matmul
 from jaxserve.pallas_kernels.ragged_paged_attention.metadata import AttentionMetadata
 from jaxserve.pallas_kernels.ragged_paged_attention.ops import fused_rope_kernel, write_kv_and_attend
 from jaxserve.models.layers.rotary import apply_rotary

@@ -1,4 +1,4 @@
-"""The CPU sampling kernel (pallas_kernels/cpu/sample.py) on its own, on each kernel build target
+"""The CPU sampling kernel (backends/cpu/kernels/sample.py) on its own, on each kernel build target
 (`kernel_checks.CPU_TARGETS`: AVX-512, AVX2 and portable passes over a row). Its kept sets and
 draws are also checked through the sampler against the float64 reference with the JAX steps
 in tests/sampling/test_truncation.py (every test there runs on both, with the process's build);
@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.pallas_kernels.cpu import sample as cpu_sample
+from jaxserve.backends.cpu.kernels import sample as cpu_sample
 from tests.pallas_kernels.kernel_checks import CPU_TARGETS, need_cpu_target
 from tests.sampling import reference as ref
 

@@ -13,8 +13,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jaxserve.models.layers.linear import PackedWeight, dense, dense_group, pack_for_spec, pack_linear_weights
-from jaxserve.pallas_kernels.cpu.matmul import (
+from jaxserve.backends.cpu.packing import KERNEL, pack_for_spec, pack_linear_weights
+from jaxserve.models.layers.linear import PackedWeight, dense, dense_group
+from jaxserve.backends.cpu.kernels.matmul import (
     amx_available,
     avx2_available,
     avx512_available,
@@ -78,7 +79,8 @@ def test_dense_with_packed_weights_matches_einsum(spec, x_shape, w_shape):
     x = jnp.asarray(rng.standard_normal(x_shape), jnp.float32)
     w = _bf16(rng, *w_shape, scale=0.1)
     blocks, out_shape = pack_for_spec(spec, w, tiles=True)
-    got = jax.jit(lambda x, b: dense(spec, x, PackedWeight(b, (out_shape,))))(x, jnp.asarray(blocks))
+    got = jax.jit(lambda x, b: dense(spec, x, PackedWeight(b, (out_shape,), KERNEL)))(
+        x, jnp.asarray(blocks))
     want = dense(spec, x, jnp.asarray(w))
     assert got.shape == want.shape and got.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
@@ -104,7 +106,7 @@ def test_fused_group_splits_like_separate_products():
     ws = [_bf16(rng, 64, h, 16, scale=0.1) for h in (4, 2, 2)]
     packed = [pack_for_spec(spec, w, tiles=True) for w in ws]
     fused = PackedWeight(jnp.asarray(np.concatenate([b for b, _ in packed])),
-                         tuple(s for _, s in packed))
+                         tuple(s for _, s in packed), KERNEL)
     outs = dense_group(spec, x, fused)
     for got, w in zip(outs, ws):
         want = dense(spec, x, jnp.asarray(w))
@@ -149,7 +151,7 @@ def test_fused_layer_matches_the_composed_packed_layer(dtype):
     """With every product packed, the CPU backend runs a layer as five kernel calls
     (`cpu_layer.fused_layer`: norms, residuals, GLU, rotary and casts inside the kernels); it
     gives the logits of the model's own layer on the same packed weights."""
-    from jaxserve.backends import cpu_layer
+    from jaxserve.backends.cpu import layer as cpu_layer
     from jaxserve.backends.base import DevicePlan
     from jaxserve.backends.cpu import CpuBackend
     from jaxserve.models.arch_config import ArchConfig
@@ -163,7 +165,7 @@ def test_fused_layer_matches_the_composed_packed_layer(dtype):
     backend = CpuBackend()
     assert backend.layer_impl(model) is None  # nothing packed yet: the model's own layer
     name = jnp.dtype(dtype).name
-    backend.prepare_model(model, DevicePlan(name, name, "cpu", impl, True))
+    backend.prepare_model(model, DevicePlan(name, name, "cpu", impl, "cpu", "ragged"))
     assert backend.layer_impl(model) is cpu_layer.fused_layer
     fused = _tiny_llama_logits(model, cpu_layer.fused_layer)
     composed = _tiny_llama_logits(model)

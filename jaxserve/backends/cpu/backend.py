@@ -1,4 +1,4 @@
-"""The CPU backend: native kernels (pallas_kernels/cpu/) where the host can build them.
+"""The CPU backend: native kernels (`kernels/`) where the host can build them.
 
 What differs from the accelerators (see docs/DESIGN.md §9 for the measurements):
 - dtype "auto": whichever of bfloat16 and float32 runs the products faster here (measured);
@@ -8,7 +8,8 @@ What differs from the accelerators (see docs/DESIGN.md §9 for the measurements)
 - the token budget per step: 512 unless given (larger steps delay first tokens here);
 - products on weights packed once at load time (AMX bfloat16, AVX-512 or AVX2 float32), one
   device, on the kernel build `ModelConfig.cpu_kernel_target` selects;
-- a fused decoder layer (`cpu_layer.py`) when the model's layer features are all covered;
+- a fused decoder layer (`layer.py`) when the model's layer features are all covered;
+- MoE layers' grouped products as tiles, or dense for small steps ("tiled-or-dense");
 - weights in a huge-page arena and the KV cache advised onto huge pages;
 - the sampler's random draws and logprobs in a native kernel (one device).
 Without a C++ compiler every native path is off and the engine runs XLA's ops (same results).
@@ -17,6 +18,7 @@ Without a C++ compiler every native path is off and the engine runs XLA's ops (s
 from __future__ import annotations
 
 import logging
+import platform
 import types
 
 import jax
@@ -24,13 +26,19 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxserve.backends import cpu_dtype, cpu_layer
 from jaxserve.backends.base import Backend, DevicePlan, LayerImpl, layer_features_covered
+from jaxserve.backends.cpu import dtype as cpu_dtype
+from jaxserve.backends.cpu import huge_pages
+from jaxserve.backends.cpu import kernels
+from jaxserve.backends.cpu import layer as cpu_layer
+# (registering attention's "cpu" and the sampler's native "cpu")
+from jaxserve.backends.cpu.kernels import attention, sample  # noqa: F401
+from jaxserve.backends.cpu.kernels.matmul import (
+    amx_available, avx2_available, avx512_available, strips_kernel,
+)
 from jaxserve.config import CacheConfig, ModelConfig
-from jaxserve.models.layers.linear import PackedParam, pack_linear_weights
-from jaxserve.pallas_kernels import cpu as kernels
-from jaxserve.pallas_kernels.cpu.matmul import amx_available, avx2_available, avx512_available, strips_kernel
-from jaxserve.runner import huge_pages
+from jaxserve.backends.cpu.packing import pack_linear_weights
+from jaxserve.models.layers.linear import PackedParam
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +50,9 @@ MATMUL_IMPLS = ("auto", "xla", "amx", "avx512", "avx2")
 class CpuBackend(Backend):
     name = "cpu"
     fused_layer_features = cpu_layer.FEATURES
+    # XLA:CPU lowers ragged_dot to every expert on every row: tiles of the sorted rows instead,
+    # and every expert on every token for small steps (models/layers/moe.py).
+    moe_impl = "tiled-or-dense"
     # Tokens per step by default. A CPU step's time grows with its tokens (a few hundred already
     # keep the cores busy), so a larger step only makes a burst of requests wait for all of it
     # before any first token: at 32 streams on 2 cores, TTFT p50 was 1.4-3.1x that of 512 with
@@ -54,7 +65,7 @@ class CpuBackend(Backend):
 
     def resolve_dtype(self, requested: str, mesh: Mesh | None = None) -> str:
         """The faster of bfloat16 and float32 on this CPU for "auto", measured on the products
-        a decode step is made of, through the path each would take (`cpu_dtype.py`: once per
+        a decode step is made of, through the path each would take (`dtype.py`: once per
         CPU, cached). Set "float32" to match float32 references to the last digits."""
         if requested != "auto":
             return requested
@@ -106,8 +117,8 @@ class CpuBackend(Backend):
             raise ValueError(f"matmul_impl={requested!r} cannot run here: " + "; ".join(reasons))
         return "xla"
 
-    def native_sampling(self, mesh: Mesh) -> bool:
-        return mesh.size == 1 and kernels.available()
+    def native_sampling(self, mesh: Mesh) -> str | None:
+        return "cpu" if mesh.size == 1 and kernels.available() else None
 
     def plan(self, mc: ModelConfig, cc: CacheConfig, mesh: Mesh) -> DevicePlan:
         kernels.select_target(mc.cpu_kernel_target)  # before anything loads the kernels
@@ -120,7 +131,8 @@ class CpuBackend(Backend):
     def prepare_model(self, model, plan: DevicePlan, abstract: bool = False) -> None:
         if plan.matmul_impl == "xla":
             return
-        n = pack_linear_weights(model, *model.product_specs, tiles=plan.matmul_impl == "amx", abstract=abstract)
+        n = pack_linear_weights(model, *model.product_specs, tiles=plan.matmul_impl == "amx",
+                                abstract=abstract)
         if not abstract:
             logger.info("packed %d weights for the %s matmul kernel", n, plan.matmul_impl)
 
@@ -138,7 +150,7 @@ class CpuBackend(Backend):
         return cpu_layer.fused_layer
 
     def place_weights(self, model, params: list[jax.Array], treedef) -> None:
-        """Copy the weights into one huge-page arena (see runner/huge_pages.py), in place in
+        """Copy the weights into one huge-page arena (see huge_pages.py), in place in
         `params`, and point `model`'s variables at them, so that XLA's copies are freed; the
         freed memory goes back to the system."""
         moved_params, moved = huge_pages.place_on_huge_pages(params)
@@ -148,6 +160,15 @@ class CpuBackend(Backend):
             del moved_params
             nnx.update(model, jax.tree.unflatten(treedef, params))
             huge_pages.release_freed_host_memory()
+
+    def fingerprint(self) -> dict[str, str]:
+        """The host's instruction sets, and the native kernels the steps call: the build target
+        and its library (named by the hash of its sources, flags, compiler, jaxlib and CPU), or
+        their absence."""
+        target = kernels.selected_target()
+        library = kernels.library_path(target).name if kernels.available(target) else "unavailable"
+        return {"cpu": f"{platform.machine()} {kernels.cpu_flags().strip()}",
+                "kernels": f"{target}:{library}"}
 
     def place_kv_cache(self, arrays: list[jax.Array]):
         return huge_pages.advise_in_background(arrays)
