@@ -65,3 +65,22 @@ def load_pooling_config(model_dir: str | pathlib.Path) -> PoolingConfig:
                          "is not supported; jaxserve pools the last token or the mean of the tokens")
     pooling = modes[0] if modes else "last"
     return PoolingConfig(pooling, normalize, f"{cfg_file.relative_to(root)}")
+
+
+def as_causal_lm(ckpt):
+    """A pooling checkpoint saved from a decoder's base model (`Qwen3Model`, `MistralModel`,
+    ...: tensors without the `model.` prefix, no `lm_head`) as its causal LM: the architecture
+    renamed, the tensors prefixed, and without a head the embedding matrix standing in as a
+    tied one (the pooling runner never computes logits). Other checkpoints are returned as
+    they are."""
+    config = dict(ckpt.config)
+    config["architectures"] = [a[: -len("Model")] + "ForCausalLM" if a.endswith("Model") else a
+                               for a in config.get("architectures") or ()]
+    entries = dict(ckpt._entries)
+    if entries and not any(name.startswith("model.") for name in entries):
+        entries = {(n if n.startswith("lm_head.") else f"model.{n}"): e for n, e in entries.items()}
+    if "lm_head.weight" not in entries:
+        config["tie_word_embeddings"] = True
+    if config == ckpt.config and entries == ckpt._entries:
+        return ckpt
+    return dataclasses.replace(ckpt, config=config, _entries=entries)

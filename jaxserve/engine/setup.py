@@ -26,7 +26,7 @@ from jaxserve.engine.input_processor import ModelInfo
 from jaxserve.engine.tokenizer import Tokenizer
 from jaxserve.models.arch_config import ArchConfig
 from jaxserve.models.loader import load_checkpoint, resolve_model
-from jaxserve.models.pooling_config import check_decoder, load_pooling_config
+from jaxserve.models.pooling_config import as_causal_lm, check_decoder, load_pooling_config
 from jaxserve.models.sharding import check_servable, load_rules, serving_rules
 from jaxserve.models.weights import create_model, sharded_abstract_model
 from jaxserve.parallel import multihost
@@ -108,6 +108,7 @@ def build_engine(config: EngineConfig, timer: StartupTimer | None = None, *,
         ckpt = load_checkpoint(model_path)
         if mc.is_pooling:
             check_decoder(ckpt.config.get("architectures"))
+            ckpt = as_causal_lm(ckpt)
         arch = ArchConfig.from_hf(ckpt.config)
         gen = load_generation_config(model_path, mc.generation_config, ckpt.config)
     max_model_len = mc.resolve_max_model_len(arch.max_position_embeddings)

@@ -13,7 +13,7 @@ import shutil
 
 import numpy as np
 import pytest
-from safetensors.numpy import load_file
+from safetensors.numpy import load_file, save_file
 
 from jaxserve import LLM
 from jaxserve.config import ModelConfig
@@ -90,8 +90,23 @@ def test_mean_pooling_matches_transformers(qwen3_mean):
         np.testing.assert_allclose(np.linalg.norm(emb), np.linalg.norm(h.mean(axis=0)), rtol=1e-4)  # not normalized
 
 
-def test_llama_last_token_matches_transformers(tmp_path, compile_cache_dir):
-    llm = LLM(str(write_model_dir(tmp_path, "llama")), compilation_cache_dir=compile_cache_dir, **OPTIONS)
+def as_base_model(model_dir) -> None:
+    """Rewrite a causal LM's directory as its base model's (e.g. LlamaModel): tensors without
+    the `model.` prefix and no lm_head, as many embedding checkpoints are saved."""
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    save_file({k.removeprefix("model."): v for k, v in tensors.items() if not k.startswith("lm_head.")},
+              str(model_dir / "model.safetensors"))
+    config = json.loads((model_dir / "config.json").read_text())
+    arch = config["architectures"][0].replace("ForCausalLM", "Model")
+    (model_dir / "config.json").write_text(json.dumps({**config, "architectures": [arch]}))
+
+
+@pytest.mark.parametrize("base_model", [False, True])
+def test_llama_last_token_matches_transformers(tmp_path, compile_cache_dir, base_model):
+    d = write_model_dir(tmp_path, "llama")  # untied: its own lm_head
+    if base_model:
+        as_base_model(d)
+    llm = LLM(str(d), compilation_cache_dir=compile_cache_dir, **OPTIONS)
     for out, h in zip(llm.embed(fixture_tokens("llama")), transformers_hidden("llama")):
         assert cosine(out.outputs.embedding, h[-1]) >= 0.9999
 
