@@ -149,7 +149,8 @@ class ModelConfig:
     runner: Literal["auto", "generate", "pooling"] = "auto"
     """What the model serves: generate (text: completions, chat) or pooling (embeddings:
     /v1/embeddings, LLM.embed; decoder models, pooled as their sentence-transformers files say,
-    else last token + L2 norm). auto: generate (every supported architecture is a causal LM)."""
+    else last token + L2 norm). auto: pooling for a base model's checkpoint (architectures
+    named *Model, e.g. Qwen3Model: no LM head), else generate."""
     task: Literal["generate", "embed"] | None = None
     """vLLM's older spelling of --runner: embed = pooling. Default: --runner decides."""
     quantization: Literal["int8"] | None = None
@@ -174,10 +175,11 @@ class ModelConfig:
         if self.quantization not in (None, "int8"):
             raise ValueError(f"quantization must be 'int8' or None, got {self.quantization!r}.")
 
-    @property
-    def is_pooling(self) -> bool:
-        """Whether the engine embeds (--runner pooling) instead of generating."""
-        return self.runner == "pooling"
+    def is_pooling(self, architectures: list[str] | None) -> bool:
+        """Whether the engine embeds instead of generating, for a checkpoint of `architectures`."""
+        if self.runner != "auto":
+            return self.runner == "pooling"
+        return bool(architectures) and all(a.endswith("Model") for a in architectures)
 
     def resolve_max_model_len(self, max_position_embeddings: int) -> int:
         """The context length: the user's, else the model's, at most DEFAULT_MAX_MODEL_LEN."""

@@ -106,7 +106,8 @@ def build_engine(config: EngineConfig, timer: StartupTimer | None = None, *,
     tokenizer_pool.shutdown(wait=False)
     with timer.phase("checkpoint"):
         ckpt = load_checkpoint(model_path)
-        if mc.is_pooling:
+        pooling = mc.is_pooling(ckpt.config.get("architectures"))
+        if pooling:
             check_decoder(ckpt.config.get("architectures"))
             ckpt = as_causal_lm(ckpt)
         arch = ArchConfig.from_hf(ckpt.config)
@@ -129,11 +130,11 @@ def build_engine(config: EngineConfig, timer: StartupTimer | None = None, *,
         with timer.phase("distributed"):
             link, plan = _join(topo, config, model_path, plan)
     kv_dtype = jax_dtype(plan.kv_dtype)
-    if mc.is_pooling and (D > 1 or topo is not None):
+    if pooling and (D > 1 or topo is not None):
         raise ValueError("--runner pooling runs on one process without data parallelism")
     model = _prepared_model(config, ckpt, arch, backend, plan, mesh, rules, timer)
     load_seconds = time.perf_counter() - t0
-    if mc.is_pooling:
+    if pooling:
         return _pooling_engine(config, model, model_path, arch, backend, plan, mesh, rules, gen, timer,
                                tokenizer_future, sc, load_seconds, own_timer)
     # Pages per data-parallel rank (each rank's devices hold its own; `num_pages` counts them all).

@@ -103,10 +103,13 @@ def as_base_model(model_dir) -> None:
 
 @pytest.mark.parametrize("base_model", [False, True])
 def test_llama_last_token_matches_transformers(tmp_path, compile_cache_dir, base_model):
+    """A base model's checkpoint loads as its causal LM, and runner "auto" embeds with it."""
     d = write_model_dir(tmp_path, "llama")  # untied: its own lm_head
     if base_model:
         as_base_model(d)
-    llm = LLM(str(d), compilation_cache_dir=compile_cache_dir, **OPTIONS)
+    options = {**OPTIONS, "runner": "auto"} if base_model else OPTIONS
+    llm = LLM(str(d), compilation_cache_dir=compile_cache_dir, **options)
+    assert llm.engine.info.runner == "pooling"
     for out, h in zip(llm.embed(fixture_tokens("llama")), transformers_hidden("llama")):
         assert cosine(out.outputs.embedding, h[-1]) >= 0.9999
 

@@ -82,6 +82,7 @@ def test_dimensions_truncate_and_renormalize(client):
     ({"input": " ".join(["w5"] * 40)}, 400, "context length"),
     ({"input": "w5", "encoding_format": "hex"}, 400, "encoding_format"),
     ({"input": [1.5]}, 400, "input"),
+    ({"input": ["w5", [5]]}, 400, "input"),
     ({}, 400, "input"),
     ({"input": "w5", "model": "other"}, 404, "does not exist"),
 ])
@@ -102,3 +103,18 @@ def test_a_generation_model_refuses_embeddings(tmp_path, compile_cache_dir):
         r = c.post("/v1/embeddings", json={"input": "w5"})
         assert r.status_code == 400 and "--runner pooling" in r.json()["error"]["message"]
         assert c.post("/v1/completions", json={"prompt": "w5", "max_tokens": 2}).status_code == 200
+
+
+def test_the_process_engine_embeds_as_the_thread_engine(client, tmp_path, compile_cache_dir):
+    """--engine-core process: the vectors cross the pipe unchanged."""
+    from jaxserve.config import EngineConfig
+    from jaxserve.engine.client import open_engine
+    from jaxserve.server.app import build_app
+
+    config = EngineConfig.from_kwargs(model=str(write_model_dir(tmp_path / "m", "qwen3")), runner="pooling",
+                                      compilation_cache_dir=compile_cache_dir, **OPTIONS)
+    body = {"input": ["w5 w6 w7", "w9 w10"], "dimensions": 16}
+    with TestClient(build_app(open_engine(config, core="process"), shutdown_grace_seconds=1)) as c:
+        r = c.post("/v1/embeddings", json=body)
+        np.testing.assert_array_equal(_vectors(r), _vectors(client.post("/v1/embeddings", json=body)))
+        assert c.post("/v1/embeddings", json={"input": "w5", "dimensions": 99}).status_code == 400
