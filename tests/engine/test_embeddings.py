@@ -178,3 +178,24 @@ def test_task_embed_is_runner_pooling():
     assert ModelConfig(task="generate").runner == "generate"
     with pytest.raises(ValueError, match="contradicts"):
         ModelConfig(task="embed", runner="generate")
+
+
+def test_tensor_parallel_embeddings_equal_one_device(qwen3_last, tmp_path, compile_cache_dir):
+    d = write_model_dir(tmp_path, "qwen3")
+    llm = LLM(str(d), compilation_cache_dir=compile_cache_dir, tensor_parallel_size=2, **OPTIONS)
+    prompts = [[5, 6, 7], list(range(3, 30))]
+    np.testing.assert_allclose([o.outputs.embedding for o in llm.embed(prompts)],
+                               [o.outputs.embedding for o in qwen3_last.embed(prompts)], atol=1e-5)
+
+
+def test_executables_come_from_the_cache(tmp_path, compile_cache_dir):
+    """A second pooling engine of the same model and buckets loads every executable."""
+    d = write_model_dir(tmp_path, "qwen3")
+    first = LLM(str(d), compilation_cache_dir=str(tmp_path / "cache"), **OPTIONS)
+    second = LLM(str(d), compilation_cache_dir=str(tmp_path / "cache"), **OPTIONS)
+    runner = second.engine.core.runner
+    assert first.engine.core.runner.executables_compiled > 0
+    assert (runner.executables_loaded, runner.executables_compiled) == (runner.num_buckets + 1, 0)
+    prompts = [[5, 6, 7], [9] * 20]
+    assert [o.outputs.embedding for o in first.embed(prompts)] == [o.outputs.embedding
+                                                                   for o in second.embed(prompts)]
