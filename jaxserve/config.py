@@ -171,7 +171,8 @@ class ModelConfig:
                 raise ValueError(f"task {self.task!r} contradicts runner {self.runner!r}.")
             object.__setattr__(self, "runner", implied)
         if self.runner not in ("auto", "generate", "pooling"):
-            raise ValueError(f"runner must be 'auto', 'generate' or 'pooling', got {self.runner!r}.")
+            raise ValueError(f"runner must be 'auto', 'generate' or 'pooling', "
+                             f"got {self.runner!r}.")
         if self.quantization not in (None, "int8"):
             raise ValueError(f"quantization must be 'int8' or None, got {self.quantization!r}.")
 

@@ -40,9 +40,9 @@ def check_decoder(architectures: list[str] | None) -> None:
     for name in architectures or ():
         if name in ENCODER_ARCHITECTURES:
             raise ValueError(
-                f"{name} is a bidirectional encoder; jaxserve's pooling runner embeds with decoder "
-                "models only (the Llama, Qwen2 and Qwen3 families, e.g. Qwen3-Embedding). BERT-style "
-                "encoders are out of scope.")
+                f"{name} is a bidirectional encoder; jaxserve's pooling runner embeds with "
+                "decoder models only (the Llama, Qwen2 and Qwen3 families, e.g. "
+                "Qwen3-Embedding). BERT-style encoders are out of scope.")
 
 
 def load_pooling_config(model_dir: str | pathlib.Path) -> PoolingConfig:
@@ -53,7 +53,8 @@ def load_pooling_config(model_dir: str | pathlib.Path) -> PoolingConfig:
         return PoolingConfig()
     modules = json.loads(modules_file.read_text())
     normalize = any(str(m.get("type", "")).endswith("Normalize") for m in modules)
-    pooling_dirs = [m.get("path", "") for m in modules if str(m.get("type", "")).endswith("Pooling")]
+    pooling_dirs = [m.get("path", "") for m in modules
+                    if str(m.get("type", "")).endswith("Pooling")]
     if not pooling_dirs:
         return PoolingConfig("last", normalize, "modules.json (no Pooling module: last token)")
     cfg_file = root / pooling_dirs[0] / "config.json"
@@ -61,8 +62,9 @@ def load_pooling_config(model_dir: str | pathlib.Path) -> PoolingConfig:
     modes = [mode for key, mode in _MODES.items() if cfg.get(key)]
     other = [key for key in _UNSUPPORTED_MODES if cfg.get(key)]
     if other or len(modes) > 1:
-        raise ValueError(f"{cfg_file}: pooling {', '.join(other + [k for k in _MODES if cfg.get(k)])} "
-                         "is not supported; jaxserve pools the last token or the mean of the tokens")
+        asked = ", ".join(other + [k for k in _MODES if cfg.get(k)])
+        raise ValueError(f"{cfg_file}: pooling {asked} is not supported; jaxserve pools the last "
+                         "token or the mean of the tokens")
     pooling = modes[0] if modes else "last"
     return PoolingConfig(pooling, normalize, f"{cfg_file.relative_to(root)}")
 

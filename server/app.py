@@ -93,7 +93,8 @@ def build_app(
     created = int(time.time())
     root = display_name(engine.model_name)
     tokenizer = engine.tokenizer
-    completions, chat, embeddings = CompletionsHandler(state), ChatHandler(state), EmbeddingsHandler(state)
+    completions, chat = CompletionsHandler(state), ChatHandler(state)
+    embeddings = EmbeddingsHandler(state)
 
     async def health(request: Request) -> Response:
         if engine.is_alive:

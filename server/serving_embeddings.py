@@ -16,7 +16,12 @@ from starlette.responses import JSONResponse, Response
 from jaxserve.server import field_policy
 from jaxserve.server.body import parse_body
 from jaxserve.server.protocol import UsageInfo
-from jaxserve.server.protocol_embeddings import EmbeddingData, EmbeddingRequest, EmbeddingResponse, encode
+from jaxserve.server.protocol_embeddings import (
+    EmbeddingData,
+    EmbeddingRequest,
+    EmbeddingResponse,
+    encode,
+)
 from jaxserve.server.request_context import request_id_of
 from jaxserve.server.serving_base import ServerState, engine_error
 
@@ -34,7 +39,9 @@ class EmbeddingsHandler:
         try:
             call = state.engine.embed(body.inputs(), dimensions=body.dimensions,
                                       add_special_tokens=body.add_special_tokens)
-            results = await (call if deadline is None else asyncio.wait_for(call, max(deadline.remaining(), 0)))
+            if deadline is not None:
+                call = asyncio.wait_for(call, max(deadline.remaining(), 0))
+            results = await call
         except TimeoutError:
             raise engine_error(deadline.error()) from None
         except Exception as e:  # noqa: BLE001 - mapped to its status (engine_error)

@@ -69,8 +69,8 @@ class HostTimes:
 
 
 class EngineCore:
-    def __init__(self, scheduler: Scheduler, runner: ModelRunner | PoolingRunner, *, async_scheduling: bool = True,
-                 proposer: NgramProposer | None = None):
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner | PoolingRunner, *,
+                 async_scheduling: bool = True, proposer: NgramProposer | None = None):
         self.scheduler = scheduler
         # With --runner pooling a PoolingRunner: the core embeds (`embed`) and runs no steps (the
         # frontend refuses generation requests).
@@ -86,7 +86,8 @@ class EngineCore:
         self._release_finished: set[str] = set()
         self._release_preempted: list[str] = []
         self.num_failed_requests = 0
-        self.structured = StructuredOutputManager(2 if self.pooling else runner.sampler_config.vocab_size)
+        vocab = 2 if self.pooling else runner.sampler_config.vocab_size  # (pooling: unused)
+        self.structured = StructuredOutputManager(vocab)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: EngineRequest) -> None:
@@ -224,7 +225,8 @@ class EngineCore:
     def embed(self, prompts: list[list[int]]) -> np.ndarray:
         """[len(prompts), hidden] float32 pooled embeddings (--runner pooling only)."""
         if not self.pooling:
-            raise ValueError("this model is served for generation; start it with --runner pooling to embed")
+            raise ValueError("this model is served for generation; start it with --runner "
+                             "pooling to embed")
         return self.runner.embed(prompts)
 
     def reset_prefix_cache(self) -> bool:

@@ -86,7 +86,8 @@ class LLMEngine:
               add_special_tokens: bool = True) -> list[EmbeddingResult]:
         """Embeddings of the prompts (--runner pooling); ValueError for bad input."""
         check_dimensions(self.info, dimensions)
-        ids = embedding_inputs(self.tokenizer, self.info, prompts, add_special_tokens=add_special_tokens)
+        ids = embedding_inputs(self.tokenizer, self.info, prompts,
+                               add_special_tokens=add_special_tokens)
         vectors = truncate(self.info, self.core.embed(ids), dimensions)
         return [EmbeddingResult(i, v) for i, v in zip(ids, vectors)]
 

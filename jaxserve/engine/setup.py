@@ -135,8 +135,8 @@ def build_engine(config: EngineConfig, timer: StartupTimer | None = None, *,
     model = _prepared_model(config, ckpt, arch, backend, plan, mesh, rules, timer)
     load_seconds = time.perf_counter() - t0
     if pooling:
-        return _pooling_engine(config, model, model_path, arch, backend, plan, mesh, rules, gen, timer,
-                               tokenizer_future, sc, load_seconds, own_timer)
+        return _pooling_engine(config, model, model_path, arch, backend, plan, mesh, rules, gen,
+                               timer, tokenizer_future, sc, load_seconds, own_timer)
     # Pages per data-parallel rank (each rank's devices hold its own; `num_pages` counts them all).
     rank_pages = (cc.num_pages // D if cc.num_pages else
                   num_pages_for_budget(arch, cc.page_size, kv_dtype, backend.kv_cache_budget(cc), mesh, rules))
@@ -215,9 +215,11 @@ def _pooling_engine(config: EngineConfig, model, model_path, arch: ArchConfig, b
     with timer.phase("executables"):
         runner = PoolingRunner(model, backend=backend, mesh=mesh, page_size=config.cache.page_size,
                                max_model_len=sc.max_model_len, grid=grid, pooling=pooling,
-                               kv_dtype=jax_dtype(plan.kv_dtype), show_progress=config.compile.show_progress,
-                               rules=rules, executable_cache=executable_cache(config.compile))
-    timer.note("executables", f"{runner.executables_loaded} loaded, {runner.executables_compiled} compiled")
+                               kv_dtype=jax_dtype(plan.kv_dtype),
+                               show_progress=config.compile.show_progress, rules=rules,
+                               executable_cache=executable_cache(config.compile))
+    timer.note("executables",
+               f"{runner.executables_loaded} loaded, {runner.executables_compiled} compiled")
     # The scheduler takes no requests (the frontend refuses generation); the core needs one.
     kv = KVCacheManager(config.cache.page_size, 1 + runner.pages_per_req, enable_caching=False,
                         max_model_len=sc.max_model_len)
@@ -227,14 +229,16 @@ def _pooling_engine(config: EngineConfig, model, model_path, arch: ArchConfig, b
     mc = config.model
     sampler_config = SamplerConfig(max_num_seqs=sc.max_num_seqs, vocab_size=arch.vocab_size,
                                    max_logprobs=config.max_logprobs, native=plan.native_sampling)
-    info = ModelInfo(name=mc.served_model_name or (mc.model or DEFAULT_MODEL_NAME), vocab_size=arch.vocab_size,
-                     max_model_len=sc.max_model_len, eos_token_id=tokenizer.eos_token_id, extra_eos_token_ids=(),
+    info = ModelInfo(name=mc.served_model_name or (mc.model or DEFAULT_MODEL_NAME),
+                     vocab_size=arch.vocab_size, max_model_len=sc.max_model_len,
+                     eos_token_id=tokenizer.eos_token_id, extra_eos_token_ids=(),
                      sampler_config=sampler_config, sampling_defaults=gen.sampling_defaults,
                      max_num_seqs=sc.max_num_seqs, runner="pooling", hidden_size=arch.hidden_size,
                      normalize_embeddings=pooling.normalize)
-    logger.info("engine ready (pooling: %s): %s, %s, %d buckets in %.1fs (%d executables loaded, %d compiled; "
-                "load %.1fs)", pooling.source, info.name, plan.dtype, runner.num_buckets, runner.compile_seconds,
-                runner.executables_loaded, runner.executables_compiled, load_seconds)
+    logger.info("engine ready (pooling: %s): %s, %s, %d buckets in %.1fs (%d executables loaded, "
+                "%d compiled; load %.1fs)", pooling.source, info.name, plan.dtype,
+                runner.num_buckets, runner.compile_seconds, runner.executables_loaded,
+                runner.executables_compiled, load_seconds)
     if own_timer:
         logger.info("%s", timer.summary())
     return EngineParts(tokenizer, info, core, model_path, arch, backend, plan, load_seconds)

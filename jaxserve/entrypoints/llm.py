@@ -94,8 +94,9 @@ class LLM:
         if isinstance(prompts, str) or _is_token_ids(prompts):
             prompts = [prompts]  # type: ignore[list-item]
         results = self.engine.embed(list(prompts), dimensions=dimensions)  # type: ignore[arg-type]
-        return [EmbeddingRequestOutput(f"embd-{next(self._embed_ids)}", EmbeddingOutput(r.embedding.tolist()),
-                                       r.prompt_token_ids) for r in results]
+        return [EmbeddingRequestOutput(f"embd-{next(self._embed_ids)}",
+                                       EmbeddingOutput(r.embedding.tolist()), r.prompt_token_ids)
+                for r in results]
 
     def _run(self, prompts, params, use_tqdm, priority) -> list[RequestOutput]:
         engine = self.engine

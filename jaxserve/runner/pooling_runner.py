@@ -50,7 +50,8 @@ class PoolFunction:
             pooled = hidden[inputs.logits_indices]
         else:  # mean over each prompt's tokens; padding tokens are row R, dropped
             sums = jax.ops.segment_sum(hidden, rows, num_segments=R + 1)[:R]
-            counts = jax.ops.segment_sum(jnp.ones_like(rows, jnp.float32), rows, num_segments=R + 1)[:R]
+            ones = jnp.ones_like(rows, jnp.float32)
+            counts = jax.ops.segment_sum(ones, rows, num_segments=R + 1)[:R]
             pooled = sums / jnp.maximum(counts, 1.0)[:, None]
         if self.pooling.normalize:  # as torch.nn.functional.normalize (eps 1e-12)
             norm = jnp.linalg.norm(pooled, axis=-1, keepdims=True)
@@ -59,9 +60,9 @@ class PoolFunction:
 
 
 class PoolingRunner:
-    def __init__(self, model, *, backend, mesh: Mesh, page_size: int, max_model_len: int, grid: BucketGrid,
-                 pooling: PoolingConfig, kv_dtype, show_progress: bool = True, rules=None,
-                 executable_cache: ExecutableCache | None = None):
+    def __init__(self, model, *, backend, mesh: Mesh, page_size: int, max_model_len: int,
+                 grid: BucketGrid, pooling: PoolingConfig, kv_dtype, show_progress: bool = True,
+                 rules=None, executable_cache: ExecutableCache | None = None):
         self.mesh, self.rules, self.grid, self.pooling = mesh, rules, grid, pooling
         self.cfg = model.config
         self.page_size = page_size
@@ -108,29 +109,31 @@ class PoolingRunner:
         layer = self.layer_impl and f"{self.layer_impl.__module__}.{self.layer_impl.__qualname__}"
         scope = executable_scope(
             cache, self.mesh.devices.flat, runner="pooling", graphdef=canonical(self.graphdef),
-            params=signature(params), params_treedef=str(self._params_treedef), kv=signature(abstract_kv),
+            params=signature(params), params_treedef=str(self._params_treedef),
+            kv=signature(abstract_kv),
             layer_impl=str(layer), pooling=canonical(self.pooling), mesh=repr(self.mesh),
             pages=f"{self.page_size} {self.pages_per_req} {self.num_pages}")
         zeros = scope.get("kv-zeros", (), zeros_compiler(abstract_kv.k[0]))
-        self.kv = allocate_kv_cache(self.cfg, self.num_pages, self.page_size, self.kv_dtype, self.mesh,
-                                    self.rules, zeros=zeros)
+        self.kv = allocate_kv_cache(self.cfg, self.num_pages, self.page_size, self.kv_dtype,
+                                    self.mesh, self.rules, zeros=zeros)
         backend.place_kv_cache([*self.params, *self.kv.k, *self.kv.v])
         keep = jax.tree.map(lambda x: x.sharding, self.kv)
         self._compiled = {}
-        for T, R in tqdm(self.grid.shapes(), desc="compiling pooling buckets", disable=not show_progress,
-                         unit="bucket"):
-            inputs, rows = self._pack([], T, R)
-            args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.replicated),
-                                (inputs, rows))
+        rep = self.replicated
+        for T, R in tqdm(self.grid.shapes(), desc="compiling pooling buckets",
+                         disable=not show_progress, unit="bucket"):
+            args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep),
+                                self._pack([], T, R))
 
             def lower(args=args):
-                jitted = jax.jit(self.fn, donate_argnums=(1,), out_shardings=(keep, self.replicated))
+                jitted = jax.jit(self.fn, donate_argnums=(1,), out_shardings=(keep, rep))
                 return jitted.lower(params, abstract_kv, *args).compile()
 
             self._compiled[(T, R)] = scope.get(f"pool-{T}-{R}", (params, abstract_kv, *args), lower)
         self.executables_loaded, self.executables_compiled = scope.loaded, scope.compiled
 
-    def _pack(self, prompts: Sequence[Sequence[int]], T: int, R: int) -> tuple[ModelInputs, np.ndarray]:
+    def _pack(self, prompts: Sequence[Sequence[int]], T: int,
+              R: int) -> tuple[ModelInputs, np.ndarray]:
         """Prompts as prefill rows from position 0, on consecutive pages from page 1."""
         lens = np.asarray([len(p) for p in prompts], np.int64)
         pages = -(-lens // self.page_size)
@@ -139,8 +142,8 @@ class PoolingRunner:
         for i, (f, n) in enumerate(zip(first.tolist(), pages.tolist())):
             tables[i, :n] = np.arange(f, f + n)
         tokens = np.fromiter((t for p in prompts for t in p), np.int32, count=int(lens.sum()))
-        inputs = pack_rows(tokens, np.zeros(len(prompts), np.int64), lens, tables, num_tokens=T, num_reqs=R,
-                           page_size=self.page_size)
+        inputs = pack_rows(tokens, np.zeros(len(prompts), np.int64), lens, tables, num_tokens=T,
+                           num_reqs=R, page_size=self.page_size)
         rows = np.full(T, R, np.int32)
         rows[: len(tokens)] = np.repeat(np.arange(len(prompts)), lens)
         return inputs, rows

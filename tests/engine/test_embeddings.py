@@ -20,8 +20,8 @@ from jaxserve.config import ModelConfig
 from jaxserve.models.pooling_config import PoolingConfig, load_pooling_config
 from tests.model_dirs import DATA, write_model_dir
 
-OPTIONS = dict(runner="pooling", dtype="float32", max_model_len=32, max_num_seqs=4, token_buckets=(16, 32),
-               request_buckets=(4,), show_progress=False)
+OPTIONS = dict(runner="pooling", dtype="float32", max_model_len=32, max_num_seqs=4,
+               token_buckets=(16, 32), request_buckets=(4,), show_progress=False)
 
 
 def transformers_hidden(fixture: str) -> list[np.ndarray]:
@@ -29,7 +29,8 @@ def transformers_hidden(fixture: str) -> list[np.ndarray]:
     weights = load_file(str(DATA / fixture / "model.safetensors"))
     w = weights.get("lm_head.weight", weights["model.embed_tokens.weight"]).astype(np.float64)
     expected = load_file(str(DATA / fixture / "expected.safetensors"))
-    return [np.linalg.lstsq(w, expected[f"logits_{i}"].T.astype(np.float64), rcond=None)[0].T for i in range(2)]
+    logits = [expected[f"logits_{i}"].T.astype(np.float64) for i in range(2)]
+    return [np.linalg.lstsq(w, x, rcond=None)[0].T for x in logits]
 
 
 def fixture_tokens(fixture: str) -> list[list[int]]:
@@ -38,17 +39,17 @@ def fixture_tokens(fixture: str) -> list[list[int]]:
 
 
 def sentence_transformers_files(model_dir, pooling_key: str, normalize: bool) -> None:
-    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    st = "sentence_transformers.models."
+    modules = [{"idx": 0, "name": "0", "path": "", "type": st + "Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": st + "Pooling"}]
     if normalize:
-        modules.append({"idx": 2, "name": "2", "path": "2_Normalize",
-                        "type": "sentence_transformers.models.Normalize"})
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": st + "Normalize"})
     (model_dir / "modules.json").write_text(json.dumps(modules))
     (model_dir / "1_Pooling").mkdir()
-    modes = {k: False for k in ("pooling_mode_cls_token", "pooling_mode_mean_tokens", "pooling_mode_max_tokens",
-                                "pooling_mode_mean_sqrt_len_tokens", "pooling_mode_lasttoken")}
-    (model_dir / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 64,
-                                                                      **modes, f"pooling_mode_{pooling_key}": True}))
+    names = ("cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens", "lasttoken")
+    modes = {f"pooling_mode_{k}": False for k in names}
+    config = {"word_embedding_dimension": 64, **modes, f"pooling_mode_{pooling_key}": True}
+    (model_dir / "1_Pooling" / "config.json").write_text(json.dumps(config))
 
 
 def cosine(a, b) -> float:
@@ -81,21 +82,23 @@ def test_last_token_matches_transformers(qwen3_last):
 
 
 def test_mean_pooling_matches_transformers(qwen3_mean):
-    assert qwen3_mean.engine.core.runner.pooling == PoolingConfig("mean", False, "1_Pooling/config.json")
+    want = PoolingConfig("mean", False, "1_Pooling/config.json")
+    assert qwen3_mean.engine.core.runner.pooling == want
     ref = transformers_hidden("qwen3")
     outs = qwen3_mean.embed(fixture_tokens("qwen3"))
     for out, h in zip(outs, ref):
         emb = np.asarray(out.outputs.embedding)
         assert cosine(emb, h.mean(axis=0)) >= 0.9999
-        np.testing.assert_allclose(np.linalg.norm(emb), np.linalg.norm(h.mean(axis=0)), rtol=1e-4)  # not normalized
+        # not normalized: the mean's own length
+        np.testing.assert_allclose(np.linalg.norm(emb), np.linalg.norm(h.mean(axis=0)), rtol=1e-4)
 
 
 def as_base_model(model_dir) -> None:
     """Rewrite a causal LM's directory as its base model's (e.g. LlamaModel): tensors without
     the `model.` prefix and no lm_head, as many embedding checkpoints are saved."""
     tensors = load_file(str(model_dir / "model.safetensors"))
-    save_file({k.removeprefix("model."): v for k, v in tensors.items() if not k.startswith("lm_head.")},
-              str(model_dir / "model.safetensors"))
+    base = {k.removeprefix("model."): v for k, v in tensors.items() if not k.startswith("lm_head.")}
+    save_file(base, str(model_dir / "model.safetensors"))
     config = json.loads((model_dir / "config.json").read_text())
     arch = config["architectures"][0].replace("ForCausalLM", "Model")
     (model_dir / "config.json").write_text(json.dumps({**config, "architectures": [arch]}))
@@ -162,13 +165,15 @@ def test_encoders_are_refused_by_name(tmp_path):
 
 
 def test_pooling_config_files(tmp_path):
-    assert load_pooling_config(tmp_path) == PoolingConfig()  # no modules.json: last token, normalized
+    # no modules.json: last token, normalized
+    assert load_pooling_config(tmp_path) == PoolingConfig()
     sentence_transformers_files(tmp_path, "lasttoken", normalize=True)
     cfg = load_pooling_config(tmp_path)
     assert (cfg.pooling, cfg.normalize) == ("last", True)
     shutil.rmtree(tmp_path / "1_Pooling")
     (tmp_path / "1_Pooling").mkdir()
-    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_cls_token": True}))
+    cls = {"pooling_mode_cls_token": True}
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(cls))
     with pytest.raises(ValueError, match="pooling_mode_cls_token is not supported"):
         load_pooling_config(tmp_path)
 

@@ -11,8 +11,8 @@ from starlette.testclient import TestClient
 
 from tests.model_dirs import write_model_dir
 
-OPTIONS = dict(dtype="float32", max_model_len=32, max_num_seqs=4, token_buckets=(16, 32), request_buckets=(4,),
-               show_progress=False)
+OPTIONS = dict(dtype="float32", max_model_len=32, max_num_seqs=4, token_buckets=(16, 32),
+               request_buckets=(4,), show_progress=False)
 
 
 def _client(model_dir, compile_cache_dir, **options):
@@ -21,15 +21,17 @@ def _client(model_dir, compile_cache_dir, **options):
     from jaxserve.engine.setup import build_engine
     from jaxserve.server.app import build_app
 
-    parts = build_engine(EngineConfig.from_kwargs(model=str(model_dir), compilation_cache_dir=compile_cache_dir,
-                                                  **OPTIONS, **options))
+    config = EngineConfig.from_kwargs(model=str(model_dir), compilation_cache_dir=compile_cache_dir,
+                                      **OPTIONS, **options)
+    parts = build_engine(config)
     return TestClient(build_app(AsyncEngineClient.in_thread(parts), served_model_names=["tiny"],
                                 shutdown_grace_seconds=1))
 
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory, compile_cache_dir):
-    with _client(write_model_dir(tmp_path_factory.mktemp("m"), "qwen3"), compile_cache_dir, runner="pooling") as c:
+    model_dir = write_model_dir(tmp_path_factory.mktemp("m"), "qwen3")
+    with _client(model_dir, compile_cache_dir, runner="pooling") as c:
         yield c
 
 
@@ -59,7 +61,8 @@ def test_input_forms_and_usage(client):
 
 def test_base64_round_trip(client):
     plain = _vectors(client.post("/v1/embeddings", json={"input": ["w5 w6", "w7"]}))
-    b64 = client.post("/v1/embeddings", json={"input": ["w5 w6", "w7"], "encoding_format": "base64"})
+    body = {"input": ["w5 w6", "w7"], "encoding_format": "base64"}
+    b64 = client.post("/v1/embeddings", json=body)
     assert b64.status_code == 200, b64.text
     decoded = [np.frombuffer(base64.b64decode(d["embedding"]), "<f4") for d in b64.json()["data"]]
     np.testing.assert_array_equal(np.asarray(decoded), plain.astype(np.float32))
@@ -111,10 +114,12 @@ def test_the_process_engine_embeds_as_the_thread_engine(client, tmp_path, compil
     from jaxserve.engine.client import open_engine
     from jaxserve.server.app import build_app
 
-    config = EngineConfig.from_kwargs(model=str(write_model_dir(tmp_path / "m", "qwen3")), runner="pooling",
+    model_dir = write_model_dir(tmp_path / "m", "qwen3")
+    config = EngineConfig.from_kwargs(model=str(model_dir), runner="pooling",
                                       compilation_cache_dir=compile_cache_dir, **OPTIONS)
     body = {"input": ["w5 w6 w7", "w9 w10"], "dimensions": 16}
     with TestClient(build_app(open_engine(config, core="process"), shutdown_grace_seconds=1)) as c:
         r = c.post("/v1/embeddings", json=body)
-        np.testing.assert_array_equal(_vectors(r), _vectors(client.post("/v1/embeddings", json=body)))
+        thread = client.post("/v1/embeddings", json=body)
+        np.testing.assert_array_equal(_vectors(r), _vectors(thread))
         assert c.post("/v1/embeddings", json={"input": "w5", "dimensions": 99}).status_code == 400
