@@ -5,17 +5,20 @@ from __future__ import annotations
 
 import base64
 
+import httpx
 import numpy as np
+import openai
 import pytest
 from starlette.testclient import TestClient
 
+from tests.live_server import LiveServer, free_port
 from tests.model_dirs import write_model_dir
 
 OPTIONS = dict(dtype="float32", max_model_len=32, max_num_seqs=4, token_buckets=(16, 32),
                request_buckets=(4,), show_progress=False)
 
 
-def _client(model_dir, compile_cache_dir, **options):
+def _app(model_dir, compile_cache_dir, **options):
     from jaxserve.config import EngineConfig
     from jaxserve.engine.async_client import AsyncEngineClient
     from jaxserve.engine.setup import build_engine
@@ -24,14 +27,20 @@ def _client(model_dir, compile_cache_dir, **options):
     config = EngineConfig.from_kwargs(model=str(model_dir), compilation_cache_dir=compile_cache_dir,
                                       **OPTIONS, **options)
     parts = build_engine(config)
-    return TestClient(build_app(AsyncEngineClient.in_thread(parts), served_model_names=["tiny"],
-                                shutdown_grace_seconds=1))
+    return build_app(AsyncEngineClient.in_thread(parts), served_model_names=["tiny"],
+                     shutdown_grace_seconds=1)
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory, compile_cache_dir):
+def server(tmp_path_factory, compile_cache_dir):
     model_dir = write_model_dir(tmp_path_factory.mktemp("m"), "qwen3")
-    with _client(model_dir, compile_cache_dir, runner="pooling") as c:
+    with LiveServer(_app(model_dir, compile_cache_dir, runner="pooling"), free_port()) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with httpx.Client(base_url=server.base_url, timeout=300) as c:
         yield c
 
 
@@ -96,13 +105,25 @@ def test_errors_are_4xx_in_the_envelope(client, body, status, words):
     assert words in error["message"] and error["code"] == status
 
 
+def test_the_openai_sdk(server, client):
+    """The SDK asks for base64 by default and decodes it; `dimensions` passes through."""
+    sdk = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+    r = sdk.embeddings.create(model="tiny", input=["w5 w6 w7", "w9"], dimensions=32)
+    assert [len(d.embedding) for d in r.data] == [32, 32] and r.usage.prompt_tokens > 0
+    plain = _vectors(client.post("/v1/embeddings", json={"input": ["w5 w6 w7", "w9"],
+                                                          "dimensions": 32}))
+    np.testing.assert_allclose([d.embedding for d in r.data], plain, rtol=1e-6)
+    with pytest.raises(openai.BadRequestError, match="hidden size"):
+        sdk.embeddings.create(model="tiny", input="w5", dimensions=1000)
+
+
 def test_a_pooling_model_refuses_generation(client):
     r = client.post("/v1/completions", json={"prompt": "w5", "max_tokens": 2})
     assert r.status_code == 400 and "--runner pooling" in r.json()["error"]["message"]
 
 
 def test_a_generation_model_refuses_embeddings(tmp_path, compile_cache_dir):
-    with _client(write_model_dir(tmp_path / "m"), compile_cache_dir) as c:
+    with TestClient(_app(write_model_dir(tmp_path / "m"), compile_cache_dir)) as c:
         r = c.post("/v1/embeddings", json={"input": "w5"})
         assert r.status_code == 400 and "--runner pooling" in r.json()["error"]["message"]
         assert c.post("/v1/completions", json={"prompt": "w5", "max_tokens": 2}).status_code == 200
