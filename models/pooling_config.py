@@ -1,9 +1,10 @@
 """How an embedding model pools: read from its sentence-transformers files, as vLLM does.
 
-A sentence-transformers checkpoint lists its modules in `modules.json`; the `Pooling` module's
-folder (usually `1_Pooling/`) holds `config.json` with `pooling_mode_*` flags, and a
-`Normalize` module asks for L2-normalized embeddings. Without `modules.json` a decoder model
-pools its last token and normalizes (Qwen3-Embedding's and e5-mistral's recipe).
+A sentence-transformers checkpoint lists its modules in `modules.json` (types named
+`sentence_transformers.models.Pooling`, or since v5.4 `...modules.pooling.Pooling`); the
+Pooling module's folder (usually `1_Pooling/`) holds `config.json` with `pooling_mode_*`
+flags, and a `Normalize` module asks for L2-normalized embeddings. Without `modules.json` a
+decoder model pools its last token and normalizes (Qwen3-Embedding's and e5-mistral's recipe).
 """
 
 from __future__ import annotations
@@ -66,6 +67,9 @@ def load_pooling_config(model_dir: str | pathlib.Path) -> PoolingConfig:
         raise ValueError(f"{cfg_file}: pooling {asked} is not supported; jaxserve pools the last "
                          "token or the mean of the tokens")
     pooling = modes[0] if modes else "last"
+    if pooling == "mean" and cfg.get("include_prompt") is False:
+        raise ValueError(f"{cfg_file}: mean pooling without the prompt's instruction tokens "
+                         "(include_prompt false) is not supported")
     return PoolingConfig(pooling, normalize, f"{cfg_file.relative_to(root)}")
 
 

@@ -170,6 +170,19 @@ def test_pooling_config_files(tmp_path):
     sentence_transformers_files(tmp_path, "lasttoken", normalize=True)
     cfg = load_pooling_config(tmp_path)
     assert (cfg.pooling, cfg.normalize) == ("last", True)
+    # sentence-transformers >= 5.4 names its modules by their new place
+    new = "sentence_transformers.base.modules.transformer.Transformer"
+    pooling = "sentence_transformers.sentence_transformer.modules.pooling.Pooling"
+    (tmp_path / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": new},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": pooling}]))
+    pooling_file = tmp_path / "1_Pooling" / "config.json"
+    pooling_file.write_text(json.dumps({"pooling_mode_mean_tokens": True}))
+    cfg = load_pooling_config(tmp_path)
+    assert (cfg.pooling, cfg.normalize) == ("mean", False)
+    pooling_file.write_text(json.dumps({"pooling_mode_mean_tokens": True, "include_prompt": False}))
+    with pytest.raises(ValueError, match="include_prompt"):
+        load_pooling_config(tmp_path)
     shutil.rmtree(tmp_path / "1_Pooling")
     (tmp_path / "1_Pooling").mkdir()
     cls = {"pooling_mode_cls_token": True}
