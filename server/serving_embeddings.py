@@ -13,8 +13,10 @@ import time
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from jaxserve.engine.client import EngineDeadError
 from jaxserve.server import field_policy
 from jaxserve.server.body import parse_body
+from jaxserve.server.errors import APIError
 from jaxserve.server.protocol import UsageInfo
 from jaxserve.server.protocol_embeddings import (
     EmbeddingData,
@@ -44,6 +46,9 @@ class EmbeddingsHandler:
             results = await call
         except TimeoutError:
             raise engine_error(deadline.error()) from None
+        except EngineDeadError:
+            raise APIError(503, "the engine has failed and the server is shutting down; retry once "
+                                "it has restarted.") from None
         except Exception as e:  # noqa: BLE001 - mapped to its status (engine_error)
             raise engine_error(e, request_id_of(request.scope)) from None
         tokens = sum(len(r.prompt_token_ids) for r in results)
