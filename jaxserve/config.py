@@ -155,6 +155,13 @@ class ModelConfig:
     generation_config: str = per_process("auto")
     """Default sampling settings and EOS ids: auto (the model's generation_config.json), vllm
     (ignore its sampling defaults) or a folder or file holding a generation_config.json."""
+    runner: Literal["auto", "generate", "pooling"] = "auto"
+    """What the model serves: generate (text: completions, chat) or pooling (embeddings:
+    /v1/embeddings, LLM.embed; decoder models, pooled as their sentence-transformers files say,
+    else last token + L2 norm). auto: pooling for a base model's checkpoint (architectures
+    named *Model, e.g. Qwen3Model: no LM head), else generate."""
+    task: Literal["generate", "embed"] | None = None
+    """vLLM's older spelling of --runner: embed = pooling. Default: --runner decides."""
     quantization: Literal["int8"] | None = None
     """Weight-only quantization at load: int8 keeps every matmul weight (and the embedding) int8
     in device memory with per-channel float32 scales, converted inside the product. Default:
@@ -165,8 +172,24 @@ class ModelConfig:
         if self.dtype not in get_args(DtypeOrAuto):
             raise ValueError(f"dtype must be one of {', '.join(get_args(DtypeOrAuto))}, "
                              f"got {self.dtype!r}.")
+        if self.task is not None:
+            implied = {"embed": "pooling", "generate": "generate"}.get(self.task)
+            if implied is None:
+                raise ValueError(f"task must be 'generate' or 'embed', got {self.task!r}.")
+            if self.runner not in ("auto", implied):
+                raise ValueError(f"task {self.task!r} contradicts runner {self.runner!r}.")
+            object.__setattr__(self, "runner", implied)
+        if self.runner not in ("auto", "generate", "pooling"):
+            raise ValueError(f"runner must be 'auto', 'generate' or 'pooling', "
+                             f"got {self.runner!r}.")
         if self.quantization not in (None, "int8"):
             raise ValueError(f"quantization must be 'int8' or None, got {self.quantization!r}.")
+
+    def is_pooling(self, architectures: list[str] | None) -> bool:
+        """Whether the engine embeds instead of generating, for a checkpoint of `architectures`."""
+        if self.runner != "auto":
+            return self.runner == "pooling"
+        return bool(architectures) and all(a.endswith("Model") for a in architectures)
 
     def resolve_max_model_len(self, max_position_embeddings: int) -> int:
         """The context length: the user's, else the model's, at most DEFAULT_MAX_MODEL_LEN."""

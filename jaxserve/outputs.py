@@ -69,3 +69,24 @@ class RequestOutput:
     prompt_logprobs: list[LogprobsDict | None] | None = None
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+
+
+@dataclasses.dataclass(slots=True)
+class EmbeddingOutput:
+    """One prompt's embedding (vLLM's EmbeddingOutput)."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclasses.dataclass(slots=True)
+class EmbeddingRequestOutput:
+    """What `LLM.embed` returns per prompt (vLLM's EmbeddingRequestOutput)."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True

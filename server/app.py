@@ -38,6 +38,7 @@ from jaxserve.server.protocol_tools import tool_dicts
 from jaxserve.server.serving_base import ServerState
 from jaxserve.server.serving_chat import ChatHandler
 from jaxserve.server.serving_completions import CompletionsHandler
+from jaxserve.server.serving_embeddings import EmbeddingsHandler
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +94,7 @@ def build_app(
     root = display_name(engine.model_name)
     tokenizer = engine.tokenizer
     completions, chat = CompletionsHandler(state), ChatHandler(state)
+    embeddings = EmbeddingsHandler(state)
 
     async def health(request: Request) -> Response:
         if engine.is_alive:
@@ -213,6 +215,7 @@ def build_app(
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/completions", completions.handle, methods=["POST"]),
         Route("/v1/chat/completions", chat.handle, methods=["POST"]),
+        Route("/v1/embeddings", embeddings.handle, methods=["POST"]),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/tokenizer_info", tokenizer_info, methods=["GET"]),

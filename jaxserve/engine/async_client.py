@@ -36,6 +36,7 @@ from typing import Any, Protocol
 
 from jaxserve.engine import core_loop
 from jaxserve.engine.core_loop import Command, Event
+from jaxserve.engine.embedding import EmbeddingResult, check_dimensions, embedding_inputs, truncate
 from jaxserve.engine.frontend import Frontend
 from jaxserve.engine.input_processor import ModelInfo, ProcessedRequest
 from jaxserve.engine.messages import EngineStats
@@ -259,6 +260,18 @@ class AsyncEngineClient:
                           **kwargs: Any) -> RequestStream:
         (stream,) = await self.add_requests([request_id], [prompt], params, **kwargs)
         return stream
+
+    async def embed(self, inputs: Sequence[str | Sequence[int]], *, dimensions: int | None = None,
+                    add_special_tokens: bool = True) -> list[EmbeddingResult]:
+        """Embeddings of `inputs` (--runner pooling): validated and tokenized in a worker thread,
+        computed by the engine core in order with its other commands. Raises ValueError (bad
+        input, or a model served for generation), EngineDeadError or EngineShutdownError."""
+        self._check_alive()
+        check_dimensions(self.info, dimensions)
+        ids = await asyncio.to_thread(embedding_inputs, self.frontend.tokenizer, self.info, inputs,
+                                      add_special_tokens=add_special_tokens)
+        vectors = truncate(self.info, await self.call("embed", ids), dimensions)
+        return [EmbeddingResult(i, v) for i, v in zip(ids, vectors)]
 
     def abort(self, request_id: str) -> None:
         """Idempotent: the request's client gets a final "abort" output (if still listening)

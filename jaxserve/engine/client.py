@@ -24,6 +24,7 @@ from jaxserve.engine.async_client import (
     EngineShutdownError,
     RequestStream,
 )
+from jaxserve.engine.embedding import EmbeddingResult
 from jaxserve.engine.input_processor import ModelInfo
 from jaxserve.engine.messages import EngineSleepingError, EngineStats
 from jaxserve.engine.output_processor import StatsListener
@@ -32,6 +33,7 @@ from jaxserve.parallel.multihost import FingerprintMismatch, LeaderLostError
 from jaxserve.sampling_params import SamplingParams
 
 __all__ = [
+    "EmbeddingResult",
     "EngineClient",
     "EngineDeadError",
     "EngineOverloadedError",
@@ -116,6 +118,9 @@ class EngineClient(Protocol):
                            priority: int = 0, add_special_tokens: bool = True, arrival_time: float | None = None,
                            cache_salt: str | None = None, output_kind: OutputKind = OutputKind.DELTA
                            ) -> list[RequestStream]: ...
+
+    async def embed(self, inputs: Sequence[str | Sequence[int]], *, dimensions: int | None = None,
+                    add_special_tokens: bool = True) -> list[EmbeddingResult]: ...
 
     def abort(self, request_id: str) -> None: ...
     async def call(self, method: str, *args: Any) -> Any: ...

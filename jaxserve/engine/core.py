@@ -47,6 +47,7 @@ from jaxserve.core.protocol import ScheduledStep, StepScheduler
 from jaxserve.engine.messages import EngineCoreOutput, EngineSleepingError, EngineStats
 from jaxserve.request import EngineRequest, Request, RequestFailedError, RequestStatus
 from jaxserve.runner.model_runner import RunnerOutput
+from jaxserve.runner.pooling_runner import PoolingRunner
 from jaxserve.runner.protocol import StepRunner
 from jaxserve.spec_decode import NgramProposer, can_speculate
 from jaxserve.structured.manager import StructuredOutputManager
@@ -69,10 +70,13 @@ class HostTimes:
 
 
 class EngineCore:
-    def __init__(self, scheduler: StepScheduler, runner: StepRunner, *, async_scheduling: bool = True,
-                 proposer: NgramProposer | None = None):
+    def __init__(self, scheduler: StepScheduler, runner: StepRunner | PoolingRunner, *,
+                 async_scheduling: bool = True, proposer: NgramProposer | None = None):
         self.scheduler = scheduler
+        # With --runner pooling a PoolingRunner: the core embeds (`embed`) and runs no steps (the
+        # frontend refuses generation requests).
         self.runner = runner
+        self.pooling = isinstance(runner, PoolingRunner)
         self.proposer = proposer
         self.async_scheduling = async_scheduling
         self._may_draft: set[str] = set()  # requests the proposer drafts for
@@ -83,7 +87,8 @@ class EngineCore:
         self._release_finished: set[str] = set()
         self._release_preempted: list[str] = []
         self.num_failed_requests = 0
-        self.structured = StructuredOutputManager(runner.sampler_config.vocab_size)
+        vocab = 2 if self.pooling else runner.sampler_config.vocab_size  # (pooling: unused)
+        self.structured = StructuredOutputManager(vocab)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: EngineRequest) -> None:
@@ -217,6 +222,13 @@ class EngineCore:
         c = self.runner.counter
         return EngineStats(self.scheduler.make_stats(), c.num_compiles, c.recompiles, c.compile_seconds,
                            self.num_steps, self.is_sleeping)
+
+    def embed(self, prompts: list[list[int]]) -> np.ndarray:
+        """[len(prompts), hidden] float32 pooled embeddings (--runner pooling only)."""
+        if not self.pooling:
+            raise ValueError("this model is served for generation; start it with --runner "
+                             "pooling to embed")
+        return self.runner.embed(prompts)
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()

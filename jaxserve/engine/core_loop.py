@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 # The core's methods a command may call.
-CORE_CALLS = frozenset({"stats", "reset_prefix_cache", "sleep", "wake_up"})
+CORE_CALLS = frozenset({"stats", "reset_prefix_cache", "sleep", "wake_up", "embed"})
 
 
 # ---------------------------------------------------------------------------- commands (frontend -> core)

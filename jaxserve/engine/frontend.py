@@ -40,6 +40,9 @@ class Frontend:
                 arrival_time: float, priority: int = 0, add_special_tokens: bool = True,
                 cache_salt: str | None = None) -> ProcessedRequest:
         """Validate and tokenize (ValueError for bad input; nothing is registered)."""
+        if self.info.runner == "pooling":
+            raise ValueError("this model is served with --runner pooling: it embeds "
+                             "(/v1/embeddings, LLM.embed) and does not generate")
         return self.input_processor.process(request_id, prompt, params, arrival_time=arrival_time,
                                             priority=priority, add_special_tokens=add_special_tokens,
                                             cache_salt=cache_salt)

@@ -38,6 +38,9 @@ class ModelInfo:
     scheduling_policy: str = "fcfs"  # "priority": requests may carry a priority
     max_num_seqs: int = 1  # sequences a step runs at most
     kv_cache_tokens: int = 0  # tokens the KV cache holds (all data-parallel ranks)
+    runner: str = "generate"  # "pooling": the engine embeds (engine/embedding.py), nothing else
+    hidden_size: int = 0  # the embeddings' size (pooling)
+    normalize_embeddings: bool = False  # whether the pooled vectors are L2-normalized (pooling)
 
 
 @dataclasses.dataclass(frozen=True)

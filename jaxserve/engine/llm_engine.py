@@ -18,6 +18,7 @@ import time
 from collections.abc import Sequence
 
 from jaxserve.config import EngineConfig
+from jaxserve.engine.embedding import EmbeddingResult, check_dimensions, embedding_inputs, truncate
 from jaxserve.engine.frontend import Frontend
 from jaxserve.engine.setup import EngineParts, build_engine
 from jaxserve.outputs import OutputKind, RequestOutput
@@ -81,6 +82,15 @@ class LLMEngine:
         for seq in req.sequences:
             self.core.add_request(seq)
         return request_id
+
+    def embed(self, prompts: Sequence[str | Sequence[int]], *, dimensions: int | None = None,
+              add_special_tokens: bool = True) -> list[EmbeddingResult]:
+        """Embeddings of the prompts (--runner pooling); ValueError for bad input."""
+        check_dimensions(self.info, dimensions)
+        ids = embedding_inputs(self.tokenizer, self.info, prompts,
+                               add_special_tokens=add_special_tokens)
+        vectors = truncate(self.info, self.core.embed(ids), dimensions)
+        return [EmbeddingResult(i, v) for i, v in zip(ids, vectors)]
 
     def abort_request(self, request_ids: str | Sequence[str]) -> list[RequestOutput]:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)

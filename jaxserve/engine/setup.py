@@ -26,6 +26,7 @@ from jaxserve.engine.input_processor import ModelInfo
 from jaxserve.engine.tokenizer import Tokenizer
 from jaxserve.models.arch_config import ArchConfig
 from jaxserve.models.loader import load_checkpoint, resolve_model
+from jaxserve.models.pooling_config import as_causal_lm, check_decoder, load_pooling_config
 from jaxserve.models.sharding import check_servable, load_rules, serving_rules
 from jaxserve.models.weights import create_model, sharded_abstract_model
 from jaxserve.parallel import multihost
@@ -35,6 +36,7 @@ from jaxserve.runner.compile import executable_cache, weight_cache
 from jaxserve.runner.executable_cache import canonical
 from jaxserve.runner.kv_cache import num_pages_for_budget
 from jaxserve.runner.model_runner import ModelRunner
+from jaxserve.runner.pooling_runner import PoolingRunner
 from jaxserve.sampling.config import SamplerConfig
 from jaxserve.spec_decode import NgramProposer
 from jaxserve.startup_timer import StartupTimer
@@ -106,6 +108,10 @@ def build_engine(config: EngineConfig, timer: StartupTimer | None = None, *,
     tokenizer_pool.shutdown(wait=False)
     with timer.phase("checkpoint"):
         ckpt = load_checkpoint(model_path)
+        pooling = mc.is_pooling(ckpt.config.get("architectures"))
+        if pooling:
+            check_decoder(ckpt.config.get("architectures"))
+            ckpt = as_causal_lm(ckpt)
         arch = ArchConfig.from_hf(ckpt.config)
         gen = load_generation_config(model_path, mc.generation_config, ckpt.config)
     max_model_len = mc.resolve_max_model_len(arch.max_position_embeddings)
@@ -126,8 +132,13 @@ def build_engine(config: EngineConfig, timer: StartupTimer | None = None, *,
         with timer.phase("distributed"):
             link, plan = _join(topo, config, model_path, plan)
     kv_dtype = jax_dtype(plan.kv_dtype)
+    if pooling and (D > 1 or topo is not None):
+        raise ValueError("--runner pooling runs on one process without data parallelism")
     model = _prepared_model(config, ckpt, arch, backend, plan, mesh, rules, timer)
     load_seconds = time.perf_counter() - t0
+    if pooling:
+        return _pooling_engine(config, model, model_path, arch, backend, plan, mesh, rules, gen,
+                               timer, tokenizer_future, sc, load_seconds, own_timer)
     # Pages per data-parallel rank (each rank's devices hold its own; `num_pages` counts them all).
     rank_pages = (cc.num_pages // D if cc.num_pages else
                   num_pages_for_budget(arch, cc.page_size, kv_dtype, backend.kv_cache_budget(cc), mesh, rules))
@@ -191,6 +202,50 @@ def build_engine(config: EngineConfig, timer: StartupTimer | None = None, *,
         logger.info("%s", timer.summary())
     return EngineParts(tokenizer, info, core, model_path, arch, backend, plan, load_seconds, topo, link,
                        model_runner)
+
+
+def _pooling_engine(config: EngineConfig, model, model_path, arch: ArchConfig, backend: Backend,
+                    plan: DevicePlan, mesh, rules, gen, timer: StartupTimer, tokenizer_future, sc,
+                    load_seconds: float, own_timer: bool) -> EngineParts:
+    """The engine of --runner pooling: a PoolingRunner (its own small KV cache, one executable
+    per bucket) in an engine core that embeds and runs no generation steps. A prompt is never
+    split: the token buckets reach max_model_len."""
+    pooling = load_pooling_config(model_path)
+    budget = max(sc.max_num_batched_tokens, sc.max_model_len)
+    tb = config.compile.token_buckets or backend.default_token_buckets(budget)
+    if max(tb) < budget:
+        tb = (*tb, budget)
+    grid = BucketGrid.build(max(tb), sc.max_num_seqs, tb, config.compile.request_buckets)
+    with timer.phase("executables"):
+        runner = PoolingRunner(model, backend=backend, mesh=mesh, page_size=config.cache.page_size,
+                               max_model_len=sc.max_model_len, grid=grid, pooling=pooling,
+                               kv_dtype=jax_dtype(plan.kv_dtype),
+                               show_progress=config.compile.show_progress, rules=rules,
+                               executable_cache=executable_cache(config.compile))
+    timer.note("executables",
+               f"{runner.executables_loaded} loaded, {runner.executables_compiled} compiled")
+    # The scheduler takes no requests (the frontend refuses generation); the core needs one.
+    kv = KVCacheManager(config.cache.page_size, 1 + runner.pages_per_req, enable_caching=False,
+                        max_model_len=sc.max_model_len)
+    core = EngineCore(Scheduler(sc, kv), runner, async_scheduling=False)
+    with timer.phase("tokenizer"):
+        tokenizer = tokenizer_future.result()
+    mc = config.model
+    sampler_config = SamplerConfig(max_num_seqs=sc.max_num_seqs, vocab_size=arch.vocab_size,
+                                   max_logprobs=config.max_logprobs, native=plan.native_sampling)
+    info = ModelInfo(name=mc.served_model_name or (mc.model or DEFAULT_MODEL_NAME),
+                     vocab_size=arch.vocab_size, max_model_len=sc.max_model_len,
+                     eos_token_id=tokenizer.eos_token_id, extra_eos_token_ids=(),
+                     sampler_config=sampler_config, sampling_defaults=gen.sampling_defaults,
+                     max_num_seqs=sc.max_num_seqs, runner="pooling", hidden_size=arch.hidden_size,
+                     normalize_embeddings=pooling.normalize)
+    logger.info("engine ready (pooling: %s): %s, %s, %d buckets in %.1fs (%d executables loaded, "
+                "%d compiled; load %.1fs)", pooling.source, info.name, plan.dtype,
+                runner.num_buckets, runner.compile_seconds, runner.executables_loaded,
+                runner.executables_compiled, load_seconds)
+    if own_timer:
+        logger.info("%s", timer.summary())
+    return EngineParts(tokenizer, info, core, model_path, arch, backend, plan, load_seconds)
 
 
 def _prepared_model(config: EngineConfig, ckpt, arch: ArchConfig, backend: Backend, plan: DevicePlan, mesh, rules,

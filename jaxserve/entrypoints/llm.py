@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import itertools
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -12,7 +13,7 @@ from tqdm import tqdm
 from jaxserve.config import EngineConfig
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.setup import build_engine
-from jaxserve.outputs import RequestOutput
+from jaxserve.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]
@@ -38,6 +39,7 @@ class LLM:
         if parts.topology is not None:
             atexit.register(parts.close)  # the followers shut down with this process
         self.engine = LLMEngine(parts)
+        self._embed_ids = itertools.count()
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -85,6 +87,18 @@ class LLM:
         for o, t in zip(outs, texts):
             o.prompt = t
         return outs
+
+    def embed(self, prompts: Prompt | Sequence[Prompt], *,
+              dimensions: int | None = None) -> list[EmbeddingRequestOutput]:
+        """Embed one prompt or a list (the model served with runner="pooling"); outputs come
+        back in input order. `dimensions`: keep the first values (Matryoshka), re-normalized
+        when the model normalizes."""
+        if isinstance(prompts, str) or _is_token_ids(prompts):
+            prompts = [prompts]  # type: ignore[list-item]
+        results = self.engine.embed(list(prompts), dimensions=dimensions)  # type: ignore[arg-type]
+        return [EmbeddingRequestOutput(f"embd-{next(self._embed_ids)}",
+                                       EmbeddingOutput(r.embedding.tolist()), r.prompt_token_ids)
+                for r in results]
 
     def _run(self, prompts, params, use_tqdm, priority) -> list[RequestOutput]:
         engine = self.engine
