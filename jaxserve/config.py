@@ -126,7 +126,8 @@ class ModelConfig:
     download_dir: str | None = per_process()
     """Where Hub models are downloaded to. Default: the Hugging Face cache ($HF_HOME/hub)."""
     gguf_file: str | None = None
-    """The .gguf file of a GGUF repository (or of a local directory) to load."""
+    """The .gguf file of a GGUF repository (or of a local directory) to load. Default: the one
+    whose quant `org/name:QUANT` names (a GGUF repository needs one or the other)."""
     served_model_name: str | None = per_process(not_a_flag="from serve's --served-model-name")
     """The model's name in responses. Default: the model argument, or the bundled model's name."""
     dtype: DtypeOrAuto = option("auto", choice_aliases=DTYPE_ALIASES)
