@@ -57,8 +57,10 @@ TINY_LLAMA = {
 
 
 class Check:
-    def __init__(self, out: pathlib.Path, rehearse: bool, budget: float):
+    def __init__(self, out: pathlib.Path, rehearse: bool, budget: float,
+                 buckets: str = "16x1,16x8,64x64,256x256"):
         self.out, self.rehearse, self.deadline = out, rehearse, time.monotonic() + budget
+        self.buckets = buckets  # step_throughput's (tokens x sequences) on the device
         self.env = dict(os.environ)
         if rehearse:
             self.env["JAX_PLATFORMS"] = "cpu"
@@ -94,18 +96,21 @@ class Check:
         log = self.out / f"{step}.log"
         t0 = time.monotonic()
         with open(log, "w") as f:
+            # A session of its own: on a timeout the step's whole process group goes (shard-plan's
+            # worker process held the device's memory after its parent was killed, and the next
+            # step ran out of it).
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=f, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
             try:
-                rc = subprocess.run(
-                    cmd,
-                    cwd=ROOT,
-                    env=self.env,
-                    stdout=f,
-                    stderr=subprocess.STDOUT,
-                    timeout=min(limit, left),
-                    check=False,
-                ).returncode
+                rc = proc.wait(timeout=min(limit, left))
             except subprocess.TimeoutExpired:
                 rc = None
+            finally:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)  # the step's leftovers, if any
+                except ProcessLookupError:
+                    pass
+                proc.wait()
         self.last_seconds = time.monotonic() - t0
         return rc, log.read_text(errors="replace")
 
@@ -210,7 +215,7 @@ def step_throughput(c: Check, devices: int) -> None:
         (tmp / "config.json").write_text(json.dumps(TINY_LLAMA))
         model, buckets, ctx, max_len, seqs = str(tmp / "config.json"), "16x8", 64, 128, 8
     else:  # 256 sequences of 1,152 tokens: 36 GiB of KV cache + 15 GiB of weights over the devices
-        model, buckets, ctx, max_len, seqs = "llama3-8b", "16x1,16x8,64x64,256x256", 1024, 1152, 256
+        model, buckets, ctx, max_len, seqs = "llama3-8b", c.buckets, 1024, 1152, 256
     cmd = [
         PY,
         "-m",
@@ -369,10 +374,12 @@ def main() -> int:
     )
     p.add_argument("--steps", nargs="+", choices=STEPS, default=STEPS,
                    help="the steps to run (env always runs first); default: all")
+    p.add_argument("--buckets", default="16x1,16x8,64x64,256x256",
+                   help="step_throughput's buckets on the device (tokens x sequences)")
     args = p.parse_args()
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    c = Check(out, args.rehearse, args.budget)
+    c = Check(out, args.rehearse, args.budget, args.buckets)
     t0 = time.monotonic()
     backend = step_env(c)
     devices = 1

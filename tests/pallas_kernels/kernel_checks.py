@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -98,7 +99,14 @@ TINY_LLAMA = dict(
 @functools.lru_cache(maxsize=None)  # the reference run is shared by the test files
 def tiny_llama_run(impl: str, page_size: int = 16):
     """Logits of a mixed step sequence (prefill, chunked prefill + decode, decode) and greedy
-    tokens of 4 decode steps, through `attention_impl=impl`."""
+    tokens of 4 decode steps, through `attention_impl=impl`. The model's own float32 products
+    run at full precision: on a GPU XLA's default lets float32 dots use TF32 (logits ~5e-3 off
+    between two runs), while the kernels compute theirs in IEEE float32."""
+    with jax.default_matmul_precision("highest"):
+        return _tiny_llama_run(impl, page_size)
+
+
+def _tiny_llama_run(impl: str, page_size: int):
     from jaxserve.models.arch_config import ArchConfig
     from jaxserve.models.weights import create_model
     from tests.models.model_utils import PagedRunner
