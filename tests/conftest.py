@@ -91,6 +91,15 @@ def small_engine_options(default_model_dir, compile_cache_dir) -> dict:
     )
 
 
+@pytest.fixture(scope="session")
+def small_llm(small_engine_options):
+    """One engine of `small_engine_options` for the test modules that only generate with it (a
+    test that needs other settings builds its own)."""
+    from jaxserve import LLM
+
+    return LLM(**small_engine_options)
+
+
 
 # pytest-xdist (`make test`: `-n 2 --dist loadfile --no-loadscope-reorder`): a module's tests run
 # in one worker, so that its module-scoped engines, model directories and per-process caches of
