@@ -105,7 +105,8 @@ def small_llm(small_engine_options):
 # in one worker, so that its module-scoped engines, model directories and per-process caches of
 # compiled topologies are built once; each worker takes the next module in collection order.
 # The longest modules go first, so that no long module starts last while the other worker idles.
-# (Not --dist loadgroup: with pytest 9.2, xdist 3.8's `xdist_group` marks never reach its scheduler.)
+# (Not --dist loadgroup: with pytest 9.2, xdist 3.8's `xdist_group` marks never reach its
+# scheduler.)
 LONGEST_FIRST = (  # from `--durations` of whole runs on a 2-core CPU
     "tests/parallel/test_tensor_parallel.py",
     "tests/engine/test_executable_cache.py",

@@ -193,7 +193,8 @@ def test_canonical_descriptions_do_not_depend_on_string_hashing():
     code = ("from jaxserve.runner.executable_cache import canonical; import tests.engine.test_executable_cache as t; "
             "print(canonical(t._Spec(frozenset({'rope', 'gqa', 'silu_glu', 'rms_norm', 'qk_norm'}), ('a', 'b'))))")
     procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONHASHSEED": str(seed)}) for seed in (1, 2, 3, 4)]
+                              env={**os.environ, "PYTHONHASHSEED": str(seed)})
+             for seed in (1, 2, 3, 4)]
     outs = [p.communicate(timeout=300)[0] for p in procs]  # the four start at once
     assert [p.returncode for p in procs] == [0] * 4
     assert len(set(outs)) == 1
