@@ -107,21 +107,21 @@ def small_llm(small_engine_options):
 # The longest modules go first, so that no long module starts last while the other worker idles.
 # (Not --dist loadgroup: with pytest 9.2, xdist 3.8's `xdist_group` marks never reach its
 # scheduler.)
-LONGEST_FIRST = (  # from `--durations` of whole runs on a 2-core CPU
+LONGEST_FIRST = (  # from `--durations=0` of a whole run, 2 workers on a 2-core CPU
     "tests/parallel/test_tensor_parallel.py",
-    "tests/engine/test_executable_cache.py",
-    "tests/engine/test_llm_golden.py",
-    "tests/engine/test_damaged_caches.py",
-    "tests/server/test_families.py",
-    "tests/engine/test_sharding_rules_engine.py",
     "tests/tools/test_tpu_topology.py",
+    "tests/tools/test_shard_plan.py",
+    "tests/engine/test_llm_golden.py",
     "tests/tools/test_gpu_topology.py",
-    "tests/parallel/test_multihost.py",
-    "tests/parallel/test_data_parallel.py",
-    "tests/server/test_fuzz.py",
-    "tests/engine/test_matmul_impl.py",
+    "tests/engine/test_executable_cache.py",
     "tests/tools/test_device_check.py",
+    "tests/parallel/test_multihost.py",
     "tests/pallas_kernels/test_cpu_kernel.py",
+    "tests/parallel/test_data_parallel.py",
+    "tests/models/test_sharding_rules.py",
+    "tests/models/test_moe.py",
+    "tests/engine/test_sharding_rules_engine.py",
+    "tests/engine/test_matmul_impl.py",
 )
 
 
