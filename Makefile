@@ -28,8 +28,12 @@ install-tpu: $(STAMP)
 install-gpu-compile: $(STAMP)
 	$(PIP) install -q -e '.[gpu-compile]'
 
+# Test worker processes (pytest-xdist): one a core, 2 to 4, each taking whole modules in turn
+# (tests/conftest.py: why, and which go first); TEST_WORKERS=0 runs everything in this process.
+TEST_WORKERS ?= $(shell n=$$(nproc); echo $$(( n < 2 ? 2 : n > 4 ? 4 : n )))
+
 test: $(STAMP)
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 serve: $(STAMP)
 	$(VENV)/bin/jaxserve serve $(SERVE_ARGS)

@@ -47,18 +47,33 @@ def golden() -> dict:
     return json.loads((DATA / "smollm2_public.json").read_text())
 
 
+def _run_dir(tmp_path_factory, name: str) -> pathlib.Path:
+    """A folder of this test run that every pytest-xdist worker shares: under the run's base
+    temporary folder (a worker's own is a subfolder of it); without xdist, the session's."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    path = root / name
+    path.mkdir(exist_ok=True)
+    return path
+
+
 @pytest.fixture(scope="session")
 def default_model_dir(tmp_path_factory) -> pathlib.Path:
-    """The bundled default model (SmolLM2-135M-Instruct GGUF), converted once per test session."""
+    """The bundled default model (SmolLM2-135M-Instruct GGUF), converted once per test run (the
+    conversion is renamed into place: workers that convert at once agree on one copy)."""
     from jaxserve.models.loader import resolve_model
 
-    return resolve_model(None, cache_dir=str(tmp_path_factory.mktemp("jaxserve-cache")))
+    return resolve_model(None, cache_dir=str(_run_dir(tmp_path_factory, "jaxserve-cache")))
 
 
 @pytest.fixture(scope="session")
 def compile_cache_dir(tmp_path_factory) -> str:
-    """One persistent XLA cache for every engine of the test session (identical buckets compile once)."""
-    return str(tmp_path_factory.mktemp("xla-cache"))
+    """One compilation cache (executables, packed weights) for every engine of the test run, the
+    xdist workers' included: identical buckets compile once, and each entry is written to a
+    temporary file and renamed into place, so concurrent writers each install a whole file.
+    Tests of the caches themselves use folders of their own."""
+    return str(_run_dir(tmp_path_factory, "xla-cache"))
 
 
 @pytest.fixture(scope="session")
@@ -74,3 +89,44 @@ def small_engine_options(default_model_dir, compile_cache_dir) -> dict:
         compilation_cache_dir=compile_cache_dir,
         show_progress=False,
     )
+
+
+@pytest.fixture(scope="session")
+def small_llm(small_engine_options):
+    """One engine of `small_engine_options` for the test modules that only generate with it (a
+    test that needs other settings builds its own)."""
+    from jaxserve import LLM
+
+    return LLM(**small_engine_options)
+
+
+
+# pytest-xdist (`make test`: `-n 2 --dist loadfile --no-loadscope-reorder`): a module's tests run
+# in one worker, so that its module-scoped engines, model directories and per-process caches of
+# compiled topologies are built once; each worker takes the next module in collection order.
+# The longest modules go first, so that no long module starts last while the other worker idles.
+# (Not --dist loadgroup: with pytest 9.2, xdist 3.8's `xdist_group` marks never reach its
+# scheduler.)
+LONGEST_FIRST = (  # from `--durations=0` of a whole run, 2 workers on a 2-core CPU
+    "tests/parallel/test_tensor_parallel.py",
+    "tests/tools/test_tpu_topology.py",
+    "tests/tools/test_shard_plan.py",
+    "tests/engine/test_llm_golden.py",
+    "tests/tools/test_gpu_topology.py",
+    "tests/engine/test_executable_cache.py",
+    "tests/tools/test_device_check.py",
+    "tests/parallel/test_multihost.py",
+    "tests/pallas_kernels/test_cpu_kernel.py",
+    "tests/parallel/test_data_parallel.py",
+    "tests/models/test_sharding_rules.py",
+    "tests/models/test_moe.py",
+    "tests/engine/test_sharding_rules_engine.py",
+    "tests/engine/test_matmul_impl.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # one process: the usual order
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))

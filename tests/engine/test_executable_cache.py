@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -30,6 +31,21 @@ OPTIONS = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=16, token
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> pathlib.Path:
     return write_model_dir(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def filled_cache(model_dir, tmp_path_factory) -> pathlib.Path:
+    """A cache folder that an engine of OPTIONS filled (compiled once for the module's tests)."""
+    path = tmp_path_factory.mktemp("filled")
+    _llm(model_dir, path)
+    return path
+
+
+@pytest.fixture
+def cache_dir(filled_cache, tmp_path) -> pathlib.Path:
+    """This test's copy of `filled_cache`: as if an engine of OPTIONS had just run there."""
+    shutil.copytree(filled_cache, tmp_path, dirs_exist_ok=True)
+    return tmp_path
 
 
 def _llm(model_dir, cache_dir, **overrides) -> LLM:
@@ -73,46 +89,45 @@ def test_a_second_engine_loads_its_steps_and_serves_the_same_tokens(model_dir, t
     {"max_logprobs": 5},  # the sampler's sizes
     {"num_pages": 40},
 ])
-def test_a_changed_setting_misses_and_a_shared_bucket_hits(model_dir, tmp_path, change):
-    _llm(model_dir, tmp_path)
-    runner = _runner(_llm(model_dir, tmp_path, **change))
+def test_a_changed_setting_misses_and_a_shared_bucket_hits(model_dir, cache_dir, change):
+    runner = _runner(_llm(model_dir, cache_dir, **change))
     if change == {"token_buckets": (16,)}:  # a grid's buckets are keyed one by one
         assert (runner.executables_loaded, runner.executables_compiled) == (1 + HELPERS, 0)
     else:
         assert runner.executables_loaded == 0 and runner.executables_compiled == runner.num_buckets + HELPERS
 
 
-def test_another_model_and_changed_code_miss(model_dir, tmp_path, monkeypatch):
-    _llm(model_dir, tmp_path)
-    other = write_model_dir(tmp_path / "qwen3", "qwen3")
-    assert _runner(_llm(other, tmp_path)).executables_loaded == 0
+def test_another_model_and_changed_code_miss(model_dir, cache_dir, tmp_path_factory, monkeypatch):
+    other = write_model_dir(tmp_path_factory.mktemp("other") / "qwen3", "qwen3")
+    assert _runner(_llm(other, cache_dir)).executables_loaded == 0
     original = ec.code_fingerprint
     monkeypatch.setattr(ec, "code_fingerprint", lambda: "an edited source file")
-    assert _runner(_llm(model_dir, tmp_path)).executables_loaded == 0
+    assert _runner(_llm(model_dir, cache_dir)).executables_loaded == 0
     monkeypatch.setattr(ec, "code_fingerprint", original)
-    assert _runner(_llm(model_dir, tmp_path)).executables_loaded > 0
+    assert _runner(_llm(model_dir, cache_dir)).executables_loaded > 0
     monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "") + " --xla_cpu_enable_fast_math=false")
-    assert _runner(_llm(model_dir, tmp_path)).executables_loaded == 0
+    assert _runner(_llm(model_dir, cache_dir)).executables_loaded == 0
 
 
-def test_broken_entries_are_compiled_again(model_dir, tmp_path, caplog):
-    expected = _outputs(_llm(model_dir, tmp_path))
-    files = sorted((tmp_path / EXECUTABLES_SUBDIR).glob("*.jexe"))
+def test_broken_entries_are_compiled_again(model_dir, cache_dir, caplog):
+    expected = _outputs(_llm(model_dir, cache_dir))
+    files = sorted((cache_dir / EXECUTABLES_SUBDIR).glob("*.jexe"))
     files[0].write_bytes(b"not an executable")
     # An entry under another entry's name: its stored key differs from the name's.
     files[2].write_bytes(files[1].read_bytes())
-    llm = _llm(model_dir, tmp_path)
+    llm = _llm(model_dir, cache_dir)
     runner = _runner(llm)
     assert (runner.executables_loaded, runner.executables_compiled) == (len(files) - 2, 2)
     assert "discarding the cached executable" in caplog.text
     assert _outputs(llm) == expected
-    assert _runner(_llm(model_dir, tmp_path)).executables_loaded == len(files)  # stored again
+    assert _runner(_llm(model_dir, cache_dir)).executables_loaded == len(files)  # stored again
 
 
 def test_no_compilation_cache_stores_nothing(model_dir, tmp_path):
-    runner = _runner(_llm(model_dir, tmp_path, enable_compilation_cache=False))
+    one_bucket = dict(token_buckets=(16,))  # what is stored does not depend on the grid
+    runner = _runner(_llm(model_dir, tmp_path, enable_compilation_cache=False, **one_bucket))
     assert runner.executables_loaded == 0 and not (tmp_path / EXECUTABLES_SUBDIR).exists()
-    runner = _runner(_llm(model_dir, tmp_path, enable_executable_cache=False))
+    runner = _runner(_llm(model_dir, tmp_path, enable_executable_cache=False, **one_bucket))
     assert runner.executables_loaded == 0 and not (tmp_path / EXECUTABLES_SUBDIR).exists()
 
 
@@ -177,8 +192,11 @@ class _Spec:
 def test_canonical_descriptions_do_not_depend_on_string_hashing():
     code = ("from jaxserve.runner.executable_cache import canonical; import tests.engine.test_executable_cache as t; "
             "print(canonical(t._Spec(frozenset({'rope', 'gqa', 'silu_glu', 'rms_norm', 'qk_norm'}), ('a', 'b'))))")
-    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                           env={**os.environ, "PYTHONHASHSEED": str(seed)}).stdout for seed in (1, 2, 3, 4)}
-    assert len(outs) == 1
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONHASHSEED": str(seed)})
+             for seed in (1, 2, 3, 4)]
+    outs = [p.communicate(timeout=300)[0] for p in procs]  # the four start at once
+    assert [p.returncode for p in procs] == [0] * 4
+    assert len(set(outs)) == 1
     assert ec.canonical(frozenset({"b", "a"})) == ec.canonical(frozenset({"a", "b"})) == "{'a','b'}"
     assert ec.canonical({"y": 1, "x": (2, 3)}) == ec.canonical({"x": (2, 3), "y": 1})

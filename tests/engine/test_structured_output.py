@@ -208,9 +208,9 @@ def test_bad_constraint_is_refused_before_anything_is_queued(tokenizer):
 
 
 # ---------------------------------------------------------------------------- the real model
-@pytest.fixture(scope="module")
-def llm(small_engine_options):
-    return LLM(**small_engine_options)
+@pytest.fixture
+def llm(small_llm):
+    return small_llm
 
 
 def _chat_ids(llm: LLM, text: str) -> list[int]:
