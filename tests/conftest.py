@@ -100,7 +100,6 @@ def small_llm(small_engine_options):
     return LLM(**small_engine_options)
 
 
-
 # pytest-xdist (`make test`: `-n 2 --dist loadfile --no-loadscope-reorder`): a module's tests run
 # in one worker, so that its module-scoped engines, model directories and per-process caches of
 # compiled topologies are built once; each worker takes the next module in collection order.
@@ -116,7 +115,8 @@ LONGEST_FIRST = (  # from `--durations=0` of a whole run, 2 workers on a 2-core 
     "tests/engine/test_executable_cache.py",
     "tests/tools/test_device_check.py",
     "tests/parallel/test_multihost.py",
-    "tests/pallas_kernels/test_cpu_kernel.py",
+    "tests/backends/test_cpu_kernel.py",
+    "tests/test_packaging.py",
     "tests/parallel/test_data_parallel.py",
     "tests/models/test_sharding_rules.py",
     "tests/models/test_moe.py",
