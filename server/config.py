@@ -47,8 +47,9 @@ class ServerConfig:
     engine_core: Literal["auto", "thread", "process"] = "auto"
     """Where the engine core (scheduler, runner, device calls) runs: on a thread of the server's
     process, or in a process of its own, so that the HTTP event loop and detokenizing never
-    share an interpreter with the steps; auto: the faster on this machine's accelerator
-    (README, Performance: thread vs process)."""
+    share an interpreter with the steps. Default (auto): a process on a TPU or GPU, a thread on
+    the CPU, the faster of the two on each as measured (README: the engine core on a thread or
+    in a process of its own)."""
     request_timeout: float | None = option(None, check=positive, metavar="SECONDS")
     """Seconds from a request's arrival to its last token: past it the request is aborted (its KV
     freed) and the client gets a 504, or an error event in a stream. Default: no deadline."""
