@@ -37,6 +37,7 @@ from jaxserve.runner.executable_cache import canonical
 from jaxserve.runner.kv_cache import num_pages_for_budget
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.runner.pooling_runner import PoolingRunner
+from jaxserve.runner.protocol import StepRunner
 from jaxserve.sampling.config import SamplerConfig
 from jaxserve.spec_decode import NgramProposer
 from jaxserve.startup_timer import StartupTimer
@@ -160,19 +161,19 @@ def build_engine(config: EngineConfig, timer: StartupTimer | None = None, *,
     timer.note("executables", f"{runner.executables_loaded} loaded, {runner.executables_compiled} compiled")
     if mesh.size > 1:
         _log_placement(model, runner, mesh, rules)
-    model_runner = runner
+    step_runner: StepRunner = runner  # what the core drives: a leader wraps this process's runner
     if topo is not None:
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices("jaxserve-ready")  # every process compiled the same steps
         if topo.is_leader:
             link.start()
-            runner = multihost.LeaderRunner(runner, link)
+            step_runner = multihost.LeaderRunner(runner, link)
     scheduler = DataParallelScheduler(sc, kv_managers) if D > 1 else Scheduler(sc, kv_managers[0])
     spec = config.speculative_config
     proposer = (NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
                 if spec is not None else None)
-    core = EngineCore(scheduler, runner, async_scheduling=sc.async_scheduling, proposer=proposer)
+    core = EngineCore(scheduler, step_runner, async_scheduling=sc.async_scheduling, proposer=proposer)
     with timer.phase("tokenizer"):  # what is left of it
         tokenizer = tokenizer_future.result()
     eos = tokenizer.eos_token_id
@@ -201,7 +202,7 @@ def build_engine(config: EngineConfig, timer: StartupTimer | None = None, *,
     if own_timer:  # else the caller logs it when it is ready (the server: once it listens)
         logger.info("%s", timer.summary())
     return EngineParts(tokenizer, info, core, model_path, arch, backend, plan, load_seconds, topo, link,
-                       model_runner)
+                       runner)
 
 
 def _pooling_engine(config: EngineConfig, model, model_path, arch: ArchConfig, backend: Backend,
