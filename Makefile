@@ -3,7 +3,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install install-tpu install-gpu-compile test serve bench clean
+.PHONY: install install-tpu install-gpu-compile test test-packaging serve bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -32,8 +32,14 @@ install-gpu-compile: $(STAMP)
 # (tests/conftest.py: why, and which go first); TEST_WORKERS=0 runs everything in this process.
 TEST_WORKERS ?= $(shell n=$$(nproc); echo $$(( n < 2 ? 2 : n > 4 ? 4 : n )))
 
+# The wheel test (tests/test_packaging.py: build, install into a fresh venv, run) takes a minute
+# of a 2-core machine's 15-minute suite: `make test-packaging` runs it, and so does the CI.
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
+		--ignore=tests/test_packaging.py $(PYTEST_ARGS)
+
+test-packaging: $(STAMP)
+	$(PY) -m pytest -q tests/test_packaging.py
 
 serve: $(STAMP)
 	$(VENV)/bin/jaxserve serve $(SERVE_ARGS)

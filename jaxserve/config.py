@@ -208,7 +208,7 @@ class CacheConfig:
     """KV-cache bytes per device; suffixes allowed (2GiB, 512MB); --kv-cache-memory-bytes is
     vLLM's name. Default: on accelerators
     device_memory_utilization of each device's free memory (the least over devices and
-    processes), on a CPU 1 GiB."""
+    processes), on a CPU 1 GiB (or JAXSERVE_CPU_KVCACHE_SPACE GiB from the environment)."""
     device_memory_utilization: float = option(0.9, flag="--gpu-memory-utilization")
     """Fraction of each accelerator's free memory for the KV cache when no byte budget is given
     (vLLM's --gpu-memory-utilization)."""

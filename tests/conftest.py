@@ -12,6 +12,11 @@ import sys  # noqa: E402
 # mode), so JAX keeps its default platform (see benchmarks/device_check.sh).
 if "--kernel-device" not in sys.argv:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Each engine zeroes its whole KV cache at start, on every simulated device: 1 GiB a device by
+# default on a CPU made the suite's hundreds of engines spend minutes in page faults. 128 MiB holds
+# ~2,900 tokens of the default model in float32 (tests that need more say so). Test processes
+# started from here (servers, followers) inherit it.
+os.environ.setdefault("JAXSERVE_CPU_KVCACHE_SPACE", "0.125")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
@@ -107,21 +112,26 @@ def small_llm(small_engine_options):
 # (Not --dist loadgroup: with pytest 9.2, xdist 3.8's `xdist_group` marks never reach its
 # scheduler.)
 LONGEST_FIRST = (  # from `--durations=0` of a whole run, 2 workers on a 2-core CPU
-    "tests/parallel/test_tensor_parallel.py",
-    "tests/tools/test_tpu_topology.py",
     "tests/tools/test_shard_plan.py",
-    "tests/engine/test_llm_golden.py",
-    "tests/tools/test_gpu_topology.py",
-    "tests/engine/test_executable_cache.py",
-    "tests/tools/test_device_check.py",
-    "tests/parallel/test_multihost.py",
-    "tests/backends/test_cpu_kernel.py",
-    "tests/test_packaging.py",
-    "tests/parallel/test_data_parallel.py",
-    "tests/models/test_sharding_rules.py",
     "tests/models/test_moe.py",
+    "tests/backends/test_cpu_kernel.py",
+    "tests/tools/test_gpu_topology.py",
+    "tests/models/test_sharding_rules.py",
+    "tests/parallel/test_tensor_parallel.py",
+    "tests/parallel/test_multihost.py",
+    "tests/engine/test_executable_cache.py",
     "tests/engine/test_sharding_rules_engine.py",
-    "tests/engine/test_matmul_impl.py",
+    "tests/parallel/test_data_parallel.py",
+    "tests/tools/test_tpu_topology.py",
+    "tests/pallas_kernels/test_tpu_kernel.py",
+    "tests/server/test_families.py",
+    "tests/models/test_paged_consistency.py",
+    "tests/server/test_fuzz.py",
+    "tests/engine/test_llm_golden.py",
+    "tests/models/test_gguf_archs.py",
+    "tests/server/test_startup_log.py",
+    "tests/pallas_kernels/test_gpu_kernel.py",
+    "tests/tools/test_device_check.py",
 )
 
 

@@ -4,7 +4,8 @@ What differs from the accelerators (see docs/DESIGN.md §9 for the measurements)
 - dtype "auto": whichever of bfloat16 and float32 runs the products faster here (measured);
 - KV dtype "auto": the model dtype when the native attention kernel writes the cache, else
   float32 (XLA:CPU's bfloat16 scatter is orders of magnitude slower);
-- the KV budget: 1 GiB unless given (host memory has no useful "free" figure);
+- the KV budget: 1 GiB unless given (host memory has no useful "free" figure), or
+  JAXSERVE_CPU_KVCACHE_SPACE GiB (the counterpart of vLLM's VLLM_CPU_KVCACHE_SPACE);
 - the token budget per step: 512 unless given (larger steps delay first tokens here);
 - products on weights packed once at load time (AMX bfloat16, AVX-512 or AVX2 float32), one
   device, on the kernel build `ModelConfig.cpu_kernel_target` selects;
@@ -18,6 +19,7 @@ Without a C++ compiler every native path is off and the engine runs XLA's ops (s
 from __future__ import annotations
 
 import logging
+import os
 import platform
 import types
 
@@ -43,6 +45,10 @@ from jaxserve.models.layers.linear import PackedParam
 logger = logging.getLogger(__name__)
 
 CPU_KV_BYTES = 1 << 30
+# The default KV budget in GiB, in the environment (vLLM's CPU backend reads
+# VLLM_CPU_KVCACHE_SPACE alike): the whole budget is zeroed at start, on every device of a
+# simulated mesh, so small runs (the test suite) start faster with less.
+KV_SPACE_ENV = "JAXSERVE_CPU_KVCACHE_SPACE"
 _ONE_DEVICE = types.SimpleNamespace(size=1)  # a mesh of one device, for resolving the kernels
 MATMUL_IMPLS = ("auto", "xla", "amx", "avx512", "avx2")
 
@@ -125,7 +131,7 @@ class CpuBackend(Backend):
         return super().plan(mc, cc, mesh)
 
     def kv_cache_budget(self, cc: CacheConfig) -> int:
-        return cc.kv_cache_memory_bytes if cc.kv_cache_memory_bytes is not None else CPU_KV_BYTES
+        return cc.kv_cache_memory_bytes if cc.kv_cache_memory_bytes is not None else default_kv_bytes()
 
     # ------------------------------------------------------------------ the model
     def prepare_model(self, model, plan: DevicePlan, abstract: bool = False) -> None:
@@ -173,3 +179,16 @@ class CpuBackend(Backend):
     def place_kv_cache(self, arrays: list[jax.Array]):
         return huge_pages.advise_in_background(arrays)
 
+
+def default_kv_bytes() -> int:
+    """KV-cache bytes per device when none is given: JAXSERVE_CPU_KVCACHE_SPACE GiB, else 1 GiB."""
+    raw = os.environ.get(KV_SPACE_ENV, "").strip()
+    if not raw:
+        return CPU_KV_BYTES
+    try:
+        gib = float(raw)
+    except ValueError:
+        gib = 0.0
+    if not gib > 0:
+        raise ValueError(f"{KV_SPACE_ENV}={raw!r}: give the KV cache's GiB as a positive number (e.g. 4 or 0.25)")
+    return int(gib * (1 << 30))
