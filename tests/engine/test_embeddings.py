@@ -205,7 +205,15 @@ def test_pooling_config_files(tmp_path):
     (tmp_path / "1_Pooling").mkdir()
     cls = {"pooling_mode_cls_token": True}
     (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(cls))
-    with pytest.raises(ValueError, match="pooling_mode_cls_token is not supported"):
+    with pytest.raises(ValueError, match="pooling cls is not supported"):
+        load_pooling_config(tmp_path)
+    # sentence-transformers >= 5.4 writes one key; no mode at all is its default, mean
+    for written, want in (({"pooling_mode": "lasttoken"}, "last"), ({"pooling_mode": ["mean"]}, "mean"),
+                          ({"embedding_dimension": 64}, "mean")):
+        (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(written))
+        assert load_pooling_config(tmp_path).pooling == want
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode": ["mean", "max"]}))
+    with pytest.raises(ValueError, match="pooling mean, max is not supported"):
         load_pooling_config(tmp_path)
 
 
