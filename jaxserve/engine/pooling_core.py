@@ -15,12 +15,11 @@ from collections.abc import Iterable
 import numpy as np
 
 from jaxserve.core.scheduler import SchedulerStats
+from jaxserve.engine.embedding import NOT_GENERATING
 from jaxserve.engine.messages import EngineCoreOutput, EngineStats
 from jaxserve.request import EngineRequest
 from jaxserve.runner.pooling_runner import PoolingRunner
 
-NOT_GENERATING = ("this model is served with --runner pooling: it embeds (/v1/embeddings, "
-                  "LLM.embed) and does not generate")
 
 
 class PoolingCore:
