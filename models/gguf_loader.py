@@ -4,8 +4,10 @@
   first) is the row-major numpy array with those dims reversed, i.e. HF's `[out, in]`; what
   llama.cpp's converter changed per architecture (Q/K row order, Gemma's stored 1 + w, stacked
   experts, Phi-3's rope factors as tensors) is undone as `gguf_arch.py` describes.
-- Float and block types are dequantized with `gguf.quants.dequantize` to float32 (for Q4_1 and
-  the K types this reproduces ggml's own float32 values bit for bit).
+- Float and block types are dequantized with `gguf.quants.dequantize` to float32 (for Q4_1,
+  the K types and the IQ4 types this reproduces ggml's own float32 values bit for bit). Every
+  type but Q8_0 is stored dequantized (float32) in the converted directory: the K and IQ4
+  blocks are not kept on the device.
 - A Q8_0 file (one whose only quantized type is Q8_0) keeps its blocks: each Q8_0 tensor is
   written as its int8 values plus one float16 scale per 32 values along the row
   (`<name>` + BLOCK_SCALE_SUFFIX), and config.json says so in its `quantization_config`. The
@@ -46,8 +48,11 @@ except ImportError as _e:  # pragma: no cover - exercised only in broken install
     raise ImportError("reading GGUF files needs the `gguf` package (pip install gguf)") from _e
 
 # Types we dequantize (each one has a test). `gguf` can dequantize more; add them here with a test.
+# The K-quants and IQ4 types are those of llama.cpp's Q*_K_S/M/L and IQ4_XS files (IQ4_NL is
+# also its fallback for a Q2_K/Q3_K/IQ4_XS tensor whose rows are not a multiple of 256).
 SUPPORTED_TYPES: frozenset[QT] = frozenset(
-    {QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q4_K, QT.Q6_K}
+    {QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q2_K, QT.Q3_K,
+     QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.IQ4_NL, QT.IQ4_XS}
 )
 SUPPORTED_ARCHITECTURES = sorted(gguf_arch.ARCHITECTURES)
 Q8_0_BLOCK = 32  # values per Q8_0 block (one float16 scale + 32 int8 values: 34 bytes)

@@ -2,8 +2,9 @@
 
 A sentence-transformers checkpoint lists its modules in `modules.json` (types named
 `sentence_transformers.models.Pooling`, or since v5.4 `...modules.pooling.Pooling`); the
-Pooling module's folder (usually `1_Pooling/`) holds `config.json` with `pooling_mode_*`
-flags, and a `Normalize` module asks for L2-normalized embeddings. Without `modules.json` a
+Pooling module's folder (usually `1_Pooling/`) holds `config.json` with its mode
+(`pooling_mode`, or before v5.4 `pooling_mode_*` flags; neither: mean, sentence-transformers'
+default), and a `Normalize` module asks for L2-normalized embeddings. Without `modules.json` a
 decoder model pools its last token and normalizes (Qwen3-Embedding's and e5-mistral's recipe).
 """
 
@@ -24,9 +25,12 @@ ENCODER_ARCHITECTURES = frozenset({
     "DebertaV2Model", "ElectraModel", "T5EncoderModel", "GteModel", "NewModel",
 })
 
-_MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean"}
-_UNSUPPORTED_MODES = ("pooling_mode_cls_token", "pooling_mode_max_tokens",
-                      "pooling_mode_mean_sqrt_len_tokens", "pooling_mode_weightedmean_tokens")
+# sentence-transformers' pooling modes: `pooling_mode` in its config since v5.4 (a name or a
+# list), before that one `pooling_mode_<key>` flag per mode; no mode at all is its default, mean.
+_SUPPORTED = {"lasttoken": "last", "mean": "mean"}
+_LEGACY_KEYS = {"cls_token": "cls", "max_tokens": "max", "mean_tokens": "mean",
+                "mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
+                "weightedmean_tokens": "weightedmean", "lasttoken": "lasttoken"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,17 +64,23 @@ def load_pooling_config(model_dir: str | pathlib.Path) -> PoolingConfig:
         return PoolingConfig("last", normalize, "modules.json (no Pooling module: last token)")
     cfg_file = root / pooling_dirs[0] / "config.json"
     cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
-    modes = [mode for key, mode in _MODES.items() if cfg.get(key)]
-    other = [key for key in _UNSUPPORTED_MODES if cfg.get(key)]
-    if other or len(modes) > 1:
-        asked = ", ".join(other + [k for k in _MODES if cfg.get(k)])
-        raise ValueError(f"{cfg_file}: pooling {asked} is not supported; jaxserve pools the last "
-                         "token or the mean of the tokens")
-    pooling = modes[0] if modes else "last"
+    modes = _pooling_modes(cfg)
+    if len(modes) != 1 or modes[0] not in _SUPPORTED:
+        raise ValueError(f"{cfg_file}: pooling {', '.join(modes)} is not supported; jaxserve "
+                         "pools the last token (lasttoken) or the mean of the tokens (mean)")
+    pooling = _SUPPORTED[modes[0]]
     if pooling == "mean" and cfg.get("include_prompt") is False:
         raise ValueError(f"{cfg_file}: mean pooling without the prompt's instruction tokens "
                          "(include_prompt false) is not supported")
     return PoolingConfig(pooling, normalize, f"{cfg_file.relative_to(root)}")
+
+
+def _pooling_modes(cfg: dict) -> list[str]:
+    """The modes a Pooling module's config.json asks for, in sentence-transformers' names."""
+    if "pooling_mode" in cfg:
+        mode = cfg["pooling_mode"]
+        return [mode] if isinstance(mode, str) else list(mode)
+    return [mode for key, mode in _LEGACY_KEYS.items() if cfg.get(f"pooling_mode_{key}")] or ["mean"]
 
 
 def as_causal_lm(ckpt):

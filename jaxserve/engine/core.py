@@ -47,7 +47,6 @@ from jaxserve.core.protocol import ScheduledStep, StepScheduler
 from jaxserve.engine.messages import EngineCoreOutput, EngineSleepingError, EngineStats
 from jaxserve.request import EngineRequest, Request, RequestFailedError, RequestStatus
 from jaxserve.runner.model_runner import RunnerOutput
-from jaxserve.runner.pooling_runner import PoolingRunner
 from jaxserve.runner.protocol import StepRunner
 from jaxserve.spec_decode import NgramProposer, can_speculate
 from jaxserve.structured.manager import StructuredOutputManager
@@ -70,13 +69,10 @@ class HostTimes:
 
 
 class EngineCore:
-    def __init__(self, scheduler: StepScheduler, runner: StepRunner | PoolingRunner, *,
+    def __init__(self, scheduler: StepScheduler, runner: StepRunner, *,
                  async_scheduling: bool = True, proposer: NgramProposer | None = None):
         self.scheduler = scheduler
-        # With --runner pooling a PoolingRunner: the core embeds (`embed`) and runs no steps (the
-        # frontend refuses generation requests).
         self.runner = runner
-        self.pooling = isinstance(runner, PoolingRunner)
         self.proposer = proposer
         self.async_scheduling = async_scheduling
         self._may_draft: set[str] = set()  # requests the proposer drafts for
@@ -87,8 +83,7 @@ class EngineCore:
         self._release_finished: set[str] = set()
         self._release_preempted: list[str] = []
         self.num_failed_requests = 0
-        vocab = 2 if self.pooling else runner.sampler_config.vocab_size  # (pooling: unused)
-        self.structured = StructuredOutputManager(vocab)
+        self.structured = StructuredOutputManager(runner.sampler_config.vocab_size)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: EngineRequest) -> None:
@@ -105,6 +100,9 @@ class EngineCore:
         self.scheduler.abort_requests(request_ids)
         self.structured.remove(request_ids)
         self._may_draft.difference_update(request_ids)
+
+    def abort_all(self) -> None:
+        self.abort_requests(list(self.scheduler.requests))
 
     def has_work(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self._in_flight is not None
@@ -224,11 +222,10 @@ class EngineCore:
                            self.num_steps, self.is_sleeping)
 
     def embed(self, prompts: list[list[int]]) -> np.ndarray:
-        """[len(prompts), hidden] float32 pooled embeddings (--runner pooling only)."""
-        if not self.pooling:
-            raise ValueError("this model is served for generation; start it with --runner "
-                             "pooling to embed")
-        return self.runner.embed(prompts)
+        """Embeddings are the pooling core's (engine/pooling_core.py); the frontend refuses
+        them first, with a 400 naming --runner pooling."""
+        raise ValueError("this model is served for generation; start it with --runner "
+                         "pooling to embed")
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()

@@ -11,19 +11,49 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from jaxserve.engine.messages import EngineCoreOutput, EngineStats
 from jaxserve.request import EngineRequest
 
 if TYPE_CHECKING:
-    from jaxserve.engine.core import EngineCore
+    import numpy as np
 
 logger = logging.getLogger(__name__)
 
 # The core's methods a command may call.
 CORE_CALLS = frozenset({"stats", "reset_prefix_cache", "sleep", "wake_up", "embed"})
+
+
+@runtime_checkable
+class Core(Protocol):
+    """What the loop (and LLMEngine) needs of an engine core: `EngineCore` (generation: the
+    scheduler and a step runner) or `PoolingCore` (--runner pooling: embeddings, no steps)."""
+
+    @property
+    def is_sleeping(self) -> bool: ...
+
+    def add_request(self, request: EngineRequest, /) -> None: ...  # ValueError: refused
+
+    def abort_requests(self, request_ids: Iterable[str], /) -> None: ...
+
+    def abort_all(self) -> None: ...
+
+    def has_work(self) -> bool: ...
+
+    def step(self) -> list[EngineCoreOutput]: ...
+
+    # the calls (CORE_CALLS)
+    def stats(self) -> EngineStats: ...
+
+    def reset_prefix_cache(self) -> bool: ...
+
+    def sleep(self) -> None: ...
+
+    def wake_up(self) -> None: ...
+
+    def embed(self, prompts: list[list[int]], /) -> np.ndarray: ...
 
 
 # ---------------------------------------------------------------------------- commands (frontend -> core)
@@ -94,7 +124,7 @@ class Stopped:
 Event = Stepped | Rejected | Returned | Died | Stopped
 
 
-def run_core_loop(core: EngineCore, next_commands: Callable[[bool], list[Command]],
+def run_core_loop(core: Core, next_commands: Callable[[bool], list[Command]],
                   emit: Callable[[Event], None]) -> None:
     """Serve `core` until a Stop: `next_commands(block)` returns the commands that arrived (waiting
     for one when `block`, i.e. when the core has nothing to do), `emit` sends an event to the
@@ -106,7 +136,7 @@ def run_core_loop(core: EngineCore, next_commands: Callable[[bool], list[Command
         emit(Died(e))
 
 
-def _loop(core: EngineCore, next_commands, emit) -> None:
+def _loop(core: Core, next_commands, emit) -> None:
     taken = 0
     while True:
         for cmd in next_commands(not core.has_work()):
@@ -127,7 +157,7 @@ def _loop(core: EngineCore, next_commands, emit) -> None:
                 except Exception as e:  # noqa: BLE001 - reported to the caller
                     emit(Returned(cmd.call_id, error=e))
             else:
-                core.abort_requests(list(core.scheduler.requests))
+                core.abort_all()
                 if cmd.error is not None:
                     emit(Died(cmd.error))
                 else:

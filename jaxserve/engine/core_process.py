@@ -82,6 +82,21 @@ def _picklable(error: BaseException) -> BaseException:
         return RuntimeError(repr(error))
 
 
+def _grammars_here(parts) -> None:
+    """Constraints arrive uncompiled (an llguidance matcher does not pickle): compiled in this
+    process, with the tokenizer's tables built meanwhile on a thread rather than at the first
+    request."""
+    compiler = parts.core.structured.compiler = grammar_compiler(parts.tokenizer, parts.info)
+
+    def build_tables() -> None:
+        try:
+            compiler.tokenizer()
+        except Exception:  # noqa: BLE001 - a constrained request reports it (the frontend refuses it first)
+            logger.debug("structured output's tokenizer tables could not be built", exc_info=True)
+
+    threading.Thread(target=build_tables, name="jaxserve-grammar-tables", daemon=True).start()
+
+
 def _engine_main(build: Callable[..., Any], conn, log_level: int) -> None:
     """The engine process: build the engine, report, serve the pipe until Stop or EOF."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -105,17 +120,8 @@ def _engine_main(build: Callable[..., Any], conn, log_level: int) -> None:
         send(Following())
         parts.run_follower()
         return
-    # Constraints arrive uncompiled (an llguidance matcher does not pickle): compiled here, with
-    # the tokenizer's tables built meanwhile on a thread rather than at the first request.
-    compiler = parts.core.structured.compiler = grammar_compiler(parts.tokenizer, parts.info)
-
-    def build_tables() -> None:
-        try:
-            compiler.tokenizer()
-        except Exception:  # noqa: BLE001 - a constrained request reports it (the frontend refuses it first)
-            logger.debug("structured output's tokenizer tables could not be built", exc_info=True)
-
-    threading.Thread(target=build_tables, name="jaxserve-grammar-tables", daemon=True).start()
+    if parts.info.runner == "generate":  # (a pooling core takes no requests, so no grammars)
+        _grammars_here(parts)
     link = parts.link
     if link is not None and hasattr(link, "add_failure_callback"):  # a multi-host leader
         link.add_failure_callback(lambda e: send(core_loop.Died(_picklable(e))))

@@ -18,6 +18,8 @@ from jaxserve.engine.input_processor import ModelInfo
 
 NOT_POOLING = ("this model is served for generation; start the server with --runner pooling "
                "(or --task embed) to serve embeddings")
+NOT_GENERATING = ("this model is served with --runner pooling: it embeds (/v1/embeddings, "
+                  "LLM.embed) and does not generate")
 
 
 @dataclasses.dataclass(slots=True)

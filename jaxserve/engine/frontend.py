@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from jaxserve.engine.embedding import NOT_GENERATING
 from jaxserve.engine.input_processor import InputProcessor, ModelInfo, ProcessedRequest
 from jaxserve.engine.output_processor import OutputProcessor, StatsListener
 from jaxserve.outputs import OutputKind, RequestOutput
@@ -41,8 +42,7 @@ class Frontend:
                 cache_salt: str | None = None) -> ProcessedRequest:
         """Validate and tokenize (ValueError for bad input; nothing is registered)."""
         if self.info.runner == "pooling":
-            raise ValueError("this model is served with --runner pooling: it embeds "
-                             "(/v1/embeddings, LLM.embed) and does not generate")
+            raise ValueError(NOT_GENERATING)
         return self.input_processor.process(request_id, prompt, params, arrival_time=arrival_time,
                                             priority=priority, add_special_tokens=add_special_tokens,
                                             cache_salt=cache_salt)

@@ -21,6 +21,7 @@ from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.dp_scheduler import DataParallelScheduler, rank_config
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.engine.core import EngineCore
+from jaxserve.engine.pooling_core import PoolingCore
 from jaxserve.engine.generation_config import load_generation_config
 from jaxserve.engine.input_processor import ModelInfo
 from jaxserve.engine.tokenizer import Tokenizer
@@ -51,7 +52,7 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 class EngineParts:
     tokenizer: Tokenizer
     info: ModelInfo
-    core: EngineCore
+    core: EngineCore | PoolingCore
     model_path: pathlib.Path | None = None  # the (converted) checkpoint directory
     arch: ArchConfig | None = None
     backend: Backend | None = None
@@ -209,8 +210,8 @@ def _pooling_engine(config: EngineConfig, model, model_path, arch: ArchConfig, b
                     plan: DevicePlan, mesh, rules, gen, timer: StartupTimer, tokenizer_future, sc,
                     load_seconds: float, own_timer: bool) -> EngineParts:
     """The engine of --runner pooling: a PoolingRunner (its own small KV cache, one executable
-    per bucket) in an engine core that embeds and runs no generation steps. A prompt is never
-    split: the token buckets reach max_model_len."""
+    per bucket) in a PoolingCore (embeddings, no scheduler, no steps). A prompt is never split:
+    the token buckets reach max_model_len."""
     pooling = load_pooling_config(model_path)
     budget = max(sc.max_num_batched_tokens, sc.max_model_len)
     tb = config.compile.token_buckets or backend.default_token_buckets(budget)
@@ -225,10 +226,7 @@ def _pooling_engine(config: EngineConfig, model, model_path, arch: ArchConfig, b
                                executable_cache=executable_cache(config.compile))
     timer.note("executables",
                f"{runner.executables_loaded} loaded, {runner.executables_compiled} compiled")
-    # The scheduler takes no requests (the frontend refuses generation); the core needs one.
-    kv = KVCacheManager(config.cache.page_size, 1 + runner.pages_per_req, enable_caching=False,
-                        max_model_len=sc.max_model_len)
-    core = EngineCore(Scheduler(sc, kv), runner, async_scheduling=False)
+    core = PoolingCore(runner)
     with timer.phase("tokenizer"):
         tokenizer = tokenizer_future.result()
     mc = config.model

@@ -93,14 +93,6 @@ class PoolingRunner:
     def num_buckets(self) -> int:
         return len(self._compiled)
 
-    # Sleep mode is the generation runner's (the engine core asks either runner).
-    is_sleeping = False
-
-    def sleep(self) -> None:
-        raise RuntimeError("sleep mode is not available with --runner pooling")
-
-    wake_up = sleep
-
     def _compile_all(self, backend, cache: ExecutableCache | None, show_progress: bool) -> None:
         shaped = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
         abstract_kv = abstract_kv_cache(self.cfg, self.num_pages, self.page_size, self.kv_dtype,

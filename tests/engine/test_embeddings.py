@@ -17,6 +17,7 @@ from safetensors.numpy import load_file, save_file
 
 from jaxserve import LLM
 from jaxserve.config import ModelConfig
+from jaxserve.engine.pooling_core import PoolingCore
 from jaxserve.models.pooling_config import PoolingConfig, load_pooling_config
 from tests.model_dirs import DATA, write_model_dir
 
@@ -156,6 +157,23 @@ def test_a_pooling_engine_does_not_generate(qwen3_last):
         qwen3_last.generate(["w5 w6"], use_tqdm=False)
 
 
+def test_the_pooling_core_runs_no_steps(qwen3_last):
+    """Embeddings only: no scheduler, no steps; generation and sleep mode refused by the core
+    itself too (the frontend refuses generation first)."""
+    core = qwen3_last.engine.core
+    assert isinstance(core, PoolingCore) and not hasattr(core, "scheduler")
+    with pytest.raises(ValueError, match="--runner pooling"):
+        core.add_request(None)
+    with pytest.raises(RuntimeError, match="sleep mode"):
+        core.sleep()
+    qwen3_last.embed([[5, 6, 7]])
+    stats = core.stats()
+    assert (core.has_work(), core.step(), stats.num_steps, stats.scheduler.num_running) == (
+        False, [], 0, 0)
+    assert (stats.num_compiles, stats.recompiles) == (core.runner.counter.num_compiles, 0)
+    assert core.reset_prefix_cache() is True
+
+
 def test_encoders_are_refused_by_name(tmp_path):
     d = write_model_dir(tmp_path, "qwen3")
     config = json.loads((d / "config.json").read_text())
@@ -187,7 +205,15 @@ def test_pooling_config_files(tmp_path):
     (tmp_path / "1_Pooling").mkdir()
     cls = {"pooling_mode_cls_token": True}
     (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(cls))
-    with pytest.raises(ValueError, match="pooling_mode_cls_token is not supported"):
+    with pytest.raises(ValueError, match="pooling cls is not supported"):
+        load_pooling_config(tmp_path)
+    # sentence-transformers >= 5.4 writes one key; no mode at all is its default, mean
+    for written, want in (({"pooling_mode": "lasttoken"}, "last"), ({"pooling_mode": ["mean"]}, "mean"),
+                          ({"embedding_dimension": 64}, "mean")):
+        (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(written))
+        assert load_pooling_config(tmp_path).pooling == want
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode": ["mean", "max"]}))
+    with pytest.raises(ValueError, match="pooling mean, max is not supported"):
         load_pooling_config(tmp_path)
 
 

@@ -1,4 +1,5 @@
-"""The engine core is typed against two protocols, `StepScheduler` and `StepRunner`: every
+"""The engine core is typed against two protocols, `StepScheduler` and `StepRunner`, and the
+core loop against a third, `Core` (the generation core and the pooling core): every
 implementation provides each member with the protocol's parameters (not only its name, which is
 all `isinstance` checks), and the multi-host leader's runner does what its protocol promises."""
 
@@ -17,6 +18,9 @@ from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.protocol import ScheduledStep, StepScheduler
 from jaxserve.core.sched_output import SchedulerOutput
 from jaxserve.core.scheduler import Scheduler
+from jaxserve.engine.core import EngineCore
+from jaxserve.engine.core_loop import Core
+from jaxserve.engine.pooling_core import PoolingCore
 from jaxserve.parallel.multihost import LeaderRunner
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.runner.protocol import StepRunner
@@ -98,6 +102,11 @@ def test_both_step_plans_are_scheduled_steps(cls):
 @pytest.mark.parametrize("cls", [ModelRunner, LeaderRunner, FakeRunner])
 def test_every_runner_is_a_step_runner(cls):
     assert missing(StepRunner, cls) == []
+
+
+@pytest.mark.parametrize("cls", [EngineCore, PoolingCore])
+def test_both_engine_cores_are_what_the_loop_drives(cls):
+    assert missing(Core, cls) == []
 
 
 def test_the_check_finds_a_missing_member_and_a_changed_signature():

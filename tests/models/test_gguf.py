@@ -4,6 +4,7 @@ cache, on small written files (the bundled default model: test_gguf_default_mode
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pathlib
@@ -11,6 +12,7 @@ import shutil
 import time
 
 import gguf
+import jax
 import ml_dtypes
 import numpy as np
 import pytest
@@ -194,19 +196,24 @@ def test_dequantize_block_types(tmp_path, qtype):
     assert np.all(np.abs(got - x) <= step * np.abs(x).max(axis=1, keepdims=True) * 1.1 + 1e-3)
 
 
-@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K])
-def test_dequantize_k_quants(tmp_path, qtype):
-    # the gguf package cannot quantize K types, so the blocks are random bytes with sane scales
+@pytest.mark.parametrize("qtype", [QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.IQ4_NL,
+                                   QT.IQ4_XS])
+def test_dequantize_k_and_iq4_quants(tmp_path, qtype):
+    # the gguf package cannot quantize these types, so the blocks are random bytes with sane
+    # float16 scales, in the type's exact block layout
     rows, cols = 3, 512
     raw = random_k_blocks(qtype, rows, cols)
     tensor = _read_single(write_gguf(tmp_path / "t.gguf", {"w": (raw, qtype)}, metadata=False))
     assert tensor.tensor_type == qtype and list(tensor.shape) == [cols, rows]
     got = gguf_loader.dequantize_tensor(tensor)
-    assert got.shape == (rows, cols)
-    np.testing.assert_array_equal(got, reference_dequantize(qtype, raw, rows, cols))
+    assert got.shape == (rows, cols) and got.dtype == np.float32
+    want = reference_dequantize(qtype, raw, rows, cols)  # written from ggml's layouts
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(want, gguf.quants.dequantize(raw, qtype))  # gguf's own
+    assert np.isfinite(want).all() and len(np.unique(want)) > 32  # not degenerate blocks
 
 
-@pytest.mark.parametrize("qtype", [QT.Q2_K, QT.IQ4_NL])
+@pytest.mark.parametrize("qtype", [QT.IQ2_XXS, QT.IQ3_S])
 def test_unsupported_type_names_type_and_tensor(tmp_path, qtype):
     block_elems, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
     raw = np.zeros((2, 256 // block_elems * block_bytes), np.uint8)
@@ -220,12 +227,104 @@ def test_unsupported_type_names_type_and_tensor(tmp_path, qtype):
 def test_unsupported_type_in_model_fails_before_writing(tmp_path):
     hf = tiny_model()
     tensors = llama_cpp_tensors(hf)
-    _, block_bytes = gguf.GGML_QUANT_SIZES[QT.IQ4_NL]
-    tensors["blk.0.ffn_up.weight"] = (np.zeros((96, 64 // 32 * block_bytes), np.uint8), QT.IQ4_NL)
-    path = write_gguf(tmp_path / "m.gguf", tensors)
-    with pytest.raises(ValueError, match="'blk.0.ffn_up.weight'.*IQ4_NL"):
+    elems, block_bytes = gguf.GGML_QUANT_SIZES[QT.IQ2_XXS]
+    tensors["blk.0.ffn_up.weight"] = (np.zeros((96, 256 // elems * block_bytes), np.uint8),
+                                      QT.IQ2_XXS)
+    path = write_gguf(tmp_path / "m.gguf", tensors, ffn=96)
+    with pytest.raises(ValueError, match="'blk.0.ffn_up.weight'.*IQ2_XXS"):
         loader.resolve_model(path, cache_dir=tmp_path / "cache")
     assert not any((tmp_path / "cache" / "models").iterdir())  # nothing half-written left behind
+
+
+# The tensor types llama.cpp's quantizer (llama_tensor_get_type in llama-quant.cpp) picks for a
+# 2-layer Llama (GQA 2, an output matrix of its own, every row a multiple of 256) in its
+# Q5_K_M and Q3_K_M presets; a pair is (layer 0, layer 1). Q5_K_M: Q5_K, with Q6_K for the
+# output and for attn_v and ffn_down where use_more_bits(layer, 2) holds (layer 1 only).
+# Q3_K_M: Q3_K, with Q5_K for attn_v of the first two layers, Q4_K for attn_output and
+# ffn_down, Q6_K for the output. The embedding takes the preset's type; norms stay F32.
+PRESETS = {
+    "Q5_K_M": {"token_embd": QT.Q5_K, "output": QT.Q6_K, "attn_q": QT.Q5_K, "attn_k": QT.Q5_K,
+               "attn_v": (QT.Q5_K, QT.Q6_K), "attn_output": QT.Q5_K, "ffn_gate": QT.Q5_K,
+               "ffn_up": QT.Q5_K, "ffn_down": (QT.Q5_K, QT.Q6_K)},
+    "Q3_K_M": {"token_embd": QT.Q3_K, "output": QT.Q6_K, "attn_q": QT.Q3_K, "attn_k": QT.Q3_K,
+               "attn_v": QT.Q5_K, "attn_output": QT.Q4_K, "ffn_gate": QT.Q3_K,
+               "ffn_up": QT.Q3_K, "ffn_down": QT.Q4_K},
+}
+
+
+def preset_type(preset: str, gguf_name: str) -> QT:
+    parts = gguf_name.split(".")
+    qtype = PRESETS[preset][parts[-2]]
+    return qtype[int(parts[1])] if isinstance(qtype, tuple) else qtype
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _shared_forward(graphdef, state, kv, inputs):
+    from flax import nnx
+
+    m = nnx.merge(graphdef, state)
+    h, kv = m(inputs.input_ids, inputs.positions, kv, inputs.md)
+    return m.compute_logits(h), kv
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_k_quant_preset_model_equals_its_dequantized_reference(tmp_path, preset):
+    """A tiny Llama written with GGUFWriter in a K_M preset's tensor types (random blocks,
+    sane scales) loads into exactly gguf's dequantized weights and gives the logits of the
+    model built from them."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxserve.models.arch_config import ArchConfig
+    from jaxserve.models.weights import create_model
+    from tests.models.model_utils import PagedRunner
+
+    heads, kv_heads, size = 4, 2, dict(layers=2, hidden=256, ffn=256)
+    hf = tiny_model(tied=False, heads=heads, kv_heads=kv_heads, **size)
+    tensors, reference = {}, {}
+    for hf_name, x in hf.items():
+        name = to_gguf_name(hf_name)
+        if x.ndim == 1:  # norms
+            tensors[name], reference[hf_name] = (x, None), x
+            continue
+        qtype = preset_type(preset, name)
+        raw = random_k_blocks(qtype, *x.shape, scale=(1e-4, 1e-3))
+        tensors[name] = (raw, qtype)
+        w = gguf.quants.dequantize(raw, qtype).reshape(x.shape)
+        if ".attn_q." in name or ".attn_k." in name:  # stored in llama.cpp's row order
+            w = gguf_loader.reverse_permute_qk(w, heads if ".attn_q." in name else kv_heads)
+        reference[hf_name] = w
+    path = write_gguf(tmp_path / f"{preset}.gguf", tensors, heads=heads, kv_heads=kv_heads, **size)
+    types = {t.name: t.tensor_type for t in gguf_loader.open_gguf(path).tensors}
+    assert types == {name: preset_type(preset, name) if x[1] is not None else QT.F32
+                     for name, x in tensors.items()}
+    want_types = {QT.Q5_K, QT.Q6_K} if preset == "Q5_K_M" else {QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K}
+    assert set(types.values()) == want_types | {QT.F32}
+    ckpt = loader.load_checkpoint(loader.resolve_model(path, cache_dir=tmp_path / "cache"))
+    assert "quantization_config" not in ckpt.config  # dequantized, as Q4_K (only Q8_0 keeps blocks)
+    for name, w in reference.items():
+        got = ckpt.get_tensor(name)
+        assert got.dtype == np.float32
+        np.testing.assert_array_equal(got, w, err_msg=name)
+    cfg = ArchConfig.from_hf(ckpt.config)
+    tokens = [RNG.integers(3, cfg.vocab_size, n).tolist() for n in (9, 4)]
+
+    # both models (and both presets) through one compiled forward: only the weights differ
+    models = [create_model(cfg, dtype=jnp.float32, get_tensor=get)
+              for get in (ckpt.get_tensor, reference.__getitem__)]
+
+    def logits(model):
+        runner = PagedRunner(model, page_size=4, num_pages=8)
+        graphdef, state = nnx.split(model)
+        runner.fwd = lambda kv, inputs: _shared_forward(graphdef, state, kv, inputs)
+        out = runner.step([(0, tokens[0], 0), (1, tokens[1], 0)], num_tokens=16, num_reqs=4,
+                          pages_per_req=4)
+        return np.concatenate(out)
+
+    got, want = logits(models[0]), logits(models[1])
+    assert np.isfinite(want).all() and want.std() > 1e-3
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(got.argmax(-1), want.argmax(-1))
 
 
 # ----------------------------------------------------------------------------- permutation
