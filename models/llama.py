@@ -158,6 +158,7 @@ class LlamaForCausalLM(nnx.Module):
 
     product_specs = (LAYER_SPECS, FUSED, HEAD_SPECS)
     layer_class = DecoderLayer
+    supports_lora = True  # the layers add LoRA products (models/layers/lora.py)
 
     def __init__(
         self,

@@ -21,7 +21,6 @@ import re
 
 import numpy as np
 
-from jaxserve.models import sharding as ax
 from jaxserve.models.arch_config import ArchConfig
 from jaxserve.models.safetensors_io import memmap, read_header, tensor_view
 
@@ -41,16 +40,13 @@ class LoRAAdapterError(ValueError):
     """An adapter jaxserve cannot serve (the message names what and why)."""
 
 
-def target_shapes(cfg: ArchConfig) -> dict[str, tuple[tuple[int, ...], tuple[int, ...],
-                                                    tuple[str, ...], tuple[str, ...]]]:
-    """Each target's (input dims, output dims, their logical axes), as our weights lay them."""
+def target_shapes(cfg: ArchConfig) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Each target's (input dims, output dims), as our weights lay them."""
     E, F, Hq, Hkv, D = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
                         cfg.head_dim)
-    q, kv = ((Hq, D), (ax.Q_HEADS, ax.HEAD_DIM)), ((Hkv, D), (ax.KV_HEADS, ax.HEAD_DIM))
-    e, f = ((E,), (ax.EMBED,)), ((F,), (ax.MLP,))
-    pairs = {"wq": (e, q), "wk": (e, kv), "wv": (e, kv), "wo": (q, e),
-             "w_gate": (e, f), "w_up": (e, f), "w_down": (f, e)}
-    return {n: (i[0], o[0], i[1], o[1]) for n, (i, o) in pairs.items()}
+    q, kv, e, f = (Hq, D), (Hkv, D), (E,), (F,)
+    return {"wq": (e, q), "wk": (e, kv), "wv": (e, kv), "wo": (q, e),
+            "w_gate": (e, f), "w_up": (e, f), "w_down": (f, e)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,9 +89,9 @@ def _check_config(conf: dict, name: str, max_rank: int) -> tuple[int, float]:
     return r, float(scale)
 
 
-def load_adapter(path: str | pathlib.Path, cfg: ArchConfig, max_rank: int,
-                 name: str | None = None) -> LoRAAdapter:
-    """The PEFT adapter in directory `path`, checked against the model (`cfg`) and max_rank."""
+def read_config(path: str | pathlib.Path, max_rank: int, name: str | None = None) -> dict:
+    """An adapter directory's adapter_config.json, checked (what the front end refuses before
+    a request is queued); LoRAAdapterError names what is wrong."""
     path = pathlib.Path(path)
     name = name or path.name
     conf_file, weights_file = path / "adapter_config.json", path / "adapter_model.safetensors"
@@ -103,8 +99,21 @@ def load_adapter(path: str | pathlib.Path, cfg: ArchConfig, max_rank: int,
         if not f.is_file():
             raise LoRAAdapterError(f"LoRA adapter {name!r}: {f} does not exist (a PEFT adapter "
                                    "directory has adapter_config.json and adapter_model.safetensors).")
-    conf = json.loads(conf_file.read_text())
-    r, scale = _check_config(conf, name, max_rank)
+    try:
+        conf = json.loads(conf_file.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise LoRAAdapterError(f"LoRA adapter {name!r}: cannot read {conf_file}: {e}") from e
+    _check_config(conf, name, max_rank)
+    return conf
+
+
+def load_adapter(path: str | pathlib.Path, cfg: ArchConfig, max_rank: int,
+                 name: str | None = None) -> LoRAAdapter:
+    """The PEFT adapter in directory `path`, checked against the model (`cfg`) and max_rank."""
+    path = pathlib.Path(path)
+    name = name or path.name
+    r, scale = _check_config(read_config(path, max_rank, name), name, max_rank)
+    weights_file = path / "adapter_model.safetensors"
     shapes = target_shapes(cfg)
     entries, _ = read_header(weights_file)
     mapped = memmap(weights_file)

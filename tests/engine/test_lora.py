@@ -1,0 +1,70 @@
+"""LoRA adapters served on tiny random Llama, Qwen3 and Gemma 3 models equal transformers + peft
+(the adapter merged, float32): prompt log-probs and greedy tokens, for each adapter alone and
+for a batch mixing three adapters and the base model over two slots (so adapters are evicted
+and loaded again while others run), without recompiling.
+
+The adapters and the expected outputs come from scripts/make_lora_fixtures.py (tests/data/
+lora/<arch>/<adapter>); this test needs no torch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from jaxserve import LLM, LoRARequest, SamplingParams
+from tests.model_dirs import write_model_dir
+
+ARCHS = ("llama", "qwen3", "gemma3")
+ADAPTERS = ("a", "b", "c")
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def _prompt_lps(out, tokens) -> np.ndarray:
+    return np.array([out.prompt_logprobs[i][t].logprob for i, t in enumerate(tokens) if i > 0])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_adapters_match_peft_alone_and_mixed(arch, data_dir, tmp_path, compile_cache_dir):
+    model = write_model_dir(tmp_path / arch, arch)
+    llm = LLM(str(model), dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8,
+              max_num_seqs=4, max_model_len=64, token_buckets=(16, 64), request_buckets=(4,),
+              compilation_cache_dir=compile_cache_dir, show_progress=False)
+    loras = {n: LoRARequest(f"{arch}-{n}", i + 1, str(data_dir / "lora" / arch / n))
+             for i, n in enumerate(ADAPTERS)}
+    params = SamplingParams(temperature=0.0, max_tokens=8, min_tokens=8, prompt_logprobs=0)
+    alone = {}
+    for n, lora in [*loras.items(), ("base", None)]:
+        (out,) = llm.generate(_tokens(data_dir, arch), params, use_tqdm=False, lora_request=lora)
+        alone[n] = out
+    base_logits = load_file(str(data_dir / "arch" / arch / "expected.safetensors"))["logits_0"]
+    for n in (*ADAPTERS, "base"):
+        if n == "base":
+            tokens, logits, greedy = _tokens(data_dir, arch), base_logits[:12], None
+        else:
+            exp = load_file(str(data_dir / "lora" / arch / n / "expected.safetensors"))
+            tokens, logits, greedy = exp["tokens"].tolist(), exp["logits"], exp["greedy"].tolist()
+        want = _log_softmax(logits)[np.arange(len(tokens) - 1), tokens[1:]]
+        np.testing.assert_allclose(_prompt_lps(alone[n], tokens), want, atol=1e-4, rtol=0, err_msg=f"{arch} {n}")
+        if greedy is not None:
+            assert alone[n].outputs[0].token_ids == greedy, (arch, n)
+    # The adapters differ from the base model and from each other (the test can fail).
+    assert len({tuple(o.outputs[0].token_ids) for o in alone.values()}) == 4
+    order = ["a", "base", "b", "c", "a", "c"]
+    mixed = llm.generate([_tokens(data_dir, arch)] * len(order), params, use_tqdm=False,
+                         lora_request=[loras.get(n) for n in order])
+    for n, out in zip(order, mixed):
+        assert out.outputs[0].token_ids == alone[n].outputs[0].token_ids, (arch, n)
+        np.testing.assert_allclose(_prompt_lps(out, _tokens(data_dir, arch)),
+                                   _prompt_lps(alone[n], _tokens(data_dir, arch)), atol=1e-5, rtol=0)
+    assert llm.engine.num_compiles_after_warmup == 0
+
+
+def _tokens(data_dir, arch) -> list[int]:
+    return load_file(str(data_dir / "lora" / arch / "a" / "expected.safetensors"))["tokens"].tolist()
