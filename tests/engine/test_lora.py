@@ -34,7 +34,7 @@ def _prompt_lps(out, tokens) -> np.ndarray:
 def test_adapters_match_peft_alone_and_mixed(arch, data_dir, tmp_path, compile_cache_dir):
     model = write_model_dir(tmp_path / arch, arch)
     llm = LLM(str(model), dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8,
-              max_num_seqs=4, max_model_len=64, token_buckets=(16, 64), request_buckets=(4,),
+              max_num_seqs=4, max_model_len=64, token_buckets=(32,), request_buckets=(4,),
               compilation_cache_dir=compile_cache_dir, show_progress=False)
     loras = {n: LoRARequest(f"{arch}-{n}", i + 1, str(data_dir / "lora" / arch / n))
              for i, n in enumerate(ADAPTERS)}
@@ -62,7 +62,7 @@ def test_adapters_match_peft_alone_and_mixed(arch, data_dir, tmp_path, compile_c
     for n, out in zip(order, mixed):
         assert out.outputs[0].token_ids == alone[n].outputs[0].token_ids, (arch, n)
         np.testing.assert_allclose(_prompt_lps(out, _tokens(data_dir, arch)),
-                                   _prompt_lps(alone[n], _tokens(data_dir, arch)), atol=1e-5, rtol=0)
+                                   _prompt_lps(alone[n], _tokens(data_dir, arch)), atol=1e-4, rtol=0)
     assert llm.engine.num_compiles_after_warmup == 0
 
 
