@@ -13,6 +13,7 @@ these files and needs no torch.
 
 from __future__ import annotations
 
+import math
 import pathlib
 import zlib
 
@@ -42,10 +43,15 @@ def main() -> None:
             base.config._attn_implementation = "eager"
             model = get_peft_model(base, LoraConfig(lora_dropout=0.0, **conf))
             gen = torch.Generator().manual_seed(zlib.crc32(f"{arch}/{name}".encode()))
+            # lora_B starts at zero: both random, sized so that the update B A * scale is about
+            # half the size of the base weights (0.08): it changes the outputs, as a fine-tune's
+            r = conf["r"]
+            scale = conf["lora_alpha"] / (math.sqrt(r) if conf.get("use_rslora") else r)
+            std = math.sqrt(0.04 / (math.sqrt(r) * scale))
             with torch.no_grad():
                 for pname, p in model.named_parameters():
-                    if "lora_" in pname:  # lora_B starts at zero: random both, so it matters
-                        p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+                    if "lora_" in pname:
+                        p.copy_(std * torch.randn(p.shape, generator=gen))
             out = ROOT / "lora" / arch / name
             model.save_pretrained(out)
             merged = model.merge_and_unload().eval()
