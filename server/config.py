@@ -76,11 +76,23 @@ class ServerConfig:
     """TLS private key file; with --ssl-certfile the server speaks HTTPS. Default: HTTP."""
     ssl_certfile: str | None = None
     """TLS certificate file (with --ssl-keyfile). Default: HTTP."""
+    lora_modules: tuple[str, ...] | None = option(None, metavar="NAME=PATH")
+    """LoRA adapters served at start (with --enable-lora), each NAME=PATH (a PEFT adapter
+    directory): a model name in /v1/models whose parent is the base model; a request picks one
+    by its "model". Default: none."""
+    allow_runtime_lora_updating: bool = False
+    """Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (with --enable-lora), as
+    vLLM does under VLLM_ALLOW_RUNTIME_LORA_UPDATING=True: adapters added and removed while
+    serving. Off: those routes do not exist (404)."""
 
     def __post_init__(self) -> None:
         run_checks(self)
         if bool(self.ssl_keyfile) != bool(self.ssl_certfile):
             raise ValueError("--ssl-keyfile and --ssl-certfile go together")
+        for entry in self.lora_modules or ():
+            name, sep, path = entry.partition("=")
+            if not sep or not name or not path:
+                raise ValueError(f"--lora-modules takes NAME=PATH entries, got {entry!r}")
         if self.enable_auto_tool_choice and not self.tool_call_parser:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:

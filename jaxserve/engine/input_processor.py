@@ -44,6 +44,18 @@ class ModelInfo:
     hidden_size: int = 0  # the embeddings' size (pooling)
     normalize_embeddings: bool = False  # whether the pooled vectors are L2-normalized (pooling)
     max_lora_rank: int = 0  # LoRA adapters' largest rank (0: LoRA is off)
+    max_loras: int = 0  # LoRA adapters' device slots (0: LoRA is off)
+
+
+def check_lora(info: ModelInfo, lora: LoRARequest) -> None:
+    """ValueError unless LoRA is on and the adapter's config is one the engine can serve (its
+    weights are checked against the model when it is loaded)."""
+    if not isinstance(lora, LoRARequest):
+        raise ValueError(f"lora_request must be a LoRARequest, got {type(lora).__name__}")
+    if not info.max_lora_rank:
+        raise ValueError(f"LoRA adapter {lora.lora_name!r} was requested, but LoRA is not "
+                         "enabled (--enable-lora; LLM(enable_lora=True)).")
+    read_config(lora.lora_path, info.max_lora_rank, lora.lora_name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,16 +132,6 @@ class InputProcessor:
             raise ValueError("the prompt is empty; send at least one token.")
         return ids
 
-    def check_lora(self, lora: LoRARequest) -> None:
-        """ValueError unless LoRA is on and the adapter's config is one the engine can serve
-        (its weights are checked against the model when it is loaded)."""
-        if not isinstance(lora, LoRARequest):
-            raise ValueError(f"lora_request must be a LoRARequest, got {type(lora).__name__}")
-        if not self.info.max_lora_rank:
-            raise ValueError(f"LoRA adapter {lora.lora_name!r} was requested, but LoRA is not "
-                             "enabled (--enable-lora; LLM(enable_lora=True)).")
-        read_config(lora.lora_path, self.info.max_lora_rank, lora.lora_name)
-
     def process(
         self,
         request_id: str,
@@ -144,7 +146,7 @@ class InputProcessor:
     ) -> ProcessedRequest:
         info = self.info
         if lora_request is not None:
-            self.check_lora(lora_request)
+            check_lora(info, lora_request)
         if priority != 0 and info.scheduling_policy != "priority":
             raise InvalidParamError("priority", f"priority {priority} was sent, but this engine schedules by arrival "
                              f"({info.scheduling_policy!r}); start it with --scheduling-policy priority "
