@@ -24,10 +24,11 @@ class LoRASlotTable:
         self.loads: list[tuple[int, LoRARequest]] = []  # slots to write before the next step
         self._holders: dict[str, int] = {}  # request id -> adapter id
         self._names: dict[int, str] = {}
+        self._free = list(range(max_loras, 0, -1))  # slots no adapter holds, lowest last
 
     def can_acquire(self, lora: LoRARequest) -> bool:
         aid = lora.lora_int_id
-        return (aid in self.slot_of or len(self.slot_of) < self.max_loras
+        return (aid in self.slot_of or bool(self._free)
                 or any(self.users.get(a, 0) == 0 for a in self.slot_of))
 
     def acquire(self, request_id: str, lora: LoRARequest) -> int:
@@ -36,8 +37,8 @@ class LoRASlotTable:
         aid = lora.lora_int_id
         slot = self.slot_of.get(aid)
         if slot is None:
-            if len(self.slot_of) < self.max_loras:
-                slot = len(self.slot_of) + 1
+            if self._free:
+                slot = self._free.pop()
             else:
                 victim = next(a for a in self.slot_of if self.users.get(a, 0) == 0)
                 slot = self.slot_of.pop(victim)
@@ -56,10 +57,13 @@ class LoRASlotTable:
             self.users[aid] -= 1
 
     def forget(self, lora_int_id: int) -> bool:
-        """Drop an adapter's slot (unloaded) unless a running request uses it."""
+        """Free an adapter's slot (its contents are not to be trusted: its load failed) unless a
+        running request uses it."""
         if self.users.get(lora_int_id, 0):
             return False
-        self.slot_of.pop(lora_int_id, None)
+        slot = self.slot_of.pop(lora_int_id, None)
+        if slot is not None:
+            self._free.append(slot)
         self.users.pop(lora_int_id, None)
         return True
 

@@ -196,6 +196,9 @@ class Scheduler:
                 self.running.remove(req)
                 self._preempt(req)
                 preempted.append(req.request_id)
+        if self.lora is not None:  # slots the step was to load hold nothing trustworthy
+            for _, lora in scheduler_output.lora_loads:
+                self.lora.forget(lora.lora_int_id)
         return preempted
 
     def get_request(self, request_id: str) -> Request | None:

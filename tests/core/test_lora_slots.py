@@ -26,6 +26,9 @@ def test_lru_over_unused_slots():
     assert t.acquire("r4", C) == 2  # B used least recently (A since)
     assert t.take_loads() == ((2, C),)
     assert t.running_names() == ["c"]
+    t.release("r4")
+    assert t.forget(A.lora_int_id) and t.acquire("r5", B) == 1  # the slot A left
+    assert not t.forget(B.lora_int_id)  # in use
 
 
 def _req(rid, lora, tokens=(5, 6, 7, 8, 9)):

@@ -9,9 +9,11 @@ lora/<arch>/<adapter>); this test needs no torch.
 
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
-from safetensors.numpy import load_file
+from safetensors.numpy import load_file, save_file
 
 from jaxserve import LLM, LoRARequest, SamplingParams
 from tests.model_dirs import write_model_dir
@@ -62,6 +64,17 @@ def test_adapters_match_peft_alone_and_mixed(data_dir, tmp_path, compile_cache_d
         assert out.outputs[0].token_ids == alone[n].outputs[0].token_ids, (arch, n)
         np.testing.assert_allclose(_prompt_lps(out, _tokens(data_dir, arch)),
                                    _prompt_lps(alone[n], _tokens(data_dir, arch)), atol=1e-4, rtol=0)
+    # An adapter whose weights do not fit the model fails its requests alone, naming why; its
+    # slot is not trusted afterwards, and the others still serve their own outputs.
+    broken = tmp_path / "broken"
+    shutil.copytree(data_dir / "lora" / arch / "b", broken)
+    tensors = load_file(str(broken / "adapter_model.safetensors"))
+    save_file({k.replace("layers.1.", "layers.7."): v for k, v in tensors.items()},
+              str(broken / "adapter_model.safetensors"))
+    with pytest.raises(ValueError, match="layer 7 does not exist"):
+        llm.generate(_tokens(data_dir, arch), params, use_tqdm=False, lora_request=LoRARequest("broken", 9, str(broken)))
+    again = llm.generate([_tokens(data_dir, arch)] * 2, params, use_tqdm=False, lora_request=[loras["b"], loras["a"]])
+    assert [o.outputs[0].token_ids for o in again] == [alone["b"].outputs[0].token_ids, alone["a"].outputs[0].token_ids]
     assert llm.engine.num_compiles_after_warmup == 0
 
 
