@@ -19,6 +19,7 @@ from jaxserve.lora_request import LoRARequest
 from jaxserve.models.layers.lora import LoRABatch
 from jaxserve.models.sharding import single_device_mesh
 from jaxserve.models.weights import create_model
+from jaxserve.parallel.mesh import make_mesh
 from jaxserve.runner.executable_cache import executable_scope
 from jaxserve.runner.kv_cache import allocate_kv_cache
 from jaxserve.runner.lora_slots import LoRASlots
@@ -33,12 +34,17 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
-def test_mixed_batch_matches_merged_peft(arch, data_dir):
+@pytest.mark.parametrize("arch, tp", [("llama", 1), ("qwen3", 1), ("gemma3", 1), ("llama", 2)])
+def test_mixed_batch_matches_merged_peft(arch, tp, data_dir):
+    """tp=2: on two simulated devices, A and B split like the weights they adapt."""
     cfg, tensors, base = load_fixture(data_dir, arch)
-    model = create_model(cfg, dtype=jnp.float32, get_tensor=tensors.__getitem__)
-    mesh = single_device_mesh()
+    mesh = single_device_mesh() if tp == 1 else make_mesh(1, tp)
+    model = create_model(cfg, dtype=jnp.float32, get_tensor=tensors.__getitem__, mesh=mesh)
     slots = LoRASlots(cfg, LoRAConfig(enable_lora=True, max_loras=3, max_lora_rank=8), jnp.float32, mesh)
+    if tp > 1:  # q_proj's B [S, R, Hq, D] over its heads, o_proj's A [S, Hq, D, R] too
+        specs = {str(sh.spec) for sh in slots.shardings}
+        assert "P(None, None, 'model', None)" in specs
+        assert "P(None, 'model', None, None)" in specs
     slots.compile_writer(executable_scope(None, mesh.devices.flat), jax.sharding.NamedSharding(mesh, jax.P()))
     leaves = slots.zeros()
     expected = {}
