@@ -96,7 +96,9 @@ def build_app(
                         tool_call_parser=tool_call_parser, enable_auto_tool_choice=enable_auto_tool_choice,
                         log_requests=log_requests, chat_template=chat_template)
     for entry in lora_modules or ():
-        name, _, path = entry.partition("=")
+        name, sep, path = entry.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules takes NAME=PATH entries, got {entry!r}")
         state.loras.add(name, path)  # ValueError: the server does not start
     metrics = ServerMetrics(names[0], engine.max_model_len)
     engine.listener = metrics

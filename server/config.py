@@ -89,10 +89,6 @@ class ServerConfig:
         run_checks(self)
         if bool(self.ssl_keyfile) != bool(self.ssl_certfile):
             raise ValueError("--ssl-keyfile and --ssl-certfile go together")
-        for entry in self.lora_modules or ():
-            name, sep, path = entry.partition("=")
-            if not sep or not name or not path:
-                raise ValueError(f"--lora-modules takes NAME=PATH entries, got {entry!r}")
         if self.enable_auto_tool_choice and not self.tool_call_parser:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
