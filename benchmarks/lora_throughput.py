@@ -30,8 +30,15 @@ import time
 import numpy as np
 
 RESULTS = pathlib.Path(__file__).parent / "results" / "lora_throughput.jsonl"
-MODULES = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+MODULES = {
+    "q_proj": "self_attn",
+    "k_proj": "self_attn",
+    "v_proj": "self_attn",
+    "o_proj": "self_attn",
+    "gate_proj": "mlp",
+    "up_proj": "mlp",
+    "down_proj": "mlp",
+}
 
 
 def write_adapter(path: pathlib.Path, cfg: dict, rank: int, seed: int) -> None:
@@ -41,20 +48,39 @@ def write_adapter(path: pathlib.Path, cfg: dict, rank: int, seed: int) -> None:
     E, F = cfg["hidden_size"], cfg["intermediate_size"]
     Hq, Hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     D = cfg.get("head_dim") or E // Hq
-    dims = {"q_proj": (E, Hq * D), "k_proj": (E, Hkv * D), "v_proj": (E, Hkv * D), "o_proj": (Hq * D, E),
-            "gate_proj": (E, F), "up_proj": (E, F), "down_proj": (F, E)}
+    dims = {
+        "q_proj": (E, Hq * D),
+        "k_proj": (E, Hkv * D),
+        "v_proj": (E, Hkv * D),
+        "o_proj": (Hq * D, E),
+        "gate_proj": (E, F),
+        "up_proj": (E, F),
+        "down_proj": (F, E),
+    }
     rng = np.random.default_rng(seed)
     tensors = {}
     for i in range(cfg["num_hidden_layers"]):
         for m, block in MODULES.items():
             n_in, n_out = dims[m]
             key = f"base_model.model.model.layers.{i}.{block}.{m}"
-            tensors[f"{key}.lora_A.weight"] = (rng.standard_normal((rank, n_in)) / np.sqrt(n_in)).astype(np.float32)
-            tensors[f"{key}.lora_B.weight"] = (0.01 * rng.standard_normal((n_out, rank))).astype(np.float32)
+            tensors[f"{key}.lora_A.weight"] = (
+                rng.standard_normal((rank, n_in)) / np.sqrt(n_in)
+            ).astype(np.float32)
+            tensors[f"{key}.lora_B.weight"] = (0.01 * rng.standard_normal((n_out, rank))).astype(
+                np.float32
+            )
     path.mkdir(parents=True)
     save_file(tensors, str(path / "adapter_model.safetensors"))
-    (path / "adapter_config.json").write_text(json.dumps(
-        {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(MODULES)}))
+    (path / "adapter_config.json").write_text(
+        json.dumps(
+            {
+                "peft_type": "LORA",
+                "r": rank,
+                "lora_alpha": 2 * rank,
+                "target_modules": list(MODULES),
+            }
+        )
+    )
 
 
 def run_case(llm, prompts, params, loras, repeats: int) -> dict:
@@ -66,7 +92,11 @@ def run_case(llm, prompts, params, loras, repeats: int) -> dict:
         times.append(time.perf_counter() - t0)
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     wall = statistics.median(times)
-    return {"wall_s": round(wall, 3), "output_tok_s": round(tokens / wall, 1), "times": [round(t, 3) for t in times]}
+    return {
+        "wall_s": round(wall, 3),
+        "output_tok_s": round(tokens / wall, 1),
+        "times": [round(t, 3) for t in times],
+    }
 
 
 def main() -> None:
@@ -86,11 +116,21 @@ def main() -> None:
     model = str(resolve_model(args.model))
     cfg = json.loads((pathlib.Path(model) / "config.json").read_text())
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(10, cfg["vocab_size"] - 200, args.prompt_len).tolist() for _ in range(args.requests)]
+    prompts = [
+        rng.integers(10, cfg["vocab_size"] - 200, args.prompt_len).tolist()
+        for _ in range(args.requests)
+    ]
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     n = args.requests
-    engine = dict(dtype=args.dtype, max_num_seqs=n, max_model_len=args.prompt_len + args.output_len + 16,
-                  token_buckets=(n, 512), request_buckets=(n,), enable_prefix_caching=False, show_progress=False)
+    engine = dict(
+        dtype=args.dtype,
+        max_num_seqs=n,
+        max_model_len=args.prompt_len + args.output_len + 16,
+        token_buckets=(n, 512),
+        request_buckets=(n,),
+        enable_prefix_caching=False,
+        show_progress=False,
+    )
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         adapters = []
@@ -109,11 +149,20 @@ def main() -> None:
     print(f"{'case':<14}{'output tok/s':>14}{'vs no lora':>12}")
     for name, r in results.items():
         print(f"{name:<14}{r['output_tok_s']:>14.1f}{r['output_tok_s'] / base:>12.3f}")
-    record = {"time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "host": platform.node(), "load_avg": os.getloadavg(), "model": cfg.get("architectures"),
-              "dtype": args.dtype, "rank": args.rank, "requests": n, "prompt_len": args.prompt_len,
-              "output_len": args.output_len, "recompiles": recompiles, "results": results,
-              "lora_path_cost": round(1 - results["0 adapters"]["output_tok_s"] / base, 4)}
+    record = {
+        "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "load_avg": os.getloadavg(),
+        "model": cfg.get("architectures"),
+        "dtype": args.dtype,
+        "rank": args.rank,
+        "requests": n,
+        "prompt_len": args.prompt_len,
+        "output_len": args.output_len,
+        "recompiles": recompiles,
+        "results": results,
+        "lora_path_cost": round(1 - results["0 adapters"]["output_tok_s"] / base, 4),
+    }
     RESULTS.parent.mkdir(exist_ok=True)
     with RESULTS.open("a") as f:
         f.write(json.dumps(record) + "\n")

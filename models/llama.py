@@ -263,7 +263,8 @@ class LlamaForCausalLM(nnx.Module):
             q = dense(LAYER_SPECS["wq"], x, p["wq"])  # [T, Hq, D]
             k = dense(LAYER_SPECS["wk"], x, p["wk"])  # [T, Hkv, D]
             v = dense(LAYER_SPECS["wv"], x, p["wv"])
-        q, k, v = (add_lora(p, n, LAYER_SPECS[n], x, y) for n, y in (("wq", q), ("wk", k), ("wv", v)))
+        q, k, v = (add_lora(p, n, LAYER_SPECS[n], x, y)
+                   for n, y in (("wq", q), ("wk", k), ("wv", v)))
         if cfg.qkv_bias:
             q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
         if cfg.qk_norm:
@@ -276,7 +277,8 @@ class LlamaForCausalLM(nnx.Module):
             q.astype(cache_dtype), k.astype(cache_dtype), v.astype(cache_dtype),
             k_cache, v_cache, md, layer.attn_spec, self.mesh, dict(self.rules),
         )  # attn: [T, Hq, D]
-        o = add_lora(p, "wo", LAYER_SPECS["wo"], attn, dense(LAYER_SPECS["wo"], attn, p["wo"]))  # [T, E]
+        o = dense(LAYER_SPECS["wo"], attn, p["wo"])  # [T, E]
+        o = add_lora(p, "wo", LAYER_SPECS["wo"], attn, o)
         if cfg.o_bias:
             o = o + p["bo"]
         return o, k_cache, v_cache
@@ -294,7 +296,8 @@ class LlamaForCausalLM(nnx.Module):
         if cfg.mlp_bias:
             gate, up = gate + p["b_gate"], up + p["b_up"]
         act = jax.nn.silu(gate) * up
-        down = add_lora(p, "w_down", LAYER_SPECS["w_down"], act, dense(LAYER_SPECS["w_down"], act, p["w_down"]))
+        down = dense(LAYER_SPECS["w_down"], act, p["w_down"])  # [T, E]
+        down = add_lora(p, "w_down", LAYER_SPECS["w_down"], act, down)
         if cfg.mlp_bias:
             down = down + p["b_down"]
         return down

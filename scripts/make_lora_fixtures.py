@@ -27,10 +27,25 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "tests" / "data"
 ARCHS = ("llama", "qwen3", "gemma3")
 ADAPTERS = {
     "a": dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
-    "b": dict(r=8, lora_alpha=16, use_rslora=True,
-              target_modules=["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"]),
-    "c": dict(r=2, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                                  "up_proj", "down_proj"]),
+    "b": dict(
+        r=8,
+        lora_alpha=16,
+        use_rslora=True,
+        target_modules=["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"],
+    ),
+    "c": dict(
+        r=2,
+        lora_alpha=32,
+        target_modules=[
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        ],
+    ),
 }
 SEQUENCE = [1, 17, 45, 3, 99, 100, 7, 7, 64, 12, 120, 5]
 GREEDY_TOKENS = 8
@@ -39,7 +54,9 @@ GREEDY_TOKENS = 8
 def main() -> None:
     for arch in ARCHS:
         for name, conf in ADAPTERS.items():
-            base = AutoModelForCausalLM.from_pretrained(ROOT / "arch" / arch, dtype=torch.float32).eval()
+            base = AutoModelForCausalLM.from_pretrained(
+                ROOT / "arch" / arch, dtype=torch.float32
+            ).eval()
             base.config._attn_implementation = "eager"
             model = get_peft_model(base, LoraConfig(lora_dropout=0.0, **conf))
             gen = torch.Generator().manual_seed(zlib.crc32(f"{arch}/{name}".encode()))
@@ -57,10 +74,20 @@ def main() -> None:
             merged = model.merge_and_unload().eval()
             with torch.no_grad():
                 logits = merged(input_ids=torch.tensor([SEQUENCE])).logits[0].float().numpy()
-                greedy = merged.generate(torch.tensor([SEQUENCE]), max_new_tokens=GREEDY_TOKENS,
-                                         do_sample=False, min_new_tokens=GREEDY_TOKENS)[0, len(SEQUENCE):]
-            save_file({"logits": np.ascontiguousarray(logits), "tokens": np.asarray(SEQUENCE, np.int32),
-                       "greedy": greedy.numpy().astype(np.int32)}, str(out / "expected.safetensors"))
+                greedy = merged.generate(
+                    torch.tensor([SEQUENCE]),
+                    max_new_tokens=GREEDY_TOKENS,
+                    do_sample=False,
+                    min_new_tokens=GREEDY_TOKENS,
+                )[0, len(SEQUENCE) :]
+            save_file(
+                {
+                    "logits": np.ascontiguousarray(logits),
+                    "tokens": np.asarray(SEQUENCE, np.int32),
+                    "greedy": greedy.numpy().astype(np.int32),
+                },
+                str(out / "expected.safetensors"),
+            )
             (out / "README.md").unlink(missing_ok=True)
             print(arch, name, logits.shape, greedy.tolist())
 

@@ -123,7 +123,8 @@ def build_app(
     async def models(request: Request) -> Response:
         data = [ModelCard(id=n, created=created, root=root, max_model_len=engine.max_model_len) for n in names]
         data += [ModelCard(id=n, created=created, root=lora.lora_path, parent=names[0],
-                           max_model_len=engine.max_model_len) for n, lora in state.loras.adapters.items()]
+                           max_model_len=engine.max_model_len)
+                 for n, lora in state.loras.adapters.items()]
         return JSONResponse(ModelList(data=data).model_dump())
 
     async def metrics_endpoint(request: Request) -> Response:

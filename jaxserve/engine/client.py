@@ -121,7 +121,8 @@ class EngineClient(Protocol):
 
     async def add_requests(self, request_ids: Sequence[str], prompts: Any, params: SamplingParams, *,
                            priority: int = 0, add_special_tokens: bool = True, arrival_time: float | None = None,
-                           cache_salt: str | None = None, output_kind: OutputKind = OutputKind.DELTA,
+                           cache_salt: str | None = None,
+                           output_kind: OutputKind = OutputKind.DELTA,
                            lora_request: Any = None) -> list[RequestStream]: ...
 
     async def embed(self, inputs: Sequence[str | Sequence[int]], *, dimensions: int | None = None,

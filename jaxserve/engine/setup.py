@@ -190,7 +190,8 @@ def build_engine(config: EngineConfig, timer: StartupTimer | None = None, *,
         sampler_config=sampler_config, sampling_defaults=gen.sampling_defaults,
         default_max_tokens=gen.max_new_tokens, scheduling_policy=sc.policy, max_num_seqs=sc.max_num_seqs,
         kv_cache_tokens=scheduler.cache_tokens,
-        max_lora_rank=config.lora.max_lora_rank if config.lora.enable_lora else 0, max_loras=max_loras,
+        max_lora_rank=config.lora.max_lora_rank if config.lora.enable_lora else 0,
+        max_loras=max_loras,
     )
     # Everything built so far lives as long as the engine: move it out of the garbage
     # collector's generations, so that the collections the steps' short-lived objects trigger do

@@ -76,7 +76,8 @@ class LLM:
         else:
             loras = list(lora_request)
             if len(loras) != len(prompts):
-                raise ValueError(f"got {len(loras)} LoRA requests for {len(prompts)} prompts; pass one or one per prompt.")
+                raise ValueError(f"got {len(loras)} LoRA requests for {len(prompts)} prompts; "
+                                 "pass one or one per prompt.")
         return self._run(prompts, params, use_tqdm, priority, loras)
 
     def chat(
@@ -115,7 +116,8 @@ class LLM:
         ids = []
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
-                ids.append(engine.add_request(None, prompt, p, priority=priority[i] if priority else 0,
+                ids.append(engine.add_request(None, prompt, p,
+                                              priority=priority[i] if priority else 0,
                                               lora_request=loras[i]))
         except Exception:
             engine.abort_request(ids)

@@ -26,8 +26,15 @@ from jaxserve.models.sharding import DEFAULT_RULES, named_sharding
 
 # Each target's logical axes (input dims, output dims): those of the weight it adapts.
 _Q, _KV, _E, _F = (ax.Q_HEADS, ax.HEAD_DIM), (ax.KV_HEADS, ax.HEAD_DIM), (ax.EMBED,), (ax.MLP,)
-TARGET_AXES = {"wq": (_E, _Q), "wk": (_E, _KV), "wv": (_E, _KV), "wo": (_Q, _E),
-               "w_gate": (_E, _F), "w_up": (_E, _F), "w_down": (_F, _E)}
+TARGET_AXES = {
+    "wq": (_E, _Q),
+    "wk": (_E, _KV),
+    "wv": (_E, _KV),
+    "wo": (_Q, _E),
+    "w_gate": (_E, _F),
+    "w_up": (_E, _F),
+    "w_down": (_F, _E),
+}
 _ORDER = tuple(sorted(TARGETS))  # the leaves' order: as jax flattens a layer's dict
 
 
@@ -43,11 +50,15 @@ class LoRASlots:
         for _ in range(cfg.num_layers):
             for t in _ORDER:
                 (ins, outs), (in_axes, out_axes) = shapes[t], TARGET_AXES[t]
-                for shape, axes in (((S, *ins, R), (None, *in_axes, None)),
-                                    ((S, R, *outs), (None, None, *out_axes))):
+                for shape, axes in (
+                    ((S, *ins, R), (None, *in_axes, None)),
+                    ((S, R, *outs), (None, None, *out_axes)),
+                ):
                     self.shapes.append(shape)
                     self.shardings.append(named_sharding(axes, shape, mesh, rules))
-        self.treedef = jax.tree.structure([{t: (0, 0) for t in TARGETS} for _ in range(cfg.num_layers)])
+        self.treedef = jax.tree.structure(
+            [{t: (0, 0) for t in TARGETS} for _ in range(cfg.num_layers)]
+        )
         self._host: collections.OrderedDict[int, list[np.ndarray]] = collections.OrderedDict()
         self._write = None
 
@@ -57,10 +68,16 @@ class LoRASlots:
 
     def zeros(self) -> list[jax.Array]:
         """Every slot empty: the arrays the step starts with (the runner keeps them)."""
-        return [jax.device_put(np.zeros(s, self.dtype), sh) for s, sh in zip(self.shapes, self.shardings)]
+        return [
+            jax.device_put(np.zeros(s, self.dtype), sh)
+            for s, sh in zip(self.shapes, self.shardings)
+        ]
 
     def abstract(self) -> list[jax.ShapeDtypeStruct]:
-        return [jax.ShapeDtypeStruct(s, self.dtype, sharding=sh) for s, sh in zip(self.shapes, self.shardings)]
+        return [
+            jax.ShapeDtypeStruct(s, self.dtype, sharding=sh)
+            for s, sh in zip(self.shapes, self.shardings)
+        ]
 
     def compile_writer(self, scope, replicated) -> None:
         """The slot writer, compiled (or loaded from the executable cache) once."""
@@ -69,11 +86,18 @@ class LoRASlots:
         index = jax.ShapeDtypeStruct((), np.int32, sharding=replicated)
 
         def write(leaves, index, values):
-            return [jax.lax.dynamic_update_index_in_dim(x, v.astype(x.dtype), index, 0)
-                    for x, v in zip(leaves, values)]
+            return [
+                jax.lax.dynamic_update_index_in_dim(x, v.astype(x.dtype), index, 0)
+                for x, v in zip(leaves, values)
+            ]
 
-        self._write = scope.get("lora-write-slot", (leaves, index, values), lambda: jax.jit(
-            write, out_shardings=self.shardings).lower(leaves, index, values).compile())
+        self._write = scope.get(
+            "lora-write-slot",
+            (leaves, index, values),
+            lambda: (
+                jax.jit(write, out_shardings=self.shardings).lower(leaves, index, values).compile()
+            ),
+        )
 
     def host_copy(self, lora: LoRARequest) -> list[np.ndarray]:
         """The adapter's slot contents (one array per leaf), from the host LRU or its files."""
@@ -102,7 +126,9 @@ class LoRASlots:
     def forget(self, lora_int_id: int) -> None:
         self._host.pop(lora_int_id, None)
 
-    def write(self, leaves: list[jax.Array], slot: int, values: list[np.ndarray]) -> list[jax.Array]:
+    def write(
+        self, leaves: list[jax.Array], slot: int, values: list[np.ndarray]
+    ) -> list[jax.Array]:
         """`leaves` with an adapter's contents (`host_copy`) in slot `slot` (1..max_loras). Not
         donated: a step still in flight may read the old arrays."""
         return self._write(leaves, np.int32(slot - 1), values)

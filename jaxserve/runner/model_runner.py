@@ -146,7 +146,8 @@ class ModelRunner:
             self.lora = LoRASlots(self.cfg, lora, model.dtype, mesh, rules)
         # A backend's fused layer has no LoRA products: with LoRA the model's own layer runs.
         self.layer_impl = backend.layer_impl(model) if self.lora is None else None
-        self.step_function = StepFunction(self.graphdef, self._params_treedef, self.layer_impl, sampler_config,
+        self.step_function = StepFunction(self.graphdef, self._params_treedef, self.layer_impl,
+                                          sampler_config,
                                           None if self.lora is None else self.lora.treedef)
         with timer.phase("weight arena"):
             backend.place_weights(model, self.params, self._params_treedef)

@@ -67,7 +67,8 @@ class StepFunction:
             lora = LoRABatch.of(jax.tree.unflatten(self.lora_treedef, params[n:]), tok.lora_slots)
             params = params[:n]
         model = nnx.merge(self.graphdef, jax.tree.unflatten(self.params_treedef, params))
-        hidden, kv = model(input_ids, inputs.positions, kv, inputs.md, self.layer_impl, lora=lora)  # [T, E]
+        hidden, kv = model(input_ids, inputs.positions, kv, inputs.md, self.layer_impl,
+                           lora=lora)  # [T, E]
         logits = model.compute_logits(hidden[inputs.logits_indices])  # [R, V]
         out = sample(logits, meta, sstate, self.sampler_config)
         sstate = record_sampled_tokens(sstate, out.token_ids, tok.sample_slots)
@@ -132,8 +133,8 @@ class StepFunction:
         return jitted.lower(params, kv, sstate, *buffers)
 
 
-def step_layout(T: int, R: int, *, pages_per_req: int, page_size: int, sampler_config: SamplerConfig,
-                lora: bool = False) -> BufferLayout:
+def step_layout(T: int, R: int, *, pages_per_req: int, page_size: int,
+                sampler_config: SamplerConfig, lora: bool = False) -> BufferLayout:
     """How a (T, R) step's inputs (ModelInputs, SamplingMetadata, TokenInfo) are packed (with
     `lora`, each token's adapter slot too)."""
     empty = np.zeros(0, np.int32)

@@ -145,7 +145,8 @@ def lora_slots_group(settings: PlanSettings, cfg: ArchConfig, dtype, mesh: Mesh,
                                       max_lora_rank=settings.max_lora_rank), dtype, mesh, rules)
     leaves = slots.abstract()
     local = sum(_local_bytes(s) for s in leaves)
-    return {"per_device": local, "requested_per_device": local, "total": slots.nbytes}, leaves, slots.treedef
+    group = {"per_device": local, "requested_per_device": local, "total": slots.nbytes}
+    return group, leaves, slots.treedef
 
 
 def plan_one(settings: PlanSettings, mesh: Mesh, rules_spec: str, bucket: tuple[int, int],
@@ -198,7 +199,8 @@ def plan_one(settings: PlanSettings, mesh: Mesh, rules_spec: str, bucket: tuple[
     if settings.max_loras:  # the adapters' slots travel after the weights, as in the runner
         if settings.measure:
             raise ValueError("--measure does not run LoRA slots; plan --enable-lora without it")
-        groups["lora_slots"], lora_leaves, lora_treedef = lora_slots_group(settings, cfg, dtype, mesh, rules)
+        groups["lora_slots"], lora_leaves, lora_treedef = lora_slots_group(settings, cfg, dtype,
+                                                                           mesh, rules)
         flat_params += lora_leaves
     rec["params"] = {"per_device": int(sum(g["per_device"] for g in groups.values())),
                      "total": int(sum(g["total"] for g in groups.values())),

@@ -37,7 +37,11 @@ def _req(rid, lora, tokens=(5, 6, 7, 8, 9)):
 
 def test_scheduler_admits_only_adapters_with_a_slot():
     kv = KVCacheManager(4, 64, enable_caching=True, max_model_len=64)
-    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=64), kv, max_loras=1)
+    s = Scheduler(
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=64),
+        kv,
+        max_loras=1,
+    )
     for r in (_req("x", A), _req("base", None), _req("y", A), _req("z", B)):
         s.add_request(r)
     out = s.schedule()
@@ -47,7 +51,9 @@ def test_scheduler_admits_only_adapters_with_a_slot():
     assert stats.running_lora_adapters == ("a",) and stats.waiting_lora_adapters == ("b",)
     s.finish_requests(["x", "y"], RequestStatus.FINISHED_ABORTED)
     out = s.schedule()
-    assert [x.request_id for x in out.scheduled if x.is_new] == ["z"] and out.lora_loads == ((1, B),)
+    assert [x.request_id for x in out.scheduled if x.is_new] == ["z"] and out.lora_loads == (
+        (1, B),
+    )
 
 
 def test_prefix_cache_keys_blocks_by_adapter():
@@ -56,7 +62,11 @@ def test_prefix_cache_keys_blocks_by_adapter():
     assert hash_block_tokens(None, tokens, None, 1) != base
     assert hash_block_tokens(None, tokens, None, 1) != hash_block_tokens(None, tokens, None, 2)
     kv = KVCacheManager(4, 64, enable_caching=True, max_model_len=64)
-    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=64), kv, max_loras=2)
+    s = Scheduler(
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=64),
+        kv,
+        max_loras=2,
+    )
     s.add_request(_req("first", A, tokens * 3))
     s.schedule()
     s.finish_requests(["first"], RequestStatus.FINISHED_ABORTED)

@@ -42,18 +42,23 @@ def test_weights_in_our_layout_with_rslora_scale(data_dir, cfg):
     assert a.shape == (64, 8) and b.shape == (8, 4, 16)  # [E, r] and [r, Hq, D]
     pre = "base_model.model.model.layers.1.self_attn.q_proj"
     np.testing.assert_allclose(a, raw[f"{pre}.lora_A.weight"].T)
-    np.testing.assert_allclose(b.reshape(8, 64), raw[f"{pre}.lora_B.weight"].T * adapter.scale, rtol=1e-6)
+    np.testing.assert_allclose(
+        b.reshape(8, 64), raw[f"{pre}.lora_B.weight"].T * adapter.scale, rtol=1e-6
+    )
     plain = load_adapter(data_dir / "lora" / "llama" / "a", cfg, max_rank=8)  # r=4, alpha=8
     assert plain.scale == 2.0
 
 
-@pytest.mark.parametrize("change, message", [
-    (dict(use_dora=True), "DoRA"),
-    (dict(r=16), "rank 16, above max_lora_rank 8"),
-    (dict(target_modules=["q_proj", "lm_head"]), "lm_head"),
-    (dict(modules_to_save=["lm_head"]), "modules_to_save"),
-    (dict(peft_type="IA3"), "IA3"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(use_dora=True), "DoRA"),
+        (dict(r=16), "rank 16, above max_lora_rank 8"),
+        (dict(target_modules=["q_proj", "lm_head"]), "lm_head"),
+        (dict(modules_to_save=["lm_head"]), "modules_to_save"),
+        (dict(peft_type="IA3"), "IA3"),
+    ],
+)
 def test_unsupported_configs_are_named(data_dir, tmp_path, change, message):
     path = _copy(data_dir, tmp_path)
     _edit_config(path, **change)

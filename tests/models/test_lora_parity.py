@@ -40,12 +40,16 @@ def test_mixed_batch_matches_merged_peft(arch, tp, data_dir):
     cfg, tensors, base = load_fixture(data_dir, arch)
     mesh = single_device_mesh() if tp == 1 else make_mesh(1, tp)
     model = create_model(cfg, dtype=jnp.float32, get_tensor=tensors.__getitem__, mesh=mesh)
-    slots = LoRASlots(cfg, LoRAConfig(enable_lora=True, max_loras=3, max_lora_rank=8), jnp.float32, mesh)
+    slots = LoRASlots(
+        cfg, LoRAConfig(enable_lora=True, max_loras=3, max_lora_rank=8), jnp.float32, mesh
+    )
     if tp > 1:  # q_proj's B [S, R, Hq, D] over its heads, o_proj's A [S, Hq, D, R] too
         specs = {str(sh.spec) for sh in slots.shardings}
         assert "P(None, None, 'model', None)" in specs
         assert "P(None, 'model', None, None)" in specs
-    slots.compile_writer(executable_scope(None, mesh.devices.flat), jax.sharding.NamedSharding(mesh, jax.P()))
+    slots.compile_writer(
+        executable_scope(None, mesh.devices.flat), jax.sharding.NamedSharding(mesh, jax.P())
+    )
     leaves = slots.zeros()
     expected = {}
     for slot, name in enumerate(ADAPTERS, start=1):
@@ -55,9 +59,13 @@ def test_mixed_batch_matches_merged_peft(arch, tp, data_dir):
     tokens = expected[1]["tokens"].tolist()
     rows = [3, 0, 1, 2]  # each row's slot: adapters c, none, a, b
     reqs = [StepRequest(tokens, 0, list(range(1 + 4 * i, 5 + 4 * i))) for i in range(len(rows))]
-    inputs = jax.tree.map(jnp.asarray, pack_step(reqs, num_tokens=64, num_reqs=4, pages_per_req=4, page_size=4))
+    inputs = jax.tree.map(
+        jnp.asarray, pack_step(reqs, num_tokens=64, num_reqs=4, pages_per_req=4, page_size=4)
+    )
     kv = allocate_kv_cache(cfg, 1 + 4 * len(rows), 4, jnp.float32, mesh)
-    token_slots = jnp.asarray(np.repeat(rows, len(tokens)).tolist() + [0] * (64 - len(rows) * len(tokens)))
+    token_slots = jnp.asarray(
+        np.repeat(rows, len(tokens)).tolist() + [0] * (64 - len(rows) * len(tokens))
+    )
     graphdef, state = nnx.split(model)
 
     @jax.jit
@@ -71,7 +79,12 @@ def test_mixed_batch_matches_merged_peft(arch, tp, data_dir):
     n = len(tokens)
     for i, slot in enumerate(rows):
         want = base["logits_0"][:n] if slot == 0 else expected[slot]["logits"]
-        np.testing.assert_allclose(_log_softmax(logits[i * n:(i + 1) * n]), _log_softmax(want), atol=1e-4, rtol=0,
-                                   err_msg=f"{arch} row {i}")
+        np.testing.assert_allclose(
+            _log_softmax(logits[i * n : (i + 1) * n]),
+            _log_softmax(want),
+            atol=1e-4,
+            rtol=0,
+            err_msg=f"{arch} row {i}",
+        )
         if slot:  # the adapter changes the model
             assert np.abs(want - base["logits_0"][:n]).max() > 1e-2
