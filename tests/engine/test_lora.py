@@ -116,3 +116,16 @@ def _tokens(data_dir, arch) -> list[int]:
     return load_file(str(data_dir / "lora" / arch / "a" / "expected.safetensors"))[
         "tokens"
     ].tolist()
+
+
+def test_lora_off_changes_no_step_input():
+    """Without LoRA a step packs exactly what it packed before LoRA existed; with it, one int32
+    slot per token more."""
+    from jaxserve.runner.step_fn import step_layout
+    from jaxserve.sampling.config import SamplerConfig
+
+    sampler = SamplerConfig(max_num_seqs=4, vocab_size=128)
+    off = step_layout(16, 4, pages_per_req=4, page_size=4, sampler_config=sampler)
+    on = step_layout(16, 4, pages_per_req=4, page_size=4, sampler_config=sampler, lora=True)
+    assert len(on.leaves) == len(off.leaves) + 1
+    assert on.sizes == (off.sizes[0] + 16, *off.sizes[1:])

@@ -80,3 +80,26 @@ def test_unknown_tensors_and_layers_are_named(data_dir, tmp_path, cfg):
         load_adapter(path, cfg, max_rank=8)
     with pytest.raises(LoRAAdapterError, match="adapter_config.json does not exist"):
         read_config(tmp_path / "nowhere", max_rank=8)
+
+
+def test_host_copies_padded_to_the_slot_and_kept_in_an_lru(data_dir, cfg):
+    import jax
+
+    from jaxserve.config import LoRAConfig
+    from jaxserve.lora_request import LoRARequest
+    from jaxserve.models.sharding import single_device_mesh
+    from jaxserve.runner.lora_slots import LoRASlots
+
+    config = LoRAConfig(enable_lora=True, max_loras=2, max_lora_rank=8, max_cpu_loras=2)
+    slots = LoRASlots(cfg, config, np.float32, single_device_mesh())
+    reqs = [LoRARequest(n, i, str(data_dir / "lora" / "llama" / n)) for i, n in enumerate("abc", 1)]
+    values = slots.host_copy(reqs[0])  # rank 4 on q/k/v/o
+    tree = jax.tree.unflatten(slots.treedef, values)
+    a, b = tree[1]["wq"]
+    assert a.shape == (64, 8) and b.shape == (8, 4, 16)
+    assert np.abs(a[:, :4]).sum() > 0 and not a[:, 4:].any() and not b[4:].any()
+    assert not tree[1]["w_down"][0].any()  # not a target of this adapter
+    assert slots.host_copy(reqs[0]) is values  # kept
+    slots.host_copy(reqs[1])
+    slots.host_copy(reqs[2])  # past max_cpu_loras: the least recently used ("a") goes
+    assert slots.host_copy(reqs[0]) is not values
