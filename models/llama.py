@@ -228,7 +228,7 @@ class LlamaForCausalLM(nnx.Module):
             with jax.named_scope(f"layer_{i}"):
                 p = module_weights(layer)
                 if lora is not None:
-                    p["lora"] = (lora.layers[i], lora.onehot)
+                    p["lora"] = (lora.layers[i], lora.onehot, lora.active)
                 rope = ropes[layer.rope]
                 if layer_impl is None:
                     h, k_caches[i], v_caches[i] = self._layer(layer, p, h, rope, k_caches[i], v_caches[i], md)
