@@ -24,6 +24,7 @@ import os
 import pathlib
 import platform
 import statistics
+import subprocess
 import tempfile
 import time
 
@@ -152,6 +153,8 @@ def main() -> None:
     record = {
         "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "host": platform.node(),
+        "git_sha": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                  cwd=pathlib.Path(__file__).parent).stdout.strip() or None,
         "load_avg": os.getloadavg(),
         "model": cfg.get("architectures"),
         "dtype": args.dtype,
