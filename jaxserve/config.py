@@ -34,6 +34,7 @@ __all__ = [
     "CacheConfig",
     "CompileConfig",
     "EngineConfig",
+    "LoRAConfig",
     "ModelConfig",
     "ParallelConfig",
     "SchedulerConfig",
@@ -271,6 +272,33 @@ class ParallelConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters served on the base model (vLLM's flags): each adapter lives in one of
+    max_loras device slots while it runs (the compiled step reads the slots; loading one never
+    recompiles), and in a host cache of max_cpu_loras."""
+
+    enable_lora: bool = False
+    """Serve LoRA adapters (PEFT directories) on the base model. Off: no LoRA path at all."""
+    max_loras: int = 1
+    """Adapters on the device at once: the most distinct adapters in one step."""
+    max_lora_rank: int = 16
+    """The largest adapter rank accepted (every slot is padded to it)."""
+    max_cpu_loras: int | None = None
+    """Adapters kept in host memory (least recently used dropped first). Default: max_loras."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}.")
+        if self.max_cpu_loras is None:
+            object.__setattr__(self, "max_cpu_loras", self.max_loras)
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras "
+                             f"({self.max_loras}).")
+
+
+@dataclasses.dataclass(frozen=True)
 class CompileConfig:
     """The compiled steps: the bucket grid and the caches that keep them across restarts."""
 
@@ -373,6 +401,8 @@ class EngineConfig:
     """The device mesh and the processes."""
     compile: CompileConfig = option(CompileConfig(), not_a_flag=_PART)
     """The compiled steps."""
+    lora: LoRAConfig = option(LoRAConfig(), not_a_flag=_PART)
+    """LoRA adapters."""
     max_logprobs: int = option(20, group="model")
     """The most log-probs a request may ask for (logprobs, prompt_logprobs): the width of the
     sampler's top-logprobs outputs."""
@@ -388,7 +418,7 @@ class EngineConfig:
     def parts() -> dict[str, type]:
         """The sub-configurations by field name (also the CLI's help groups)."""
         return {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
-                "parallel": ParallelConfig, "compile": CompileConfig}
+                "parallel": ParallelConfig, "compile": CompileConfig, "lora": LoRAConfig}
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

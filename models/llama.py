@@ -34,6 +34,7 @@ from jaxserve.models.layers.linear import (
     param_weight,
     quantize_int8,
 )
+from jaxserve.models.layers.lora import LoRABatch, add_lora
 from jaxserve.models.layers.norm import rms_norm
 from jaxserve.models.layers.rotary import RopeSpec, apply_rotary, layer_rope_spec, rope_tables
 from jaxserve.models.sharding import DEFAULT_RULES
@@ -157,6 +158,7 @@ class LlamaForCausalLM(nnx.Module):
 
     product_specs = (LAYER_SPECS, FUSED, HEAD_SPECS)
     layer_class = DecoderLayer
+    supports_lora = True  # the layers add LoRA products (models/layers/lora.py)
 
     def __init__(
         self,
@@ -213,9 +215,11 @@ class LlamaForCausalLM(nnx.Module):
         kv_cache: KVCache,
         md: AttentionMetadata,
         layer_impl=None,
+        lora: LoRABatch | None = None,
     ) -> tuple[jax.Array, KVCache]:
         """`layer_impl(model, params, h, rope, k_cache, v_cache, md)`: a backend's replacement
-        for `_layer` (see jaxserve/backends), used only after its capability check."""
+        for `_layer` (see jaxserve/backends), used only after its capability check. `lora`: the
+        step's adapter slots and each token's slot (models/layers/lora.py), or None."""
         with jax.named_scope("embed"):
             h = self.embed_tokens(input_ids)  # [T, E] float32
         ropes = rope_for_step(self.layers, positions, md)  # cos, sin: [T, 1, R/2] per table
@@ -223,6 +227,8 @@ class LlamaForCausalLM(nnx.Module):
         for i, layer in enumerate(self.layers):
             with jax.named_scope(f"layer_{i}"):
                 p = module_weights(layer)
+                if lora is not None:
+                    p["lora"] = (lora.layers[i], lora.onehot, lora.active)
                 rope = ropes[layer.rope]
                 if layer_impl is None:
                     h, k_caches[i], v_caches[i] = self._layer(layer, p, h, rope, k_caches[i], v_caches[i], md)
@@ -257,6 +263,8 @@ class LlamaForCausalLM(nnx.Module):
             q = dense(LAYER_SPECS["wq"], x, p["wq"])  # [T, Hq, D]
             k = dense(LAYER_SPECS["wk"], x, p["wk"])  # [T, Hkv, D]
             v = dense(LAYER_SPECS["wv"], x, p["wv"])
+        q, k, v = (add_lora(p, n, LAYER_SPECS[n], x, y)
+                   for n, y in (("wq", q), ("wk", k), ("wv", v)))
         if cfg.qkv_bias:
             q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
         if cfg.qk_norm:
@@ -270,6 +278,7 @@ class LlamaForCausalLM(nnx.Module):
             k_cache, v_cache, md, layer.attn_spec, self.mesh, dict(self.rules),
         )  # attn: [T, Hq, D]
         o = dense(LAYER_SPECS["wo"], attn, p["wo"])  # [T, E]
+        o = add_lora(p, "wo", LAYER_SPECS["wo"], attn, o)
         if cfg.o_bias:
             o = o + p["bo"]
         return o, k_cache, v_cache
@@ -282,9 +291,13 @@ class LlamaForCausalLM(nnx.Module):
         else:
             gate = dense(LAYER_SPECS["w_gate"], x, p["w_gate"])  # [T, F]
             up = dense(LAYER_SPECS["w_up"], x, p["w_up"])
+        gate = add_lora(p, "w_gate", LAYER_SPECS["w_gate"], x, gate)
+        up = add_lora(p, "w_up", LAYER_SPECS["w_up"], x, up)
         if cfg.mlp_bias:
             gate, up = gate + p["b_gate"], up + p["b_up"]
-        down = dense(LAYER_SPECS["w_down"], jax.nn.silu(gate) * up, p["w_down"])  # [T, E]
+        act = jax.nn.silu(gate) * up
+        down = dense(LAYER_SPECS["w_down"], act, p["w_down"])  # [T, E]
+        down = add_lora(p, "w_down", LAYER_SPECS["w_down"], act, down)
         if cfg.mlp_bias:
             down = down + p["b_down"]
         return down

@@ -136,6 +136,8 @@ def build_engine(config: EngineConfig, timer: StartupTimer | None = None, *,
     kv_dtype = jax_dtype(plan.kv_dtype)
     if pooling and (D > 1 or topo is not None):
         raise ValueError("--runner pooling runs on one process without data parallelism")
+    if config.lora.enable_lora and (pooling or D > 1 or topo is not None):
+        raise ValueError("--enable-lora serves generation on one process without data parallelism")
     model = _prepared_model(config, ckpt, arch, backend, plan, mesh, rules, timer)
     load_seconds = time.perf_counter() - t0
     if pooling:
@@ -157,7 +159,7 @@ def build_engine(config: EngineConfig, timer: StartupTimer | None = None, *,
         model, backend=backend, mesh=mesh, num_pages=num_pages, page_size=cc.page_size,
         max_model_len=max_model_len, max_num_seqs=sc.max_num_seqs, grid=grid, sampler_config=sampler_config,
         kv_dtype=kv_dtype, seed=mc.seed, show_progress=config.compile.show_progress, rules=rules, timer=timer,
-        executable_cache=executable_cache(config.compile),
+        executable_cache=executable_cache(config.compile), lora=config.lora,
     )
     timer.note("executables", f"{runner.executables_loaded} loaded, {runner.executables_compiled} compiled")
     if mesh.size > 1:
@@ -170,7 +172,9 @@ def build_engine(config: EngineConfig, timer: StartupTimer | None = None, *,
         if topo.is_leader:
             link.start()
             step_runner = multihost.LeaderRunner(runner, link)
-    scheduler = DataParallelScheduler(sc, kv_managers) if D > 1 else Scheduler(sc, kv_managers[0])
+    max_loras = config.lora.max_loras if config.lora.enable_lora else 0
+    scheduler = (DataParallelScheduler(sc, kv_managers) if D > 1 else
+                 Scheduler(sc, kv_managers[0], max_loras=max_loras))
     spec = config.speculative_config
     proposer = (NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
                 if spec is not None else None)
@@ -187,6 +191,8 @@ def build_engine(config: EngineConfig, timer: StartupTimer | None = None, *,
         sampler_config=sampler_config, sampling_defaults=gen.sampling_defaults,
         default_max_tokens=gen.max_new_tokens, scheduling_policy=sc.policy, max_num_seqs=sc.max_num_seqs,
         kv_cache_tokens=scheduler.cache_tokens,
+        max_lora_rank=config.lora.max_lora_rank if config.lora.enable_lora else 0,
+        max_loras=max_loras,
     )
     # Everything built so far lives as long as the engine: move it out of the garbage
     # collector's generations, so that the collections the steps' short-lived objects trigger do
