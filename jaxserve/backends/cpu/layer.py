@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jaxserve.models import interface as features
 from jaxserve.models.layers.linear import PackedWeight
 from jaxserve.backends.cpu.kernels.matmul import packed_matmul
+from jaxserve.pallas_kernels.kv_quant import is_quantized, quantize, scale_output, scale_query
 from jaxserve.pallas_kernels.ragged_paged_attention.metadata import AttentionMetadata
 from jaxserve.pallas_kernels.ragged_paged_attention.ops import fused_rope_kernel, write_kv_and_attend
 from jaxserve.models.layers.rotary import apply_rotary
@@ -74,6 +75,13 @@ def attention_qkv(qkv, rope, k_cache, v_cache, md, spec, num_heads: int):
                       sm_scale=spec.sm_scale, sliding_window=spec.sliding_window,
                       soft_cap=spec.soft_cap)
     dt = k_cache.dtype
+    if is_quantized(dt):  # the model-wide spec's scales: the backend fuses only when layers agree
+        q = scale_query(apply_rotary(q, *rope), spec.k_scale, hkv, jnp.float32)
+        out, k_cache, v_cache = write_kv_and_attend(
+            q, quantize(apply_rotary(k, *rope), spec.k_scale, dt), quantize(v, spec.v_scale, dt),
+            k_cache, v_cache, md, sm_scale=spec.sm_scale, sliding_window=spec.sliding_window,
+            soft_cap=spec.soft_cap, impl=spec.impl)
+        return scale_output(out, spec.v_scale, hkv), k_cache, v_cache
     return write_kv_and_attend(apply_rotary(q, *rope).astype(dt), apply_rotary(k, *rope).astype(dt),
                                v.astype(dt), k_cache, v_cache, md, sm_scale=spec.sm_scale,
                                sliding_window=spec.sliding_window, soft_cap=spec.soft_cap,
