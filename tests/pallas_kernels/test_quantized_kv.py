@@ -100,9 +100,26 @@ def test_gpu_kernel_reads_quantized_pages(dtype):
     check_quantized("gpu-interpret", dtype, CFG, 2, 70, 1e-5)
 
 
-def test_write_then_attend_quantizes_on_write():
-    """write_kv_and_attend with quantized k/v writes exactly those bytes and attends over them;
-    the cache's page bytes are one a value."""
+@pytest.mark.parametrize("dtype", [FP8, INT8], ids=["fp8", "int8"])
+def test_cpu_kernel_reads_quantized_pages(dtype):
+    from jaxserve.backends.cpu.kernels import attention as cpu_attention  # registers "cpu"
+    from tests.pallas_kernels.kernel_checks import need_cpu_target
+
+    need_cpu_target("native")
+    assert dtype in cpu_attention.CACHE_DTYPES
+    check_quantized("cpu", dtype, CFG, 3, 80, 1e-5)
+    check_quantized("cpu", dtype, dict(CFG, page_size=16), 1, 90, 1e-5, sliding_window=20)
+
+
+@pytest.mark.parametrize("impl", ["reference", "cpu"])
+def test_write_then_attend_quantizes_on_write(impl):
+    """write_kv_and_attend with quantized k/v writes exactly those bytes and attends over them
+    (the CPU kernel: in place, in one call)."""
+    if impl == "cpu":
+        from jaxserve.backends.cpu.kernels import attention  # noqa: F401 - registers "cpu"
+        from tests.pallas_kernels.kernel_checks import need_cpu_target
+
+        need_cpu_target("native")
     case = make_case([(5, 3), (0, 9)], page_size=32, hq=4, hkv=2, d=64, r_pad=4, t_pad=16)
     ks, vs = SCALES[INT8]
     kq0 = kv_quant.quantize(jnp.asarray(case["kc"]), ks, INT8)
@@ -115,7 +132,7 @@ def test_write_then_attend_quantizes_on_write():
     def step(q, k, v, kc, vc, md):
         out, kc, vc = write_kv_and_attend(
             kv_quant.scale_query(q, ks, 2, q.dtype), kv_quant.quantize(k, ks, INT8),
-            kv_quant.quantize(v, vs, INT8), kc, vc, md, sm_scale=0.125)
+            kv_quant.quantize(v, vs, INT8), kc, vc, md, sm_scale=0.125, impl=impl)
         return kv_quant.scale_output(out, vs, 2), kc, vc
 
     out, kq, vq = step(jnp.asarray(case["q"]), k_new, v_new, kq0, vq0, case["md"])

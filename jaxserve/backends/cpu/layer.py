@@ -68,7 +68,7 @@ def attention_qkv(qkv, rope, k_cache, v_cache, md, spec, num_heads: int):
     hkv, d = k_cache.shape[2], k_cache.shape[3]
     x = qkv.reshape(T, num_heads + 2 * hkv, d)
     q, k, v = x[:, :num_heads], x[:, num_heads:num_heads + hkv], x[:, num_heads + hkv:]
-    kernel = fused_rope_kernel(spec.impl, q, k_cache)
+    kernel = None if is_quantized(k_cache.dtype) else fused_rope_kernel(spec.impl, q, k_cache)
     if kernel is not None:
         cos, sin = (t.reshape(T, d // 2) for t in rope)
         return kernel(qkv, cos, sin, k_cache, v_cache, md, num_heads=num_heads,
