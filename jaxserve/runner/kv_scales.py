@@ -6,8 +6,9 @@ layer's `AttentionSpec` before the steps are compiled (they are constants of the
   a value per tensor or per KV head, for either dtype.
 - Otherwise fp8 takes 1.0 (as vLLM: e4m3 holds +-448 with 3 mantissa bits, so the scale
   matters little for values of a normal size), and int8 is measured: one float32 forward of
-  the model over `CALIBRATION_TEXT` (about 150 tokens), each layer's and KV head's largest
-  |k| and |v| over it times `INT8_HEADROOM` becomes 127 (values beyond it are clipped).
+  the model over `CALIBRATION_TEXT` (about 150 tokens) followed by 64 token ids spread evenly
+  over the vocabulary; each layer's and KV head's largest |k| and |v| over it times
+  `INT8_HEADROOM` becomes 127 (values beyond it are clipped).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 # The measured int8 range: the calibration's largest value times this becomes 127.
 INT8_HEADROOM = 1.25
+CALIBRATION_SPREAD = 64  # tokens spread evenly over the vocabulary after the text
 CALIBRATION_TEXT = (
     "The committee met on a rainy Tuesday in March to review the budget for the new library. "
     "Maria, who had run the numbers twice, explained that the roof repairs would cost about "
@@ -108,8 +110,10 @@ def resolve_kv_scales(kv_dtype, ckpt, model, tokenize) -> tuple[Scales | None, s
     if scales is not None:
         return scales, "from the checkpoint"
     if jnp.dtype(kv_dtype) == INT8_DTYPE:
-        ids = tokenize()
-        return measure_int8_scales(model, ids), f"measured on a {len(ids)}-token calibration text"
+        # The text, then tokens spread over the whole vocabulary (rare tokens, other scripts).
+        spread = np.linspace(0, cfg.vocab_size - 1, CALIBRATION_SPREAD).astype(int).tolist()
+        ids = list(tokenize()) + spread
+        return measure_int8_scales(model, ids), f"measured on {len(ids)} calibration tokens"
     return None, "1.0 (the checkpoint has none)"
 
 

@@ -72,15 +72,18 @@ def paged_attention(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """q in the dtype attention computes in (the cache's, or the model's for a quantized
     cache); k, v are cast (or quantized) to the cache's. Returns (out [T, Hq, D], caches)."""
-    if is_quantized(k_cache.dtype):
-        hkv = k.shape[1]
-        out, k_cache, v_cache = paged_attention(
-            scale_query(q, spec.k_scale, hkv, q.dtype), quantize(k, spec.k_scale, k_cache.dtype),
-            quantize(v, spec.v_scale, k_cache.dtype), k_cache, v_cache, md,
-            dataclasses.replace(spec, k_scale=None, v_scale=None), mesh, rules)
-        return scale_output(out, spec.v_scale, hkv), k_cache, v_cache
-    k, v = k.astype(k_cache.dtype), v.astype(k_cache.dtype)
+    hkv = k.shape[1]
+    quantized = is_quantized(k_cache.dtype)
+    if quantized:
+        q = scale_query(q, spec.k_scale, hkv, q.dtype)
+        k, v = quantize(k, spec.k_scale, k_cache.dtype), quantize(v, spec.v_scale, k_cache.dtype)
+    else:
+        k, v = k.astype(k_cache.dtype), v.astype(k_cache.dtype)
+    out, k_cache, v_cache = _attend(q, k, v, k_cache, v_cache, md, spec, mesh, rules)
+    return (scale_output(out, spec.v_scale, hkv) if quantized else out), k_cache, v_cache
 
+
+def _attend(q, k, v, k_cache, v_cache, md, spec: AttentionSpec, mesh: Mesh | None, rules):
     def local(q, k, v, k_cache, v_cache, md):
         return write_kv_and_attend(
             q, k, v, k_cache, v_cache, md,
