@@ -30,7 +30,8 @@ RESULTS = HERE / "results" / "int8_quality.jsonl"
 # variant -> (weights dtype, quantization, KV-cache dtype)
 VARIANTS = {"float32": ("float32", None, "auto"), "bfloat16": ("bfloat16", None, "auto"),
             "int8": ("float32", "int8", "auto"), "int8-bf16": ("bfloat16", "int8", "auto"),
-            "kv-fp8": ("float32", None, "fp8"), "kv-int8": ("float32", None, "int8")}
+            "kv-bf16": ("float32", None, "bfloat16"), "kv-fp8": ("float32", None, "fp8"),
+            "kv-int8": ("float32", None, "int8")}
 
 
 def weight_bytes(engine) -> int:

@@ -26,7 +26,7 @@ from jaxserve.runner.kv_scales import (
 from tests.model_dirs import write_model_dir
 from tests.models.model_utils import PagedRunner
 
-OPTIONS = dict(dtype="float32", max_model_len=64, max_num_seqs=4, token_buckets=(16, 64),
+OPTIONS = dict(dtype="float32", max_model_len=64, max_num_seqs=4, token_buckets=(64,),
                request_buckets=(4,), kv_cache_memory_bytes=1 << 20, show_progress=False)
 PROMPTS = [[1, *range(5, 5 + n)] for n in (7, 20, 33)]
 SCORE = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
