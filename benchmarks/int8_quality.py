@@ -51,8 +51,9 @@ def evaluate(variant: str, golden: dict, compile_cache: str | None) -> dict:
     from jaxserve import LLM, SamplingParams
 
     dtype, quant, kv_dtype = VARIANTS[variant]
-    llm = LLM(None, dtype=dtype, quantization=quant, kv_cache_dtype=kv_dtype, max_num_seqs=8, max_num_batched_tokens=512,
-              token_buckets=(16, 512), request_buckets=(8,), show_progress=False,
+    llm = LLM(None, dtype=dtype, quantization=quant, kv_cache_dtype=kv_dtype, max_num_seqs=8,
+              max_num_batched_tokens=512, token_buckets=(16, 512), request_buckets=(8,),
+              show_progress=False,
               **({"compilation_cache_dir": compile_cache} if compile_cache else {}))
     cases = golden["cases"]
     scored = [c["prompt_token_ids"] + c["completion_token_ids"] for c in cases]
@@ -72,7 +73,8 @@ def evaluate(variant: str, golden: dict, compile_cache: str | None) -> dict:
         agree, total, full = agree + n, total + len(want), full + (n == len(want))
     kv = llm.engine.runner.kv
     page_bytes = sum(a.nbytes for a in (*kv.k, *kv.v)) // kv.num_pages
-    return {"variant": variant, "dtype": dtype, "quantization": quant, "kv_cache_dtype": str(kv.k[0].dtype),
+    return {"variant": variant, "dtype": dtype, "quantization": quant,
+            "kv_cache_dtype": str(kv.k[0].dtype),
             "kv_bytes_per_page": page_bytes, "weight_bytes_device0": weight_bytes(llm.engine),
             "logprob_drift_max": float(np.max(drift)), "logprob_drift_mean": float(np.mean(drift)),
             "scored_tokens": len(drift), "greedy_prefix_agreement": agree / total,

@@ -240,7 +240,8 @@ class CacheConfig:
                            KV_DTYPE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype))
         if self.kv_cache_dtype not in get_args(KvCacheDtype):
             choices = ", ".join([*get_args(KvCacheDtype), *KV_DTYPE_ALIASES])
-            raise ValueError(f"kv_cache_dtype must be one of {choices}, got {self.kv_cache_dtype!r}.")
+            raise ValueError(f"kv_cache_dtype must be one of {choices}, "
+                             f"got {self.kv_cache_dtype!r}.")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -127,7 +127,7 @@ def resolve_plan(settings: PlanSettings, cfg: ArchConfig, mesh: Mesh, rules) -> 
         local_heads = cfg.num_kv_heads // split
         try:
             kv_dtype, D = jax_dtype(plan.kv_dtype), cfg.head_dim
-            q_dtype = attention_dtype(kv_dtype, jax_dtype(plan.dtype))  # fp8/int8 pages: the model's
+            q_dtype = attention_dtype(kv_dtype, jax_dtype(plan.dtype))  # fp8/int8: the model's
             check(jax.ShapeDtypeStruct((1, cfg.num_heads // split, D), q_dtype),
                   jax.ShapeDtypeStruct((1, settings.page_size, local_heads, D), kv_dtype))
         except ValueError as e:

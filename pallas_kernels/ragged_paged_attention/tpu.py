@@ -41,10 +41,10 @@ Hkv * D x itemsize, ~1 MiB for 8 x 128 bfloat16). The grid axis is "parallel" (n
 crosses grid steps, so megacore chips may split it).
 
 Device requirements not checked by interpret mode (see `validate_tpu_shapes`): page_size must
-be a multiple of the sublane tiling (8 for 32-bit, 16 for bfloat16, 32 for fp8 and int8) so each page DMA lands on
-whole VMEM tiles, and `Hkv * D` a multiple of 128. Head dim 64 with an odd KV head index uses a
-lane-offset-64 slice of the page buffer (Mosaic handles it with a lane shift; only exercised in
-interpret mode so far).
+be a multiple of the sublane tiling (8 for 32-bit, 16 for bfloat16, 32 for fp8 and int8) so
+each page DMA lands on whole VMEM tiles, and `Hkv * D` a multiple of 128. Head dim 64 with an
+odd KV head index uses a lane-offset-64 slice of the page buffer (Mosaic handles it with a lane
+shift; only exercised in interpret mode so far).
 """
 
 from __future__ import annotations

@@ -75,7 +75,8 @@ def test_vllm_spellings_and_refusals():
 
 def test_pages_are_smaller_and_outputs_close_to_float(engines):
     kv = {name: llm.engine.runner.kv for name, llm in engines.items()}
-    assert str(kv["fp8_e4m3"].k[0].dtype) == "float8_e4m3fn" and str(kv["int8"].k[0].dtype) == "int8"
+    assert str(kv["fp8_e4m3"].k[0].dtype) == "float8_e4m3fn"
+    assert str(kv["int8"].k[0].dtype) == "int8"
     # One byte a value instead of float32's four: the same budget holds 4x the pages.
     assert kv["fp8_e4m3"].num_pages == kv["int8"].num_pages == 4 * kv["float32"].num_pages
     want = prompt_logprobs(engines["float32"])
@@ -89,7 +90,8 @@ def test_pages_are_smaller_and_outputs_close_to_float(engines):
 
 def test_int8_scales_are_measured_per_kv_head(model_dir, caplog):
     ckpt = load_checkpoint(model_dir)
-    model = create_model(ArchConfig.from_hf(ckpt.config), dtype=jnp.float32, get_tensor=ckpt.get_tensor)
+    model = create_model(ArchConfig.from_hf(ckpt.config), dtype=jnp.float32,
+                         get_tensor=ckpt.get_tensor)
     with caplog.at_level(logging.INFO, logger="jaxserve.runner.kv_scales"):
         prepare_kv_scales(model, jnp.float8_e4m3fn, ckpt, tokenize=None)  # fp8: 1.0, as vLLM
     assert all(layer.attn_spec.k_scale is None for layer in model.layers)
