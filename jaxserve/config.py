@@ -61,14 +61,21 @@ DEFAULT_MAX_MODEL_LEN = 2048
 Dtype = Literal["float32", "bfloat16", "float16"]
 DtypeOrAuto = Literal["auto", Dtype]
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's spellings
+# Quantized KV caches: the name -> the cache's element type (DESIGN §9, "Quantized KV cache").
+KV_QUANT_DTYPES = {"fp8": "float8_e4m3fn", "int8": "int8"}
+KvCacheDtype = Literal["auto", Dtype, "fp8", "int8"]
+KV_DTYPE_ALIASES = {"fp8_e4m3": "fp8", **DTYPE_ALIASES}  # vLLM's spellings
 
 
 def jax_dtype(name: str) -> Any:
-    """The JAX dtype of a resolved dtype name ("float32", "bfloat16", "float16")."""
-    if name not in get_args(Dtype):
-        raise ValueError(f"dtype must be one of {', '.join(get_args(Dtype))}, got {name!r}.")
+    """The JAX dtype of a resolved dtype name ("float32", "bfloat16", "float16"; for a KV
+    cache also "fp8" = float8_e4m3fn and "int8")."""
     import jax.numpy as jnp
 
+    if name in KV_QUANT_DTYPES:
+        return jnp.dtype(KV_QUANT_DTYPES[name])
+    if name not in get_args(Dtype):
+        raise ValueError(f"dtype must be one of {', '.join(get_args(Dtype))}, got {name!r}.")
     return getattr(jnp, name)
 
 
@@ -217,18 +224,24 @@ class CacheConfig:
     """KV pages for the whole mesh, overriding the budget. Default: as many as the budget holds."""
     enable_prefix_caching: bool = per_process(True)
     """Reuse the KV cache of shared prompt prefixes (the leader's scheduler's)."""
-    kv_cache_dtype: DtypeOrAuto = "auto"
+    kv_cache_dtype: KvCacheDtype = option("auto", choice_aliases=KV_DTYPE_ALIASES)
     """The KV cache's dtype. auto: the model's, except float32 on a CPU without the native
     attention kernel (there XLA writes the cache, and its bfloat16 scatter is orders of magnitude
-    slower)."""
+    slower). fp8 (or fp8_e4m3, vLLM's spellings): float8_e4m3fn, with the checkpoint's k/v
+    scales (per tensor or per KV head) when it has them, else 1.0, as vLLM. int8: the
+    checkpoint's scales, else per KV head scales measured at start-up on a calibration text.
+    Either halves a bfloat16 cache's page (the budget holds twice the pages)."""
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a power of two, got {self.page_size}.")
         if not 0.0 < self.device_memory_utilization <= 1.0:
             raise ValueError("device_memory_utilization must be in (0, 1].")
-        if self.kv_cache_dtype not in get_args(DtypeOrAuto):
-            raise ValueError(f"kv_cache_dtype must be one of {', '.join(get_args(DtypeOrAuto))}, "
+        object.__setattr__(self, "kv_cache_dtype",
+                           KV_DTYPE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype))
+        if self.kv_cache_dtype not in get_args(KvCacheDtype):
+            choices = ", ".join([*get_args(KvCacheDtype), *KV_DTYPE_ALIASES])
+            raise ValueError(f"kv_cache_dtype must be one of {choices}, "
                              f"got {self.kv_cache_dtype!r}.")
 
 

@@ -38,6 +38,7 @@ from jaxserve.models.layers.lora import LoRABatch, add_lora
 from jaxserve.models.layers.norm import rms_norm
 from jaxserve.models.layers.rotary import RopeSpec, apply_rotary, layer_rope_spec, rope_tables
 from jaxserve.models.sharding import DEFAULT_RULES
+from jaxserve.pallas_kernels.kv_quant import attention_dtype
 
 # A checkpoint tensor getter: HF tensor name -> numpy array.
 TensorGetter = Callable[[str], np.ndarray]
@@ -272,9 +273,8 @@ class LlamaForCausalLM(nnx.Module):
             k = self.norm(k, p["k_norm"])
         q = apply_rotary(q, *rope)
         k = apply_rotary(k, *rope)
-        cache_dtype = k_cache.dtype
         attn, k_cache, v_cache = paged_attention(
-            q.astype(cache_dtype), k.astype(cache_dtype), v.astype(cache_dtype),
+            q.astype(attention_dtype(k_cache.dtype, self.dtype)), k, v,
             k_cache, v_cache, md, layer.attn_spec, self.mesh, dict(self.rules),
         )  # attn: [T, Hq, D]
         o = dense(LAYER_SPECS["wo"], attn, p["wo"])  # [T, E]

@@ -36,6 +36,7 @@ from jaxserve.runner.buckets import BucketGrid
 from jaxserve.runner.compile import executable_cache, weight_cache
 from jaxserve.runner.executable_cache import canonical
 from jaxserve.runner.kv_cache import num_pages_for_budget
+from jaxserve.runner.kv_scales import CALIBRATION_TEXT, prepare_kv_scales
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.runner.pooling_runner import PoolingRunner
 from jaxserve.runner.protocol import StepRunner
@@ -139,6 +140,9 @@ def build_engine(config: EngineConfig, timer: StartupTimer | None = None, *,
     if config.lora.enable_lora and (pooling or D > 1 or topo is not None):
         raise ValueError("--enable-lora serves generation on one process without data parallelism")
     model = _prepared_model(config, ckpt, arch, backend, plan, mesh, rules, timer)
+    with timer.phase("kv scales"):  # a quantized cache's, before the steps are compiled
+        prepare_kv_scales(model, kv_dtype, ckpt,
+                          lambda: tokenizer_future.result().encode(CALIBRATION_TEXT))
     load_seconds = time.perf_counter() - t0
     if pooling:
         return _pooling_engine(config, model, model_path, arch, backend, plan, mesh, rules, gen,

@@ -32,6 +32,7 @@ from jaxserve.models import sharding as ax
 from jaxserve.models.arch_config import ArchConfig
 from jaxserve.models.interface import KV_CACHE_AXES
 from jaxserve.models.weights import abstract_model
+from jaxserve.pallas_kernels.kv_quant import attention_dtype
 from jaxserve.pallas_kernels.ragged_paged_attention.ops import supports_check
 from jaxserve.runner.kv_cache import abstract_kv_cache, bytes_per_page, kv_cache_shape
 from jaxserve.runner.lora_slots import LoRASlots
@@ -129,7 +130,8 @@ def resolve_plan(settings: PlanSettings, cfg: ArchConfig, mesh: Mesh, rules) -> 
         local_heads = cfg.num_kv_heads // split
         try:
             kv_dtype, D = jax_dtype(plan.kv_dtype), cfg.head_dim
-            check(jax.ShapeDtypeStruct((1, cfg.num_heads // split, D), kv_dtype),
+            q_dtype = attention_dtype(kv_dtype, jax_dtype(plan.dtype))  # fp8/int8: the model's
+            check(jax.ShapeDtypeStruct((1, cfg.num_heads // split, D), q_dtype),
                   jax.ShapeDtypeStruct((1, settings.page_size, local_heads, D), kv_dtype))
         except ValueError as e:
             impl, note = "reference", f"{plan.attention_impl} kernel unsupported: {e}"

@@ -47,7 +47,8 @@ def _devices(chip: str):
     return target_devices({"kind": "gpu", "chip": chip, "hosts": 1, "gpus_per_host": 4})
 
 
-def _kernel_program(devices, impl: str, *, page_size: int = 16, head_dim: int = 128, **knobs):
+def _kernel_program(devices, impl: str, *, page_size: int = 16, head_dim: int = 128,
+                    cache_dtype=jnp.bfloat16, **knobs):
     """Attention kernel `impl` in a shard_map over KV heads on 4 GPUs, compiled for them."""
     from jaxserve.pallas_kernels import AttentionMetadata, ragged_paged_attention
     from jaxserve.pallas_kernels.ragged_paged_attention import gpu
@@ -85,8 +86,8 @@ def _kernel_program(devices, impl: str, *, page_size: int = 16, head_dim: int = 
 
     args = (
         sd((T, Hq, D), jnp.bfloat16, heads),
-        sd((N, page_size, Hkv, D), jnp.bfloat16, cache),
-        sd((N, page_size, Hkv, D), jnp.bfloat16, cache),
+        sd((N, page_size, Hkv, D), cache_dtype, cache),
+        sd((N, page_size, Hkv, D), cache_dtype, cache),
         md,
     )
     return jax.jit(f).lower(*args).compile()
@@ -106,6 +107,17 @@ def test_attention_kernels_compile_for_gpu(chip, impl):
     ]
     assert [(k.target, k.name) for k in kernels] == [(KERNEL_TARGETS[impl], name)], kernels
     assert compiled.memory_analysis().argument_size_in_bytes > 0
+
+
+def test_triton_kernel_compiles_for_h200_with_fp8_pages():
+    """fp8 (e4m3) pages gathered as they are and widened in registers: Triton and ptxas compile
+    it for sm_90a."""
+    from jaxserve.tools import hlo_ops
+
+    devices, _, _ = _devices("h200")
+    compiled = _kernel_program(devices, "gpu", cache_dtype=jnp.float8_e4m3fn)
+    _, kernels = hlo_ops.parse(compiled.as_text())
+    assert [k.target for k in kernels] == [KERNEL_TARGETS["gpu"]], kernels
 
 
 def test_the_compilers_refuse_broken_kernel_configurations():

@@ -59,10 +59,12 @@ def test_predicted_bytes_equal_the_live_buffers(mesh_shape, rules):
 
 
 def test_kv_budget_sizes_the_pages():
+    """An fp8 cache (float32 caches: the test above): one byte a value, 4x float32's pages."""
     settings = PlanSettings(arch=TINY, platform="cpu", max_model_len=128, max_num_seqs=8, dtype="float32",
-                            kv_cache_dtype="float32", attention_impl="reference", kv_cache_memory=1 << 20)
+                            kv_cache_dtype="fp8", attention_impl="reference", kv_cache_memory=1 << 20)
     rec = plan_one(settings, make_mesh(1, 4), "tp", (16, 8), "cpu")
-    per_page = 2 * 2 * 16 * (4 // 4) * 16 * 4  # layers x K,V x page x local heads x head dim x f32
+    assert rec["kv"]["dtype"] == "fp8"
+    per_page = 2 * 2 * 16 * (4 // 4) * 16 * 1  # layers x K,V x page x local heads x head dim x 1 byte
     assert rec["kv"]["bytes_per_page_per_device"] == per_page
     assert rec["kv"]["num_pages"] == (1 << 20) // per_page
 

@@ -150,6 +150,8 @@ class CpuBackend(Backend):
         every layer is packed (`prepare_model` with a native product kernel)."""
         if not layer_features_covered(model, self.fused_layer_features):
             return None
+        if any(layer.attn_spec != model.attn_spec for layer in model.layers):
+            return None  # the fused layer reads the model-wide spec (e.g. KV scales per layer)
         for layer in model.layers:
             if not all(isinstance(getattr(layer, n, None), PackedParam) for n in cpu_layer.PACKED):
                 return None
