@@ -264,11 +264,23 @@ def dense(spec: str, x: jax.Array, w: jax.Array | PackedWeight | QuantizedWeight
 
 def _dense_quantized(spec: str, x: jax.Array, w: QuantizedWeight) -> jax.Array:
     """The product on quantized values converted in the dot (per channel: scales applied to
-    the float32 result; per block, or with zeros: dequantized in the step first)."""
+    the float32 result; per block, or with zeros: dequantized in the step first). A compute
+    dtype of float8_e4m3fn (a chip with FP8 products: `fp8_products`) multiplies FP8 values:
+    the activations are scaled per token into e4m3 and the dot takes both in FP8."""
     cdt = jnp.dtype(w.compute_dtype)
     if not w.per_channel or any(w.scale.shape[a] != 1 for a in contracted_axes(spec)):
+        if cdt == FP8:  # block scales: no FP8 product here, upcast (prepare_fp8_products)
+            cdt = jnp.dtype(jnp.bfloat16)
         return jnp.einsum(spec, x.astype(cdt), w.dequantize(cdt), preferred_element_type=jnp.float32)
-    y = jnp.einsum(spec, x.astype(cdt), w.q.astype(cdt), preferred_element_type=jnp.float32)
+    if cdt == FP8:
+        xs, _, out, contract = parse_spec(spec)
+        amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=tuple(xs.index(c) for c in contract), keepdims=True)
+        sx = jnp.maximum(amax, 1e-12) / 448.0
+        y = jnp.einsum(spec, (x / sx).astype(FP8), w.q, preferred_element_type=jnp.float32)
+        rows = [c for c in xs if c not in contract]  # x's kept dims, in y's order
+        y = y * sx.reshape([sx.shape[xs.index(c)] if c in rows else 1 for c in out])
+    else:
+        y = jnp.einsum(spec, x.astype(cdt), w.q.astype(cdt), preferred_element_type=jnp.float32)
     _, ws, out, _ = parse_spec(spec)
     # the scale's output dims, laid out as y's (size 1 where y has a dim the weight lacks)
     keep = [i for i, c in enumerate(ws) if c in out]
@@ -278,6 +290,27 @@ def _dense_quantized(spec: str, x: jax.Array, w: QuantizedWeight) -> jax.Array:
     scale = jnp.transpose(scale, order)
     shape = [scale.shape[[w_out[j] for j in order].index(c)] if c in w_out else 1 for c in out]
     return y * scale.reshape(shape)
+
+
+FP8 = jnp.dtype(jnp.float8_e4m3fn)
+
+
+def prepare_fp8_products(model: nnx.Module) -> int:
+    """Mark `model`'s FP8 weights with per-channel or per-tensor scales to be multiplied as FP8
+    (their compute dtype becomes float8_e4m3fn; see `_dense_quantized`); the backend calls
+    this on chips with FP8 products (H100/H200). Block-scaled weights keep their upcast.
+    Returns how many weights were marked."""
+    count = 0
+    for _, module in nnx.iter_graph(model):
+        if not isinstance(module, nnx.Module):
+            continue
+        for name, var in list(vars(module).items()):
+            if isinstance(var, QuantizedParam) and jnp.dtype(var.get_value().dtype) == FP8:
+                scale = getattr(module, name + SCALE_SUFFIX).get_value().shape
+                if all(scale[a] == 1 for a in contracted_axes(var.get_metadata()["spec"])):
+                    var.set_metadata("compute_dtype", FP8.name)
+                    count += 1
+    return count
 
 
 def dense_group(spec: str, x: jax.Array, w: PackedWeight) -> list[jax.Array]:

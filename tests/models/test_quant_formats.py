@@ -31,10 +31,13 @@ import numpy as np
 import pytest
 from flax import nnx
 from jaxserve.models.arch_config import ArchConfig
-from jaxserve.models.layers.linear import QuantizedParam, param_weight
+from jaxserve.backends.cpu import CpuBackend
+from jaxserve.config import CacheConfig, ModelConfig
+from jaxserve.models.layers.linear import QuantizedParam, dense, param_weight, prepare_fp8_products
 from jaxserve.models.layers.quant import pack_int4, unpack_int4
 from jaxserve.models.llama import LAYER_SPECS
 from jaxserve.models.safetensors_io import PlannedTensor, write_streaming
+from jaxserve.models.sharding import single_device_mesh
 from jaxserve.models.weights import create_model, load_model
 
 from tests.models.model_utils import PagedRunner
@@ -261,3 +264,27 @@ def test_quantization_at_load(data_dir, quantization):
         w = weight_map[f"layers.1.{name}"](tensors.__getitem__)
         err = np.abs(np.asarray(param_weight(layer, name).dequantize(jnp.float32)) - w).max()
         assert err <= np.abs(w).max() * (2**-4 if quantization == "fp8" else 1 / 15)
+
+
+def test_fp8_products_where_the_chip_has_them():
+    """prepare_fp8_products (a backend whose plan has FP8 products: H100/H200) marks FP8
+    weights with per-channel scales for an FP8 x FP8 product (activations scaled per token
+    into e4m3), leaves block-scaled ones upcast; the product stays within e4m3's rounding."""
+    cfg = ArchConfig.from_hf(dict(architectures=["LlamaForCausalLM"], vocab_size=64, hidden_size=64,
+                                  intermediate_size=128, num_hidden_layers=1, num_attention_heads=4))
+    model = create_model(cfg, dtype=jnp.bfloat16, quantization="fp8", seed=3)
+    layer = model.layers[0]
+    before = param_weight(layer, "w_up")
+    assert prepare_fp8_products(model) == 7
+    w = param_weight(layer, "w_up")
+    assert w.compute_dtype == "float8_e4m3fn" and before.compute_dtype == "bfloat16"
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((8, 64)), jnp.float32)
+    want = x @ w.dequantize(jnp.float32)
+    got = dense("te,ef->tf", x, w)
+    assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 0.06
+    blocked = create_model(ArchConfig.from_hf({**dict(architectures=["LlamaForCausalLM"], vocab_size=64,
+                                                      hidden_size=64, intermediate_size=128,
+                                                      num_hidden_layers=1, num_attention_heads=4),
+                                               "quantization_config": FORMATS["fp8-block"][1]}))
+    assert prepare_fp8_products(blocked) == 0
+    assert CpuBackend().plan(ModelConfig(), CacheConfig(), single_device_mesh()).fp8_products is False
