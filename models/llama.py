@@ -123,7 +123,8 @@ def add_format_weight(module: nnx.Module, name: str, rngs: nnx.Rngs | None, shap
     zeros of `scale_shape(shape, spec, fmt.in_block, fmt.out_block)`."""
     sshape = scale_shape(shape, spec, fmt.in_block, fmt.out_block)
     split = [x for n, m in zip(shape, sshape) for x in (m, n // m)]
-    w = scale * jax.random.normal(rngs.params(), shape, jnp.float32) if rngs is not None else jnp.zeros(shape)
+    w = (scale * jax.random.normal(rngs.params(), shape, jnp.float32) if rngs is not None
+         else jnp.zeros(shape))
     scale_axes = tuple(None if n == 1 and m != 1 else a for a, n, m in zip(axes, sshape, shape))
     meta = dict(spec=spec, compute_dtype=jnp.dtype(dtype).name)
     if fmt.kind == "fp8":
@@ -153,8 +154,8 @@ class DecoderLayer(nnx.Module):
         p = lambda shape, axes, **kw: _param(rngs, shape, axes, dtype, s, **kw)
         fmt = weight_format(cfg, quantization)
         w = lambda name, shape, axes: add_weight(self, name, rngs, shape, axes, dtype, s,
-                                                 LAYER_SPECS[name], quantization, cfg.int8_block_size,
-                                                 fmt)
+                                                 LAYER_SPECS[name], quantization,
+                                                 cfg.int8_block_size, fmt)
         self.input_norm = p((E,), (ax.EMBED,), ones=True)
         w("wq", (E, Hq, D), (ax.EMBED, ax.Q_HEADS, ax.HEAD_DIM))
         w("wk", (E, Hkv, D), (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM))
@@ -227,7 +228,7 @@ class LlamaForCausalLM(nnx.Module):
         # otherwise the model declares per_layer_attention).
         self.attn_spec = specs[0]
         V, E = cfg.vocab_size, cfg.hidden_size
-        weight_format(cfg, quantization)  # refuses a --quantization a quantized checkpoint contradicts
+        weight_format(cfg, quantization)  # refuses a --quantization the checkpoint contradicts
         q = quantization if quantization == "int8" else None  # the embedding and head stay float
         embed_scale = 0.5
         if q is None:
@@ -235,8 +236,9 @@ class LlamaForCausalLM(nnx.Module):
         else:
             add_weight(self, "embed", rngs, (V, E), (ax.VOCAB, ax.EMBED), dtype, embed_scale, EMBED_SPEC, q,
                        cfg.int8_block_size)
-        self.layers = nnx.List([self.make_layer(cfg, i, dtype, rngs, specs[i], quantization, mesh, rules)
-                                for i in range(cfg.num_layers)])
+        self.layers = nnx.List([
+            self.make_layer(cfg, i, dtype, rngs, specs[i], quantization, mesh, rules)
+            for i in range(cfg.num_layers)])
         self.final_norm = _param(rngs, (E,), (ax.EMBED,), dtype, 0.0, ones=True)
         if not cfg.tie_word_embeddings:
             add_weight(self, "lm_head", rngs, (E, V), (ax.EMBED, ax.VOCAB), dtype, 0.05, HEAD_SPECS[0], q,

@@ -51,14 +51,16 @@ def parse_quantization_config(qc: dict) -> WeightFormat:
         return _compressed_tensors(qc)
     if method == "awq":
         version = str(qc.get("version", "gemm")).lower()
-        if version != "gemm" or int(qc.get("bits", qc.get("w_bit", 4))) != 4 or not qc.get("zero_point", True):
-            raise ValueError(f"AWQ checkpoints are supported in the 4-bit GEMM layout with zero points; "
-                             f"this one is version {version!r}, {qc.get('bits')}-bit, zero_point "
+        bits = int(qc.get("bits", qc.get("w_bit", 4)))
+        if version != "gemm" or bits != 4 or not qc.get("zero_point", True):
+            raise ValueError(f"AWQ checkpoints are supported in the 4-bit GEMM layout with zero "
+                             f"points; this one is version {version!r}, {bits}-bit, zero_point "
                              f"{qc.get('zero_point')}")
         return WeightFormat("int4", _group(qc), 1, source="awq")
     if method == "gptq":
         if int(qc.get("bits", 4)) != 4:
-            raise ValueError(f"GPTQ checkpoints are supported with 4 bits; this one has {qc.get('bits')}")
+            raise ValueError(f"GPTQ checkpoints are supported with 4 bits; this one has "
+                             f"{qc.get('bits')}")
         if qc.get("desc_act"):
             raise ValueError("this GPTQ checkpoint uses act-order (desc_act: true: g_idx assigns "
                              "input rows to groups out of order), which jaxserve does not support; "
@@ -100,7 +102,8 @@ def _compressed_tensors(qc: dict) -> WeightFormat:
     if strategy == "block":
         bo, bi = (int(x) for x in w["block_structure"])
         return WeightFormat("fp8", bi, bo, source="compressed-tensors")
-    raise ValueError(f"compressed-tensors float8 weights with strategy {strategy!r} are not supported")
+    raise ValueError(f"compressed-tensors float8 weights with strategy {strategy!r} are not "
+                     "supported")
 
 
 def _base(name: str) -> str:
@@ -110,7 +113,8 @@ def _base(name: str) -> str:
 
 
 def _scale_name(fmt: WeightFormat) -> str:
-    return ".weight_scale_inv" if fmt.source == "fp8" and fmt.in_block is not None else ".weight_scale"
+    blockwise_fp8 = fmt.source == "fp8" and fmt.in_block is not None
+    return ".weight_scale_inv" if blockwise_fp8 else ".weight_scale"
 
 
 def _expand(scale: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
@@ -158,7 +162,8 @@ class FormatTensors:
     0..15 as uint8), `scales` and `zeros` (float32, repeated over their blocks), and
     `dequantized` (float32 values, for any weight asked for as floats)."""
 
-    def __init__(self, get_tensor: TensorGetter, fmt: WeightFormat, has_tensor: Callable[[str], bool]):
+    def __init__(self, get_tensor: TensorGetter, fmt: WeightFormat,
+                 has_tensor: Callable[[str], bool]):
         self.get, self.fmt, self.has = get_tensor, fmt, has_tensor
 
     def quantized(self, name: str) -> bool:
@@ -190,7 +195,8 @@ class FormatTensors:
         if self.fmt.kind == "fp8":
             return self.get(base + ".weight").shape
         scales = self.get(base + ".scales")
-        return scales.shape[1], self.get(base + ".qweight").shape[0] * (8 if self.fmt.source == "gptq" else 1)
+        rows = self.get(base + ".qweight").shape[0]
+        return scales.shape[1], rows * (8 if self.fmt.source == "gptq" else 1)
 
     def scales(self, name: str) -> np.ndarray:
         base = _base(name)

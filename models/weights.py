@@ -176,7 +176,8 @@ def create_model(
             base = key.removesuffix(suffix)
             if base != key and isinstance(abstract_vars.get(base), QuantizedParam):
                 part = quantized(base)[index]
-                sharding = named_sharding(var.get_metadata()["logical_axes"], part.shape, mesh, rules)
+                axes = var.get_metadata()["logical_axes"]
+                sharding = named_sharding(axes, part.shape, mesh, rules)
                 return var.replace(put_sharded(part, sharding, np.float32))
         if isinstance(var, QuantizedParam):
             q = quantized(key)[0]

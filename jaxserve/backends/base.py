@@ -102,7 +102,8 @@ class Backend:
         if self.platform != "gpu":
             return False
         caps = [getattr(d, "compute_capability", None) for d in mesh.devices.flat]
-        return all(c is not None and tuple(int(x) for x in str(c).split(".")[:2]) >= (8, 9) for c in caps)
+        return all(c is not None and tuple(int(x) for x in str(c).split(".")[:2]) >= (8, 9)
+                   for c in caps)
 
     # ------------------------------------------------------------------ step sizes
     # Tokens per step when none is given: vLLM's default. A chip computes a step of thousands of

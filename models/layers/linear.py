@@ -144,7 +144,8 @@ def contracted_axes(spec: str) -> tuple[int, ...]:
     return tuple(ws.index(c) for c in contract)
 
 
-def scale_shape(shape, spec: str, block: int | None = None, out_block: int | None = 1) -> tuple[int, ...]:
+def scale_shape(shape, spec: str, block: int | None = None,
+                out_block: int | None = 1) -> tuple[int, ...]:
     """The shape of the scales of a weight of `shape` used by `dense(spec, ...)`: one per
     output channel (`block` None: size 1 on every contracted dim), or one per `block`
     consecutive values of the contracted dims taken together in the weight's axis order (a
@@ -274,7 +275,8 @@ def _dense_quantized(spec: str, x: jax.Array, w: QuantizedWeight) -> jax.Array:
         return jnp.einsum(spec, x.astype(cdt), w.dequantize(cdt), preferred_element_type=jnp.float32)
     if cdt == FP8:
         xs, _, out, contract = parse_spec(spec)
-        amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=tuple(xs.index(c) for c in contract), keepdims=True)
+        axes = tuple(xs.index(c) for c in contract)
+        amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=axes, keepdims=True)
         sx = jnp.maximum(amax, 1e-12) / 448.0
         y = jnp.einsum(spec, (x / sx).astype(FP8), w.q, preferred_element_type=jnp.float32)
         rows = [c for c in xs if c not in contract]  # x's kept dims, in y's order

@@ -67,13 +67,15 @@ def weight_format(cfg, quantization: str | None) -> WeightFormat | None:
     quantized as each tensor is placed; None for float and int8 weights."""
     if cfg.weight_format is not None:
         if quantization is not None and quantization != cfg.weight_format.kind:
-            raise ValueError(f"this checkpoint is already quantized ({cfg.weight_format.describe()}); "
-                             f"--quantization {quantization} does not apply to it: drop the option")
+            raise ValueError(f"this checkpoint is already quantized "
+                             f"({cfg.weight_format.describe()}); --quantization {quantization} "
+                             "does not apply to it: drop the option")
         return cfg.weight_format
     if quantization == "fp8":
         return WeightFormat("fp8", None, 1, source="load")
     if quantization == "int4":
-        dims = (cfg.hidden_size, cfg.intermediate_size or cfg.hidden_size, cfg.num_heads * cfg.head_dim)
+        dims = (cfg.hidden_size, cfg.intermediate_size or cfg.hidden_size,
+                cfg.num_heads * cfg.head_dim)
         group = next((g for g in INT4_GROUPS if all(d % g == 0 for d in dims)), None)
         if group is None:
             raise ValueError(f"--quantization int4 needs dims divisible by 32; got {dims}")
@@ -125,4 +127,5 @@ def quantize_int4_blocks(w32, split: list[int]):
     safe = xp.where(scale == 0, xp.float32(1.0), scale)
     zero = xp.clip(xp.round(-lo / safe), 0, INT4_MAX)
     q = xp.clip(xp.round(blocks / safe) + zero, 0, INT4_MAX).astype(xp.uint8)
-    return q.reshape(w32.shape), scale.reshape(split[0::2]), zero.astype(xp.float32).reshape(split[0::2])
+    grid = split[0::2]
+    return q.reshape(w32.shape), scale.reshape(grid), zero.astype(xp.float32).reshape(grid)

@@ -33,16 +33,24 @@ from flax import nnx
 from jaxserve.models.arch_config import ArchConfig
 from jaxserve.backends.cpu import CpuBackend
 from jaxserve.config import CacheConfig, ModelConfig
-from jaxserve.models.layers.linear import QuantizedParam, dense, param_weight, prepare_fp8_products
-from jaxserve.models.layers.quant import pack_int4, unpack_int4
+from jaxserve.models.layers.linear import (
+    QuantizedParam,
+    QuantizedWeight,
+    dense,
+    param_weight,
+    prepare_fp8_products,
+)
+from jaxserve.models.layers.quant import pack_int4, quantize_fp8_blocks, unpack_int4
 from jaxserve.models.llama import LAYER_SPECS
 from jaxserve.models.safetensors_io import PlannedTensor, write_streaming
 from jaxserve.models.sharding import single_device_mesh
-from jaxserve.models.weights import create_model, load_model
+from jaxserve.models.weights import abstract_model, create_model, load_model
 
 from tests.models.model_utils import PagedRunner
 from tests.models.test_arch_parity import load_fixture
 
+TINY = dict(architectures=["LlamaForCausalLM"], vocab_size=64, hidden_size=64,
+            intermediate_size=128, num_hidden_layers=1, num_attention_heads=4)
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 F8 = np.dtype(ml_dtypes.float8_e4m3fn)
 
@@ -89,10 +97,12 @@ def awq_gemm(w, group):
     scale = (np.maximum(hi - lo, 1e-5) / 15).astype(np.float16)  # [out, groups]
     s = scale.astype(np.float32)
     zero = np.clip(-np.round(lo / s), 0, 15)
-    q = np.clip(np.round(g / s[..., None]) + zero[..., None], 0, 15).astype(np.uint8).reshape(out, inn)
+    q = np.clip(np.round(g / s[..., None]) + zero[..., None], 0, 15).astype(np.uint8)
+    q = q.reshape(out, inn)
     deq = ((q.reshape(g.shape) - zero[..., None]) * s[..., None]).reshape(w.shape)
     order = (0, 2, 4, 6, 1, 3, 5, 7)
-    return {"qweight": _pack_words(q.T, order), "qzeros": _pack_words(zero.T.astype(np.uint8), order),
+    return {"qweight": _pack_words(q.T, order),
+            "qzeros": _pack_words(zero.T.astype(np.uint8), order),
             "scales": scale.T.copy()}, deq.astype(np.float32)
 
 
@@ -111,27 +121,34 @@ def gptq_v1(w, group):
         qweight |= qt[j::8].astype(np.uint32) << np.uint32(4 * j)
     stored_zero = (zero - 1).T.astype(np.uint8)  # the v1 format's offset
     return {"qweight": qweight.view(np.int32), "qzeros": _pack_words(stored_zero, range(8)),
-            "scales": scale.T.copy(), "g_idx": (np.arange(inn) // group).astype(np.int32)}, deq.astype(np.float32)
+            "scales": scale.T.copy(),
+            "g_idx": (np.arange(inn) // group).astype(np.int32)}, deq.astype(np.float32)
+
+
+
+
+def _ct(strategy: str, activations: dict) -> dict:
+    """A compressed-tensors quantization_config as llm-compressor writes it for float8."""
+    weights = {"num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True,
+               "dynamic": False}
+    return {"quant_method": "compressed-tensors", "format": "float-quantized",
+            "quantization_status": "compressed", "ignore": ["lm_head"],
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                          "input_activations": activations}}}
 
 
 FORMATS = {
     "fp8-block": (lambda w: fp8_blockwise(w, 32, 32),
                   {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
                    "weight_block_size": [32, 32]}),
-    "ct-fp8-channel": (fp8_channel, {
-        "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
-        "ignore": ["lm_head"], "config_groups": {"group_0": {
-            "targets": ["Linear"],
-            "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False},
-            "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}}}}),
-    "ct-fp8-tensor-static": (lambda w: fp8_channel(w, per_tensor=True), {
-        "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
-        "ignore": ["lm_head"], "config_groups": {"group_0": {
-            "targets": ["Linear"],
-            "weights": {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True, "dynamic": False},
-            "input_activations": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}}}}),
+    "ct-fp8-channel": (fp8_channel, _ct("channel", {"num_bits": 8, "type": "float",
+                                                    "strategy": "token", "dynamic": True})),
+    "ct-fp8-tensor-static": (lambda w: fp8_channel(w, per_tensor=True),
+                             _ct("tensor", {"num_bits": 8, "type": "float", "strategy": "tensor",
+                                            "dynamic": False})),
     "awq": (lambda w: awq_gemm(w, 32),
-            {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"}),
+            {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True,
+             "version": "gemm"}),
     "gptq": (lambda w: gptq_v1(w, 32),
              {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": True,
               "checkpoint_format": "gptq"}),
@@ -156,7 +173,8 @@ def write_checkpoint(path, data_dir, name):
     path.mkdir()
     (path / "config.json").write_text(json.dumps({**config, "quantization_config": qc}))
     write_streaming(path / "model.safetensors",
-                    [PlannedTensor(k, v.dtype, v.shape, lambda v=v: v) for k, v in sorted(stored.items())])
+                    [PlannedTensor(k, v.dtype, v.shape, lambda v=v: v)
+                     for k, v in sorted(stored.items())])
     return reference, expected
 
 
@@ -173,12 +191,14 @@ def _logits(model, expected):
     graphdef, state = nnx.split(model)
     runner.fwd = lambda kv, inputs: _forward(graphdef, state, kv, inputs)
     seqs = [expected["tokens_0"].tolist(), expected["tokens_1"].tolist()]
-    out = runner.step([(0, seqs[0], 0), (1, seqs[1], 0)], num_tokens=32, num_reqs=4, pages_per_req=8)
+    out = runner.step([(0, seqs[0], 0), (1, seqs[1], 0)], num_tokens=32, num_reqs=4,
+                      pages_per_req=8)
     return np.concatenate(out)
 
 
 def _reference_config(path):
-    return ArchConfig.from_hf({**json.loads((path / "config.json").read_text()), "quantization_config": None})
+    config = json.loads((path / "config.json").read_text())
+    return ArchConfig.from_hf({**config, "quantization_config": None})
 
 
 def _assert_weights_equal(model, reference, rtol=1e-6):
@@ -189,7 +209,8 @@ def _assert_weights_equal(model, reference, rtol=1e-6):
         for name in LAYER_SPECS:
             want = weight_map[f"layers.{i}.{name}"](reference.__getitem__)
             got = np.asarray(param_weight(layer, name).dequantize(jnp.float32))
-            np.testing.assert_allclose(got, want, rtol=rtol, atol=1e-7, err_msg=f"layers.{i}.{name}")
+            np.testing.assert_allclose(got, want, rtol=rtol, atol=1e-7,
+                                       err_msg=f"layers.{i}.{name}")
 
 
 # Run through the model (each format compiles its own step): FP8 per block (dequantized in the
@@ -243,8 +264,8 @@ def test_int4_packing_round_trips():
     ({"quant_method": "bitsandbytes"}, "pre-quantized \\(quantization_config: bitsandbytes\\)"),
 ])
 def test_unsupported_formats_are_refused_by_name(qc, match):
-    hf = dict(architectures=["LlamaForCausalLM"], vocab_size=64, hidden_size=32, intermediate_size=64,
-              num_hidden_layers=1, num_attention_heads=2, quantization_config=qc)
+    hf = dict(TINY, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+              quantization_config=qc)
     with pytest.raises(ValueError, match=match):
         ArchConfig.from_hf(hf)
 
@@ -255,7 +276,8 @@ def test_quantization_at_load(data_dir, quantization):
     per group of 32 (128 and 64 do not divide the fixture's dims), each weight within its
     format's rounding of the float one."""
     cfg, tensors, _ = load_fixture(data_dir, "llama")
-    model = create_model(cfg, dtype=jnp.float32, get_tensor=tensors.__getitem__, quantization=quantization)
+    model = create_model(cfg, dtype=jnp.float32, get_tensor=tensors.__getitem__,
+                         quantization=quantization)
     layer = model.layers[1]
     assert isinstance(layer.wv, QuantizedParam) and model.lm_head[...].dtype == jnp.float32
     assert layer.wq_qscale[...].shape == ((1, 4, 16) if quantization == "fp8" else (2, 4, 16))
@@ -270,21 +292,24 @@ def test_fp8_products_where_the_chip_has_them():
     """prepare_fp8_products (a backend whose plan has FP8 products: H100/H200) marks FP8
     weights with per-channel scales for an FP8 x FP8 product (activations scaled per token
     into e4m3), leaves block-scaled ones upcast; the product stays within e4m3's rounding."""
-    cfg = ArchConfig.from_hf(dict(architectures=["LlamaForCausalLM"], vocab_size=64, hidden_size=64,
-                                  intermediate_size=128, num_hidden_layers=1, num_attention_heads=4))
-    model = create_model(cfg, dtype=jnp.bfloat16, quantization="fp8", seed=3)
-    layer = model.layers[0]
-    before = param_weight(layer, "w_up")
+    def abstract(hf, quantization=None):
+        graphdef, state, _ = abstract_model(ArchConfig.from_hf(hf), dtype=jnp.bfloat16,
+                                            quantization=quantization)
+        return nnx.merge(graphdef, state)
+
+    model = abstract(TINY, "fp8")
+    assert model.layers[0].w_up.get_metadata()["compute_dtype"] == "bfloat16"
     assert prepare_fp8_products(model) == 7
-    w = param_weight(layer, "w_up")
-    assert w.compute_dtype == "float8_e4m3fn" and before.compute_dtype == "bfloat16"
-    x = jnp.asarray(np.random.default_rng(1).standard_normal((8, 64)), jnp.float32)
+    assert model.layers[0].w_up.get_metadata()["compute_dtype"] == "float8_e4m3fn"
+    blocked = abstract({**TINY, "quantization_config": FORMATS["fp8-block"][1]})
+    assert prepare_fp8_products(blocked) == 0
+    plan = CpuBackend().plan(ModelConfig(), CacheConfig(), single_device_mesh())
+    assert plan.fp8_products is False
+    rng = np.random.default_rng(1)
+    w32 = rng.standard_normal((64, 128)).astype(np.float32)
+    q, scale = quantize_fp8_blocks(w32, [1, 64, 128, 1])  # one scale per output channel
+    w = QuantizedWeight(jnp.asarray(q), jnp.asarray(scale), "float8_e4m3fn")
+    x = jnp.asarray(rng.standard_normal((8, 64)), jnp.float32)
     want = x @ w.dequantize(jnp.float32)
     got = dense("te,ef->tf", x, w)
     assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 0.06
-    blocked = create_model(ArchConfig.from_hf({**dict(architectures=["LlamaForCausalLM"], vocab_size=64,
-                                                      hidden_size=64, intermediate_size=128,
-                                                      num_hidden_layers=1, num_attention_heads=4),
-                                               "quantization_config": FORMATS["fp8-block"][1]}))
-    assert prepare_fp8_products(blocked) == 0
-    assert CpuBackend().plan(ModelConfig(), CacheConfig(), single_device_mesh()).fp8_products is False

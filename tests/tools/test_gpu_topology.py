@@ -201,7 +201,8 @@ def test_fp8_weights_multiply_in_fp8_on_h200(fp8_products):
             jax.ShapeDtypeStruct((512, 1024), jnp.float8_e4m3fn, sharding=sharding),
             jax.ShapeDtypeStruct((1, 1024), jnp.float32, sharding=sharding))
     hlo = jax.jit(f).lower(*args).compile().as_text()
-    assert _dot_operand_types(hlo) == ([("f8e4m3fn", "f8e4m3fn")] if fp8_products else [("bf16", "bf16")])
+    want = ("f8e4m3fn", "f8e4m3fn") if fp8_products else ("bf16", "bf16")
+    assert _dot_operand_types(hlo) == [want]
 
 
 def _dot_operand_types(hlo: str) -> list[tuple[str, str]]:
@@ -214,7 +215,8 @@ def _dot_operand_types(hlo: str) -> list[tuple[str, str]]:
         m = re.match(r"\s*(?:ROOT )?%([\w.-]+) = (\w+)\[", line)
         if m:
             types[m.group(1)] = m.group(2)
-        for name, t in re.findall(r"%?([\w.-]+): (\w+)\[", line.split("->")[0] if "->" in line else ""):
+        signature = line.split("->")[0] if "->" in line else ""
+        for name, t in re.findall(r"%?([\w.-]+): (\w+)\[", signature):
             types[name] = t
         d = re.search(r" dot\(%([\w.-]+), %([\w.-]+)\)", line)
         if d:
