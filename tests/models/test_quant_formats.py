@@ -45,6 +45,7 @@ from jaxserve.models.llama import LAYER_SPECS
 from jaxserve.models.safetensors_io import PlannedTensor, write_streaming
 from jaxserve.models.sharding import single_device_mesh
 from jaxserve.models.weights import abstract_model, create_model, load_model
+from jaxserve.parallel.mesh import make_mesh
 
 from tests.models.model_utils import PagedRunner
 from tests.models.test_arch_parity import load_fixture
@@ -186,8 +187,8 @@ def _forward(graphdef, state, kv, inputs):
     return m.compute_logits(h), kv
 
 
-def _logits(model, expected):
-    runner = PagedRunner(model, page_size=4, num_pages=16)
+def _logits(model, expected, mesh=None):
+    runner = PagedRunner(model, page_size=4, num_pages=16, mesh=mesh)
     graphdef, state = nnx.split(model)
     runner.fwd = lambda kv, inputs: _forward(graphdef, state, kv, inputs)
     seqs = [expected["tokens_0"].tolist(), expected["tokens_1"].tolist()]
@@ -246,6 +247,22 @@ def test_checkpoint_equals_reference_dequantization(tmp_path, data_dir, name):
     want = np.concatenate([expected["logits_0"], expected["logits_1"]])
     # measured: 0.060-0.069 (fp8: three mantissa bits), 0.25-0.26 (int4, groups of 32)
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < (0.1 if kind == "fp8" else 0.35)
+
+
+def test_int4_sharded_equals_unsharded(tmp_path, data_dir):
+    """AWQ over a 1x2 mesh: packed values, scales and zeros split along the MLP dim and the
+    heads as float weights are (down_proj's 3 groups do not split in 2: its scales are
+    replicated); the logits equal the unsharded model's."""
+    _, expected = write_checkpoint(tmp_path / "awq", data_dir, "awq")
+    mesh = make_mesh(1, 2)
+    sharded = load_model(tmp_path / "awq", dtype=jnp.float32, mesh=mesh)
+    layer = sharded.layers[0]
+    assert layer.w_down[...].sharding.spec[0] == "model"  # [F / 2, E], F split
+    assert layer.wq[...].sharding.spec[1] == "model"
+    assert layer.wq_qzero[...].sharding.spec[1] == "model"
+    single = load_model(tmp_path / "awq", dtype=jnp.float32)
+    np.testing.assert_allclose(_logits(sharded, expected, mesh), _logits(single, expected),
+                               atol=1e-4, rtol=0)
 
 
 def test_int4_packing_round_trips():
