@@ -28,7 +28,7 @@ from offline_throughput import environment
 RESULTS = HERE / "results" / "int8_quality.jsonl"
 # variant -> (weights dtype, quantization)
 VARIANTS = {"float32": ("float32", None), "bfloat16": ("bfloat16", None), "int8": ("float32", "int8"),
-            "int8-bf16": ("bfloat16", "int8")}
+            "int8-bf16": ("bfloat16", "int8"), "fp8": ("float32", "fp8"), "int4": ("float32", "int4")}
 
 
 def weight_bytes(engine) -> int:

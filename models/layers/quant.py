@@ -46,10 +46,6 @@ class WeightFormat:
     def has_zeros(self) -> bool:
         return self.kind == "int4"
 
-    @property
-    def value_dtype(self) -> np.dtype:
-        return FP8_DTYPE if self.kind == "fp8" else np.dtype(np.uint8)
-
     def describe(self) -> str:
         blocks = {None: "tensor", 1: "channel"}
         out = blocks.get(self.out_block, str(self.out_block))
