@@ -30,6 +30,7 @@ RESULTS = HERE / "results" / "int8_quality.jsonl"
 # variant -> (weights dtype, quantization, KV-cache dtype)
 VARIANTS = {"float32": ("float32", None, "auto"), "bfloat16": ("bfloat16", None, "auto"),
             "int8": ("float32", "int8", "auto"), "int8-bf16": ("bfloat16", "int8", "auto"),
+            "fp8": ("float32", "fp8", "auto"), "int4": ("float32", "int4", "auto"),
             "kv-bf16": ("float32", None, "bfloat16"), "kv-fp8": ("float32", None, "fp8"),
             "kv-int8": ("float32", None, "int8")}
 

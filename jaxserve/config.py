@@ -171,10 +171,13 @@ class ModelConfig:
     named *Model, e.g. Qwen3Model: no LM head), else generate."""
     task: Literal["generate", "embed"] | None = None
     """vLLM's older spelling of --runner: embed = pooling. Default: --runner decides."""
-    quantization: Literal["int8"] | None = None
+    quantization: Literal["int8", "fp8", "int4"] | None = None
     """Weight-only quantization at load: int8 keeps every matmul weight (and the embedding) int8
-    in device memory with per-channel float32 scales, converted inside the product. Default:
-    the checkpoint's weights as they are."""
+    in device memory with per-channel float32 scales, converted inside the product; fp8 keeps
+    the decoder layers' matmul weights float8_e4m3fn with per-channel scales, int4 as packed
+    4-bit values with a scale and zero per group of 128 inputs (64/32 where 128 does not
+    divide). Default: the checkpoint's weights as they are (FP8, AWQ and GPTQ checkpoints keep
+    their own format, which a contradicting value here refuses)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", DTYPE_ALIASES.get(self.dtype, self.dtype))
@@ -191,8 +194,9 @@ class ModelConfig:
         if self.runner not in ("auto", "generate", "pooling"):
             raise ValueError(f"runner must be 'auto', 'generate' or 'pooling', "
                              f"got {self.runner!r}.")
-        if self.quantization not in (None, "int8"):
-            raise ValueError(f"quantization must be 'int8' or None, got {self.quantization!r}.")
+        if self.quantization not in (None, "int8", "fp8", "int4"):
+            raise ValueError(f"quantization must be 'int8', 'fp8', 'int4' or None, "
+                             f"got {self.quantization!r}.")
 
     def is_pooling(self, architectures: list[str] | None) -> bool:
         """Whether the engine embeds instead of generating, for a checkpoint of `architectures`."""

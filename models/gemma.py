@@ -37,6 +37,7 @@ from jaxserve.models.llama import (
     TensorGetter,
     _param,
     llama_weight_map,
+    quantized_weights,
 )
 
 
@@ -53,7 +54,7 @@ def gemma_features(cfg: ArchConfig, quantization: str | None) -> frozenset[str]:
                        (cfg.qk_norm, features.QK_NORM), (cfg.qkv_bias, features.QKV_BIAS),
                        (cfg.o_bias, features.O_BIAS),
                        (cfg.rotary_dim != cfg.head_dim, features.PARTIAL_ROTARY),
-                       (quantization is not None, features.INT8_WEIGHTS)):
+                       (quantized_weights(cfg, quantization), features.INT8_WEIGHTS)):
         if flag:
             out.add(name)
     return frozenset(out)

@@ -26,6 +26,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxserve.config import CacheConfig, ModelConfig
+from jaxserve.models.layers.linear import prepare_fp8_products
 from jaxserve.pallas_kernels.ragged_paged_attention.ops import resolve_impl as resolve_attention_impl
 from jaxserve.runner.buckets import geometric
 
@@ -47,6 +48,10 @@ class DevicePlan:
     # sampling/native.py: "cpu"), or None for JAX's ops.
     native_sampling: str | None
     moe_impl: str  # MoE layers' grouped products (models/layers/moe.py's MOE_IMPLS)
+    # FP8 weights with per-channel/per-tensor scales multiplied as FP8 (activations scaled per
+    # token into e4m3): chips with FP8 products (GPUs of compute capability >= 8.9: H100,
+    # H200). False: FP8 weights are upcast inside the dot (TPU v5e/v6e, the CPU, older GPUs).
+    fp8_products: bool = False
 
 
 class Backend:
@@ -88,7 +93,17 @@ class Backend:
             matmul_impl=self.resolve_matmul_impl(mc.matmul_impl, dtype, mesh),
             native_sampling=self.native_sampling(mesh),
             moe_impl=self.moe_impl,
+            fp8_products=self.fp8_products(mesh),
         )
+
+    def fp8_products(self, mesh: Mesh) -> bool:
+        """Whether every device of `mesh` multiplies FP8 natively (a CUDA compute capability of
+        at least 8.9; TPUs before v7 and CPUs do not)."""
+        if self.platform != "gpu":
+            return False
+        caps = [getattr(d, "compute_capability", None) for d in mesh.devices.flat]
+        return all(c is not None and tuple(int(x) for x in str(c).split(".")[:2]) >= (8, 9)
+                   for c in caps)
 
     # ------------------------------------------------------------------ step sizes
     # Tokens per step when none is given: vLLM's default. A chip computes a step of thousands of
@@ -138,8 +153,11 @@ class Backend:
 
     # ------------------------------------------------------------------ the model
     def prepare_model(self, model, plan: DevicePlan, abstract: bool = False) -> None:
-        """Lay the weights out for the product kernel in `plan` (nothing to do on XLA's dot).
-        abstract: `model` holds ShapeDtypeStructs; give it the layout's structure only."""
+        """Lay the weights out for the product kernel in `plan` (on XLA's dot: only FP8 weights
+        marked for FP8 products where the plan has them). abstract: `model` holds
+        ShapeDtypeStructs; give it the layout's structure only."""
+        if plan.fp8_products:
+            prepare_fp8_products(model)
 
     def lays_out_weights(self, plan: DevicePlan) -> bool:
         """Whether `prepare_model` does work worth keeping (`runner/weight_cache.py`)."""

@@ -192,3 +192,47 @@ def test_whole_steps_compile_for_h100_and_h200(chip):
         assert rec["kv"]["dtype"] == "bfloat16" and rec["dtype"] == "bfloat16"
         if name == "smollm2":  # 9 query / 3 KV heads over 4 GPUs: attention runs replicated
             assert rec["params"]["replicated"]
+
+
+@pytest.mark.parametrize("fp8_products", [True, False])
+def test_fp8_weights_multiply_in_fp8_on_h200(fp8_products):
+    """An FP8 weight with per-channel scales, its compute dtype set as a backend whose plan has
+    FP8 products sets it (H100/H200): compiled for an H200, the product is an FP8 GEMM
+    (cuBLASLt's f8 matmul on float8_e4m3fn operands); left in bfloat16 (TPU v5e/v6e, the CPU)
+    the FP8 values are converted for a bfloat16 dot instead."""
+    from jaxserve.models.layers.linear import QuantizedWeight, dense
+
+    devices, _, _ = _devices("h200")
+    sharding = NamedSharding(Mesh(np.array(devices[:1]).reshape(1, 1), ("data", "model")), P())
+    cdt = "float8_e4m3fn" if fp8_products else "bfloat16"
+
+    def f(x, q, s):
+        return dense("te,ef->tf", x, QuantizedWeight(q, s, cdt))
+
+    args = (jax.ShapeDtypeStruct((64, 512), jnp.bfloat16, sharding=sharding),
+            jax.ShapeDtypeStruct((512, 1024), jnp.float8_e4m3fn, sharding=sharding),
+            jax.ShapeDtypeStruct((1, 1024), jnp.float32, sharding=sharding))
+    hlo = jax.jit(f).lower(*args).compile().as_text()
+    want = ("f8e4m3fn", "f8e4m3fn") if fp8_products else ("bf16", "bf16")
+    assert _dot_operand_types(hlo) == [want]
+
+
+def _dot_operand_types(hlo: str) -> list[tuple[str, str]]:
+    """The element types of each dot's two operands in a compiled HLO text (inside fusions
+    too: XLA's GPU compiler emits the product as a Triton GEMM fusion or a cuBLAS call)."""
+    import re
+
+    types, out = {}, []
+    for line in hlo.splitlines():
+        m = re.match(r"\s*(?:ROOT )?%([\w.-]+) = (\w+)\[", line)
+        if m:
+            types[m.group(1)] = m.group(2)
+        signature = line.split("->")[0] if "->" in line else ""
+        for name, t in re.findall(r"%?([\w.-]+): (\w+)\[", signature):
+            types[name] = t
+        d = re.search(r" dot\(%([\w.-]+), %([\w.-]+)\)", line)
+        if d:
+            out.append((types[d.group(1)], types[d.group(2)]))
+        if "__cublas$lt$matmul" in line:
+            out.append(("cublas", line))
+    return out
