@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from jaxserve.models.layers.quant import WeightFormat
+from jaxserve.models.weight_format import WeightFormat
 from jaxserve.models.quant_checkpoint import parse_quantization_config
 
 _SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")

@@ -37,12 +37,12 @@ from jaxserve.models.layers.linear import (
     scale_shape,
 )
 from jaxserve.models.layers.quant import (
-    WeightFormat,
     pack_int4,
     quantize_fp8_blocks,
     quantize_int4_blocks,
     weight_format,
 )
+from jaxserve.models.weight_format import WeightFormat
 from jaxserve.models.layers.lora import LoRABatch, add_lora
 from jaxserve.models.layers.norm import rms_norm
 from jaxserve.models.layers.rotary import RopeSpec, apply_rotary, layer_rope_spec, rope_tables

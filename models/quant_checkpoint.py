@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from jaxserve.models.layers.quant import FP8_DTYPE, WeightFormat
+from jaxserve.models.weight_format import FP8_DTYPE, WeightFormat
 
 TensorGetter = Callable[[str], np.ndarray]
 

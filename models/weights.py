@@ -26,12 +26,12 @@ from jaxserve.models.layers.linear import (
     scale_shape,
 )
 from jaxserve.models.layers.quant import (
-    WeightFormat,
     pack_int4,
     quantize_fp8_blocks,
     quantize_int4_blocks,
     weight_format,
 )
+from jaxserve.models.weight_format import WeightFormat
 from jaxserve.models.loader import BLOCK_SCALE_SUFFIX, load_checkpoint
 from jaxserve.models.quant_checkpoint import FormatTensors, UnquantizedTensor
 from jaxserve.models.placement import put_sharded
