@@ -68,6 +68,10 @@ class MemoryBudget:
     step: StepMemory  # the largest compiled step's own figures
     other_in_use: int = 0  # what the device held besides the weights before the KV cache
     other_code: int = 0  # the other executables' code
+    # Bytes of temporaries per byte of KV cache, where the step's temporaries grow with the
+    # cache (on TPU, with the attention kernel, XLA copies a layer's cache arrays): from a
+    # second probe with more pages (engine/setup.py). 0: they do not.
+    kv_overhead: float = 0.0
 
     @property
     def usable(self) -> int:
@@ -75,7 +79,8 @@ class MemoryBudget:
 
     @property
     def kv(self) -> int:
-        return self.usable - self.step.besides_kv - self.other_in_use - self.other_code
+        left = self.usable - self.step.besides_kv - self.other_in_use - self.other_code
+        return int(left / (1.0 + self.kv_overhead)) if left > 0 else left
 
     def describe(self) -> str:
         s, G = self.step, 2**30
@@ -88,6 +93,8 @@ class MemoryBudget:
             text += f", the other executables' code {self.other_code / G:.3f} GiB"
         if self.other_in_use:
             text += f", already in use {self.other_in_use / G:.2f} GiB"
+        if self.kv_overhead:
+            text += f"; the step's temporaries grow by {self.kv_overhead:.2f} bytes per byte of KV cache"
         return text + f"; left for the KV cache {self.kv / G:.2f} GiB"
 
 
@@ -196,16 +203,23 @@ class Backend:
         return min(seen, key=lambda s: s[0] - s[1]) if seen else None
 
     def kv_budget_from_step(self, cc: CacheConfig, step: StepMemory, device_memory: int, *,
-                            in_use: int = 0, num_executables: int = 1) -> MemoryBudget:
+                            in_use: int = 0, num_executables: int = 1,
+                            larger: StepMemory | None = None) -> MemoryBudget:
         """The KV cache's bytes per device from the largest compiled step (`step`, XLA's memory
         analysis): device memory x utilization - weights - the step's own need (temporaries,
         outputs that do not alias the donated cache, its code) - the sampling state and inputs
         - the other executables' code (as much as the largest's each) - whatever else the device
-        already holds (`in_use` beyond the weights). Raises InsufficientMemoryError, with the
-        figures, when nothing is left."""
+        already holds (`in_use` beyond the weights). `larger`: the same step with a larger KV
+        cache, where the temporaries grow with it: the budget leaves room for that growth.
+        Raises InsufficientMemoryError, with the figures, when nothing is left."""
+        overhead = 0.0
+        if larger is not None and larger.temp > step.temp + step.temp // 20 + (1 << 20):
+            # All of the larger step's temporaries, per byte of its cache: an upper bound of
+            # their growth (measured on v5e: 0.52 estimated where the served step needed 0.50).
+            overhead = larger.temp / larger.kv
         budget = MemoryBudget(device_memory=device_memory, utilization=cc.device_memory_utilization,
                               step=step, other_in_use=max(in_use - step.weights, 0),
-                              other_code=step.code * max(num_executables - 1, 0))
+                              other_code=step.code * max(num_executables - 1, 0), kv_overhead=overhead)
         if budget.kv <= 0:
             raise InsufficientMemoryError(f"the model does not fit: {budget.describe()}; raise "
                                           f"--gpu-memory-utilization, shard over more devices "

@@ -38,7 +38,7 @@ from jaxserve.runner.compile import executable_cache, weight_cache
 from jaxserve.runner.compile_pool import StepRecipe, step_memory
 from jaxserve.runner.executable_cache import canonical, executable_scope
 from jaxserve.runner.step_memory import StepMemory, bytes_on_device
-from jaxserve.runner.kv_cache import num_pages_for_budget
+from jaxserve.runner.kv_cache import bytes_per_page, num_pages_for_budget
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.runner.pooling_runner import PoolingRunner
 from jaxserve.runner.protocol import StepRunner
@@ -162,7 +162,8 @@ def build_engine(config: EngineConfig, timer: StartupTimer | None = None, *,
         rank_pages = cc.num_pages // D
     elif backend.sizes_kv_from_programs and cc.kv_cache_memory_bytes is None:
         with timer.phase("memory"):
-            memory = _memory_from_programs(backend, cc, recipe, grid, max_model_len, mesh, exe_cache)
+            memory = _memory_from_programs(backend, cc, recipe, grid, max_model_len, mesh, exe_cache, arch,
+                                           kv_dtype, rules)
         rank_pages = num_pages_for_budget(arch, cc.page_size, kv_dtype, memory.kv, mesh, rules)
     else:
         rank_pages = num_pages_for_budget(arch, cc.page_size, kv_dtype, backend.kv_cache_budget(cc), mesh, rules)
@@ -231,27 +232,51 @@ def build_engine(config: EngineConfig, timer: StartupTimer | None = None, *,
 
 
 def _memory_from_programs(backend: Backend, cc, recipe, grid: BucketGrid, max_model_len: int, mesh,
-                          exe_cache) -> MemoryBudget:
-    """The KV budget of an accelerator from its largest step: compiled once (abstract weights)
-    with the fewest pages, since the KV cache is a donated argument and the step's temporaries
-    do not depend on how many pages there are; what that step needs besides its KV cache is
-    XLA's buffer assignment (`memory_analysis()`), and the KV cache gets the rest of the
-    device. The executable goes through the executable cache: a restart loads it."""
-    D = mesh.shape.get("data", 1)
-    largest = max(grid.shapes())
-    probe = recipe(num_pages=2 * D, max_model_len=max_model_len)
-    scope = executable_scope(exe_cache, mesh.devices.flat, **backend.fingerprint(), recipe=canonical(probe))
-    step = step_memory(probe, largest, devices=list(mesh.devices.flat), scope=scope)
+                          exe_cache, arch: ArchConfig, kv_dtype, rules) -> MemoryBudget:
+    """The KV budget of this process's accelerators from the largest step's own memory
+    analysis (`kv_budget_from_programs`), the least over the processes."""
     stats = backend.device_memory()
     if stats is None:
         raise ValueError("the devices do not report their memory: give the KV cache's size (--kv-cache-memory)")
     limit, in_use = stats
-    budget = backend.kv_budget_from_step(cc, step, limit, in_use=in_use, num_executables=len(grid.shapes()))
+    probe = functools.partial(recipe, max_model_len=max_model_len)
+    budget = kv_budget_from_programs(
+        backend, cc, probe, max(grid.shapes()), limit, arch=arch, kv_dtype=kv_dtype, mesh=mesh, rules=rules,
+        in_use=in_use, num_executables=len(grid.shapes()),
+        scope=lambda r: executable_scope(exe_cache, mesh.devices.flat, **backend.fingerprint(), recipe=canonical(r)))
     kv = min_over_processes(budget.kv)
-    if kv != budget.kv:
-        budget = dataclasses.replace(budget, other_in_use=budget.other_in_use + budget.kv - kv)
+    if kv != budget.kv:  # another process has less room
+        budget = dataclasses.replace(budget, other_in_use=budget.other_in_use + int((budget.kv - kv) * (
+            1 + budget.kv_overhead)))
     logger.info("memory per device: %s", budget.describe())
     return budget
+
+
+def kv_budget_from_programs(backend: Backend, cc, recipe, bucket: tuple[int, int], device_memory: int, *,
+                            arch: ArchConfig, kv_dtype, mesh, rules, in_use: int = 0, num_executables: int = 1,
+                            scope=None) -> MemoryBudget:
+    """The KV budget per device from the step of `bucket` (the largest) compiled from
+    `recipe(num_pages=...)` on abstract weights, without running anything: first with the
+    fewest pages (the KV cache is a donated argument: what the step needs besides it is XLA's
+    buffer assignment, `memory_analysis()`), then with an eighth of the pages that leaves, to
+    see whether the step's temporaries grow with the cache (where XLA copies cache arrays,
+    e.g. to relayout them for a TPU kernel, they do) and leave room for that. `scope(recipe)`:
+    the executable cache's scope of a probe (a restart loads both)."""
+    D = mesh.shape.get("data", 1)
+    devices = list(mesh.devices.flat)
+
+    def probe(num_pages: int) -> StepMemory:
+        r = recipe(num_pages=num_pages)
+        return step_memory(r, bucket, devices=devices, scope=None if scope is None else scope(r))
+
+    small = probe(2 * D)
+    first = backend.kv_budget_from_step(cc, small, device_memory, in_use=in_use, num_executables=num_executables)
+    page = bytes_per_page(arch, recipe(num_pages=2 * D).page_size, kv_dtype, mesh, rules)  # per device
+    pages = D * max(2, first.kv // 8 // page)
+    if pages <= 2 * D:
+        return first
+    return backend.kv_budget_from_step(cc, small, device_memory, in_use=in_use, num_executables=num_executables,
+                                       larger=probe(pages))
 
 
 def fit_max_model_len(max_model_len: int, rank_pages: int, page_size: int, *, given: bool) -> int:

@@ -73,6 +73,33 @@ def recipe_devices(target: dict):
     return jax.devices()
 
 
+def target_attention(requested: str, platform: str, cfg, mesh, rules, page_size: int,
+                     kv_dtype) -> tuple[str, str | None]:
+    """(implementation, why not the kernel) that attention `requested` ("auto") takes on
+    `platform` for this model on `mesh`, decided as "auto" decides when serving there (the kernel's shape check on
+    one device's heads, else the reference): for programs compiled where that platform is not
+    JAX's default (compile-only topologies)."""
+    import jax
+
+    from jaxserve.models import sharding as ax
+    from jaxserve.models.interface import KV_CACHE_AXES
+    from jaxserve.pallas_kernels.ragged_paged_attention.ops import resolve_impl, supports_check
+    from jaxserve.runner.kv_cache import kv_cache_shape
+
+    impl = resolve_impl(requested, platform)
+    check = supports_check(impl)
+    if check is None:
+        return impl, None
+    spec = ax.logical_to_spec(KV_CACHE_AXES, kv_cache_shape(cfg, 1, page_size), mesh, rules)
+    split = ax.mesh_axes_size(mesh, spec[2])
+    try:
+        check(jax.ShapeDtypeStruct((1, cfg.num_heads // split, cfg.head_dim), kv_dtype),
+              jax.ShapeDtypeStruct((1, page_size, cfg.num_kv_heads // split, cfg.head_dim), kv_dtype))
+    except ValueError as e:
+        return "reference", f"{impl} kernel unsupported: {e}"
+    return impl, None
+
+
 def abstract_step(recipe: StepRecipe, devices=None):
     """(step function, mesh, abstract weights, KV cache, sampling state, replicated sharding) as
     a runner built from `recipe` holds them, without memory."""
@@ -94,7 +121,11 @@ def abstract_step(recipe: StepRecipe, devices=None):
     cfg = ArchConfig.from_hf(recipe.arch)
     plan = DevicePlan(**recipe.plan)
     backend = select_backend(recipe.platform)
-    model = sharded_abstract_model(cfg, dtype=jax_dtype(plan.dtype), mesh=mesh, attention_impl=recipe.attention_impl,
+    attention = recipe.attention_impl
+    if attention == "auto" and recipe.platform != jax.default_backend():  # compile-only: "auto" of the target
+        attention = target_attention("auto", recipe.platform, cfg, mesh, recipe.rules, recipe.page_size,
+                                     jax_dtype(plan.kv_dtype))[0]
+    model = sharded_abstract_model(cfg, dtype=jax_dtype(plan.dtype), mesh=mesh, attention_impl=attention,
                                    rules=recipe.rules, moe_impl=plan.moe_impl)
     backend.prepare_model(model, plan, abstract=True)
     layer_impl = backend.layer_impl(model)
