@@ -35,10 +35,13 @@ def default_grid(max_num_seqs: int = 32) -> list[tuple[int, int]]:
     return BucketGrid.build(budget, max_num_seqs, backend.default_token_buckets(budget)).shapes()
 
 
-def recipe(preset: str, topology: str, mesh: tuple[int, int], max_model_len: int, max_num_seqs: int):
+def recipe(
+    preset: str, topology: str, mesh: tuple[int, int], max_model_len: int, max_num_seqs: int
+):
+    from jaxserve.models.sharding import load_rules, serving_rules
+
     from jaxserve.backends.base import Backend
     from jaxserve.config import CacheConfig, ModelConfig
-    from jaxserve.models.sharding import load_rules, serving_rules
     from jaxserve.runner.compile_pool import StepRecipe
     from jaxserve.sampling.config import SamplerConfig
     from jaxserve.tools.shard_plan import model_config
@@ -47,12 +50,21 @@ def recipe(preset: str, topology: str, mesh: tuple[int, int], max_model_len: int
     # The plan as the TPU backend resolves it (the attention kernel: "auto" on a TPU).
     plan = Backend("tpu").plan(ModelConfig(matmul_impl="xla"), CacheConfig(), _FakeMesh())
     pages = mesh[0] * (max_num_seqs // mesh[0] * -(-max_model_len // 16) + 1)
-    return StepRecipe(arch=arch, platform="tpu", plan=dataclasses.asdict(plan), attention_impl="auto",
-                      rules=serving_rules(load_rules("tp"), mesh[0]), mesh_shape=mesh,
-                      target={"kind": "tpu", "topology": topology}, num_pages=pages, page_size=16,
-                      max_model_len=max_model_len,
-                      sampler_config=SamplerConfig(max_num_seqs=max_num_seqs, vocab_size=arch["vocab_size"],
-                                                   max_logprobs=20))
+    return StepRecipe(
+        arch=arch,
+        platform="tpu",
+        plan=dataclasses.asdict(plan),
+        attention_impl="auto",
+        rules=serving_rules(load_rules("tp"), mesh[0]),
+        mesh_shape=mesh,
+        target={"kind": "tpu", "topology": topology},
+        num_pages=pages,
+        page_size=16,
+        max_model_len=max_model_len,
+        sampler_config=SamplerConfig(
+            max_num_seqs=max_num_seqs, vocab_size=arch["vocab_size"], max_logprobs=20
+        ),
+    )
 
 
 class _FakeMesh:  # Backend.plan reads nothing of the mesh on accelerators
@@ -60,50 +72,79 @@ class _FakeMesh:  # Backend.plan reads nothing of the mesh on accelerators
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--preset", default="llama3-8b")
     p.add_argument("--topology", default="v6e:2x4")
     p.add_argument("--mesh", default="1x8", help="data x model")
     p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--max-num-seqs", type=int, default=32)
-    p.add_argument("--workers", default="1,2", help="comma-separated worker counts, run in this order")
+    p.add_argument(
+        "--workers", default="1,2", help="comma-separated worker counts, run in this order"
+    )
     p.add_argument("--buckets", default=None, help="TxR,... (default: the whole default grid)")
     p.add_argument("--out", default=str(HERE / "results" / "parallel_compile.jsonl"))
     a = p.parse_args()
     from jaxserve.runner.compile_pool import compile_in_workers
 
     mesh = tuple(int(x) for x in a.mesh.split("x"))
-    buckets = ([tuple(int(x) for x in b.split("x")) for b in a.buckets.split(",")] if a.buckets
-               else default_grid(a.max_num_seqs))
+    buckets = (
+        [tuple(int(x) for x in b.split("x")) for b in a.buckets.split(",")]
+        if a.buckets
+        else default_grid(a.max_num_seqs)
+    )
     r = recipe(a.preset, a.topology, mesh, a.max_model_len, a.max_num_seqs)
-    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                         text=True).stdout.strip()
+    sha = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
+    ).stdout.strip()
     for workers in (int(w) for w in a.workers.split(",")):
         load_before = os.getloadavg()
         done = []
 
         def progress(res, n, total):
             done.append(res)
-            print(f"  [{workers} workers] {n}/{total} {res['bucket']} {res.get('seconds', res.get('error'))}",
-                  flush=True)
+            print(
+                f"  [{workers} workers] {n}/{total} {res['bucket']} {res.get('seconds', res.get('error'))}",
+                flush=True,
+            )
 
         pool = compile_in_workers(r, buckets, workers, on_done=progress)
         errors = [x for x in pool.results if "error" in x]
-        rec = {"benchmark": "parallel_compile", "time": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-               "git_sha": sha, "preset": a.preset, "topology": a.topology, "mesh": a.mesh,
-               "max_model_len": a.max_model_len, "max_num_seqs": a.max_num_seqs, "workers": workers,
-               "buckets": [list(b) for b in buckets], "full_default_grid": a.buckets is None,
-               "wall_s": round(pool.seconds, 1), "compile_s": {f"{x['bucket'][0]}x{x['bucket'][1]}": x.get("seconds")
-                                                               for x in pool.results},
-               "errors": [x["error"][:300] for x in errors], "cpus": os.cpu_count(),
-               "loadavg_before": [round(x, 2) for x in load_before],
-               "loadavg_after": [round(x, 2) for x in os.getloadavg()],
-               "note": "host shared with other work"}
+        rec = {
+            "benchmark": "parallel_compile",
+            "time": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "git_sha": sha,
+            "preset": a.preset,
+            "topology": a.topology,
+            "mesh": a.mesh,
+            "max_model_len": a.max_model_len,
+            "max_num_seqs": a.max_num_seqs,
+            "workers": workers,
+            "buckets": [list(b) for b in buckets],
+            "full_default_grid": a.buckets is None,
+            "wall_s": round(pool.seconds, 1),
+            "compile_s": {
+                f"{x['bucket'][0]}x{x['bucket'][1]}": x.get("seconds") for x in pool.results
+            },
+            "errors": [x["error"][:300] for x in errors],
+            "cpus": os.cpu_count(),
+            "loadavg_before": [round(x, 2) for x in load_before],
+            "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+            "note": "host shared with other work",
+        }
         pathlib.Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         with open(a.out, "a") as f:
             f.write(json.dumps(rec) + "\n")
-        print(json.dumps({k: rec[k] for k in ("workers", "wall_s", "errors", "loadavg_before", "loadavg_after")}),
-              flush=True)
+        print(
+            json.dumps(
+                {
+                    k: rec[k]
+                    for k in ("workers", "wall_s", "errors", "loadavg_before", "loadavg_after")
+                }
+            ),
+            flush=True,
+        )
     return 0
 
 

@@ -167,7 +167,9 @@ def build_engine(config: EngineConfig, timer: StartupTimer | None = None, *,
         rank_pages = num_pages_for_budget(arch, cc.page_size, kv_dtype, memory.kv, mesh, rules)
     else:
         rank_pages = num_pages_for_budget(arch, cc.page_size, kv_dtype, backend.kv_cache_budget(cc), mesh, rules)
-    fitted = fit_max_model_len(max_model_len, rank_pages, cc.page_size, given=mc.max_model_len is not None)
+    # One sequence of max_model_len must fit the cache (a page count given for tests is taken as is).
+    fitted = (max_model_len if cc.num_pages else
+              fit_max_model_len(max_model_len, rank_pages, cc.page_size, given=mc.max_model_len is not None))
     if fitted != max_model_len:
         max_model_len = fitted
         sc = dataclasses.replace(sc, max_model_len=max_model_len)

@@ -69,12 +69,15 @@ def recipe_devices(target: dict):
     if target["kind"] == "tpu":
         from jax.experimental import topologies
 
-        return list(topologies.get_topology_desc(topology_name=target["topology"], platform="tpu").devices)
+        return list(
+            topologies.get_topology_desc(topology_name=target["topology"], platform="tpu").devices
+        )
     return jax.devices()
 
 
-def target_attention(requested: str, platform: str, cfg, mesh, rules, page_size: int,
-                     kv_dtype) -> tuple[str, str | None]:
+def target_attention(
+    requested: str, platform: str, cfg, mesh, rules, page_size: int, kv_dtype
+) -> tuple[str, str | None]:
     """(implementation, why not the kernel) that attention `requested` ("auto") takes on
     `platform` for this model on `mesh`, decided as "auto" decides when serving there (the kernel's shape check on
     one device's heads, else the reference): for programs compiled where that platform is not
@@ -93,8 +96,10 @@ def target_attention(requested: str, platform: str, cfg, mesh, rules, page_size:
     spec = ax.logical_to_spec(KV_CACHE_AXES, kv_cache_shape(cfg, 1, page_size), mesh, rules)
     split = ax.mesh_axes_size(mesh, spec[2])
     try:
-        check(jax.ShapeDtypeStruct((1, cfg.num_heads // split, cfg.head_dim), kv_dtype),
-              jax.ShapeDtypeStruct((1, page_size, cfg.num_kv_heads // split, cfg.head_dim), kv_dtype))
+        check(
+            jax.ShapeDtypeStruct((1, cfg.num_heads // split, cfg.head_dim), kv_dtype),
+            jax.ShapeDtypeStruct((1, page_size, cfg.num_kv_heads // split, cfg.head_dim), kv_dtype),
+        )
     except ValueError as e:
         return "reference", f"{impl} kernel unsupported: {e}"
     return impl, None
@@ -105,7 +110,8 @@ def abstract_step(recipe: StepRecipe, devices=None):
     a runner built from `recipe` holds them, without memory."""
     import jax
     from flax import nnx
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     from jaxserve.backends import DevicePlan, select_backend
     from jaxserve.config import jax_dtype
@@ -122,20 +128,39 @@ def abstract_step(recipe: StepRecipe, devices=None):
     plan = DevicePlan(**recipe.plan)
     backend = select_backend(recipe.platform)
     attention = recipe.attention_impl
-    if attention == "auto" and recipe.platform != jax.default_backend():  # compile-only: "auto" of the target
-        attention = target_attention("auto", recipe.platform, cfg, mesh, recipe.rules, recipe.page_size,
-                                     jax_dtype(plan.kv_dtype))[0]
-    model = sharded_abstract_model(cfg, dtype=jax_dtype(plan.dtype), mesh=mesh, attention_impl=attention,
-                                   rules=recipe.rules, moe_impl=plan.moe_impl)
+    if (
+        attention == "auto" and recipe.platform != jax.default_backend()
+    ):  # compile-only: "auto" of the target
+        attention = target_attention(
+            "auto",
+            recipe.platform,
+            cfg,
+            mesh,
+            recipe.rules,
+            recipe.page_size,
+            jax_dtype(plan.kv_dtype),
+        )[0]
+    model = sharded_abstract_model(
+        cfg,
+        dtype=jax_dtype(plan.dtype),
+        mesh=mesh,
+        attention_impl=attention,
+        rules=recipe.rules,
+        moe_impl=plan.moe_impl,
+    )
     backend.prepare_model(model, plan, abstract=True)
     layer_impl = backend.layer_impl(model)
     graphdef, state = nnx.split(model)
     params, treedef = jax.tree.flatten(state)
     params = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in params]
     step = StepFunction(graphdef, treedef, layer_impl, recipe.sampler_config)
-    kv = abstract_kv_cache(cfg, recipe.num_pages, recipe.page_size, jax_dtype(plan.kv_dtype), mesh, recipe.rules)
+    kv = abstract_kv_cache(
+        cfg, recipe.num_pages, recipe.page_size, jax_dtype(plan.kv_dtype), mesh, recipe.rules
+    )
     rep = NamedSharding(mesh, P())
-    sstate = abstract_sampling_state(recipe.sampler_config, NamedSharding(mesh, P("data")) if D > 1 else rep)
+    sstate = abstract_sampling_state(
+        recipe.sampler_config, NamedSharding(mesh, P("data")) if D > 1 else rep
+    )
     return step, mesh, params, kv, sstate, rep
 
 
@@ -145,8 +170,13 @@ def lower_bucket(recipe: StepRecipe, abstract, bucket: tuple[int, int]):
 
     step, mesh, params, kv, sstate, rep = abstract
     T, R = bucket
-    layout = step_layout(T, R, pages_per_req=recipe.pages_per_req(), page_size=recipe.page_size,
-                         sampler_config=recipe.sampler_config)
+    layout = step_layout(
+        T,
+        R,
+        pages_per_req=recipe.pages_per_req(),
+        page_size=recipe.page_size,
+        sampler_config=recipe.sampler_config,
+    )
     lower, _ = step_program(step, layout, mesh, params, kv, sstate, rep)
     return lower()
 
@@ -160,15 +190,24 @@ def step_memory(recipe: StepRecipe, bucket: tuple[int, int], devices=None, scope
 
     step, mesh, params, kv, sstate, rep = abstract = abstract_step(recipe, devices)
     T, R = bucket
-    layout = step_layout(T, R, pages_per_req=recipe.pages_per_req(), page_size=recipe.page_size,
-                         sampler_config=recipe.sampler_config)
+    layout = step_layout(
+        T,
+        R,
+        pages_per_req=recipe.pages_per_req(),
+        page_size=recipe.page_size,
+        sampler_config=recipe.sampler_config,
+    )
     lower, buffers = step_program(step, layout, mesh, params, kv, sstate, rep)
     if scope is None:
         compiled = lower().compile()
     else:
-        compiled = scope.get(f"memory-{T}x{R}", (params, kv, sstate, *buffers), lambda: lower().compile())
+        compiled = scope.get(
+            f"memory-{T}x{R}", (params, kv, sstate, *buffers), lambda: lower().compile()
+        )
     del abstract
-    return StepMemory.of(compiled, bucket, weights=bytes_on_device(params), kv=bytes_on_device([*kv.k, *kv.v]))
+    return StepMemory.of(
+        compiled, bucket, weights=bytes_on_device(params), kv=bytes_on_device([*kv.k, *kv.v])
+    )
 
 
 # ---------------------------------------------------------------------------------- the worker
@@ -212,9 +251,15 @@ class PoolResult:
     seconds: float  # wall time of the whole pool
 
 
-def compile_in_workers(recipe: StepRecipe, buckets: Sequence[tuple[int, int]], workers: int, *,
-                       cache_dir: str | None = None, keys: dict[tuple[int, int], tuple[str, str]] | None = None,
-                       on_done: Callable[[dict, int, int], None] | None = None) -> PoolResult:
+def compile_in_workers(
+    recipe: StepRecipe,
+    buckets: Sequence[tuple[int, int]],
+    workers: int,
+    *,
+    cache_dir: str | None = None,
+    keys: dict[tuple[int, int], tuple[str, str]] | None = None,
+    on_done: Callable[[dict, int, int], None] | None = None,
+) -> PoolResult:
     """Compile `buckets` of `recipe` in `workers` processes (one bucket at a time each, the
     largest first). With `cache_dir` and `keys` ({bucket: (name, key)}) each executable is
     stored in the executable cache there. `on_done(result, done, total)` is called as each
@@ -224,7 +269,9 @@ def compile_in_workers(recipe: StepRecipe, buckets: Sequence[tuple[int, int]], w
     for b in order:
         todo.put(b)
     total = len(order)
-    job = base64.b64encode(pickle.dumps({"recipe": recipe, "cache_dir": cache_dir if keys else None})).decode()
+    job = base64.b64encode(
+        pickle.dumps({"recipe": recipe, "cache_dir": cache_dir if keys else None})
+    ).decode()
     env = {**os.environ, "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
     if recipe.target["kind"] == "tpu":
         env["JAX_PLATFORMS"] = "cpu"  # compile-only: the workers never open a chip
@@ -233,8 +280,14 @@ def compile_in_workers(recipe: StepRecipe, buckets: Sequence[tuple[int, int]], w
     t0 = time.perf_counter()
 
     def run_one() -> None:
-        proc = subprocess.Popen([sys.executable, "-m", "jaxserve.runner.compile_pool"], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "jaxserve.runner.compile_pool"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
         stderr: list[str] = []
         drain = threading.Thread(target=lambda: stderr.extend(proc.stderr), daemon=True)
         drain.start()
@@ -250,7 +303,10 @@ def compile_in_workers(recipe: StepRecipe, buckets: Sequence[tuple[int, int]], w
                 proc.stdin.flush()
                 result = _read_result(proc)
                 if result is None:
-                    result = {"bucket": [T, R], "error": "the worker exited: " + "".join(stderr[-20:])[-2000:]}
+                    result = {
+                        "bucket": [T, R],
+                        "error": "the worker exited: " + "".join(stderr[-20:])[-2000:],
+                    }
                 with lock:
                     results.append(result)
                     if on_done is not None:
@@ -269,8 +325,10 @@ def compile_in_workers(recipe: StepRecipe, buckets: Sequence[tuple[int, int]], w
             proc.wait()
             drain.join(timeout=5)
 
-    threads = [threading.Thread(target=run_one, name=f"jaxserve-compile-{i}", daemon=True)
-               for i in range(max(1, min(workers, total)))]
+    threads = [
+        threading.Thread(target=run_one, name=f"jaxserve-compile-{i}", daemon=True)
+        for i in range(max(1, min(workers, total)))
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -281,7 +339,7 @@ def compile_in_workers(recipe: StepRecipe, buckets: Sequence[tuple[int, int]], w
 def _read_result(proc) -> dict | None:
     for line in proc.stdout:
         if line.startswith(_RESULT):
-            return json.loads(line[len(_RESULT):])
+            return json.loads(line[len(_RESULT) :])
     return None
 
 

@@ -29,11 +29,20 @@ class StepMemory:
     code: int  # generated code
 
     @classmethod
-    def of(cls, compiled: jax.stages.Compiled, bucket: tuple[int, int], weights: int, kv: int) -> StepMemory:
+    def of(
+        cls, compiled: jax.stages.Compiled, bucket: tuple[int, int], weights: int, kv: int
+    ) -> StepMemory:
         m = compiled.memory_analysis()
         get = lambda name: int(getattr(m, f"{name}_size_in_bytes", 0) or 0)  # noqa: E731
-        return cls(bucket=tuple(bucket), weights=weights, arguments=get("argument"), kv=kv,
-                   outputs=max(get("output") - get("alias"), 0), temp=get("temp"), code=get("generated_code"))
+        return cls(
+            bucket=tuple(bucket),
+            weights=weights,
+            arguments=get("argument"),
+            kv=kv,
+            outputs=max(get("output") - get("alias"), 0),
+            temp=get("temp"),
+            code=get("generated_code"),
+        )
 
     @property
     def other_arguments(self) -> int:
@@ -56,6 +65,8 @@ def bytes_on_device(arrays) -> int:
     replicated arrays: every device holds as much)."""
     total = 0
     for x in arrays:
-        shape = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) is not None else x.shape
+        shape = (
+            x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) is not None else x.shape
+        )
         total += math.prod(shape) * np.dtype(x.dtype).itemsize
     return int(total)

@@ -24,7 +24,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxserve.backends import select_backend
 from jaxserve.config import CacheConfig, ModelConfig, jax_dtype
@@ -32,9 +33,8 @@ from jaxserve.models import sharding as ax
 from jaxserve.models.arch_config import ArchConfig
 from jaxserve.models.interface import KV_CACHE_AXES
 from jaxserve.models.weights import abstract_model
-from jaxserve.pallas_kernels.ragged_paged_attention.ops import supports_check
 from jaxserve.runner.compile_pool import target_attention
-from jaxserve.runner.kv_cache import abstract_kv_cache, bytes_per_page, kv_cache_shape
+from jaxserve.runner.kv_cache import abstract_kv_cache, bytes_per_page
 from jaxserve.runner.step_fn import StepFunction, abstract_sampling_state, step_layout
 from jaxserve.sampling.config import SamplerConfig
 from jaxserve.tools import hlo_ops

@@ -32,8 +32,13 @@ class _SizedLikeAnAccelerator(CpuBackend):
 
 def _options(small_engine_options, **kw) -> dict:
     # One bucket: the largest step is the only one.
-    return {**small_engine_options, "token_buckets": (16,), "request_buckets": (8,), "max_num_batched_tokens": 16,
-            **kw}
+    return {
+        **small_engine_options,
+        "token_buckets": (16,),
+        "request_buckets": (8,),
+        "max_num_batched_tokens": 16,
+        **kw,
+    }
 
 
 def _llm(monkeypatch, options, memory: int):
@@ -43,8 +48,9 @@ def _llm(monkeypatch, options, memory: int):
     return LLM(**options)
 
 
-def test_the_cache_takes_what_the_step_leaves_and_the_context_is_fitted_to_it(monkeypatch, caplog,
-                                                                              small_engine_options):
+def test_the_cache_takes_what_the_step_leaves_and_the_context_is_fitted_to_it(
+    monkeypatch, caplog, small_engine_options
+):
     with caplog.at_level(logging.INFO, logger="jaxserve.engine.setup"):
         llm = _llm(monkeypatch, _options(small_engine_options), int(0.9 * GiB))
     text = caplog.text
@@ -59,24 +65,40 @@ def test_the_cache_takes_what_the_step_leaves_and_the_context_is_fitted_to_it(mo
 
 
 def test_a_given_context_the_cache_cannot_hold_is_refused(monkeypatch, small_engine_options):
-    with pytest.raises(InsufficientMemoryError, match="max_model_len 8192 is more than the KV cache holds"):
+    with pytest.raises(
+        InsufficientMemoryError, match="max_model_len 8192 is more than the KV cache holds"
+    ):
         _llm(monkeypatch, _options(small_engine_options, max_model_len=8192), int(0.9 * GiB))
 
 
-def test_a_device_too_small_for_the_weights_and_the_step_is_refused_with_the_figures(monkeypatch,
-                                                                                     small_engine_options):
+def test_a_device_too_small_for_the_weights_and_the_step_is_refused_with_the_figures(
+    monkeypatch, small_engine_options
+):
     with pytest.raises(InsufficientMemoryError) as e:
         _llm(monkeypatch, _options(small_engine_options), int(0.5 * GiB))
-    for figure in ("0.50 GiB per device x 0.9 = 0.45 GiB", "weights 0.", "largest step (16 tokens x 8 requests)",
-                   "temporaries", "left for the KV cache -"):
+    for figure in (
+        "0.50 GiB per device x 0.9 = 0.45 GiB",
+        "weights 0.",
+        "largest step (16 tokens x 8 requests)",
+        "temporaries",
+        "left for the KV cache -",
+    ):
         assert figure in str(e.value), str(e.value)
 
 
-def test_steps_compiled_in_worker_processes_load_and_generate(caplog, tmp_path, small_engine_options, small_llm):
+def test_steps_compiled_in_worker_processes_load_and_generate(
+    caplog, tmp_path, small_engine_options, small_llm
+):
     from jaxserve import LLM
 
-    options = {**small_engine_options, "token_buckets": (16, 32), "request_buckets": (8,),
-               "max_num_batched_tokens": 32, "compile_workers": 2, "compilation_cache_dir": str(tmp_path)}
+    options = {
+        **small_engine_options,
+        "token_buckets": (16, 32),
+        "request_buckets": (8,),
+        "max_num_batched_tokens": 32,
+        "compile_workers": 2,
+        "compilation_cache_dir": str(tmp_path),
+    }
     with caplog.at_level(logging.INFO, logger="jaxserve.runner"):
         llm = LLM(**options)
     assert "compiling 2 steps in 2 processes" in caplog.text, caplog.text
@@ -85,5 +107,7 @@ def test_steps_compiled_in_worker_processes_load_and_generate(caplog, tmp_path, 
     assert runner.executables_loaded == 2  # both steps came from the workers, through the cache
     params = dict(max_tokens=6, temperature=0.0)
     prompt = ["The capital of France is"]
-    assert (llm.generate(prompt, params)[0].outputs[0].token_ids ==
-            small_llm.generate(prompt, params)[0].outputs[0].token_ids)
+    assert (
+        llm.generate(prompt, params)[0].outputs[0].token_ids
+        == small_llm.generate(prompt, params)[0].outputs[0].token_ids
+    )
