@@ -11,6 +11,7 @@ import logging
 
 import pytest
 
+from jaxserve import SamplingParams
 from jaxserve.backends.base import InsufficientMemoryError
 from jaxserve.backends.cpu import CpuBackend
 from jaxserve.engine import setup
@@ -60,7 +61,7 @@ def test_the_cache_takes_what_the_step_leaves_and_the_context_is_fitted_to_it(
     assert 1024 < info.max_model_len < 8192
     assert info.kv_cache_tokens >= info.max_model_len  # one sequence that long fits
     assert "of the 0.81 GiB allowed per device" in text  # the served step's own figures checked
-    out = llm.generate(["The capital of France is"], dict(max_tokens=4, temperature=0.0))
+    out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=4, temperature=0.0))
     assert len(out[0].outputs[0].token_ids) == 4
 
 
@@ -105,7 +106,7 @@ def test_steps_compiled_in_worker_processes_load_and_generate(
     assert "1 left" in caplog.text and "0 left" in caplog.text
     runner = llm.engine.parts.model_runner
     assert runner.executables_loaded == 2  # both steps came from the workers, through the cache
-    params = dict(max_tokens=6, temperature=0.0)
+    params = SamplingParams(max_tokens=6, temperature=0.0)
     prompt = ["The capital of France is"]
     assert (
         llm.generate(prompt, params)[0].outputs[0].token_ids
