@@ -134,10 +134,10 @@ class ModelConfig:
     """The weights' dtype (half = float16, float = float32, as in vLLM). auto: the backend's:
     bfloat16 on TPU/GPU, on a CPU the faster of bfloat16 and float32 (measured once per CPU)."""
     max_model_len: int | None = None
-    """Context length (prompt and output tokens) of a request. Default: on TPU/GPU the model's
-    max_position_embeddings (lowered, with a warning, to what the KV cache holds when it cannot
-    hold one sequence that long; a value given here is refused instead), on a CPU at most 2048
-    (DEFAULT_MAX_MODEL_LEN)."""
+    """Context length (prompt and output tokens) of a request. Default: the model's
+    max_position_embeddings; on TPU/GPU lowered, with a warning, to what the KV cache holds
+    when it cannot hold one sequence that long (a value given here is refused instead); on a
+    CPU at most 2048 (DEFAULT_MAX_MODEL_LEN)."""
     model_cache_dir: str | None = per_process()
     """Where GGUF files are converted to (once) and kept, under models/. Default: <user
     cache>/jaxserve."""
