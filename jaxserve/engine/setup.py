@@ -160,7 +160,8 @@ def build_engine(config: EngineConfig, timer: StartupTimer | None = None, *,
     memory = None
     if cc.num_pages:
         rank_pages = cc.num_pages // D
-    elif backend.sizes_kv_from_programs and cc.kv_cache_memory_bytes is None:
+    elif backend.sizes_kv_from_programs and cc.kv_cache_memory_bytes is None and mc.quantization is None:
+        # (int8 weights: the recipe's abstract model is a float one, so the older policy sizes it)
         with timer.phase("memory"):
             memory = _memory_from_programs(backend, cc, recipe, grid, max_model_len, mesh, exe_cache, arch,
                                            kv_dtype, rules)
