@@ -143,7 +143,9 @@ class ModelConfig:
     bfloat16 on TPU/GPU, on a CPU the faster of bfloat16 and float32 (measured once per CPU)."""
     max_model_len: int | None = None
     """Context length (prompt and output tokens) of a request. Default: the model's
-    max_position_embeddings, at most 2048 (DEFAULT_MAX_MODEL_LEN)."""
+    max_position_embeddings; on TPU/GPU lowered, with a warning, to what the KV cache holds
+    when it cannot hold one sequence that long (a value given here is refused instead); on a
+    CPU at most 2048 (DEFAULT_MAX_MODEL_LEN)."""
     model_cache_dir: str | None = per_process()
     """Where GGUF files are converted to (once) and kept, under models/. Default: <user
     cache>/jaxserve."""
@@ -204,9 +206,12 @@ class ModelConfig:
             return self.runner == "pooling"
         return bool(architectures) and all(a.endswith("Model") for a in architectures)
 
-    def resolve_max_model_len(self, max_position_embeddings: int) -> int:
-        """The context length: the user's, else the model's, at most DEFAULT_MAX_MODEL_LEN."""
-        return self.max_model_len or min(max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+    def resolve_max_model_len(self, max_position_embeddings: int, cap: int | None = DEFAULT_MAX_MODEL_LEN) -> int:
+        """The context length: the user's, else the model's, at most `cap` (the backend's
+        `default_max_model_len`: none on accelerators)."""
+        if self.max_model_len:
+            return self.max_model_len
+        return max_position_embeddings if cap is None else min(max_position_embeddings, cap)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -333,6 +338,10 @@ class CompileConfig:
     enable_executable_cache: bool = per_process(True, flag="--executable-cache")
     """Keep the compiled steps themselves on disk (runner/executable_cache.py), so that a restart
     loads them without tracing or compiling; needs the compilation cache."""
+    compile_workers: int | None = per_process(None)
+    """Processes compiling the steps side by side at a cold start (runner/compile_pool.py; needs
+    the executable cache). Default: on TPU one per 4 cores, at most 8; elsewhere 1 (in this
+    process)."""
     show_progress: bool = per_process(True, not_a_flag="the command's: on in serve, not generate")
     """Show a progress bar while the steps compile."""
 

@@ -39,11 +39,13 @@ from jaxserve.outputs import SampleLogprobs
 from jaxserve.request import RequestFailedError
 from jaxserve.runner.buckets import BucketGrid
 from jaxserve.runner.compile import CompileCounter
+from jaxserve.runner.compile_pool import StepRecipe, compile_in_workers
 from jaxserve.runner.executable_cache import ExecutableCache, ExecutableScope, canonical, executable_scope, signature
 from jaxserve.runner.kv_cache import abstract_kv_cache, allocate_kv_cache, zeros_compiler
 from jaxserve.runner.lora_slots import LoRASlots
 from jaxserve.runner.step_buffers import BufferLayout
-from jaxserve.runner.step_fn import PromptLogprobs, StepFunction, abstract_sampling_state, step_layout
+from jaxserve.runner.step_fn import (PromptLogprobs, StepFunction, abstract_sampling_state, step_layout,
+                                     step_program)
 from jaxserve.runner.step_inputs import TokenInfo, pack_rows
 from jaxserve.sampling.config import SamplerConfig
 from jaxserve.sampling.metadata import SamplingMetadataBuilder
@@ -113,6 +115,8 @@ class ModelRunner:
         timer: StartupTimer | None = None,
         executable_cache: ExecutableCache | None = None,
         lora: LoRAConfig | None = None,
+        compile_workers: int = 1,
+        recipe: StepRecipe | None = None,
     ):
         """lora: LoRA adapters' slots (runner/lora_slots.py); None or not enabled: no LoRA path
         (the steps are those of a runner without it)."""
@@ -160,6 +164,10 @@ class ModelRunner:
         self.state_sharding = NamedSharding(mesh, P("data") if self.dp > 1 else P())
         self.counter = CompileCounter()
         self.executable_cache = executable_cache
+        # Cold starts: compile the missing steps in this many worker processes from `recipe`
+        # (what the steps are a function of, runner/compile_pool.py), then load them.
+        self.compile_workers = compile_workers
+        self.recipe = recipe
         with self.counter.active(), timer.phase("kv cache"):
             self._scope = self._executable_scope()
             self._allocate_state()
@@ -222,24 +230,53 @@ class ModelRunner:
         keep = (jax.tree.map(lambda x: x.sharding, self.kv), jax.tree.map(lambda x: x.sharding, self.sstate))
         rep = self.replicated
         scope = self._scope
-        for T, R in tqdm(shapes, desc="compiling buckets", disable=not show_progress, unit="bucket"):
+        self._compile_in_workers(shapes)
+        for i, (T, R) in enumerate(tqdm(shapes, desc="compiling buckets", disable=not show_progress, unit="bucket")):
             layout = self.layouts[(T, R)] = self.step_layout(T, R)
-            if self.dp > 1:
-                lower = functools.partial(self.step_function.lower_data_parallel, layout, self.mesh, params, kv,
-                                          sstate, rep)
-                buffers = [jax.ShapeDtypeStruct((self.dp, n), dt, sharding=rep)
-                           for n, dt in zip(layout.sizes, layout.dtypes)]
-            else:
-                lower = functools.partial(self.step_function.lower, layout, params, kv, sstate, rep)
-                buffers = layout.abstract(rep)
+            lower, buffers = step_program(self.step_function, layout, self.mesh, params, kv, sstate, rep)
+            t0, compiled_before = time.perf_counter(), scope.compiled
             self._compiled[(T, R)] = scope.get(f"step-{T}x{R}", (params, kv, sstate, *buffers),
                                                lambda: lower().compile())
+            if scope.compiled != compiled_before:
+                logger.info("compiled step %dx%d in %.1fs: %d of %d steps ready, %d left", T, R,
+                            time.perf_counter() - t0, i + 1, len(shapes), len(shapes) - i - 1)
         rows = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep), self.empty_slot_write())
         self._write_rows = scope.get("write-slot-rows", (sstate, rows), lambda: jax.jit(
             write_slot_rows, donate_argnums=(0,), out_shardings=keep[1]).lower(sstate, rows).compile())
         if self.lora is not None:
             self.lora.compile_writer(scope, rep)
         self.executables_loaded, self.executables_compiled = scope.loaded, scope.compiled
+
+    def _compile_in_workers(self, shapes: list[tuple[int, int]]) -> None:
+        """Compile the steps the executable cache lacks in `compile_workers` processes, which
+        store them there (the loop of `_compile_all` then loads them); nothing without a cache,
+        a recipe or a second worker."""
+        scope = self._scope
+        if self.compile_workers <= 1 or self.recipe is None or scope.cache is None:
+            return
+        keys = {}
+        for T, R in shapes:
+            name = f"step-{T}x{R}"
+            key = scope.entry_key(name)
+            if not scope.cache.has(key, name):
+                keys[(T, R)] = (name, key)
+        if len(keys) < 2:
+            return
+        workers = min(self.compile_workers, len(keys))
+        logger.info("compiling %d steps in %d processes", len(keys), workers)
+
+        def done(result: dict, n: int, total: int) -> None:
+            T, R = result["bucket"]
+            if "error" in result:
+                logger.warning("a compile worker failed on step %dx%d (%s); it compiles in this process",
+                               T, R, result["error"][:500])
+            else:
+                logger.info("compiled step %dx%d in %.1fs: %d of %d, %d left", T, R, result["seconds"], n,
+                            total, total - n)
+
+        pool = compile_in_workers(self.recipe, list(keys), workers, cache_dir=str(scope.cache.directory),
+                                  keys=keys, on_done=done)
+        logger.info("%d steps compiled in %d processes in %.1fs", len(keys), workers, pool.seconds)
 
     def _executable_scope(self) -> ExecutableScope:
         """The keys of this runner's executables in the executable cache: everything the steps
@@ -262,6 +299,10 @@ class ModelRunner:
             logit_bias=np.zeros((c.slot_write_batch, c.vocab_size), np.float32),
             bad_words=np.zeros((c.slot_write_batch, c.max_bad_words, c.max_bad_word_len), np.int32),
         )
+
+    def executable(self, bucket: tuple[int, int]) -> jax.stages.Compiled:
+        """The compiled step of `bucket` (its memory analysis, its HLO)."""
+        return self._compiled[bucket]
 
     @property
     def num_buckets(self) -> int:

@@ -133,6 +133,20 @@ class StepFunction:
         return jitted.lower(params, kv, sstate, *buffers)
 
 
+def step_program(step: StepFunction, layout: BufferLayout, mesh, params, kv, sstate, input_sharding):
+    """(lower, abstract packed inputs) of one bucket's step as the runner compiles it: per
+    data-parallel rank inside a shard_map when the mesh has a "data" axis over 1, else plain.
+    `lower()` returns the Lowered program; the inputs are the abstract arguments after the
+    weights, KV cache and sampling state."""
+    if mesh.shape.get("data", 1) > 1:
+        D = mesh.shape["data"]
+        buffers = [jax.ShapeDtypeStruct((D, n), dt, sharding=input_sharding)
+                   for n, dt in zip(layout.sizes, layout.dtypes)]
+        return (functools.partial(step.lower_data_parallel, layout, mesh, params, kv, sstate, input_sharding),
+                buffers)
+    return functools.partial(step.lower, layout, params, kv, sstate, input_sharding), layout.abstract(input_sharding)
+
+
 def step_layout(T: int, R: int, *, pages_per_req: int, page_size: int,
                 sampler_config: SamplerConfig, lora: bool = False) -> BufferLayout:
     """How a (T, R) step's inputs (ModelInputs, SamplingMetadata, TokenInfo) are packed (with

@@ -24,7 +24,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxserve.backends import select_backend
 from jaxserve.config import CacheConfig, LoRAConfig, ModelConfig, jax_dtype
@@ -32,9 +33,8 @@ from jaxserve.models import sharding as ax
 from jaxserve.models.arch_config import ArchConfig
 from jaxserve.models.interface import KV_CACHE_AXES
 from jaxserve.models.weights import abstract_model
-from jaxserve.pallas_kernels.kv_quant import attention_dtype
-from jaxserve.pallas_kernels.ragged_paged_attention.ops import supports_check
-from jaxserve.runner.kv_cache import abstract_kv_cache, bytes_per_page, kv_cache_shape
+from jaxserve.runner.compile_pool import target_attention
+from jaxserve.runner.kv_cache import abstract_kv_cache, bytes_per_page
 from jaxserve.runner.lora_slots import LoRASlots
 from jaxserve.runner.step_fn import StepFunction, abstract_sampling_state, step_layout
 from jaxserve.sampling.config import SamplerConfig
@@ -122,19 +122,8 @@ def resolve_plan(settings: PlanSettings, cfg: ArchConfig, mesh: Mesh, rules) -> 
     mc = ModelConfig(dtype=settings.dtype, attention_impl=settings.attention_impl, matmul_impl="xla")
     cc = CacheConfig(kv_cache_dtype=settings.kv_cache_dtype, page_size=settings.page_size)
     plan = backend.plan(mc, cc, mesh)
-    impl, note = plan.attention_impl, None
-    check = supports_check(impl)
-    if check is not None:
-        spec = ax.logical_to_spec(KV_CACHE_AXES, kv_cache_shape(cfg, 1, settings.page_size), mesh, rules)
-        split = ax.mesh_axes_size(mesh, spec[2])
-        local_heads = cfg.num_kv_heads // split
-        try:
-            kv_dtype, D = jax_dtype(plan.kv_dtype), cfg.head_dim
-            q_dtype = attention_dtype(kv_dtype, jax_dtype(plan.dtype))  # fp8/int8: the model's
-            check(jax.ShapeDtypeStruct((1, cfg.num_heads // split, D), q_dtype),
-                  jax.ShapeDtypeStruct((1, settings.page_size, local_heads, D), kv_dtype))
-        except ValueError as e:
-            impl, note = "reference", f"{plan.attention_impl} kernel unsupported: {e}"
+    impl, note = target_attention(settings.attention_impl, settings.platform, cfg, mesh, rules, settings.page_size,
+                                  jax_dtype(plan.kv_dtype), jax_dtype(plan.dtype))
     return {"dtype": plan.dtype, "kv_dtype": plan.kv_dtype, "attention_impl": impl, "attention_note": note,
             "native_sampling": plan.native_sampling if mesh.size == 1 else None,
             "moe_impl": plan.moe_impl}
