@@ -1,5 +1,6 @@
-"""int8 weights against the golden float32 data of the default model (SmolLM2-135M-Instruct):
-log-prob drift and greedy agreement, next to bfloat16 weights, plus weight bytes per device.
+"""int8 weights and quantized KV caches (fp8, int8) against the golden float32 data of the
+default model (SmolLM2-135M-Instruct): log-prob drift and greedy agreement, next to bfloat16
+weights, plus weight bytes per device and KV-cache bytes per page.
 
 For each golden case the prompt plus the golden completion is scored by teacher forcing
 (prompt log-probs): the drift is |logprob(int8) - logprob(golden)| over every scored token
@@ -8,7 +9,7 @@ identically before the first divergence, and the fraction of cases matched in fu
 bytes come from the live device buffers of the model's parameters (device 0).
 One JSON line per variant goes to benchmarks/results/int8_quality.jsonl.
 
-    python benchmarks/int8_quality.py [--variants float32 bfloat16 int8]
+    python benchmarks/int8_quality.py [--variants float32 bfloat16 int8 kv-fp8 kv-int8]
 """
 
 from __future__ import annotations
@@ -26,9 +27,12 @@ sys.path.insert(0, str(HERE))
 from offline_throughput import environment
 
 RESULTS = HERE / "results" / "int8_quality.jsonl"
-# variant -> (weights dtype, quantization)
-VARIANTS = {"float32": ("float32", None), "bfloat16": ("bfloat16", None), "int8": ("float32", "int8"),
-            "int8-bf16": ("bfloat16", "int8")}
+# variant -> (weights dtype, quantization, KV-cache dtype)
+VARIANTS = {"float32": ("float32", None, "auto"), "bfloat16": ("bfloat16", None, "auto"),
+            "int8": ("float32", "int8", "auto"), "int8-bf16": ("bfloat16", "int8", "auto"),
+            "fp8": ("float32", "fp8", "auto"), "int4": ("float32", "int4", "auto"),
+            "kv-bf16": ("float32", None, "bfloat16"), "kv-fp8": ("float32", None, "fp8"),
+            "kv-int8": ("float32", None, "int8")}
 
 
 def weight_bytes(engine) -> int:
@@ -47,9 +51,10 @@ def weight_bytes(engine) -> int:
 def evaluate(variant: str, golden: dict, compile_cache: str | None) -> dict:
     from jaxserve import LLM, SamplingParams
 
-    dtype, quant = VARIANTS[variant]
-    llm = LLM(None, dtype=dtype, quantization=quant, max_num_seqs=8, max_num_batched_tokens=512,
-              token_buckets=(16, 512), request_buckets=(8,), show_progress=False,
+    dtype, quant, kv_dtype = VARIANTS[variant]
+    llm = LLM(None, dtype=dtype, quantization=quant, kv_cache_dtype=kv_dtype, max_num_seqs=8,
+              max_num_batched_tokens=512, token_buckets=(16, 512), request_buckets=(8,),
+              show_progress=False,
               **({"compilation_cache_dir": compile_cache} if compile_cache else {}))
     cases = golden["cases"]
     scored = [c["prompt_token_ids"] + c["completion_token_ids"] for c in cases]
@@ -67,7 +72,11 @@ def evaluate(variant: str, golden: dict, compile_cache: str | None) -> dict:
         want, got = case["completion_token_ids"], out.outputs[0].token_ids
         n = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), len(want))
         agree, total, full = agree + n, total + len(want), full + (n == len(want))
-    return {"variant": variant, "dtype": dtype, "quantization": quant, "weight_bytes_device0": weight_bytes(llm.engine),
+    kv = llm.engine.runner.kv
+    page_bytes = sum(a.nbytes for a in (*kv.k, *kv.v)) // kv.num_pages
+    return {"variant": variant, "dtype": dtype, "quantization": quant,
+            "kv_cache_dtype": str(kv.k[0].dtype),
+            "kv_bytes_per_page": page_bytes, "weight_bytes_device0": weight_bytes(llm.engine),
             "logprob_drift_max": float(np.max(drift)), "logprob_drift_mean": float(np.mean(drift)),
             "scored_tokens": len(drift), "greedy_prefix_agreement": agree / total,
             "greedy_cases_identical": f"{full}/{len(cases)}"}
@@ -87,9 +96,10 @@ def main(argv=None) -> None:
         with open(args.results, "a") as f:
             f.writelines(json.dumps({"benchmark": "int8_quality", **row, **env, "timestamp": stamp}) + "\n" for row in rows)
     print(f"\n{env['host']['cpu']}, jax {env['versions']['jax']}, git {str(env['git_sha'])[:10]}")
-    print(f"{'variant':10} {'weights MiB':>12} {'drift max':>10} {'drift mean':>11} {'greedy agree':>13} {'identical':>10}")
+    print(f"{'variant':10} {'weights MiB':>12} {'KV B/page':>10} {'drift max':>10} {'drift mean':>11} {'greedy agree':>13} {'identical':>10}")
     for r in rows:
-        print(f"{r['variant']:10} {r['weight_bytes_device0'] / 2**20:12.1f} {r['logprob_drift_max']:10.4f} "
+        print(f"{r['variant']:10} {r['weight_bytes_device0'] / 2**20:12.1f} {r['kv_bytes_per_page']:10d} "
+              f"{r['logprob_drift_max']:10.4f} "
               f"{r['logprob_drift_mean']:11.5f} {r['greedy_prefix_agreement']:13.3f} {r['greedy_cases_identical']:>10}")
 
 

@@ -71,8 +71,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="model path; default: the bundled default model")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--dtype", nargs="+", default=["float32"], choices=["float32", "bfloat16"])
-    p.add_argument("--quantization", nargs="+", default=["none"], choices=["none", "int8"],
-                   help="weight quantization(s) to run with each dtype (int8: int8 weights, the dtype computes)")
+    p.add_argument("--quantization", nargs="+", default=["none"], choices=["none", "int8", "fp8", "int4"],
+                   help="weight quantization(s) to run with each dtype (int8/fp8/int4 weights, the dtype computes)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (with --temperature)")
     p.add_argument("--mesh", nargs="+", default=["1x1"], help="data x tensor parallel sizes, e.g. 1x1 1x2 2x1")

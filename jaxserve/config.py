@@ -34,6 +34,7 @@ __all__ = [
     "CacheConfig",
     "CompileConfig",
     "EngineConfig",
+    "LoRAConfig",
     "ModelConfig",
     "ParallelConfig",
     "SchedulerConfig",
@@ -60,14 +61,21 @@ DEFAULT_MAX_MODEL_LEN = 2048
 Dtype = Literal["float32", "bfloat16", "float16"]
 DtypeOrAuto = Literal["auto", Dtype]
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's spellings
+# Quantized KV caches: the name -> the cache's element type (DESIGN §9, "Quantized KV cache").
+KV_QUANT_DTYPES = {"fp8": "float8_e4m3fn", "int8": "int8"}
+KvCacheDtype = Literal["auto", Dtype, "fp8", "int8"]
+KV_DTYPE_ALIASES = {"fp8_e4m3": "fp8", **DTYPE_ALIASES}  # vLLM's spellings
 
 
 def jax_dtype(name: str) -> Any:
-    """The JAX dtype of a resolved dtype name ("float32", "bfloat16", "float16")."""
-    if name not in get_args(Dtype):
-        raise ValueError(f"dtype must be one of {', '.join(get_args(Dtype))}, got {name!r}.")
+    """The JAX dtype of a resolved dtype name ("float32", "bfloat16", "float16"; for a KV
+    cache also "fp8" = float8_e4m3fn and "int8")."""
     import jax.numpy as jnp
 
+    if name in KV_QUANT_DTYPES:
+        return jnp.dtype(KV_QUANT_DTYPES[name])
+    if name not in get_args(Dtype):
+        raise ValueError(f"dtype must be one of {', '.join(get_args(Dtype))}, got {name!r}.")
     return getattr(jnp, name)
 
 
@@ -135,7 +143,9 @@ class ModelConfig:
     bfloat16 on TPU/GPU, on a CPU the faster of bfloat16 and float32 (measured once per CPU)."""
     max_model_len: int | None = None
     """Context length (prompt and output tokens) of a request. Default: the model's
-    max_position_embeddings, at most 2048 (DEFAULT_MAX_MODEL_LEN)."""
+    max_position_embeddings; on TPU/GPU lowered, with a warning, to what the KV cache holds
+    when it cannot hold one sequence that long (a value given here is refused instead); on a
+    CPU at most 2048 (DEFAULT_MAX_MODEL_LEN)."""
     model_cache_dir: str | None = per_process()
     """Where GGUF files are converted to (once) and kept, under models/. Default: <user
     cache>/jaxserve."""
@@ -163,10 +173,13 @@ class ModelConfig:
     named *Model, e.g. Qwen3Model: no LM head), else generate."""
     task: Literal["generate", "embed"] | None = None
     """vLLM's older spelling of --runner: embed = pooling. Default: --runner decides."""
-    quantization: Literal["int8"] | None = None
+    quantization: Literal["int8", "fp8", "int4"] | None = None
     """Weight-only quantization at load: int8 keeps every matmul weight (and the embedding) int8
-    in device memory with per-channel float32 scales, converted inside the product. Default:
-    the checkpoint's weights as they are."""
+    in device memory with per-channel float32 scales, converted inside the product; fp8 keeps
+    the decoder layers' matmul weights float8_e4m3fn with per-channel scales, int4 as packed
+    4-bit values with a scale and zero per group of 128 inputs (64/32 where 128 does not
+    divide). Default: the checkpoint's weights as they are (FP8, AWQ and GPTQ checkpoints keep
+    their own format, which a contradicting value here refuses)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", DTYPE_ALIASES.get(self.dtype, self.dtype))
@@ -183,8 +196,9 @@ class ModelConfig:
         if self.runner not in ("auto", "generate", "pooling"):
             raise ValueError(f"runner must be 'auto', 'generate' or 'pooling', "
                              f"got {self.runner!r}.")
-        if self.quantization not in (None, "int8"):
-            raise ValueError(f"quantization must be 'int8' or None, got {self.quantization!r}.")
+        if self.quantization not in (None, "int8", "fp8", "int4"):
+            raise ValueError(f"quantization must be 'int8', 'fp8', 'int4' or None, "
+                             f"got {self.quantization!r}.")
 
     def is_pooling(self, architectures: list[str] | None) -> bool:
         """Whether the engine embeds instead of generating, for a checkpoint of `architectures`."""
@@ -192,9 +206,12 @@ class ModelConfig:
             return self.runner == "pooling"
         return bool(architectures) and all(a.endswith("Model") for a in architectures)
 
-    def resolve_max_model_len(self, max_position_embeddings: int) -> int:
-        """The context length: the user's, else the model's, at most DEFAULT_MAX_MODEL_LEN."""
-        return self.max_model_len or min(max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+    def resolve_max_model_len(self, max_position_embeddings: int, cap: int | None = DEFAULT_MAX_MODEL_LEN) -> int:
+        """The context length: the user's, else the model's, at most `cap` (the backend's
+        `default_max_model_len`: none on accelerators)."""
+        if self.max_model_len:
+            return self.max_model_len
+        return max_position_embeddings if cap is None else min(max_position_embeddings, cap)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,18 +233,24 @@ class CacheConfig:
     """KV pages for the whole mesh, overriding the budget. Default: as many as the budget holds."""
     enable_prefix_caching: bool = per_process(True)
     """Reuse the KV cache of shared prompt prefixes (the leader's scheduler's)."""
-    kv_cache_dtype: DtypeOrAuto = "auto"
+    kv_cache_dtype: KvCacheDtype = option("auto", choice_aliases=KV_DTYPE_ALIASES)
     """The KV cache's dtype. auto: the model's, except float32 on a CPU without the native
     attention kernel (there XLA writes the cache, and its bfloat16 scatter is orders of magnitude
-    slower)."""
+    slower). fp8 (or fp8_e4m3, vLLM's spellings): float8_e4m3fn, with the checkpoint's k/v
+    scales (per tensor or per KV head) when it has them, else 1.0, as vLLM. int8: the
+    checkpoint's scales, else per KV head scales measured at start-up on a calibration text.
+    Either halves a bfloat16 cache's page (the budget holds twice the pages)."""
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a power of two, got {self.page_size}.")
         if not 0.0 < self.device_memory_utilization <= 1.0:
             raise ValueError("device_memory_utilization must be in (0, 1].")
-        if self.kv_cache_dtype not in get_args(DtypeOrAuto):
-            raise ValueError(f"kv_cache_dtype must be one of {', '.join(get_args(DtypeOrAuto))}, "
+        object.__setattr__(self, "kv_cache_dtype",
+                           KV_DTYPE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype))
+        if self.kv_cache_dtype not in get_args(KvCacheDtype):
+            choices = ", ".join([*get_args(KvCacheDtype), *KV_DTYPE_ALIASES])
+            raise ValueError(f"kv_cache_dtype must be one of {choices}, "
                              f"got {self.kv_cache_dtype!r}.")
 
 
@@ -271,6 +294,33 @@ class ParallelConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters served on the base model (vLLM's flags): each adapter lives in one of
+    max_loras device slots while it runs (the compiled step reads the slots; loading one never
+    recompiles), and in a host cache of max_cpu_loras."""
+
+    enable_lora: bool = False
+    """Serve LoRA adapters (PEFT directories) on the base model. Off: no LoRA path at all."""
+    max_loras: int = 1
+    """Adapters on the device at once: the most distinct adapters in one step."""
+    max_lora_rank: int = 16
+    """The largest adapter rank accepted (every slot is padded to it)."""
+    max_cpu_loras: int | None = None
+    """Adapters kept in host memory (least recently used dropped first). Default: max_loras."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}.")
+        if self.max_cpu_loras is None:
+            object.__setattr__(self, "max_cpu_loras", self.max_loras)
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras "
+                             f"({self.max_loras}).")
+
+
+@dataclasses.dataclass(frozen=True)
 class CompileConfig:
     """The compiled steps: the bucket grid and the caches that keep them across restarts."""
 
@@ -288,6 +338,10 @@ class CompileConfig:
     enable_executable_cache: bool = per_process(True, flag="--executable-cache")
     """Keep the compiled steps themselves on disk (runner/executable_cache.py), so that a restart
     loads them without tracing or compiling; needs the compilation cache."""
+    compile_workers: int | None = per_process(None)
+    """Processes compiling the steps side by side at a cold start (runner/compile_pool.py; needs
+    the executable cache). Default: on TPU one per 4 cores, at most 8; elsewhere 1 (in this
+    process)."""
     show_progress: bool = per_process(True, not_a_flag="the command's: on in serve, not generate")
     """Show a progress bar while the steps compile."""
 
@@ -373,6 +427,8 @@ class EngineConfig:
     """The device mesh and the processes."""
     compile: CompileConfig = option(CompileConfig(), not_a_flag=_PART)
     """The compiled steps."""
+    lora: LoRAConfig = option(LoRAConfig(), not_a_flag=_PART)
+    """LoRA adapters."""
     max_logprobs: int = option(20, group="model")
     """The most log-probs a request may ask for (logprobs, prompt_logprobs): the width of the
     sampler's top-logprobs outputs."""
@@ -388,7 +444,7 @@ class EngineConfig:
     def parts() -> dict[str, type]:
         """The sub-configurations by field name (also the CLI's help groups)."""
         return {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
-                "parallel": ParallelConfig, "compile": CompileConfig}
+                "parallel": ParallelConfig, "compile": CompileConfig, "lora": LoRAConfig}
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

@@ -22,6 +22,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from jaxserve.lora_request import LoRARequest
 from jaxserve.sampling_params import SamplingParams
 
 
@@ -75,6 +76,7 @@ class EngineRequest:
     arrival_time: float = 0.0
     priority: int = 0
     cache_salt: str | None = None
+    lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base model)
     # The compiled constraint of sampling_params.structured_outputs (a jaxserve.structured.
     # compiler.CompiledGrammar, shared, never advanced; typed loosely: the core imports no engine)
     grammar: Any = None
@@ -108,6 +110,9 @@ class Request:
     skip_prefix_cache: bool = False
     # Mixed into every block hash: requests with different salts never share cached blocks.
     cache_salt: str | None = None
+    # The LoRA adapter it runs with (None: the base model); its id keys the block hashes too.
+    lora_request: LoRARequest | None = None
+    lora_slot: int = 0  # the adapter's device slot while running (the scheduler's; 0: none)
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -136,7 +141,11 @@ class Request:
     def from_engine_request(cls, r: EngineRequest) -> Request:
         return cls(r.request_id, list(r.prompt_token_ids), r.sampling_params, arrival_time=r.arrival_time,
                    priority=r.priority, eos_token_id=r.eos_token_id, bad_words_token_ids=r.bad_words_token_ids,
-                   cache_salt=r.cache_salt)
+                   cache_salt=r.cache_salt, lora_request=r.lora_request)
+
+    @property
+    def lora_int_id(self) -> int:
+        return 0 if self.lora_request is None else self.lora_request.lora_int_id
 
     # ------------------------------------------------------------------ sizes
     @property

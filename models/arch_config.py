@@ -10,6 +10,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from jaxserve.models.weight_format import WeightFormat
+from jaxserve.models.quant_checkpoint import parse_quantization_config
+
 _SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
 
 FULL_ATTENTION = "full_attention"
@@ -96,6 +99,9 @@ class ArchConfig:
     # float model dequantizes them at load; `--quantization int8` keeps them (and quantizes any
     # float weight in the same layout). None: float weights.
     int8_block_size: int | None = None
+    # The checkpoint's storage: a format of another tool's quantization_config (FP8, AWQ, GPTQ;
+    # models/quant_checkpoint.py) that the decoder layers' matmul weights keep on the device.
+    weight_format: WeightFormat | None = None
 
     @property
     def q_per_kv(self) -> int:
@@ -130,7 +136,10 @@ class ArchConfig:
         if not archs:
             raise ValueError("config.json has no 'architectures' entry; cannot pick a model class.")
         arch = archs[0]
-        block = _stored_int8_block(hf)
+        block, weight_format = _stored_quantization(hf)
+        if weight_format is not None and arch in _MOE:
+            raise ValueError(f"{weight_format.describe()} checkpoints of mixture-of-experts models "
+                             f"({arch}) are not supported yet; use the float checkpoint")
         num_heads = int(hf["num_attention_heads"])
         hidden = int(hf["hidden_size"])
         head_dim = hf.get("head_dim") or hidden // num_heads
@@ -193,27 +202,23 @@ class ArchConfig:
             eos_token_ids=eos_ids,
             bos_token_id=hf.get("bos_token_id"),
             int8_block_size=block,
+            weight_format=weight_format,
         )
 
 
-def _stored_int8_block(hf: dict[str, Any]) -> int | None:
-    """The block size of a GGUF Q8_0 conversion's int8 weights (jaxserve's own layout), None for
-    a float checkpoint. Checkpoints quantized by another tool (GPTQ, AWQ, bitsandbytes, FP8,
-    ...) store weights jaxserve cannot read as floats; say so instead of failing on a tensor
-    name or shape."""
+def _stored_quantization(hf: dict[str, Any]) -> tuple[int | None, WeightFormat | None]:
+    """(the block size of a GGUF Q8_0 conversion's int8 weights (jaxserve's own layout), the
+    format of a checkpoint quantized by another tool); (None, None) for a float checkpoint.
+    Formats jaxserve cannot read (bitsandbytes, AWQ GEMV, act-order GPTQ, ...) are refused by
+    name instead of failing on a tensor name or shape."""
     qc = hf.get("quantization_config")
     if not qc:
-        return None
-    if isinstance(qc, dict) and qc.get("quant_method") == "gguf" and qc.get("weight_type") == "Q8_0":
-        return int(qc["block_size"])
-    method = qc.get("quant_method", "unknown") if isinstance(qc, dict) else "unknown"
-    bits = qc.get("bits") if isinstance(qc, dict) else None
-    what = f"{method}" + (f", {bits}-bit" if bits else "")
-    raise ValueError(
-        f"this checkpoint is pre-quantized (quantization_config: {what}), which jaxserve cannot "
-        "serve. Use the float (bfloat16/float16/float32) checkpoint, optionally with "
-        "--quantization int8 to quantize it at load, or a GGUF file."
-    )
+        return None, None
+    if not isinstance(qc, dict):
+        qc = {}
+    if qc.get("quant_method") == "gguf" and qc.get("weight_type") == "Q8_0":
+        return int(qc["block_size"]), None
+    return None, parse_quantization_config(qc)
 
 
 def _opt_float(x) -> float | None:

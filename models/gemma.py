@@ -28,6 +28,7 @@ from jaxserve.models import interface as features
 from jaxserve.models import sharding as ax
 from jaxserve.models.arch_config import ArchConfig
 from jaxserve.models.layers.linear import dense, dense_group
+from jaxserve.models.layers.lora import add_lora
 from jaxserve.models.layers.rotary import layer_rope_spec
 from jaxserve.models.llama import (
     LAYER_SPECS,
@@ -36,6 +37,7 @@ from jaxserve.models.llama import (
     TensorGetter,
     _param,
     llama_weight_map,
+    quantized_weights,
 )
 
 
@@ -52,7 +54,7 @@ def gemma_features(cfg: ArchConfig, quantization: str | None) -> frozenset[str]:
                        (cfg.qk_norm, features.QK_NORM), (cfg.qkv_bias, features.QKV_BIAS),
                        (cfg.o_bias, features.O_BIAS),
                        (cfg.rotary_dim != cfg.head_dim, features.PARTIAL_ROTARY),
-                       (quantization is not None, features.INT8_WEIGHTS)):
+                       (quantized_weights(cfg, quantization), features.INT8_WEIGHTS)):
         if flag:
             out.add(name)
     return frozenset(out)
@@ -107,8 +109,11 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         else:
             gate = dense(LAYER_SPECS["w_gate"], x, p["w_gate"])  # [T, F]
             up = dense(LAYER_SPECS["w_up"], x, p["w_up"])
-        act = jax.nn.gelu(gate, approximate=self.config.hidden_act == "gelu_tanh")
-        return dense(LAYER_SPECS["w_down"], act * up, p["w_down"])  # [T, E]
+        gate = add_lora(p, "w_gate", LAYER_SPECS["w_gate"], x, gate)
+        up = add_lora(p, "w_up", LAYER_SPECS["w_up"], x, up)
+        act = jax.nn.gelu(gate, approximate=self.config.hidden_act == "gelu_tanh") * up
+        return add_lora(p, "w_down", LAYER_SPECS["w_down"], act,
+                        dense(LAYER_SPECS["w_down"], act, p["w_down"]))  # [T, E]
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         logits = super().compute_logits(hidden)

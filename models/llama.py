@@ -26,6 +26,7 @@ from jaxserve.models.interface import AttentionMetadata, KVCache
 from jaxserve.models.layers.attention import AttentionSpec, paged_attention
 from jaxserve.models.layers.linear import (
     SCALE_SUFFIX,
+    ZERO_SUFFIX,
     QuantizedParam,
     dense,
     dense_group,
@@ -33,10 +34,20 @@ from jaxserve.models.layers.linear import (
     module_weights,
     param_weight,
     quantize_int8,
+    scale_shape,
 )
+from jaxserve.models.layers.quant import (
+    pack_int4,
+    quantize_fp8_blocks,
+    quantize_int4_blocks,
+    weight_format,
+)
+from jaxserve.models.weight_format import WeightFormat
+from jaxserve.models.layers.lora import LoRABatch, add_lora
 from jaxserve.models.layers.norm import rms_norm
 from jaxserve.models.layers.rotary import RopeSpec, apply_rotary, layer_rope_spec, rope_tables
 from jaxserve.models.sharding import DEFAULT_RULES
+from jaxserve.pallas_kernels.kv_quant import attention_dtype
 
 # A checkpoint tensor getter: HF tensor name -> numpy array.
 TensorGetter = Callable[[str], np.ndarray]
@@ -64,10 +75,15 @@ def layer_features(cfg: ArchConfig, quantization: str | None = None) -> frozense
                        (cfg.qk_norm, features.QK_NORM),
                        (len(windows) > 1 or len(ropes) > 1, features.PER_LAYER_ATTENTION),
                        (cfg.rotary_dim != cfg.head_dim, features.PARTIAL_ROTARY),
-                       (quantization is not None, features.INT8_WEIGHTS)):
+                       (quantized_weights(cfg, quantization), features.INT8_WEIGHTS)):
         if flag:
             out.add(name)
     return frozenset(out)
+
+
+def quantized_weights(cfg: ArchConfig, quantization: str | None) -> bool:
+    """Whether the model's matmul weights are quantized (at load or in the checkpoint)."""
+    return quantization is not None or cfg.weight_format is not None
 
 
 def _param(rngs: nnx.Rngs | None, shape, axes, dtype, scale: float, ones: bool = False) -> nnx.Param:
@@ -81,10 +97,15 @@ def _param(rngs: nnx.Rngs | None, shape, axes, dtype, scale: float, ones: bool =
 
 
 def add_weight(module: nnx.Module, name: str, rngs: nnx.Rngs | None, shape, axes, dtype, scale: float,
-               spec: str, quantization: str | None, block: int | None = None) -> None:
+               spec: str, quantization: str | None, block: int | None = None,
+               fmt: WeightFormat | None = None) -> None:
     """Matmul weight `name` of `module`: a float parameter, or with quantization="int8" an int8
     `QuantizedParam` and its scales (`name` + SCALE_SUFFIX): per output channel, or per `block`
-    values along the contracted dims (`ArchConfig.int8_block_size`: a Q8_0 checkpoint)."""
+    values along the contracted dims (`ArchConfig.int8_block_size`: a Q8_0 checkpoint); with
+    `fmt` (see `weight_format`) a weight in that format."""
+    if fmt is not None:
+        add_format_weight(module, name, rngs, shape, axes, dtype, scale, spec, fmt)
+        return
     if quantization is None:
         setattr(module, name, _param(rngs, shape, axes, dtype, scale))
         return
@@ -94,6 +115,30 @@ def add_weight(module: nnx.Module, name: str, rngs: nnx.Rngs | None, shape, axes
     q, s = quantize_int8(value, spec, block)
     scale_axes = tuple(None if n == 1 and m != 1 else a for a, n, m in zip(axes, s.shape, shape))
     setattr(module, name, QuantizedParam(q, logical_axes=axes, spec=spec, compute_dtype=jnp.dtype(dtype).name))
+    setattr(module, name + SCALE_SUFFIX, nnx.Param(s, logical_axes=scale_axes))
+
+
+def add_format_weight(module: nnx.Module, name: str, rngs: nnx.Rngs | None, shape, axes, dtype,
+                      scale: float, spec: str, fmt: WeightFormat) -> None:
+    """Matmul weight `name` in format `fmt`: its values as a `QuantizedParam` (float8_e4m3fn, or
+    uint8 holding two int4 values along the last contracted dim), float32 scales and (int4)
+    zeros of `scale_shape(shape, spec, fmt.in_block, fmt.out_block)`."""
+    sshape = scale_shape(shape, spec, fmt.in_block, fmt.out_block)
+    split = [x for n, m in zip(shape, sshape) for x in (m, n // m)]
+    w = (scale * jax.random.normal(rngs.params(), shape, jnp.float32) if rngs is not None
+         else jnp.zeros(shape))
+    scale_axes = tuple(None if n == 1 and m != 1 else a for a, n, m in zip(axes, sshape, shape))
+    meta = dict(spec=spec, compute_dtype=jnp.dtype(dtype).name)
+    if fmt.kind == "fp8":
+        q, s = quantize_fp8_blocks(w, split)
+    else:
+        packed_axis = max(a for a, c in enumerate(spec.split("->")[0].split(",")[1])
+                          if c in spec.split(",")[0] and c not in spec.split("->")[1])
+        q, s, z = quantize_int4_blocks(w, split)
+        q = pack_int4(q, packed_axis)
+        meta["packed_axis"] = packed_axis
+        setattr(module, name + ZERO_SUFFIX, nnx.Param(z, logical_axes=scale_axes))
+    setattr(module, name, QuantizedParam(q, logical_axes=axes, **meta))
     setattr(module, name + SCALE_SUFFIX, nnx.Param(s, logical_axes=scale_axes))
 
 
@@ -109,8 +154,10 @@ class DecoderLayer(nnx.Module):
         Hq, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         s = 0.02 * 2
         p = lambda shape, axes, **kw: _param(rngs, shape, axes, dtype, s, **kw)
+        fmt = weight_format(cfg, quantization)
         w = lambda name, shape, axes: add_weight(self, name, rngs, shape, axes, dtype, s,
-                                                 LAYER_SPECS[name], quantization, cfg.int8_block_size)
+                                                 LAYER_SPECS[name], quantization,
+                                                 cfg.int8_block_size, fmt)
         self.input_norm = p((E,), (ax.EMBED,), ones=True)
         w("wq", (E, Hq, D), (ax.EMBED, ax.Q_HEADS, ax.HEAD_DIM))
         w("wk", (E, Hkv, D), (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM))
@@ -157,6 +204,7 @@ class LlamaForCausalLM(nnx.Module):
 
     product_specs = (LAYER_SPECS, FUSED, HEAD_SPECS)
     layer_class = DecoderLayer
+    supports_lora = True  # the layers add LoRA products (models/layers/lora.py)
 
     def __init__(
         self,
@@ -183,15 +231,17 @@ class LlamaForCausalLM(nnx.Module):
         # otherwise the model declares per_layer_attention).
         self.attn_spec = specs[0]
         V, E = cfg.vocab_size, cfg.hidden_size
-        q = quantization
+        weight_format(cfg, quantization)  # refuses a --quantization the checkpoint contradicts
+        q = quantization if quantization == "int8" else None  # the embedding and head stay float
         embed_scale = 0.5
         if q is None:
             self.embed = _param(rngs, (V, E), (ax.VOCAB, ax.EMBED), dtype, embed_scale)
         else:
             add_weight(self, "embed", rngs, (V, E), (ax.VOCAB, ax.EMBED), dtype, embed_scale, EMBED_SPEC, q,
                        cfg.int8_block_size)
-        self.layers = nnx.List([self.make_layer(cfg, i, dtype, rngs, specs[i], q, mesh, rules)
-                                for i in range(cfg.num_layers)])
+        self.layers = nnx.List([
+            self.make_layer(cfg, i, dtype, rngs, specs[i], quantization, mesh, rules)
+            for i in range(cfg.num_layers)])
         self.final_norm = _param(rngs, (E,), (ax.EMBED,), dtype, 0.0, ones=True)
         if not cfg.tie_word_embeddings:
             add_weight(self, "lm_head", rngs, (E, V), (ax.EMBED, ax.VOCAB), dtype, 0.05, HEAD_SPECS[0], q,
@@ -213,9 +263,11 @@ class LlamaForCausalLM(nnx.Module):
         kv_cache: KVCache,
         md: AttentionMetadata,
         layer_impl=None,
+        lora: LoRABatch | None = None,
     ) -> tuple[jax.Array, KVCache]:
         """`layer_impl(model, params, h, rope, k_cache, v_cache, md)`: a backend's replacement
-        for `_layer` (see jaxserve/backends), used only after its capability check."""
+        for `_layer` (see jaxserve/backends), used only after its capability check. `lora`: the
+        step's adapter slots and each token's slot (models/layers/lora.py), or None."""
         with jax.named_scope("embed"):
             h = self.embed_tokens(input_ids)  # [T, E] float32
         ropes = rope_for_step(self.layers, positions, md)  # cos, sin: [T, 1, R/2] per table
@@ -223,6 +275,8 @@ class LlamaForCausalLM(nnx.Module):
         for i, layer in enumerate(self.layers):
             with jax.named_scope(f"layer_{i}"):
                 p = module_weights(layer)
+                if lora is not None:
+                    p["lora"] = (lora.layers[i], lora.onehot, lora.active)
                 rope = ropes[layer.rope]
                 if layer_impl is None:
                     h, k_caches[i], v_caches[i] = self._layer(layer, p, h, rope, k_caches[i], v_caches[i], md)
@@ -257,6 +311,8 @@ class LlamaForCausalLM(nnx.Module):
             q = dense(LAYER_SPECS["wq"], x, p["wq"])  # [T, Hq, D]
             k = dense(LAYER_SPECS["wk"], x, p["wk"])  # [T, Hkv, D]
             v = dense(LAYER_SPECS["wv"], x, p["wv"])
+        q, k, v = (add_lora(p, n, LAYER_SPECS[n], x, y)
+                   for n, y in (("wq", q), ("wk", k), ("wv", v)))
         if cfg.qkv_bias:
             q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
         if cfg.qk_norm:
@@ -264,12 +320,12 @@ class LlamaForCausalLM(nnx.Module):
             k = self.norm(k, p["k_norm"])
         q = apply_rotary(q, *rope)
         k = apply_rotary(k, *rope)
-        cache_dtype = k_cache.dtype
         attn, k_cache, v_cache = paged_attention(
-            q.astype(cache_dtype), k.astype(cache_dtype), v.astype(cache_dtype),
+            q.astype(attention_dtype(k_cache.dtype, self.dtype)), k, v,
             k_cache, v_cache, md, layer.attn_spec, self.mesh, dict(self.rules),
         )  # attn: [T, Hq, D]
         o = dense(LAYER_SPECS["wo"], attn, p["wo"])  # [T, E]
+        o = add_lora(p, "wo", LAYER_SPECS["wo"], attn, o)
         if cfg.o_bias:
             o = o + p["bo"]
         return o, k_cache, v_cache
@@ -282,9 +338,13 @@ class LlamaForCausalLM(nnx.Module):
         else:
             gate = dense(LAYER_SPECS["w_gate"], x, p["w_gate"])  # [T, F]
             up = dense(LAYER_SPECS["w_up"], x, p["w_up"])
+        gate = add_lora(p, "w_gate", LAYER_SPECS["w_gate"], x, gate)
+        up = add_lora(p, "w_up", LAYER_SPECS["w_up"], x, up)
         if cfg.mlp_bias:
             gate, up = gate + p["b_gate"], up + p["b_up"]
-        down = dense(LAYER_SPECS["w_down"], jax.nn.silu(gate) * up, p["w_down"])  # [T, E]
+        act = jax.nn.silu(gate) * up
+        down = dense(LAYER_SPECS["w_down"], act, p["w_down"])  # [T, E]
+        down = add_lora(p, "w_down", LAYER_SPECS["w_down"], act, down)
         if cfg.mlp_bias:
             down = down + p["b_down"]
         return down

@@ -65,6 +65,7 @@ class MoeDecoderLayer(DecoderLayer):
 
 class MixtralForCausalLM(LlamaForCausalLM):
     layer_class = MoeDecoderLayer
+    supports_lora = False  # the experts' products have no LoRA terms
 
     def __init__(self, config: ArchConfig, *, moe_impl: str = "ragged", **kw):
         super().__init__(config, moe_impl=moe_impl, **kw)

@@ -19,12 +19,21 @@ from jaxserve.models.arch_config import ArchConfig
 from jaxserve.models.layers.linear import (
     QUANTIZATIONS,
     SCALE_SUFFIX,
+    ZERO_SUFFIX,
     QuantizedParam,
     block_scales,
     quantize_int8,
     scale_shape,
 )
+from jaxserve.models.layers.quant import (
+    pack_int4,
+    quantize_fp8_blocks,
+    quantize_int4_blocks,
+    weight_format,
+)
+from jaxserve.models.weight_format import WeightFormat
 from jaxserve.models.loader import BLOCK_SCALE_SUFFIX, load_checkpoint
+from jaxserve.models.quant_checkpoint import FormatTensors, UnquantizedTensor
 from jaxserve.models.placement import put_sharded
 from jaxserve.models.registry import get_model_class
 from jaxserve.models.sharding import (
@@ -87,7 +96,12 @@ def create_model(
 
     weight_map = cls.hf_weight_map(cfg)
     block = cfg.int8_block_size
+    fmt = weight_format(cfg, quantization)
+    stored = None if cfg.weight_format is None else FormatTensors(get_tensor, cfg.weight_format,
+                                                                  _has(get_tensor))
     get_float = get_tensor if block is None else dequantizing(get_tensor, block)
+    if stored is not None:
+        get_float = stored.dequantized
     flat_shardings = {
         _path_key(p): s for p, s in jax.tree_util.tree_leaves_with_path(shardings)
     }
@@ -95,7 +109,7 @@ def create_model(
     abstract_vars = {
         _path_key(p): v for p, v in jax.tree_util.tree_leaves_with_path(abs_state, is_leaf=_is_var)
     }
-    pending: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # quantized weight -> (q, scale)
+    pending: dict[str, tuple] = {}  # quantized weight -> (q, scale[, zero])
 
     def host_tensor(key: str, get=get_float) -> np.ndarray:
         if key not in weight_map:
@@ -109,6 +123,9 @@ def create_model(
             return pending.pop(key)
         var = abstract_vars[key]
         spec = var.get_metadata()["spec"]
+        if fmt is not None:
+            pending[key] = format_weight(key, var)
+            return pending[key]
         stored = None if block is None else stored_int8(key, spec)
         if stored is None:
             host = host_tensor(key)
@@ -129,16 +146,42 @@ def create_model(
         expanded = host_tensor(key, lambda name: np.repeat(get_tensor(name + BLOCK_SCALE_SUFFIX), block, axis=-1))
         return q, block_scales(expanded, scale_shape(q.shape, spec, block)).astype(np.float32)
 
+    def format_weight(key: str, var) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """Weight `key` in format `fmt`: the checkpoint's own values and scales (and zeros)
+        laid out as the parameter, or (a float tensor) quantized here."""
+        meta = var.get_metadata()
+        spec, axis = meta["spec"], meta.get("packed_axis")
+        shape = list(var.get_value().shape)
+        if axis is not None:
+            shape[axis] *= 2
+        sshape = scale_shape(shape, spec, fmt.in_block, fmt.out_block)
+        try:
+            if stored is None:
+                raise UnquantizedTensor(key)
+            q = host_tensor(key, stored.values)
+            _check_shape(key, q.shape, shape)
+            scale = block_scales(host_tensor(key, stored.scales), sshape).astype(np.float32)
+            zero = block_scales(host_tensor(key, stored.zeros), sshape) if fmt.has_zeros else None
+        except UnquantizedTensor:
+            host = np.asarray(host_tensor(key), np.float32)
+            _check_shape(key, host.shape, shape)
+            q, scale, zero = quantize_format(host, sshape, fmt)
+        if axis is not None:
+            q = pack_int4(q, axis)
+        return q, scale, zero
+
     def load(path, var):
         key = _path_key(path)
-        base = key.removesuffix(SCALE_SUFFIX)
-        if base != key and isinstance(abstract_vars.get(base), QuantizedParam):
-            _, scale = quantized(base)
-            sharding = named_sharding(var.get_metadata()["logical_axes"], scale.shape, mesh, rules)
-            return var.replace(put_sharded(scale, sharding, np.float32))
+        for suffix, index in ((SCALE_SUFFIX, 1), (ZERO_SUFFIX, 2)):
+            base = key.removesuffix(suffix)
+            if base != key and isinstance(abstract_vars.get(base), QuantizedParam):
+                part = quantized(base)[index]
+                axes = var.get_metadata()["logical_axes"]
+                sharding = named_sharding(axes, part.shape, mesh, rules)
+                return var.replace(put_sharded(part, sharding, np.float32))
         if isinstance(var, QuantizedParam):
-            q, _ = quantized(key)
-            return var.replace(put_sharded(q, flat_shardings[key], np.int8))
+            q = quantized(key)[0]
+            return var.replace(put_sharded(q, flat_shardings[key], var.get_value().dtype))
         host = host_tensor(key)
         _check_shape(key, host.shape, var.get_value().shape)
         return var.replace(put_sharded(host, flat_shardings[key], var.get_value().dtype))
@@ -197,6 +240,25 @@ def sharded_abstract_model(
         return var.replace(jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=flat[_path_key(path)]))
 
     return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(sharded, abs_state, is_leaf=_is_var))
+
+
+def quantize_format(w32: np.ndarray, sshape, fmt: WeightFormat):
+    """(values, scales, zeros or None) of float32 `w32` in format `fmt`, scales of `sshape`."""
+    split = [x for n, m in zip(w32.shape, sshape) for x in (m, n // m)]
+    if fmt.kind == "fp8":
+        return (*quantize_fp8_blocks(w32, split), None)
+    return quantize_int4_blocks(w32, split)
+
+
+def _has(get_tensor: Callable[[str], np.ndarray]) -> Callable[[str], bool]:
+    def has(name: str) -> bool:
+        try:
+            get_tensor(name)
+        except KeyError:
+            return False
+        return True
+
+    return has
 
 
 class _FloatTensor(Exception):

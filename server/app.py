@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import pathlib
@@ -13,7 +14,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 import jaxserve
@@ -27,10 +28,12 @@ from jaxserve.server.playground import playground_routes
 from jaxserve.server.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
+    LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    UnloadLoRAAdapterRequest,
 )
 from jaxserve.server.request_context import RequestContextMiddleware
 from jaxserve.server.chat_template import render_chat
@@ -66,6 +69,8 @@ def build_app(
     tool_call_parser: str | None = None,
     enable_auto_tool_choice: bool = False,
     log_requests: bool = False,
+    lora_modules: Sequence[str] | None = None,
+    allow_runtime_lora_updating: bool = False,
 ) -> Starlette:
     """The app over `engine` (an EngineClient, started by the app's lifespan).
 
@@ -77,7 +82,10 @@ def build_app(
     stream (None: no deadline). `chat_template` (the operator's, e.g. from --chat-template)
     replaces the model's. `tool_call_parser` names the model's tool-call format
     (server/tool_parsers); tool_choice "auto" also needs `enable_auto_tool_choice`.
-    `log_requests`: one log line per generation request."""
+    `log_requests`: one log line per generation request. `lora_modules`: NAME=PATH adapters
+    offered as models (the engine started with LoRA on); `allow_runtime_lora_updating` adds
+    POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's routes under its
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING)."""
     names = list(served_model_names or []) or [engine.model_name]
     if max_body_bytes is None:
         max_body_bytes = default_max_body_bytes(engine.max_model_len)
@@ -87,6 +95,11 @@ def build_app(
                         trust_request_chat_template=trust_request_chat_template, request_timeout=request_timeout,
                         tool_call_parser=tool_call_parser, enable_auto_tool_choice=enable_auto_tool_choice,
                         log_requests=log_requests, chat_template=chat_template)
+    for entry in lora_modules or ():
+        name, sep, path = entry.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules takes NAME=PATH entries, got {entry!r}")
+        state.loras.add(name, path)  # ValueError: the server does not start
     metrics = ServerMetrics(names[0], engine.max_model_len)
     engine.listener = metrics
     metrics.attach(engine)
@@ -109,6 +122,9 @@ def build_app(
 
     async def models(request: Request) -> Response:
         data = [ModelCard(id=n, created=created, root=root, max_model_len=engine.max_model_len) for n in names]
+        data += [ModelCard(id=n, created=created, root=lora.lora_path, parent=names[0],
+                           max_model_len=engine.max_model_len)
+                 for n, lora in state.loras.adapters.items()]
         return JSONResponse(ModelList(data=data).model_dump())
 
     async def metrics_endpoint(request: Request) -> Response:
@@ -155,6 +171,24 @@ def build_app(
             "add_eos_token": getattr(hf, "add_eos_token", None),
         }
         return JSONResponse(info)
+
+    async def load_lora_adapter(request: Request) -> Response:
+        body = await parse_body(request, LoadLoRAAdapterRequest, max_body_bytes)
+        if not body.lora_name or not body.lora_path:
+            raise APIError(400, "Both 'lora_name' and 'lora_path' must be provided.")
+        try:
+            await asyncio.to_thread(state.loras.add, body.lora_name, body.lora_path)
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    async def unload_lora_adapter(request: Request) -> Response:
+        body = await parse_body(request, UnloadLoRAAdapterRequest, max_body_bytes)
+        if not body.lora_name:
+            raise APIError(400, "'lora_name' needs to be provided to unload a LoRA adapter.")
+        if not state.loras.remove(body.lora_name):
+            raise APIError(404, f"The lora adapter '{body.lora_name}' cannot be found.")
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     async def reset_prefix_cache(request: Request) -> Response:
         if not await engine.call("reset_prefix_cache"):
@@ -222,6 +256,9 @@ def build_app(
         Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
         *playground_routes(),  # the chat page at /: public, its API calls carry the key
     ]
+    if allow_runtime_lora_updating:
+        routes += [Route("/v1/load_lora_adapter", load_lora_adapter, methods=["POST"]),
+                   Route("/v1/unload_lora_adapter", unload_lora_adapter, methods=["POST"])]
     if enable_sleep_mode:
         routes += [Route("/sleep", sleep, methods=["POST"]), Route("/wake_up", wake_up, methods=["POST"]),
                    Route("/is_sleeping", is_sleeping, methods=["GET"])]

@@ -141,7 +141,8 @@ def _serve(args: argparse.Namespace) -> int:
                     trust_request_chat_template=server.trust_request_chat_template,
                     request_timeout=server.request_timeout, chat_template=chat_template,
                     tool_call_parser=server.tool_call_parser, enable_auto_tool_choice=server.enable_auto_tool_choice,
-                    log_requests=not server.disable_log_requests)
+                    log_requests=not server.disable_log_requests, lora_modules=server.lora_modules,
+                    allow_runtime_lora_updating=server.allow_runtime_lora_updating)
     scheme = "https" if server.ssl_certfile else "http"
     log.info("serving %s on %s://%s:%d%s (at most %d waiting sequences, request timeout %s)",
              (names or [aengine.model_name])[0], scheme, server.host, server.port, server.root_path or "",

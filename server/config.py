@@ -76,6 +76,14 @@ class ServerConfig:
     """TLS private key file; with --ssl-certfile the server speaks HTTPS. Default: HTTP."""
     ssl_certfile: str | None = None
     """TLS certificate file (with --ssl-keyfile). Default: HTTP."""
+    lora_modules: tuple[str, ...] | None = option(None, metavar="NAME=PATH")
+    """LoRA adapters served at start (with --enable-lora), each NAME=PATH (a PEFT adapter
+    directory): a model name in /v1/models whose parent is the base model; a request picks one
+    by its "model". Default: none."""
+    allow_runtime_lora_updating: bool = False
+    """Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (with --enable-lora), as
+    vLLM does under VLLM_ALLOW_RUNTIME_LORA_UPDATING=True: adapters added and removed while
+    serving. Off: those routes do not exist (404)."""
 
     def __post_init__(self) -> None:
         run_checks(self)

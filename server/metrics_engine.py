@@ -91,7 +91,8 @@ class EngineCollector(Collector):
         yield rejections
         lora = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
                                  labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
-        lora.add_metric(["0", "", ""], time.time())  # no LoRA adapters (yet): none waits or runs
+        lora.add_metric([str(self.engine.info.max_loras), ",".join(s.waiting_lora_adapters),
+                         ",".join(s.running_lora_adapters)], time.time())
         yield lora
 
     def _jaxserve(self, stats) -> Iterator[Metric]:

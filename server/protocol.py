@@ -451,6 +451,16 @@ class ModelList(_Response):
     data: list[ModelCard]
 
 
+class LoadLoRAAdapterRequest(_Request):
+    lora_name: str | None = None
+    lora_path: str | None = None
+
+
+class UnloadLoRAAdapterRequest(_Request):
+    lora_name: str | None = None
+    lora_int_id: int | None = None
+
+
 class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str | None = None

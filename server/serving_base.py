@@ -83,6 +83,9 @@ class ServerState:
         self.enable_auto_tool_choice = enable_auto_tool_choice
         self.log_requests = log_requests
         self.request_timeout = request_timeout  # seconds from arrival to the last output; None: none
+        from jaxserve.server.lora import LoRARegistry
+
+        self.loras = LoRARegistry(engine)  # the LoRA adapters offered as models
 
     def deadline(self) -> Deadline | None:
         """The deadline of a request arriving now."""
@@ -97,9 +100,10 @@ class ServerState:
     def resolve_model(self, name: str | None) -> str:
         if name is None or name == "":
             return self.model_name
-        if name not in self.served_model_names:
+        if name not in self.served_model_names and name not in self.loras.adapters:
             raise APIError(404, f"The model {quote(name)} does not exist; available: "
-                                f"{', '.join(self.served_model_names)}.", param="model")
+                                f"{', '.join([*self.served_model_names, *self.loras.adapters])}.",
+                           param="model")
         return name
 
 
@@ -153,7 +157,7 @@ def engine_error(e: BaseException, request_id: str | None = None) -> APIError:
 async def add_all(engine: EngineClient, request_ids: list[str], prompts: Any,
                   params: SamplingParams, priority: int, arrival_time: float,
                   add_special_tokens: bool = True, cache_salt: str | None = None, *,
-                  stream: bool) -> list[RequestStream]:
+                  stream: bool, lora_request=None) -> list[RequestStream]:
     """Add one engine request per prompt, all in one command (they can share the next step);
     `prompts` may be a function making them (run in the engine's worker thread, with the
     tokenizing). A stream gets each step's new tokens (DELTA outputs), a plain response its
@@ -161,7 +165,7 @@ async def add_all(engine: EngineClient, request_ids: list[str], prompts: Any,
     try:
         return await engine.add_requests(request_ids, prompts, params, priority=priority,
                                          arrival_time=arrival_time, add_special_tokens=add_special_tokens,
-                                         cache_salt=cache_salt,
+                                         cache_salt=cache_salt, lora_request=lora_request,
                                          output_kind=OutputKind.DELTA if stream else OutputKind.FINAL_ONLY)
     except (ValueError, EngineOverloadedError, EngineShutdownError, EngineSleepingError) as e:
         raise engine_error(e) from None

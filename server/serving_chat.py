@@ -151,7 +151,8 @@ class ChatHandler:
         rid = f"chatcmpl-{body.request_id}" if body.request_id else random_id("chatcmpl")
         log_request(self.state, rid, 1, params)
         (stream,) = await add_all(self.engine, [rid], prompts, params, body.priority, arrival,
-                                  body.add_special_tokens, body.cache_salt, stream=body.stream)
+                                  body.add_special_tokens, body.cache_salt, stream=body.stream,
+                                  lora_request=self.state.loras.get(model))
         queues = [stream.queue]
         ctx = _Ctx(rid, int(arrival), model, body, list(stream.prompt_token_ids), tools, self._echo(body), deadline)
         if body.stream:

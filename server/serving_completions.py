@@ -76,7 +76,8 @@ class CompletionsHandler:
         rids = [f"{base_id}-{i}" for i in range(len(prompts))]
         log_request(self.state, base_id, len(prompts), params)
         streams = await add_all(self.engine, rids, prompts, params, body.priority, arrival, body.add_special_tokens,
-                                body.cache_salt, stream=body.stream)
+                                body.cache_salt, stream=body.stream,
+                                lora_request=self.state.loras.get(model))
         queues = [st.queue for st in streams]
         ctx = _Ctx(base_id, int(arrival), model, body, [list(st.prompt_token_ids) for st in streams], params.n,
                    deadline)

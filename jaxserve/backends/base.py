@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import platform
 from collections.abc import Callable
 
@@ -26,8 +27,10 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxserve.config import CacheConfig, ModelConfig
+from jaxserve.models.layers.linear import prepare_fp8_products
 from jaxserve.pallas_kernels.ragged_paged_attention.ops import resolve_impl as resolve_attention_impl
 from jaxserve.runner.buckets import geometric
+from jaxserve.runner.step_memory import StepMemory
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +50,57 @@ class DevicePlan:
     # sampling/native.py: "cpu"), or None for JAX's ops.
     native_sampling: str | None
     moe_impl: str  # MoE layers' grouped products (models/layers/moe.py's MOE_IMPLS)
+    # FP8 weights with per-channel/per-tensor scales multiplied as FP8 (activations scaled per
+    # token into e4m3): chips with FP8 products (GPUs of compute capability >= 8.9: H100,
+    # H200). False: FP8 weights are upcast inside the dot (TPU v5e/v6e, the CPU, older GPUs).
+    fp8_products: bool = False
+
+
+# What a TPU's `device_kind` reports -> the chip's name in libtpu's topology names ("v6e:2x4").
+TPU_CHIP_NAMES = {"TPU v4": "v4", "TPU v5 lite": "v5e", "TPU v5": "v5p", "TPU v5p": "v5p", "TPU v6 lite": "v6e"}
+
+
+class InsufficientMemoryError(ValueError):
+    """The configuration cannot fit the device: refused at start, with the figures."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryBudget:
+    """How a device's memory is shared on an accelerator: the KV cache gets what is left."""
+
+    device_memory: int  # bytes per device (the device's limit, or the chip's HBM)
+    utilization: float  # --gpu-memory-utilization
+    step: StepMemory  # the largest compiled step's own figures
+    other_in_use: int = 0  # what the device held besides the weights before the KV cache
+    other_code: int = 0  # the other executables' code
+    # Bytes of temporaries per byte of KV cache, where the step's temporaries grow with the
+    # cache (on TPU, with the attention kernel, XLA copies a layer's cache arrays): from a
+    # second probe with more pages (engine/setup.py). 0: they do not.
+    kv_overhead: float = 0.0
+
+    @property
+    def usable(self) -> int:
+        return int(self.device_memory * self.utilization)
+
+    @property
+    def kv(self) -> int:
+        left = self.usable - self.step.besides_kv - self.other_in_use - self.other_code
+        return int(left / (1.0 + self.kv_overhead)) if left > 0 else left
+
+    def describe(self) -> str:
+        s, G = self.step, 2**30
+        T, R = s.bucket
+        text = (f"{self.device_memory / G:.2f} GiB per device x {self.utilization:g} = {self.usable / G:.2f} GiB; "
+                f"weights {s.weights / G:.2f} GiB, largest step ({T} tokens x {R} requests): temporaries "
+                f"{s.temp / G:.2f} GiB, outputs {s.outputs / G:.3f} GiB, code {s.code / G:.3f} GiB, sampling "
+                f"state and inputs {s.other_arguments / G:.3f} GiB")
+        if self.other_code:
+            text += f", the other executables' code {self.other_code / G:.3f} GiB"
+        if self.other_in_use:
+            text += f", already in use {self.other_in_use / G:.2f} GiB"
+        if self.kv_overhead:
+            text += f"; the step's temporaries grow by {self.kv_overhead:.2f} bytes per byte of KV cache"
+        return text + f"; left for the KV cache {self.kv / G:.2f} GiB"
 
 
 class Backend:
@@ -88,7 +142,17 @@ class Backend:
             matmul_impl=self.resolve_matmul_impl(mc.matmul_impl, dtype, mesh),
             native_sampling=self.native_sampling(mesh),
             moe_impl=self.moe_impl,
+            fp8_products=self.fp8_products(mesh),
         )
+
+    def fp8_products(self, mesh: Mesh) -> bool:
+        """Whether every device of `mesh` multiplies FP8 natively (a CUDA compute capability of
+        at least 8.9; TPUs before v7 and CPUs do not)."""
+        if self.platform != "gpu":
+            return False
+        caps = [getattr(d, "compute_capability", None) for d in mesh.devices.flat]
+        return all(c is not None and tuple(int(x) for x in str(c).split(".")[:2]) >= (8, 9)
+                   for c in caps)
 
     # ------------------------------------------------------------------ step sizes
     # Tokens per step when none is given: vLLM's default. A chip computes a step of thousands of
@@ -119,11 +183,18 @@ class Backend:
         return tuple(sorted({*dense, *geometric(dense[-1], budget, factor=4)}))
 
     # ------------------------------------------------------------------ memory
+    # On accelerators the KV cache gets what the compiled programs leave of each device
+    # (`kv_budget_from_step`); the CPU backend keeps a fixed budget (`kv_cache_budget`).
+    sizes_kv_from_programs = True
+    # The context length when none is given: the model's own (None: no cap). The CPU caps it.
+    default_max_model_len: int | None = None
+
     def kv_cache_budget(self, cc: CacheConfig) -> int:
-        """Bytes of KV cache per device: the explicit budget, else the configured fraction of
-        each local device's memory minus what it already holds, the least over this process's
-        devices and, in a multi-process run, over every process (a remote device's
-        `memory_stats()` cannot be read, so each process measures its own)."""
+        """Bytes of KV cache per device before anything is compiled (where the programs do not
+        size it): the explicit budget, else the configured fraction of each local device's
+        memory minus what it already holds, the least over this process's devices and, in a
+        multi-process run, over every process (a remote device's `memory_stats()` cannot be
+        read, so each process measures its own)."""
         if cc.kv_cache_memory_bytes is not None:
             return cc.kv_cache_memory_bytes
         return min_over_processes(self.local_kv_budget(cc))
@@ -136,10 +207,73 @@ class Backend:
             budgets.append(max(int(limit * cc.device_memory_utilization) - used, 0))
         return min(budgets)
 
+    def device_memory(self) -> tuple[int, int] | None:
+        """(bytes_limit, bytes_in_use) of the local device with the least room, or None where
+        the devices do not say (`memory_stats()` empty)."""
+        seen = []
+        for device in jax.local_devices():
+            stats = device.memory_stats() or {}
+            if stats.get("bytes_limit"):
+                seen.append((int(stats["bytes_limit"]), int(stats.get("bytes_in_use", 0))))
+        return min(seen, key=lambda s: s[0] - s[1]) if seen else None
+
+    def kv_budget_from_step(self, cc: CacheConfig, step: StepMemory, device_memory: int, *,
+                            in_use: int = 0, num_executables: int = 1,
+                            larger: StepMemory | None = None) -> MemoryBudget:
+        """The KV cache's bytes per device from the largest compiled step (`step`, XLA's memory
+        analysis): device memory x utilization - weights - the step's own need (temporaries,
+        outputs that do not alias the donated cache, its code) - the sampling state and inputs
+        - the other executables' code (as much as the largest's each) - whatever else the device
+        already holds (`in_use` beyond the weights). `larger`: the same step with a larger KV
+        cache, where the temporaries grow with it: the budget leaves room for that growth.
+        Raises InsufficientMemoryError, with the figures, when nothing is left."""
+        overhead = 0.0
+        if larger is not None and larger.temp > step.temp + step.temp // 20 + (1 << 20):
+            # All of the larger step's temporaries, per byte of its cache: an upper bound of
+            # their growth (measured on v5e: 0.52 estimated where the served step needed 0.50).
+            overhead = larger.temp / larger.kv
+        budget = MemoryBudget(device_memory=device_memory, utilization=cc.device_memory_utilization,
+                              step=step, other_in_use=max(in_use - step.weights, 0),
+                              other_code=step.code * max(num_executables - 1, 0), kv_overhead=overhead)
+        if budget.kv <= 0:
+            raise InsufficientMemoryError(f"the model does not fit: {budget.describe()}; raise "
+                                          f"--gpu-memory-utilization, shard over more devices "
+                                          f"(--tensor-parallel-size), or lower --max-num-batched-tokens")
+        return budget
+
+    # ------------------------------------------------------------------ compilation
+    def compile_target(self, devices) -> dict | None:
+        """The devices a compile worker process (runner/compile_pool.py) compiles this mesh's
+        steps for: on a TPU, the compile-only topology of the same chips (libtpu; the worker
+        never opens them), else None (a GPU's compile-only target is not wired in; several
+        processes compile their own steps)."""
+        if self.platform != "tpu" or jax.process_count() > 1:
+            return None
+        devices = list(devices)
+        chip = TPU_CHIP_NAMES.get(devices[0].device_kind)
+        coords = [getattr(d, "coords", None) for d in devices]
+        if chip is None or any(c is None for c in coords):
+            return None
+        dims = [max(c[i] for c in coords) + 1 for i in range(len(coords[0]))]
+        while len(dims) > 2 and dims[-1] == 1:
+            dims.pop()
+        return {"kind": "tpu", "topology": f"{chip}:{'x'.join(map(str, dims))}"}
+
+    def default_compile_workers(self, num_executables: int) -> int:
+        """Compile processes at a cold start: on a TPU one per 4 of the host's cores, at most 8
+        (a TPU VM host has ~100-200 cores, and each compile of a big step holds gigabytes);
+        elsewhere 1."""
+        if self.platform != "tpu":
+            return 1
+        return max(1, min(8, (os.cpu_count() or 1) // 4, num_executables))
+
     # ------------------------------------------------------------------ the model
     def prepare_model(self, model, plan: DevicePlan, abstract: bool = False) -> None:
-        """Lay the weights out for the product kernel in `plan` (nothing to do on XLA's dot).
-        abstract: `model` holds ShapeDtypeStructs; give it the layout's structure only."""
+        """Lay the weights out for the product kernel in `plan` (on XLA's dot: only FP8 weights
+        marked for FP8 products where the plan has them). abstract: `model` holds
+        ShapeDtypeStructs; give it the layout's structure only."""
+        if plan.fp8_products:
+            prepare_fp8_products(model)
 
     def lays_out_weights(self, plan: DevicePlan) -> bool:
         """Whether `prepare_model` does work worth keeping (`runner/weight_cache.py`)."""

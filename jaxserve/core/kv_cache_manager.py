@@ -33,7 +33,7 @@ _NO_PARENT = bytes(32)
 
 
 def hash_block_tokens(
-    parent_hash: bytes | None, token_ids: Sequence[int], extra_key: str | None
+    parent_hash: bytes | None, token_ids: Sequence[int], extra_key: str | None, lora_id: int = 0
 ) -> bytes:
     """SHA-256 digest of one full block, chained on the digest of the block before it (None for
     the first) and keyed by `extra_key` (the request's cache_salt).
@@ -41,10 +41,14 @@ def hash_block_tokens(
     A cryptographic hash because a hit hands over another request's KV: with a 64-bit hash such
     as Python's `hash`, a client could craft a prompt whose blocks collide with someone else's
     and be served (or leak) their context. vLLM hashes blocks with SHA-256 for the same reason.
-    The encoding is unambiguous: 32 bytes of parent, 8 bytes per token, then the salt, tagged.
+    The encoding is unambiguous: 32 bytes of parent, 8 bytes per token, the LoRA adapter's id
+    when there is one (tagged, 8 bytes), then the salt, tagged: a block computed with an adapter
+    is never served to a request of another adapter or of the base model.
     """
     h = hashlib.sha256(parent_hash if parent_hash is not None else _NO_PARENT)
     h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    if lora_id:
+        h.update(b"\x02" + struct.pack("<q", lora_id))
     if extra_key is None:
         h.update(b"\x00")
     else:
@@ -219,5 +223,5 @@ class KVCacheManager:
         for i in range(len(hashes), num_blocks):
             tokens = request.get_token_ids(i * bs, (i + 1) * bs)
             assert len(tokens) == bs
-            parent = hash_block_tokens(parent, tokens, request.cache_salt)
+            parent = hash_block_tokens(parent, tokens, request.cache_salt, request.lora_int_id)
             hashes.append(parent)

@@ -69,6 +69,9 @@ class SchedulerOutput:
     # Requests preempted (by recompute) in this step: their per-request runner state is void;
     # they come back later with is_new and is_resumed set.
     preempted_request_ids: tuple[str, ...]
+    # LoRA adapters given a device slot this step: (slot, LoRARequest), for the runner to write
+    # before the step runs (core/lora_slots.py).
+    lora_loads: tuple = ()
 
     @property
     def is_empty(self) -> bool:

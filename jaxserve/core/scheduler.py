@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 from jaxserve.config import SchedulerConfig
 from jaxserve.core.kv_cache_manager import KVCacheManager
+from jaxserve.core.lora_slots import LoRASlotTable
 from jaxserve.core.sched_output import PENDING, ScheduledRequest, SchedulerOutput
 from jaxserve.request import Request, RequestStatus
 
@@ -64,6 +65,9 @@ class SchedulerStats:
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
+    # LoRA adapters of the running and of the waiting requests (vLLM's lora_requests_info)
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -100,9 +104,12 @@ class _WaitingQueue:
 
 
 class Scheduler:
-    def __init__(self, scheduler_config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(self, scheduler_config: SchedulerConfig, kv_cache_manager: KVCacheManager,
+                 max_loras: int = 0) -> None:
+        """max_loras: the LoRA adapters' device slots (0: LoRA off; see core/lora_slots.py)."""
         self.config = scheduler_config
         self.kv = kv_cache_manager
+        self.lora = LoRASlotTable(max_loras) if max_loras else None
         if self.kv.max_model_len not in (None, scheduler_config.max_model_len):
             raise ValueError(
                 f"KVCacheManager.max_model_len ({self.kv.max_model_len}) differs from "
@@ -140,6 +147,8 @@ class Scheduler:
                 f"The prompt has {request.num_prompt_tokens} tokens, more than the model's "
                 f"maximum context length ({self.config.max_model_len}); shorten it."
             )
+        if request.lora_request is not None and self.lora is None:
+            raise ValueError("A LoRA adapter was requested but LoRA is not enabled (enable_lora).")
         if request.status != RequestStatus.WAITING or request.num_computed_tokens:
             raise ValueError(f"Request {rid!r} has already been scheduled once.")
         seq = next(self._seq)
@@ -187,6 +196,9 @@ class Scheduler:
                 self.running.remove(req)
                 self._preempt(req)
                 preempted.append(req.request_id)
+        if self.lora is not None:  # slots the step was to load hold nothing trustworthy
+            for _, lora in scheduler_output.lora_loads:
+                self.lora.forget(lora.lora_int_id)
         return preempted
 
     def get_request(self, request_id: str) -> Request | None:
@@ -254,10 +266,15 @@ class Scheduler:
             n = req.num_tokens - num_hit
             if not cfg.enable_chunked_prefill and n > budget:
                 break
+            # Its adapter must have a device slot (head-of-line blocking as for the KV cache).
+            if req.lora_request is not None and not self.lora.can_acquire(req.lora_request):
+                break
             n = min(n, budget)
             if self.kv.allocate_slots(req, n, hits) is None:
                 break
             self.waiting.pop()
+            if req.lora_request is not None:
+                req.lora_slot = self.lora.acquire(req.request_id, req.lora_request)
             resumed = req.status == RequestStatus.PREEMPTED
             if not resumed:
                 req.num_cached_tokens = num_hit
@@ -276,6 +293,7 @@ class Scheduler:
             total_num_scheduled_tokens=cfg.max_num_batched_tokens - budget,
             finished_request_ids=finished_ids,
             preempted_request_ids=tuple(preempted),
+            lora_loads=self.lora.take_loads() if self.lora is not None else (),
         )
 
     def update_from_output(
@@ -334,6 +352,10 @@ class Scheduler:
             spec_num_drafts=self.spec_num_drafts,
             spec_num_draft_tokens=self.spec_num_draft_tokens,
             spec_num_accepted_tokens=self.spec_num_accepted_tokens,
+            **({} if self.lora is None else dict(
+                running_lora_adapters=tuple(self.lora.running_names()),
+                waiting_lora_adapters=tuple(sorted({r.lora_request.lora_name for r in self.waiting
+                                                    if r.lora_request is not None})))),
         )
 
     # ------------------------------------------------------------------ internals
@@ -388,6 +410,8 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         logger.debug("Preempting %s (%d tokens) by recompute", req.request_id, req.num_tokens)
         self.kv.free(req)
+        if self.lora is not None:
+            self.lora.release(req.request_id)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.spec_token_ids = []
@@ -417,6 +441,8 @@ class Scheduler:
             self.waiting.remove(req)
         req.status = status
         self.kv.free(req)
+        if self.lora is not None:
+            self.lora.release(req.request_id)
         rid = req.request_id
         del self.requests[rid]
         del self._keys[rid]

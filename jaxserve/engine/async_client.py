@@ -227,6 +227,7 @@ class AsyncEngineClient:
         arrival_time: float | None = None,
         cache_salt: str | None = None,
         output_kind: OutputKind = OutputKind.DELTA,
+        lora_request: Any = None,
     ) -> list[RequestStream]:
         """Validate and tokenize every prompt (in one worker-thread hop; `prompts` may be a
         function that makes them there, e.g. rendering a chat template), then hand all of them
@@ -243,7 +244,8 @@ class AsyncEngineClient:
             if len(texts) != len(request_ids):
                 raise ValueError(f"{len(texts)} prompts for {len(request_ids)} request ids")
             return [fe.process(rid, p, params, arrival_time=arrival, priority=priority,
-                               add_special_tokens=add_special_tokens, cache_salt=cache_salt)
+                               add_special_tokens=add_special_tokens, cache_salt=cache_salt,
+                               lora_request=lora_request)
                     for rid, p in zip(request_ids, texts)]
 
         processed = await asyncio.to_thread(process)

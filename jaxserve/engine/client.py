@@ -25,7 +25,7 @@ from jaxserve.engine.async_client import (
     RequestStream,
 )
 from jaxserve.engine.embedding import EmbeddingResult
-from jaxserve.engine.input_processor import ModelInfo
+from jaxserve.engine.input_processor import ModelInfo, check_lora
 from jaxserve.engine.messages import EngineSleepingError, EngineStats
 from jaxserve.engine.output_processor import StatsListener
 from jaxserve.outputs import OutputKind
@@ -33,6 +33,7 @@ from jaxserve.parallel.multihost import FingerprintMismatch, LeaderLostError
 from jaxserve.sampling_params import SamplingParams
 
 __all__ = [
+    "check_lora",
     "EmbeddingResult",
     "EngineClient",
     "EngineDeadError",
@@ -120,8 +121,9 @@ class EngineClient(Protocol):
 
     async def add_requests(self, request_ids: Sequence[str], prompts: Any, params: SamplingParams, *,
                            priority: int = 0, add_special_tokens: bool = True, arrival_time: float | None = None,
-                           cache_salt: str | None = None, output_kind: OutputKind = OutputKind.DELTA
-                           ) -> list[RequestStream]: ...
+                           cache_salt: str | None = None,
+                           output_kind: OutputKind = OutputKind.DELTA,
+                           lora_request: Any = None) -> list[RequestStream]: ...
 
     async def embed(self, inputs: Sequence[str | Sequence[int]], *, dimensions: int | None = None,
                     add_special_tokens: bool = True) -> list[EmbeddingResult]: ...

@@ -39,13 +39,13 @@ class Frontend:
     # ------------------------------------------------------------------ requests in
     def process(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None, *,
                 arrival_time: float, priority: int = 0, add_special_tokens: bool = True,
-                cache_salt: str | None = None) -> ProcessedRequest:
+                cache_salt: str | None = None, lora_request=None) -> ProcessedRequest:
         """Validate and tokenize (ValueError for bad input; nothing is registered)."""
         if self.info.runner == "pooling":
             raise ValueError(NOT_GENERATING)
         return self.input_processor.process(request_id, prompt, params, arrival_time=arrival_time,
                                             priority=priority, add_special_tokens=add_special_tokens,
-                                            cache_salt=cache_salt)
+                                            cache_salt=cache_salt, lora_request=lora_request)
 
     def register(self, requests: Sequence[ProcessedRequest], kind: OutputKind, arrival_time: float,
                  queues: Sequence[Any] | None = None) -> None:

@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from jaxserve.engine.tokenizer import Tokenizer
+from jaxserve.lora_request import LoRARequest
+from jaxserve.models.lora import read_config
 from jaxserve.request import EngineRequest
 from jaxserve.sampling.config import SamplerConfig
 from jaxserve.sampling_params import SamplingParams
@@ -41,6 +43,19 @@ class ModelInfo:
     runner: str = "generate"  # "pooling": the engine embeds (engine/embedding.py), nothing else
     hidden_size: int = 0  # the embeddings' size (pooling)
     normalize_embeddings: bool = False  # whether the pooled vectors are L2-normalized (pooling)
+    max_lora_rank: int = 0  # LoRA adapters' largest rank (0: LoRA is off)
+    max_loras: int = 0  # LoRA adapters' device slots (0: LoRA is off)
+
+
+def check_lora(info: ModelInfo, lora: LoRARequest) -> None:
+    """ValueError unless LoRA is on and the adapter's config is one the engine can serve (its
+    weights are checked against the model when it is loaded)."""
+    if not isinstance(lora, LoRARequest):
+        raise ValueError(f"lora_request must be a LoRARequest, got {type(lora).__name__}")
+    if not info.max_lora_rank:
+        raise ValueError(f"LoRA adapter {lora.lora_name!r} was requested, but LoRA is not "
+                         "enabled (--enable-lora; LLM(enable_lora=True)).")
+    read_config(lora.lora_path, info.max_lora_rank, lora.lora_name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,8 +142,11 @@ class InputProcessor:
         priority: int = 0,
         add_special_tokens: bool = True,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> ProcessedRequest:
         info = self.info
+        if lora_request is not None:
+            check_lora(info, lora_request)
         if priority != 0 and info.scheduling_policy != "priority":
             raise InvalidParamError("priority", f"priority {priority} was sent, but this engine schedules by arrival "
                              f"({info.scheduling_policy!r}); start it with --scheduling-policy priority "
@@ -176,6 +194,6 @@ class InputProcessor:
             p = params if params.n == 1 else params.clone(n=1, seed=None if params.seed is None else params.seed + i)
             rid = request_id if params.n == 1 else f"{i}_{request_id}"
             seqs.append(EngineRequest(rid, tuple(prompt_ids), p, info.eos_token_id, words, arrival_time, priority,
-                                      cache_salt, grammar))
+                                      cache_salt, lora_request, grammar))
         return ProcessedRequest(request_id, prompt if isinstance(prompt, str) else None, prompt_ids, params,
                                 tuple(seqs))

@@ -68,6 +68,7 @@ class LLMEngine:
         priority: int = 0,
         output_kind: OutputKind = OutputKind.FINAL_ONLY,
         add_special_tokens: bool = True,
+        lora_request=None,
     ) -> str:
         """Validate and queue a request (n > 1 becomes n sequences sharing the prompt's cached
         blocks); raises ValueError for bad input, before anything is queued."""
@@ -77,7 +78,7 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         arrival = arrival_time or time.time()
         req = fe.process(request_id, prompt, params, arrival_time=arrival, priority=priority,
-                         add_special_tokens=add_special_tokens)
+                         add_special_tokens=add_special_tokens, lora_request=lora_request)
         fe.register([req], output_kind, arrival)
         for seq in req.sequences:
             self.core.add_request(seq)

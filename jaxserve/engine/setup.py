@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import gc
 import logging
 import pathlib
@@ -16,6 +17,7 @@ import time
 from collections.abc import Callable
 
 from jaxserve.backends import Backend, DevicePlan, select_backend
+from jaxserve.backends.base import InsufficientMemoryError, MemoryBudget, min_over_processes
 from jaxserve.config import EngineConfig, jax_dtype
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.dp_scheduler import DataParallelScheduler, rank_config
@@ -34,8 +36,12 @@ from jaxserve.parallel import multihost
 from jaxserve.parallel.mesh import bytes_per_device, make_mesh, replicated_axes
 from jaxserve.runner.buckets import BucketGrid
 from jaxserve.runner.compile import executable_cache, weight_cache
-from jaxserve.runner.executable_cache import canonical
-from jaxserve.runner.kv_cache import num_pages_for_budget
+from jaxserve.runner.compile_pool import StepRecipe, step_memory
+from jaxserve.runner.executable_cache import canonical, executable_scope
+from jaxserve.runner.kv_cache import bytes_per_page, num_pages_for_budget
+from jaxserve.pallas_kernels.kv_quant import is_quantized
+from jaxserve.runner.kv_scales import CALIBRATION_TEXT, prepare_kv_scales
+from jaxserve.runner.step_memory import StepMemory, bytes_on_device
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.runner.pooling_runner import PoolingRunner
 from jaxserve.runner.protocol import StepRunner
@@ -116,14 +122,14 @@ def build_engine(config: EngineConfig, timer: StartupTimer | None = None, *,
             ckpt = as_causal_lm(ckpt)
         arch = ArchConfig.from_hf(ckpt.config)
         gen = load_generation_config(model_path, mc.generation_config, ckpt.config)
-    max_model_len = mc.resolve_max_model_len(arch.max_position_embeddings)
-    if max_model_len > arch.max_position_embeddings:
-        logger.warning("max_model_len %d exceeds the model's max_position_embeddings %d",
-                       max_model_len, arch.max_position_embeddings)
     with timer.phase("backend"):
         backend = select_backend()
         mesh = make_mesh(D, config.parallel.tensor_parallel_size)
         plan = backend.plan(mc, cc, mesh)
+    max_model_len = mc.resolve_max_model_len(arch.max_position_embeddings, backend.default_max_model_len)
+    if max_model_len > arch.max_position_embeddings:
+        logger.warning("max_model_len %d exceeds the model's max_position_embeddings %d",
+                       max_model_len, arch.max_position_embeddings)
     # The token budget: the user's, else the largest of their token buckets, else the backend's.
     budget = backend.resolve_max_num_batched_tokens(
         config.scheduler.max_num_batched_tokens, config.compile.token_buckets, D,
@@ -136,30 +142,65 @@ def build_engine(config: EngineConfig, timer: StartupTimer | None = None, *,
     kv_dtype = jax_dtype(plan.kv_dtype)
     if pooling and (D > 1 or topo is not None):
         raise ValueError("--runner pooling runs on one process without data parallelism")
+    if config.lora.enable_lora and (pooling or D > 1 or topo is not None):
+        raise ValueError("--enable-lora serves generation on one process without data parallelism")
     model = _prepared_model(config, ckpt, arch, backend, plan, mesh, rules, timer)
+    with timer.phase("kv scales"):  # a quantized cache's, before the steps are compiled
+        prepare_kv_scales(model, kv_dtype, ckpt,
+                          lambda: tokenizer_future.result().encode(CALIBRATION_TEXT))
     load_seconds = time.perf_counter() - t0
     if pooling:
         return _pooling_engine(config, model, model_path, arch, backend, plan, mesh, rules, gen,
                                timer, tokenizer_future, sc, load_seconds, own_timer)
-    # Pages per data-parallel rank (each rank's devices hold its own; `num_pages` counts them all).
-    rank_pages = (cc.num_pages // D if cc.num_pages else
-                  num_pages_for_budget(arch, cc.page_size, kv_dtype, backend.kv_cache_budget(cc), mesh, rules))
-    num_pages = rank_pages * D
-    kv_managers = [KVCacheManager(cc.page_size, rank_pages, enable_caching=cc.enable_prefix_caching,
-                                  max_model_len=max_model_len) for _ in range(D)]
     sampler_config = SamplerConfig(max_num_seqs=sc.max_num_seqs, vocab_size=arch.vocab_size,
                                    max_logprobs=config.max_logprobs, native=plan.native_sampling)
     share = rank_config(sc, D)  # the buckets are one rank's
     grid = BucketGrid.build(share.max_num_batched_tokens, share.max_num_seqs,
                             config.compile.token_buckets or backend.default_token_buckets(share.max_num_batched_tokens),
                             config.compile.request_buckets)
+    exe_cache = executable_cache(config.compile)
+    recipe = functools.partial(StepRecipe, arch=ckpt.config, platform=backend.platform,
+                               plan=dataclasses.asdict(plan), attention_impl=mc.attention_impl, rules=rules,
+                               mesh_shape=(D, config.parallel.tensor_parallel_size),
+                               target=backend.compile_target(mesh.devices.flat) or {}, page_size=cc.page_size,
+                               sampler_config=sampler_config)
+    # The recipe rebuilds the step from the checkpoint's float model: a model whose weights or
+    # KV cache are quantized, or that carries LoRA slots, is not that program, so neither the
+    # memory probe nor the compile workers take it (the free-memory policy and one process).
+    recipe_applies = (mc.quantization is None and arch.weight_format is None
+                      and not is_quantized(kv_dtype) and not config.lora.enable_lora)
+    # Pages per data-parallel rank (each rank's devices hold its own; `num_pages` counts them all).
+    memory = None
+    if cc.num_pages:
+        rank_pages = cc.num_pages // D
+    elif backend.sizes_kv_from_programs and cc.kv_cache_memory_bytes is None and recipe_applies:
+        with timer.phase("memory"):
+            memory = _memory_from_programs(backend, cc, recipe, grid, max_model_len, mesh, exe_cache, arch,
+                                           kv_dtype, rules)
+        rank_pages = num_pages_for_budget(arch, cc.page_size, kv_dtype, memory.kv, mesh, rules)
+    else:
+        rank_pages = num_pages_for_budget(arch, cc.page_size, kv_dtype, backend.kv_cache_budget(cc), mesh, rules)
+    # One sequence of max_model_len must fit the cache (a page count given for tests is taken as is).
+    fitted = (max_model_len if cc.num_pages else
+              fit_max_model_len(max_model_len, rank_pages, cc.page_size, given=mc.max_model_len is not None))
+    if fitted != max_model_len:
+        max_model_len = fitted
+        sc = dataclasses.replace(sc, max_model_len=max_model_len)
+    num_pages = rank_pages * D
+    kv_managers = [KVCacheManager(cc.page_size, rank_pages, enable_caching=cc.enable_prefix_caching,
+                                  max_model_len=max_model_len) for _ in range(D)]
+    workers = config.compile.compile_workers or backend.default_compile_workers(len(grid.shapes()))
     runner = ModelRunner(
         model, backend=backend, mesh=mesh, num_pages=num_pages, page_size=cc.page_size,
         max_model_len=max_model_len, max_num_seqs=sc.max_num_seqs, grid=grid, sampler_config=sampler_config,
         kv_dtype=kv_dtype, seed=mc.seed, show_progress=config.compile.show_progress, rules=rules, timer=timer,
-        executable_cache=executable_cache(config.compile),
+        executable_cache=exe_cache, lora=config.lora,
+        compile_workers=workers if backend.compile_target(mesh.devices.flat) else 1,
+        recipe=recipe(num_pages=num_pages, max_model_len=max_model_len) if recipe_applies else None,
     )
     timer.note("executables", f"{runner.executables_loaded} loaded, {runner.executables_compiled} compiled")
+    if memory is not None:
+        confirm_memory(memory, runner)
     if mesh.size > 1:
         _log_placement(model, runner, mesh, rules)
     step_runner: StepRunner = runner  # what the core drives: a leader wraps this process's runner
@@ -170,7 +211,9 @@ def build_engine(config: EngineConfig, timer: StartupTimer | None = None, *,
         if topo.is_leader:
             link.start()
             step_runner = multihost.LeaderRunner(runner, link)
-    scheduler = DataParallelScheduler(sc, kv_managers) if D > 1 else Scheduler(sc, kv_managers[0])
+    max_loras = config.lora.max_loras if config.lora.enable_lora else 0
+    scheduler = (DataParallelScheduler(sc, kv_managers) if D > 1 else
+                 Scheduler(sc, kv_managers[0], max_loras=max_loras))
     spec = config.speculative_config
     proposer = (NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
                 if spec is not None else None)
@@ -187,6 +230,8 @@ def build_engine(config: EngineConfig, timer: StartupTimer | None = None, *,
         sampler_config=sampler_config, sampling_defaults=gen.sampling_defaults,
         default_max_tokens=gen.max_new_tokens, scheduling_policy=sc.policy, max_num_seqs=sc.max_num_seqs,
         kv_cache_tokens=scheduler.cache_tokens,
+        max_lora_rank=config.lora.max_lora_rank if config.lora.enable_lora else 0,
+        max_loras=max_loras,
     )
     # Everything built so far lives as long as the engine: move it out of the garbage
     # collector's generations, so that the collections the steps' short-lived objects trigger do
@@ -204,6 +249,86 @@ def build_engine(config: EngineConfig, timer: StartupTimer | None = None, *,
         logger.info("%s", timer.summary())
     return EngineParts(tokenizer, info, core, model_path, arch, backend, plan, load_seconds, topo, link,
                        runner)
+
+
+def _memory_from_programs(backend: Backend, cc, recipe, grid: BucketGrid, max_model_len: int, mesh,
+                          exe_cache, arch: ArchConfig, kv_dtype, rules) -> MemoryBudget:
+    """The KV budget of this process's accelerators from the largest step's own memory
+    analysis (`kv_budget_from_programs`), the least over the processes."""
+    stats = backend.device_memory()
+    if stats is None:
+        raise ValueError("the devices do not report their memory: give the KV cache's size (--kv-cache-memory)")
+    limit, in_use = stats
+    probe = functools.partial(recipe, max_model_len=max_model_len)
+    budget = kv_budget_from_programs(
+        backend, cc, probe, max(grid.shapes()), limit, arch=arch, kv_dtype=kv_dtype, mesh=mesh, rules=rules,
+        in_use=in_use, num_executables=len(grid.shapes()),
+        scope=lambda r: executable_scope(exe_cache, mesh.devices.flat, **backend.fingerprint(), recipe=canonical(r)))
+    kv = min_over_processes(budget.kv)
+    if kv != budget.kv:  # another process has less room
+        budget = dataclasses.replace(budget, other_in_use=budget.other_in_use + int((budget.kv - kv) * (
+            1 + budget.kv_overhead)))
+    logger.info("memory per device: %s", budget.describe())
+    return budget
+
+
+def kv_budget_from_programs(backend: Backend, cc, recipe, bucket: tuple[int, int], device_memory: int, *,
+                            arch: ArchConfig, kv_dtype, mesh, rules, in_use: int = 0, num_executables: int = 1,
+                            scope=None) -> MemoryBudget:
+    """The KV budget per device from the step of `bucket` (the largest) compiled from
+    `recipe(num_pages=...)` on abstract weights, without running anything: first with the
+    fewest pages (the KV cache is a donated argument: what the step needs besides it is XLA's
+    buffer assignment, `memory_analysis()`), then with an eighth of the pages that leaves, to
+    see whether the step's temporaries grow with the cache (where XLA copies cache arrays,
+    e.g. to relayout them for a TPU kernel, they do) and leave room for that. `scope(recipe)`:
+    the executable cache's scope of a probe (a restart loads both)."""
+    D = mesh.shape.get("data", 1)
+    devices = list(mesh.devices.flat)
+
+    def probe(num_pages: int) -> StepMemory:
+        r = recipe(num_pages=num_pages)
+        return step_memory(r, bucket, devices=devices, scope=None if scope is None else scope(r))
+
+    small = probe(2 * D)
+    first = backend.kv_budget_from_step(cc, small, device_memory, in_use=in_use, num_executables=num_executables)
+    page = bytes_per_page(arch, recipe(num_pages=2 * D).page_size, kv_dtype, mesh, rules)  # per device
+    pages = D * max(2, first.kv // 8 // page)
+    if pages <= 2 * D:
+        return first
+    return backend.kv_budget_from_step(cc, small, device_memory, in_use=in_use, num_executables=num_executables,
+                                       larger=probe(pages))
+
+
+def fit_max_model_len(max_model_len: int, rank_pages: int, page_size: int, *, given: bool) -> int:
+    """`max_model_len`, or what one sequence can hold of a KV cache of `rank_pages` pages (one is
+    the null page) when that is less: a context the user gave is refused then, as vLLM does
+    (they asked for it); the model's own (the default) is lowered, with a warning saying why."""
+    holds = (rank_pages - 1) * page_size
+    if max_model_len <= holds:
+        return max_model_len
+    if given:
+        raise InsufficientMemoryError(
+            f"max_model_len {max_model_len} is more than the KV cache holds ({holds} tokens in "
+            f"{rank_pages - 1} pages of {page_size}): lower --max-model-len, or raise "
+            f"--gpu-memory-utilization / --kv-cache-memory")
+    logger.warning("max_model_len lowered from the model's %d to %d tokens: the KV cache holds %d pages of %d "
+                   "tokens (raise --gpu-memory-utilization or shard over more devices for more)",
+                   max_model_len, holds, rank_pages - 1, page_size)
+    return holds
+
+
+def confirm_memory(budget: MemoryBudget, runner: ModelRunner) -> None:
+    """Checks the served largest step against the budget, from its own memory analysis (the
+    KV cache it takes is the real one): a step that would not fit the device is refused."""
+    largest = max(runner.grid.shapes())
+    served = StepMemory.of(runner.executable(largest), largest, weights=budget.step.weights,
+                           kv=bytes_on_device([*runner.kv.k, *runner.kv.v]))
+    need = served.peak + budget.other_code + budget.other_in_use
+    logger.info("largest step %dx%d with its KV cache (%.2f GiB): %.2f GiB of the %.2f GiB allowed per device",
+                *largest, served.kv / 2**30, need / 2**30, budget.usable / 2**30)
+    if need > budget.device_memory:
+        raise InsufficientMemoryError(f"the largest step needs {need / 2**30:.2f} GiB per device, more than the "
+                                      f"device's {budget.device_memory / 2**30:.2f} GiB ({budget.describe()})")
 
 
 def _pooling_engine(config: EngineConfig, model, model_path, arch: ArchConfig, backend: Backend,

@@ -13,6 +13,7 @@ from tqdm import tqdm
 from jaxserve.config import EngineConfig
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.setup import build_engine
+from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
@@ -55,8 +56,10 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for one prompt or a list; outputs come back in input order."""
+        """Generate for one prompt or a list; outputs come back in input order. `lora_request`:
+        the LoRA adapter of every prompt, or one per prompt (None: the base model)."""
         if isinstance(prompts, str) or _is_token_ids(prompts):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
@@ -68,7 +71,14 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts; pass one or one per prompt.")
-        return self._run(prompts, params, use_tqdm, priority)
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"got {len(loras)} LoRA requests for {len(prompts)} prompts; "
+                                 "pass one or one per prompt.")
+        return self._run(prompts, params, use_tqdm, priority, loras)
 
     def chat(
         self,
@@ -76,6 +86,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
@@ -83,7 +94,7 @@ class LLM:
         texts = [tok.apply_chat_template(list(c), add_generation_prompt=add_generation_prompt) for c in convs]
         # The template already holds any BOS; do not add special tokens again.
         ids = [tok.encode(t, add_special_tokens=False) for t in texts]
-        outs = self.generate(ids, sampling_params, use_tqdm=use_tqdm)
+        outs = self.generate(ids, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
         for o, t in zip(outs, texts):
             o.prompt = t
         return outs
@@ -100,12 +111,14 @@ class LLM:
                                        EmbeddingOutput(r.embedding.tolist()), r.prompt_token_ids)
                 for r in results]
 
-    def _run(self, prompts, params, use_tqdm, priority) -> list[RequestOutput]:
+    def _run(self, prompts, params, use_tqdm, priority, loras) -> list[RequestOutput]:
         engine = self.engine
         ids = []
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
-                ids.append(engine.add_request(None, prompt, p, priority=priority[i] if priority else 0))
+                ids.append(engine.add_request(None, prompt, p,
+                                              priority=priority[i] if priority else 0,
+                                              lora_request=loras[i]))
         except Exception:
             engine.abort_request(ids)
             raise

@@ -175,6 +175,10 @@ class ExecutableCache:
         safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in name)[:40]
         return self.directory / f"{safe}-{key[:40]}{_SUFFIX}"
 
+    def has(self, key: str, name: str) -> bool:
+        """Whether an entry is stored under `key` (it may still fail its checks when loaded)."""
+        return self._path(key, name).is_file()
+
     def load(self, key: str, name: str, args: tuple, devices: list[jax.Device] | None = None
              ) -> jax.stages.Compiled | None:
         """The executable stored under `key`, if any and if it takes `args` (abstract) exactly;

@@ -39,10 +39,13 @@ from jaxserve.outputs import SampleLogprobs
 from jaxserve.request import RequestFailedError
 from jaxserve.runner.buckets import BucketGrid
 from jaxserve.runner.compile import CompileCounter
+from jaxserve.runner.compile_pool import StepRecipe, compile_in_workers
 from jaxserve.runner.executable_cache import ExecutableCache, ExecutableScope, canonical, executable_scope, signature
 from jaxserve.runner.kv_cache import abstract_kv_cache, allocate_kv_cache, zeros_compiler
+from jaxserve.runner.lora_slots import LoRASlots
 from jaxserve.runner.step_buffers import BufferLayout
-from jaxserve.runner.step_fn import PromptLogprobs, StepFunction, abstract_sampling_state, step_layout
+from jaxserve.runner.step_fn import (PromptLogprobs, StepFunction, abstract_sampling_state, step_layout,
+                                     step_program)
 from jaxserve.runner.step_inputs import TokenInfo, pack_rows
 from jaxserve.sampling.config import SamplerConfig
 from jaxserve.sampling.metadata import SamplingMetadataBuilder
@@ -53,6 +56,7 @@ from jaxserve.startup_timer import StartupTimer
 
 if TYPE_CHECKING:
     from jaxserve.backends.base import Backend
+    from jaxserve.config import LoRAConfig
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +82,8 @@ class StepPlan:
     logprob_rows: list[tuple[int, str, int]]  # (row, request id, top k)
     # (request id, first flat token, count, first position, top k)
     prompt_logprob_rows: list[tuple[str, int, int, int, int]]
+    # LoRA adapters to write into their slots before the step: (slot, contents)
+    lora_writes: list[tuple[int, list[np.ndarray]]] = dataclasses.field(default_factory=list)
     # Speculative decoding: request id -> its drafts (it samples on len + 1 rows)
     drafts: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
@@ -108,7 +114,12 @@ class ModelRunner:
         rules=None,
         timer: StartupTimer | None = None,
         executable_cache: ExecutableCache | None = None,
+        lora: LoRAConfig | None = None,
+        compile_workers: int = 1,
+        recipe: StepRecipe | None = None,
     ):
+        """lora: LoRA adapters' slots (runner/lora_slots.py); None or not enabled: no LoRA path
+        (the steps are those of a runner without it)."""
         self.mesh = mesh
         self.rules = rules  # the sharding rules of the KV cache (None: the default "tp")
         # Data parallelism: D ranks, each with its own pages and its own range of S / D sampling
@@ -131,15 +142,32 @@ class ModelRunner:
         # Variable per weight) on every call costs milliseconds of host time per step.
         self.params, self._params_treedef = jax.tree.flatten(state)
         del state
-        self.layer_impl = backend.layer_impl(model)
-        self.step_function = StepFunction(self.graphdef, self._params_treedef, self.layer_impl, sampler_config)
+        self.lora = None
+        if lora is not None and lora.enable_lora:
+            if not getattr(model, "supports_lora", False) or self.dp > 1:
+                raise ValueError(f"LoRA adapters are not supported for {self.cfg.architecture}"
+                                 + (" with data parallelism" if self.dp > 1 else ""))
+            self.lora = LoRASlots(self.cfg, lora, model.dtype, mesh, rules)
+        # A backend's fused layer has no LoRA products: with LoRA the model's own layer runs.
+        self.layer_impl = backend.layer_impl(model) if self.lora is None else None
+        self.step_function = StepFunction(self.graphdef, self._params_treedef, self.layer_impl,
+                                          sampler_config,
+                                          None if self.lora is None else self.lora.treedef)
         with timer.phase("weight arena"):
             backend.place_weights(model, self.params, self._params_treedef)
+        # The LoRA slots' arrays follow the weights (rewritten when an adapter is loaded).
+        self.num_weights = len(self.params)
+        if self.lora is not None:
+            self.params += self.lora.zeros()
         self.replicated = NamedSharding(mesh, P())
         # Slots split over "data" like the pages (one range per rank); replicated without it.
         self.state_sharding = NamedSharding(mesh, P("data") if self.dp > 1 else P())
         self.counter = CompileCounter()
         self.executable_cache = executable_cache
+        # Cold starts: compile the missing steps in this many worker processes from `recipe`
+        # (what the steps are a function of, runner/compile_pool.py), then load them.
+        self.compile_workers = compile_workers
+        self.recipe = recipe
         with self.counter.active(), timer.phase("kv cache"):
             self._scope = self._executable_scope()
             self._allocate_state()
@@ -183,12 +211,13 @@ class ModelRunner:
         self._logprobs_k: list[int | None] = [None] * S
         self._prompt_logprobs_k: list[int | None] = [None] * S
         self._prompt_ids: list[list[int] | None] = [None] * S
+        self.lora_slot = np.zeros(S, np.int32)  # the LoRA slot of each sampling slot's request
 
     # ------------------------------------------------------------------ compilation
     def step_layout(self, T: int, R: int) -> BufferLayout:
         """How a (T, R) step's inputs (ModelInputs, SamplingMetadata, TokenInfo) are packed."""
         return step_layout(T, R, pages_per_req=self.pages_per_req, page_size=self.page_size,
-                           sampler_config=self.sampler_config)
+                           sampler_config=self.sampler_config, lora=self.lora is not None)
 
     def _compile_all(self, show_progress: bool) -> None:
         shaped = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
@@ -201,22 +230,53 @@ class ModelRunner:
         keep = (jax.tree.map(lambda x: x.sharding, self.kv), jax.tree.map(lambda x: x.sharding, self.sstate))
         rep = self.replicated
         scope = self._scope
-        for T, R in tqdm(shapes, desc="compiling buckets", disable=not show_progress, unit="bucket"):
+        self._compile_in_workers(shapes)
+        for i, (T, R) in enumerate(tqdm(shapes, desc="compiling buckets", disable=not show_progress, unit="bucket")):
             layout = self.layouts[(T, R)] = self.step_layout(T, R)
-            if self.dp > 1:
-                lower = functools.partial(self.step_function.lower_data_parallel, layout, self.mesh, params, kv,
-                                          sstate, rep)
-                buffers = [jax.ShapeDtypeStruct((self.dp, n), dt, sharding=rep)
-                           for n, dt in zip(layout.sizes, layout.dtypes)]
-            else:
-                lower = functools.partial(self.step_function.lower, layout, params, kv, sstate, rep)
-                buffers = layout.abstract(rep)
+            lower, buffers = step_program(self.step_function, layout, self.mesh, params, kv, sstate, rep)
+            t0, compiled_before = time.perf_counter(), scope.compiled
             self._compiled[(T, R)] = scope.get(f"step-{T}x{R}", (params, kv, sstate, *buffers),
                                                lambda: lower().compile())
+            if scope.compiled != compiled_before:
+                logger.info("compiled step %dx%d in %.1fs: %d of %d steps ready, %d left", T, R,
+                            time.perf_counter() - t0, i + 1, len(shapes), len(shapes) - i - 1)
         rows = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep), self.empty_slot_write())
         self._write_rows = scope.get("write-slot-rows", (sstate, rows), lambda: jax.jit(
             write_slot_rows, donate_argnums=(0,), out_shardings=keep[1]).lower(sstate, rows).compile())
+        if self.lora is not None:
+            self.lora.compile_writer(scope, rep)
         self.executables_loaded, self.executables_compiled = scope.loaded, scope.compiled
+
+    def _compile_in_workers(self, shapes: list[tuple[int, int]]) -> None:
+        """Compile the steps the executable cache lacks in `compile_workers` processes, which
+        store them there (the loop of `_compile_all` then loads them); nothing without a cache,
+        a recipe or a second worker."""
+        scope = self._scope
+        if self.compile_workers <= 1 or self.recipe is None or scope.cache is None:
+            return
+        keys = {}
+        for T, R in shapes:
+            name = f"step-{T}x{R}"
+            key = scope.entry_key(name)
+            if not scope.cache.has(key, name):
+                keys[(T, R)] = (name, key)
+        if len(keys) < 2:
+            return
+        workers = min(self.compile_workers, len(keys))
+        logger.info("compiling %d steps in %d processes", len(keys), workers)
+
+        def done(result: dict, n: int, total: int) -> None:
+            T, R = result["bucket"]
+            if "error" in result:
+                logger.warning("a compile worker failed on step %dx%d (%s); it compiles in this process",
+                               T, R, result["error"][:500])
+            else:
+                logger.info("compiled step %dx%d in %.1fs: %d of %d, %d left", T, R, result["seconds"], n,
+                            total, total - n)
+
+        pool = compile_in_workers(self.recipe, list(keys), workers, cache_dir=str(scope.cache.directory),
+                                  keys=keys, on_done=done)
+        logger.info("%d steps compiled in %d processes in %.1fs", len(keys), workers, pool.seconds)
 
     def _executable_scope(self) -> ExecutableScope:
         """The keys of this runner's executables in the executable cache: everything the steps
@@ -239,6 +299,10 @@ class ModelRunner:
             logit_bias=np.zeros((c.slot_write_batch, c.vocab_size), np.float32),
             bad_words=np.zeros((c.slot_write_batch, c.max_bad_words, c.max_bad_word_len), np.int32),
         )
+
+    def executable(self, bucket: tuple[int, int]) -> jax.stages.Compiled:
+        """The compiled step of `bucket` (its memory analysis, its HLO)."""
+        return self._compiled[bucket]
 
     @property
     def num_buckets(self) -> int:
@@ -266,6 +330,7 @@ class ModelRunner:
         self._logprobs_k[slot] = p.logprobs
         self._prompt_logprobs_k[slot] = p.prompt_logprobs
         self._prompt_ids[slot] = req.prompt_token_ids if p.prompt_logprobs is not None else None
+        self.lora_slot[slot] = req.lora_slot
         return slot
 
     def _release(self, request_id: str) -> None:
@@ -284,6 +349,7 @@ class ModelRunner:
             self._release(rid)
         if so.is_empty:
             return None
+        lora_writes = self._lora_writes(so) if so.lora_loads else []
         rows = [self._rows(r, rank_so) for r, rank_so in enumerate(so.ranks)]
         T, R = self.grid.pick(max(len(x[4]) for x in rows), max(len(x[0]) + sum(x[6]) for x in rows))
         masks = [None] * len(rows)
@@ -304,7 +370,19 @@ class ModelRunner:
         drafts = {s.request_id: s.token_ids[s.num_scheduled_tokens - s.num_draft_tokens:]
                   for s in so.scheduled if s.num_draft_tokens}
         return StepPlan((T, R), self.builder.take_slot_writes(), buffers, sample_ids, np.concatenate(sample_rows),
-                        logprob_rows, prompt_rows, drafts)
+                        logprob_rows, prompt_rows, drafts=drafts, lora_writes=lora_writes)
+
+    def _lora_writes(self, so) -> list[tuple[int, list[np.ndarray]]]:
+        """The contents of the adapters given a slot this step; an adapter that cannot be read
+        fails the requests that use it."""
+        writes = []
+        for slot, lora in so.lora_loads:
+            try:
+                writes.append((slot, self.lora.host_copy(lora)))
+            except Exception as e:  # noqa: BLE001 - this adapter's requests fail alone
+                users = [s.request_id for s in so.scheduled if s.request.lora_slot == slot]
+                raise RequestFailedError(users, e) from e
+        return writes
 
     def _rows(self, rank: int, so: SchedulerOutput):
         """One rank's rows: (slots, starts, lens, samples, tokens, scheduled, drafts per
@@ -387,8 +465,12 @@ class ModelRunner:
                     prompt_rows.append((scheduled[i].request.request_id, lo, count, starts[i] + 1,
                                         self._k(self._prompt_logprobs_k[slot])))
             lo += lens[i]
+        lora_slots = None
+        if self.lora is not None:
+            lora_slots = np.zeros(T, np.int32)
+            lora_slots[:total] = np.repeat(self.lora_slot[slots_np], lens_np)
         tok = TokenInfo(slots=tok_slots - offset, is_prompt=is_prompt, valid=valid, next_prompt_token=nxt,
-                        sample_slots=sample_slots)
+                        sample_slots=sample_slots, lora_slots=lora_slots)
         meta = self.builder.build(row_slots, out_lens, R, token_bitmask)
         if self.dp > 1:  # the rank's own slot range
             live = np.arange(R) < len(row_slots)
@@ -405,6 +487,10 @@ class ModelRunner:
         with self.counter.active():
             for w in plan.slot_writes:
                 self.sstate = self._write_rows(self.sstate, w)
+            if plan.lora_writes:
+                n = self.num_weights
+                for slot, values in plan.lora_writes:
+                    self.params[n:] = self.lora.write(self.params[n:], slot, values)
             self.kv, self.sstate, out, plp = self._compiled[plan.bucket](self.params, self.kv, self.sstate,
                                                                          *plan.buffers)
         return LaunchedStep(plan, out, plp)

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxserve.models.layers.lora import LoRABatch
 from jaxserve.runner.step_buffers import BufferLayout
 from jaxserve.runner.step_inputs import ModelInputs, TokenInfo, pack_rows
 from jaxserve.sampling.config import SamplerConfig
@@ -53,12 +54,21 @@ class StepFunction:
     params_treedef: Any  # how the flat weight list unflattens into the model's State
     layer_impl: Any  # a backend's fused decoder layer, or None
     sampler_config: SamplerConfig
+    # The LoRA slots' structure (runner/lora_slots.py): their arrays follow the weights in
+    # `params`; None: LoRA is off
+    lora_treedef: Any = None
 
     def __call__(self, params, kv, sstate, inputs: ModelInputs, meta: SamplingMetadata, tok: TokenInfo):
         input_ids = resolve_pending_tokens(sstate, inputs.input_ids, tok.slots)
         sstate = update_state_from_tokens(sstate, tok.slots, input_ids, tok.is_prompt, tok.valid, meta.reset_slots)
+        lora = None
+        if self.lora_treedef is not None:
+            n = len(params) - self.lora_treedef.num_leaves
+            lora = LoRABatch.of(jax.tree.unflatten(self.lora_treedef, params[n:]), tok.lora_slots)
+            params = params[:n]
         model = nnx.merge(self.graphdef, jax.tree.unflatten(self.params_treedef, params))
-        hidden, kv = model(input_ids, inputs.positions, kv, inputs.md, self.layer_impl)  # [T, E]
+        hidden, kv = model(input_ids, inputs.positions, kv, inputs.md, self.layer_impl,
+                           lora=lora)  # [T, E]
         logits = model.compute_logits(hidden[inputs.logits_indices])  # [R, V]
         out = sample(logits, meta, sstate, self.sampler_config)
         sstate = record_sampled_tokens(sstate, out.token_ids, tok.sample_slots)
@@ -123,13 +133,30 @@ class StepFunction:
         return jitted.lower(params, kv, sstate, *buffers)
 
 
-def step_layout(T: int, R: int, *, pages_per_req: int, page_size: int, sampler_config: SamplerConfig) -> BufferLayout:
-    """How a (T, R) step's inputs (ModelInputs, SamplingMetadata, TokenInfo) are packed."""
+def step_program(step: StepFunction, layout: BufferLayout, mesh, params, kv, sstate, input_sharding):
+    """(lower, abstract packed inputs) of one bucket's step as the runner compiles it: per
+    data-parallel rank inside a shard_map when the mesh has a "data" axis over 1, else plain.
+    `lower()` returns the Lowered program; the inputs are the abstract arguments after the
+    weights, KV cache and sampling state."""
+    if mesh.shape.get("data", 1) > 1:
+        D = mesh.shape["data"]
+        buffers = [jax.ShapeDtypeStruct((D, n), dt, sharding=input_sharding)
+                   for n, dt in zip(layout.sizes, layout.dtypes)]
+        return (functools.partial(step.lower_data_parallel, layout, mesh, params, kv, sstate, input_sharding),
+                buffers)
+    return functools.partial(step.lower, layout, params, kv, sstate, input_sharding), layout.abstract(input_sharding)
+
+
+def step_layout(T: int, R: int, *, pages_per_req: int, page_size: int,
+                sampler_config: SamplerConfig, lora: bool = False) -> BufferLayout:
+    """How a (T, R) step's inputs (ModelInputs, SamplingMetadata, TokenInfo) are packed (with
+    `lora`, each token's adapter slot too)."""
     empty = np.zeros(0, np.int32)
     dummy = pack_rows(empty, empty, empty, np.zeros((0, pages_per_req), np.int32),
                       num_tokens=T, num_reqs=R, page_size=page_size)
     tok = TokenInfo(slots=np.zeros(T, np.int32), is_prompt=np.zeros(T, np.bool_), valid=np.zeros(T, np.bool_),
-                    next_prompt_token=np.zeros(T, np.int32), sample_slots=np.zeros(R, np.int32))
+                    next_prompt_token=np.zeros(T, np.int32), sample_slots=np.zeros(R, np.int32),
+                    lora_slots=np.zeros(T, np.int32) if lora else None)
     meta = SamplingMetadataBuilder(sampler_config).build([], [], R)
     return BufferLayout.of((dummy, meta, tok))
 

@@ -49,6 +49,9 @@ class TokenInfo:
     valid: np.ndarray  # [T] bool
     next_prompt_token: np.ndarray  # [T] int32
     sample_slots: np.ndarray  # [R] int32
+    # [T] int32: each token's LoRA adapter slot (0: none); None when LoRA is off (the step
+    # then takes no such input)
+    lora_slots: np.ndarray | None = None
 
 
 def pack_rows(

@@ -24,16 +24,18 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxserve.backends import select_backend
-from jaxserve.config import CacheConfig, ModelConfig, jax_dtype
+from jaxserve.config import CacheConfig, LoRAConfig, ModelConfig, jax_dtype
 from jaxserve.models import sharding as ax
 from jaxserve.models.arch_config import ArchConfig
 from jaxserve.models.interface import KV_CACHE_AXES
 from jaxserve.models.weights import abstract_model
-from jaxserve.pallas_kernels.ragged_paged_attention.ops import supports_check
-from jaxserve.runner.kv_cache import abstract_kv_cache, bytes_per_page, kv_cache_shape
+from jaxserve.runner.compile_pool import target_attention
+from jaxserve.runner.kv_cache import abstract_kv_cache, bytes_per_page
+from jaxserve.runner.lora_slots import LoRASlots
 from jaxserve.runner.step_fn import StepFunction, abstract_sampling_state, step_layout
 from jaxserve.sampling.config import SamplerConfig
 from jaxserve.tools import hlo_ops
@@ -63,6 +65,8 @@ class PlanSettings:
     measure: bool = False
     steps: int = 5
     context: int | None = None  # decode context for --measure (default: min(max_model_len, 1024))
+    max_loras: int = 0  # LoRA adapters' device slots (0: LoRA off)
+    max_lora_rank: int = 0
 
 
 def param_group(path: str, ndim: int) -> str:
@@ -118,21 +122,22 @@ def resolve_plan(settings: PlanSettings, cfg: ArchConfig, mesh: Mesh, rules) -> 
     mc = ModelConfig(dtype=settings.dtype, attention_impl=settings.attention_impl, matmul_impl="xla")
     cc = CacheConfig(kv_cache_dtype=settings.kv_cache_dtype, page_size=settings.page_size)
     plan = backend.plan(mc, cc, mesh)
-    impl, note = plan.attention_impl, None
-    check = supports_check(impl)
-    if check is not None:
-        spec = ax.logical_to_spec(KV_CACHE_AXES, kv_cache_shape(cfg, 1, settings.page_size), mesh, rules)
-        split = ax.mesh_axes_size(mesh, spec[2])
-        local_heads = cfg.num_kv_heads // split
-        try:
-            kv_dtype, D = jax_dtype(plan.kv_dtype), cfg.head_dim
-            check(jax.ShapeDtypeStruct((1, cfg.num_heads // split, D), kv_dtype),
-                  jax.ShapeDtypeStruct((1, settings.page_size, local_heads, D), kv_dtype))
-        except ValueError as e:
-            impl, note = "reference", f"{plan.attention_impl} kernel unsupported: {e}"
+    impl, note = target_attention(settings.attention_impl, settings.platform, cfg, mesh, rules, settings.page_size,
+                                  jax_dtype(plan.kv_dtype), jax_dtype(plan.dtype))
     return {"dtype": plan.dtype, "kv_dtype": plan.kv_dtype, "attention_impl": impl, "attention_note": note,
             "native_sampling": plan.native_sampling if mesh.size == 1 else None,
             "moe_impl": plan.moe_impl}
+
+
+def lora_slots_group(settings: PlanSettings, cfg: ArchConfig, dtype, mesh: Mesh, rules):
+    """The LoRA slots as the runner lays them out: (their parameter group's bytes, abstract
+    arrays, structure)."""
+    slots = LoRASlots(cfg, LoRAConfig(enable_lora=True, max_loras=settings.max_loras,
+                                      max_lora_rank=settings.max_lora_rank), dtype, mesh, rules)
+    leaves = slots.abstract()
+    local = sum(_local_bytes(s) for s in leaves)
+    group = {"per_device": local, "requested_per_device": local, "total": slots.nbytes}
+    return group, leaves, slots.treedef
 
 
 def plan_one(settings: PlanSettings, mesh: Mesh, rules_spec: str, bucket: tuple[int, int],
@@ -181,6 +186,13 @@ def plan_one(settings: PlanSettings, mesh: Mesh, rules_spec: str, bucket: tuple[
             text = f"{param_group(path, len(leaf.shape))}: {note}"
             if text not in replicated:
                 replicated.append(text)
+    lora_treedef = None
+    if settings.max_loras:  # the adapters' slots travel after the weights, as in the runner
+        if settings.measure:
+            raise ValueError("--measure does not run LoRA slots; plan --enable-lora without it")
+        groups["lora_slots"], lora_leaves, lora_treedef = lora_slots_group(settings, cfg, dtype,
+                                                                           mesh, rules)
+        flat_params += lora_leaves
     rec["params"] = {"per_device": int(sum(g["per_device"] for g in groups.values())),
                      "total": int(sum(g["total"] for g in groups.values())),
                      "groups": {k: {kk: int(vv) for kk, vv in v.items()} for k, v in sorted(groups.items())},
@@ -214,8 +226,8 @@ def plan_one(settings: PlanSettings, mesh: Mesh, rules_spec: str, bucket: tuple[
     sstate = abstract_sampling_state(sampler_config, NamedSharding(mesh, P("data")) if D > 1 else replicated_sh)
     rec["sampling_state_per_device"] = sum(_local_bytes(a) for a in jax.tree.leaves(sstate))
     layout = step_layout(T, R, pages_per_req=pages_per_req, page_size=settings.page_size,
-                         sampler_config=sampler_config)
-    step = StepFunction(graphdef, treedef, None, sampler_config)
+                         sampler_config=sampler_config, lora=lora_treedef is not None)
+    step = StepFunction(graphdef, treedef, None, sampler_config, lora_treedef)
     if mesh.size > 1 or settings.platform != "cpu":
         ax.check_servable(rules)
     t0 = time.perf_counter()

@@ -7,6 +7,10 @@ mesh axes and their size divides the number of KV heads, each device writes and 
 its own heads (the query heads of a KV group sit on the same device because query head h uses
 KV head h // (Hq // Hkv)); otherwise attention runs replicated. On a multi-device mesh the
 kernel always runs inside the `shard_map` (Mosaic kernels must), replicated specs included.
+
+Quantized caches (fp8, int8; `pallas_kernels/kv_quant.py`): this step's K and V are quantized
+with the layer's scales, and the scales folded into q and the output, here, outside the
+`shard_map` (on the whole heads: XLA splits these element-wise ops like the heads).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxserve.models import sharding as ax
 from jaxserve.models.interface import KV_CACHE_AXES
+from jaxserve.pallas_kernels.kv_quant import is_quantized, quantize, scale_output, scale_query
 from jaxserve.pallas_kernels.ragged_paged_attention.metadata import AttentionMetadata
 from jaxserve.pallas_kernels.ragged_paged_attention.ops import write_kv_and_attend
 
@@ -33,6 +38,10 @@ class AttentionSpec:
     sliding_window: int | None = None
     soft_cap: float | None = None
     impl: str = "auto"
+    # A quantized cache's scales (per tensor: one value, or per KV head; None: 1.0), from the
+    # checkpoint or measured (engine/kv_scales.py); unused with a float cache.
+    k_scale: tuple[float, ...] | None = None
+    v_scale: tuple[float, ...] | None = None
 
 
 def attention_specs(k_shape, cache_shape, mesh: Mesh, rules: ax.Rules,
@@ -61,6 +70,20 @@ def paged_attention(
     mesh: Mesh | None,
     rules: ax.Rules = ax.DEFAULT_RULES,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """q in the dtype attention computes in (the cache's, or the model's for a quantized
+    cache); k, v are cast (or quantized) to the cache's. Returns (out [T, Hq, D], caches)."""
+    hkv = k.shape[1]
+    quantized = is_quantized(k_cache.dtype)
+    if quantized:
+        q = scale_query(q, spec.k_scale, hkv, q.dtype)
+        k, v = quantize(k, spec.k_scale, k_cache.dtype), quantize(v, spec.v_scale, k_cache.dtype)
+    else:
+        k, v = k.astype(k_cache.dtype), v.astype(k_cache.dtype)
+    out, k_cache, v_cache = _attend(q, k, v, k_cache, v_cache, md, spec, mesh, rules)
+    return (scale_output(out, spec.v_scale, hkv) if quantized else out), k_cache, v_cache
+
+
+def _attend(q, k, v, k_cache, v_cache, md, spec: AttentionSpec, mesh: Mesh | None, rules):
     def local(q, k, v, k_cache, v_cache, md):
         return write_kv_and_attend(
             q, k, v, k_cache, v_cache, md,

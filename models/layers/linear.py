@@ -19,6 +19,11 @@ on TPU/GPU, so a step reads half the bytes of bfloat16 weights) and multiplies t
 result by the channel scales. A quantized weight `w` has its scales in the float32 parameter
 `w_qscale` beside it (same rank, contracted dims of size 1 or the number of blocks);
 `module_weights` pairs them into a `QuantizedWeight`. The CPU backend does not pack them.
+
+Checkpoint formats (`layers/quant.py`'s `WeightFormat`): the same type holds float8_e4m3fn
+values (FP8 checkpoints: scales per channel, per tensor or per 128x128 block) and packed 4-bit
+values with a zero per group (`w` + ZERO_SUFFIX; AWQ, GPTQ): the product dequantizes them
+inside the compiled step, so only the quantized bytes live in device memory.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jaxserve.models.layers.quant import unpack_int4
 
 
 class PackedParam(nnx.Param):
@@ -56,33 +62,46 @@ def register_packed_product(name: str, fn: Callable[[jax.Array, jax.Array], jax.
 
 
 class QuantizedParam(nnx.Param):
-    """int8 matmul weights; metadata `spec` (the `dense` spec that decides which dims are
-    contracted) and `compute_dtype` (what the values become inside the product). Its scales
-    are the float32 parameter named `<name>` + SCALE_SUFFIX of the same module."""
+    """Quantized matmul weights (int8, float8_e4m3fn, or int4 packed in uint8); metadata
+    `spec` (the `dense` spec that decides which dims are contracted), `compute_dtype` (what
+    the values become inside the product) and for int4 `packed_axis` (the dim holding two
+    values per byte). Its scales are the float32 parameter named `<name>` + SCALE_SUFFIX of
+    the same module, its zeros (int4) `<name>` + ZERO_SUFFIX."""
 
 
 SCALE_SUFFIX = "_qscale"
-QUANTIZATIONS = ("int8",)
+ZERO_SUFFIX = "_qzero"
+QUANTIZATIONS = ("int8", "fp8", "int4")
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class QuantizedWeight:
-    q: jax.Array  # int8, the weight's shape
+    q: jax.Array  # int8 or float8_e4m3fn, the weight's shape; int4: uint8, packed_axis halved
     scale: jax.Array  # float32, same rank; each entry covers a block of q (size-1 dims: whole)
     compute_dtype: str = dataclasses.field(metadata=dict(static=True), default="float32")
+    zero: jax.Array | None = None  # int4: the zero point of each scale's block (float32)
+    packed_axis: int | None = dataclasses.field(metadata=dict(static=True), default=None)
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return self.q.shape
+        if self.packed_axis is None:
+            return self.q.shape
+        return tuple(n * 2 if i == self.packed_axis else n for i, n in enumerate(self.q.shape))
 
     @property
     def per_channel(self) -> bool:
-        """True when every scale covers whole contracted dims (one per output channel)."""
-        return all(m == 1 or m == n for n, m in zip(self.q.shape, self.scale.shape))
+        """True when every scale covers whole contracted dims (one per output channel) and the
+        values need no unpacking or zeros: the scales then apply to the product's result."""
+        return self.zero is None and self.packed_axis is None and all(
+            m == 1 or m == n for n, m in zip(self.q.shape, self.scale.shape))
+
+    def values(self) -> jax.Array:
+        """The quantized values unpacked (int4: 0..15 as uint8), in the weight's shape."""
+        return self.q if self.packed_axis is None else unpack_int4(self.q, self.packed_axis)
 
     def dequantize(self, dtype=None) -> jax.Array:
-        return dequantize(self.q, self.scale, dtype or self.compute_dtype)
+        return dequantize(self.values(), self.scale, dtype or self.compute_dtype, self.zero)
 
 
 def weight_value(var: nnx.Variable) -> jax.Array | PackedWeight:
@@ -101,7 +120,10 @@ def param_weight(module: nnx.Module, name: str):
         return None
     if isinstance(var, QuantizedParam):
         scale = getattr(module, name + SCALE_SUFFIX)
-        return QuantizedWeight(var[...], scale[...], var.get_metadata().get("compute_dtype", "float32"))
+        zero = getattr(module, name + ZERO_SUFFIX, None)
+        meta = var.get_metadata()
+        return QuantizedWeight(var[...], scale[...], meta.get("compute_dtype", "float32"),
+                               None if zero is None else zero[...], meta.get("packed_axis"))
     return weight_value(var)
 
 
@@ -110,7 +132,7 @@ def module_weights(module: nnx.Module) -> dict:
     quantized weights)."""
     out = {}
     for name, var in vars(module).items():
-        if not isinstance(var, nnx.Param) or name.endswith(SCALE_SUFFIX):
+        if not isinstance(var, nnx.Param) or name.endswith((SCALE_SUFFIX, ZERO_SUFFIX)):
             continue
         out[name] = param_weight(module, name)
     return out
@@ -122,20 +144,32 @@ def contracted_axes(spec: str) -> tuple[int, ...]:
     return tuple(ws.index(c) for c in contract)
 
 
-def scale_shape(shape, spec: str, block: int | None = None) -> tuple[int, ...]:
-    """The shape of the int8 scales of a weight of `shape` used by `dense(spec, ...)`: one per
+def scale_shape(shape, spec: str, block: int | None = None,
+                out_block: int | None = 1) -> tuple[int, ...]:
+    """The shape of the scales of a weight of `shape` used by `dense(spec, ...)`: one per
     output channel (`block` None: size 1 on every contracted dim), or one per `block`
     consecutive values of the contracted dims taken together in the weight's axis order (a
     checkpoint row's blocks, GGUF Q8_0's layout: [E, H, D] with blocks of 32 along E -> [E/32,
-    H, D]; [H, D, E] with D = 16 -> [H/2, 1, E], a block spanning two heads)."""
+    H, D]; [H, D, E] with D = 16 -> [H/2, 1, E], a block spanning two heads). `out_block`
+    tiles the output dims the same way (1: every channel; None: one scale for all; FP8's
+    128x128 blocks: 128)."""
     out = list(shape)
     axes = sorted(contracted_axes(spec))
+    _tile(out, shape, axes, block, spec)
+    _tile(out, shape, [a for a in range(len(shape)) if a not in axes], out_block, spec)
+    return tuple(out)
+
+
+def _tile(out: list[int], shape, axes: list[int], block: int | None, spec: str) -> None:
+    """Set out[a] for `axes` to the number of `block`-value blocks along them (in order)."""
     if block is None:
         for a in axes:
             out[a] = 1
-        return tuple(out)
+        return
+    if not axes or block == 1:
+        return
     if axes != list(range(axes[0], axes[-1] + 1)):
-        raise ValueError(f"int8 blocks need adjacent contracted dims; spec {spec!r}")
+        raise ValueError(f"quantization blocks need adjacent dims; spec {spec!r}")
     left = block
     for a in reversed(axes):
         n = shape[a]
@@ -146,10 +180,9 @@ def scale_shape(shape, spec: str, block: int | None = None) -> tuple[int, ...]:
         elif left < n and n % left == 0:
             out[a], left = n // left, 1
         else:
-            raise ValueError(f"int8 blocks of {block} do not tile the contracted dims of {tuple(shape)}")
+            raise ValueError(f"blocks of {block} do not tile dims {axes} of {tuple(shape)}")
     if left != 1:
-        raise ValueError(f"int8 blocks of {block} are longer than the contracted dims of {tuple(shape)}")
-    return tuple(out)
+        raise ValueError(f"blocks of {block} are longer than dims {axes} of {tuple(shape)}")
 
 
 def quantize_int8(w, spec: str, block: int | None = None):
@@ -187,13 +220,16 @@ def _expand(xp, scale, shape):
     return scale
 
 
-def dequantize(q: jax.Array, scale: jax.Array, dtype) -> jax.Array:
-    """q * scale (each scale over its block), in `dtype`."""
+def dequantize(q: jax.Array, scale: jax.Array, dtype, zero: jax.Array | None = None) -> jax.Array:
+    """(q - zero) * scale (each scale and zero over its block), in `dtype`."""
     shape, sshape = [], []
     for n, m in zip(q.shape, scale.shape):
         shape += [m, n // m]
         sshape += [m, 1]
-    w = q.reshape(shape).astype(jnp.float32) * scale.astype(jnp.float32).reshape(sshape)
+    w = q.reshape(shape).astype(jnp.float32)
+    if zero is not None:
+        w = w - zero.astype(jnp.float32).reshape(sshape)
+    w = w * scale.astype(jnp.float32).reshape(sshape)
     return w.reshape(q.shape).astype(dtype)
 
 
@@ -223,17 +259,30 @@ def dense(spec: str, x: jax.Array, w: jax.Array | PackedWeight | QuantizedWeight
         (y,) = dense_group(spec, x, w)
         return y
     if isinstance(w, QuantizedWeight):
-        return _dense_int8(spec, x, w)
+        return _dense_quantized(spec, x, w)
     return jnp.einsum(spec, x.astype(w.dtype), w, preferred_element_type=jnp.float32)
 
 
-def _dense_int8(spec: str, x: jax.Array, w: QuantizedWeight) -> jax.Array:
-    """The product on int8 values converted in the dot (per channel: scales applied to the
-    float32 result; per block: to the converted weight first)."""
+def _dense_quantized(spec: str, x: jax.Array, w: QuantizedWeight) -> jax.Array:
+    """The product on quantized values converted in the dot (per channel: scales applied to
+    the float32 result; per block, or with zeros: dequantized in the step first). A compute
+    dtype of float8_e4m3fn (a chip with FP8 products: `fp8_products`) multiplies FP8 values:
+    the activations are scaled per token into e4m3 and the dot takes both in FP8."""
     cdt = jnp.dtype(w.compute_dtype)
     if not w.per_channel or any(w.scale.shape[a] != 1 for a in contracted_axes(spec)):
+        if cdt == FP8:  # block scales: no FP8 product here, upcast (prepare_fp8_products)
+            cdt = jnp.dtype(jnp.bfloat16)
         return jnp.einsum(spec, x.astype(cdt), w.dequantize(cdt), preferred_element_type=jnp.float32)
-    y = jnp.einsum(spec, x.astype(cdt), w.q.astype(cdt), preferred_element_type=jnp.float32)
+    if cdt == FP8:
+        xs, _, out, contract = parse_spec(spec)
+        axes = tuple(xs.index(c) for c in contract)
+        amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=axes, keepdims=True)
+        sx = jnp.maximum(amax, 1e-12) / 448.0
+        y = jnp.einsum(spec, (x / sx).astype(FP8), w.q, preferred_element_type=jnp.float32)
+        rows = [c for c in xs if c not in contract]  # x's kept dims, in y's order
+        y = y * sx.reshape([sx.shape[xs.index(c)] if c in rows else 1 for c in out])
+    else:
+        y = jnp.einsum(spec, x.astype(cdt), w.q.astype(cdt), preferred_element_type=jnp.float32)
     _, ws, out, _ = parse_spec(spec)
     # the scale's output dims, laid out as y's (size 1 where y has a dim the weight lacks)
     keep = [i for i, c in enumerate(ws) if c in out]
@@ -243,6 +292,27 @@ def _dense_int8(spec: str, x: jax.Array, w: QuantizedWeight) -> jax.Array:
     scale = jnp.transpose(scale, order)
     shape = [scale.shape[[w_out[j] for j in order].index(c)] if c in w_out else 1 for c in out]
     return y * scale.reshape(shape)
+
+
+FP8 = jnp.dtype(jnp.float8_e4m3fn)
+
+
+def prepare_fp8_products(model: nnx.Module) -> int:
+    """Mark `model`'s FP8 weights with per-channel or per-tensor scales to be multiplied as FP8
+    (their compute dtype becomes float8_e4m3fn; see `_dense_quantized`); the backend calls
+    this on chips with FP8 products (H100/H200). Block-scaled weights keep their upcast.
+    Returns how many weights were marked."""
+    count = 0
+    for _, module in nnx.iter_graph(model):
+        if not isinstance(module, nnx.Module):
+            continue
+        for name, var in list(vars(module).items()):
+            if isinstance(var, QuantizedParam) and jnp.dtype(var.get_value().dtype) == FP8:
+                scale = getattr(module, name + SCALE_SUFFIX).get_value().shape
+                if all(scale[a] == 1 for a in contracted_axes(var.get_metadata()["spec"])):
+                    var.set_metadata("compute_dtype", FP8.name)
+                    count += 1
+    return count
 
 
 def dense_group(spec: str, x: jax.Array, w: PackedWeight) -> list[jax.Array]:

@@ -31,6 +31,8 @@ Numerics: scores are `dot(q, k)` in the input dtype with float32 accumulation (I
 for float32 inputs, not TF32), softmax in float32, then `p` is cast to the V dtype for the
 second matmul (float32 accumulation). With float32 caches this is the reference's arithmetic;
 with bfloat16 it rounds p to bfloat16 (error ~ 2^-9 relative, well inside the 2e-2 test bound).
+fp8 and int8 pages (`kv_quant.py`) are gathered as they are (one byte an element) and converted
+to q's dtype in registers before the products.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jaxserve.pallas_kernels.kv_quant import upcast
 from jaxserve.pallas_kernels.ragged_paged_attention import blocks
 from jaxserve.pallas_kernels.ragged_paged_attention.metadata import AttentionMetadata
 
@@ -97,8 +100,8 @@ def _kernel(
         page_idx = jnp.minimum(kpos // ps, P - 1)
         page = bt_ref[r, page_idx]  # [K] gather from the block table row
         tok = page * ps + kpos % ps
-        k = k_ref[tok, h, :]  # [K, D] gathered rows of the cache
-        v = v_ref[tok, h, :]
+        k = upcast(k_ref[tok, h, :], q.dtype)  # [K, D] gathered rows of the cache
+        v = upcast(v_ref[tok, h, :], q.dtype)
         v = jnp.where((kpos < hi)[:, None], v, jnp.zeros_like(v))  # never 0 * garbage
         sc = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
                              preferred_element_type=_F32) * sm_scale

@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.pallas_kernels.kv_cache_update.ops import write_kv
+from jaxserve.pallas_kernels.kv_quant import is_quantized
 from jaxserve.pallas_kernels.ragged_paged_attention.metadata import AttentionMetadata
 from jaxserve.pallas_kernels.ragged_paged_attention.reference import (
     ragged_paged_attention_reference,
@@ -110,9 +111,10 @@ def validate_inputs(q, k_cache, v_cache, md: AttentionMetadata, *, sliding_windo
                          f"{k_cache.shape})")
     if not jnp.issubdtype(q.dtype, jnp.floating):
         raise ValueError(f"q must be floating point; got {q.dtype}")
-    if k_cache.dtype != v_cache.dtype or not jnp.issubdtype(k_cache.dtype, jnp.floating):
-        raise ValueError(f"k_cache and v_cache must share one floating dtype; got "
-                         f"{k_cache.dtype} and {v_cache.dtype}")
+    if k_cache.dtype != v_cache.dtype or not (jnp.issubdtype(k_cache.dtype, jnp.floating)
+                                               or is_quantized(k_cache.dtype)):
+        raise ValueError(f"k_cache and v_cache must share one floating (or fp8, int8) dtype; "
+                         f"got {k_cache.dtype} and {v_cache.dtype}")
     bt, kvl, qsl, ns, sm = (md.block_tables, md.kv_lens, md.query_start_loc, md.num_seqs,
                             md.slot_mapping)
     if bt.ndim != 2:
@@ -209,17 +211,20 @@ def ragged_paged_attention(
 
     q: [T, Hq, D] (Hq a multiple of Hkv; query head h reads KV head h // (Hq // Hkv)).
     k_cache, v_cache: [N, page_size, Hkv, D], this layer's cache, already holding this step's
-    K/V (`write_kv`). Returns [T, Hq, D] in q.dtype; padding tokens get zeros.
+    K/V (`write_kv`); fp8 or int8 pages are read as they are, their scales folded into q and
+    the output by the caller (`kv_quant.py`). Returns [T, Hq, D] in q.dtype; padding tokens get
+    zeros.
     `sliding_window=W`: a token sees itself and the W - 1 previous positions (HF convention).
     `soft_cap`: scores = soft_cap * tanh(scores / soft_cap) after scaling.
     Exact semantics: `reference.py`. `impl`: "auto" | "reference" | "tpu" | "gpu" |
     "tpu-interpret" | "gpu-interpret"; `interpret=True` runs a kernel impl in interpret mode.
-    Kernels need q and the caches to share one dtype. Raises ValueError on bad shapes/dtypes.
+    Kernels need q and float caches to share one dtype. Raises ValueError on bad shapes/dtypes.
     """
     validate_inputs(q, k_cache, v_cache, md, sliding_window=sliding_window,
                     soft_cap=soft_cap, chunk_pages=chunk_pages)
     name = dispatch_name(impl, q, k_cache, interpret=interpret)
-    if name not in ("reference", "cpu") and q.dtype != k_cache.dtype:
+    if name not in ("reference", "cpu") and q.dtype != k_cache.dtype and not is_quantized(
+            k_cache.dtype):
         raise ValueError(f"the {name} kernel needs q and the caches in one dtype; got q "
                          f"{q.dtype}, cache {k_cache.dtype}")
     return _REGISTRY.impls[name](

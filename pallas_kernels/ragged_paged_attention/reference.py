@@ -12,7 +12,9 @@ The window follows the HF transformers / Mistral convention (`sliding_window_ove
 see itself and the W - 1 tokens before it. Query head h reads KV head `h // (Hq // Hkv)`.
 Softmax is computed in float32 whatever the input dtype; both matmuls accumulate in float32
 (`preferred_element_type`), the probabilities stay float32 and V is upcast for the second one;
-the result is cast to `q.dtype`. Padding tokens (flat index >= `query_start_loc[num_seqs]`)
+the result is cast to `q.dtype`. Quantized pages (fp8, int8: `kv_quant.py`) are read as they are
+and converted to q's dtype before the products; their scales are folded into q and the output
+by the caller. Padding tokens (flat index >= `query_start_loc[num_seqs]`)
 output exact zeros; padding requests (empty query range, kv_len 0) read nothing.
 
 Design. The caller has already written this step's K/V (`write_kv` at `slot_mapping`, which by
@@ -53,6 +55,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxserve.pallas_kernels.kv_quant import upcast
 from jaxserve.pallas_kernels.ragged_paged_attention.metadata import AttentionMetadata
 
 # Keys per loop iteration when chunk_pages is not given (CPU-tuned defaults, see
@@ -172,8 +175,8 @@ def ragged_paged_attention_reference(
         tok_live = t_idx < qsl[md.num_seqs]
         tok_pos = kv_len[tok_req] - (qsl[tok_req + 1] - t_idx)
         slots = md.slot_mapping.astype(_I32)
-        k_new = k_cache[slots // ps, slots % ps]  # [T, Hkv, D]: one gather of T rows
-        v_new = v_cache[slots // ps, slots % ps]
+        k_new = upcast(k_cache[slots // ps, slots % ps], q.dtype)  # [T, Hkv, D]: one gather
+        v_new = upcast(v_cache[slots // ps, slots % ps], q.dtype)
         mask = (
             (tok_req[:, None] == tok_req[None, :])
             & (t_idx[None, :] <= t_idx[:, None])
@@ -217,8 +220,8 @@ def ragged_paged_attention_reference(
             m, l, acc = carry
             page_idx = start_page + c * C + chunk_off  # [C]
             pages = bt_r[jnp.minimum(page_idx, P - 1)]
-            kc = k_cache[pages].reshape(C * ps, Hkv, D)
-            vc = v_cache[pages].reshape(C * ps, Hkv, D)
+            kc = upcast(k_cache[pages].reshape(C * ps, Hkv, D), q.dtype)
+            vc = upcast(v_cache[pages].reshape(C * ps, Hkv, D), q.dtype)
             key_pos = (page_idx[:, None] * ps + in_page).reshape(C * ps)
             k_pos = key_pos[None, :]
             mask = (k_pos <= row_pos[:, None]) & (k_pos < end_r) & row_ok[:, None]
@@ -265,8 +268,8 @@ def ragged_paged_attention_reference(
             page_idx = start_page[:, None] + c * C + chunk_off  # [R, C]
             pages = jnp.take_along_axis(block_tables, jnp.minimum(page_idx, P - 1), axis=1)
             key_pos = (page_idx[:, :, None] * ps + in_page).reshape(R, C * ps)
-        kc = k_cache[pages].reshape(R, C * ps, Hkv, D)
-        vc = v_cache[pages].reshape(R, C * ps, Hkv, D)
+        kc = upcast(k_cache[pages].reshape(R, C * ps, Hkv, D), q.dtype)
+        vc = upcast(v_cache[pages].reshape(R, C * ps, Hkv, D), q.dtype)
         mask = key_pos < d_hi[:, None]  # d_hi is 0 for requests not on this path
         if W is not None:
             mask &= key_pos >= lo[:, None]

@@ -30,7 +30,9 @@ multiplied with the head's `[block_k, D]` keys (a static lane slice of the page 
 never computed: `row // G >= x` iff `row >= x * G`), soft-capped if asked, and folded into an
 online softmax whose state (m, l, acc per head) lives in VMEM scratch. Scores accumulate in
 float32 (`preferred_element_type`), float32 inputs use HIGHEST precision; `p` is cast to the V
-dtype for the second matmul (bfloat16 MXU path for bfloat16 caches).
+dtype for the second matmul (bfloat16 MXU path for bfloat16 caches). fp8 and int8 pages
+(`kv_quant.py`) are DMA'd as they are (half a bfloat16 page's bytes) and converted to q's dtype
+in VMEM, per KV block, before the products.
 
 Block sizes. `queries_per_block` (Bq) defaults from the bucket's T/R ratio, up to 128 rows per
 head (`blocks.default_block_q`); `chunk_pages` defaults to ~128 keys per KV block when
@@ -39,10 +41,10 @@ Hkv * D x itemsize, ~1 MiB for 8 x 128 bfloat16). The grid axis is "parallel" (n
 crosses grid steps, so megacore chips may split it).
 
 Device requirements not checked by interpret mode (see `validate_tpu_shapes`): page_size must
-be a multiple of the sublane tiling (8 for 32-bit, 16 for bfloat16) so each page DMA lands on
-whole VMEM tiles, and `Hkv * D` a multiple of 128. Head dim 64 with an odd KV head index uses a
-lane-offset-64 slice of the page buffer (Mosaic handles it with a lane shift; only exercised in
-interpret mode so far).
+be a multiple of the sublane tiling (8 for 32-bit, 16 for bfloat16, 32 for fp8 and int8) so
+each page DMA lands on whole VMEM tiles, and `Hkv * D` a multiple of 128. Head dim 64 with an
+odd KV head index uses a lane-offset-64 slice of the page buffer (Mosaic handles it with a lane
+shift; only exercised in interpret mode so far).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from jaxserve.pallas_kernels.kv_quant import upcast
 from jaxserve.pallas_kernels.ragged_paged_attention import blocks
 from jaxserve.pallas_kernels.ragged_paged_attention.metadata import AttentionMetadata
 
@@ -177,8 +180,8 @@ def _kernel(
         v_ok = key0 + key_row < hi
         for h in range(Hkv):
             q = q_ref[h]  # [M, D]
-            k = k_buf[slot, :, pl.ds(h * D, D)]  # [K, D]
-            v = v_buf[slot, :, pl.ds(h * D, D)]
+            k = upcast(k_buf[slot, :, pl.ds(h * D, D)], q.dtype)  # [K, D]
+            v = upcast(v_buf[slot, :, pl.ds(h * D, D)], q.dtype)
             v = jnp.where(v_ok, v, jnp.zeros_like(v))
             precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
             s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,

@@ -112,7 +112,8 @@ def test_auto_picks_the_kernel_on_cpu():
     lowered = attn_jit.trace(jnp.asarray(case["q"]), jnp.asarray(case["kc"]),
                              jnp.asarray(case["vc"]), case["md"], sm_scale=0.1).lower()
     assert cpu.TARGET in lowered.as_text()
-    with pytest.raises(ValueError, match="float32 or bfloat16"):
+    with pytest.raises(ValueError, match="float32, bfloat16, float8_e4m3fn or int8 caches, not "
+                                         "float16"):
         ragged_paged_attention(jnp.asarray(case["q"], jnp.float16),
                                jnp.asarray(case["kc"], jnp.float16),
                                jnp.asarray(case["vc"], jnp.float16), case["md"], sm_scale=0.1,

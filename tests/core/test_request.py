@@ -11,7 +11,8 @@ from jaxserve.sampling_params import SamplingParams
 
 
 # The config layer (plain dataclasses, stdlib only) is below the core.
-ALLOWED_IMPORTS = {"jaxserve.core", "jaxserve.request", "jaxserve.sampling_params", "jaxserve.config"}
+ALLOWED_IMPORTS = {"jaxserve.core", "jaxserve.request", "jaxserve.sampling_params",
+                   "jaxserve.config", "jaxserve.lora_request"}
 
 
 def test_core_sources_import_only_stdlib_and_core():

@@ -239,6 +239,7 @@ def test_serve_help_lists_every_group_with_its_flags_and_defaults():
         "scheduler",
         "parallel",
         "compile",
+        "lora",
         "server",
     ]
     groups = {**ENGINE_PARTS, "server": ServerConfig}

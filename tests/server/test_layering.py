@@ -11,7 +11,8 @@ import pathlib
 import jaxserve.server
 
 ALLOWED = ("jaxserve.server", "jaxserve.engine.client", "jaxserve.config", "jaxserve.config_cli", "jaxserve.outputs",
-           "jaxserve.sampling_params", "jaxserve.startup_timer", "jaxserve.entrypoints", "jaxserve.tools")
+           "jaxserve.sampling_params", "jaxserve.lora_request", "jaxserve.startup_timer",
+           "jaxserve.entrypoints", "jaxserve.tools")
 
 
 def _imports(path: pathlib.Path) -> list[str]:

@@ -47,7 +47,8 @@ def _devices(chip: str):
     return target_devices({"kind": "gpu", "chip": chip, "hosts": 1, "gpus_per_host": 4})
 
 
-def _kernel_program(devices, impl: str, *, page_size: int = 16, head_dim: int = 128, **knobs):
+def _kernel_program(devices, impl: str, *, page_size: int = 16, head_dim: int = 128,
+                    cache_dtype=jnp.bfloat16, **knobs):
     """Attention kernel `impl` in a shard_map over KV heads on 4 GPUs, compiled for them."""
     from jaxserve.pallas_kernels import AttentionMetadata, ragged_paged_attention
     from jaxserve.pallas_kernels.ragged_paged_attention import gpu
@@ -85,8 +86,8 @@ def _kernel_program(devices, impl: str, *, page_size: int = 16, head_dim: int = 
 
     args = (
         sd((T, Hq, D), jnp.bfloat16, heads),
-        sd((N, page_size, Hkv, D), jnp.bfloat16, cache),
-        sd((N, page_size, Hkv, D), jnp.bfloat16, cache),
+        sd((N, page_size, Hkv, D), cache_dtype, cache),
+        sd((N, page_size, Hkv, D), cache_dtype, cache),
         md,
     )
     return jax.jit(f).lower(*args).compile()
@@ -106,6 +107,17 @@ def test_attention_kernels_compile_for_gpu(chip, impl):
     ]
     assert [(k.target, k.name) for k in kernels] == [(KERNEL_TARGETS[impl], name)], kernels
     assert compiled.memory_analysis().argument_size_in_bytes > 0
+
+
+def test_triton_kernel_compiles_for_h200_with_fp8_pages():
+    """fp8 (e4m3) pages gathered as they are and widened in registers: Triton and ptxas compile
+    it for sm_90a."""
+    from jaxserve.tools import hlo_ops
+
+    devices, _, _ = _devices("h200")
+    compiled = _kernel_program(devices, "gpu", cache_dtype=jnp.float8_e4m3fn)
+    _, kernels = hlo_ops.parse(compiled.as_text())
+    assert [k.target for k in kernels] == [KERNEL_TARGETS["gpu"]], kernels
 
 
 def test_the_compilers_refuse_broken_kernel_configurations():
@@ -180,3 +192,47 @@ def test_whole_steps_compile_for_h100_and_h200(chip):
         assert rec["kv"]["dtype"] == "bfloat16" and rec["dtype"] == "bfloat16"
         if name == "smollm2":  # 9 query / 3 KV heads over 4 GPUs: attention runs replicated
             assert rec["params"]["replicated"]
+
+
+@pytest.mark.parametrize("fp8_products", [True, False])
+def test_fp8_weights_multiply_in_fp8_on_h200(fp8_products):
+    """An FP8 weight with per-channel scales, its compute dtype set as a backend whose plan has
+    FP8 products sets it (H100/H200): compiled for an H200, the product is an FP8 GEMM
+    (cuBLASLt's f8 matmul on float8_e4m3fn operands); left in bfloat16 (TPU v5e/v6e, the CPU)
+    the FP8 values are converted for a bfloat16 dot instead."""
+    from jaxserve.models.layers.linear import QuantizedWeight, dense
+
+    devices, _, _ = _devices("h200")
+    sharding = NamedSharding(Mesh(np.array(devices[:1]).reshape(1, 1), ("data", "model")), P())
+    cdt = "float8_e4m3fn" if fp8_products else "bfloat16"
+
+    def f(x, q, s):
+        return dense("te,ef->tf", x, QuantizedWeight(q, s, cdt))
+
+    args = (jax.ShapeDtypeStruct((64, 512), jnp.bfloat16, sharding=sharding),
+            jax.ShapeDtypeStruct((512, 1024), jnp.float8_e4m3fn, sharding=sharding),
+            jax.ShapeDtypeStruct((1, 1024), jnp.float32, sharding=sharding))
+    hlo = jax.jit(f).lower(*args).compile().as_text()
+    want = ("f8e4m3fn", "f8e4m3fn") if fp8_products else ("bf16", "bf16")
+    assert _dot_operand_types(hlo) == [want]
+
+
+def _dot_operand_types(hlo: str) -> list[tuple[str, str]]:
+    """The element types of each dot's two operands in a compiled HLO text (inside fusions
+    too: XLA's GPU compiler emits the product as a Triton GEMM fusion or a cuBLAS call)."""
+    import re
+
+    types, out = {}, []
+    for line in hlo.splitlines():
+        m = re.match(r"\s*(?:ROOT )?%([\w.-]+) = (\w+)\[", line)
+        if m:
+            types[m.group(1)] = m.group(2)
+        signature = line.split("->")[0] if "->" in line else ""
+        for name, t in re.findall(r"%?([\w.-]+): (\w+)\[", signature):
+            types[name] = t
+        d = re.search(r" dot\(%([\w.-]+), %([\w.-]+)\)", line)
+        if d:
+            out.append((types[d.group(1)], types[d.group(2)]))
+        if "__cublas$lt$matmul" in line:
+            out.append(("cublas", line))
+    return out

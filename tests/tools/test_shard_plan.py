@@ -59,10 +59,12 @@ def test_predicted_bytes_equal_the_live_buffers(mesh_shape, rules):
 
 
 def test_kv_budget_sizes_the_pages():
+    """An fp8 cache (float32 caches: the test above): one byte a value, 4x float32's pages."""
     settings = PlanSettings(arch=TINY, platform="cpu", max_model_len=128, max_num_seqs=8, dtype="float32",
-                            kv_cache_dtype="float32", attention_impl="reference", kv_cache_memory=1 << 20)
+                            kv_cache_dtype="fp8", attention_impl="reference", kv_cache_memory=1 << 20)
     rec = plan_one(settings, make_mesh(1, 4), "tp", (16, 8), "cpu")
-    per_page = 2 * 2 * 16 * (4 // 4) * 16 * 4  # layers x K,V x page x local heads x head dim x f32
+    assert rec["kv"]["dtype"] == "fp8"
+    per_page = 2 * 2 * 16 * (4 // 4) * 16 * 1  # layers x K,V x page x local heads x head dim x 1 byte
     assert rec["kv"]["bytes_per_page_per_device"] == per_page
     assert rec["kv"]["num_pages"] == (1 << 20) // per_page
 
@@ -200,3 +202,25 @@ def test_the_engine_layer_does_not_import_the_server():
                 offenders += [f"{path}: {n}" for n in names if n.startswith("jaxserve.server")]
     assert {"shard_plan.py", "config.py", "config_cli.py", "loader.py"} <= seen
     assert not offenders, offenders
+
+
+def test_lora_slots_are_counted_as_the_runner_places_them():
+    """--enable-lora: the adapters' slots are a parameter group whose bytes per device are those
+    of the runner's slots (B split over the heads and MLP columns like its weight). (The step
+    that plan_one compiles with them is the engine's: tests/engine/test_lora.py runs it.)"""
+    from jaxserve.config import LoRAConfig
+    from jaxserve.runner.lora_slots import LoRASlots
+    from jaxserve.tools.plan_compile import lora_slots_group
+
+    settings = PlanSettings(arch=TINY, platform="cpu", max_model_len=128, max_num_seqs=8,
+                            dtype="float32", max_loras=4, max_lora_rank=8)
+    mesh, cfg = make_mesh(1, 2), ArchConfig.from_hf(TINY)
+    group, leaves, _ = lora_slots_group(settings, cfg, jnp.float32, mesh, load_rules("tp"))
+    lora = LoRAConfig(enable_lora=True, max_loras=4, max_lora_rank=8)
+    live = LoRASlots(cfg, lora, jnp.float32, mesh).zeros()
+    # per layer, slot and rank: A's inputs + B's outputs of q, k, v, o, gate, up, down (E 64,
+    # Hq*D 128, Hkv*D 64, F 128)
+    per = (64 + 128) + 2 * (64 + 64) + (128 + 64) + 2 * (64 + 128) + (128 + 64)
+    assert group["total"] == sum(a.nbytes for a in live) == 2 * 4 * 8 * per * 4
+    local = sum(a.addressable_shards[0].data.nbytes for a in live)
+    assert group["per_device"] == local < group["total"]

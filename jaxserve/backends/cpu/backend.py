@@ -38,7 +38,7 @@ from jaxserve.backends.cpu.kernels import attention, sample  # noqa: F401
 from jaxserve.backends.cpu.kernels.matmul import (
     amx_available, avx2_available, avx512_available, strips_kernel,
 )
-from jaxserve.config import CacheConfig, ModelConfig
+from jaxserve.config import DEFAULT_MAX_MODEL_LEN, CacheConfig, ModelConfig
 from jaxserve.backends.cpu.packing import pack_linear_weights
 from jaxserve.models.layers.linear import PackedParam
 
@@ -130,6 +130,14 @@ class CpuBackend(Backend):
         kernels.select_target(mc.cpu_kernel_target)  # before anything loads the kernels
         return super().plan(mc, cc, mesh)
 
+    # A fixed KV budget, and the context capped (a CPU serves short contexts).
+    sizes_kv_from_programs = False
+    default_max_model_len = DEFAULT_MAX_MODEL_LEN
+
+    def compile_target(self, devices) -> dict | None:
+        """This host's CPU devices (one process)."""
+        return {"kind": "cpu"} if jax.process_count() == 1 else None
+
     def kv_cache_budget(self, cc: CacheConfig) -> int:
         return cc.kv_cache_memory_bytes if cc.kv_cache_memory_bytes is not None else default_kv_bytes()
 
@@ -150,6 +158,8 @@ class CpuBackend(Backend):
         every layer is packed (`prepare_model` with a native product kernel)."""
         if not layer_features_covered(model, self.fused_layer_features):
             return None
+        if any(layer.attn_spec != model.attn_spec for layer in model.layers):
+            return None  # the fused layer reads the model-wide spec (e.g. KV scales per layer)
         for layer in model.layers:
             if not all(isinstance(getattr(layer, n, None), PackedParam) for n in cpu_layer.PACKED):
                 return None

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jaxserve.models import interface as features
 from jaxserve.models.layers.linear import PackedWeight
 from jaxserve.backends.cpu.kernels.matmul import packed_matmul
+from jaxserve.pallas_kernels.kv_quant import is_quantized, quantize, scale_output, scale_query
 from jaxserve.pallas_kernels.ragged_paged_attention.metadata import AttentionMetadata
 from jaxserve.pallas_kernels.ragged_paged_attention.ops import fused_rope_kernel, write_kv_and_attend
 from jaxserve.models.layers.rotary import apply_rotary
@@ -67,13 +68,20 @@ def attention_qkv(qkv, rope, k_cache, v_cache, md, spec, num_heads: int):
     hkv, d = k_cache.shape[2], k_cache.shape[3]
     x = qkv.reshape(T, num_heads + 2 * hkv, d)
     q, k, v = x[:, :num_heads], x[:, num_heads:num_heads + hkv], x[:, num_heads + hkv:]
-    kernel = fused_rope_kernel(spec.impl, q, k_cache)
+    kernel = None if is_quantized(k_cache.dtype) else fused_rope_kernel(spec.impl, q, k_cache)
     if kernel is not None:
         cos, sin = (t.reshape(T, d // 2) for t in rope)
         return kernel(qkv, cos, sin, k_cache, v_cache, md, num_heads=num_heads,
                       sm_scale=spec.sm_scale, sliding_window=spec.sliding_window,
                       soft_cap=spec.soft_cap)
     dt = k_cache.dtype
+    if is_quantized(dt):  # the model-wide spec's scales: the backend fuses only when layers agree
+        q = scale_query(apply_rotary(q, *rope), spec.k_scale, hkv, jnp.float32)
+        out, k_cache, v_cache = write_kv_and_attend(
+            q, quantize(apply_rotary(k, *rope), spec.k_scale, dt), quantize(v, spec.v_scale, dt),
+            k_cache, v_cache, md, sm_scale=spec.sm_scale, sliding_window=spec.sliding_window,
+            soft_cap=spec.soft_cap, impl=spec.impl)
+        return scale_output(out, spec.v_scale, hkv), k_cache, v_cache
     return write_kv_and_attend(apply_rotary(q, *rope).astype(dt), apply_rotary(k, *rope).astype(dt),
                                v.astype(dt), k_cache, v_cache, md, sm_scale=spec.sm_scale,
                                sliding_window=spec.sliding_window, soft_cap=spec.soft_cap,

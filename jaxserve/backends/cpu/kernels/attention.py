@@ -7,7 +7,8 @@ reads each key and value row once per (request, KV head, block of up to 16 queri
 from the paged cache, keeps an online softmax per row in float32 with AVX-512 or AVX2 inner loops
 (portable loops elsewhere), and spreads its work items over the cores (`parallel.h`).
 Semantics are the reference's (`reference.py`), sliding window and soft cap included; q may be
-float32 or bfloat16 (computed in float32), the caches float32 or bfloat16. How the library is
+float32 or bfloat16 (computed in float32), the caches float32 or bfloat16, or fp8 (e4m3) or int8
+pages, widened to float32 as they are read. How the library is
 built and loaded: `__init__.py`; without a C++ compiler, `supports()` raises and `impl="auto"`
 falls back to the reference with a warning. `target` (the entry points' keyword) names the
 kernel build to call (`BUILD_TARGETS`; None: the process's). The CPU backend loads this module
@@ -21,18 +22,24 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.backends.cpu import kernels
+from jaxserve.pallas_kernels.kv_quant import is_quantized
 from jaxserve.pallas_kernels.ragged_paged_attention.metadata import AttentionMetadata
 from jaxserve.pallas_kernels.ragged_paged_attention.ops import register_impl
 
 TARGET = "jaxserve_ragged_paged_attention"
 FUSED_TARGET = "jaxserve_write_kv_and_attend"
 ROPE_TARGET = "jaxserve_rope_write_kv_and_attend"
+# The caches the kernel reads; the one-byte ones are quantized pages (pallas_kernels/kv_quant.py:
+# their scales are folded into q and the output by the caller). The rotary entry point writes
+# float caches only.
+CACHE_DTYPES = tuple(map(jnp.dtype, (jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn, jnp.int8)))
 
 
 def supports(q: jax.Array, k_cache: jax.Array, target: str | None = None) -> None:
     """Raise ValueError when the kernel cannot take these inputs on this host."""
-    if k_cache.dtype not in (jnp.float32, jnp.bfloat16):
-        raise ValueError(f"the cpu kernel takes float32 or bfloat16 caches, not {k_cache.dtype}")
+    if k_cache.dtype not in CACHE_DTYPES:
+        raise ValueError(f"the cpu kernel takes float32, bfloat16, float8_e4m3fn or int8 caches, "
+                         f"not {k_cache.dtype}")
     if q.dtype not in (jnp.float32, jnp.bfloat16):
         raise ValueError(f"the cpu kernel takes float32 or bfloat16 queries, not {q.dtype}")
     kernels.ensure_loaded(target)
@@ -111,6 +118,9 @@ def rope_write_kv_and_attend_cpu(
     cast to the caches' dtype, then `write_kv_and_attend_cpu`: (out [T, Hq, D] float32, caches).
     """
     supports(qkv, k_cache, target)
+    if is_quantized(k_cache.dtype):
+        raise ValueError("rope_write_kv_and_attend writes float caches; quantized pages take "
+                         "write_kv_and_attend_cpu")
     T = qkv.shape[0]
     hkv, d = k_cache.shape[2], k_cache.shape[3]
     if qkv.shape[1] != (num_heads + 2 * hkv) * d or cos.shape != (T, d // 2) or sin.shape != cos.shape:

@@ -1,0 +1,141 @@
+"""The scales of a quantized KV cache (fp8, int8), one pair (k, v) per layer, set on each
+layer's `AttentionSpec` before the steps are compiled (they are constants of the step).
+
+- From the checkpoint when it has them (vLLM's names: `model.layers.N.self_attn.k_scale` /
+  `v_scale`, or `k_proj.output_scale` / `v_proj.output_scale`, or one `kv_scale` for both),
+  a value per tensor or per KV head, for either dtype.
+- Otherwise fp8 takes 1.0 (as vLLM: e4m3 holds +-448 with 3 mantissa bits, so the scale
+  matters little for values of a normal size), and int8 is measured: one float32 forward of
+  the model over `CALIBRATION_TEXT` (about 150 tokens) followed by 64 token ids spread evenly
+  over the vocabulary; each layer's and KV head's largest |k| and |v| over it times
+  `INT8_HEADROOM` becomes 127 (values beyond it are clipped).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxserve.models.sharding import single_device_mesh
+from jaxserve.pallas_kernels.kv_quant import INT8_DTYPE, QUANT_MAX, head_scales, is_quantized
+from jaxserve.runner.kv_cache import allocate_kv_cache
+from jaxserve.runner.step_inputs import StepRequest, pack_step
+
+logger = logging.getLogger(__name__)
+
+# The measured int8 range: the calibration's largest value times this becomes 127.
+INT8_HEADROOM = 1.25
+CALIBRATION_SPREAD = 64  # tokens spread evenly over the vocabulary after the text
+CALIBRATION_TEXT = (
+    "The committee met on a rainy Tuesday in March to review the budget for the new library. "
+    "Maria, who had run the numbers twice, explained that the roof repairs would cost about "
+    "$14,500, while the children's reading room needed 320 new books and six tables. "
+    "def mean(xs):\n    return sum(xs) / len(xs) if xs else 0.0\n"
+    "Photosynthesis converts light energy into chemical energy: plants take in carbon dioxide "
+    "and water and release oxygen. In 1969, Apollo 11 landed on the Moon; Neil Armstrong's "
+    "first words were broadcast around the world. Translate to French: 'Where is the station?' "
+    "-> 'Où est la gare ?' Q: What is 17 times 23? A: 391. The quick brown fox jumps over the "
+    "lazy dog, and then everyone went home for dinner."
+)
+_SCALE_NAMES = (("self_attn.k_scale", "self_attn.v_scale"),
+                ("self_attn.k_proj.output_scale", "self_attn.v_proj.output_scale"),
+                ("self_attn.kv_scale", "self_attn.kv_scale"))
+
+Scales = list[tuple[tuple[float, ...], tuple[float, ...]]]  # per layer: (k, v)
+
+
+def checkpoint_scales(ckpt, num_layers: int, num_kv_heads: int) -> Scales | None:
+    """Each layer's (k, v) scales from the checkpoint, None when it has none; a checkpoint
+    with scales for some layers only is refused (ValueError)."""
+    names = set(ckpt.tensor_names())
+    for k_name, v_name in _SCALE_NAMES:
+        found = [f"model.layers.{i}.{k_name}" in names for i in range(num_layers)]
+        if not any(found):
+            continue
+        if not all(found):
+            raise ValueError(f"the checkpoint has {k_name} for {sum(found)} of {num_layers} layers")
+        out = []
+        for i in range(num_layers):
+            k, v = (ckpt.get_tensor(f"model.layers.{i}.{n}", np.float32) for n in (k_name, v_name))
+            out.append((_values(k, num_kv_heads), _values(v, num_kv_heads)))
+        return out
+    return None
+
+
+def _values(x: np.ndarray, num_kv_heads: int) -> tuple[float, ...]:
+    x = np.asarray(x, np.float32).reshape(-1)
+    head_scales(x, num_kv_heads)  # one value or one per KV head, else ValueError
+    if not np.all(np.isfinite(x)) or np.any(x <= 0):
+        raise ValueError(f"a KV cache scale must be finite and positive; got {x.tolist()}")
+    return tuple(float(v) for v in x)
+
+
+def measure_int8_scales(model, token_ids: list[int], page_size: int = 16) -> Scales:
+    """Per layer and KV head: (largest |k|, largest |v|) over one float32 forward of
+    `token_ids`, times INT8_HEADROOM, / 127."""
+    cfg = model.config
+    n = len(token_ids)
+    pages = math.ceil(n / page_size)
+    kv = allocate_kv_cache(cfg, pages + 1, page_size, jnp.float32, single_device_mesh())
+    inputs = pack_step([StepRequest(token_ids, 0, list(range(1, pages + 1)))],
+                       num_tokens=n, num_reqs=1, pages_per_req=pages, page_size=page_size)
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def amax(state, kv, inputs):
+        _, kv = nnx.merge(graphdef, state)(inputs.input_ids, inputs.positions, kv, inputs.md)
+        per_head = lambda c: jnp.max(jnp.abs(c), axis=(0, 1, 3))  # noqa: E731 - [Hkv]
+        return [per_head(c) for c in kv.k], [per_head(c) for c in kv.v]
+
+    ks, vs = jax.device_get(amax(state, kv, jax.tree.map(jnp.asarray, inputs)))
+    top = QUANT_MAX[INT8_DTYPE]
+
+    def scale(a):
+        return tuple(float(max(x, 1e-6) * INT8_HEADROOM / top) for x in np.asarray(a))
+
+    return [(scale(k), scale(v)) for k, v in zip(ks, vs)]
+
+
+def resolve_kv_scales(kv_dtype, ckpt, model, tokenize) -> tuple[Scales | None, str]:
+    """(scales per layer or None for 1.0, where they come from) for a cache of `kv_dtype`;
+    `tokenize()` gives the calibration text's token ids (called only to measure)."""
+    cfg = model.config
+    scales = checkpoint_scales(ckpt, cfg.num_layers, cfg.num_kv_heads)
+    if scales is not None:
+        return scales, "from the checkpoint"
+    if jnp.dtype(kv_dtype) == INT8_DTYPE:
+        # The text, then tokens spread over the whole vocabulary (rare tokens, other scripts).
+        spread = np.linspace(0, cfg.vocab_size - 1, CALIBRATION_SPREAD).astype(int).tolist()
+        ids = list(tokenize()) + spread
+        return measure_int8_scales(model, ids), f"measured on {len(ids)} calibration tokens"
+    return None, "1.0 (the checkpoint has none)"
+
+
+def set_kv_scales(model, scales: Scales | None) -> None:
+    """Each layer's attention spec takes its scales (the model-wide spec, layer 0's)."""
+    if scales is None:
+        return
+    for layer, (k, v) in zip(model.layers, scales):
+        layer.attn_spec = dataclasses.replace(layer.attn_spec, k_scale=k, v_scale=v)
+    model.attn_spec = model.layers[0].attn_spec
+
+
+def prepare_kv_scales(model, kv_dtype, ckpt, tokenize) -> None:
+    """Resolve and set the scales of a quantized cache (nothing for a float one), and log them."""
+    if not is_quantized(kv_dtype):
+        return
+    scales, source = resolve_kv_scales(kv_dtype, ckpt, model, tokenize)
+    set_kv_scales(model, scales)
+    if scales is None:
+        logger.info("KV cache %s: scales %s", jnp.dtype(kv_dtype).name, source)
+        return
+    k = [x for ks, _ in scales for x in ks]
+    v = [x for _, vs in scales for x in vs]
+    logger.info("KV cache %s: scales %s (k %.3g-%.3g, v %.3g-%.3g)", jnp.dtype(kv_dtype).name,
+                source, min(k), max(k), min(v), max(v))

@@ -1,0 +1,106 @@
+"""Weight formats kept quantized on the device: FP8 (float8_e4m3fn) and 4-bit integers.
+
+A `WeightFormat` says how a model's matmul weights are stored: the values' kind and which
+values share one scale. Scales (and int4 zeros) cover blocks of the weight as its checkpoint
+laid them out ([out, in] rows): `in_block` values along the contracted dims and `out_block`
+along the output dims (None: all of them; 1: one per channel). FP8 checkpoints publish
+128x128 blocks (`fp8`), one scale per output channel or one per tensor (compressed-tensors);
+AWQ and GPTQ one scale and one zero per group of `in_block` inputs and output channel.
+
+int4 values (0..15, unsigned as AWQ and GPTQ store them) are packed two to a byte along the
+weight's last contracted dim (element 2i in the low nibble, 2i + 1 in the high one), so a
+device holds half a byte per weight; `unpack_int4` undoes it inside the compiled product.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from jaxserve.models.weight_format import FP8_DTYPE, WeightFormat
+
+FP8_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)  # 448
+INT4_MAX = 15
+
+
+# Values per group of `--quantization int4` (AWQ's usual 128 when it tiles the contracted dims).
+INT4_GROUPS = (128, 64, 32)
+
+
+def weight_format(cfg, quantization: str | None) -> WeightFormat | None:
+    """The decoder layers' weight format: the checkpoint's own (`cfg.weight_format`), else
+    `--quantization fp8` (float8_e4m3fn, a scale per output channel) or `int4` (a scale and
+    zero per group of 128 inputs, or 64/32 where 128 does not tile every contracted dim),
+    quantized as each tensor is placed; None for float and int8 weights."""
+    if cfg.weight_format is not None:
+        if quantization is not None and quantization != cfg.weight_format.kind:
+            raise ValueError(f"this checkpoint is already quantized "
+                             f"({cfg.weight_format.describe()}); --quantization {quantization} "
+                             "does not apply to it: drop the option")
+        return cfg.weight_format
+    if quantization == "fp8":
+        return WeightFormat("fp8", None, 1, source="load")
+    if quantization == "int4":
+        dims = (cfg.hidden_size, cfg.intermediate_size or cfg.hidden_size,
+                cfg.num_heads * cfg.head_dim)
+        group = next((g for g in INT4_GROUPS if all(d % g == 0 for d in dims)), None)
+        if group is None:
+            raise ValueError(f"--quantization int4 needs dims divisible by 32; got {dims}")
+        return WeightFormat("int4", group, 1, source="load")
+    return None
+
+
+def pack_int4(values, axis: int):
+    """uint8 values 0..15 -> two per byte along `axis` (numpy or jax; the axis' size is even)."""
+    xp = np if isinstance(values, np.ndarray) else jnp
+    n = values.shape[axis]
+    if n % 2:
+        raise ValueError(f"int4 packing needs an even dim; axis {axis} of {values.shape} is odd")
+    v = xp.moveaxis(values.astype(xp.uint8), axis, -1)
+    v = v.reshape(*v.shape[:-1], n // 2, 2)
+    packed = v[..., 0] | (v[..., 1] << 4)
+    return xp.moveaxis(packed.astype(xp.uint8), -1, axis)
+
+
+def unpack_int4(packed, axis: int):
+    """The inverse of `pack_int4` (uint8 0..15, the axis doubled). On jax arrays each byte is
+    repeated and shifted by 0 or 4 by position, elementwise (no transposes), which XLA fuses
+    into the product's operand: on v6e this halves the bytes the step's cost analysis counts
+    for a stack and moveaxis of the two nibbles."""
+    if isinstance(packed, np.ndarray):
+        p = np.moveaxis(packed, axis, -1)
+        both = np.stack([p & 15, p >> 4], axis=-1)
+        return np.moveaxis(both.reshape(*p.shape[:-1], p.shape[-1] * 2), -1, axis)
+    doubled = jnp.repeat(packed, 2, axis=axis)
+    shift = (jax.lax.broadcasted_iota(jnp.uint8, doubled.shape, axis) % 2) * 4
+    return (doubled >> shift) & 15
+
+
+def quantize_fp8_blocks(w32, split: list[int]):
+    """Scaled float8_e4m3fn values of float32 `w32` reshaped as `split` (each block's dims at
+    odd positions): per block amax / 448. Returns (values, scales of the block grid)."""
+    xp = np if isinstance(w32, np.ndarray) else jnp
+    blocks = w32.reshape(split)
+    amax = xp.max(xp.abs(blocks), axis=tuple(range(1, len(split), 2)), keepdims=True)
+    scale = (amax / FP8_MAX).astype(xp.float32)
+    safe = xp.where(scale == 0, xp.float32(1.0), scale)
+    q = xp.clip(blocks / safe, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
+    return q.reshape(w32.shape), scale.reshape(split[0::2])
+
+
+def quantize_int4_blocks(w32, split: list[int]):
+    """Asymmetric 4-bit values of `w32` per block (as AWQ quantizes: scale = (max - min) / 15,
+    zero = round(-min / scale)). Returns (uint8 values 0..15, scales, zeros as float32)."""
+    xp = np if isinstance(w32, np.ndarray) else jnp
+    blocks = w32.reshape(split)
+    axes = tuple(range(1, len(split), 2))
+    hi = xp.max(blocks, axis=axes, keepdims=True)
+    lo = xp.min(blocks, axis=axes, keepdims=True)
+    scale = ((hi - lo) / INT4_MAX).astype(xp.float32)
+    safe = xp.where(scale == 0, xp.float32(1.0), scale)
+    zero = xp.clip(xp.round(-lo / safe), 0, INT4_MAX)
+    q = xp.clip(xp.round(blocks / safe) + zero, 0, INT4_MAX).astype(xp.uint8)
+    grid = split[0::2]
+    return q.reshape(w32.shape), scale.reshape(grid), zero.astype(xp.float32).reshape(grid)

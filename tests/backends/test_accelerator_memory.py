@@ -1,0 +1,192 @@
+"""The accelerators' KV budget from the compiled programs (backends/base.py `kv_budget_from_step`,
+runner/step_memory.py, engine/setup.py): the arithmetic and its refusal, max_model_len fitted to
+the cache, and, compiled for TPU topologies through libtpu on this host (no TPU), a
+Llama-3-8B-shaped model whose budget the served step's own memory analysis confirms.
+
+The topology tests compile Llama-3-8B's layers (hidden 4096, MLP 14336, 32/8 heads, vocab
+128256) with 2 of its 32 decoder layers: a 32-layer step takes 1-6 minutes to compile here, and
+the budget's arithmetic does not depend on the depth (the weights are counted from the
+arguments, the temporaries from the buffer assignment of the compiled step, whatever their
+size). `benchmarks/memory_budget.py` runs the same check on all 32 layers (README figures)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import logging
+import os
+
+import pytest
+
+from jaxserve.backends.base import Backend, InsufficientMemoryError
+from jaxserve.config import CacheConfig
+from jaxserve.engine.setup import fit_max_model_len
+from jaxserve.runner.step_memory import StepMemory
+
+GiB = 2**30
+needs_libtpu = pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None,
+    reason="libtpu is not installed (pip install 'jaxserve[tpu]'): no TPU compiles",
+)
+
+
+def _step(**kw) -> StepMemory:
+    base = dict(
+        bucket=(8192, 32),
+        weights=4 * GiB,
+        arguments=5 * GiB,
+        kv=GiB // 2,
+        outputs=GiB // 64,
+        temp=GiB,
+        code=GiB // 32,
+    )
+    return StepMemory(**{**base, **kw})
+
+
+def test_the_budget_is_what_the_step_leaves_and_a_step_that_does_not_fit_is_refused_with_figures():
+    step = _step()
+    budget = Backend("tpu").kv_budget_from_step(
+        CacheConfig(device_memory_utilization=0.9), step, 16 * GiB, num_executables=17
+    )
+    # 14.4 GiB usable - (5 - 0.5 GiB of arguments besides the cache) - 1/64 - 1 - 1/32 - 16 x 1/32 of code
+    expect = (
+        int(16 * GiB * 0.9) - (step.arguments - step.kv) - step.outputs - step.temp - 17 * step.code
+    )
+    assert budget.kv == expect
+    assert step.peak - step.kv + budget.kv + budget.other_code == budget.usable
+    with pytest.raises(InsufficientMemoryError) as e:
+        Backend("tpu").kv_budget_from_step(
+            CacheConfig(device_memory_utilization=0.3), step, 16 * GiB
+        )
+    text = str(e.value)
+    for figure in (
+        "16.00 GiB per device x 0.3 = 4.80 GiB",
+        "weights 4.00 GiB",
+        "8192 tokens x 32 requests",
+        "temporaries 1.00 GiB",
+        "left for the KV cache -",
+    ):
+        assert figure in text, text
+
+
+def test_max_model_len_is_lowered_to_the_cache_when_defaulted_and_refused_when_given(caplog):
+    assert fit_max_model_len(8192, 1 + 512, 16, given=False) == 8192
+    with caplog.at_level(logging.WARNING, logger="jaxserve.engine.setup"):
+        assert fit_max_model_len(8192, 1 + 100, 16, given=False) == 1600
+    assert "lowered from the model's 8192 to 1600" in caplog.text
+    with pytest.raises(
+        InsufficientMemoryError, match="max_model_len 8192 is more than the KV cache holds"
+    ):
+        fit_max_model_len(8192, 1 + 100, 16, given=True)
+
+
+def test_the_cpu_keeps_its_fixed_budget_and_context_cap():
+    from jaxserve.backends.cpu import CpuBackend
+
+    cpu = CpuBackend()
+    assert not cpu.sizes_kv_from_programs and cpu.default_max_model_len == 2048
+    assert Backend("tpu").sizes_kv_from_programs and Backend("tpu").default_max_model_len is None
+
+
+# ---------------------------------------------------------------------------------- TPU topologies
+def _llama8b_layers(n: int) -> dict:
+    from jaxserve.tools.shard_plan import model_config
+
+    _, arch = model_config("llama3-8b")
+    return {**arch, "num_hidden_layers": n}
+
+
+def _recipe(topology: str, num_pages: int):
+    from jaxserve.models.sharding import load_rules
+
+    from jaxserve.runner.compile_pool import StepRecipe
+    from jaxserve.sampling.config import SamplerConfig
+
+    arch = _llama8b_layers(2)
+    plan = dict(
+        dtype="bfloat16",
+        kv_dtype="bfloat16",
+        attention_impl="tpu",
+        matmul_impl="xla",
+        native_sampling=None,
+        moe_impl="ragged",
+    )
+    n = 1
+    for d in topology.split(":")[1].split("x"):
+        n *= int(d)
+    return StepRecipe(
+        arch=arch,
+        platform="tpu",
+        plan=plan,
+        attention_impl="auto",
+        rules=dict(load_rules("tp")),
+        mesh_shape=(1, n),
+        target={"kind": "tpu", "topology": topology},
+        num_pages=num_pages,
+        page_size=16,
+        max_model_len=8192,
+        sampler_config=SamplerConfig(
+            max_num_seqs=8, vocab_size=arch["vocab_size"], max_logprobs=20
+        ),
+    )
+
+
+# The smallest bucket: its temporaries are the step's as at any size, and each of the test's
+# three compiles takes ~15 s here instead of ~27 s at 512 tokens.
+BUCKET = (16, 8)
+
+
+@needs_libtpu
+@pytest.mark.parametrize("topology", ["v5e:2x2", "v6e:2x4"])
+def test_llama8b_shaped_budget_is_confirmed_by_the_served_step_and_an_overfull_one_refused(
+    topology,
+):
+    """The engine's sizing (`kv_budget_from_programs`: the step probed with 2 pages and with an
+    eighth of what they leave) with the chip's HBM, then the step compiled with the pages of
+    that budget: its own memory analysis fits the device x utilization. At a utilization that
+    leaves less than the weights and the step, refused with the figures."""
+    os.environ.setdefault(
+        "ALLOW_MULTIPLE_LIBTPU_LOAD", "1"
+    )  # compile-only: another process may hold the lock
+    import jax.numpy as jnp
+    from jaxserve.models.arch_config import ArchConfig
+
+    from jaxserve.engine.setup import kv_budget_from_programs
+    from jaxserve.parallel.mesh import make_mesh
+    from jaxserve.runner.compile_pool import recipe_devices, step_memory
+    from jaxserve.runner.kv_cache import num_pages_for_budget
+    from jaxserve.tools.chips import CHIPS
+
+    hbm = CHIPS[topology.split(":")[0]].hbm_bytes
+    base = _recipe(topology, 2)
+    arch = ArchConfig.from_hf(base.arch)
+    mesh = make_mesh(*base.mesh_shape, devices=recipe_devices(base.target))
+    recipe = lambda num_pages: _recipe(topology, num_pages)  # noqa: E731
+    sizing = dict(arch=arch, kv_dtype=jnp.bfloat16, mesh=mesh, rules=base.rules)
+    budget = kv_budget_from_programs(
+        Backend("tpu"), CacheConfig(device_memory_utilization=0.9), recipe, BUCKET, hbm, **sizing
+    )
+    pages = num_pages_for_budget(arch, 16, jnp.bfloat16, budget.kv, mesh, base.rules)
+    served = step_memory(recipe(pages), BUCKET, devices=list(mesh.devices.flat))
+    print(
+        json.dumps(
+            {
+                "topology": topology,
+                "hbm": hbm,
+                "probe": dataclasses.asdict(budget.step),
+                "kv_overhead": budget.kv_overhead,
+                "pages": pages,
+                "served": dataclasses.asdict(served),
+            }
+        )
+    )
+    assert served.weights == budget.step.weights
+    assert served.kv >= budget.kv - 2 * (served.kv // pages)  # the pages fill the budget
+    assert served.peak <= budget.usable  # XLA's own figures of the served step fit
+    with pytest.raises(InsufficientMemoryError) as e:
+        Backend("tpu").kv_budget_from_step(
+            CacheConfig(device_memory_utilization=0.01), budget.step, hbm
+        )
+    assert f"weights {budget.step.weights / GiB:.2f} GiB" in str(e.value)
+    assert "temporaries" in str(e.value) and "left for the KV cache -" in str(e.value)
