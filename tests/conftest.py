@@ -113,6 +113,7 @@ def small_llm(small_engine_options):
 # scheduler.)
 LONGEST_FIRST = (  # from `--durations=0` of a whole run, 2 workers on a 2-core CPU
     "tests/tools/test_shard_plan.py",
+    "tests/backends/test_accelerator_memory.py",
     "tests/models/test_moe.py",
     "tests/backends/test_cpu_kernel.py",
     "tests/tools/test_gpu_topology.py",
@@ -128,6 +129,11 @@ LONGEST_FIRST = (  # from `--durations=0` of a whole run, 2 workers on a 2-core 
     "tests/models/test_paged_consistency.py",
     "tests/server/test_fuzz.py",
     "tests/engine/test_llm_golden.py",
+    "tests/models/test_lora_parity.py",
+    "tests/engine/test_memory_from_programs.py",
+    "tests/engine/test_lora.py",
+    "tests/pallas_kernels/test_quantized_kv.py",
+    "tests/engine/test_kv_cache_dtype.py",
     "tests/models/test_gguf_archs.py",
     "tests/server/test_startup_log.py",
     "tests/pallas_kernels/test_gpu_kernel.py",
