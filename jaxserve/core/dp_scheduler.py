@@ -44,6 +44,11 @@ class DataParallelOutput:
     def total_num_scheduled_tokens(self) -> int:
         return sum(so.total_num_scheduled_tokens for so in self.ranks)
 
+    @property
+    def lora_loads(self) -> tuple:
+        """The ranks' adapter loads (none: LoRA is refused with data parallelism)."""
+        return tuple(load for so in self.ranks for load in so.lora_loads)
+
 
 def rank_config(config: SchedulerConfig, data_parallel_size: int) -> SchedulerConfig:
     """One rank's share of the step limits."""

@@ -37,6 +37,9 @@ class ScheduledStep(Protocol):
     @property
     def is_empty(self) -> bool: ...
 
+    @property
+    def lora_loads(self) -> tuple: ...  # (slot, adapter) pairs the runner writes before the step
+
 
 @runtime_checkable
 class StepScheduler(Protocol):
