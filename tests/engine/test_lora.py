@@ -18,6 +18,11 @@ from safetensors.numpy import load_file, save_file
 from jaxserve import LLM, LoRARequest, SamplingParams
 from tests.model_dirs import write_model_dir
 
+# The engine of these tests and of tests/server/test_lora_server.py (its steps are shared through
+# the compilation cache).
+LORA_OPTIONS = dict(dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8, max_num_seqs=4,
+                    max_model_len=64, token_buckets=(32,), request_buckets=(4,), show_progress=False)
+
 ADAPTERS = ("a", "b", "c")
 
 
@@ -34,19 +39,7 @@ def _prompt_lps(out, tokens) -> np.ndarray:
 def test_adapters_match_peft_alone_and_mixed(data_dir, tmp_path, compile_cache_dir):
     arch = "llama"  # Qwen3 and Gemma 3: tests/models/test_lora_parity.py
     model = write_model_dir(tmp_path / arch, arch)
-    llm = LLM(
-        str(model),
-        dtype="float32",
-        enable_lora=True,
-        max_loras=2,
-        max_lora_rank=8,
-        max_num_seqs=4,
-        max_model_len=64,
-        token_buckets=(32,),
-        request_buckets=(4,),
-        compilation_cache_dir=compile_cache_dir,
-        show_progress=False,
-    )
+    llm = LLM(str(model), compilation_cache_dir=compile_cache_dir, **LORA_OPTIONS)
     loras = {
         n: LoRARequest(f"{arch}-{n}", i + 1, str(data_dir / "lora" / arch / n))
         for i, n in enumerate(ADAPTERS)

@@ -8,6 +8,7 @@ import pytest
 from safetensors.numpy import load_file
 from starlette.testclient import TestClient
 
+from tests.engine.test_lora import LORA_OPTIONS
 from tests.model_dirs import write_model_dir
 
 
@@ -21,18 +22,7 @@ def client(data_dir, tmp_path_factory, compile_cache_dir):
     model = write_model_dir(tmp_path_factory.mktemp("lora") / "llama", "llama")
     parts = build_engine(
         EngineConfig.from_kwargs(
-            model=str(model),
-            dtype="float32",
-            enable_lora=True,
-            max_loras=2,
-            max_lora_rank=8,
-            max_num_seqs=4,
-            max_model_len=64,
-            token_buckets=(32,),
-            request_buckets=(4,),
-            compilation_cache_dir=compile_cache_dir,
-            show_progress=False,
-        )
+            model=str(model), compilation_cache_dir=compile_cache_dir, **LORA_OPTIONS)
     )
     app = build_app(
         AsyncEngineClient.in_thread(parts),
