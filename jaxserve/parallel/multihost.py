@@ -55,6 +55,7 @@ STEP, PING, SHUTDOWN = 1, 2, 3
 # magic, step id, kind, T, R, number of sampler-row writes
 HEADER = struct.Struct("<4sQBIII")
 PING_SECONDS = 1.0
+VERDICT_SECONDS = 2.0  # how long a failed step waits to learn whether a follower is gone
 
 
 class FollowerLostError(RuntimeError):
@@ -237,6 +238,8 @@ class Leader:
     def __init__(self, topo: Topology, key: bytes, mine: dict[str, Any], *, timeout: float):
         self.topo = topo
         self.failure: BaseException | None = None
+        self._failed = threading.Event()
+        self.verdict_seconds = VERDICT_SECONDS
         self._callbacks: list[Callable[[BaseException], None]] = []
         self._lock = threading.Lock()
         self._conns: list[tuple[int, Connection]] = []
@@ -297,12 +300,21 @@ class Leader:
             if self.failure is not None:
                 return
             self.failure = error
+            self._failed.set()
         logger.error("multi-host serving failed: %s", error)
         for fn in self._callbacks:
             try:
                 fn(error)
             except Exception:  # noqa: BLE001 - one callback does not stop the others
                 logger.exception("a failure callback failed")
+
+    def explain(self, error: BaseException) -> BaseException:
+        """What a failed step means: a follower that died mid-step fails the step's collective
+        (a transport error naming nothing) at about the moment its connection closes, in
+        either order. Wait briefly for the connection's verdict, which names the follower."""
+        if self._failed.wait(self.verdict_seconds):
+            return self.failure
+        return error
 
     def _send(self, parts: list[bytes]) -> None:
         data = b"".join(parts)
@@ -374,7 +386,10 @@ class LeaderRunner:
 
     def launch(self, plan):
         self.leader.send_step(plan)
-        step = self.model_runner.launch(plan)
+        try:
+            step = self.model_runner.launch(plan)
+        except Exception as e:
+            self._raise_explained(e)
         if self.model_runner.counter.recompiles:
             raise RuntimeError("a step compiled after warm-up: fatal with several processes")
         return step
@@ -382,7 +397,16 @@ class LeaderRunner:
     def collect(self, step):
         if self.leader.failure is not None:
             raise self.leader.failure
-        return self.model_runner.collect(step)
+        try:
+            return self.model_runner.collect(step)
+        except Exception as e:
+            self._raise_explained(e)
+
+    def _raise_explained(self, error: Exception):
+        explained = self.leader.explain(error)
+        if explained is error:
+            raise error
+        raise explained from error
 
     def sleep(self) -> None:
         raise RuntimeError("sleep mode is not available with several processes")

@@ -246,3 +246,29 @@ def test_only_what_the_step_depends_on_must_agree():
                           ("token_buckets", (16, 32)), ("sharding_rules", "fsdp"), ("seed", 3)):
         other = EngineConfig.from_kwargs(model="/models/a", **{**OPTIONS, option: value})
         assert option in first_difference(fingerprint(leader, None), fingerprint(other, None)), option
+
+
+def test_a_step_failed_by_a_lost_follower_names_the_follower():
+    """A follower killed mid-step fails the step's collective with a transport error at about the
+    moment its connection closes, in either order: the step's error is the connection's verdict
+    (which /health shows) when it comes soon after, and the step's own error otherwise."""
+    from jaxserve.parallel.multihost import FollowerLostError, Leader, LeaderRunner, Topology, free_coordinator_port
+
+    class FailingRunner:
+        def collect(self, step):
+            raise RuntimeError("gloo: connection reset by peer")
+
+    leader = Leader(Topology(0, 1, "127.0.0.1", free_coordinator_port()), b"k" * 32, {}, timeout=5)
+    runner = LeaderRunner(FailingRunner(), leader)
+    lost = FollowerLostError("follower 1 closed its connection")
+    threading.Timer(0.3, leader._fail, args=(lost,)).start()  # the watcher reports after the step failed
+    with pytest.raises(FollowerLostError, match="follower 1") as caught:
+        runner.collect(None)
+    assert isinstance(caught.value.__cause__, RuntimeError)
+
+    alone = LeaderRunner(FailingRunner(), Leader(Topology(0, 1, "127.0.0.1", free_coordinator_port()),
+                                                 b"k" * 32, {}, timeout=5))
+    alone.leader.verdict_seconds = 0.2  # the wait for a verdict is bounded
+    with pytest.raises(RuntimeError, match="gloo"):
+        alone.collect(None)
+    leader.close(), alone.leader.close()
