@@ -84,6 +84,7 @@ def main() -> int:
         "--workers", default="1,2", help="comma-separated worker counts, run in this order"
     )
     p.add_argument("--buckets", default=None, help="TxR,... (default: the whole default grid)")
+    p.add_argument("--note", default="", help="what else ran on the host meanwhile")
     p.add_argument("--out", default=str(HERE / "results" / "parallel_compile.jsonl"))
     a = p.parse_args()
     from jaxserve.runner.compile_pool import compile_in_workers
@@ -131,7 +132,7 @@ def main() -> int:
             "cpus": os.cpu_count(),
             "loadavg_before": [round(x, 2) for x in load_before],
             "loadavg_after": [round(x, 2) for x in os.getloadavg()],
-            "note": "host shared with other work",
+            "note": a.note,
         }
         pathlib.Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         with open(a.out, "a") as f:
