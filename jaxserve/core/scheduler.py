@@ -254,7 +254,11 @@ class Scheduler:
                 spare_rows -= k
                 i += 1
 
-        # 2. Waiting requests, in key order; head-of-line blocking keeps the order fair.
+        # 2. Waiting requests, in key order; head-of-line blocking keeps the order fair. A
+        # request whose adapter can get no device slot (every slot's adapter is running) steps
+        # aside for this step, as in vLLM: later requests of the base model or of an adapter
+        # in a slot go first, and it keeps its place for the next step.
+        no_slot: list[Request] = []
         while (
             not preempted and self.waiting and budget > 0
             and len(self.running) < cfg.max_num_seqs
@@ -262,12 +266,12 @@ class Scheduler:
             req = self.waiting.peek()
             if req.num_output_placeholders:  # preempted while its last token was in flight
                 break
+            if req.lora_request is not None and not self.lora.can_acquire(req.lora_request):
+                no_slot.append(self.waiting.pop())
+                continue
             hits, num_hit = self.kv.get_computed_blocks(req)
             n = req.num_tokens - num_hit
             if not cfg.enable_chunked_prefill and n > budget:
-                break
-            # Its adapter must have a device slot (head-of-line blocking as for the KV cache).
-            if req.lora_request is not None and not self.lora.can_acquire(req.lora_request):
                 break
             n = min(n, budget)
             if self.kv.allocate_slots(req, n, hits) is None:
@@ -285,6 +289,8 @@ class Scheduler:
             table = self.kv.get_block_ids(req.request_id)
             scheduled.append(self._advance(req, n, table, is_new=True, resumed=resumed))
             budget -= n
+        for req in no_slot:
+            self.waiting.push(self._keys[req.request_id], req)
 
         finished_ids = frozenset(self._finished_ids)
         self._finished_ids.clear()

@@ -56,6 +56,26 @@ def test_scheduler_admits_only_adapters_with_a_slot():
     )
 
 
+def test_a_request_whose_adapter_has_no_slot_lets_later_ones_pass_and_keeps_its_place():
+    """vLLM's order: a waiting request whose adapter can get no slot (each slot's adapter is
+    running) steps aside; later base-model requests and requests of a slotted adapter run;
+    it goes first once a slot frees, before requests that arrived after it."""
+    kv = KVCacheManager(4, 64, enable_caching=True, max_model_len=64)
+    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=64), kv, max_loras=1)
+    s.add_request(_req("a1", A))
+    assert [x.request_id for x in s.schedule().scheduled] == ["a1"]
+    for r in (_req("b1", B), _req("base", None), _req("a2", A), _req("b2", B)):
+        s.add_request(r)
+    out = s.schedule()
+    assert [x.request_id for x in out.scheduled if x.is_new] == ["base", "a2"]
+    assert [r.request_id for r in s.waiting] == ["b1", "b2"]  # both kept, in their order
+    s.add_request(_req("late", None))
+    s.finish_requests(["a1", "a2"], RequestStatus.FINISHED_ABORTED)
+    out = s.schedule()
+    assert [x.request_id for x in out.scheduled if x.is_new] == ["b1", "b2", "late"]
+    assert out.lora_loads == ((1, B),)
+
+
 def test_prefix_cache_keys_blocks_by_adapter():
     tokens = [1, 2, 3, 4]
     base = hash_block_tokens(None, tokens, None)
