@@ -18,6 +18,7 @@ import dataclasses
 from collections.abc import Iterable
 
 from jaxserve.core.kv_cache_manager import KVCacheManager
+from jaxserve.core.lora_slots import LoRASlotTable
 from jaxserve.core.sched_output import ScheduledRequest, SchedulerOutput
 from jaxserve.core.scheduler import Scheduler, SchedulerConfig, SchedulerStats
 from jaxserve.request import Request, RequestStatus
@@ -46,7 +47,7 @@ class DataParallelOutput:
 
     @property
     def lora_loads(self) -> tuple:
-        """The ranks' adapter loads (none: LoRA is refused with data parallelism)."""
+        """The adapter loads of every rank (their slots are the step's, shared by the ranks)."""
         return tuple(load for so in self.ranks for load in so.lora_loads)
 
 
@@ -62,10 +63,14 @@ def rank_config(config: SchedulerConfig, data_parallel_size: int) -> SchedulerCo
 
 
 class DataParallelScheduler:
-    def __init__(self, config: SchedulerConfig, kv_managers: list[KVCacheManager]):
+    def __init__(self, config: SchedulerConfig, kv_managers: list[KVCacheManager],
+                 lora_slots: LoRASlotTable | None = None):
+        """lora_slots: the LoRA adapters' device slots, shared by every rank (the step holds one
+        set of slots that each rank's tokens read, so at most max_loras adapters run in a step
+        over all ranks)."""
         self.config = config
         share = rank_config(config, len(kv_managers))
-        self.ranks = [Scheduler(share, kv) for kv in kv_managers]
+        self.ranks = [Scheduler(share, kv, lora_slots) for kv in kv_managers]
         self.rank_of: dict[str, int] = {}
 
     @property
@@ -164,4 +169,6 @@ class DataParallelScheduler:
             spec_num_drafts=sum(s.spec_num_drafts for s in stats),
             spec_num_draft_tokens=sum(s.spec_num_draft_tokens for s in stats),
             spec_num_accepted_tokens=sum(s.spec_num_accepted_tokens for s in stats),
+            running_lora_adapters=stats[0].running_lora_adapters,  # the shared table's
+            waiting_lora_adapters=tuple(sorted({n for s in stats for n in s.waiting_lora_adapters})),
         )

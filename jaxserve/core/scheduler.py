@@ -105,11 +105,13 @@ class _WaitingQueue:
 
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, kv_cache_manager: KVCacheManager,
-                 max_loras: int = 0) -> None:
-        """max_loras: the LoRA adapters' device slots (0: LoRA off; see core/lora_slots.py)."""
+                 lora_slots: LoRASlotTable | None = None) -> None:
+        """lora_slots: which LoRA adapter holds which device slot (None: LoRA off; see
+        core/lora_slots.py); with data parallelism every rank's scheduler shares one table,
+        since the slots are the step's, not a rank's."""
         self.config = scheduler_config
         self.kv = kv_cache_manager
-        self.lora = LoRASlotTable(max_loras) if max_loras else None
+        self.lora = lora_slots
         if self.kv.max_model_len not in (None, scheduler_config.max_model_len):
             raise ValueError(
                 f"KVCacheManager.max_model_len ({self.kv.max_model_len}) differs from "

@@ -20,6 +20,7 @@ from jaxserve.backends import Backend, DevicePlan, select_backend
 from jaxserve.backends.base import InsufficientMemoryError, MemoryBudget, min_over_processes
 from jaxserve.config import EngineConfig, jax_dtype
 from jaxserve.core.kv_cache_manager import KVCacheManager
+from jaxserve.core.lora_slots import LoRASlotTable
 from jaxserve.core.dp_scheduler import DataParallelScheduler, rank_config
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.engine.core import EngineCore
@@ -142,8 +143,9 @@ def build_engine(config: EngineConfig, timer: StartupTimer | None = None, *,
     kv_dtype = jax_dtype(plan.kv_dtype)
     if pooling and (D > 1 or topo is not None):
         raise ValueError("--runner pooling runs on one process without data parallelism")
-    if config.lora.enable_lora and (pooling or D > 1 or topo is not None):
-        raise ValueError("--enable-lora serves generation on one process without data parallelism")
+    if config.lora.enable_lora and (pooling or topo is not None):
+        raise ValueError("--enable-lora serves generation on one process (not with --runner pooling, "
+                         "nor across hosts)")
     model = _prepared_model(config, ckpt, arch, backend, plan, mesh, rules, timer)
     with timer.phase("kv scales"):  # a quantized cache's, before the steps are compiled
         prepare_kv_scales(model, kv_dtype, ckpt,
@@ -212,8 +214,9 @@ def build_engine(config: EngineConfig, timer: StartupTimer | None = None, *,
             link.start()
             step_runner = multihost.LeaderRunner(runner, link)
     max_loras = config.lora.max_loras if config.lora.enable_lora else 0
-    scheduler = (DataParallelScheduler(sc, kv_managers) if D > 1 else
-                 Scheduler(sc, kv_managers[0], max_loras=max_loras))
+    lora_slots = LoRASlotTable(max_loras) if max_loras else None
+    scheduler = (DataParallelScheduler(sc, kv_managers, lora_slots) if D > 1 else
+                 Scheduler(sc, kv_managers[0], lora_slots))
     spec = config.speculative_config
     proposer = (NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
                 if spec is not None else None)

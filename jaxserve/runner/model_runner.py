@@ -144,9 +144,8 @@ class ModelRunner:
         del state
         self.lora = None
         if lora is not None and lora.enable_lora:
-            if not getattr(model, "supports_lora", False) or self.dp > 1:
-                raise ValueError(f"LoRA adapters are not supported for {self.cfg.architecture}"
-                                 + (" with data parallelism" if self.dp > 1 else ""))
+            if not getattr(model, "supports_lora", False):
+                raise ValueError(f"LoRA adapters are not supported for {self.cfg.architecture}")
             self.lora = LoRASlots(self.cfg, lora, model.dtype, mesh, rules)
         # A backend's fused layer has no LoRA products: with LoRA the model's own layer runs.
         self.layer_impl = backend.layer_impl(model) if self.lora is None else None

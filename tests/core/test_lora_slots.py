@@ -40,7 +40,7 @@ def test_scheduler_admits_only_adapters_with_a_slot():
     s = Scheduler(
         SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=64),
         kv,
-        max_loras=1,
+        LoRASlotTable(1),
     )
     for r in (_req("x", A), _req("base", None), _req("y", A), _req("z", B)):
         s.add_request(r)
@@ -61,7 +61,7 @@ def test_a_request_whose_adapter_has_no_slot_lets_later_ones_pass_and_keeps_its_
     running) steps aside; later base-model requests and requests of a slotted adapter run;
     it goes first once a slot frees, before requests that arrived after it."""
     kv = KVCacheManager(4, 64, enable_caching=True, max_model_len=64)
-    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=64), kv, max_loras=1)
+    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=64), kv, LoRASlotTable(1))
     s.add_request(_req("a1", A))
     assert [x.request_id for x in s.schedule().scheduled] == ["a1"]
     for r in (_req("b1", B), _req("base", None), _req("a2", A), _req("b2", B)):
@@ -85,7 +85,7 @@ def test_prefix_cache_keys_blocks_by_adapter():
     s = Scheduler(
         SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=64),
         kv,
-        max_loras=2,
+        LoRASlotTable(2),
     )
     s.add_request(_req("first", A, tokens * 3))
     s.schedule()

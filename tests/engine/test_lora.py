@@ -105,6 +105,40 @@ def test_adapters_match_peft_alone_and_mixed(data_dir, tmp_path, compile_cache_d
     assert llm.engine.num_compiles_after_warmup == 0
 
 
+def test_adapters_over_two_data_parallel_ranks(data_dir, tmp_path, compile_cache_dir):
+    """Data parallelism: the ranks share the step's slots (one table: at most max_loras adapters
+    in a step over both ranks). Three adapters and the base over two slots, the requests spread
+    over both ranks (prompts of different lengths, no prefix cache to pin them to one): each gets
+    transformers + peft's prompt log-probs, and the full prompts their greedy tokens."""
+    arch = "llama"
+    model = write_model_dir(tmp_path / arch, arch)
+    options = {**LORA_OPTIONS, "request_buckets": (2,), "max_num_batched_tokens": 64, "enable_prefix_caching": False}
+    llm = LLM(str(model), data_parallel_size=2, compilation_cache_dir=compile_cache_dir, **options)
+    assert llm.engine.runner.mesh.shape["data"] == 2
+    loras = {n: LoRARequest(f"{arch}-{n}", i + 1, str(data_dir / "lora" / arch / n)) for i, n in enumerate(ADAPTERS)}
+    params = SamplingParams(temperature=0.0, max_tokens=8, min_tokens=8, prompt_logprobs=0)
+    order = ["a", "base", "b", "c", "a", "c", "b", "base"]
+    tokens = _tokens(data_dir, arch)
+    prompts = [tokens[: len(tokens) - i // 2] for i in range(len(order))]  # pairs of lengths
+    sched, ranks = llm.engine.scheduler, []
+    assign = sched._assign
+    sched._assign = lambda request: ranks.append(assign(request)) or ranks[-1]  # noqa: E731
+    mixed = llm.generate(prompts, params, use_tqdm=False, lora_request=[loras.get(n) for n in order])
+    base_logits = load_file(str(data_dir / "arch" / arch / "expected.safetensors"))["logits_0"]
+    for n, prompt, out in zip(order, prompts, mixed):
+        if n == "base":
+            logits, greedy = base_logits, None
+        else:
+            exp = load_file(str(data_dir / "lora" / arch / n / "expected.safetensors"))
+            logits, greedy = exp["logits"], exp["greedy"].tolist()
+        want = _log_softmax(logits[: len(prompt)])[np.arange(len(prompt) - 1), prompt[1:]]
+        np.testing.assert_allclose(_prompt_lps(out, prompt), want, atol=1e-4, rtol=0, err_msg=n)
+        if greedy is not None and prompt == tokens:
+            assert out.outputs[0].token_ids == greedy, n
+    assert sorted(set(ranks)) == [0, 1], ranks
+    assert llm.engine.num_compiles_after_warmup == 0
+
+
 def _tokens(data_dir, arch) -> list[int]:
     return load_file(str(data_dir / "lora" / arch / "a" / "expected.safetensors"))[
         "tokens"
