@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-import os
 import sys
 import time
 from typing import Any
@@ -100,11 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from jaxserve.engine.client import FingerprintMismatch, FollowerRole, open_engine
-    from jaxserve.server.app import build_app
-    from jaxserve.server.draining import DrainingServer
+    from jaxserve.parallel.multihost import exit_now
     from jaxserve.startup_timer import StartupTimer
 
     model = serve_model(args)
@@ -121,6 +117,8 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     log = logging.getLogger(__name__)
     timer = StartupTimer(since_launch=True)
+    several = config.parallel.coordinator_address is not None
+
     try:
         aengine = open_engine(config, core=server.engine_core, timer=timer,
                               max_waiting_requests=server.max_waiting_requests)
@@ -133,6 +131,33 @@ def _serve(args: argparse.Namespace) -> int:
         log.debug("the engine could not be built", exc_info=True)
         print(f"jaxserve serve: {e}", file=sys.stderr)
         return 2
+    try:
+        _run_server(aengine, server, server_opts, chat_template, timer, log)
+    except BaseException:
+        if several:  # the followers shut down with the leader (else they wait for its steps)
+            aengine.close()
+        raise
+    if aengine.error is not None:
+        # The engine failed for good (a device error, a lost follower): exit non-zero so that a
+        # supervisor restarts the server; in-flight requests have been answered with the error.
+        log.error("exiting: the engine failed (%r)", aengine.error)
+        if several:
+            # Not through the interpreter's exit: JAX's distributed shutdown would wait for the
+            # lost process at its barrier (minutes), and the engine thread may be stuck in a
+            # collective. The run is over for every process.
+            exit_now(1)
+        return 1
+    aengine.close()  # several processes: the followers shut down with the leader
+    return 0
+
+
+def _run_server(aengine, server: ServerConfig, server_opts: dict, chat_template, timer, log) -> None:
+    """The HTTP server over a built engine, until it is stopped."""
+    import uvicorn
+
+    from jaxserve.server.app import build_app
+    from jaxserve.server.draining import DrainingServer
+
     server_t0 = time.perf_counter()
     names = list(server.served_model_name) if server.served_model_name else None
     app = build_app(aengine, served_model_names=names, api_keys=server.api_key, allowed_origins=server.allowed_origins,
@@ -154,33 +179,18 @@ def _serve(args: argparse.Namespace) -> int:
         log.info("%s", timer.summary())
 
     DrainingServer(uvicorn_config, aengine, server.shutdown_grace, on_started=started).run()
-    if aengine.error is not None:
-        # The engine failed for good (a device error, a lost follower): exit non-zero so that a
-        # supervisor restarts the server; in-flight requests have been answered with the error.
-        log.error("exiting: the engine failed (%r)", aengine.error)
-        if config.parallel.coordinator_address is not None:
-            # Not through the interpreter's exit: JAX's distributed shutdown would wait for the
-            # lost process at its barrier (minutes), and the engine thread may be stuck in a
-            # collective. The run is over for every process.
-            logging.shutdown()
-            os._exit(1)
-        return 1
-    aengine.close()  # several processes: the followers shut down with the leader
-    return 0
 
 
 def _follow(follower, log: logging.Logger) -> int:
     """A follower process: run the leader's steps; exit 0 when it shuts down, 1 when it is lost."""
     from jaxserve.engine.client import LeaderLostError
+    from jaxserve.parallel.multihost import exit_now
 
     try:
         return follower.run()
     except LeaderLostError as e:
-        # Not through the interpreter's exit: JAX's distributed shutdown would wait at its
-        # barrier for the leader that is gone.
         log.error("exiting: %s", e)
-        logging.shutdown()
-        os._exit(1)
+        exit_now(1)
 
 
 def graceful_shutdown_timeout(grace_seconds: float) -> int:

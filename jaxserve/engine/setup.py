@@ -33,7 +33,7 @@ from jaxserve.models.loader import load_checkpoint, resolve_model
 from jaxserve.models.pooling_config import as_causal_lm, check_decoder, load_pooling_config
 from jaxserve.models.sharding import check_servable, load_rules, serving_rules
 from jaxserve.models.weights import create_model, sharded_abstract_model
-from jaxserve.parallel import multihost
+from jaxserve.parallel import multihost, step_channel
 from jaxserve.parallel.mesh import bytes_per_device, make_mesh, replicated_axes
 from jaxserve.runner.buckets import BucketGrid
 from jaxserve.runner.compile import executable_cache, weight_cache
@@ -66,7 +66,7 @@ class EngineParts:
     plan: DevicePlan | None = None
     load_seconds: float = 0.0
     topology: multihost.Topology | None = None  # several processes: this one's place
-    link: multihost.Leader | multihost.Follower | None = None  # the step channel
+    link: step_channel.Leader | step_channel.Follower | None = None  # the step channel
     model_runner: ModelRunner | None = None  # this process's devices (core.runner may wrap it)
 
     @property
@@ -94,7 +94,20 @@ def build_engine(config: EngineConfig, timer: StartupTimer | None = None, *,
                  on_model_path: Callable[[pathlib.Path], None] | None = None) -> EngineParts:
     """The engine's parts from `config`. `timer` (optional) collects the wall time of each
     start-up phase; the summary is logged when the engine is ready. `on_model_path(path)` is
-    called as soon as the model's directory is known (a frontend elsewhere loads its tokenizer)."""
+    called as soon as the model's directory is known (a frontend elsewhere loads its tokenizer).
+    Several processes: a build that fails after they joined tells the others why (they would
+    otherwise wait for this one in a compile or a collective; see parallel/multihost.py)."""
+    joined: list[step_channel.Leader | step_channel.Follower] = []
+    try:
+        return _build_engine(config, timer, on_model_path, joined)
+    except BaseException as e:
+        for link in joined:
+            link.abort(f"{type(e).__name__}: {e}")
+        raise
+
+
+def _build_engine(config: EngineConfig, timer: StartupTimer | None,
+                  on_model_path: Callable[[pathlib.Path], None] | None, joined: list) -> EngineParts:
     own_timer = timer is None
     timer = timer or StartupTimer()
     t0 = time.perf_counter()
@@ -140,6 +153,8 @@ def build_engine(config: EngineConfig, timer: StartupTimer | None = None, *,
     if topo is not None:  # the leader resolves the "auto"s; every follower takes them
         with timer.phase("distributed"):
             link, plan = _join(topo, config, model_path, plan)
+            joined.append(link)
+            link.watch_startup()
     kv_dtype = jax_dtype(plan.kv_dtype)
     if pooling and (D > 1 or topo is not None):
         raise ValueError("--runner pooling runs on one process without data parallelism")
@@ -212,7 +227,7 @@ def build_engine(config: EngineConfig, timer: StartupTimer | None = None, *,
         multihost_utils.sync_global_devices("jaxserve-ready")  # every process compiled the same steps
         if topo.is_leader:
             link.start()
-            step_runner = multihost.LeaderRunner(runner, link)
+            step_runner = step_channel.LeaderRunner(runner, link)
     max_loras = config.lora.max_loras if config.lora.enable_lora else 0
     lora_slots = LoRASlotTable(max_loras) if max_loras else None
     scheduler = (DataParallelScheduler(sc, kv_managers, lora_slots) if D > 1 else
@@ -426,9 +441,9 @@ def _join(topo, config: EngineConfig, model_path, plan: DevicePlan):
     mine = multihost.fingerprint(config, model_path)
     timeout = config.parallel.startup_timeout_seconds
     if topo.is_leader:
-        leader = multihost.Leader(topo, key, mine, timeout=timeout)
+        leader = step_channel.Leader(topo, key, mine, timeout=timeout)
         leader.send_settings({"plan": dataclasses.asdict(plan),
                               "step_timeout_seconds": config.parallel.step_timeout_seconds})
         return leader, plan
-    follower = multihost.Follower(topo, key, mine, timeout=timeout)
+    follower = step_channel.Follower(topo, key, mine, timeout=timeout)
     return follower, DevicePlan(**follower.settings["plan"])

@@ -6,7 +6,6 @@ through `LLM.generate`, outputs equal the single-process engine's; then the fail
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -252,7 +251,8 @@ def test_a_step_failed_by_a_lost_follower_names_the_follower():
     """A follower killed mid-step fails the step's collective with a transport error at about the
     moment its connection closes, in either order: the step's error is the connection's verdict
     (which /health shows) when it comes soon after, and the step's own error otherwise."""
-    from jaxserve.parallel.multihost import FollowerLostError, Leader, LeaderRunner, Topology, free_coordinator_port
+    from jaxserve.parallel.multihost import FollowerLostError, Topology, free_coordinator_port
+    from jaxserve.parallel.step_channel import Leader, LeaderRunner
 
     class FailingRunner:
         def collect(self, step):
@@ -272,3 +272,39 @@ def test_a_step_failed_by_a_lost_follower_names_the_follower():
     with pytest.raises(RuntimeError, match="gloo"):
         alone.collect(None)
     leader.close(), alone.leader.close()
+
+
+FAILING_SCRIPT = """
+import json, sys
+import jaxserve.engine.setup as setup
+options, failing = json.loads(sys.argv[1]), int(sys.argv[2])
+if options["process_id"] == failing:  # this process's build fails after the processes joined
+    def broken(*args, **kwargs):
+        raise RuntimeError("a start-up failure of this process")
+    setup.ModelRunner = broken
+from jaxserve import LLM
+LLM(**options)
+"""
+
+
+@pytest.mark.parametrize("failing", [0, 1], ids=["leader", "follower"])
+def test_a_start_up_failure_after_joining_ends_every_process(model_dir, failing):
+    """A process whose engine build fails after the processes joined (the others are compiling or
+    waiting in a start-up collective for it) tells them why: every process exits non-zero within
+    seconds, the others naming the failed one and its error, instead of waiting forever."""
+    port = mh.free_port()
+    procs = []
+    for pid in range(2):
+        opts = dict(OPTIONS, model=str(model_dir), tensor_parallel_size=4, coordinator_address=f"127.0.0.1:{port}",
+                    num_processes=2, process_id=pid, heartbeat_timeout_seconds=60, step_timeout_seconds=30)
+        procs.append(subprocess.Popen([sys.executable, "-c", FAILING_SCRIPT, json.dumps(opts), str(failing)],
+                                      env=mh.env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    try:
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        mh.stop(procs)
+    assert [p.returncode != 0 for p in procs] == [True, True], outs
+    assert "a start-up failure of this process" in outs[failing], outs[failing][-3000:]
+    other = outs[1 - failing]
+    name = "leader" if failing == 0 else "follower 1"
+    assert f"the {name} failed during start-up: RuntimeError: a start-up failure" in other, other[-3000:]
