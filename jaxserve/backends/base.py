@@ -77,6 +77,10 @@ class MemoryBudget:
     # cache (on TPU, with the attention kernel, XLA copies a layer's cache arrays): from a
     # second probe with more pages (engine/setup.py). 0: they do not.
     kv_overhead: float = 0.0
+    # The step compiled with this budget's cache (the one served), and what it needed beyond the
+    # budget: taken off the cache (a growth of the temporaries the smaller probes did not show).
+    served: StepMemory | None = None
+    served_excess: int = 0
 
     @property
     def usable(self) -> int:
@@ -85,7 +89,7 @@ class MemoryBudget:
     @property
     def kv(self) -> int:
         left = self.usable - self.step.besides_kv - self.other_in_use - self.other_code
-        return int(left / (1.0 + self.kv_overhead)) if left > 0 else left
+        return (int(left / (1.0 + self.kv_overhead)) if left > 0 else left) - self.served_excess
 
     def describe(self) -> str:
         s, G = self.step, 2**30
@@ -100,6 +104,9 @@ class MemoryBudget:
             text += f", already in use {self.other_in_use / G:.2f} GiB"
         if self.kv_overhead:
             text += f"; the step's temporaries grow by {self.kv_overhead:.2f} bytes per byte of KV cache"
+        if self.served_excess:
+            text += (f"; with that cache the step needed {self.served_excess / G:.3f} GiB more, taken off "
+                     f"the cache")
         return text + f"; left for the KV cache {self.kv / G:.2f} GiB"
 
 
@@ -240,6 +247,14 @@ class Backend:
                                           f"--gpu-memory-utilization, shard over more devices "
                                           f"(--tensor-parallel-size), or lower --max-num-batched-tokens")
         return budget
+
+    @staticmethod
+    def check_served_step(budget: MemoryBudget, served: StepMemory) -> MemoryBudget:
+        """`budget` with the figures of its step compiled with the budget's cache (`served`):
+        whatever that step needs beyond the usable memory comes off the cache (a smaller cache
+        needs no more temporaries than a larger one)."""
+        over = served.peak + budget.other_in_use + budget.other_code - budget.usable
+        return dataclasses.replace(budget, served=served, served_excess=max(over, 0))
 
     # ------------------------------------------------------------------ compilation
     def compile_target(self, devices) -> dict | None:
