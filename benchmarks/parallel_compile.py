@@ -36,7 +36,8 @@ def default_grid(max_num_seqs: int = 32) -> list[tuple[int, int]]:
 
 
 def recipe(
-    preset: str, topology: str, mesh: tuple[int, int], max_model_len: int, max_num_seqs: int
+    preset: str, topology: str, mesh: tuple[int, int], max_model_len: int, max_num_seqs: int,
+    num_pages: int | None = None, layers: int | None = None,
 ):
     from jaxserve.models.sharding import load_rules, serving_rules
 
@@ -47,6 +48,8 @@ def recipe(
     from jaxserve.tools.shard_plan import model_config
 
     _, arch = model_config(preset)
+    if layers is not None:
+        arch = {**arch, "num_hidden_layers": layers}
     # The plan as the TPU backend resolves it (the attention kernel: "auto" on a TPU).
     plan = Backend("tpu").plan(ModelConfig(matmul_impl="xla"), CacheConfig(), _FakeMesh())
     pages = mesh[0] * (max_num_seqs // mesh[0] * -(-max_model_len // 16) + 1)
@@ -58,7 +61,7 @@ def recipe(
         rules=serving_rules(load_rules("tp"), mesh[0]),
         mesh_shape=mesh,
         target={"kind": "tpu", "topology": topology},
-        num_pages=pages,
+        num_pages=pages if num_pages is None else num_pages,
         page_size=16,
         max_model_len=max_model_len,
         sampler_config=SamplerConfig(
