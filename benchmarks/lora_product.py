@@ -1,6 +1,6 @@
-"""The LoRA term of one adapted product, three ways (and a variant of two of them): today's
-one-hot over all slots, a per-token gather of the adapter's weights, and an expert-style
-grouping of the tokens by slot.
+"""The LoRA term of one adapted product, three ways (and a variant of two of them): a one-hot
+over all slots (what models/layers/lora.py computes), a per-token gather of the adapter's
+weights, and an expert-style grouping of the tokens by slot.
 
 The LoRA term is the only part of a step that differs between them: y += x @ A[slot] @ B[slot]
 per token, with the slots' weights stacked A [S, in, R], B [S, R, out] (bfloat16, float32
@@ -8,11 +8,12 @@ accumulation, as `models/layers/lora.py`). Each implementation is split into wha
 computes once from the tokens' slots (`prepare`, shared by every adapted product of every
 layer) and what each product computes (`delta`, what is timed and analysed):
 
-- "onehot" (today's `lora_delta`): x @ A for every slot ([T, S, R]), masked by the token's
-  one-hot row, contracted with B over (slot, rank): S * R * (in + out) multiply-adds per token;
-- "onehot-flat": the same, with the B contraction written over one dim of S * R (x @ A
-  reshaped to [T, S * R], B to [S * R, out]: free reshapes). XLA:CPU lowers today's two-dim
-  contraction with a copy of the whole B stack into (rank, slot) order on every call;
+- "onehot": x @ A for every slot ([T, S, R]), masked by the token's one-hot row, contracted
+  with B over the two dims (slot, rank): S * R * (in + out) multiply-adds per token. The form
+  `lora_delta` had until this benchmark measured "onehot-flat"; XLA:CPU lowers it with a copy
+  of the whole B stack into (rank, slot) order on every call;
+- "onehot-flat" (`lora_delta` now): the same, with the B contraction written over one dim of
+  S * R (x @ A reshaped to [T, S * R], B to [S * R, out]: free reshapes);
 - "gather": A[slot_t] and B[slot_t] gathered per token ([T, in, R], [T, R, out]), then
   x[t] @ A_t @ B_t: R * (in + out) per token, but T copies of the weights are read and written;
 - "grouped": the tokens sorted by slot (base-model tokens last), `jax.lax.ragged_dot` with the
@@ -106,13 +107,12 @@ def delta(impl: str, x, a, b, prep):
     from jaxserve.models.layers.lora import lora_delta
 
     f32 = jnp.float32
-    if impl == "onehot":
+    if impl == "onehot-flat":
         return lora_delta("te,ef->tf", x, a, b, prep)
-    if impl == "onehot-flat":  # the B contraction over (slot, rank) as one dim of S * R
-        S, R = a.shape[0], a.shape[-1]
+    if impl == "onehot":  # the B contraction over the two dims (slot, rank)
         xa = jnp.einsum("te,ser->tsr", x.astype(a.dtype), a, preferred_element_type=f32)
-        xa = (xa * prep[:, :, None]).astype(b.dtype).reshape(x.shape[0], S * R)
-        return jnp.einsum("tk,kf->tf", xa, b.reshape(S * R, -1), preferred_element_type=f32)
+        xa = (xa * prep[:, :, None]).astype(b.dtype)
+        return jnp.einsum("tsr,srf->tf", xa, b, preferred_element_type=f32)
     if impl == "grouped-presorted":
         sizes, adapted = prep
         xa = jax.lax.ragged_dot(x.astype(a.dtype), a, sizes, preferred_element_type=f32)
@@ -204,7 +204,7 @@ def arrays(case: dict, seed: int = 0):
     return x, a, b, jnp.asarray(slots_of(case, seed))
 
 
-def check_agree(case: dict) -> float:
+def check_agree(case: dict, impls=ALL_IMPLS) -> float:
     """Every implementation's result on this case agrees with "onehot"'s on the same tokens
     (allclose; every fifth token on the base model, whose term must be zero; the tokens in slot
     order for "grouped-presorted"); returns the largest absolute difference. AssertionError
@@ -220,7 +220,7 @@ def check_agree(case: dict) -> float:
     for order in (slots, in_slot_order(slots)):
         ref = np.asarray(run("onehot", x, a, b, order))
         assert not np.any(ref[np.asarray(order) == 0]), "a base-model token got an adapter term"
-        for impl in ALL_IMPLS:
+        for impl in impls:
             if (impl == "grouped-presorted") != (order is not slots) or impl == "onehot":
                 continue
             y = np.asarray(run(impl, x, a, b, order))
@@ -231,21 +231,21 @@ def check_agree(case: dict) -> float:
 
 
 # --------------------------------------------------------------------------------- measuring
-def cpu_times(case: dict, reps: int) -> dict[str, dict]:
+def cpu_times(case: dict, reps: int, impls=CPU_IMPLS) -> dict[str, dict]:
     """Median wall time of each implementation's jitted delta on the CPU, the implementations
     alternating within each repetition (the host may be shared)."""
     import jax
 
     x, a, b, slots = arrays(case)
     fns, preps = {}, {}
-    for impl in CPU_IMPLS:
+    for impl in impls:
         preps[impl] = jax.block_until_ready(jax.jit(prepare, static_argnums=(0, 2))(impl, slots, case["S"]))
         fns[impl] = jax.jit(lambda x, a, b, p, impl=impl: delta(impl, x, a, b, p))
         jax.block_until_ready(fns[impl](x, a, b, preps[impl]))  # compile + warm-up
         jax.block_until_ready(fns[impl](x, a, b, preps[impl]))
-    times: dict[str, list[float]] = {impl: [] for impl in CPU_IMPLS}
+    times: dict[str, list[float]] = {impl: [] for impl in impls}
     for _ in range(reps):
-        for impl in CPU_IMPLS:
+        for impl in impls:
             t0 = time.perf_counter()
             jax.block_until_ready(fns[impl](x, a, b, preps[impl]))
             times[impl].append((time.perf_counter() - t0) * 1e3)
@@ -308,7 +308,13 @@ def environment() -> dict:
             if ln.startswith("Model name")), "")
     except OSError:
         pass
-    return {"git_sha": sha, "jax": jax.__version__, "cpu": model, "cores": os.cpu_count()}
+    try:
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                                    cwd=HERE, capture_output=True, text=True).stdout.strip())
+    except OSError:
+        dirty = None
+    return {"git_sha": sha, "git_dirty": dirty, "jax": jax.__version__, "cpu": model,
+            "cores": os.cpu_count()}
 
 
 def run_target(target: str, args, env: dict) -> list[dict]:
@@ -316,22 +322,23 @@ def run_target(target: str, args, env: dict) -> list[dict]:
     rows = []
     stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     device = None if target == "cpu" else device_of(target)
+    chosen = [i for i in (CPU_IMPLS if target == "cpu" else COMPILED_IMPLS) if i in (args.impls or ALL_IMPLS)]
     for case in cases(args):
         name = f"{case['inp']}x{case['out']} S={case['S']} T={case['T']} {case['mix']}"
         if target == "cpu":
-            worst = check_agree(case)
-            got = cpu_times(case, args.reps)
+            worst = check_agree(case, chosen)
+            got = cpu_times(case, args.reps, chosen)
             load = os.getloadavg()
-            for impl in CPU_IMPLS:
+            for impl in chosen:
                 rows.append({"benchmark": "lora_product", "target": "cpu", **case, "impl": impl,
                              **got[impl], "allclose": True, "max_abs_diff_any_impl": worst,
                              "load_avg": [round(v, 2) for v in load], **env, "timestamp": stamp})
             print(f"cpu  {name:36s} " + "  ".join(
-                f"{i} {got[i]['median_ms']:7.2f}" for i in CPU_IMPLS) + " ms" + f"  (load {load[0]:.1f})",
+                f"{i} {got[i]['median_ms']:7.2f}" for i in chosen) + " ms" + f"  (load {load[0]:.1f})",
                 flush=True)
             continue
         line = []
-        for impl in COMPILED_IMPLS:
+        for impl in chosen:
             c = cost(case, impl, device)
             roof = roofline_us(target, c["flops"] or 0.0, c["bytes_accessed"] or 0.0)
             rows.append({"benchmark": "lora_product", "target": target, **case, "impl": impl, **c,
@@ -349,6 +356,7 @@ def main() -> int:
     p.add_argument("--slots", nargs="+", type=int, default=[1, 4, 8])
     p.add_argument("--outs", nargs="+", type=int, default=[4096, 14336])
     p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--impls", nargs="+", choices=ALL_IMPLS, help="a subset (default: all)")
     p.add_argument("--results", type=pathlib.Path, default=RESULTS, help="the JSON lines' file")
     p.add_argument("--child", help=argparse.SUPPRESS)  # a compile-only target, in this process
     args = p.parse_args()
@@ -366,7 +374,8 @@ def main() -> int:
             rows += run_target("cpu", args, environment())
             continue
         cmd = [sys.executable, __file__, "--child", target, "--tokens", *map(str, args.tokens),
-               "--slots", *map(str, args.slots), "--outs", *map(str, args.outs)]
+               "--slots", *map(str, args.slots), "--outs", *map(str, args.outs),
+               *(["--impls", *args.impls] if args.impls else [])]
         child_env = {**os.environ, "JAX_PLATFORMS": "cpu", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=child_env)
         for line in proc.stdout:
