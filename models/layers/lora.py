@@ -7,8 +7,9 @@ token of the base model, slot 0, has an all-zero row): x @ A for all slots ([T, 
 to the token's own, then contracted with B over (slot, rank). Its cost is S * R * (in + out)
 per token and target whatever the batch mixes; with S * R small beside a weight's width (8
 slots of rank 16 against a 4096-wide layer: ~6 %) that is cheaper than gathering per-token
-copies of A and B, and it shards like the base weight (A over its input dims, B over its
-output dims; XLA reduces the partial sums). A step in which no token has an adapter skips the
+copies of A and B or grouping the tokens by slot (benchmarks/lora_product.py measures the
+three), and it shards like the base weight (A over its input dims, B over its output dims;
+XLA reduces the partial sums). A step in which no token has an adapter skips the
 products (one `lax.cond` per product on a batch-wide flag).
 """
 
@@ -48,8 +49,12 @@ def lora_delta(spec: str, x: jax.Array, a: jax.Array, b: jax.Array, onehot: jax.
     ins = "".join(c for c in ws if c in xs)
     outs = "".join(c for c in ws if c not in xs)
     xa = jnp.einsum(f"{xs},s{ins}r->tsr", x.astype(a.dtype), a, preferred_element_type=jnp.float32)
-    xa = (xa * onehot[:, :, None]).astype(b.dtype)
-    return jnp.einsum(f"tsr,sr{outs}->{ys}", xa, b, preferred_element_type=jnp.float32)
+    T, S, R = xa.shape
+    # (slot, rank) contracted as one dim of S * R (free reshapes of both operands): written as
+    # two dims, XLA:CPU copies the whole B stack into (rank, slot) order on every call
+    xa = (xa * onehot[:, :, None]).astype(b.dtype).reshape(T, S * R)
+    b = b.reshape(S * R, *b.shape[2:])
+    return jnp.einsum(f"tk,k{outs}->{ys}", xa, b, preferred_element_type=jnp.float32)
 
 
 def add_lora(p: dict, name: str, spec: str, x: jax.Array, y: jax.Array) -> jax.Array:
