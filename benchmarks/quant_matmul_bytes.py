@@ -107,6 +107,14 @@ def _product_cases():
     return cases
 
 
+def _bits(dtype) -> int:
+    """Bits a value of `dtype` takes on the chip (4-bit types are packed two a byte)."""
+    import jax.numpy as jnp
+
+    dtype = jnp.dtype(dtype)
+    return 4 if dtype in (jnp.dtype(jnp.uint4), jnp.dtype(jnp.int4)) else 8 * dtype.itemsize
+
+
 def products(args) -> list[dict]:
     import jax
     import jax.numpy as jnp
@@ -129,7 +137,7 @@ def products(args) -> list[dict]:
             cost = compiled.cost_analysis()
             cost = (cost[0] if isinstance(cost, list) else cost) or {}
             mem = compiled.memory_analysis()
-            weight = sum(int(np.prod(s)) * jnp.dtype(d).itemsize for s, d in shapes)
+            weight = sum(int(np.prod(s)) * _bits(d) // 8 for s, d in shapes)
             rec = {**head, "tokens": T, "case": name, "weights": fmt, "product": impl,
                    "weight_bytes": weight,  # values, scales and zeros as stored
                    "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
@@ -180,7 +188,9 @@ def step(args) -> list[dict]:
                    "peak_bytes_per_device": rec.get("memory", {}).get("peak"),
                    "step_bytes_accessed": cost.get("bytes_accessed"),
                    "bytes_accessed_per_decode_token": (cost.get("bytes_accessed") or 0) / 8,
-                   "step_flops": cost.get("flops"), "kernels": rec.get("kernels"),
+                   "step_flops": cost.get("flops"),
+                   "quant_matmul_calls": sum(n for name, n in (rec.get("kernels") or {}).items()
+                                             if name.startswith("quant_matmul_tpu")),
                    "compile_s": rec.get("compile_s")}
             records.append(out)
             weights_gib = out["params_bytes_per_device"] / 2**30
