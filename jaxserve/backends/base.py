@@ -27,7 +27,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxserve.config import CacheConfig, ModelConfig
-from jaxserve.models.layers.linear import prepare_fp8_products
+from jaxserve.models.layers.linear import prepare_fp8_products, prepare_quantized_products
 from jaxserve.pallas_kernels.ragged_paged_attention.ops import resolve_impl as resolve_attention_impl
 from jaxserve.runner.buckets import geometric
 from jaxserve.runner.step_memory import StepMemory
@@ -54,6 +54,11 @@ class DevicePlan:
     # token into e4m3): chips with FP8 products (GPUs of compute capability >= 8.9: H100,
     # H200). False: FP8 weights are upcast inside the dot (TPU v5e/v6e, the CPU, older GPUs).
     fp8_products: bool = False
+    # FP8 and int4 weights' products (models/layers/linear.py): "xla" (dequantized in the step,
+    # then XLA's dot) or a quantized product kernel (pallas_kernels/quant_matmul: "tpu", or
+    # "tpu-interpret" where attention runs the TPU kernel in the interpreter). The TPU kernels
+    # go together: the product kernel runs where attention resolves to the TPU kernel.
+    quant_matmul_impl: str = "xla"
 
 
 # What a TPU's `device_kind` reports -> the chip's name in libtpu's topology names ("v6e:2x4").
@@ -150,7 +155,13 @@ class Backend:
             native_sampling=self.native_sampling(mesh),
             moe_impl=self.moe_impl,
             fp8_products=self.fp8_products(mesh),
+            quant_matmul_impl=self.resolve_quant_matmul_impl(attention),
         )
+
+    def resolve_quant_matmul_impl(self, attention_impl: str) -> str:
+        """The quantized weights' product: the Pallas TPU kernel where attention runs the TPU
+        kernel (compiled or interpreted), else XLA's dequantize-then-dot."""
+        return attention_impl if attention_impl in ("tpu", "tpu-interpret") else "xla"
 
     def fp8_products(self, mesh: Mesh) -> bool:
         """Whether every device of `mesh` multiplies FP8 natively (a CUDA compute capability of
@@ -285,10 +296,16 @@ class Backend:
     # ------------------------------------------------------------------ the model
     def prepare_model(self, model, plan: DevicePlan, abstract: bool = False) -> None:
         """Lay the weights out for the product kernel in `plan` (on XLA's dot: only FP8 weights
-        marked for FP8 products where the plan has them). abstract: `model` holds
+        marked for FP8 products where the plan has them, and FP8 / int4 weights for the
+        quantized product kernel where it names one). abstract: `model` holds
         ShapeDtypeStructs; give it the layout's structure only."""
         if plan.fp8_products:
             prepare_fp8_products(model)
+        if plan.quant_matmul_impl != "xla":
+            n = prepare_quantized_products(model, plan.quant_matmul_impl)
+            if n and not abstract:
+                logger.info("%d quantized weights multiply in the %s product kernel", n,
+                            plan.quant_matmul_impl)
 
     def lays_out_weights(self, plan: DevicePlan) -> bool:
         """Whether `prepare_model` does work worth keeping (`runner/weight_cache.py`)."""

@@ -32,6 +32,7 @@ from jaxserve.config import CacheConfig, LoRAConfig, ModelConfig, jax_dtype
 from jaxserve.models import sharding as ax
 from jaxserve.models.arch_config import ArchConfig
 from jaxserve.models.interface import KV_CACHE_AXES
+from jaxserve.models.layers.linear import prepare_quantized_products
 from jaxserve.models.weights import abstract_model
 from jaxserve.runner.compile_pool import target_attention
 from jaxserve.runner.kv_cache import abstract_kv_cache, bytes_per_page
@@ -67,6 +68,9 @@ class PlanSettings:
     context: int | None = None  # decode context for --measure (default: min(max_model_len, 1024))
     max_loras: int = 0  # LoRA adapters' device slots (0: LoRA off)
     max_lora_rank: int = 0
+    # The FP8 / int4 weights' products: None, what the target's backend resolves (the TPU
+    # product kernel where attention runs the TPU kernel); "xla" or a kernel's name to choose.
+    quant_matmul_impl: str | None = None
 
 
 def param_group(path: str, ndim: int) -> str:
@@ -116,17 +120,19 @@ def _requested_split(axes, shape, mesh: Mesh, rules) -> tuple[int, int, list[str
 
 
 def resolve_plan(settings: PlanSettings, cfg: ArchConfig, mesh: Mesh, rules) -> dict[str, Any]:
-    """dtype, KV dtype, attention and MoE implementations as the target's backend resolves them,
-    the attention kernel checked on the per-device shapes (as `impl="auto"` does when serving)."""
+    """dtype, KV dtype, attention, MoE and quantized product implementations as the target's
+    backend resolves them, the attention kernel checked on the per-device shapes (as
+    `impl="auto"` does when serving)."""
     backend = select_backend(settings.platform)
     mc = ModelConfig(dtype=settings.dtype, attention_impl=settings.attention_impl, matmul_impl="xla")
     cc = CacheConfig(kv_cache_dtype=settings.kv_cache_dtype, page_size=settings.page_size)
     plan = backend.plan(mc, cc, mesh)
     impl, note = target_attention(settings.attention_impl, settings.platform, cfg, mesh, rules, settings.page_size,
                                   jax_dtype(plan.kv_dtype), jax_dtype(plan.dtype))
+    quant = settings.quant_matmul_impl or plan.quant_matmul_impl
     return {"dtype": plan.dtype, "kv_dtype": plan.kv_dtype, "attention_impl": impl, "attention_note": note,
             "native_sampling": plan.native_sampling if mesh.size == 1 else None,
-            "moe_impl": plan.moe_impl}
+            "moe_impl": plan.moe_impl, "quant_matmul_impl": quant}
 
 
 def lora_slots_group(settings: PlanSettings, cfg: ArchConfig, dtype, mesh: Mesh, rules):
@@ -160,6 +166,10 @@ def plan_one(settings: PlanSettings, mesh: Mesh, rules_spec: str, bucket: tuple[
     graphdef, abs_state, shardings = abstract_model(cfg, dtype=dtype, mesh=mesh, attention_impl=plan["attention_impl"],
                                                     quantization=settings.quantization, rules=rules,
                                                     moe_impl=plan["moe_impl"])
+    if plan["quant_matmul_impl"] != "xla":  # as the backend prepares the served model
+        model = nnx.merge(graphdef, abs_state)
+        prepare_quantized_products(model, plan["quant_matmul_impl"])
+        graphdef, abs_state = nnx.split(model)
     groups: dict[str, dict[str, float]] = {}
     replicated: list[str] = []
     flat_params = []

@@ -23,7 +23,13 @@ result by the channel scales. A quantized weight `w` has its scales in the float
 Checkpoint formats (`layers/quant.py`'s `WeightFormat`): the same type holds float8_e4m3fn
 values (FP8 checkpoints: scales per channel, per tensor or per 128x128 block) and packed 4-bit
 values with a zero per group (`w` + ZERO_SUFFIX; AWQ, GPTQ): the product dequantizes them
-inside the compiled step, so only the quantized bytes live in device memory.
+inside the compiled step, so only the quantized bytes live in device memory. XLA's TPU
+compiler dequantizes such a weight in a fusion of its own before a small-row dot (writing it
+to HBM at full width); a backend whose plan has a quantized product kernel
+(`DevicePlan.quant_matmul_impl`: the Pallas TPU kernel of `pallas_kernels/quant_matmul`)
+marks these weights with it (`prepare_quantized_products`, a `QuantizedProduct` in the
+weight's metadata) and `dense` then calls the kernel on every shard of the weight, inside a
+`shard_map` over the mesh the weight is placed on.
 """
 
 from __future__ import annotations
@@ -36,7 +42,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, PartitionSpec as P
+
+from jaxserve.models import sharding as ax
 from jaxserve.models.layers.quant import unpack_int4
+from jaxserve.pallas_kernels.quant_matmul.ops import quant_matmul
 
 
 class PackedParam(nnx.Param):
@@ -69,6 +79,17 @@ class QuantizedParam(nnx.Param):
     the same module, its zeros (int4) `<name>` + ZERO_SUFFIX."""
 
 
+@dataclasses.dataclass(frozen=True)
+class QuantizedProduct:
+    """A quantized weight's product kernel (metadata `product` of its `QuantizedParam`, set by
+    `prepare_quantized_products`): the kernel's name in `pallas_kernels/quant_matmul`, and the
+    mesh and partition specs its values, scales and zeros are placed with (None: one device)."""
+
+    impl: str
+    mesh: Mesh | None = None
+    specs: tuple[P, P] | None = None  # (values, scales and zeros)
+
+
 SCALE_SUFFIX = "_qscale"
 ZERO_SUFFIX = "_qzero"
 QUANTIZATIONS = ("int8", "fp8", "int4")
@@ -82,6 +103,8 @@ class QuantizedWeight:
     compute_dtype: str = dataclasses.field(metadata=dict(static=True), default="float32")
     zero: jax.Array | None = None  # int4: the zero point of each scale's block (float32)
     packed_axis: int | None = dataclasses.field(metadata=dict(static=True), default=None)
+    # The product kernel `dense` calls (None: XLA's product on the dequantized values).
+    product: QuantizedProduct | None = dataclasses.field(metadata=dict(static=True), default=None)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -123,7 +146,8 @@ def param_weight(module: nnx.Module, name: str):
         zero = getattr(module, name + ZERO_SUFFIX, None)
         meta = var.get_metadata()
         return QuantizedWeight(var[...], scale[...], meta.get("compute_dtype", "float32"),
-                               None if zero is None else zero[...], meta.get("packed_axis"))
+                               None if zero is None else zero[...], meta.get("packed_axis"),
+                               meta.get("product"))
     return weight_value(var)
 
 
@@ -268,6 +292,8 @@ def _dense_quantized(spec: str, x: jax.Array, w: QuantizedWeight) -> jax.Array:
     the float32 result; per block, or with zeros: dequantized in the step first). A compute
     dtype of float8_e4m3fn (a chip with FP8 products: `fp8_products`) multiplies FP8 values:
     the activations are scaled per token into e4m3 and the dot takes both in FP8."""
+    if w.product is not None:
+        return _dense_kernel(spec, x, w)
     cdt = jnp.dtype(w.compute_dtype)
     if not w.per_channel or any(w.scale.shape[a] != 1 for a in contracted_axes(spec)):
         if cdt == FP8:  # block scales: no FP8 product here, upcast (prepare_fp8_products)
@@ -313,6 +339,116 @@ def prepare_fp8_products(model: nnx.Module) -> int:
                     var.set_metadata("compute_dtype", FP8.name)
                     count += 1
     return count
+
+
+def product_form(spec: str) -> bool:
+    """Whether `dense(spec, ...)` is one 2-D product x [M, K] @ w [K, N]: x's contracted dims
+    last, the weight's first and in the same order, the output x's kept dims then the
+    weight's (every decoder layer's weight; not the stacked experts)."""
+    xs, ws, out, contract = parse_spec(spec)
+    kept_x = "".join(c for c in xs if c not in contract)
+    kept_w = "".join(c for c in ws if c not in contract)
+    return xs == kept_x + contract and ws == contract + kept_w and out == kept_x + kept_w
+
+
+def _mesh_axes(entry) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _scale_spec(q_spec: P, s_shape, mesh: Mesh) -> P | None:
+    """The spec that gives each shard of the values the scales of its own blocks: the values'
+    mesh axes on every dim the scales block (size > 1), none where one scale spans the dim;
+    None when a split does not divide the scales' blocks."""
+    out = []
+    for i, m in enumerate(s_shape):
+        axes = _mesh_axes(q_spec[i] if i < len(q_spec) else None)
+        if not axes or m == 1:
+            out.append(None)
+        elif m % ax.mesh_axes_size(mesh, axes):
+            return None
+        else:
+            out.append(q_spec[i])
+    return P(*out)
+
+
+def prepare_quantized_products(model: nnx.Module, impl: str) -> int:
+    """Mark `model`'s FP8 and packed int4 weights whose `dense` is one 2-D product to multiply
+    through the quantized product kernel `impl` (`pallas_kernels/quant_matmul`), recording the
+    mesh and specs they are placed with (the model's `mesh` and `rules`); the backend calls
+    this when its plan names a kernel. A weight whose split the scales' blocks do not follow
+    keeps XLA's product. Returns how many weights were marked."""
+    mesh = getattr(model, "mesh", None)
+    mesh = mesh if mesh is not None and mesh.size > 1 else None
+    rules = dict(getattr(model, "rules", ())) or ax.DEFAULT_RULES
+    count = 0
+    for _, module in nnx.iter_graph(model):
+        if not isinstance(module, nnx.Module):
+            continue
+        for name, var in list(vars(module).items()):
+            if not isinstance(var, QuantizedParam):
+                continue
+            value, meta = var.get_value(), var.get_metadata()
+            spec, packed_axis = meta["spec"], meta.get("packed_axis")
+            nc = len(parse_spec(spec)[3])
+            if (jnp.dtype(value.dtype) not in (FP8, jnp.dtype(jnp.uint8))
+                    or jnp.dtype(meta.get("compute_dtype", "float32")) == FP8
+                    or not product_form(spec) or packed_axis not in (None, nc - 1)):
+                continue
+            specs = None
+            if mesh is not None:
+                q_spec = ax.logical_to_spec(meta["logical_axes"], value.shape, mesh, rules)
+                scale = getattr(module, name + SCALE_SUFFIX).get_value()
+                s_spec = _scale_spec(q_spec, scale.shape, mesh)
+                if s_spec is None:
+                    continue
+                specs = (q_spec, s_spec)
+            var.set_metadata("product", QuantizedProduct(impl, mesh, specs))
+            count += 1
+    return count
+
+
+def _rows_of_groups(a: jax.Array, nc: int, out_shape) -> jax.Array:
+    """Scales (or zeros) [contracted blocks..., output blocks...] -> [G, N]: repeated over the
+    output channels each one covers."""
+    for i, n in enumerate(out_shape):
+        m = a.shape[nc + i]
+        if m not in (1, n):
+            a = jnp.repeat(a, n // m, axis=nc + i)
+    a = jnp.broadcast_to(a, (*a.shape[:nc], *out_shape))
+    return a.reshape(math.prod(a.shape[:nc]), -1)
+
+
+def _dense_kernel(spec: str, x: jax.Array, w: QuantizedWeight) -> jax.Array:
+    """`dense` through the weight's product kernel: x as [M, K], the values as [K (/2 packed),
+    N], scales and zeros as [G, N]. On a split weight, each shard's product runs inside a
+    `shard_map` (Mosaic kernels do not partition); a split contracted dim gives partial
+    products, summed over its mesh axes."""
+    nc = len(parse_spec(spec)[3])
+    kept = x.ndim - nc
+    product = w.product
+
+    def local(x, q, scale, *zero):
+        lead, out_shape = x.shape[:kept], q.shape[nc:]
+        y = quant_matmul(x.reshape(math.prod(lead), -1), q.reshape(-1, math.prod(out_shape)),
+                         _rows_of_groups(scale, nc, out_shape),
+                         _rows_of_groups(zero[0], nc, out_shape) if zero else None,
+                         packed=w.packed_axis is not None, compute_dtype=w.compute_dtype,
+                         impl=product.impl)
+        y = y.reshape(*lead, *out_shape)
+        return jax.lax.psum(y, split) if split else y
+
+    args = (x, w.q, w.scale) + (() if w.zero is None else (w.zero,))
+    if product.mesh is None:
+        split = ()
+        return local(*args)
+    mesh, manual = ax.context_mesh(product.mesh)  # in the data-parallel step "data" is manual
+    q_spec, s_spec = (ax.without_axes(s, manual) for s in product.specs)
+    q_entries = list(q_spec) + [None] * (w.q.ndim - len(q_spec))
+    split = tuple(a for e in q_entries[:nc] for a in _mesh_axes(e))
+    x_spec = P(*[None] * kept, *q_entries[:nc])
+    out_spec = P(*[None] * kept, *q_entries[nc:])
+    return jax.shard_map(local, mesh=mesh, in_specs=(x_spec, q_spec) + (s_spec,) * (len(args) - 2),
+                         out_specs=out_spec, check_vma=False)(*args)
 
 
 def dense_group(spec: str, x: jax.Array, w: PackedWeight) -> list[jax.Array]:

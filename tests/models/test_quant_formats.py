@@ -33,12 +33,17 @@ from flax import nnx
 from jaxserve.models.arch_config import ArchConfig
 from jaxserve.backends.cpu import CpuBackend
 from jaxserve.config import CacheConfig, ModelConfig
+from jax.sharding import NamedSharding, PartitionSpec as P
+from jaxserve.backends.base import Backend
 from jaxserve.models.layers.linear import (
     QuantizedParam,
+    QuantizedProduct,
     QuantizedWeight,
     dense,
     param_weight,
     prepare_fp8_products,
+    prepare_quantized_products,
+    scale_shape,
 )
 from jaxserve.models.layers.quant import pack_int4, quantize_fp8_blocks, unpack_int4
 from jaxserve.models.llama import LAYER_SPECS
@@ -330,3 +335,64 @@ def test_fp8_products_where_the_chip_has_them():
     want = x @ w.dequantize(jnp.float32)
     got = dense("te,ef->tf", x, w)
     assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 0.06
+
+
+def test_the_product_kernel_follows_the_tpu_attention_kernel():
+    """The plan's quantized products: the TPU kernel where attention runs the TPU kernel (its
+    interpreter with "tpu-interpret"), XLA's elsewhere (the CPU, reference attention)."""
+    mesh = single_device_mesh()
+    tpu = Backend("tpu")
+    assert tpu.plan(ModelConfig(), CacheConfig(), mesh).quant_matmul_impl == "tpu"
+    reference = ModelConfig(attention_impl="reference")
+    assert tpu.plan(reference, CacheConfig(), mesh).quant_matmul_impl == "xla"
+    cpu = ModelConfig(dtype="float32")  # (an "auto" dtype is measured on this CPU)
+    assert CpuBackend().plan(cpu, CacheConfig(), mesh).quant_matmul_impl == "xla"
+    interpret = ModelConfig(dtype="float32", attention_impl="tpu-interpret")
+    assert CpuBackend().plan(interpret, CacheConfig(), mesh).quant_matmul_impl == "tpu-interpret"
+
+
+def test_prepare_quantized_products_marks_the_weights_whose_split_the_scales_follow():
+    """int4 over a 1x2 mesh: every decoder weight is marked with the kernel and its placement,
+    except the down projection, whose 3 groups of 64 do not split in 2 (it keeps XLA's
+    product); FP8 all 7 (one scale per channel), the int8 / float weights none."""
+    def abstract(hf, quantization):
+        graphdef, state, _ = abstract_model(ArchConfig.from_hf(hf), dtype=jnp.bfloat16,
+                                            quantization=quantization, mesh=make_mesh(1, 2))
+        return nnx.merge(graphdef, state)
+
+    hf = dict(TINY, intermediate_size=192)
+    model = abstract(hf, "int4")
+    assert prepare_quantized_products(model, "tpu") == 6
+    layer = model.layers[0]
+    assert "product" not in layer.w_down.get_metadata()
+    product = layer.wo.get_metadata()["product"]
+    assert product.impl == "tpu" and product.specs[0] == P("model", None, None)
+    assert prepare_quantized_products(abstract(hf, "fp8"), "tpu") == 7
+    assert prepare_quantized_products(abstract(hf, "int8"), "tpu") == 0
+
+
+@pytest.mark.parametrize("spec,shape,split", [
+    ("thd,hde->te", (4, 32, 128), P("model", None, None)),  # heads split: partial sums, summed
+    ("te,ef->tf", (128, 256), P(None, "model")),  # output channels split
+])
+def test_dense_through_the_kernel_per_shard_equals_xla(spec, shape, split):
+    """An int4 weight (groups of 32 along its contracted dims) split over a 1x2 mesh: `dense`
+    through the product kernel (interpreted), per shard inside a shard_map, equals XLA's
+    dequantize-then-dot."""
+    rng = np.random.default_rng(len(shape))
+    mesh = make_mesh(1, 2)
+    nc = len(spec.split(",")[0]) - 1
+    sshape = scale_shape(shape, spec, 32)
+    values = rng.integers(0, 16, shape).astype(np.uint8)
+    place = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))  # noqa: E731
+    scale_split = P(*(a if m > 1 else None for a, m in zip(split, sshape)))
+    q = place(pack_int4(values, nc - 1), split)
+    scale = place(rng.uniform(0.01, 0.1, sshape).astype(np.float32), scale_split)
+    zero = place(rng.integers(0, 16, sshape).astype(np.float32), scale_split)
+    x = jnp.asarray(rng.standard_normal((8, *shape[:nc])).astype(np.float32))
+    product = QuantizedProduct("tpu-interpret", mesh, (split, scale_split))
+    weight = lambda p: QuantizedWeight(q, scale, "float32", zero, nc - 1, p)  # noqa: E731
+    got = jax.jit(lambda x: dense(spec, x, weight(product)))(x)
+    want = jax.jit(lambda x: dense(spec, x, weight(None)))(x)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5 * np.abs(want).max(),
+                               rtol=0)

@@ -108,6 +108,36 @@ def test_mosaic_rejects_a_broken_tiling():
         _kernel_program(devices, page_size=8)
 
 
+def _int4_down_projection():
+    """`dense` on an int4 weight (groups of 64) split over 4 v6e chips along its contracted dim
+    (a down projection), marked for the product kernel, compiled."""
+    from jaxserve.models.layers.linear import QuantizedProduct, QuantizedWeight, dense
+
+    devices, _, _ = _devices("v6e:2x2")
+    mesh = Mesh(np.array(devices[:4]).reshape(1, 4), ("data", "model"))
+    T, F, E, group = 8, 2048, 512, 64
+    spec = P("model", None)
+    kernel = QuantizedProduct("tpu", mesh, (spec, spec))
+    sd = lambda shape, dtype, s=P(): jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, s))  # noqa: E731
+
+    def down(x, q, scale, zero):
+        return dense("tf,fe->te", x, QuantizedWeight(q, scale, "bfloat16", zero, 0, kernel))
+
+    return jax.jit(down).lower(
+        sd((T, F), jnp.bfloat16), sd((F // 2, E), jnp.uint8, spec),
+        sd((F // group, E), jnp.float32, spec), sd((F // group, E), jnp.float32, spec)).compile()
+
+
+def test_int4_product_kernel_compiles_for_v6e_inside_the_tensor_parallel_split():
+    """Mosaic compiles the int4 product kernel per shard inside the shard_map: the kernel
+    takes the chip's packed bytes as they are stored (uint8 [F / 2 / 4, E]: no unpacking or
+    dequantizing before it), and the partial products are summed over the chips."""
+    text = _int4_down_projection().as_text()
+    calls = [line for line in text.splitlines() if 'custom_call_target="tpu_custom_call"' in line]
+    assert len(calls) == 1 and "u8[256,512]" in calls[0]
+    assert "all-reduce" in text
+
+
 def _plan(topology: str, arch: dict, name: str):
     from jaxserve.parallel.mesh import make_mesh
     from jaxserve.tools.plan_compile import PlanSettings, plan_one

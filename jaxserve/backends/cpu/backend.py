@@ -143,6 +143,7 @@ class CpuBackend(Backend):
 
     # ------------------------------------------------------------------ the model
     def prepare_model(self, model, plan: DevicePlan, abstract: bool = False) -> None:
+        super().prepare_model(model, plan, abstract)  # quantized products ("tpu-interpret")
         if plan.matmul_impl == "xla":
             return
         n = pack_linear_weights(model, *model.product_specs, tiles=plan.matmul_impl == "amx",
