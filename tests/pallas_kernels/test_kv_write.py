@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -207,17 +208,21 @@ Q_SLOTS = [37, 38, 39, 40, 41, 62, 63, 64, 65, 66, 67, 100, 113, 127, 112, QN * 
 def test_tpu_kernel_writes_one_byte_caches_like_the_reference(dtype, kernel_device):
     """The Pallas TPU write (interpret mode here) against the reference scatter, bit for bit:
     every slot written once holds its token's row, every slot not written is untouched, and a
-    slot several padding tokens share holds one of theirs."""
-    impl = "tpu" if kernel_device else "tpu-interpret"
-    fn = kv_ops._REGISTRY.impls[impl]
-    assert getattr(fn, "func", fn) is kv_ops._write_kv_tpu
+    slot several padding tokens share holds one of theirs. Blocks of 8 tasks: two live blocks
+    and a last one with none, where the serial tasks run."""
+    from jaxserve.pallas_kernels.kv_cache_update import tpu
+
+    for impl in ("tpu", "tpu-interpret"):  # what write_kv dispatches to for these caches
+        fn = kv_ops._REGISTRY.impls[impl]
+        assert getattr(fn, "func", fn) is kv_ops._write_kv_tpu
     rng = np.random.default_rng(5)
     shape = (QN, QPS, QHKV, QD)
     as_bits = lambda x: np.asarray(jax.lax.bitcast_convert_type(x, jnp.int8))  # noqa: E731
     kc, vc = (jnp.asarray(rng.integers(-100, 100, shape), dtype) for _ in range(2))
     slots = np.asarray(Q_SLOTS, np.int32)
     k, v = (jnp.asarray(rng.integers(-100, 100, (len(slots), QHKV, QD)), dtype) for _ in range(2))
-    got = jax.jit(lambda *a: write_kv(*a, impl=impl))(kc, vc, k, v, jnp.asarray(slots))
+    write = functools.partial(tpu.write_kv_tpu, quads_per_block=8, interpret=not kernel_device)
+    got = jax.jit(write)(kc, vc, k, v, jnp.asarray(slots))
     want = write_kv(kc, vc, k, v, jnp.asarray(slots), impl="reference")
     for g, w, old, new in zip(got, want, (kc, vc), (k, v)):
         assert g.dtype == dtype
