@@ -153,7 +153,7 @@ def whole_step(topology: str, kv_dtypes: list[str]) -> list[dict]:
                 raise RuntimeError(f"shard-plan failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
             plan = json.loads(jl.read_text().splitlines()[-1])
         rec = {"benchmark": "kv_write_cost", "kind": "whole_step",
-               "command": "jaxserve " + " ".join(cmd[3:]),
+               "command": "jaxserve " + " ".join(cmd[3:-2]),  # without the temporary --json
                "topology": topology, "device_kind": plan["device_kind"], "kv_dtype": kv,
                "attention_impl": plan["attention_impl"], "kv_per_device": plan["kv"]["per_device"],
                "bytes_accessed": plan["cost"]["bytes_accessed"], "flops": plan["cost"]["flops"],
