@@ -32,7 +32,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from jaxserve.pallas_kernels.kv_cache_update.ops import write_kv
+from jaxserve.pallas_kernels.kv_cache_update.ops import impl_for_attention, write_kv
 from jaxserve.pallas_kernels.kv_quant import is_quantized
 from jaxserve.pallas_kernels.ragged_paged_attention.metadata import AttentionMetadata
 from jaxserve.pallas_kernels.ragged_paged_attention.reference import (
@@ -179,7 +179,8 @@ def write_kv_and_attend(
     if name in _FUSED_WRITE:
         return _FUSED_WRITE[name](q, k, v, k_cache, v_cache, md, sm_scale=sm_scale,
                                   sliding_window=sliding_window, soft_cap=soft_cap)
-    k_cache, v_cache = write_kv(k_cache, v_cache, k, v, md.slot_mapping)
+    k_cache, v_cache = write_kv(k_cache, v_cache, k, v, md.slot_mapping,
+                                impl=impl_for_attention(name))
     out = ragged_paged_attention(q, k_cache, v_cache, md, sm_scale=sm_scale,
                                  sliding_window=sliding_window, soft_cap=soft_cap, impl=impl)
     return out, k_cache, v_cache
