@@ -177,11 +177,12 @@ def step(args) -> list[dict]:
             settings = PlanSettings(arch=arch, platform="tpu", max_model_len=args.context,
                                     max_num_seqs=8, dtype="bfloat16", attention_impl="reference",
                                     quantization=None if weights == "bfloat16" else weights,
-                                    device_memory=memory, quant_matmul_impl=impl)
+                                    device_memory=memory, quant_matmul_impl=impl,
+                                    kv_cache_dtype=args.kv_cache_dtype)
             rec = plan_one(settings, mesh, "tp", (8, 8), kind)
             cost = rec.get("cost", {})
             out = {**_head("step"), "model": "llama3-8b preset", "device_kind": kind, "mesh": "1x1",
-                   "bucket": [8, 8], "context": args.context,
+                   "bucket": [8, 8], "context": args.context, "kv_cache_dtype": args.kv_cache_dtype,
                    "attention_impl": rec["attention_impl"],
                    "weights": weights, "product": rec["quant_matmul_impl"],
                    "params_bytes_per_device": rec["params"]["per_device"],
@@ -210,6 +211,7 @@ def main() -> int:
     ps.add_argument("--weights", nargs="+", default=["bfloat16", "fp8", "int4"])
     ps.add_argument("--products", nargs="+", default=["xla", "tpu"])
     ps.add_argument("--context", type=int, default=2048)
+    ps.add_argument("--kv-cache-dtype", default="bfloat16", help="the KV cache's (fp8: one byte a value)")
     for q in (pp, ps):
         q.add_argument("--out", default=str(RESULTS))
     args = p.parse_args()
