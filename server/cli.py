@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _serve(args: argparse.Namespace) -> int:
     from jaxserve.engine.client import FingerprintMismatch, FollowerRole, open_engine
-    from jaxserve.parallel.multihost import exit_now
+    from jaxserve.engine.client import exit_now
     from jaxserve.startup_timer import StartupTimer
 
     model = serve_model(args)
@@ -184,7 +184,7 @@ def _run_server(aengine, server: ServerConfig, server_opts: dict, chat_template,
 def _follow(follower, log: logging.Logger) -> int:
     """A follower process: run the leader's steps; exit 0 when it shuts down, 1 when it is lost."""
     from jaxserve.engine.client import LeaderLostError
-    from jaxserve.parallel.multihost import exit_now
+    from jaxserve.engine.client import exit_now
 
     try:
         return follower.run()

@@ -29,7 +29,7 @@ from jaxserve.engine.input_processor import ModelInfo, check_lora
 from jaxserve.engine.messages import EngineSleepingError, EngineStats
 from jaxserve.engine.output_processor import StatsListener
 from jaxserve.outputs import OutputKind
-from jaxserve.parallel.multihost import FingerprintMismatch, LeaderLostError
+from jaxserve.parallel.multihost import FingerprintMismatch, LeaderLostError, exit_now
 from jaxserve.sampling_params import SamplingParams
 
 __all__ = [
@@ -49,6 +49,7 @@ __all__ = [
     "RequestStream",
     "StatsListener",
     "open_engine",
+    "exit_now",
 ]
 
 logger = logging.getLogger(__name__)
