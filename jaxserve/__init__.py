@@ -8,12 +8,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from jaxserve.inputs import PromptType, TextPrompt, TokensPrompt
 from jaxserve.lora_request import LoRARequest
 from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "LoRARequest", "SamplingParams", "StructuredOutputsParams", "RequestOutput",
-           "CompletionOutput", "__version__"]
+           "CompletionOutput", "PromptType", "TextPrompt", "TokensPrompt", "__version__"]
 
 if TYPE_CHECKING:
     from jaxserve.entrypoints.llm import LLM

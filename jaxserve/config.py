@@ -29,6 +29,7 @@ from jaxserve.config_cli import (
     parse_bytes,
     values_from_args,
 )
+from jaxserve.reasoning import REASONING_PARSER_NAMES
 
 __all__ = [
     "CacheConfig",
@@ -180,9 +181,17 @@ class ModelConfig:
     4-bit values with a scale and zero per group of 128 inputs (64/32 where 128 does not
     divide). Default: the checkpoint's weights as they are (FP8, AWQ and GPTQ checkpoints keep
     their own format, which a contradicting value here refuses)."""
+    reasoning_parser: str | None = per_process(None, choices=REASONING_PARSER_NAMES)
+    """The model's reasoning format (vLLM's --reasoning-parser): deepseek_r1 (DeepSeek-R1 and its
+    distills) or qwen3 (Qwen3). Chat completions then return the reasoning between <think> and
+    </think> as reasoning_content, apart from the content, and structured output and tool calls
+    apply to the answer after it. Default: none (the reasoning stays in the content)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", DTYPE_ALIASES.get(self.dtype, self.dtype))
+        if self.reasoning_parser not in (None, *REASONING_PARSER_NAMES):
+            raise ValueError(f"unknown reasoning parser {self.reasoning_parser!r}; available: "
+                             f"{', '.join(REASONING_PARSER_NAMES)}.")
         if self.dtype not in get_args(DtypeOrAuto):
             raise ValueError(f"dtype must be one of {', '.join(get_args(DtypeOrAuto))}, "
                              f"got {self.dtype!r}.")

@@ -222,3 +222,26 @@ class SamplingParams:
 
     def clone(self, **changes: Any) -> SamplingParams:
         return dataclasses.replace(self, **changes)
+
+
+@dataclasses.dataclass
+class BeamSearchParams:
+    """vLLM's BeamSearchParams: `beam_width` beams, each up to `max_tokens` new tokens (the
+    search: jaxserve/beam_search.py; `LLM.beam_search`)."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.beam_width, bool) or not isinstance(self.beam_width, int) or self.beam_width < 1:
+            raise ValueError(f"beam_width must be a positive integer, got {self.beam_width!r}.")
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}.")
+        if not self.temperature >= 0.0:
+            raise ValueError(f"temperature must be non-negative, got {self.temperature!r}.")
+        if self.length_penalty != self.length_penalty:  # NaN
+            raise ValueError("length_penalty must be a number, got NaN.")

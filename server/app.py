@@ -42,6 +42,7 @@ from jaxserve.server.serving_base import ServerState
 from jaxserve.server.serving_chat import ChatHandler
 from jaxserve.server.serving_completions import CompletionsHandler
 from jaxserve.server.serving_embeddings import EmbeddingsHandler
+from jaxserve.server.serving_responses import ResponsesHandler
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +109,7 @@ def build_app(
     tokenizer = engine.tokenizer
     completions, chat = CompletionsHandler(state), ChatHandler(state)
     embeddings = EmbeddingsHandler(state)
+    responses = ResponsesHandler(state)
 
     async def health(request: Request) -> Response:
         if engine.is_alive:
@@ -250,6 +252,9 @@ def build_app(
         Route("/v1/completions", completions.handle, methods=["POST"]),
         Route("/v1/chat/completions", chat.handle, methods=["POST"]),
         Route("/v1/embeddings", embeddings.handle, methods=["POST"]),
+        Route("/v1/responses", responses.create, methods=["POST"]),
+        Route("/v1/responses/{response_id}", responses.retrieve, methods=["GET"]),
+        Route("/v1/responses/{response_id}/cancel", responses.cancel, methods=["POST"]),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/tokenizer_info", tokenizer_info, methods=["GET"]),

@@ -8,7 +8,7 @@ import dataclasses
 from typing import Literal
 
 from jaxserve.config_cli import non_negative, option, parse_bytes, positive, run_checks
-from jaxserve.server.tool_parsers import TOOL_PARSERS
+from jaxserve.chat.tool_parsers import TOOL_PARSERS
 
 # The names `--tool-call-parser` takes: the parser registry's.
 TOOL_PARSER_NAMES = tuple(sorted(TOOL_PARSERS))

@@ -75,8 +75,6 @@ def report(names: list[str], route: str) -> dict[str, str]:
 # Fields of vLLM's or OpenAI's requests that this server knows but does not implement: a 400
 # when set to anything but their neutral value (field -> (is it neutral?, why)).
 UNIMPLEMENTED: dict[str, tuple[Any, str]] = {
-    "use_beam_search": (lambda v: not v, "beam search is not supported"),
-    "length_penalty": (lambda v: v == 1.0, "length_penalty applies to beam search, which is not supported"),
     "logits_processors": (lambda v: not v, "custom logits processors are not supported"),
     "return_tokens_as_token_ids": (lambda v: not v, "return_tokens_as_token_ids is not supported"),
     "prompt_embeds": (lambda v: v is None, "prompt embeddings are not supported"),
@@ -92,8 +90,6 @@ CHAT_UNIMPLEMENTED: dict[str, tuple[Any, str]] = {
     "modalities": (lambda v: v is None or list(v) == ["text"], "only the 'text' modality is supported"),
     "prediction": (lambda v: v is None, "predicted outputs are not supported"),
     "web_search_options": (lambda v: v is None, "web search is not supported"),
-    "reasoning_effort": (lambda v: v is None, "reasoning_effort is not supported (this server has no reasoning "
-                                              "parser)"),
     "documents": (lambda v: v is None, "documents (RAG templates) are not supported"),
     "mm_processor_kwargs": (lambda v: v is None, "multimodal inputs are not supported"),
 }

@@ -19,6 +19,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
+from jaxserve.inputs import Prompt, parse_prompts
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.errors import quote
 from jaxserve.server.field_policy import CHAT_UNIMPLEMENTED, UNIMPLEMENTED, refuse_unimplemented
@@ -100,6 +101,9 @@ class _SamplingRequest(_Request, StructuredOutputFields):
     cache_salt: str | None = None
     truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
     return_token_ids: bool = False
+    # beam search (server/serving_beam.py): n beams, the n best returned
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
     @field_validator("cache_salt")
     @classmethod
@@ -155,7 +159,7 @@ class _SamplingRequest(_Request, StructuredOutputFields):
             bias = {int(k): max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, float(b))) for k, b in self.logit_bias.items()}
         temperature = 1.0 if self.temperature is None else self.temperature
         return SamplingParams(
-            n=self.n,
+            n=1 if self.use_beam_search else self.n,  # beam search: n is the beam width
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
@@ -229,13 +233,9 @@ class CompletionRequest(_SamplingRequest):
             raise ValueError("best_of is not supported (only best_of == n); request n samples instead.")
         return self
 
-    def prompts(self) -> list[str | list[int]]:
-        p = self.prompt
-        if isinstance(p, str):
-            return [p]
-        if isinstance(p[0], int):
-            return [list(p)]  # type: ignore[arg-type]
-        return list(p)  # type: ignore[arg-type]
+    def prompts(self) -> list[Prompt]:
+        """The prompts, one completion each (read as every prompt is: jaxserve.inputs)."""
+        return parse_prompts(self.prompt)
 
     def to_sampling_params(self) -> SamplingParams:
         params = self._sampling_params(self.max_tokens, self.logprobs)
@@ -302,6 +302,10 @@ class ChatMessage(_Request):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant turn's calls (history)
     tool_call_id: str | None = None  # a tool turn: the call it answers
+    # An assistant turn's reasoning (history), under DeepSeek's name or vLLM's current one: the
+    # template gets it as both (Qwen3's shows the current turn's reasoning_content).
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -331,6 +335,10 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list[ChatTool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
+    # passed to the chat template as `reasoning_effort` (and, unless chat_template_kwargs set it,
+    # `enable_thinking`: false for "none"), as vLLM does
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = (
+        None)
 
     @model_validator(mode="after")
     def _checks(self) -> ChatCompletionRequest:
@@ -380,10 +388,29 @@ class ChatCompletionLogProbs(_Response):
     content: list[ChatLogProbsContent] | None = None
 
 
+# The keys a response's reasoning goes out under (with --reasoning-parser): DeepSeek's, which
+# most clients read, and vLLM's current name for it.
+REASONING_KEYS = ("reasoning_content", "reasoning")
+
+
+def _with_reasoning(data: dict[str, Any], reasoning: str | None) -> dict[str, Any]:
+    data.pop("reasoning_content", None)
+    return {**data, **dict.fromkeys(REASONING_KEYS, reasoning)}
+
+
 class ChatResponseMessage(_Response):
     role: str = "assistant"
     content: str | None = None
     tool_calls: list[ToolCall] = Field(default_factory=list)
+    reasoning_content: str | None = None  # with a reasoning parser only (else no such key)
+
+    @model_serializer(mode="wrap")
+    def _reasoning_when_parsed(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        if "reasoning_content" not in self.model_fields_set:
+            data.pop("reasoning_content", None)
+            return data
+        return _with_reasoning(data, self.reasoning_content)
 
 
 class ChatCompletionResponseChoice(_Response):
@@ -410,10 +437,14 @@ class DeltaMessage(_Response):
     role: str | None = None
     content: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # index, id/type/function name first, then arguments
+    reasoning_content: str | None = None  # with a reasoning parser
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler: Any) -> dict[str, Any]:
-        return {k: v for k, v in handler(self).items() if v is not None}
+        data = {k: v for k, v in handler(self).items() if v is not None}
+        if self.reasoning_content is None:
+            return data
+        return _with_reasoning(data, self.reasoning_content)
 
 
 class ChatCompletionStreamChoice(_Response):

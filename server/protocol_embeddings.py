@@ -8,6 +8,7 @@ from typing import Literal
 import numpy as np
 from pydantic import Field, StrictInt, StrictStr
 
+from jaxserve.inputs import Prompt, parse_prompts
 from jaxserve.server.field_policy import collect
 from jaxserve.server.protocol import UsageInfo, _Request, _Response, random_id
 
@@ -25,14 +26,9 @@ class EmbeddingRequest(_Request):
     def ignored_fields(self) -> list[str]:
         return collect(self)
 
-    def inputs(self) -> list[str | list[int]]:
-        """The inputs as a list, one embedding each."""
-        x = self.input
-        if isinstance(x, str):
-            return [x]
-        if x and all(isinstance(t, int) for t in x):
-            return [list(x)]  # one token id list
-        return list(x)
+    def inputs(self) -> list[Prompt]:
+        """The inputs as a list, one embedding each (read as every prompt is: jaxserve.inputs)."""
+        return parse_prompts(self.input)
 
 
 class EmbeddingData(_Response):

@@ -26,6 +26,7 @@ from jaxserve.engine.client import (
     RequestStream,
 )
 from jaxserve.outputs import LogprobsDict, RequestOutput
+from jaxserve.reasoning import get_reasoning_parser
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server import field_policy, sse
 from jaxserve.server.body import Disconnected
@@ -68,7 +69,7 @@ class ServerState:
                  request_timeout: float | None = None, tool_call_parser: str | None = None,
                  enable_auto_tool_choice: bool = False, log_requests: bool = False,
                  chat_template: str | None = None):
-        from jaxserve.server.tool_parsers import get_tool_parser
+        from jaxserve.chat.tool_parsers import get_tool_parser
 
         self.engine = engine
         self.served_model_names = served_model_names or [engine.model_name]
@@ -81,6 +82,11 @@ class ServerState:
         self.tool_call_parser = tool_call_parser
         self.tool_parser = get_tool_parser(tool_call_parser) if tool_call_parser else None
         self.enable_auto_tool_choice = enable_auto_tool_choice
+        # The model's reasoning format (--reasoning-parser, an engine option the engine's ModelInfo
+        # carries): chat completions and responses split each output into reasoning and content
+        # with it. None: the reasoning (if any) stays in the content.
+        name = engine.info.reasoning_parser
+        self.reasoning_parser = get_reasoning_parser(name)(engine.tokenizer) if name else None
         self.log_requests = log_requests
         self.request_timeout = request_timeout  # seconds from arrival to the last output; None: none
         from jaxserve.server.lora import LoRARegistry

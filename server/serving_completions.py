@@ -23,6 +23,7 @@ from jaxserve.server.protocol import (
     UsageInfo,
     random_id,
 )
+from jaxserve.server.serving_beam import add_beam_searches, beam_params
 from jaxserve.server.serving_base import (
     Deadline,
     EventStream,
@@ -72,23 +73,31 @@ class CompletionsHandler:
         base_id = random_id("cmpl")
         if body.request_id:
             base_id = f"cmpl-{body.request_id}"
-        prompts = [p if isinstance(p, str) else list(p) for p in body.prompts()]
+        prompts = body.prompts()
         rids = [f"{base_id}-{i}" for i in range(len(prompts))]
         log_request(self.state, base_id, len(prompts), params)
-        streams = await add_all(self.engine, rids, prompts, params, body.priority, arrival, body.add_special_tokens,
-                                body.cache_salt, stream=body.stream,
-                                lora_request=self.state.loras.get(model))
+        lora = self.state.loras.get(model)
+        if body.use_beam_search:
+            beam = beam_params(body, params, self.engine.max_model_len)
+            streams, close = await add_beam_searches(
+                self.engine, rids, prompts, params, beam, priority=body.priority, arrival_time=arrival,
+                add_special_tokens=body.add_special_tokens, cache_salt=body.cache_salt, lora_request=lora,
+                deadline=deadline)
+        else:
+            streams = await add_all(self.engine, rids, prompts, params, body.priority, arrival,
+                                    body.add_special_tokens, body.cache_salt, stream=body.stream, lora_request=lora)
+            close = abort_all(self.engine, rids)
         queues = [st.queue for st in streams]
-        ctx = _Ctx(base_id, int(arrival), model, body, [list(st.prompt_token_ids) for st in streams], params.n,
+        ctx = _Ctx(base_id, int(arrival), model, body, [list(st.prompt_token_ids) for st in streams], body.n,
                    deadline)
         if body.stream:
-            return EventStream(sse_stream(self._stream(ctx, queues)), abort_all(self.engine, rids), headers)
-        return await respond_json(request, self._collect(ctx, queues), abort_all(self.engine, rids), headers)
+            return EventStream(sse_stream(self._stream(ctx, queues)), close, headers)
+        return await respond_json(request, self._collect(ctx, queues), close, headers)
 
     def _prompt_text(self, ctx: _Ctx, i: int) -> str:
         p = ctx.body.prompts()[i]
-        if isinstance(p, str) and ctx.body.truncate_prompt_tokens is None:
-            return p
+        if p.token_ids is None and ctx.body.truncate_prompt_tokens is None:
+            return p.text
         return self.tokenizer.decode(ctx.prompts[i])  # the tokens the model saw
 
     def _fold(self, ctx: _Ctx, i: int, out: RequestOutput) -> list[tuple[int, CompletionOutput, str, CompletionLogProbs | None]]:

@@ -14,7 +14,8 @@ import jaxserve
 # Lowest first; a module may import its own layer and the layers below it.
 LAYERS = [
     ("types", ["jaxserve.config", "jaxserve.config_cli", "jaxserve.sampling_params", "jaxserve.request",
-               "jaxserve.lora_request", "jaxserve.outputs", "jaxserve.startup_timer"]),
+               "jaxserve.lora_request", "jaxserve.outputs", "jaxserve.startup_timer", "jaxserve.reasoning",
+               "jaxserve.inputs", "jaxserve.beam_search", "jaxserve.chat"]),
     ("core", ["jaxserve.core"]),
     ("device", ["jaxserve.runner", "jaxserve.backends", "jaxserve.sampling", "jaxserve.structured",
                 "jaxserve.spec_decode", "jaxserve.parallel", "jaxserve.models", "jaxserve.pallas_kernels"]),

@@ -41,12 +41,12 @@ from jaxserve.engine.frontend import Frontend
 from jaxserve.engine.input_processor import ModelInfo, ProcessedRequest
 from jaxserve.engine.messages import EngineStats
 from jaxserve.engine.output_processor import StatsListener
+from jaxserve.inputs import Prompt, PromptType
 from jaxserve.outputs import OutputKind
 from jaxserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-Prompt = str | Sequence[int]
 
 
 class EngineDeadError(RuntimeError):
@@ -219,7 +219,7 @@ class AsyncEngineClient:
     async def add_requests(
         self,
         request_ids: Sequence[str],
-        prompts: Sequence[Prompt] | Callable[[], Sequence[Prompt]],
+        prompts: Sequence[Prompt | PromptType] | Callable[[], Sequence[Prompt | PromptType]],
         params: SamplingParams,
         *,
         priority: int = 0,
@@ -258,12 +258,12 @@ class AsyncEngineClient:
         self.transport.send(core_loop.Add(seqs))
         return [RequestStream(req.request_id, req.prompt_token_ids, q) for req, q in zip(processed, queues)]
 
-    async def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
+    async def add_request(self, request_id: str, prompt: Prompt | PromptType, params: SamplingParams,
                           **kwargs: Any) -> RequestStream:
         (stream,) = await self.add_requests([request_id], [prompt], params, **kwargs)
         return stream
 
-    async def embed(self, inputs: Sequence[str | Sequence[int]], *, dimensions: int | None = None,
+    async def embed(self, inputs: Sequence[Prompt], *, dimensions: int | None = None,
                     add_special_tokens: bool = True) -> list[EmbeddingResult]:
         """Embeddings of `inputs` (--runner pooling): validated and tokenized in a worker thread,
         computed by the engine core in order with its other commands. Raises ValueError (bad

@@ -28,6 +28,7 @@ from jaxserve.engine.embedding import EmbeddingResult
 from jaxserve.engine.input_processor import ModelInfo, check_lora
 from jaxserve.engine.messages import EngineSleepingError, EngineStats
 from jaxserve.engine.output_processor import StatsListener
+from jaxserve.inputs import Prompt
 from jaxserve.outputs import OutputKind
 from jaxserve.parallel.multihost import FingerprintMismatch, LeaderLostError, exit_now
 from jaxserve.sampling_params import SamplingParams
@@ -126,7 +127,7 @@ class EngineClient(Protocol):
                            output_kind: OutputKind = OutputKind.DELTA,
                            lora_request: Any = None) -> list[RequestStream]: ...
 
-    async def embed(self, inputs: Sequence[str | Sequence[int]], *, dimensions: int | None = None,
+    async def embed(self, inputs: Sequence[Prompt], *, dimensions: int | None = None,
                     add_special_tokens: bool = True) -> list[EmbeddingResult]: ...
 
     def abort(self, request_id: str) -> None: ...

@@ -238,6 +238,12 @@ class EngineCore:
         """Free the device memory of the weights and the KV cache; only when idle."""
         if self.has_work():
             raise RuntimeError("the engine cannot sleep while requests are running")
+        # Requests that finished in the last step hold their runner slots until a step tells the
+        # runner: an empty one does (nothing is scheduled, nothing launches).
+        so = self.scheduler.schedule()
+        if self._release_finished or self._release_preempted:
+            so = self._with_releases(so)
+        self.runner.prepare(so)
         self.scheduler.reset_prefix_cache()
         self.runner.sleep()
 

@@ -1,6 +1,6 @@
 """The frontend's side of embeddings (--runner pooling): inputs in, vectors out.
 
-`embedding_inputs` validates and tokenizes what a client sends (strings or token ids) into the
+`embedding_inputs` validates and tokenizes what a client sends (prompts read by jaxserve.inputs) into the
 token id lists the engine core's `embed` takes; `truncate` applies Matryoshka `dimensions` to
 the vectors it returns (the first `dimensions` values, re-normalized when the model
 normalizes, as vLLM does). Both raise ValueError for bad input (a 400 at the server).
@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from jaxserve.engine.input_processor import ModelInfo
+from jaxserve.inputs import Prompt
 
 NOT_POOLING = ("this model is served for generation; start the server with --runner pooling "
                "(or --task embed) to serve embeddings")
@@ -30,23 +31,23 @@ class EmbeddingResult:
     embedding: np.ndarray  # [dimensions] float32
 
 
-def embedding_inputs(tokenizer: Any, info: ModelInfo, inputs: Sequence[str | Sequence[int]], *,
+def embedding_inputs(tokenizer: Any, info: ModelInfo, inputs: Sequence[Prompt], *,
                      add_special_tokens: bool = True) -> list[list[int]]:
-    """Token ids of each input (a string is tokenized; a list of ints is taken as ids)."""
+    """Token ids of each input (read by jaxserve.inputs: text is tokenized, ids are taken)."""
     if info.runner != "pooling":
         raise ValueError(NOT_POOLING)
     if not inputs:
         raise ValueError("input must not be empty")
     out = []
     for i, x in enumerate(inputs):
-        if isinstance(x, str):
-            ids = tokenizer.encode(x, add_special_tokens=add_special_tokens)
-        else:
-            ids = [int(t) for t in x]
+        if x.token_ids is not None:
+            ids = list(x.token_ids)
             bad = [t for t in ids if not 0 <= t < info.vocab_size]
             if bad:
                 raise ValueError(f"input {i}: token id {bad[0]} is outside the vocabulary "
                                  f"(0 to {info.vocab_size - 1})")
+        else:
+            ids = tokenizer.encode(x.text, add_special_tokens=add_special_tokens)
         if not ids:
             raise ValueError(f"input {i} is empty")
         if len(ids) > info.max_model_len:

@@ -22,6 +22,7 @@ from typing import Any
 from jaxserve.engine.embedding import NOT_GENERATING
 from jaxserve.engine.input_processor import InputProcessor, ModelInfo, ProcessedRequest
 from jaxserve.engine.output_processor import OutputProcessor, StatsListener
+from jaxserve.inputs import Prompt, PromptType
 from jaxserve.outputs import OutputKind, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
@@ -37,7 +38,7 @@ class Frontend:
         return self.input_processor.default_sampling_params()
 
     # ------------------------------------------------------------------ requests in
-    def process(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None, *,
+    def process(self, request_id: str, prompt: Prompt | PromptType, params: SamplingParams | None, *,
                 arrival_time: float, priority: int = 0, add_special_tokens: bool = True,
                 cache_salt: str | None = None, lora_request=None) -> ProcessedRequest:
         """Validate and tokenize (ValueError for bad input; nothing is registered)."""

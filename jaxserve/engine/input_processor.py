@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from jaxserve.engine.tokenizer import Tokenizer
+from jaxserve.inputs import Prompt, PromptType, parse_prompt
 from jaxserve.lora_request import LoRARequest
 from jaxserve.models.lora import read_config
 from jaxserve.request import EngineRequest
@@ -45,6 +46,7 @@ class ModelInfo:
     normalize_embeddings: bool = False  # whether the pooled vectors are L2-normalized (pooling)
     max_lora_rank: int = 0  # LoRA adapters' largest rank (0: LoRA is off)
     max_loras: int = 0  # LoRA adapters' device slots (0: LoRA is off)
+    reasoning_parser: str | None = None  # the model's reasoning format (--reasoning-parser)
 
 
 def check_lora(info: ModelInfo, lora: LoRARequest) -> None:
@@ -119,15 +121,17 @@ class InputProcessor:
         context, or the config's max_new_tokens)."""
         return SamplingParams(**self.info.sampling_defaults, max_tokens=None)
 
-    def encode(self, prompt: str | Sequence[int], add_special_tokens: bool = True) -> list[int]:
+    def encode(self, prompt: Prompt, add_special_tokens: bool = True) -> list[int]:
+        """The prompt's token ids: the client's ids (checked against the vocabulary), else its
+        text tokenized."""
         info = self.info
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-        else:
-            ids = [int(t) for t in prompt]
+        if prompt.token_ids is not None:
+            ids = list(prompt.token_ids)
             bad = [t for t in ids if not 0 <= t < info.vocab_size]
             if bad:
                 raise ValueError(f"prompt token ids must be in [0, {info.vocab_size}); got {bad[:5]}")
+        else:
+            ids = self.tokenizer.encode(prompt.text, add_special_tokens=add_special_tokens)
         if not ids:
             raise ValueError("the prompt is empty; send at least one token.")
         return ids
@@ -135,7 +139,7 @@ class InputProcessor:
     def process(
         self,
         request_id: str,
-        prompt: str | Sequence[int],
+        prompt: Prompt | PromptType,
         params: SamplingParams | None = None,
         *,
         arrival_time: float = 0.0,
@@ -144,7 +148,14 @@ class InputProcessor:
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
     ) -> ProcessedRequest:
+        """Validate and tokenize one request (`prompt` in any of vLLM's forms, read by
+        jaxserve.inputs; a salt in the prompt and `cache_salt` must agree)."""
         info = self.info
+        prompt = parse_prompt(prompt)
+        if prompt.cache_salt is not None:
+            if cache_salt is not None and cache_salt != prompt.cache_salt:
+                raise ValueError("the prompt's cache_salt and the request's cache_salt differ; send one.")
+            cache_salt = prompt.cache_salt
         if lora_request is not None:
             check_lora(info, lora_request)
         if priority != 0 and info.scheduling_policy != "priority":
@@ -195,5 +206,4 @@ class InputProcessor:
             rid = request_id if params.n == 1 else f"{i}_{request_id}"
             seqs.append(EngineRequest(rid, tuple(prompt_ids), p, info.eos_token_id, words, arrival_time, priority,
                                       cache_salt, lora_request, grammar))
-        return ProcessedRequest(request_id, prompt if isinstance(prompt, str) else None, prompt_ids, params,
-                                tuple(seqs))
+        return ProcessedRequest(request_id, prompt.text, prompt_ids, params, tuple(seqs))

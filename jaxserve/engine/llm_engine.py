@@ -21,6 +21,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine.embedding import EmbeddingResult, check_dimensions, embedding_inputs, truncate
 from jaxserve.engine.frontend import Frontend
 from jaxserve.engine.setup import EngineParts, build_engine
+from jaxserve.inputs import Prompt, PromptType
 from jaxserve.outputs import OutputKind, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
@@ -61,7 +62,7 @@ class LLMEngine:
     def add_request(
         self,
         request_id: str | None,
-        prompt: str | Sequence[int],
+        prompt: Prompt | PromptType,
         params: SamplingParams | None = None,
         *,
         arrival_time: float | None = None,
@@ -70,8 +71,9 @@ class LLMEngine:
         add_special_tokens: bool = True,
         lora_request=None,
     ) -> str:
-        """Validate and queue a request (n > 1 becomes n sequences sharing the prompt's cached
-        blocks); raises ValueError for bad input, before anything is queued."""
+        """Validate and queue a request (`prompt` in any of vLLM's forms: jaxserve.inputs; n > 1
+        becomes n sequences sharing the prompt's cached blocks); raises ValueError (TypeError for
+        a prompt of no known form) for bad input, before anything is queued."""
         request_id = request_id or f"req-{next(self._ids)}"
         fe = self.frontend
         if fe.output_processor.has(request_id):
@@ -84,7 +86,7 @@ class LLMEngine:
             self.core.add_request(seq)
         return request_id
 
-    def embed(self, prompts: Sequence[str | Sequence[int]], *, dimensions: int | None = None,
+    def embed(self, prompts: Sequence[Prompt], *, dimensions: int | None = None,
               add_special_tokens: bool = True) -> list[EmbeddingResult]:
         """Embeddings of the prompts (--runner pooling); ValueError for bad input."""
         check_dimensions(self.info, dimensions)

@@ -41,6 +41,7 @@ from jaxserve.runner.compile_pool import StepRecipe, step_memory
 from jaxserve.runner.executable_cache import canonical, executable_scope
 from jaxserve.runner.kv_cache import bytes_per_page, num_pages_for_budget
 from jaxserve.pallas_kernels.kv_quant import is_quantized
+from jaxserve.reasoning import get_reasoning_parser
 from jaxserve.runner.kv_scales import CALIBRATION_TEXT, prepare_kv_scales
 from jaxserve.runner.step_memory import StepMemory, bytes_on_device
 from jaxserve.runner.model_runner import ModelRunner
@@ -238,6 +239,9 @@ def _build_engine(config: EngineConfig, timer: StartupTimer | None,
     core = EngineCore(scheduler, step_runner, async_scheduling=sc.async_scheduling, proposer=proposer)
     with timer.phase("tokenizer"):  # what is left of it
         tokenizer = tokenizer_future.result()
+    if mc.reasoning_parser is not None:
+        # Structured output applies after the reasoning: the manager needs the end marker's id.
+        core.structured.reasoning = get_reasoning_parser(mc.reasoning_parser)(tokenizer)
     eos = tokenizer.eos_token_id
     if eos is None and gen.eos_token_ids:
         eos = gen.eos_token_ids[0]
@@ -249,7 +253,7 @@ def _build_engine(config: EngineConfig, timer: StartupTimer | None,
         default_max_tokens=gen.max_new_tokens, scheduling_policy=sc.policy, max_num_seqs=sc.max_num_seqs,
         kv_cache_tokens=scheduler.cache_tokens,
         max_lora_rank=config.lora.max_lora_rank if config.lora.enable_lora else 0,
-        max_loras=max_loras,
+        max_loras=max_loras, reasoning_parser=mc.reasoning_parser,
     )
     # Everything built so far lives as long as the engine: move it out of the garbage
     # collector's generations, so that the collections the steps' short-lived objects trigger do

@@ -1,35 +1,38 @@
-"""The offline API: `LLM(model).generate(prompts, SamplingParams(...))` and `LLM.chat(...)`."""
+"""The offline API: `LLM(model).generate(prompts, SamplingParams(...))`, `LLM.chat(...)`,
+`LLM.beam_search(...)`, `LLM.embed(...)`, as vLLM's `LLM`."""
 
 from __future__ import annotations
 
 import atexit
 import itertools
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tqdm import tqdm
 
+from jaxserve.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, beam_step_params
+from jaxserve.chat.template import render_chat
+from jaxserve.chat.turns import turns_from_dicts
 from jaxserve.config import EngineConfig
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.setup import build_engine
+from jaxserve.inputs import Prompt, PromptType, parse_prompts
 from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
-Prompt = str | Sequence[int]
 Message = dict[str, Any]
-
-
-def _is_token_ids(x: Any) -> bool:
-    return isinstance(x, Sequence) and not isinstance(x, str) and all(isinstance(t, int) for t in x) and len(x) > 0
 
 
 class LLM:
     """An engine driven in a plain loop. `model`: an HF directory, a .gguf file or a Hugging
     Face Hub name (`org/name`; `revision=`, `download_dir=`, `gguf_file=` as the CLI's flags);
     None serves the bundled default model; other keyword arguments are engine options (see
-    jaxserve.config, e.g. max_num_seqs=8)."""
+    jaxserve.config, e.g. max_num_seqs=8).
+
+    Prompts come in vLLM's forms (jaxserve.inputs): a string, a list of token ids, a
+    `TextPrompt` / `TokensPrompt` dict, or a list of any mix of them."""
 
     def __init__(self, model: str | None = None, **engine_options: Any):
         """With several processes (coordinator_address=...), only process 0 returns: the other
@@ -43,6 +46,7 @@ class LLM:
         self._embed_ids = itertools.count()
 
     def get_tokenizer(self):
+        """The model's tokenizer (jaxserve's wrapper; `.hf_tokenizer` is transformers')."""
         return self.engine.tokenizer
 
     def get_default_sampling_params(self) -> SamplingParams:
@@ -52,64 +56,116 @@ class LLM:
 
     def generate(
         self,
-        prompts: Prompt | Sequence[Prompt],
+        prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
-        priority: Sequence[int] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for one prompt or a list; outputs come back in input order. `lora_request`:
         the LoRA adapter of every prompt, or one per prompt (None: the base model)."""
-        if isinstance(prompts, str) or _is_token_ids(prompts):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
+        batch = parse_prompts(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        if isinstance(sampling_params, SamplingParams):
-            params = [sampling_params] * len(prompts)
-        else:
-            params = list(sampling_params)
-            if len(params) != len(prompts):
-                raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts; pass one or one per prompt.")
-        if lora_request is None or isinstance(lora_request, LoRARequest):
-            loras = [lora_request] * len(prompts)
-        else:
-            loras = list(lora_request)
-            if len(loras) != len(prompts):
-                raise ValueError(f"got {len(loras)} LoRA requests for {len(prompts)} prompts; "
-                                 "pass one or one per prompt.")
-        return self._run(prompts, params, use_tqdm, priority, loras)
+        params = _per_prompt(sampling_params, SamplingParams, len(batch), "sampling params")
+        loras = _per_prompt(lora_request, LoRARequest, len(batch), "LoRA requests")
+        if priority is not None and len(priority) != len(batch):
+            raise ValueError(f"got {len(priority)} priorities for {len(batch)} prompts; pass one per prompt.")
+        return self._run(batch, params, use_tqdm, priority, loras)
 
     def chat(
         self,
         messages: Sequence[Message] | Sequence[Sequence[Message]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
-        add_generation_prompt: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them, then generate."""
-        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        """Render one conversation or a list of them with the chat template (the model's, or
+        `chat_template`), then generate; vLLM's keywords. `chat_template_kwargs` reach the
+        template (e.g. {"enable_thinking": False}); `tools` (OpenAI's function specs) are shown
+        to it; `continue_final_message` continues the last (assistant) message instead of
+        starting a new one; `chat_template_content_format` renders message content as a string
+        ("string") or as OpenAI's list of parts ("openai"; "auto" reads the template)."""
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true; "
+                             "pass add_generation_prompt=False to continue the last message.")
+        convs = [messages] if not messages or isinstance(messages[0], Mapping) else list(messages)
         tok = self.engine.tokenizer
-        texts = [tok.apply_chat_template(list(c), add_generation_prompt=add_generation_prompt) for c in convs]
-        # The template already holds any BOS; do not add special tokens again.
-        ids = [tok.encode(t, add_special_tokens=False) for t in texts]
-        outs = self.generate(ids, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
-        for o, t in zip(outs, texts):
-            o.prompt = t
-        return outs
+        batch = []
+        for conv in convs:
+            text = render_chat(tok, turns_from_dicts(conv), add_generation_prompt=add_generation_prompt,
+                               continue_final_message=continue_final_message, chat_template=chat_template,
+                               chat_template_kwargs=chat_template_kwargs, tools=tools,
+                               content_format=chat_template_content_format)
+            # The template already holds any BOS; do not add special tokens again.
+            batch.append(Prompt(text, tuple(tok.encode(text, add_special_tokens=False))))
+        return self.generate(batch, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
-    def embed(self, prompts: Prompt | Sequence[Prompt], *,
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """Beam search (jaxserve/beam_search.py) for one prompt or a list, as vLLM's: each
+        output holds the prompt's best `beam_width` sequences, best first, with their tokens
+        (the prompt's included), text (the whole sequence decoded) and cumulative log-prob."""
+        batch = parse_prompts(prompts)
+        loras = _per_prompt(lora_request, LoRARequest, len(batch), "LoRA requests")
+        engine, info = self.engine, self.engine.info
+        ids = [engine.frontend.input_processor.encode(p) for p in batch]
+        step = beam_step_params(params, info.sampler_config.max_logprobs)
+        search = BeamSearch(ids, params, eos_token_id=info.eos_token_id, max_model_len=info.max_model_len,
+                            lora_requests=loras)
+        while beams := search.pending():
+            outs = self._run([Prompt(token_ids=tuple(b.tokens), cache_salt=batch[i].cache_salt) for i, b in beams],
+                             [step] * len(beams), use_tqdm, None, [b.lora_request for _, b in beams])
+            search.advance([o.outputs[0].logprobs[0] if o.outputs[0].logprobs else None for o in outs])
+        results = search.results()
+        tok = engine.tokenizer
+        for out in results:
+            for seq in out.sequences:
+                seq.text = tok.decode(seq.tokens, skip_special_tokens=False)
+        return results
+
+    def embed(self, prompts: PromptType | Sequence[PromptType], *,
               dimensions: int | None = None) -> list[EmbeddingRequestOutput]:
         """Embed one prompt or a list (the model served with runner="pooling"); outputs come
         back in input order. `dimensions`: keep the first values (Matryoshka), re-normalized
         when the model normalizes."""
-        if isinstance(prompts, str) or _is_token_ids(prompts):
-            prompts = [prompts]  # type: ignore[list-item]
-        results = self.engine.embed(list(prompts), dimensions=dimensions)  # type: ignore[arg-type]
+        results = self.engine.embed(parse_prompts(prompts), dimensions=dimensions)
         return [EmbeddingRequestOutput(f"embd-{next(self._embed_ids)}",
                                        EmbeddingOutput(r.embedding.tolist()), r.prompt_token_ids)
                 for r in results]
+
+    # ------------------------------------------------------------------ engine commands
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix block (vLLM's); False while requests hold blocks."""
+        return self.engine.core.reset_prefix_cache()
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the device memory of the weights (kept on the host) and of the KV cache
+        (dropped), as vLLM's sleep level 1; only while no request runs. Level 2 (weights
+        dropped too, to be reloaded by the caller) is not supported."""
+        if level != 1:
+            raise ValueError(f"sleep level {level!r} is not supported; level 1 keeps the weights on the "
+                             "host and drops the KV cache.")
+        self.engine.core.sleep()
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Put the weights back on the devices and allocate a fresh KV cache (vLLM's tags
+        "weights" and "kv_cache" wake together here: both or None)."""
+        if tags is not None and set(tags) != {"weights", "kv_cache"}:
+            raise ValueError(f"wake_up tags {list(tags)!r}: the weights and the KV cache wake together; "
+                             "pass tags=None.")
+        self.engine.core.wake_up()
 
     def _run(self, prompts, params, use_tqdm, priority, loras) -> list[RequestOutput]:
         engine = self.engine
@@ -139,6 +195,16 @@ class LLM:
         if missing:
             raise RuntimeError(f"requests ended without output: {missing[:5]}")
         return results  # type: ignore[return-value]
+
+
+def _per_prompt(value: Any, kind: type, n: int, what: str) -> list:
+    """One value for every prompt (`value` is a `kind` or None), or a list of one per prompt."""
+    if value is None or isinstance(value, kind):
+        return [value] * n
+    values = list(value)
+    if len(values) != n:
+        raise ValueError(f"got {len(values)} {what} for {n} prompts; pass one or one per prompt.")
+    return values
 
 
 def _follow_and_exit(parts) -> None:

@@ -16,6 +16,14 @@ runner packs it into the step's int32 buffer and the sampler applies it before a
 The step that needs a bitmask needs the tokens of the step before it on the host: while a
 constrained request is unfinished the engine core does not overlap steps (see core.py).
 
+Reasoning models (`reasoning`: the engine's reasoning parser, --reasoning-parser): the
+constraint applies to the answer, not the reasoning, as vLLM's. Unless the request's prompt
+has already closed reasoning (`ReasoningParser.reasoning_ended`, e.g. Qwen3 with
+enable_thinking false), its matcher neither masks nor advances until the end marker's token
+(`</think>`) is among its output tokens; from the token after it on it applies as above, fed the
+output tokens after the marker. The request still counts as constrained meanwhile (steps do not
+overlap), since the step after the marker needs its mask.
+
 A constraint that llguidance stops enforcing part-way (its parser limits, which bound the time a
 step's masks may take: e.g. at most 2,000 items in a parser row, which a choice among
 thousands of strings passes after its first token) fails its request with that error
@@ -31,6 +39,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from jaxserve.core.sched_output import SchedulerOutput
+from jaxserve.reasoning import ReasoningParser
 from jaxserve.request import EngineRequest, RequestFailedError
 from jaxserve.structured.compiler import CompiledGrammar, GrammarCompiler, GrammarMatcher, bitmask_words
 
@@ -38,11 +47,15 @@ logger = logging.getLogger(__name__)
 
 
 class _State:
-    __slots__ = ("grammar", "matcher")
+    __slots__ = ("grammar", "matcher", "scanned", "start")
 
-    def __init__(self, grammar: CompiledGrammar):
+    def __init__(self, grammar: CompiledGrammar, start: int | None = 0):
         self.grammar = grammar
         self.matcher: GrammarMatcher = grammar.matcher()
+        # Output tokens before the answer (the reasoning and its end marker), which the matcher
+        # never sees; None while the request is still reasoning.
+        self.start = start
+        self.scanned = 0  # output tokens searched for the end marker so far
 
 
 def default_mask_threads() -> int:
@@ -64,6 +77,9 @@ class StructuredOutputManager:
         # Compiles the constraints of requests that arrive without their grammar (from another
         # process: engine/core_process.py); None where requests come compiled.
         self.compiler: GrammarCompiler | None = None
+        # The engine's reasoning parser (set at engine build): constraints apply after its end
+        # marker; None: from the first output token.
+        self.reasoning: ReasoningParser | None = None
 
     @property
     def active(self) -> bool:
@@ -76,7 +92,9 @@ class StructuredOutputManager:
         if grammar is None and constraint is not None and self.compiler is not None:
             grammar = self.compiler.compile(constraint)  # cached; validated by the frontend already
         if grammar is not None:
-            self._states[request.request_id] = _State(grammar)
+            r = self.reasoning
+            reasoning_open = r is not None and not r.reasoning_ended(request.prompt_token_ids)
+            self._states[request.request_id] = _State(grammar, None if reasoning_open else 0)
 
     def remove(self, request_ids: Iterable[str]) -> None:
         for rid in request_ids:
@@ -94,10 +112,12 @@ class StructuredOutputManager:
             if st is None:
                 continue
             out = s.request.output_token_ids
+            if st.start is None and not self._reasoning_ended(st, out):
+                continue  # still reasoning: a free row
             m = st.matcher
-            if m.num_tokens > len(out):  # cannot happen with the scheduler's bookkeeping; recover anyway
+            if m.num_tokens > len(out) - st.start:  # not with the scheduler's bookkeeping; recover
                 m = st.matcher = st.grammar.matcher()
-            for tok in out[m.num_tokens:]:
+            for tok in out[st.start + m.num_tokens:]:
                 m.accept(tok)
             rows.append((i, s.request.request_id, m))
         if not rows:
@@ -111,6 +131,19 @@ class StructuredOutputManager:
                 f"structured output: the constraint cannot be enforced past output token "
                 f"{states[rid].matcher.num_tokens} ({error}); simplify the constraint"))
         return mask
+
+    def _reasoning_ended(self, st: _State, out: list[int]) -> bool:
+        """Whether the reasoning parser's end marker is among the output tokens `out` (then
+        `st.start` is set: the answer starts after it); searched from where the last search
+        stopped."""
+        assert self.reasoning is not None
+        try:
+            at = out.index(self.reasoning.end_token_id, min(st.scanned, len(out)))
+        except ValueError:
+            st.scanned = len(out)
+            return False
+        st.start = at + 1
+        return True
 
     def _fill(self, live, mask: np.ndarray) -> None:
         if not live:

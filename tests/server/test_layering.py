@@ -1,7 +1,8 @@
 """The server layer reaches the engine through its client alone: every module under server/
 imports, of the engine layer, only `jaxserve.engine.client` (the protocol, its errors and the
-types it hands out); the rest of jaxserve it may use are the config, the request and output
-types, and the entry points beside it (offline LLM for `generate`, the shard-plan tool)."""
+types it hands out); the rest of jaxserve it may use are the config, the request, prompt and output
+types, the reasoning parsers (pure Python), and the entry points beside it (offline LLM for
+`generate`, the shard-plan tool)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import pathlib
 import jaxserve.server
 
 ALLOWED = ("jaxserve.server", "jaxserve.engine.client", "jaxserve.config", "jaxserve.config_cli", "jaxserve.outputs",
-           "jaxserve.sampling_params", "jaxserve.lora_request", "jaxserve.startup_timer",
-           "jaxserve.entrypoints", "jaxserve.tools")
+           "jaxserve.inputs", "jaxserve.beam_search", "jaxserve.chat", "jaxserve.sampling_params", "jaxserve.lora_request", "jaxserve.startup_timer",
+           "jaxserve.entrypoints", "jaxserve.tools", "jaxserve.reasoning")
 
 
 def _imports(path: pathlib.Path) -> list[str]:

@@ -10,10 +10,11 @@ import json
 
 import pytest
 
-from jaxserve.server.chat_template import conversation, knows_tools, render_chat
+from jaxserve.chat.template import conversation, knows_tools
+from jaxserve.server.chat_template import render_chat
 from jaxserve.server.protocol import ChatCompletionRequest, ChatMessage
 from jaxserve.server.protocol_tools import ChatTool, required_schema, tool_dicts
-from jaxserve.server.tool_parsers import (
+from jaxserve.chat.tool_parsers import (
     TOOL_PARSERS,
     FunctionCallText,
     ToolCallStream,

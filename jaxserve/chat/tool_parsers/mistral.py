@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from jaxserve.server.tool_parsers.base import CallSpan, FunctionCallText, Regions, ToolParser
-from jaxserve.server.tool_parsers.json_scan import array_elements, held_prefix, scan_object, value_end
+from jaxserve.chat.tool_parsers.base import CallSpan, FunctionCallText, Regions, ToolParser
+from jaxserve.chat.tool_parsers.json_scan import array_elements, held_prefix, scan_object, value_end
 
 START, ARGS = "[TOOL_CALLS]", "[ARGS]"
 

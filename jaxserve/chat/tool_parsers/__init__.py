@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-from jaxserve.server.tool_parsers.base import (
+from jaxserve.chat.tool_parsers.base import (
     FunctionCallText,
     ToolCallStream,
     ToolParser,
     parse_required,
     tool_call_id,
 )
-from jaxserve.server.tool_parsers.hermes import HermesToolParser
-from jaxserve.server.tool_parsers.llama3_json import Llama3JsonToolParser
-from jaxserve.server.tool_parsers.mistral import MistralToolParser
+from jaxserve.chat.tool_parsers.hermes import HermesToolParser
+from jaxserve.chat.tool_parsers.llama3_json import Llama3JsonToolParser
+from jaxserve.chat.tool_parsers.mistral import MistralToolParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     p.name: p for p in (HermesToolParser, Llama3JsonToolParser, MistralToolParser)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from jaxserve.server.tool_parsers.base import CallSpan, FunctionCallText, Regions, ToolParser
-from jaxserve.server.tool_parsers.json_scan import held_prefix
+from jaxserve.chat.tool_parsers.base import CallSpan, FunctionCallText, Regions, ToolParser
+from jaxserve.chat.tool_parsers.json_scan import held_prefix
 
 START, END = "<tool_call>", "</tool_call>"
 

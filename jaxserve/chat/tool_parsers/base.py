@@ -26,7 +26,7 @@ import json
 import uuid
 from typing import Any, ClassVar, Literal
 
-from jaxserve.server.tool_parsers.json_scan import array_elements, scan_object, value_end
+from jaxserve.chat.tool_parsers.json_scan import array_elements, scan_object, value_end
 
 ARGUMENT_KEYS = ("arguments", "parameters")
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from jaxserve.server.tool_parsers.base import CallSpan, FunctionCallText, Regions, ToolParser
-from jaxserve.server.tool_parsers.json_scan import held_prefix, scan_object
+from jaxserve.chat.tool_parsers.base import CallSpan, FunctionCallText, Regions, ToolParser
+from jaxserve.chat.tool_parsers.json_scan import held_prefix, scan_object
 
 PYTHON_TAG = "<|python_tag|>"
 
