@@ -1,6 +1,7 @@
 """Damaged caches are never served: each kind of damage to each persistent cache (the GGUF
-conversion, the laid-out weights, the compiled executables) is found, logged naming the file,
-and rebuilt from the source, and the engine answers exactly as an undamaged one does."""
+conversion, the laid-out weights, the compiled executables, the native CPU kernel library, the
+measured dtype choice) is found, logged naming the file, and rebuilt from the source, and the
+engine answers exactly as an undamaged one does."""
 
 from __future__ import annotations
 
@@ -51,12 +52,11 @@ def pristine(tmp_path_factory, data_dir):
     root = tmp_path_factory.mktemp("damaged-caches")
     gguf = write_fixture_gguf(data_dir, "qwen3", root / "q.gguf")
     llm = _build(gguf, root / "caches")
-    if llm.engine.parts.plan.matmul_impl == "xla":
-        pytest.skip("no native product kernel here: no weights are laid out, none cached")
+    laid_out = llm.engine.parts.plan.matmul_impl != "xla"  # weights are cached for a native product
     expected = _outputs(llm)
     _build(write_fixture_gguf(data_dir, "qwen2", root / "q-other.gguf"), root / "other")
     for kind in KINDS:
-        assert _cached(root / "caches", kind), kind
+        assert bool(_cached(root / "caches", kind)) == (kind != "weights" or laid_out), kind
     return gguf, root / "caches", root / "other", expected
 
 
@@ -98,6 +98,8 @@ def _damage(files: list[pathlib.Path], how: str, kind: str, other: pathlib.Path)
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_damaged_cache_is_rebuilt_not_served(pristine, tmp_path, caplog, kind, how):
     gguf, caches, other, expected = pristine
+    if not _cached(caches, kind):
+        pytest.skip("no native product kernel here: no weights are laid out, none cached")
     mine = tmp_path / "caches"
     shutil.copytree(caches, mine)
     damaged = _damage(_cached(mine, kind), how, kind, other)
@@ -116,7 +118,7 @@ def test_a_damaged_cache_is_rebuilt_not_served(pristine, tmp_path, caplog, kind,
     assert runner.executables_compiled == 0
     assert _outputs(again) == expected
     for kind_ in KINDS:
-        assert _cached(mine, kind_), kind_
+        assert bool(_cached(mine, kind_)) == bool(_cached(caches, kind_)), kind_
 
 
 def test_the_conversion_records_a_checksum_of_every_file(pristine):
@@ -128,3 +130,95 @@ def test_the_conversion_records_a_checksum_of_every_file(pristine):
     assert {"config.json", "model.safetensors"} <= marker["files"].keys()
     assert all(len(v["xxh3_128"]) == 32 and v["size"] == os.path.getsize(conversion / k)
                for k, v in marker["files"].items())
+
+
+# ---------------------------------------------------------------------------- the CPU kernels' caches
+LIBRARY_DAMAGES = ["truncated", "bytes_flipped", "zero_length", "no_checksum", "another_targets"]
+
+
+@pytest.fixture
+def kernel_cache(tmp_path, monkeypatch):
+    """The kernel library's cache in a folder of the test's, with a stand-in compiler that
+    writes a library of known bytes (a real build takes a minute); returns (cache folder, the
+    compiler's calls)."""
+    from jaxserve.backends.cpu import kernels
+
+    calls = []
+
+    def compile_(cmd, **_):
+        out = pathlib.Path(cmd[cmd.index("-o") + 1])
+        out.write_bytes(b"\x7fELF" + bytes(range(256)) * 64 + " ".join(cmd[: cmd.index("-o")]).encode())
+        calls.append(out)
+        import subprocess
+
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(kernels, "_cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(kernels.shutil, "which", lambda cxx: "/usr/bin/" + cxx)
+    monkeypatch.setattr(kernels.subprocess, "run", compile_)
+    return tmp_path, calls
+
+
+@pytest.mark.parametrize("how", LIBRARY_DAMAGES)
+def test_a_damaged_kernel_library_is_rebuilt_not_loaded(kernel_cache, caplog, how):
+    from jaxserve.backends.cpu import kernels
+
+    folder, calls = kernel_cache
+    lib = kernels.library_path("x86-64")
+    assert len(calls) == 1 and (folder / (lib.name + ".xxh3")).exists()
+    whole = lib.read_bytes()
+    assert kernels.library_path("x86-64") == lib and len(calls) == 1  # cached: not built again
+    if how == "truncated":
+        lib.write_bytes(whole[: len(whole) // 2])
+    elif how == "bytes_flipped":
+        lib.write_bytes(whole[:100] + bytes(b ^ 0xFF for b in whole[100:110]) + whole[110:])
+    elif how == "zero_length":
+        lib.write_bytes(b"")
+    elif how == "no_checksum":  # a library cached before checksums, or its checksum lost
+        (folder / (lib.name + ".xxh3")).unlink()
+    else:  # another build target's library renamed into place
+        lib.write_bytes(kernels.library_path("haswell").read_bytes())
+        calls.pop()
+    with caplog.at_level(logging.WARNING):
+        assert kernels.library_path("x86-64") == lib
+    assert len(calls) == 2, "the damaged library was not rebuilt"
+    assert lib.read_bytes() == whole
+    assert any(lib.name in r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING)
+    caplog.clear()
+    assert kernels.library_path("x86-64") == lib and len(calls) == 2  # whole again: loaded as is
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+@pytest.mark.parametrize("how", ["truncated", "dtype_rewritten", "not_json", "no_checksum"])
+def test_a_damaged_dtype_choice_is_measured_again(tmp_path, monkeypatch, caplog, how):
+    import json
+
+    from jaxserve.backends.cpu import dtype
+
+    measured = []
+
+    def measure(impls):
+        measured.append(impls)
+        return {"bfloat16": 1.0, "float32": 2.0}
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(dtype, "measure", measure)
+    impls = {"bfloat16": "strips", "float32": "strips"}
+    assert dtype.fastest_dtype(impls, "cpu-key") == "bfloat16" and len(measured) == 1
+    assert dtype.fastest_dtype(impls, "cpu-key") == "bfloat16" and len(measured) == 1  # cached
+    (path,) = (tmp_path / "jaxserve" / "dtype").glob("*.json")
+    text = path.read_text()
+    if how == "truncated":
+        path.write_text(text[: len(text) // 2])
+    elif how == "dtype_rewritten":
+        path.write_text(text.replace('"bfloat16"', '"float16"', 1))
+    elif how == "not_json":
+        path.write_bytes(b"\x00\x01")
+    else:
+        data = json.loads(text)
+        del data["checksum"]
+        path.write_text(json.dumps(data))
+    with caplog.at_level(logging.WARNING):
+        assert dtype.fastest_dtype(impls, "cpu-key") == "bfloat16"
+    assert len(measured) == 2
+    assert any(path.name in r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING)

@@ -7,7 +7,8 @@ times faster than float32. So "auto" times the products a decode step is made of
 MLP shapes, at 1 and 32 rows: one request and a full batch) through the path the engine would
 take for each dtype (the packed kernel where one runs, else XLA's dot), alternating the two,
 and picks the dtype with the lower geometric mean of times. The choice is cached per CPU,
-kernel build and jaxlib version (`<user cache>/jaxserve/dtype/`), so it is measured once per
+kernel build and jaxlib version (`<user cache>/jaxserve/dtype/`, with a checksum of its record:
+a damaged file is measured again), so it is measured once per
 machine (about a second).
 """
 
@@ -26,6 +27,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jaxserve.models.checksum import digest
 
 logger = logging.getLogger(__name__)
 
@@ -79,10 +82,9 @@ def fastest_dtype(impls: dict[str, str], cache_key: str) -> str:
     """"bfloat16" or "float32", whichever `measure` finds faster; cached under `cache_key`."""
     key = hashlib.sha256(f"{VERSION}|{cache_key}|{sorted(impls.items())}".encode()).hexdigest()[:16]
     path = _cache_file(key)
-    try:
-        return json.loads(path.read_text())["dtype"]
-    except (OSError, ValueError, KeyError):
-        pass
+    cached = _read_choice(path)
+    if cached is not None:
+        return cached
     t0 = time.perf_counter()
     times = measure(impls)
     dtype = min(times, key=times.get)
@@ -91,6 +93,24 @@ def fastest_dtype(impls: dict[str, str], cache_key: str) -> str:
                 time.perf_counter() - t0, path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"dtype": dtype, "seconds": times, "impls": impls}))
+    record = {"dtype": dtype, "seconds": times, "impls": impls}
+    tmp.write_text(json.dumps({**record, "checksum": digest(json.dumps(record, sort_keys=True).encode())}))
     os.replace(tmp, path)
     return dtype
+
+
+def _read_choice(path: pathlib.Path) -> str | None:
+    """The cached choice, if the file is there and whole (its checksum agrees and it names one
+    of the dtypes); a damaged file is logged by name and measured again."""
+    try:
+        data = json.loads(path.read_text())
+        record = {k: v for k, v in data.items() if k != "checksum"}
+        if data["checksum"] == digest(json.dumps(record, sort_keys=True).encode()) and \
+                data["dtype"] in ("bfloat16", "float32"):
+            return data["dtype"]
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass
+    logger.warning("the cached dtype choice %s is damaged (its checksum differs); measuring again", path)
+    return None

@@ -7,8 +7,11 @@ compiled on first use with the host's C++ compiler (`$CXX`, default `g++`, `-O3
 -march=<target>`) against the FFI headers shipped in jaxlib, into one library per build
 target under `<user cache>/jaxserve/kernels` (the user cache is `$XDG_CACHE_HOME` or
 `~/.cache`, as for models and compiled executables), keyed by the sources, the flags (the
-target's among them), jaxlib's version and the CPU. Later processes load the cached library.
-Without a compiler, `ensure_loaded()` raises `KernelUnavailable` and callers fall back to XLA
+target's among them), jaxlib's version and the CPU. Later processes load the cached library
+once its checksum (an XXH3 digest and size beside it, `<library>.xxh3`, written before the
+library is installed) agrees: a damaged or unchecked library is logged by name and rebuilt, never
+loaded (a truncated one used to fail to load, and the engine fell back to slower products for
+good). Without a compiler, `ensure_loaded()` raises `KernelUnavailable` and callers fall back to XLA
 (the pure-JAX reference attention, XLA's dot, the JAX sampler).
 
 Build targets (`BUILD_TARGETS`; the instruction sets follow from the compiler's macros, each
@@ -32,6 +35,8 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import json
+import logging
 import os
 import pathlib
 import platform
@@ -40,6 +45,10 @@ import subprocess
 import tempfile
 
 import jax
+
+from jaxserve.models.checksum import damaged_files, manifest
+
+logger = logging.getLogger(__name__)
 
 _DIR = pathlib.Path(__file__).parent
 SOURCES = (_DIR / "attention.cc", _DIR / "matmul.cc", _DIR / "sample.cc")
@@ -118,7 +127,10 @@ def library_path(target: str = DEFAULT_TARGET) -> pathlib.Path:
     out_dir = _cache_dir()
     lib = out_dir / f"kernels-{target}-{key}.so"
     if lib.exists():
-        return lib
+        if _whole(lib):
+            return lib
+        logger.warning("the cached CPU kernel library %s does not match its checksum (damaged, or built "
+                       "without one); rebuilding it", lib)
     out_dir.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so.tmp")
     os.close(fd)
@@ -127,11 +139,31 @@ def library_path(target: str = DEFAULT_TARGET) -> pathlib.Path:
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         if res.returncode != 0:
             raise KernelUnavailable(f"compiling the CPU kernels failed:\n{res.stderr[-2000:]}")
+        # The checksum goes first: a reader that sees the new library sees its checksum too.
+        _replace_text(_checksum_file(lib), json.dumps(manifest(out_dir, [os.path.basename(tmp)]).popitem()[1]))
         os.replace(tmp, lib)  # atomic: concurrent builders each install a complete file
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return lib
+
+
+def _checksum_file(lib: pathlib.Path) -> pathlib.Path:
+    return lib.with_name(lib.name + ".xxh3")
+
+
+def _whole(lib: pathlib.Path) -> bool:
+    """Whether the cached library matches the checksum recorded beside it."""
+    try:
+        return not damaged_files(lib.parent, {lib.name: json.loads(_checksum_file(lib).read_text())})
+    except (OSError, ValueError, KeyError, TypeError):  # no checksum, or not one
+        return False
+
+
+def _replace_text(path: pathlib.Path, text: str) -> None:
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 _selected = DEFAULT_TARGET
