@@ -73,6 +73,7 @@ def serve_null(mode: str, port: int, max_num_seqs: int) -> None:
     from jaxserve.engine.async_client import AsyncEngineClient
     from jaxserve.engine.core_process import ProcessCore
     from jaxserve.server.app import build_app
+    from jaxserve.server.config import ServerConfig
 
     logging.basicConfig(level=logging.WARNING)
     build = NullParts(max_num_seqs)
@@ -83,7 +84,7 @@ def serve_null(mode: str, port: int, max_num_seqs: int) -> None:
 
         transport, info, stats = ProcessCore.spawn(build)
         client = AsyncEngineClient(transport, host_overhead._null_tokenizer(32), info, stats, mode="process")
-    app = build_app(client, shutdown_grace_seconds=1)
+    app = build_app(client, ServerConfig(shutdown_grace=1, disable_log_requests=True))
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
 
 

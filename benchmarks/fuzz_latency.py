@@ -73,6 +73,7 @@ def main() -> None:
     from jaxserve.config import EngineConfig
     from jaxserve.engine.setup import build_engine
     from jaxserve.server.app import build_app
+    from jaxserve.server.config import ServerConfig
     from jaxserve.engine.async_client import AsyncEngineClient
     from tests.live_server import LiveServer, free_port
     from tests.server.conftest import API_KEY, ENGINE_OPTIONS, MODEL
@@ -80,9 +81,10 @@ def main() -> None:
     if args.uncapped:
         fuzz._cheap = lambda path, body: body
     engine = AsyncEngineClient.in_thread(build_engine(EngineConfig.from_kwargs(model=None, **ENGINE_OPTIONS)))
-    app = build_app(engine, served_model_names=[MODEL, "alias"], api_keys=[API_KEY], max_body_bytes=1 << 20,
-                    shutdown_grace_seconds=5, enable_sleep_mode=True, tool_call_parser="hermes",
-                    enable_auto_tool_choice=True)
+    app = build_app(engine, ServerConfig(served_model_name=(MODEL, "alias"), api_key=(API_KEY,),
+                                         max_request_body=1 << 20, shutdown_grace=5, enable_sleep_mode=True,
+                                         tool_call_parser="hermes", enable_auto_tool_choice=True,
+                                         disable_log_requests=True))
     server = LiveServer(app, free_port())
     server.start()
 

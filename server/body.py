@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect, Request
 
-from jaxserve.server.errors import APIError, validation_message
+from jaxserve.server.errors import APIError, Disconnected, validation_message
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -31,10 +31,6 @@ BODY_BASE_BYTES = 1 << 20
 BODY_BYTES_PER_CONTEXT_TOKEN = 256
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-class Disconnected(Exception):
-    """The client went away before the response was ready."""
 
 
 def default_max_body_bytes(max_model_len: int) -> int:

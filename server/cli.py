@@ -32,23 +32,6 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(**values_from_args(ServerConfig, args))
 
 
-def chat_template_arg(value: str | None) -> str | None:
-    """--chat-template: a file's contents if the value names a file, else the template itself."""
-    if value is None:
-        return None
-    import pathlib
-
-    path = pathlib.Path(value)
-    try:
-        if path.is_file():
-            return path.read_text()
-    except OSError:
-        pass
-    if "{" not in value:
-        raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
-    return value
-
-
 def uvicorn_options(server: ServerConfig, log_level: str) -> dict[str, Any]:
     """uvicorn.Config's options from the front end's (`log_level`: the process's, unless
     server.uvicorn_log_level says otherwise)."""
@@ -106,10 +89,9 @@ def _serve(args: argparse.Namespace) -> int:
     model = serve_model(args)
     opts = engine_options(args)
     try:
-        server = server_config(args)
+        server = server_config(args)  # reads --chat-template's file
         if server.served_model_name:
             opts["served_model_name"] = server.served_model_name[0]
-        chat_template = chat_template_arg(server.chat_template)
         server_opts = uvicorn_options(server, args.log_level)
         config = EngineConfig.from_kwargs(model=model, **opts)
     except (ValueError, TypeError) as e:
@@ -132,7 +114,7 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"jaxserve serve: {e}", file=sys.stderr)
         return 2
     try:
-        _run_server(aengine, server, server_opts, chat_template, timer, log)
+        _run_server(aengine, server, server_opts, timer, log)
     except BaseException:
         if several:  # the followers shut down with the leader (else they wait for its steps)
             aengine.close()
@@ -151,7 +133,7 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_server(aengine, server: ServerConfig, server_opts: dict, chat_template, timer, log) -> None:
+def _run_server(aengine, server: ServerConfig, server_opts: dict, timer, log) -> None:
     """The HTTP server over a built engine, until it is stopped."""
     import uvicorn
 
@@ -159,18 +141,10 @@ def _run_server(aengine, server: ServerConfig, server_opts: dict, chat_template,
     from jaxserve.server.draining import DrainingServer
 
     server_t0 = time.perf_counter()
-    names = list(server.served_model_name) if server.served_model_name else None
-    app = build_app(aengine, served_model_names=names, api_keys=server.api_key, allowed_origins=server.allowed_origins,
-                    max_body_bytes=server.max_request_body, request_id_header=not server.disable_request_id_header,
-                    shutdown_grace_seconds=server.shutdown_grace, enable_sleep_mode=server.enable_sleep_mode,
-                    trust_request_chat_template=server.trust_request_chat_template,
-                    request_timeout=server.request_timeout, chat_template=chat_template,
-                    tool_call_parser=server.tool_call_parser, enable_auto_tool_choice=server.enable_auto_tool_choice,
-                    log_requests=not server.disable_log_requests, lora_modules=server.lora_modules,
-                    allow_runtime_lora_updating=server.allow_runtime_lora_updating)
+    app = build_app(aengine, server)
     scheme = "https" if server.ssl_certfile else "http"
     log.info("serving %s on %s://%s:%d%s (at most %d waiting sequences, request timeout %s)",
-             (names or [aengine.model_name])[0], scheme, server.host, server.port, server.root_path or "",
+             app.state.server.model_name, scheme, server.host, server.port, server.root_path or "",
              aengine.max_waiting_requests, f"{server.request_timeout:g} s" if server.request_timeout else "off")
     uvicorn_config = uvicorn.Config(app, **server_opts)
 

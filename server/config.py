@@ -5,6 +5,8 @@ group (jaxserve/config_cli.py), as the engine's options are in jaxserve/config.p
 from __future__ import annotations
 
 import dataclasses
+import functools
+import pathlib
 from typing import Literal
 
 from jaxserve.config_cli import non_negative, option, parse_bytes, positive, run_checks
@@ -96,3 +98,24 @@ class ServerConfig:
                 f"unknown tool call parser {self.tool_call_parser!r}; available: "
                 f"{', '.join(TOOL_PARSER_NAMES)}"
             )
+        # Read now: a bad --chat-template stops `jaxserve serve` before the engine is built.
+        self.chat_template_text  # noqa: B018
+
+    @functools.cached_property
+    def chat_template_text(self) -> str | None:
+        """The operator's chat template (`chat_template`): the file's contents where it names a
+        file, else the template itself (None: the model's). Resolved here, once, when the
+        configuration is made: the flag's meaning is the configuration's, and every builder of
+        the app (the command, tests, benchmarks) gets the same text from the same field."""
+        value = self.chat_template
+        if value is None:
+            return None
+        path = pathlib.Path(value)
+        try:
+            if path.is_file():
+                return path.read_text()
+        except OSError:
+            pass
+        if "{" not in value:
+            raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
+        return value

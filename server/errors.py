@@ -1,4 +1,5 @@
-"""OpenAI's error envelope: {"error": {"message", "type", "param", "code"}}."""
+"""OpenAI's error envelope: {"error": {"message", "type", "param", "code"}}, and the app's
+answers to the exceptions a handler raises (`EXCEPTION_HANDLERS`)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ import logging
 from http import HTTPStatus
 
 from pydantic import ValidationError
-from starlette.responses import JSONResponse
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +29,10 @@ class APIError(Exception):
         self.param = param
         self.type = type_ or _TYPES.get(status) or HTTPStatus(status).phrase.replace(" ", "")
         self.headers = headers  # sent with the error response (e.g. Retry-After)
+
+
+class Disconnected(Exception):
+    """The client went away before the response was ready."""
 
 
 def quote(value: object) -> str:
@@ -74,3 +81,23 @@ def validation_message(e: ValidationError) -> tuple[str, str | None]:
         msg = msg.removeprefix("Value error, ")  # pydantic's prefix for our validators' messages
         parts.append(f"{loc}: {msg}" if loc else msg)
     return "; ".join(parts) or "invalid request", param
+
+
+async def _on_api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, APIError)
+    return from_api_error(exc)
+
+
+async def _on_http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own errors (an unknown route, a method not allowed) in the envelope."""
+    assert isinstance(exc, HTTPException)
+    return error_response(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
+
+
+async def _on_disconnect(request: Request, exc: Exception) -> Response:
+    return Response(status_code=499)  # nobody reads it: the client has gone
+
+
+# The app's exception handlers (Starlette's `exception_handlers`).
+EXCEPTION_HANDLERS = {APIError: _on_api_error, HTTPException: _on_http_error,
+                      Disconnected: _on_disconnect}

@@ -26,7 +26,7 @@ from jaxserve.inputs import Prompt
 from jaxserve.outputs import CompletionOutput, LogprobsDict, RequestOutput
 from jaxserve.sampling_params import BeamSearchParams, SamplingParams
 from jaxserve.server.errors import APIError
-from jaxserve.server.serving_base import Deadline, add_all, merge
+from jaxserve.server.engine_requests import Deadline, add_all, merge
 
 # Request fields beam search does not apply, with their neutral values.
 _NOT_WITH_BEAMS = {

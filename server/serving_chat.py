@@ -32,7 +32,10 @@ from jaxserve.server import sse
 from jaxserve.server.body import parse_body
 from jaxserve.server.chat_template import UNTRUSTED_TEMPLATE, render_chat
 from jaxserve.server.errors import APIError
-from jaxserve.server.protocol import (
+from jaxserve.server.engine_requests import Deadline, abort_all, add_all, merge
+from jaxserve.server.logprobs import chat_logprobs, prompt_logprobs_json
+from jaxserve.server.protocol import UsageInfo, random_id
+from jaxserve.server.protocol_chat import (
     ChatCompletionLogProbs,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -41,8 +44,6 @@ from jaxserve.server.protocol import (
     ChatCompletionStreamResponse,
     ChatResponseMessage,
     DeltaMessage,
-    UsageInfo,
-    random_id,
 )
 from jaxserve.server.protocol_tools import (
     FunctionCall,
@@ -53,21 +54,9 @@ from jaxserve.server.protocol_tools import (
     tool_dicts,
 )
 from jaxserve.server.serving_beam import add_beam_searches, beam_params
-from jaxserve.server.serving_base import (
-    Deadline,
-    EventStream,
-    ServerState,
-    abort_all,
-    add_all,
-    chat_logprobs,
-    check_request,
-    log_request,
-    merge,
-    prompt_logprobs_json,
-    respond_json,
-    sse_stream,
-    with_defaults,
-)
+from jaxserve.server.request_checks import check_request, log_request, with_defaults
+from jaxserve.server.state import ServerState
+from jaxserve.server.streaming import EventStream, respond_json, sse_stream
 from jaxserve.chat.tool_parsers import FunctionCallText, ToolCallStream, parse_required, tool_call_id
 from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -114,7 +103,7 @@ def tool_mode(state: ServerState, body: ChatCompletionRequest) -> tuple[ToolMode
     if choice == "none":
         return ToolMode(), None
     if choice == "auto":
-        if not (state.enable_auto_tool_choice and state.tool_parser is not None):
+        if not (state.config.enable_auto_tool_choice and state.tool_parser is not None):
             raise APIError(400, AUTO_NEEDS_PARSER, param="tool_choice")
         return ToolMode("auto", max_calls=max_calls), None
     if choice == "required":
@@ -145,12 +134,13 @@ def chat_sampling(state: ServerState, body: ChatCompletionRequest) -> tuple[Tool
 
 def chat_prompt(state: ServerState, body: ChatCompletionRequest) -> str:
     """The request's conversation through the chat template (ValueError for what it cannot take)."""
+    config = state.config
     return render_chat(
         state.engine.tokenizer, body.messages, add_generation_prompt=body.add_generation_prompt,
         continue_final_message=body.continue_final_message, chat_template=body.chat_template,
-        chat_template_kwargs=template_kwargs(body), trust_chat_template=state.trust_request_chat_template,
-        tools=tool_dicts(body.tools) if body.tools else None, tool_format=state.tool_call_parser,
-        default_template=state.chat_template)
+        chat_template_kwargs=template_kwargs(body), trust_chat_template=config.trust_request_chat_template,
+        tools=tool_dicts(body.tools) if body.tools else None, tool_format=config.tool_call_parser,
+        default_template=config.chat_template_text)
 
 
 def template_kwargs(body: ChatCompletionRequest) -> dict[str, Any] | None:

@@ -12,7 +12,9 @@ from starlette.responses import Response
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.server import sse
 from jaxserve.server.body import parse_body
+from jaxserve.server.engine_requests import Deadline, abort_all, add_all, merge
 from jaxserve.server.errors import APIError
+from jaxserve.server.logprobs import append_completion_logprobs, prompt_logprobs_json
 from jaxserve.server.protocol import (
     CompletionLogProbs,
     CompletionRequest,
@@ -24,21 +26,9 @@ from jaxserve.server.protocol import (
     random_id,
 )
 from jaxserve.server.serving_beam import add_beam_searches, beam_params
-from jaxserve.server.serving_base import (
-    Deadline,
-    EventStream,
-    ServerState,
-    abort_all,
-    add_all,
-    append_completion_logprobs,
-    check_request,
-    log_request,
-    merge,
-    prompt_logprobs_json,
-    respond_json,
-    sse_stream,
-    with_defaults,
-)
+from jaxserve.server.request_checks import check_request, log_request, with_defaults
+from jaxserve.server.state import ServerState
+from jaxserve.server.streaming import EventStream, respond_json, sse_stream
 
 
 @dataclasses.dataclass(slots=True)

@@ -16,6 +16,7 @@ from starlette.responses import JSONResponse, Response
 from jaxserve.engine.client import EngineDeadError
 from jaxserve.server import field_policy
 from jaxserve.server.body import parse_body
+from jaxserve.server.engine_requests import engine_error
 from jaxserve.server.errors import APIError
 from jaxserve.server.protocol import UsageInfo
 from jaxserve.server.protocol_embeddings import (
@@ -25,7 +26,7 @@ from jaxserve.server.protocol_embeddings import (
     encode,
 )
 from jaxserve.server.request_context import request_id_of
-from jaxserve.server.serving_base import ServerState, engine_error
+from jaxserve.server.state import ServerState
 
 
 class EmbeddingsHandler:

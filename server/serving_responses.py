@@ -33,8 +33,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from jaxserve.server.body import parse_body, validate
+from jaxserve.server.engine_requests import Deadline, abort_all, add_all, engine_error, merge
 from jaxserve.server.errors import APIError, quote
-from jaxserve.server.protocol import ChatCompletionRequest
+from jaxserve.server.logprobs import chat_logprobs
+from jaxserve.server.protocol_chat import ChatCompletionRequest
 from jaxserve.server.protocol_responses import (
     FunctionToolChoice,
     InputItem,
@@ -53,21 +55,10 @@ from jaxserve.server.responses_output import (
     item_id,
     output_items,
 )
-from jaxserve.server.serving_base import (
-    Deadline,
-    EventStream,
-    ServerState,
-    SSEStream,
-    abort_all,
-    add_all,
-    chat_logprobs,
-    check_request,
-    engine_error,
-    log_request,
-    merge,
-    respond_json,
-)
+from jaxserve.server.request_checks import check_request, log_request
 from jaxserve.server.serving_chat import ToolMode, chat_prompt, chat_sampling, split_tool_calls
+from jaxserve.server.state import ServerState
+from jaxserve.server.streaming import EventStream, SSEStream, respond_json
 from jaxserve.chat.tool_parsers import FunctionCallText, tool_call_id
 
 ROUTE = "/v1/responses"

@@ -9,6 +9,7 @@ from starlette.testclient import TestClient
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.app import build_app
+from jaxserve.server.config import ServerConfig
 from jaxserve.engine.async_client import AsyncEngineClient
 from tests.engine.fakes import EOS, CharTokenizer, fake_parts, next_token, prompt_logprob
 
@@ -130,7 +131,7 @@ def test_validation_happens_before_anything_is_queued():
 def served():
     parts = fake_parts()
     engine = AsyncEngineClient.in_thread(parts)
-    with TestClient(build_app(engine, shutdown_grace_seconds=1, enable_sleep_mode=True)) as client:
+    with TestClient(build_app(engine, ServerConfig(shutdown_grace=1, enable_sleep_mode=True))) as client:
         yield parts, engine, client
 
 

@@ -16,6 +16,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from jaxserve.server.app import build_app
+from jaxserve.server.config import ServerConfig
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.engine.async_client import RETRY_AFTER_SECONDS, AsyncEngineClient, EngineOverloadedError, default_max_waiting
 from jaxserve.server.cli import build_parser
@@ -76,7 +77,7 @@ def test_a_full_waiting_queue_refuses_with_503_and_retry_after():
     runner = parts.core.runner
     engine = AsyncEngineClient.in_thread(parts, max_waiting_requests=2)
     results: dict[str, httpx.Response] = {}
-    with LiveServer(build_app(engine), free_port()) as srv:
+    with LiveServer(build_app(engine, ServerConfig()), free_port()) as srv:
         def post(name: str) -> None:
             results[name] = httpx.post(srv.base_url + "/v1/completions", timeout=30,
                                        json={"prompt": name * 3, "max_tokens": 4, "temperature": 0})
@@ -114,7 +115,7 @@ def slow_served():
     """The fake engine at 20 ms a step, with a 0.3 s request timeout."""
     parts = fake_parts(step_seconds=0.02, max_num_seqs=2)
     engine = AsyncEngineClient.in_thread(parts)
-    with TestClient(build_app(engine, request_timeout=0.3)) as client:
+    with TestClient(build_app(engine, ServerConfig(request_timeout=0.3))) as client:
         yield parts, engine, client
 
 
@@ -142,7 +143,7 @@ def test_a_request_past_its_deadline_is_aborted_with_a_504(slow_served):
 def test_a_stream_past_its_deadline_is_aborted_before_its_client_hears_of_it():
     parts = fake_parts(step_seconds=0.02)
     engine = AsyncEngineClient.in_thread(parts)
-    with LiveServer(build_app(engine, request_timeout=0.3), free_port()) as srv:
+    with LiveServer(build_app(engine, ServerConfig(request_timeout=0.3)), free_port()) as srv:
         with httpx.stream("POST", srv.base_url + "/v1/completions", timeout=30,
                           json={"prompt": "abc", "max_tokens": 100, "stream": True}) as r:
             for line in r.iter_lines():
@@ -182,7 +183,7 @@ def test_nothing_leaks_after_a_mixed_load():
     parts.core.runner.reject_token = parts.tokenizer.encode(POISON)[0]
     engine = AsyncEngineClient.in_thread(parts, max_waiting_requests=24)
     kinds = [KINDS[i % len(KINDS)] for i in range(48)]
-    with LiveServer(build_app(engine, request_timeout=3.0), free_port()) as srv:
+    with LiveServer(build_app(engine, ServerConfig(request_timeout=3.0)), free_port()) as srv:
         def prompt(i: int) -> str:
             return (POISON if kinds[i] == "engine_error" else "") + f"prompt number {i} " * (1 + i % 3)
 

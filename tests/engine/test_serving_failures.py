@@ -11,6 +11,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from jaxserve.server.app import build_app
+from jaxserve.server.config import ServerConfig
 from jaxserve.engine.async_client import AsyncEngineClient
 from tests.engine.fakes import fake_parts
 from tests.engine.test_engine_faults import POISON, POISON_ID, assert_idle
@@ -20,7 +21,7 @@ from tests.engine.test_engine_faults import POISON, POISON_ID, assert_idle
 def served():
     parts = fake_parts()
     engine = AsyncEngineClient.in_thread(parts)
-    with TestClient(build_app(engine, shutdown_grace_seconds=1)) as client:
+    with TestClient(build_app(engine, ServerConfig(shutdown_grace=1))) as client:
         yield parts, engine, client
 
 

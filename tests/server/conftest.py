@@ -5,9 +5,11 @@ the Hermes tool-call parser and auto tool choice on."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
+from jaxserve.server.config import ServerConfig
 from tests.live_server import LiveServer, free_port
 
 API_KEY = "test-key"
@@ -18,6 +20,12 @@ ENGINE_OPTIONS = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=12
                       request_buckets=(1, 8), show_progress=False, kv_cache_memory_bytes=1 << 30)
 
 
+def app_config(**fields: Any) -> ServerConfig:
+    """The front end's options for a test's app (build_app): ServerConfig's defaults, but a
+    1-second shutdown grace (a test's server stops with nothing in flight), and `fields`."""
+    return ServerConfig(**{"shutdown_grace": 1.0, **fields})
+
+
 @pytest.fixture(scope="session")
 def live_server() -> Iterator[LiveServer]:
     from jaxserve.config import EngineConfig
@@ -26,9 +34,9 @@ def live_server() -> Iterator[LiveServer]:
     from jaxserve.engine.async_client import AsyncEngineClient
 
     engine = AsyncEngineClient.in_thread(build_engine(EngineConfig.from_kwargs(model=None, **ENGINE_OPTIONS)))
-    app = build_app(engine, served_model_names=[MODEL, "alias"], api_keys=[API_KEY],
-                    max_body_bytes=1 << 20, shutdown_grace_seconds=5, enable_sleep_mode=True,
-                    tool_call_parser="hermes", enable_auto_tool_choice=True)
+    app = build_app(engine, app_config(served_model_name=(MODEL, "alias"), api_key=(API_KEY,),
+                                       max_request_body=1 << 20, shutdown_grace=5, enable_sleep_mode=True,
+                                       tool_call_parser="hermes", enable_auto_tool_choice=True))
     srv = LiveServer(app, free_port())
     srv.start()
     yield srv

@@ -15,6 +15,7 @@ from jaxserve.engine.async_client import AsyncEngineClient
 from jaxserve.server.body import default_max_body_bytes
 from tests.engine.fakes import fake_parts
 from tests.server.bad_input import CHAT, PROMPT, assert_envelope
+from tests.server.conftest import app_config
 
 MAX_MODEL_LEN = 2048
 
@@ -28,13 +29,14 @@ def tokenizer():
 
 
 def _fake_app(tokenizer: Any, fake: dict[str, Any] | None = None, **options: Any) -> tuple[AsyncEngineClient, TestClient]:
-    """The app (build_app `options`) over the fake runner (`fake_parts` options in `fake`)."""
+    """The app (ServerConfig fields in `options`) over the fake runner (`fake_parts` options in
+    `fake`)."""
     from jaxserve.server.app import build_app
 
     parts = fake_parts(tokenizer=tokenizer, vocab_size=tokenizer.vocab_size, max_model_len=MAX_MODEL_LEN,
                        num_blocks=8 * MAX_MODEL_LEN // 4 + 1, budget=512, **(fake or {}))
     engine = AsyncEngineClient.in_thread(parts)
-    client = TestClient(build_app(engine, **options), raise_server_exceptions=False)
+    client = TestClient(build_app(engine, app_config(**options)), raise_server_exceptions=False)
     return engine, client.__enter__()  # the lifespan starts the engine thread
 
 
@@ -73,7 +75,7 @@ def test_body_limit_fits_the_context(tokenizer) -> None:
     assert r.status_code == 200, r.text[:300]
     err = assert_envelope(c.post("/v1/completions", json={"prompt": "x" * limit, "max_tokens": 1}), 413)
     assert str(limit) in err["message"]
-    _, small = _fake_app(tokenizer, max_body_bytes=1000)  # an explicit limit wins
+    _, small = _fake_app(tokenizer, max_request_body=1000)  # an explicit limit wins
     assert_envelope(small.post("/v1/completions", json={"prompt": "x" * 1000, "max_tokens": 1}), 413)
     huge_length = {"Content-Length": "9" * 5000, "Content-Type": "application/json"}
     assert small.post("/tokenize", content=b"{}", headers=huge_length).status_code in (400, 413)
@@ -115,19 +117,44 @@ def _explode_secretly(*args: Any, **kwargs: Any) -> Any:
 
 def test_operator_chat_template_and_request_logging(tokenizer, caplog) -> None:
     template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
-    engine, c = _fake_app(tokenizer, chat_template=template, log_requests=True)
-    with caplog.at_level("INFO", logger="jaxserve.server.serving_base"):
+    engine, c = _fake_app(tokenizer, chat_template=template)  # requests are logged by default
+    with caplog.at_level("INFO", logger="jaxserve.server.request_checks"):
         r = c.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2, "temperature": 0})
     assert r.status_code == 200
     assert engine.transport.core.runner.prompts[-1] == tokenizer.encode(f"[user] {CHAT[0]['content']}\n", add_special_tokens=False)
     assert c.get("/tokenizer_info").json()["chat_template"] == template
     lines = [rec.getMessage() for rec in caplog.records if "Received request chatcmpl-" in rec.getMessage()]
     assert lines and "max_tokens=2" in lines[0] and "temperature=0.0" in lines[0] and CHAT[0]["content"] not in lines[0]
-    _, quiet = _fake_app(tokenizer)  # the default (build_app): no request lines
+    _, quiet = _fake_app(tokenizer, disable_log_requests=True)  # no request lines
     caplog.clear()
-    with caplog.at_level("INFO", logger="jaxserve.server.serving_base"):
+    with caplog.at_level("INFO", logger="jaxserve.server.request_checks"):
         quiet.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 1})
     assert not [rec for rec in caplog.records if "Received request" in rec.getMessage()]
+
+
+def test_the_app_takes_its_options_from_the_server_config(tokenizer) -> None:
+    """build_app's options are the ServerConfig's fields, read where they apply: the served
+    names, the API keys, CORS, the request-id header and the optional route groups, each set
+    against its default."""
+    origin = "https://ui.example"
+    _, c = _fake_app(tokenizer, served_model_name=("a", "b"), api_key=("k",), allowed_origins=(origin,),
+                     disable_request_id_header=True, enable_sleep_mode=True,
+                     allow_runtime_lora_updating=True)
+    assert_envelope(c.get("/v1/models"), 401)
+    auth = {"Authorization": "Bearer k"}
+    r = c.get("/v1/models", headers={**auth, "Origin": origin})
+    assert [m["id"] for m in r.json()["data"]] == ["a", "b"]
+    assert r.headers["access-control-allow-origin"] == origin and "x-request-id" not in r.headers
+    assert c.get("/is_sleeping", headers=auth).json() == {"is_sleeping": False}
+    adapter = {"lora_name": "x", "lora_path": "/no/such/adapter"}
+    err = assert_envelope(c.post("/v1/load_lora_adapter", headers=auth, json=adapter), 400)
+    assert "LoRA" in err["message"] or "lora" in err["message"], err  # the route is there; LoRA is off
+    engine, plain = _fake_app(tokenizer)  # the defaults: none of it
+    r = plain.get("/v1/models", headers={"Origin": origin})
+    assert [m["id"] for m in r.json()["data"]] == [engine.model_name]
+    assert "x-request-id" in r.headers and "access-control-allow-origin" not in r.headers
+    assert_envelope(plain.get("/is_sleeping"), 404)
+    assert_envelope(plain.post("/v1/load_lora_adapter", json=adapter), 404)
 
 
 def test_priority_needs_the_priority_policy(tokenizer) -> None:

@@ -7,13 +7,13 @@ import pytest
 from jaxserve.config import EngineConfig
 from jaxserve.server.cli import (
     build_parser,
-    chat_template_arg,
     engine_options,
     main,
     serve_model,
     server_config,
     uvicorn_options,
 )
+from jaxserve.server.config import ServerConfig
 
 
 def test_model_flag_after_multi_value_bucket_flags():
@@ -70,13 +70,19 @@ def test_uvicorn_options_tls_root_path_and_log_levels():
     assert opts["log_level"] == "debug" and "ssl_keyfile" not in opts
 
 
-def test_chat_template_flag_takes_a_file_or_the_template(tmp_path):
+def test_chat_template_flag_takes_a_file_or_the_template(tmp_path, capsys):
     f = tmp_path / "t.jinja"
     f.write_text("{{ messages[0].content }}")
-    assert chat_template_arg(str(f)) == "{{ messages[0].content }}"
-    assert chat_template_arg("{% for m in messages %}{{ m.content }}{% endfor %}").startswith("{%")
+    assert server_config(build_parser().parse_args(["serve", "--chat-template", str(f)])
+                         ).chat_template_text == "{{ messages[0].content }}"
+    template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    assert ServerConfig(chat_template=template).chat_template_text == template
+    assert ServerConfig().chat_template_text is None  # the model's
     with pytest.raises(ValueError, match="neither a file"):
-        chat_template_arg(str(tmp_path / "missing.jinja"))
+        ServerConfig(chat_template=str(tmp_path / "missing.jinja"))
+    # the command stops before building the engine
+    assert main(["serve", "--chat-template", str(tmp_path / "missing.jinja")]) == 2
+    assert "neither a file nor a Jinja template" in capsys.readouterr().err
 
 
 def test_a_mesh_larger_than_the_devices_is_a_message_not_a_traceback(tmp_path, capsys):

@@ -78,6 +78,8 @@ def _sample(cls, f) -> tuple[list[str], object]:
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
         tp = next(a for a in typing.get_args(tp) if a is not type(None))
     flag = flag_name(f)
+    if f.name == "chat_template":  # a file or the template itself: this is a template
+        return [flag, "{{ messages }}"], "{{ messages }}"
     if tp is bool:
         return ([f"--no-{flag[2:]}"], False) if f.default else ([flag], True)
     if dataclasses.is_dataclass(tp):

@@ -13,6 +13,7 @@ from starlette.testclient import TestClient
 
 from tests.live_server import LiveServer, free_port
 from tests.model_dirs import write_model_dir
+from tests.server.conftest import app_config
 
 OPTIONS = dict(dtype="float32", max_model_len=32, max_num_seqs=4, token_buckets=(16, 32),
                request_buckets=(4,), show_progress=False)
@@ -27,8 +28,7 @@ def _app(model_dir, compile_cache_dir, **options):
     config = EngineConfig.from_kwargs(model=str(model_dir), compilation_cache_dir=compile_cache_dir,
                                       **OPTIONS, **options)
     parts = build_engine(config)
-    return build_app(AsyncEngineClient.in_thread(parts), served_model_names=["tiny"],
-                     shutdown_grace_seconds=1)
+    return build_app(AsyncEngineClient.in_thread(parts), app_config(served_model_name=("tiny",)))
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +139,7 @@ def test_the_process_engine_embeds_as_the_thread_engine(client, tmp_path, compil
     config = EngineConfig.from_kwargs(model=str(model_dir), runner="pooling",
                                       compilation_cache_dir=compile_cache_dir, **OPTIONS)
     body = {"input": ["w5 w6 w7", "w9 w10"], "dimensions": 16}
-    with TestClient(build_app(open_engine(config, core="process"), shutdown_grace_seconds=1)) as c:
+    with TestClient(build_app(open_engine(config, core="process"), app_config())) as c:
         r = c.post("/v1/embeddings", json=body)
         thread = client.post("/v1/embeddings", json=body)
         np.testing.assert_array_equal(_vectors(r), _vectors(thread))

@@ -19,6 +19,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine.client import open_engine
 from jaxserve.server.app import build_app
 from tests.models.gguf_fixtures import write_fixture_gguf
+from tests.server.conftest import app_config
 
 OPTIONS = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=32, token_buckets=(16, 32),
                request_buckets=(8,), max_model_len=64, num_pages=64, show_progress=False)
@@ -58,7 +59,7 @@ def _answers(client: TestClient) -> list:
 @pytest.fixture(scope="module")
 def thread_answers(config):
     engine = open_engine(config, core="thread")
-    with TestClient(build_app(engine, shutdown_grace_seconds=1)) as client:
+    with TestClient(build_app(engine, app_config())) as client:
         answers = _answers(client)
     return answers
 
@@ -66,7 +67,7 @@ def thread_answers(config):
 def test_the_process_engine_serves_as_the_thread_engine(config, thread_answers):
     engine = open_engine(config, core="process")
     assert engine.mode == "process"
-    with TestClient(build_app(engine, shutdown_grace_seconds=1, enable_sleep_mode=True)) as client:
+    with TestClient(build_app(engine, app_config(enable_sleep_mode=True))) as client:
         answers = _answers(client)
         assert answers == thread_answers
         constrained = answers[2][0]["text"]
@@ -97,7 +98,7 @@ def test_a_dead_engine_process_fails_its_requests_and_health(config):
     engine = open_engine(config, core="process")
     died: list[BaseException] = []
     engine.add_dead_callback(died.append)
-    with TestClient(build_app(engine, shutdown_grace_seconds=1)) as client:
+    with TestClient(build_app(engine, app_config())) as client:
         assert client.get("/health").status_code == 200
         with client.stream("POST", "/v1/completions", json={"prompt": "a b", "max_tokens": 50, "ignore_eos": True,
                                                              "stream": True}) as s:

@@ -8,6 +8,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from tests.model_dirs import write_model_dir
+from tests.server.conftest import app_config
 
 FAMILIES = ["gemma2", "gemma3", "phi3", "qwen2_sliding", "mixtral", "qwen3_moe"]
 
@@ -24,7 +25,7 @@ def test_family_serves_a_chat_completion(family, data_dir, tmp_path, compile_cac
         model=str(model), dtype="float32", max_num_seqs=8, max_num_batched_tokens=64, token_buckets=(16, 64),
         request_buckets=(8,), max_model_len=32, num_pages=32, page_size=8,
         compilation_cache_dir=compile_cache_dir, show_progress=False))
-    app = build_app(AsyncEngineClient.in_thread(parts), served_model_names=[family], shutdown_grace_seconds=1)
+    app = build_app(AsyncEngineClient.in_thread(parts), app_config(served_model_name=(family,)))
     with TestClient(app) as client:
         r = client.post("/v1/chat/completions", json={
             "model": family, "max_tokens": 5, "temperature": 0,

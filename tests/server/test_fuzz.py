@@ -20,12 +20,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jaxserve.server.body import MAX_JSON_DEPTH
-from jaxserve.server.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    TokenizeRequest,
-)
+from jaxserve.server.protocol import CompletionRequest
+from jaxserve.server.protocol_chat import ChatCompletionRequest
+from jaxserve.server.protocol_tokenize import DetokenizeRequest, TokenizeRequest
 from tests.server.bad_input import (
     CHAT,
     CHAT_INT_FIELDS,

@@ -16,12 +16,9 @@ from hypothesis import strategies as st
 
 from jaxserve.server.body import MAX_JSON_DEPTH, parse_json
 from jaxserve.server.errors import APIError, error_response, quote
-from jaxserve.server.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    TokenizeRequest,
-)
+from jaxserve.server.protocol import CompletionRequest
+from jaxserve.server.protocol_chat import ChatCompletionRequest
+from jaxserve.server.protocol_tokenize import DetokenizeRequest, TokenizeRequest
 from tests.server.bad_input import (
     CHAT,
     FLOAT_FIELDS,

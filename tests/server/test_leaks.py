@@ -6,6 +6,7 @@ free with no reference held, nothing runs or waits, and greedy output is what it
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
@@ -36,7 +37,8 @@ def test_nothing_leaks_after_a_mixed_load(live_server, http, monkeypatch):
             "cancel": "cancelled", "client_timeout": "cancelled", "invalid": "400", "engine_error": "400"}
     assert dict(outcomes) == {(k, v): 2 for k, v in want.items()}
     # Requests past a 1 s deadline (the server's setting, changed for this test).
-    monkeypatch.setattr(live_server.app.state.server, "request_timeout", 1.0)
+    state = live_server.app.state.server
+    monkeypatch.setattr(state, "config", dataclasses.replace(state.config, request_timeout=1.0))
     outcomes = asyncio.run(run_mix(live_server.base_url, ["deadline"] * 2, prompt, headers=HEADERS,
                                    long_tokens=1500))
     assert dict(outcomes) == {("deadline", "stream-504"): 2}

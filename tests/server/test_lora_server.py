@@ -10,6 +10,7 @@ from starlette.testclient import TestClient
 
 from tests.engine.test_lora import LORA_OPTIONS
 from tests.model_dirs import write_model_dir
+from tests.server.conftest import app_config
 
 
 @pytest.fixture(scope="module")
@@ -26,10 +27,11 @@ def client(data_dir, tmp_path_factory, compile_cache_dir):
     )
     app = build_app(
         AsyncEngineClient.in_thread(parts),
-        served_model_names=["base"],
-        shutdown_grace_seconds=1,
-        lora_modules=[f"a={data_dir / 'lora' / 'llama' / 'a'}"],
-        allow_runtime_lora_updating=True,
+        app_config(
+            served_model_name=("base",),
+            lora_modules=(f"a={data_dir / 'lora' / 'llama' / 'a'}",),
+            allow_runtime_lora_updating=True,
+        ),
     )
     with TestClient(app) as c:
         yield c

@@ -21,6 +21,7 @@ import pytest
 
 from tests.live_server import LiveServer, free_port
 from tests.model_dirs import END_THINK, TOOL_CALLS, reasoning_tokenizer, write_reasoning_model_dir
+from tests.server.conftest import app_config
 
 ASK = [{"role": "user", "content": "w40 w41"}]
 # (no shared first byte: llguidance forces a prefix the alternatives share through the token of
@@ -44,9 +45,9 @@ def _server(model_dir, compile_cache_dir, reasoning_parser):
         model=str(model_dir), reasoning_parser=reasoning_parser, dtype="float32", max_num_seqs=8,
         max_num_batched_tokens=32, token_buckets=(32,), request_buckets=(8,), max_model_len=256,
         num_pages=256, page_size=8, compilation_cache_dir=compile_cache_dir, show_progress=False))
-    app = build_app(AsyncEngineClient.in_thread(parts), served_model_names=["tiny"],
-                    shutdown_grace_seconds=1, tool_call_parser="hermes",
-                    enable_auto_tool_choice=True)
+    app = build_app(AsyncEngineClient.in_thread(parts),
+                    app_config(served_model_name=("tiny",), tool_call_parser="hermes",
+                               enable_auto_tool_choice=True))
     return LiveServer(app, free_port())
 
 

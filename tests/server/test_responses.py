@@ -24,7 +24,7 @@ from jaxserve.server.serving_responses import (
     assistant_turn,
     input_messages,
 )
-from tests.server.conftest import MODEL
+from tests.server.conftest import MODEL, app_config
 
 pytestmark = pytest.mark.slow
 
@@ -257,7 +257,7 @@ def test_output_stream_keeps_one_item_open_in_output_order():
 def test_a_failure_mid_stream_is_an_error_event_after_the_abort():
     import asyncio
 
-    from jaxserve.server.serving_base import RequestTimeoutError
+    from jaxserve.server.engine_requests import RequestTimeoutError
     from jaxserve.server.serving_responses import ResponseEventSource
 
     out = OutputStream()
@@ -454,9 +454,9 @@ def tiny(tmp_path_factory, compile_cache_dir):
         model=str(model_dir), reasoning_parser="qwen3", dtype="float32", max_num_seqs=8,
         max_num_batched_tokens=64, token_buckets=(16, 64), request_buckets=(8,), max_model_len=512,
         num_pages=256, page_size=8, compilation_cache_dir=compile_cache_dir, show_progress=False))
-    app = build_app(AsyncEngineClient.in_thread(parts), served_model_names=["tiny"],
-                    shutdown_grace_seconds=1, tool_call_parser="hermes",
-                    enable_auto_tool_choice=True)
+    app = build_app(AsyncEngineClient.in_thread(parts),
+                    app_config(served_model_name=("tiny",), tool_call_parser="hermes",
+                               enable_auto_tool_choice=True))
     with LiveServer(app, free_port()) as srv:
         yield openai.OpenAI(base_url=srv.base_url + "/v1", api_key="none", max_retries=0,
                             timeout=120)

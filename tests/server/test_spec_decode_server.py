@@ -10,6 +10,7 @@ import re
 from starlette.testclient import TestClient
 
 from tests.model_dirs import write_model_dir
+from tests.server.conftest import app_config
 
 PROMPT = "w9 w10 w11 w9 w10 w11 w9 w50 w50 w53 w18 w91 w18 w91 w18"
 
@@ -28,7 +29,7 @@ def test_speculative_decoding_over_http(tmp_path, compile_cache_dir):
         model=str(write_model_dir(tmp_path / "m")), dtype="float32", max_num_seqs=8, max_num_batched_tokens=64,
         token_buckets=(16, 64), request_buckets=(8,), compilation_cache_dir=compile_cache_dir, show_progress=False,
         speculative_config='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}'))
-    app = build_app(AsyncEngineClient.in_thread(parts), served_model_names=["tiny"], shutdown_grace_seconds=1)
+    app = build_app(AsyncEngineClient.in_thread(parts), app_config(served_model_name=("tiny",)))
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 24, "temperature": 0, "logprobs": 2,
             "ignore_eos": True, "return_token_ids": True}
     with TestClient(app) as client:

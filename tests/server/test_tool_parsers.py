@@ -12,7 +12,7 @@ import pytest
 
 from jaxserve.chat.template import conversation, knows_tools
 from jaxserve.server.chat_template import render_chat
-from jaxserve.server.protocol import ChatCompletionRequest, ChatMessage
+from jaxserve.server.protocol_chat import ChatCompletionRequest, ChatMessage
 from jaxserve.server.protocol_tools import ChatTool, required_schema, tool_dicts
 from jaxserve.chat.tool_parsers import (
     TOOL_PARSERS,
