@@ -146,7 +146,8 @@ class Backend:
 
     def plan(self, mc: ModelConfig, cc: CacheConfig, mesh: Mesh) -> DevicePlan:
         dtype = self.resolve_dtype(mc.dtype, mesh)
-        attention = resolve_attention_impl(mc.attention_impl, self.platform)
+        attention = resolve_attention_impl(mc.attention_impl, self.platform,
+                                           devices=list(mesh.devices.flat))
         return DevicePlan(
             dtype=dtype,
             kv_dtype=self.resolve_kv_dtype(cc.kv_cache_dtype, dtype, attention),

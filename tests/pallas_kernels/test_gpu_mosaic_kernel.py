@@ -1,5 +1,5 @@
 """The Pallas Mosaic GPU ragged paged attention kernels (decode and prefill) vs the naive float64
-attention, and the per-chip block-size table.
+attention, the per-chip block-size table, and what `auto` picks on a GPU.
 
 On the CPU the kernels run in Pallas's Mosaic GPU interpreter (`impl="gpu-mosaic-interpret"`:
 TMA copies, barriers, shared memory and the kernels' page walk, masks, widening of one-byte
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
+import types
 
 import jax
 import jax.numpy as jnp
@@ -41,8 +42,8 @@ def impl(kernel_device):
     if kernel_device:
         if jax.default_backend() != "gpu":
             pytest.skip("--kernel-device: no GPU backend")
-        capability = float(getattr(jax.devices()[0], "compute_capability", "0") or 0)
-        if capability < 9.0:
+        capability = attn_ops.gpu_capability()
+        if capability is None or capability < (9, 0):
             pytest.skip(
                 f"--kernel-device: Mosaic GPU needs Hopper or newer (compute capability "
                 f"{capability})"
@@ -117,6 +118,41 @@ def test_tiny_llama_end_to_end(impl):
     for a, b in zip(logits, ref_logits):
         assert np.abs(b).max() > 0.1
         np.testing.assert_allclose(a, b, atol=5e-2, rtol=0)
+
+
+def _gpus(*capabilities):
+    return [types.SimpleNamespace(compute_capability=c) for c in capabilities]
+
+
+def test_auto_takes_mosaic_gpu_on_hopper_and_triton_elsewhere(monkeypatch, caplog):
+    """`auto` on a GPU: the Mosaic GPU kernel on compute capability 9.x, then Triton for what
+    it cannot take (a float32 cache), then the reference (a head dim neither takes); Triton on
+    Ampere/Ada and on Blackwell (no wgmma there); either by name anywhere."""
+    import logging
+
+    assert attn_ops.auto_candidates("gpu", _gpus("9.0")) == ("gpu-mosaic", "gpu")
+    assert attn_ops.auto_candidates("gpu", _gpus("9.0", "8.0")) == ("gpu",)
+    for cap in ("8.0", "8.9", "10.0", "12.0"):
+        assert attn_ops.resolve_impl("auto", "gpu", _gpus(cap)) == "gpu"
+    assert attn_ops.resolve_impl("auto", "gpu", []) == "gpu"  # no capability known
+    assert attn_ops.resolve_impl("auto", "gpu", _gpus("9.0")) == "gpu-mosaic"
+    assert attn_ops.resolve_impl("gpu", "gpu", _gpus("9.0")) == "gpu"
+    hopper = dict(backend="gpu", devices=_gpus("9.0"))
+    q, k = jnp.zeros((4, 8, 128), jnp.bfloat16), jnp.zeros((8, 16, 2, 128), jnp.bfloat16)
+    fp8 = k.astype(jnp.float8_e4m3fn)
+    assert attn_ops.dispatch_name("auto", q, k, **hopper) == "gpu-mosaic"
+    assert attn_ops.dispatch_name("auto", q, fp8, **hopper) == "gpu-mosaic"
+    monkeypatch.setattr(attn_ops._REGISTRY, "warned", set())
+    with caplog.at_level(logging.WARNING):
+        f32 = attn_ops.dispatch_name("auto", q.astype(jnp.float32), k.astype(jnp.float32),
+                                     **hopper)
+        odd = attn_ops.dispatch_name("auto", q[..., :96], k[..., :96], **hopper)
+    assert (f32, odd) == ("gpu", "reference")
+    text = caplog.text
+    assert "gpu-mosaic kernel unsupported here" in text and "; using gpu" in text
+    assert "using the pure-JAX reference" in text
+    assert attn_ops.dispatch_name("gpu-mosaic", q, k, backend="gpu", devices=_gpus("8.0")) == (
+        "gpu-mosaic")
 
 
 def test_block_size_table():

@@ -2,7 +2,8 @@
 description of each chip; no GPU, no CUDA runtime): both GPU attention kernels under a
 shard_map (the Mosaic GPU op's two kernels, decode and prefill; fp8 pages too), kernel
 configurations the compilers refuse, and whole steps (SmolLM2-shaped, and a small Llama with
-head dim 128) whose attention is the kernel `jaxserve serve` takes on a GPU.
+head dim 128) whose attention is the kernel `jaxserve serve` takes on these GPUs (`auto` on
+compute capability 9.0: the Mosaic GPU one).
 A kernel or step change that breaks the GPU compilers fails here. Skipped where the plugin is
 not installed (make install-gpu-compile; the CI installs it)."""
 
@@ -175,14 +176,16 @@ def test_whole_steps_compile_for_h100_and_h200(chip, name):
     """The runner's step (model, paged attention, sampler) for 4 GPUs of each chip, one model a
     chip (both are sm_90; they differ in memory): SmolLM2's shapes with 2 of its 30 layers (the
     whole model compiles alike, 30 times the layers, in ~80 s on this host) on H100, a small
-    Llama with head dim 128 on H200. Attention is the kernel `serve` takes on a GPU (`auto` on
-    the gpu platform), once per layer in the compiled program."""
+    Llama with head dim 128 on H200. Attention is the kernel `serve` takes on these GPUs
+    (`auto` on compute capability 9.0: the Mosaic GPU op, its decode and prefill kernels once
+    per layer each in the compiled program)."""
     from jaxserve.pallas_kernels.ragged_paged_attention.ops import resolve_impl
 
     from jaxserve.tools.shard_plan import model_config
 
-    served = resolve_impl("auto", "gpu")
-    assert served == "gpu"
+    devices, _, _ = _devices(chip)
+    served = resolve_impl("auto", "gpu", devices)
+    assert served == "gpu-mosaic"
     _, smollm2 = model_config("smollm2-135m")
     models = {"smollm2": {**smollm2, "num_hidden_layers": 2}, "tiny-llama": TINY_LLAMA}
     for name, arch in [(name, models[name])]:
