@@ -88,14 +88,24 @@ def worker(chip: str, shape: str, bucket: str, kernel: str, cache_dtype: str,
     from jaxserve.tools.chips import gpu_devices
 
     launches = []  # evidence only: what Mosaic GPU's launch asks for, kernel by kernel
-    launch = mgpu_core._launch
+    launch, lower = mgpu_core._launch, mgpu_core._lower_as_gpu_kernel
+    lowering = []  # the kernel being lowered
 
     def recording_launch(token, grid, cluster, block, smem_buffers, *args, **kwargs):
-        launches.append({"grid": list(grid), "threads": int(np.prod(block)),
+        launches.append({"kernel_name": lowering[-1] if lowering else None,
+                         "grid": list(grid), "threads": int(np.prod(block)),
                          "smem_bytes": mgpu_core._smem_tree_size(smem_buffers)})
         return launch(token, grid, cluster, block, smem_buffers, *args, **kwargs)
 
+    def naming_lower(*args, **kwargs):
+        lowering.append(kwargs.get("kernel_name", args[10] if len(args) > 10 else None))
+        try:
+            return lower(*args, **kwargs)
+        finally:
+            lowering.pop()
+
     mgpu_core._launch = recording_launch
+    mgpu_core._lower_as_gpu_kernel = naming_lower
     knobs = json.loads(knobs_json)
     if "@" in kernel:  # "gpu-mosaic@REV": that revision's kernel
         ops.register_impl(kernel, _baseline_module(kernel.split("@")[1])
@@ -217,10 +227,13 @@ def run_case(chip: str, shape: str, bucket: str, kernel: str, cache_dtype: str =
             return rec
         entries = []
         if kernel.startswith("gpu-mosaic"):
-            # ptxas reports and launches come kernel by kernel, in the same (lowering) order
+            # ptxas names the entry `<kernel_name>_mosaic_gpu_kernel`
             launches = rec.pop("launches", [])
-            for entry, launch in zip(_ptxas_entries(proc.stdout + proc.stderr), launches):
-                entries.append({**entry, **launch})
+            for entry in _ptxas_entries(proc.stdout + proc.stderr):
+                launch = next((x for x in launches if x["kernel_name"] and entry["name"]
+                               .startswith(x["kernel_name"] + "_mosaic_gpu")), {})
+                entries.append({**entry, **{k: v for k, v in launch.items()
+                                            if k != "kernel_name"}})
         else:
             entry = {"name": "ragged_paged_attention_gpu"}
             for ptx in pathlib.Path(dump).glob("*.ptx"):
