@@ -319,8 +319,8 @@ def main() -> int:
     sha = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
     ).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                           capture_output=True, text=True, check=False).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "*.py"],
+                           capture_output=True, text=True, check=False).stdout.strip()  # code
     head = {
         "bench": "gpu_kernel_compile",
         "git_sha": sha + ("+dirty" if dirty else ""),

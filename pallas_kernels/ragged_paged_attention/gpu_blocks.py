@@ -44,16 +44,16 @@ class MosaicBlocks:
 
 # Predicted from the compile figures (benchmarks/results/gpu_kernel_compile.jsonl, --sweep on
 # the llama3-8b, llama3-70b-tp8 and smollm2 decode shapes; README "GPU attention kernels"):
-# - 16-bit pages, head dim 128: 3 slots, 231 registers and 98 KiB of shared memory a decode
-#   program: 2 programs an SM (4 slots, 130 KiB, leave room for one; chunks of 128 keys need
-#   243 registers and 130-194 KiB: one). 2 programs x 2 chunks copied ahead x 32 KiB = 128 KiB
+# - 16-bit pages, head dim 128: 3 slots, 215-224 registers and 98 KiB of shared memory a decode
+#   program: 2 programs an SM (4 slots, 130 KiB, leave room for one; so do chunks of 128 keys,
+#   241-243 registers and 130-194 KiB). 2 programs x 2 chunks copied ahead x 32 KiB = 128 KiB
 #   in flight an SM, against the ~40-60 KiB Little's law asks of either chip (~25 and ~36 KB/us
 #   an SM at ~1.5 us of loaded HBM latency).
-# - 16-bit pages, head dim 64: 4 slots (66 KiB, 135 registers): 3 programs an SM.
+# - 16-bit pages, head dim 64: 4 slots (66 KiB, 145 registers): 3 programs an SM.
 # - one-byte pages (a chunk is half the bytes; one 16-bit staging chunk for K and V each):
-#   head dim 128, 4 slots (98 KiB, 243 registers): 2 programs an SM; head dim 64, 4 slots:
-#   3 programs an SM.
-# - prefill (query blocks of 64 rows): 2 slots, as before (227 registers, 82 KiB: 2 an SM).
+#   head dim 128, 4 slots (98 KiB, 237-247 registers): 2 programs an SM; head dim 64, 4 slots
+#   (50 KiB, 165 registers): 3 programs an SM.
+# - prefill (query blocks of 64 rows): 2 slots, as before (229-237 registers, 82 KiB: 2 an SM).
 # - programs: SMs x programs resident x 2 waves.
 # H100 and H200 compile identically (both sm_90a, 132 SMs, 227 KiB of shared memory a block):
 # their rows are the same until the device check measures them apart (the H200's 1.4x
