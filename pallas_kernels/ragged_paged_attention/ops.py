@@ -121,6 +121,27 @@ def auto_candidates(backend: str | None = None, devices=None) -> tuple[str, ...]
     return ("gpu",)
 
 
+def auto_for_dtypes(backend: str | None, devices, cache_dtype, model_dtype, *,
+                    head_dim: int = 128, page_size: int = 16) -> str:
+    """The first of `auto_candidates` whose shape check takes a cache of `cache_dtype` with
+    queries in the dtype attention computes in (a common head dim and page size): what "auto"
+    runs for that cache (on Hopper, a float32 cache runs the Triton kernel); the first
+    candidate when none takes it."""
+    from jaxserve.pallas_kernels.kv_quant import attention_dtype
+
+    candidates = auto_candidates(backend, devices)
+    q = jax.ShapeDtypeStruct((1, 1, head_dim), attention_dtype(cache_dtype, model_dtype))
+    cache = jax.ShapeDtypeStruct((1, page_size, 1, head_dim), cache_dtype)
+    for name in candidates:
+        try:
+            if name in _SUPPORTS:
+                _SUPPORTS[name](q, cache)
+            return name
+        except ValueError:
+            continue
+    return candidates[0]
+
+
 def resolve_impl(impl: str, backend: str | None = None, devices=None) -> str:
     """The implementation name `impl` dispatches to on `backend` (default: JAX's default) for
     shapes every kernel takes; `devices`: the GPUs it will run on, when they are not JAX's

@@ -174,3 +174,17 @@ def test_block_size_table():
     assert gpu_blocks.decode_splits(b, 64, 8, 2048) == 2
     assert gpu_blocks.decode_splits(b, 8, 8, 16384) == -(-b.programs // 64)
     assert gpu_blocks.decode_splits(b, 8, 8, 256) == 1
+
+
+def test_the_plan_names_what_auto_runs_for_the_cache_dtype():
+    """A Hopper engine's plan (what `serve` logs and the device check records): the Mosaic GPU
+    kernels for bfloat16 and fp8 caches, Triton for a float32 cache (golden parity's)."""
+    from jaxserve.backends import select_backend
+    from jaxserve.config import CacheConfig, ModelConfig
+
+    mesh = types.SimpleNamespace(devices=np.array(_gpus("9.0")))
+    backend = select_backend("gpu")
+    for dtype, kv, want in (("auto", "auto", "gpu-mosaic"), ("bfloat16", "fp8", "gpu-mosaic"),
+                            ("float32", "auto", "gpu")):
+        plan = backend.plan(ModelConfig(dtype=dtype), CacheConfig(kv_cache_dtype=kv), mesh)
+        assert plan.attention_impl == want, (dtype, kv, plan)
