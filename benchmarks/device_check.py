@@ -8,7 +8,8 @@ skipped, never cut short silently.
 2. kernel_tests: the attention kernel tests compiled and run on the device (`pytest
    --kernel-device`: the Triton and Mosaic GPU kernels on a GPU, the Mosaic kernel on a TPU).
 3. kernel_benchmark: the kernels' GB/s against the device's copy bandwidth (the roofline) and,
-   on a GPU, against JAX's shipped Pallas paged_attention (benchmarks/kernel_benchmark.py).
+   on a GPU, against JAX's shipped Pallas paged_attention (benchmarks/kernel_benchmark.py);
+   with the sweep of the Mosaic GPU kernel's block sizes around its per-chip table's.
 4. golden_parity: the default model's greedy completions in float32 against transformers'
    golden data, attention on the device's kernel (benchmarks/golden_parity.py).
 5. step_throughput: a Llama-3-8B-shaped model on random weights over every local device
@@ -160,7 +161,7 @@ def step_kernel_tests(c: Check, backend: str) -> None:
             "tests/pallas_kernels/test_gpu_kernel.py",
             "tests/pallas_kernels/test_gpu_mosaic_kernel.py",
             "-k",
-            "lowers_to_triton and float32 or padding_only",
+            "lowers_to_triton and float32 or sliding_window_soft_cap_splits",
         ]
     else:
         cmd += [*tests, "--kernel-device"]
@@ -174,18 +175,19 @@ def step_kernel_tests(c: Check, backend: str) -> None:
 def step_kernel_benchmark(c: Check, backend: str) -> None:
     out = c.out / "kernels.jsonl"
     cmd = [PY, "benchmarks/kernel_benchmark.py", "--out", str(out)]
-    if c.rehearse or backend == "cpu":
-        cmd += ["--small", "--iters", "1", "--impls", "gpu-interpret"]
-    elif backend == "gpu":
-        cmd += ["--impls", "reference", "gpu", "gpu-mosaic", "jax-gpu-paged"]
-    rc, text = c.run("kernel_benchmark", 120, cmd)
+    if c.rehearse or backend == "cpu":  # the sweep's one variant in the interpreter
+        cmd += ["--small", "--iters", "1", "--impls", "gpu-interpret", "--sweep"]
+    elif backend == "gpu":  # the sweep: the Mosaic GPU kernel's block sizes (gpu_blocks.py)
+        cmd += ["--impls", "reference", "gpu", "gpu-mosaic", "jax-gpu-paged", "--sweep"]
+    rc, text = c.run("kernel_benchmark", 180, cmd)
     rows = [json.loads(x) for x in out.read_text().splitlines()] if out.exists() else []
     c.finish(
         "kernel_benchmark",
         rc,
         text,
         results=[
-            {k: r[k] for k in ("scenario", "impl", "ms_median", "gb_per_s", "frac_of_copy_bw")}
+            {k: r[k] for k in ("scenario", "impl", "ms_median", "gb_per_s", "frac_of_copy_bw",
+                               "blocks") if k in r}
             for r in rows
         ],
     )

@@ -1,7 +1,8 @@
 """Golden parity of the default model on this machine's backend: greedy completions of
 transformers' float32 golden cases (tests/data/smollm2_public.json) through `LLM.generate` in
 float32, all cases in one batch, with the backend's own attention ("auto": the Triton kernel
-on a GPU, the Mosaic kernel on a TPU, the native kernel on a CPU). A case matches when its
+on a GPU, Hopper included, since the Mosaic GPU kernels take 16-bit and one-byte caches only;
+the Mosaic kernel on a TPU, the native kernel on a CPU). A case matches when its
 tokens equal the golden ones, or first differ right after a golden step whose top-2
 log-probs are within 1e-3 (a float32 near-tie) on the second of those tokens; the largest
 log-prob difference at the golden token over the matched steps is reported too. One JSON line.

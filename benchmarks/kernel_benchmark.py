@@ -9,9 +9,17 @@ the decode scenario also runs JAX's shipped `jax.experimental.pallas.ops.gpu.pag
 ("gpu-mosaic") runs on Hopper and newer and is skipped, with the reason, elsewhere. One JSON
 line per (scenario, impl) is appended to benchmarks/results/kernels.jsonl (or --out).
 
+`--sweep`: the Mosaic GPU kernel's block sizes around its per-chip table's
+(`pallas_kernels/ragged_paged_attention/gpu_blocks.py`, whose values are predicted from the
+compilers' figures, not measured): in the decode scenarios, the table's entry and decode
+pipeline depths of 2-4 chunks, chunks of 128 keys, half and twice the KV splits; one JSON
+line each (impl "gpu-mosaic", its `blocks` and the table's `chip`), the best per scenario
+printed last. On the CPU (`--small`) it rehearses one variant in the interpreter.
+
     python benchmarks/kernel_benchmark.py                   # device sizes
     python benchmarks/kernel_benchmark.py --small           # CPU: tiny sizes, interpret kernels
     python benchmarks/kernel_benchmark.py --impls reference gpu --iters 50
+    python benchmarks/kernel_benchmark.py --impls gpu-mosaic --sweep
 """
 
 from __future__ import annotations
@@ -111,6 +119,34 @@ def jax_gpu_paged_attention_case(q, kc, vc, md, reqs, ps, sm_scale):
     return f, (q, k_pages, v_pages, bt, lengths)
 
 
+def sweep_variants(table, splits: int, small: bool) -> list[dict]:
+    """Block sizes to time besides the table's entry ({}): decode pipeline depths, 128-key
+    chunks, half and twice the table's KV splits (an explicit split count: every split takes
+    its share, however short)."""
+    if small:  # the rehearsal: one variant, in the interpreter
+        return [{"decode_slots": 2}]
+    out = [{}]
+    out += [{"decode_slots": n} for n in (2, 3, 4) if n != table.decode_slots]
+    out.append({"decode_slots": 2, "chunk_keys": 128})
+    out += [{"kv_splits": n} for n in sorted({max(1, splits // 2), 2 * splits}) if n != splits]
+    return out
+
+
+def sweep_cases(q, kc, vc, md, sm_scale, *, small: bool, interpret: bool):
+    """(blocks, f, args) per variant of the Mosaic GPU kernel's block sizes."""
+    from jaxserve.pallas_kernels.ragged_paged_attention import gpu_blocks, gpu_mosaic
+
+    R, P = md.block_tables.shape
+    table = gpu_blocks.lookup(q.shape[-1], jnp.dtype(kc.dtype).itemsize)
+    splits = gpu_blocks.decode_splits(table, R, kc.shape[2], P * kc.shape[1])
+    for knobs in sweep_variants(table, splits, small):
+        blocks = {"decode_slots": table.decode_slots, "chunk_keys": table.chunk_keys,
+                  "kv_splits": splits, **knobs, "table": not knobs}
+        f = jax.jit(lambda q, kc, vc, md, knobs=knobs: gpu_mosaic.ragged_paged_attention_gpu_mosaic(
+            q, kc, vc, md, sm_scale=sm_scale, interpret=interpret, **knobs))
+        yield blocks, f, (q, kc, vc, md)
+
+
 def scenarios(small: bool):
     if small:
         return [
@@ -131,6 +167,8 @@ def main(argv=None):
     ap.add_argument("--small", action="store_true", help="tiny sizes (CPU / interpret mode)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--out", default=RESULTS)
+    ap.add_argument("--sweep", action="store_true",
+                    help="also time the Mosaic GPU kernel's block sizes around its table's")
     args = ap.parse_args(argv)
     backend = jax.default_backend()
     small = args.small or backend == "cpu"
@@ -171,20 +209,45 @@ def main(argv=None):
                 continue
             cases.append((f, (q, kc, vc, md)))
             names.append(impl)
+        blocks = [None] * len(cases)
+        if args.sweep and name.startswith("decode"):
+            interp = backend != "gpu"
+            for variant, f, fargs in sweep_cases(q, kc, vc, md, sm_scale, small=small,
+                                                 interpret=interp):
+                try:
+                    jax.block_until_ready(f(*fargs))
+                except Exception as e:  # e.g. a variant past the shared memory
+                    print(f"{name:12s} gpu-mosaic {variant} skipped: {type(e).__name__}: "
+                          f"{str(e)[:200]}")
+                    continue
+                cases.append((f, fargs))
+                names.append("gpu-mosaic-interpret" if interp else "gpu-mosaic")
+                blocks.append(variant)
         times = medians_ms(cases, iters)
         nbytes = kv_bytes(reqs, s["hkv"], s["d"], dtype.itemsize)
-        for impl, ms in zip(names, times):
+        for impl, ms, variant in zip(names, times, blocks):
             gbs = nbytes / (ms * 1e-3) / 1e9
             row = dict(
                 bench="ragged_paged_attention", scenario=name, impl=impl, backend=backend,
                 device=device, dtype=dtype.name, ms_median=round(ms, 4),
-                kv_bytes=nbytes, gb_per_s=round(gbs, 2), copy_bw_gb_per_s=round(bw, 1),
-                frac_of_copy_bw=round(gbs / bw, 4), iters=iters, time=time.time(),
+                kv_bytes=nbytes, gb_per_s=float(f"{gbs:.5g}"), copy_bw_gb_per_s=round(bw, 1),
+                frac_of_copy_bw=float(f"{gbs / bw:.4g}"), iters=iters, time=time.time(),
                 load_avg=os.getloadavg()[0], host=platform.node(), **s,
             )
+            if variant is not None:
+                from jaxserve.pallas_kernels.ragged_paged_attention import gpu_blocks
+
+                row.update(sweep=True, blocks=variant, chip=gpu_blocks.current_chip())
             rows.append(row)
             print(f"{name:12s} {impl:14s} {ms:9.3f} ms  {gbs:8.1f} GB/s  "
-                  f"({100 * gbs / bw:5.1f}% of copy bw)")
+                  f"({100 * gbs / bw:5.1f}% of copy bw)"
+                  + (f"  {variant}" if variant is not None else ""))
+    for scenario in sorted({r["scenario"] for r in rows if r.get("sweep")}):
+        swept = [r for r in rows if r.get("sweep") and r["scenario"] == scenario]
+        best = max(swept, key=lambda r: r["gb_per_s"])
+        table = next((r for r in swept if r["blocks"]["table"]), None)
+        print(f"sweep {scenario}: best {best['blocks']} {best['gb_per_s']} GB/s"
+              + (f"; the table's {table['gb_per_s']} GB/s" if table else ""))
     with open(args.out, "a") as fh:
         for row in rows:
             fh.write(json.dumps(row) + "\n")

@@ -26,9 +26,12 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxserve.config import CacheConfig, ModelConfig
+from jaxserve.config import CacheConfig, ModelConfig, jax_dtype
 from jaxserve.models.layers.linear import prepare_fp8_products, prepare_quantized_products
-from jaxserve.pallas_kernels.ragged_paged_attention.ops import resolve_impl as resolve_attention_impl
+from jaxserve.pallas_kernels.ragged_paged_attention.ops import (
+    auto_for_dtypes as auto_attention_for_dtypes,
+    resolve_impl as resolve_attention_impl,
+)
 from jaxserve.runner.buckets import geometric
 from jaxserve.runner.step_memory import StepMemory
 
@@ -146,10 +149,15 @@ class Backend:
 
     def plan(self, mc: ModelConfig, cc: CacheConfig, mesh: Mesh) -> DevicePlan:
         dtype = self.resolve_dtype(mc.dtype, mesh)
-        attention = resolve_attention_impl(mc.attention_impl, self.platform)
+        devices = list(mesh.devices.flat)
+        attention = resolve_attention_impl(mc.attention_impl, self.platform, devices=devices)
+        kv_dtype = self.resolve_kv_dtype(cc.kv_cache_dtype, dtype, attention)
+        if mc.attention_impl == "auto" and self.platform == "gpu":  # by the cache's dtype
+            attention = auto_attention_for_dtypes(self.platform, devices, jax_dtype(kv_dtype),
+                                                  jax_dtype(dtype))
         return DevicePlan(
             dtype=dtype,
-            kv_dtype=self.resolve_kv_dtype(cc.kv_cache_dtype, dtype, attention),
+            kv_dtype=kv_dtype,
             attention_impl=attention,
             matmul_impl=self.resolve_matmul_impl(mc.matmul_impl, dtype, mesh),
             native_sampling=self.native_sampling(mesh),

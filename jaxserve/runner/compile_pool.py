@@ -88,24 +88,34 @@ def target_attention(
     from jaxserve.models import sharding as ax
     from jaxserve.models.interface import KV_CACHE_AXES
     from jaxserve.pallas_kernels.kv_quant import attention_dtype
-    from jaxserve.pallas_kernels.ragged_paged_attention.ops import resolve_impl, supports_check
+    from jaxserve.pallas_kernels.ragged_paged_attention.ops import (
+        auto_candidates,
+        resolve_impl,
+        supports_check,
+    )
     from jaxserve.runner.kv_cache import kv_cache_shape
 
-    impl = resolve_impl(requested, platform)
-    check = supports_check(impl)
-    if check is None:
-        return impl, None
+    candidates = (auto_candidates(platform, list(mesh.devices.flat)) if requested == "auto"
+                  else (resolve_impl(requested, platform),))  # "auto": by the GPUs' capability
     spec = ax.logical_to_spec(KV_CACHE_AXES, kv_cache_shape(cfg, 1, page_size), mesh, rules)
     split = ax.mesh_axes_size(mesh, spec[2])
-    try:
-        check(
-            jax.ShapeDtypeStruct((1, cfg.num_heads // split, cfg.head_dim),
-                                 attention_dtype(kv_dtype, dtype)),
-            jax.ShapeDtypeStruct((1, page_size, cfg.num_kv_heads // split, cfg.head_dim), kv_dtype),
-        )
-    except ValueError as e:
-        return "reference", f"{impl} kernel unsupported: {e}"
-    return impl, None
+    notes = []
+    for impl in candidates:
+        check = supports_check(impl)
+        if check is None:
+            return impl, "; ".join(notes) or None
+        try:
+            check(
+                jax.ShapeDtypeStruct((1, cfg.num_heads // split, cfg.head_dim),
+                                     attention_dtype(kv_dtype, dtype)),
+                jax.ShapeDtypeStruct((1, page_size, cfg.num_kv_heads // split, cfg.head_dim),
+                                     kv_dtype),
+            )
+        except ValueError as e:
+            notes.append(f"{impl} kernel unsupported: {e}")
+            continue
+        return impl, "; ".join(notes) or None
+    return "reference", "; ".join(notes)
 
 
 def abstract_step(recipe: StepRecipe, devices=None):

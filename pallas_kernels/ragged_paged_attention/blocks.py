@@ -59,10 +59,13 @@ def default_block_q(num_tokens: int, num_reqs: int, *, max_rows: int, group: int
     return max(bq, 1)
 
 
-def plan_blocks(md: AttentionMetadata, block_q: int) -> tuple[jax.Array, jax.Array, int]:
-    """(blk_req [NB], blk_idx [NB], NB): the request and in-request index of every block."""
+def plan_blocks(md: AttentionMetadata, block_q: int,
+                num_blocks: int | None = None) -> tuple[jax.Array, jax.Array, int]:
+    """(blk_req [NB], blk_idx [NB], NB): the request and in-request index of every block.
+    `num_blocks`: a smaller static NB that the caller knows to be enough (default: the bound
+    `cdiv(T, Bq) + R`)."""
     T, R = md.num_tokens, md.max_num_seqs
-    nb = cdiv(T, block_q) + R
+    nb = num_blocks or cdiv(T, block_q) + R
     qsl = md.query_start_loc.astype(_I32)
     live = jnp.arange(R, dtype=_I32) < md.num_seqs.astype(_I32)
     q_len = jnp.where(live, qsl[1:] - qsl[:-1], 0)
@@ -111,14 +114,17 @@ def merge_splits(o_part: jax.Array, lse: jax.Array) -> jax.Array:
     return (w[..., None] * o_part).sum(axis=0) / jnp.where(den > 0, den, 1.0)[..., None]
 
 
-def scatter_outputs(o_blk: jax.Array, tokens: jax.Array, num_tokens: int, num_q_heads: int):
-    """[NB, Hkv, Bq * Gp, D] -> [T, Hq, D]; tokens nobody writes (padding) are zeros."""
+def scatter_outputs(o_blk: jax.Array, tokens: jax.Array, num_tokens: int, num_q_heads: int,
+                    out: jax.Array | None = None):
+    """[NB, Hkv, Bq * Gp, D] -> [T, Hq, D]; tokens nobody writes (padding) are zeros, or
+    `out`'s rows when given."""
     NB, Hkv, rows, D = o_blk.shape
     Bq = tokens.shape[1]
     Gp = rows // Bq
     G = num_q_heads // Hkv
     o = o_blk.reshape(NB, Hkv, Bq, Gp, D)[:, :, :, :G].transpose(0, 2, 1, 3, 4)
     o = o.reshape(NB * Bq, num_q_heads, D)
-    out = jnp.zeros((num_tokens, num_q_heads, D), o_blk.dtype)
+    if out is None:
+        out = jnp.zeros((num_tokens, num_q_heads, D), o_blk.dtype)
     # Every live token sits in exactly one block row; empty rows (index T) are dropped.
     return out.at[tokens.reshape(-1)].set(o, mode="drop")

@@ -8,13 +8,15 @@ Implementations are looked up by name in a registry (`pallas_kernels/registry.py
 `register_impl("tpu", fn)` (or "gpu", or any new name); `fn` must accept the same arguments as
 `ragged_paged_attention_reference`: `(q, k_cache, v_cache, md, *, sm_scale,
 sliding_window, soft_cap, chunk_pages)` (a kernel may ignore `chunk_pages`). `impl="auto"` picks
-the kernel registered under the name of JAX's default backend, and falls back to the
-pure-JAX reference (the CPU default) when there is none, or when the kernel cannot take these
-shapes (e.g. a head dim that is not a power of two on GPU).
+the kernel registered under the name of JAX's default backend (on a GPU, by compute capability:
+`auto_candidates`), and falls back to the pure-JAX reference (the CPU default) when there is
+none, or when no candidate kernel can take these shapes (e.g. a head dim that is not a power
+of two on GPU).
 
-Registered here: "reference"; "tpu" (Pallas Mosaic, `tpu.py`); "gpu" (Pallas Triton, `gpu.py`:
-what "auto" takes on a GPU); "gpu-mosaic" (Pallas Mosaic GPU, Hopper and newer,
-`gpu_mosaic.py`: chosen by name; DESIGN §5 says why it is not the default yet); and
+Registered here: "reference"; "tpu" (Pallas Mosaic, `tpu.py`); "gpu-mosaic" (Pallas Mosaic
+GPU, `gpu_mosaic.py`: what "auto" takes on Hopper, compute capability 9.x; DESIGN §5 says
+why); "gpu" (Pallas Triton, `gpu.py`: "auto" on other GPUs, and on Hopper for what the Mosaic
+GPU kernel cannot take, such as float32 caches); and
 "tpu-interpret" / "gpu-interpret" / "gpu-mosaic-interpret", the same kernels run by the Pallas
 interpreters, which work on any backend (CPU included: tests, and
 `ModelConfig.attention_impl="gpu-interpret"` to serve through a kernel on a CPU host; slow, for
@@ -82,8 +84,70 @@ def available_impls() -> tuple[str, ...]:
     return _REGISTRY.available()
 
 
-def resolve_impl(impl: str, backend: str | None = None) -> str:
-    """The implementation name `impl` dispatches to on `backend` (default: JAX's default)."""
+# Compute capabilities whose "auto" kernel is the Mosaic GPU one: Hopper (sm_90a: its wgmma
+# and TMA; Blackwell's tensor cores take other instructions, tcgen05, that the kernel does not
+# use). DESIGN §5 says why the default moved.
+MOSAIC_GPU_CAPABILITIES = ((9, 0), (10, 0))  # [from, to)
+
+
+def gpu_capability(devices=None) -> tuple[int, int] | None:
+    """The lowest CUDA compute capability of `devices` (default: JAX's GPU devices when GPU is
+    JAX's default backend), None where none reports one (CPU devices, ROCm)."""
+    if devices is None:
+        if jax.default_backend() != "gpu":
+            return None
+        devices = jax.devices()
+    caps = []
+    for d in devices:
+        c = getattr(d, "compute_capability", None)
+        if not c:
+            return None
+        caps.append(tuple(int(x) for x in str(c).split(".")[:2]))
+    return min(caps) if caps else None
+
+
+def auto_candidates(backend: str | None = None, devices=None) -> tuple[str, ...]:
+    """The kernels "auto" tries on `backend`, in order (the first whose shape check passes
+    runs; the reference when none does): on a GPU of compute capability 9.x the Mosaic GPU
+    kernel, then the Triton one; on other GPUs the Triton one; elsewhere the backend's own."""
+    backend = backend or jax.default_backend()
+    name = _REGISTRY.resolve("auto", backend)
+    if name != "gpu":
+        return (name,)
+    cap = gpu_capability(devices)
+    lo, hi = MOSAIC_GPU_CAPABILITIES
+    if cap is not None and lo <= cap < hi and "gpu-mosaic" in _REGISTRY.impls:
+        return ("gpu-mosaic", "gpu")
+    return ("gpu",)
+
+
+def auto_for_dtypes(backend: str | None, devices, cache_dtype, model_dtype, *,
+                    head_dim: int = 128, page_size: int = 16) -> str:
+    """The first of `auto_candidates` whose shape check takes a cache of `cache_dtype` with
+    queries in the dtype attention computes in (a common head dim and page size): what "auto"
+    runs for that cache (on Hopper, a float32 cache runs the Triton kernel); the first
+    candidate when none takes it."""
+    from jaxserve.pallas_kernels.kv_quant import attention_dtype
+
+    candidates = auto_candidates(backend, devices)
+    q = jax.ShapeDtypeStruct((1, 1, head_dim), attention_dtype(cache_dtype, model_dtype))
+    cache = jax.ShapeDtypeStruct((1, page_size, 1, head_dim), cache_dtype)
+    for name in candidates:
+        try:
+            if name in _SUPPORTS:
+                _SUPPORTS[name](q, cache)
+            return name
+        except ValueError:
+            continue
+    return candidates[0]
+
+
+def resolve_impl(impl: str, backend: str | None = None, devices=None) -> str:
+    """The implementation name `impl` dispatches to on `backend` (default: JAX's default) for
+    shapes every kernel takes; `devices`: the GPUs it will run on, when they are not JAX's
+    default devices (compile-only targets)."""
+    if impl == "auto":
+        return auto_candidates(backend, devices)[0]
     return _REGISTRY.resolve(impl, backend)
 
 
@@ -141,17 +205,23 @@ def validate_inputs(q, k_cache, v_cache, md: AttentionMetadata, *, sliding_windo
 
 
 def dispatch_name(impl: str, q, k_cache, *, interpret: bool = False,
-                  backend: str | None = None) -> str:
+                  backend: str | None = None, devices=None) -> str:
     """The implementation `impl` runs for these inputs on `backend` (default: JAX's): "auto"
-    takes the backend's kernel when it supports them, else the reference, logging the reason
-    once (a warning)."""
-    name = resolve_impl(impl, backend)
-    if impl == "auto" and name in _SUPPORTS:
-        try:
-            _SUPPORTS[name](q, k_cache)
-        except ValueError as e:
-            _REGISTRY.warn_once(f"unsupported-{name}", "ragged_paged_attention: %s kernel unsupported "
-                                "here (%s); using the pure-JAX reference", name, e)
+    takes the first of the backend's kernels (`auto_candidates`) that supports them, else the
+    reference, logging each refusal once (a warning)."""
+    name = resolve_impl(impl, backend, devices)
+    if impl == "auto":
+        candidates = auto_candidates(backend, devices)
+        for i, name in enumerate(candidates):
+            try:
+                if name in _SUPPORTS:
+                    _SUPPORTS[name](q, k_cache)
+                break
+            except ValueError as e:
+                then = candidates[i + 1] if i + 1 < len(candidates) else "the pure-JAX reference"
+                _REGISTRY.warn_once(f"unsupported-{name}", "ragged_paged_attention: %s kernel "
+                                    "unsupported here (%s); using %s", name, e, then)
+        else:
             name = "reference"
     if interpret and name in ("tpu", "gpu", "gpu-mosaic"):
         name = f"{name}-interpret"

@@ -97,26 +97,27 @@ TINY_LLAMA = dict(
 
 
 @functools.lru_cache(maxsize=None)  # the reference run is shared by the test files
-def tiny_llama_run(impl: str, page_size: int = 16):
+def tiny_llama_run(impl: str, page_size: int = 16, kv_dtype=jnp.float32, layers: int = 2):
     """Logits of a mixed step sequence (prefill, chunked prefill + decode, decode) and greedy
-    tokens of 4 decode steps, through `attention_impl=impl`. The model's own float32 products
-    run at full precision: on a GPU XLA's default lets float32 dots use TF32 (logits ~5e-3 off
-    between two runs), while the kernels compute theirs in IEEE float32."""
+    tokens of 4 decode steps, through `attention_impl=impl`, the KV cache in `kv_dtype`
+    (attention then computes in it), `layers` of the model's layers. The model's own float32 products run at full precision:
+    on a GPU XLA's default lets float32 dots use TF32 (logits ~5e-3 off between two runs),
+    while the kernels compute theirs in IEEE float32."""
     with jax.default_matmul_precision("highest"):
-        return _tiny_llama_run(impl, page_size)
+        return _tiny_llama_run(impl, page_size, kv_dtype, layers)
 
 
-def _tiny_llama_run(impl: str, page_size: int):
+def _tiny_llama_run(impl: str, page_size: int, kv_dtype, layers: int):
     from jaxserve.models.arch_config import ArchConfig
     from jaxserve.models.weights import create_model
     from tests.models.model_utils import PagedRunner
 
-    cfg = ArchConfig.from_hf(TINY_LLAMA)
+    cfg = ArchConfig.from_hf({**TINY_LLAMA, "num_hidden_layers": layers})
     model = create_model(cfg, dtype=jnp.float32, seed=7, attention_impl=impl)
     assert model.attn_spec.impl == impl  # the impl string reaches the attention op
     rng = np.random.default_rng(3)
     seqs = [rng.integers(0, cfg.vocab_size, size=n).tolist() for n in (21, 16, 5)]
-    run = PagedRunner(model, page_size=page_size, num_pages=32, seed=11)
+    run = PagedRunner(model, page_size=page_size, num_pages=32, seed=11, dtype=kv_dtype)
     kw = dict(num_tokens=32, num_reqs=4, pages_per_req=4)
     logits = []
     # step 1: seq 0 partial prefill (17 tokens), seq 2 full prefill

@@ -145,9 +145,11 @@ def test_tiny_llama_end_to_end(impl):
 
 
 def test_a_gpu_serves_the_triton_kernel_and_falls_back_for_unsupported_shapes(monkeypatch, caplog):
-    """On the gpu platform `auto` is the Triton kernel (what `jaxserve serve` takes, through the
-    GPU backend's plan); a shape it cannot take goes to the reference, with the reason logged
-    once as a warning; an explicit kernel name is never replaced."""
+    """On a GPU that is not a Hopper one (here: devices that report no compute capability)
+    `auto` is the Triton kernel (what `jaxserve serve` takes, through the GPU backend's plan;
+    Hopper takes the Mosaic GPU one: test_gpu_mosaic_kernel.py); a shape it cannot take goes to
+    the reference, with the reason logged once as a warning; an explicit kernel name is never
+    replaced."""
     import logging
 
     from jaxserve.backends import select_backend

@@ -103,6 +103,14 @@ def test_gpu_kernel_reads_quantized_pages():
     check_quantized("gpu-interpret", INT8, CFG, 3, 70, 1e-5, kinds=("mixed",))
 
 
+def test_gpu_mosaic_kernel_reads_fp8_pages():
+    """fp8 pages copied as they are and widened in shared memory for wgmma (bfloat16 queries,
+    per-KV-head scales folded in by the caller): a ragged mix of prefill and decode, head dim
+    128 with a GQA group of 4 in the decode kernel's rows."""
+    cfg = dict(hq=8, hkv=2, d=128, page_size=16, dtype=jnp.bfloat16)
+    check_quantized("gpu-mosaic-interpret", FP8, cfg, 3, 75, 2e-2, kinds=("mixed",))
+
+
 @pytest.mark.parametrize("dtype", [FP8, INT8], ids=["fp8", "int8"])
 def test_cpu_kernel_reads_quantized_pages(dtype):
     from jaxserve.backends.cpu.kernels import attention as cpu_attention  # registers "cpu"
@@ -151,19 +159,21 @@ def test_write_then_attend_quantizes_on_write(impl):
 
 
 def test_kernels_that_cannot_read_them_fall_back(caplog):
-    """gpu-mosaic takes 16-bit pages only: "auto" on a GPU then runs the reference, saying so."""
+    """gpu-mosaic reads one-byte pages with 16-bit queries only: "auto" on a chip whose only
+    kernel it is then runs the reference, saying so."""
     from jaxserve.pallas_kernels.ragged_paged_attention import gpu_mosaic, ops
 
     kq = jnp.zeros((4, 32, 2, 64), FP8)
-    with pytest.raises(ValueError, match="bfloat16 or float16"):
-        gpu_mosaic.supports(jnp.zeros((8, 4, 64), jnp.bfloat16), kq)
+    q = jnp.zeros((8, 4, 64), jnp.float32)
+    gpu_mosaic.supports(q.astype(jnp.bfloat16), kq)
+    with pytest.raises(ValueError, match="16-bit|bfloat16 or float16 queries"):
+        gpu_mosaic.supports(q, kq)
     ops.register_impl("fakechip", ops._REGISTRY.impls["reference"], gpu_mosaic.supports)
     try:
         with caplog.at_level("WARNING"):
-            name = ops.dispatch_name("auto", jnp.zeros((8, 4, 64), jnp.bfloat16), kq,
-                                     backend="fakechip")
+            name = ops.dispatch_name("auto", q, kq, backend="fakechip")
     finally:
         ops._REGISTRY.impls.pop("fakechip")
         ops._SUPPORTS.pop("fakechip")
     assert name == "reference"
-    assert "float8_e4m3fn" in caplog.text and "reference" in caplog.text
+    assert "float32" in caplog.text and "reference" in caplog.text

@@ -54,7 +54,10 @@ def test_device_check_rehearsal(tmp_path):
         "passed" in steps["kernel_tests"]["summary"]
         and "failed" not in steps["kernel_tests"]["summary"]
     )
-    assert {r["impl"] for r in steps["kernel_benchmark"]["results"]} == {"gpu-interpret"}
+    results = steps["kernel_benchmark"]["results"]
+    assert {r["impl"] for r in results} == {"gpu-interpret", "gpu-mosaic-interpret"}
+    (swept,) = [r for r in results if "blocks" in r]  # the block-size sweep's one rehearsal
+    assert swept["scenario"] == "decode" and swept["blocks"]["decode_slots"] == 2
     assert all(
         r["gb_per_s"] > 0 and 0 < r["frac_of_copy_bw"] for r in steps["kernel_benchmark"]["results"]
     )

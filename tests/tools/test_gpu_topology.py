@@ -1,7 +1,9 @@
 """Compiles for NVIDIA H100 and H200 on this CPU host (JAX's CUDA plugin with XLA's target
 description of each chip; no GPU, no CUDA runtime): both GPU attention kernels under a
-shard_map, kernel configurations the compilers refuse, and whole steps (SmolLM2-shaped, and a
-small Llama with head dim 128) whose attention is the kernel `jaxserve serve` takes on a GPU.
+shard_map (the Mosaic GPU op's two kernels, decode and prefill; fp8 pages too), kernel
+configurations the compilers refuse, and whole steps (SmolLM2-shaped, and a small Llama with
+head dim 128) whose attention is the kernel `jaxserve serve` takes on these GPUs (`auto` on
+compute capability 9.0: the Mosaic GPU one).
 A kernel or step change that breaks the GPU compilers fails here. Skipped where the plugin is
 not installed (make install-gpu-compile; the CI installs it)."""
 
@@ -26,6 +28,11 @@ pytestmark = pytest.mark.skipif(
 
 CHIPS = ("h100", "h200")
 KERNEL_TARGETS = {"gpu": "__gpu$xla.gpu.triton", "gpu-mosaic": "mosaic_gpu_v2"}
+KERNEL_NAMES = {  # the GPU kernels one call of the op launches
+    "gpu": ["ragged_paged_attention_gpu"],
+    "gpu-mosaic": ["ragged_paged_attention_gpu_mosaic_decode",
+                   "ragged_paged_attention_gpu_mosaic_prefill"],
+}
 TINY_LLAMA = dict(
     architectures=["LlamaForCausalLM"],
     vocab_size=512,
@@ -102,29 +109,33 @@ def test_attention_kernels_compile_for_gpu(chip, impl):
     assert kind.startswith("NVIDIA " + chip.upper()) and memory > 70 << 30
     compiled = _kernel_program(devices, impl)
     _, kernels = hlo_ops.parse(compiled.as_text())
-    name = {"gpu": "ragged_paged_attention_gpu", "gpu-mosaic": "ragged_paged_attention_gpu_mosaic"}[
-        impl
-    ]
-    assert [(k.target, k.name) for k in kernels] == [(KERNEL_TARGETS[impl], name)], kernels
+    assert sorted((k.target, k.name) for k in kernels) == [
+        (KERNEL_TARGETS[impl], name) for name in KERNEL_NAMES[impl]
+    ], kernels
     assert compiled.memory_analysis().argument_size_in_bytes > 0
 
 
-def test_triton_kernel_compiles_for_h200_with_fp8_pages():
-    """fp8 (e4m3) pages gathered as they are and widened in registers: Triton and ptxas compile
-    it for sm_90a."""
+@pytest.mark.parametrize("impl", list(KERNEL_TARGETS))
+def test_kernels_compile_for_h200_with_fp8_pages(impl):
+    """fp8 (e4m3) pages read as they are: Triton gathers them and widens them in registers;
+    Mosaic GPU copies them by TMA and widens them in shared memory (through float16: Hopper
+    converts e4m3 to f16 only) for its wgmmas. Both compile for sm_90a."""
     from jaxserve.tools import hlo_ops
 
     devices, _, _ = _devices("h200")
-    compiled = _kernel_program(devices, "gpu", cache_dtype=jnp.float8_e4m3fn)
+    compiled = _kernel_program(devices, impl, cache_dtype=jnp.float8_e4m3fn)
     _, kernels = hlo_ops.parse(compiled.as_text())
-    assert [k.target for k in kernels] == [KERNEL_TARGETS["gpu"]], kernels
+    assert sorted((k.target, k.name) for k in kernels) == [
+        (KERNEL_TARGETS[impl], name) for name in KERNEL_NAMES[impl]
+    ], kernels
 
 
 def test_the_compilers_refuse_broken_kernel_configurations():
     """Triton with 1,024 keys a chunk in 4 stages asks for more shared memory than an H100 has
     (827,392 bytes of 232,448): XLA's GPU compiler refuses it, and the shard-plan does not take
-    that for a device-memory verdict. Mosaic GPU refuses head dim 512 (its wgmma tile) before
-    compiling, and the kernels' shape checks refuse what `auto` would then send to the reference."""
+    that for a device-memory verdict. The Mosaic GPU kernel refuses head dim 512 (past 128 it
+    spills registers) before compiling, and the kernels' shape checks refuse what `auto` would
+    then send to the Triton kernel or the reference."""
     from jaxserve.pallas_kernels.ragged_paged_attention import gpu, gpu_mosaic
 
     from jaxserve.tools.plan_compile import does_not_fit_record
@@ -137,12 +148,12 @@ def test_the_compilers_refuse_broken_kernel_configurations():
     with pytest.raises(Exception, match="Shared memory size limit exceeded") as refused:
         _kernel_program(devices, "gpu", chunk_pages=64, num_stages=4)
     assert does_not_fit_record(refused.value, memory) is None
-    with pytest.raises(ValueError, match="multiple of 64, at most 256"):
+    with pytest.raises(ValueError, match=r"head dims \(64, 128\)"):
         _kernel_program(devices, "gpu-mosaic", head_dim=512)
     cache = jax.ShapeDtypeStruct((4, 16, 2, 96), jnp.bfloat16)
     with pytest.raises(ValueError, match="power-of-two head dim"):
         gpu.supports(jax.ShapeDtypeStruct((1, 4, 96), jnp.bfloat16), cache)
-    with pytest.raises(ValueError, match="bfloat16 or float16"):
+    with pytest.raises(ValueError, match="bfloat16, float16, fp8 or int8"):
         gpu_mosaic.supports(
             jax.ShapeDtypeStruct((1, 4, 128), jnp.float32),
             jax.ShapeDtypeStruct((4, 16, 2, 128), jnp.float32),
@@ -165,23 +176,24 @@ def test_whole_steps_compile_for_h100_and_h200(chip, name):
     """The runner's step (model, paged attention, sampler) for 4 GPUs of each chip, one model a
     chip (both are sm_90; they differ in memory): SmolLM2's shapes with 2 of its 30 layers (the
     whole model compiles alike, 30 times the layers, in ~80 s on this host) on H100, a small
-    Llama with head dim 128 on H200. Attention is the kernel `serve` takes on a GPU (`auto` on
-    the gpu platform), once per layer in the compiled program."""
+    Llama with head dim 128 on H200. Attention is the kernel `serve` takes on these GPUs
+    (`auto` on compute capability 9.0: the Mosaic GPU op, its decode and prefill kernels once
+    per layer each in the compiled program)."""
     from jaxserve.pallas_kernels.ragged_paged_attention.ops import resolve_impl
 
     from jaxserve.tools.shard_plan import model_config
 
-    served = resolve_impl("auto", "gpu")
-    assert served == "gpu"
+    devices, _, _ = _devices(chip)
+    served = resolve_impl("auto", "gpu", devices)
+    assert served == "gpu-mosaic"
     _, smollm2 = model_config("smollm2-135m")
     models = {"smollm2": {**smollm2, "num_hidden_layers": 2}, "tiny-llama": TINY_LLAMA}
     for name, arch in [(name, models[name])]:
         rec = _plan(chip, arch)
         assert rec["attention_impl"] == served and rec["attention_note"] is None, (name, rec)
-        assert rec["kernels"] == {f"ragged_paged_attention_gpu ({KERNEL_TARGETS[served]})": 2}, (
-            name,
-            rec["kernels"],
-        )
+        assert rec["kernels"] == {
+            f"{kernel} ({KERNEL_TARGETS[served]})": 2 for kernel in KERNEL_NAMES[served]
+        }, (name, rec["kernels"])
         assert rec["memory"]["fits"] is True, (name, rec["memory"])
         assert rec["collectives"]["per_layer"].get("all-reduce-start", {}).get("count", 0) >= 1, (
             name,
