@@ -126,7 +126,8 @@ def test_library_is_cached(tmp_path, monkeypatch):
     assert first.parent == tmp_path / "jaxserve" / "kernels" and first.exists()
     mtime = first.stat().st_mtime_ns
     assert native.library_path() == first and first.stat().st_mtime_ns == mtime  # not rebuilt
-    assert [p.name for p in first.parent.iterdir()] == [first.name]  # no temporary files left
+    # the library and its checksum, no temporary files left
+    assert sorted(p.name for p in first.parent.iterdir()) == [first.name, first.name + ".xxh3"]
 
 
 def test_no_compiler_falls_back_to_the_reference(tmp_path):
