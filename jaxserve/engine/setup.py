@@ -37,15 +37,15 @@ from jaxserve.parallel import multihost, step_channel
 from jaxserve.parallel.mesh import bytes_per_device, make_mesh, replicated_axes
 from jaxserve.runner.buckets import BucketGrid
 from jaxserve.runner.compile import executable_cache, weight_cache
-from jaxserve.runner.compile_pool import StepRecipe, step_memory
+from jaxserve.runner.compile_pool import step_memory
 from jaxserve.runner.executable_cache import canonical, executable_scope
 from jaxserve.runner.kv_cache import bytes_per_page, num_pages_for_budget
-from jaxserve.pallas_kernels.kv_quant import is_quantized
 from jaxserve.runner.kv_scales import CALIBRATION_TEXT, prepare_kv_scales
 from jaxserve.runner.step_memory import StepMemory, bytes_on_device
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.runner.pooling_runner import PoolingRunner
 from jaxserve.runner.protocol import StepRunner
+from jaxserve.runner.recipe import StepRecipe, kv_scales_of
 from jaxserve.sampling.config import SamplerConfig
 from jaxserve.spec_decode import NgramProposer
 from jaxserve.startup_timer import StartupTimer
@@ -176,21 +176,23 @@ def _build_engine(config: EngineConfig, timer: StartupTimer | None,
                             config.compile.token_buckets or backend.default_token_buckets(share.max_num_batched_tokens),
                             config.compile.request_buckets)
     exe_cache = executable_cache(config.compile)
+    lora, spec = config.lora, config.speculative_config
+    target = backend.compile_target(mesh.devices.flat) or {}
+    # The recipe of the steps (runner/recipe.py): the runner, the compile workers and the memory
+    # probe build the same programs from it, quantized weights, KV scales and LoRA slots included.
     recipe = functools.partial(StepRecipe, arch=ckpt.config, platform=backend.platform,
                                plan=dataclasses.asdict(plan), attention_impl=mc.attention_impl, rules=rules,
-                               mesh_shape=(D, config.parallel.tensor_parallel_size),
-                               target=backend.compile_target(mesh.devices.flat) or {}, page_size=cc.page_size,
-                               sampler_config=sampler_config)
-    # The recipe rebuilds the step from the checkpoint's float model: a model whose weights or
-    # KV cache are quantized, or that carries LoRA slots, is not that program, so neither the
-    # memory probe nor the compile workers take it (the free-memory policy and one process).
-    recipe_applies = (mc.quantization is None and arch.weight_format is None
-                      and not is_quantized(kv_dtype) and not config.lora.enable_lora)
+                               mesh_shape=(D, config.parallel.tensor_parallel_size), target=target,
+                               page_size=cc.page_size, sampler_config=sampler_config, quantization=mc.quantization,
+                               kv_scales=kv_scales_of(model), max_loras=lora.max_loras if lora.enable_lora else 0,
+                               max_lora_rank=lora.max_lora_rank if lora.enable_lora else 0,
+                               num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
+                               token_buckets=grid.token_buckets, request_buckets=grid.request_buckets)
     # Pages per data-parallel rank (each rank's devices hold its own; `num_pages` counts them all).
     memory = None
     if cc.num_pages:
         rank_pages = cc.num_pages // D
-    elif backend.sizes_kv_from_programs and cc.kv_cache_memory_bytes is None and recipe_applies:
+    elif backend.sizes_kv_from_programs and cc.kv_cache_memory_bytes is None:
         with timer.phase("memory"):
             memory = _memory_from_programs(backend, cc, recipe, grid, max_model_len, mesh, exe_cache, arch,
                                            kv_dtype, rules)
@@ -207,14 +209,9 @@ def _build_engine(config: EngineConfig, timer: StartupTimer | None,
     kv_managers = [KVCacheManager(cc.page_size, rank_pages, enable_caching=cc.enable_prefix_caching,
                                   max_model_len=max_model_len) for _ in range(D)]
     workers = config.compile.compile_workers or backend.default_compile_workers(len(grid.shapes()))
-    runner = ModelRunner(
-        model, backend=backend, mesh=mesh, num_pages=num_pages, page_size=cc.page_size,
-        max_model_len=max_model_len, max_num_seqs=sc.max_num_seqs, grid=grid, sampler_config=sampler_config,
-        kv_dtype=kv_dtype, seed=mc.seed, show_progress=config.compile.show_progress, rules=rules, timer=timer,
-        executable_cache=exe_cache, lora=config.lora,
-        compile_workers=workers if backend.compile_target(mesh.devices.flat) else 1,
-        recipe=recipe(num_pages=num_pages, max_model_len=max_model_len) if recipe_applies else None,
-    )
+    runner = ModelRunner(model, recipe(num_pages=num_pages, max_model_len=max_model_len), backend=backend, mesh=mesh,
+                         seed=mc.seed, max_cpu_loras=lora.max_cpu_loras, compile_workers=workers if target else 1,
+                         executable_cache=exe_cache, show_progress=config.compile.show_progress, timer=timer)
     timer.note("executables", f"{runner.executables_loaded} loaded, {runner.executables_compiled} compiled")
     if memory is not None:
         confirm_memory(memory, runner)
@@ -281,7 +278,8 @@ def _memory_from_programs(backend: Backend, cc, recipe, grid: BucketGrid, max_mo
     budget = kv_budget_from_programs(
         backend, cc, probe, max(grid.shapes()), limit, arch=arch, kv_dtype=kv_dtype, mesh=mesh, rules=rules,
         in_use=in_use, num_executables=len(grid.shapes()),
-        scope=lambda r: executable_scope(exe_cache, mesh.devices.flat, **backend.fingerprint(), recipe=canonical(r)))
+        scope=lambda r: executable_scope(exe_cache, mesh.devices.flat, **backend.fingerprint(),
+                                         recipe=canonical(r.program_key())))
     kv = min_over_processes(budget.kv)
     if kv != budget.kv:  # another process has less room
         budget = dataclasses.replace(budget, other_in_use=budget.other_in_use + int((budget.kv - kv) * (

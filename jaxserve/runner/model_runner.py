@@ -17,7 +17,9 @@ device still computes step t:
 
 `prepare` reads the scheduler output and the runner's per-slot host state; `launch` needs only
 the plan (a multi-host follower would run it on a plan received from the leader); `collect`
-needs only the launched step.
+needs only the launched step. Everything the steps are a function of is the runner's
+`StepRecipe` (runner/recipe.py), from which the compile workers, the memory probes and
+shard-plan build the same programs.
 """
 
 from __future__ import annotations
@@ -30,24 +32,21 @@ from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
-from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh
 from tqdm import tqdm
 
 from jaxserve.core.sched_output import ScheduledRequest, SchedulerOutput
 from jaxserve.outputs import SampleLogprobs
 from jaxserve.request import RequestFailedError
-from jaxserve.runner.buckets import BucketGrid
 from jaxserve.runner.compile import CompileCounter
-from jaxserve.runner.compile_pool import StepRecipe, compile_in_workers
+from jaxserve.runner.compile_pool import compile_in_workers
 from jaxserve.runner.executable_cache import ExecutableCache, ExecutableScope, canonical, executable_scope, signature
-from jaxserve.runner.kv_cache import abstract_kv_cache, allocate_kv_cache, zeros_compiler
-from jaxserve.runner.lora_slots import LoRASlots
+from jaxserve.runner.kv_cache import allocate_kv_cache, zeros_compiler
+from jaxserve.runner.lora_weights import LoRAWeights
+from jaxserve.runner.recipe import StepRecipe, step_program
 from jaxserve.runner.step_buffers import BufferLayout
-from jaxserve.runner.step_fn import (PromptLogprobs, StepFunction, abstract_sampling_state, step_layout,
-                                     step_program)
+from jaxserve.runner.step_fn import PromptLogprobs
 from jaxserve.runner.step_inputs import TokenInfo, pack_rows
-from jaxserve.sampling.config import SamplerConfig
 from jaxserve.sampling.metadata import SamplingMetadataBuilder
 from jaxserve.sampling.sampler import SamplerOutput
 from jaxserve.sampling.state import SlotRowsWrite, init_sampling_state, write_slot_rows
@@ -56,7 +55,6 @@ from jaxserve.startup_timer import StartupTimer
 
 if TYPE_CHECKING:
     from jaxserve.backends.base import Backend
-    from jaxserve.config import LoRAConfig
 
 logger = logging.getLogger(__name__)
 
@@ -99,78 +97,49 @@ class ModelRunner:
     def __init__(
         self,
         model,
+        recipe: StepRecipe,
         *,
         backend: Backend,
         mesh: Mesh,
-        num_pages: int,
-        page_size: int,
-        max_model_len: int,
-        max_num_seqs: int,
-        grid: BucketGrid,
-        sampler_config: SamplerConfig,
-        kv_dtype,
         seed: int = 0,
-        show_progress: bool = True,
-        rules=None,
-        timer: StartupTimer | None = None,
-        executable_cache: ExecutableCache | None = None,
-        lora: LoRAConfig | None = None,
+        max_cpu_loras: int | None = None,
         compile_workers: int = 1,
-        recipe: StepRecipe | None = None,
+        executable_cache: ExecutableCache | None = None,
+        show_progress: bool = True,
+        timer: StartupTimer | None = None,
     ):
-        """lora: LoRA adapters' slots (runner/lora_slots.py); None or not enabled: no LoRA path
-        (the steps are those of a runner without it)."""
-        self.mesh = mesh
-        self.rules = rules  # the sharding rules of the KV cache (None: the default "tp")
+        """The steps of `recipe` (runner/recipe.py: everything they are a function of) over
+        `model`'s weights, on `mesh`. The host-side options: `seed` (requests without one),
+        `max_cpu_loras` (the adapters' host LRU), `compile_workers` (processes compiling the
+        steps at a cold start, from the recipe), the executable cache."""
+        self.mesh, self.recipe, self.backend = mesh, recipe, backend
         # Data parallelism: D ranks, each with its own pages and its own range of S / D sampling
         # slots (see core/dp_scheduler.py); the step runs per rank inside a shard_map over "data".
         self.dp = mesh.shape.get("data", 1)
-        if max_num_seqs % self.dp:
-            raise ValueError(f"max_num_seqs ({max_num_seqs}) must be a multiple of the data-parallel size {self.dp}")
+        self.max_num_seqs = S = recipe.sampler_config.max_num_seqs
+        if S % self.dp:
+            raise ValueError(f"max_num_seqs ({S}) must be a multiple of the data-parallel size {self.dp}")
         self.cfg = model.config
-        self.num_pages = num_pages
-        self.page_size = page_size
-        self.kv_dtype = kv_dtype
-        self.pages_per_req = -(-max_model_len // page_size)
-        self.grid = grid
-        self.sampler_config = sampler_config
-        self.max_num_seqs = max_num_seqs
-        self.backend = backend
+        self.num_pages, self.page_size, self.kv_dtype = recipe.num_pages, recipe.page_size, recipe.kv_dtype
+        self.pages_per_req = recipe.pages_per_req()
+        self.grid = recipe.grid()
+        self.sampler_config = recipe.sampler_config
         timer = timer or StartupTimer()  # the phases of this runner's start (build_engine logs them)
-        self.graphdef, state = nnx.split(model)
-        # The weights travel to the step as a flat list of arrays: flattening the nnx State (one
-        # Variable per weight) on every call costs milliseconds of host time per step.
-        self.params, self._params_treedef = jax.tree.flatten(state)
-        del state
-        self.lora = None
-        if lora is not None and lora.enable_lora:
-            if not getattr(model, "supports_lora", False):
-                raise ValueError(f"LoRA adapters are not supported for {self.cfg.architecture}")
-            self.lora = LoRASlots(self.cfg, lora, model.dtype, mesh, rules)
-        # A backend's fused layer has no LoRA products: with LoRA the model's own layer runs.
-        self.layer_impl = backend.layer_impl(model) if self.lora is None else None
-        self.step_function = StepFunction(self.graphdef, self._params_treedef, self.layer_impl,
-                                          sampler_config,
-                                          None if self.lora is None else self.lora.treedef)
+        # The weights travel to the step as a flat list of arrays (flattening the nnx State on
+        # every call costs milliseconds of host time per step), the LoRA slots' after them.
+        self.program, self.params, self._params_treedef = step_program(recipe, model, backend, mesh, max_cpu_loras)
         with timer.phase("weight arena"):
             backend.place_weights(model, self.params, self._params_treedef)
-        # The LoRA slots' arrays follow the weights (rewritten when an adapter is loaded).
         self.num_weights = len(self.params)
-        if self.lora is not None:
-            self.params += self.lora.zeros()
-        self.replicated = NamedSharding(mesh, P())
-        # Slots split over "data" like the pages (one range per rank); replicated without it.
-        self.state_sharding = NamedSharding(mesh, P("data") if self.dp > 1 else P())
+        self.params += self.program.lora_arrays(abstract=False)
+        self.replicated, self.state_sharding = self.program.replicated, self.program.state_sharding
         self.counter = CompileCounter()
         self.executable_cache = executable_cache
-        # Cold starts: compile the missing steps in this many worker processes from `recipe`
-        # (what the steps are a function of, runner/compile_pool.py), then load them.
         self.compile_workers = compile_workers
-        self.recipe = recipe
         with self.counter.active(), timer.phase("kv cache"):
             self._scope = self._executable_scope()
             self._allocate_state()
-        self.builder = SamplingMetadataBuilder(sampler_config, seed=seed)
+        self.builder = SamplingMetadataBuilder(recipe.sampler_config, seed=seed)
         self._reset_slots()
         self._host_params: list[np.ndarray] | None = None  # the weights while asleep
         self._compiled: dict[tuple[int, int], jax.stages.Compiled] = {}
@@ -181,22 +150,23 @@ class ModelRunner:
         self.compile_seconds = time.perf_counter() - t0
         self.counter.mark_warm()
 
+    @property
+    def lora(self) -> LoRAWeights | None:
+        return self.program.lora
+
     def _allocate_state(self) -> None:
         """The KV cache and the sampling state (device), zeroed, by two small executables of the
         executable cache (as eager ops, some ten compilations: ~0.3 s of a start)."""
-        one = self._abstract_kv().k[0]
+        one = self.program.abstract_kv().k[0]
         zeros = self._scope.get("kv-zeros", (), zeros_compiler(one))
-        self.kv = allocate_kv_cache(self.cfg, self.num_pages, self.page_size, self.kv_dtype, self.mesh, self.rules,
-                                    zeros=zeros)
+        self.kv = allocate_kv_cache(self.cfg, self.num_pages, self.page_size, self.kv_dtype, self.mesh,
+                                    self.recipe.rules, zeros=zeros)
         # The backend's thread placing the host buffers (the CPU's huge pages), if any.
         self.host_placement = self.backend.place_kv_cache([*self.params, *self.kv.k, *self.kv.v])
         init = self._scope.get("sampling-state", (), lambda: jax.jit(
             functools.partial(init_sampling_state, self.sampler_config), out_shardings=self.state_sharding
         ).lower().compile())
         self.sstate = init()
-
-    def _abstract_kv(self):
-        return abstract_kv_cache(self.cfg, self.num_pages, self.page_size, self.kv_dtype, self.mesh, self.rules)
 
     def _reset_slots(self) -> None:
         """Per-slot host state: which request holds each sampling slot, and its block table."""
@@ -215,43 +185,45 @@ class ModelRunner:
     # ------------------------------------------------------------------ compilation
     def step_layout(self, T: int, R: int) -> BufferLayout:
         """How a (T, R) step's inputs (ModelInputs, SamplingMetadata, TokenInfo) are packed."""
-        return step_layout(T, R, pages_per_req=self.pages_per_req, page_size=self.page_size,
-                           sampler_config=self.sampler_config, lora=self.lora is not None)
+        return self.program.layout(T, R)
+
+    def _abstract_arguments(self):
+        shaped = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
+        return [shaped(x) for x in self.params], jax.tree.map(shaped, self.kv), jax.tree.map(shaped, self.sstate)
+
+    def lower(self, bucket: tuple[int, int]) -> jax.stages.Lowered:
+        """The Lowered step of `bucket` over this runner's arguments (its program: the one the
+        recipe's other users build, runner/recipe.py)."""
+        return self.program.lower(bucket, *self._abstract_arguments())[0]()
 
     def _compile_all(self, show_progress: bool) -> None:
-        shaped = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
-        params = [shaped(x) for x in self.params]
-        kv = jax.tree.map(shaped, self.kv)
-        sstate = jax.tree.map(shaped, self.sstate)
+        params, kv, sstate = self._abstract_arguments()
         shapes = self.grid.shapes()
-        # The cache and the sampling state keep their shardings from step to step; the step's
-        # results are replicated, so that every process can read them locally.
-        keep = (jax.tree.map(lambda x: x.sharding, self.kv), jax.tree.map(lambda x: x.sharding, self.sstate))
-        rep = self.replicated
         scope = self._scope
         self._compile_in_workers(shapes)
         for i, (T, R) in enumerate(tqdm(shapes, desc="compiling buckets", disable=not show_progress, unit="bucket")):
-            layout = self.layouts[(T, R)] = self.step_layout(T, R)
-            lower, buffers = step_program(self.step_function, layout, self.mesh, params, kv, sstate, rep)
+            self.layouts[(T, R)] = self.step_layout(T, R)
+            lower, buffers = self.program.lower((T, R), params, kv, sstate)
             t0, compiled_before = time.perf_counter(), scope.compiled
             self._compiled[(T, R)] = scope.get(f"step-{T}x{R}", (params, kv, sstate, *buffers),
                                                lambda: lower().compile())
             if scope.compiled != compiled_before:
                 logger.info("compiled step %dx%d in %.1fs: %d of %d steps ready, %d left", T, R,
                             time.perf_counter() - t0, i + 1, len(shapes), len(shapes) - i - 1)
+        rep = self.replicated
         rows = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep), self.empty_slot_write())
+        keep = jax.tree.map(lambda x: x.sharding, self.sstate)
         self._write_rows = scope.get("write-slot-rows", (sstate, rows), lambda: jax.jit(
-            write_slot_rows, donate_argnums=(0,), out_shardings=keep[1]).lower(sstate, rows).compile())
-        if self.lora is not None:
-            self.lora.compile_writer(scope, rep)
+            write_slot_rows, donate_argnums=(0,), out_shardings=keep).lower(sstate, rows).compile())
+        self.program.compile_lora_writer(scope)
         self.executables_loaded, self.executables_compiled = scope.loaded, scope.compiled
 
     def _compile_in_workers(self, shapes: list[tuple[int, int]]) -> None:
-        """Compile the steps the executable cache lacks in `compile_workers` processes, which
-        store them there (the loop of `_compile_all` then loads them); nothing without a cache,
-        a recipe or a second worker."""
+        """Compile the steps the executable cache lacks in `compile_workers` processes, from the
+        recipe, which store them there (the loop of `_compile_all` then loads them); nothing
+        without a cache, a compile target or a second worker."""
         scope = self._scope
-        if self.compile_workers <= 1 or self.recipe is None or scope.cache is None:
+        if self.compile_workers <= 1 or not self.recipe.target or scope.cache is None:
             return
         keys = {}
         for T, R in shapes:
@@ -281,11 +253,12 @@ class ModelRunner:
         """The keys of this runner's executables in the executable cache: everything the steps
         are a function of besides the environment (see runner/executable_cache.py)."""
         params = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in self.params]
-        kv, sstate = self._abstract_kv(), abstract_sampling_state(self.sampler_config, self.state_sharding)
-        layer = self.layer_impl and f"{self.layer_impl.__module__}.{self.layer_impl.__qualname__}"
+        kv, sstate = self.program.abstract_kv(), self.program.abstract_state()
+        fn = self.program.function
+        layer = fn.layer_impl and f"{fn.layer_impl.__module__}.{fn.layer_impl.__qualname__}"
         return executable_scope(
             self.executable_cache, self.mesh.devices.flat, **self.backend.fingerprint(),
-            graphdef=canonical(self.graphdef),
+            graphdef=canonical(fn.graphdef),
             params=signature(params), params_treedef=str(self._params_treedef), kv=signature(kv),
             sstate=signature(sstate), layer_impl=str(layer), sampler=canonical(self.sampler_config),
             mesh=repr(self.mesh), pages=f"{self.page_size} {self.pages_per_req} {self.num_pages} {self.dp}",
