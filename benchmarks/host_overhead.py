@@ -162,7 +162,7 @@ def measure_real(num_requests: int, steps: int) -> list[dict]:
             engine.step()
         step_ms = 1e3 * (time.perf_counter() - t0) / steps
         # The device alone: the current decode step's plan, launched back to back.
-        plan = core.runner.prepare(core.scheduler.schedule())
+        plan = core.runner.prepare(core.scheduler.schedule().batch())
         jax.block_until_ready(core.runner.launch(plan).out.token_ids)
         t0 = time.perf_counter()
         for _ in range(steps):

@@ -20,7 +20,7 @@ from jaxserve.backends import Backend, DevicePlan, select_backend
 from jaxserve.backends.base import InsufficientMemoryError, MemoryBudget, min_over_processes
 from jaxserve.config import EngineConfig, jax_dtype
 from jaxserve.core.kv_cache_manager import KVCacheManager
-from jaxserve.core.lora_slots import LoRASlotTable
+from jaxserve.core.adapter_slots import AdapterSlots
 from jaxserve.core.dp_scheduler import DataParallelScheduler, rank_config
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.engine.core import EngineCore
@@ -226,9 +226,9 @@ def _build_engine(config: EngineConfig, timer: StartupTimer | None,
             link.start()
             step_runner = step_channel.LeaderRunner(runner, link)
     max_loras = config.lora.max_loras if config.lora.enable_lora else 0
-    lora_slots = LoRASlotTable(max_loras) if max_loras else None
-    scheduler = (DataParallelScheduler(sc, kv_managers, lora_slots) if D > 1 else
-                 Scheduler(sc, kv_managers[0], lora_slots))
+    adapters = AdapterSlots(max_loras)  # no slots with LoRA off: base requests pass, adapters are refused
+    scheduler = (DataParallelScheduler(sc, kv_managers, adapters) if D > 1 else
+                 Scheduler(sc, kv_managers[0], adapters))
     spec = config.speculative_config
     proposer = (NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
                 if spec is not None else None)

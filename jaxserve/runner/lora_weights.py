@@ -1,5 +1,5 @@
 """The LoRA adapters' weights in their device slots (which adapter holds which slot is the
-scheduler's: core/lora_slots.py).
+scheduler's: core/adapter_slots.py).
 
 Per decoder layer and target (q/k/v/o, gate/up/down), A and B of every slot stacked:
 A [S, in..., R] and B [S, R, out...] (S = max_loras, R = max_lora_rank; zero-padded ranks and
