@@ -69,7 +69,7 @@ def null_parts(num_requests: int, async_scheduling: bool):
             self.config = cfg
             self.bias = nnx.Param(jnp.zeros((V,), jnp.float32).at[30].set(1.0))
 
-        def __call__(self, input_ids, positions, kv, md, layer_impl=None):
+        def __call__(self, input_ids, positions, kv, md, layer_impl=None, lora=None):
             return jnp.zeros((input_ids.shape[0], 1), jnp.float32), kv
 
         def compute_logits(self, hidden):
