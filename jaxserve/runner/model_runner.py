@@ -297,17 +297,21 @@ class ModelRunner:
         packs = [pack_rank(x, T, R, rank=r, table=self.slots, builder=self.builder, layout=self.layouts[(T, R)],
                            page_size=self.page_size, lora=self.lora is not None, token_bitmask=m)
                  for r, (x, m) in enumerate(zip(ranks, masks))]
-        return self._plan((T, R), packs, lora_writes, {s.request_id: s.draft_token_ids
-                                                       for s in batch.rows if s.num_draft_tokens})
+        drafts = {s.request_id: s.draft_token_ids for x in ranks if x.num_drafts for s in x.rows if s.num_draft_tokens}
+        return self._plan((T, R), packs, lora_writes, drafts)
 
     def _plan(self, bucket: tuple[int, int], packs: list[PackedRank], lora_writes, drafts) -> StepPlan:
         """The ranks' packed inputs as one step: [D, ...] buffers, rows and tokens offset by rank."""
         T, R = bucket
         if drafts and max(map(len, drafts.values())) > self.recipe.num_speculative_tokens:
             raise RuntimeError(f"a step feeds more drafts than the recipe's {self.recipe.num_speculative_tokens}")
-        buffers = packs[0].buffers if self.dp == 1 else tuple(
-            np.stack([p.buffers[g] for p in packs]) for g in range(len(packs[0].buffers)))
-        plan = StepPlan(bucket, self.builder.take_slot_writes(), buffers, lora_writes=lora_writes, drafts=drafts)
+        writes = self.builder.take_slot_writes()
+        if len(packs) == 1:
+            p = packs[0]
+            return StepPlan(bucket, writes, p.buffers, p.sample_ids, p.sample_rows, p.logprob_rows,
+                            p.prompt_logprob_rows, lora_writes, drafts)
+        buffers = tuple(np.stack([p.buffers[g] for p in packs]) for g in range(len(packs[0].buffers)))
+        plan = StepPlan(bucket, writes, buffers, lora_writes=lora_writes, drafts=drafts)
         for r, p in enumerate(packs):
             plan.sample_ids += p.sample_ids
             plan.logprob_rows += [LogprobRow(x.row + r * R, x.request_id, x.k) for x in p.logprob_rows]

@@ -130,6 +130,7 @@ class RankRows:
     samples: np.ndarray  # [n] bool: the row samples
     drafts: np.ndarray  # [n] int64: draft tokens among the row's last ones
     tokens: np.ndarray  # [total] int32: the rows' tokens one after another (PENDING: in flight)
+    num_drafts: int  # drafts over the rows
 
     @property
     def num_tokens(self) -> int:
@@ -138,27 +139,28 @@ class RankRows:
     @property
     def num_sample_rows(self) -> int:
         """Rows of the request bucket it takes: one per request, one more per draft."""
-        return len(self.rows) + int(self.drafts.sum())
+        return len(self.rows) + self.num_drafts
 
 
 def rank_rows(rows: tuple[ScheduledRequest, ...], rank: int, table: SlotTable,
               builder: SamplingMetadataBuilder) -> RankRows:
     """One rank's rows, admitting the new requests and extending the others' block tables."""
     n = len(rows)
-    slots, tokens = [0] * n, []
+    slots, starts, lens, samples, drafts, tokens = [0] * n, [0] * n, [0] * n, [False] * n, [0] * n, []
     slot_of = table.slot_of
     for i, s in enumerate(rows):
         if s.is_new:
-            slots[i] = table.admit(s, rank, builder)
+            slot = table.admit(s, rank, builder)
         else:
-            slots[i] = slot_of[s.request_id]
+            slot = slot_of[s.request_id]
             if s.new_block_ids:
-                table.extend(slots[i], s.new_block_ids)
+                table.extend(slot, s.new_block_ids)
+        slots[i], starts[i], lens[i], samples[i], drafts[i] = (slot, s.start_pos, s.num_scheduled_tokens, s.sample,
+                                                               s.num_draft_tokens)
         tokens.extend(s.token_ids)
-    return RankRows(rows, np.asarray(slots, np.int32), np.fromiter((s.start_pos for s in rows), np.int64, n),
-                    np.fromiter((s.num_scheduled_tokens for s in rows), np.int64, n),
-                    np.fromiter((s.sample for s in rows), np.bool_, n),
-                    np.fromiter((s.num_draft_tokens for s in rows), np.int64, n), np.asarray(tokens, np.int32))
+    return RankRows(rows, np.asarray(slots, np.int32), np.asarray(starts, np.int64), np.asarray(lens, np.int64),
+                    np.asarray(samples, np.bool_), np.asarray(drafts, np.int64), np.asarray(tokens, np.int32),
+                    sum(drafts))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -172,7 +174,7 @@ class SampleRows:
 
 
 def sample_rows(r: RankRows) -> SampleRows:
-    if not r.drafts.any():
+    if not r.num_drafts:
         each = np.arange(len(r.rows))
         return SampleRows(each, each, None)
     per_req = 1 + r.drafts
@@ -231,9 +233,12 @@ def prompt_logprobs(r: RankRows, table: SlotTable, T: int) -> tuple[np.ndarray, 
     """([T] the next prompt token of each token whose prompt log-prob is wanted, else -1;
     the runs of tokens scored), for the requests that asked."""
     nxt = np.full(T, -1, np.int32)
-    out = []
+    out: list[PromptLogprobRows] = []
+    wanted = np.flatnonzero(table.prompt_logprob_k[r.slots] != NO_LOGPROBS).tolist()
+    if not wanted:
+        return nxt, out
     starts = np.cumsum(r.lens) - r.lens  # each row's first flat token
-    for i in np.flatnonzero(table.prompt_logprob_k[r.slots] != NO_LOGPROBS).tolist():
+    for i in wanted:
         slot, start, lo = int(r.slots[i]), int(r.starts[i]), int(starts[i])
         pos = start + np.arange(int(r.lens[i]))
         count = int((pos + 1 < table.prompt_len[slot]).sum())  # the leading positions of the row
