@@ -52,7 +52,7 @@ def _llm(monkeypatch, options, memory: int):
 def test_the_cache_takes_what_the_step_leaves_and_the_context_is_fitted_to_it(
     monkeypatch, caplog, small_engine_options
 ):
-    with caplog.at_level(logging.INFO, logger="jaxserve.engine.setup"):
+    with caplog.at_level(logging.INFO, logger="jaxserve.engine"):
         llm = _llm(monkeypatch, _options(small_engine_options), int(0.9 * GiB))
     text = caplog.text
     assert "memory per device: 0.90 GiB per device x 0.9 = 0.81 GiB; weights" in text, text
