@@ -20,6 +20,7 @@ One JSON line per configuration goes to benchmarks/results/host_overhead.jsonl.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import gc
 import json
@@ -47,8 +48,10 @@ def null_parts(num_requests: int, async_scheduling: bool):
     from jaxserve.engine.setup import EngineParts
     from jaxserve.models.arch_config import ArchConfig
     from jaxserve.models.sharding import single_device_mesh
-    from jaxserve.runner.buckets import BucketGrid
+    from jaxserve.backends import DevicePlan
+    from jaxserve.models.sharding import DEFAULT_RULES
     from jaxserve.runner.model_runner import ModelRunner
+    from jaxserve.runner.recipe import StepRecipe
     from jaxserve.sampling.config import SamplerConfig
 
     V = 32
@@ -66,7 +69,7 @@ def null_parts(num_requests: int, async_scheduling: bool):
             self.config = cfg
             self.bias = nnx.Param(jnp.zeros((V,), jnp.float32).at[30].set(1.0))
 
-        def __call__(self, input_ids, positions, kv, md, layer_impl=None):
+        def __call__(self, input_ids, positions, kv, md, layer_impl=None, lora=None):
             return jnp.zeros((input_ids.shape[0], 1), jnp.float32), kv
 
         def compute_logits(self, hidden):
@@ -79,10 +82,14 @@ def null_parts(num_requests: int, async_scheduling: bool):
     pages = R * (max_len // page) + 1
     sampler = SamplerConfig(max_num_seqs=R, vocab_size=V, max_logprobs=4, max_bad_words=1, max_bad_word_len=1,
                             topk_candidates=V)
-    runner = ModelRunner(NullModel(), backend=select_backend(), mesh=single_device_mesh(), num_pages=pages,
-                         page_size=page, max_model_len=max_len, max_num_seqs=R,
-                         grid=BucketGrid((max(R, 64),), (R,)), sampler_config=sampler, kv_dtype=jnp.float32,
-                         show_progress=False)
+    backend = select_backend()
+    plan = DevicePlan(dtype="float32", kv_dtype="float32", attention_impl="reference", matmul_impl="xla",
+                      native_sampling=None, moe_impl=backend.moe_impl)
+    recipe = StepRecipe(arch={}, platform=backend.platform, plan=dataclasses.asdict(plan), attention_impl="auto",
+                        rules=dict(DEFAULT_RULES), mesh_shape=(1, 1), target={}, num_pages=pages, page_size=page,
+                        max_model_len=max_len, sampler_config=sampler, token_buckets=(max(R, 64),),
+                        request_buckets=(R,))
+    runner = ModelRunner(NullModel(), recipe, backend=backend, mesh=single_device_mesh(), show_progress=False)
     core = EngineCore(Scheduler(sc, KVCacheManager(page, pages, True, max_len)), runner,
                       async_scheduling=async_scheduling)
     info = ModelInfo("null", V, max_len, None, (), sampler, {})
@@ -155,7 +162,7 @@ def measure_real(num_requests: int, steps: int) -> list[dict]:
             engine.step()
         step_ms = 1e3 * (time.perf_counter() - t0) / steps
         # The device alone: the current decode step's plan, launched back to back.
-        plan = core.runner.prepare(core.scheduler.schedule())
+        plan = core.runner.prepare(core.scheduler.schedule().batch())
         jax.block_until_ready(core.runner.launch(plan).out.token_ids)
         t0 = time.perf_counter()
         for _ in range(steps):

@@ -43,7 +43,7 @@ def recipe(
 
     from jaxserve.backends.base import Backend
     from jaxserve.config import CacheConfig, ModelConfig
-    from jaxserve.runner.compile_pool import StepRecipe
+    from jaxserve.runner.recipe import StepRecipe
     from jaxserve.sampling.config import SamplerConfig
     from jaxserve.tools.shard_plan import model_config
 

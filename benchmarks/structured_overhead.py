@@ -112,8 +112,8 @@ def replay(core, reps: int = 15) -> None:
     import jax
 
     so = core.scheduler.schedule()
-    plan = core.runner.prepare(so, core.structured.bitmask(so))
-    layout = core.runner._layouts[plan.bucket]
+    plan = core.runner.prepare(so.batch(), core.structured.bitmask(so))
+    layout = core.runner.layouts[plan.bucket]
     inputs, meta, tok = layout.unpack_host(plan.buffers)
     assert (meta.token_bitmask != -1).any()
     ones = dataclasses.replace(plan, buffers=layout.pack(

@@ -227,12 +227,14 @@ def sharded_abstract_model(
     attention_impl: str = "auto",
     rules: Mapping[str, str | None] | None = None,
     moe_impl: str = "ragged",
+    quantization: str | None = None,
 ):
-    """The model `create_model` builds from a checkpoint (float weights), with ShapeDtypeStructs
-    carrying the shardings `create_model` places each weight in for values: no memory."""
+    """The model `create_model` builds from a checkpoint (its weight format, or `quantization`
+    at load), with ShapeDtypeStructs carrying the shardings `create_model` places each weight
+    (and each quantized weight's scales) in for values: no memory."""
     mesh = mesh or single_device_mesh()
     graphdef, abs_state, shardings = abstract_model(cfg, dtype=dtype, mesh=mesh, attention_impl=attention_impl,
-                                                    rules=rules, moe_impl=moe_impl)
+                                                    quantization=quantization, rules=rules, moe_impl=moe_impl)
     flat = {_path_key(p): s for p, s in jax.tree_util.tree_leaves_with_path(shardings)}
 
     def sharded(path, var):

@@ -48,12 +48,15 @@ def uvicorn_options(server: ServerConfig, log_level: str) -> dict[str, Any]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from jaxserve.engine.client import PLAN_HELP
+
     parser = argparse.ArgumentParser(prog="jaxserve", description="LLM inference in JAX")
     sub = parser.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server",
                        description="Run the OpenAI-compatible HTTP server. Every option is a field of "
-                                   "jaxserve/config.py (engine) or server/config.py (server).")
+                                   "jaxserve/config.py (engine) or server/config.py (server).",
+                       epilog=PLAN_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     s.add_argument("model", nargs="?", default=None, help=MODEL_HELP)
     s.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     model_group = s.add_argument_group("model", class_doc(ModelConfig))

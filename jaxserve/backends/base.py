@@ -166,17 +166,43 @@ class Backend:
             quant_matmul_impl=self.resolve_quant_matmul_impl(attention),
         )
 
+    def plan_reasons(self, mc: ModelConfig, cc: CacheConfig, plan: DevicePlan) -> dict[str, str]:
+        """Why the plan holds each value (the engine plan says it: engine/plan.py)."""
+        return {
+            "dtype": "given" if mc.dtype != "auto" else self.dtype_reason(plan.dtype),
+            "kv_dtype": "given" if cc.kv_cache_dtype != "auto" else self.kv_dtype_reason(plan),
+            "matmul_impl": "given" if mc.matmul_impl != "auto" else self.matmul_reason(plan),
+            "native_sampling": (f"the {plan.native_sampling} kernels' draws and log-probs (one device)"
+                                if plan.native_sampling else "JAX's ops"),
+            "moe_impl": self.moe_reason,
+            "fp8_products": ("every GPU has FP8 products (compute capability >= 8.9)" if plan.fp8_products
+                             else "FP8 weights are upcast in the product (no FP8 products here)"),
+            "quant_matmul_impl": ("the TPU product kernel (the attention implementation named is the TPU's)"
+                                  if plan.quant_matmul_impl != "xla" else "XLA's dequantize-then-dot"),
+        }
+
+    def dtype_reason(self, dtype: str) -> str:
+        return "auto: bfloat16, the accelerators' product dtype"
+
+    def kv_dtype_reason(self, plan: DevicePlan) -> str:
+        return "auto: the model's dtype"
+
+    def matmul_reason(self, plan: DevicePlan) -> str:
+        return "auto: XLA's dot (the native product kernels are the CPU's)"
+
+    moe_reason = "ragged: jax.lax.ragged_dot, a native grouped matmul here"
+
     def resolve_quant_matmul_impl(self, attention_impl: str) -> str:
         """The quantized weights' product: the Pallas TPU kernel where attention runs the TPU
         kernel (compiled or interpreted), else XLA's dequantize-then-dot."""
         return attention_impl if attention_impl in ("tpu", "tpu-interpret") else "xla"
 
     def fp8_products(self, mesh: Mesh) -> bool:
-        """Whether every device of `mesh` multiplies FP8 natively (a CUDA compute capability of
-        at least 8.9; TPUs before v7 and CPUs do not)."""
+        """Whether every device of `mesh` (or of a DeviceSet) multiplies FP8 natively (a CUDA
+        compute capability of at least 8.9; TPUs before v7 and CPUs do not)."""
         if self.platform != "gpu":
             return False
-        caps = [getattr(d, "compute_capability", None) for d in mesh.devices.flat]
+        caps = [getattr(d, "compute_capability", None) for d in getattr(mesh.devices, "flat", mesh.devices)]
         return all(c is not None and tuple(int(x) for x in str(c).split(".")[:2]) >= (8, 9)
                    for c in caps)
 
@@ -276,12 +302,12 @@ class Backend:
         return dataclasses.replace(budget, served=served, served_excess=max(over, 0))
 
     # ------------------------------------------------------------------ compilation
-    def compile_target(self, devices) -> dict | None:
+    def compile_target(self, devices, processes: int | None = None) -> dict | None:
         """The devices a compile worker process (runner/compile_pool.py) compiles this mesh's
         steps for: on a TPU, the compile-only topology of the same chips (libtpu; the worker
         never opens them), else None (a GPU's compile-only target is not wired in; several
-        processes compile their own steps)."""
-        if self.platform != "tpu" or jax.process_count() > 1:
+        processes compile their own steps). `processes`: the run's (default: JAX's count)."""
+        if self.platform != "tpu" or (jax.process_count() if processes is None else processes) > 1:
             return None
         devices = list(devices)
         chip = TPU_CHIP_NAMES.get(devices[0].device_kind)
@@ -293,13 +319,13 @@ class Backend:
             dims.pop()
         return {"kind": "tpu", "topology": f"{chip}:{'x'.join(map(str, dims))}"}
 
-    def default_compile_workers(self, num_executables: int) -> int:
-        """Compile processes at a cold start: on a TPU one per 4 of the host's cores, at most 8
-        (a TPU VM host has ~100-200 cores, and each compile of a big step holds gigabytes);
-        elsewhere 1."""
+    def default_compile_workers(self, num_executables: int, cores: int | None = None) -> int:
+        """Compile processes at a cold start: on a TPU one per 4 of the host's `cores` (default:
+        this host's), at most 8 (a TPU VM host has ~100-200 cores, and each compile of a big
+        step holds gigabytes); elsewhere 1."""
         if self.platform != "tpu":
             return 1
-        return max(1, min(8, (os.cpu_count() or 1) // 4, num_executables))
+        return max(1, min(8, (cores or os.cpu_count() or 1) // 4, num_executables))
 
     # ------------------------------------------------------------------ the model
     def prepare_model(self, model, plan: DevicePlan, abstract: bool = False) -> None:

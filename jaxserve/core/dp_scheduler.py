@@ -18,8 +18,8 @@ import dataclasses
 from collections.abc import Iterable
 
 from jaxserve.core.kv_cache_manager import KVCacheManager
-from jaxserve.core.lora_slots import LoRASlotTable
-from jaxserve.core.sched_output import ScheduledRequest, SchedulerOutput
+from jaxserve.core.adapter_slots import AdapterSlots
+from jaxserve.core.sched_output import ScheduledRequest, SchedulerOutput, StepBatch
 from jaxserve.core.scheduler import Scheduler, SchedulerConfig, SchedulerStats
 from jaxserve.request import Request, RequestStatus
 
@@ -38,6 +38,11 @@ class DataParallelOutput:
         return tuple(s for so in self.ranks for s in so.scheduled)
 
     @property
+    def requests(self) -> tuple[Request, ...]:
+        """The scheduler's Request of each row, rank after rank (as `scheduled`)."""
+        return tuple(r for so in self.ranks for r in so.requests)
+
+    @property
     def is_empty(self) -> bool:
         return all(so.is_empty for so in self.ranks)
 
@@ -49,6 +54,11 @@ class DataParallelOutput:
     def lora_loads(self) -> tuple:
         """The adapter loads of every rank (their slots are the step's, shared by the ranks)."""
         return tuple(load for so in self.ranks for load in so.lora_loads)
+
+    def batch(self) -> StepBatch:
+        """The step as the runner takes it: every rank's rows."""
+        return StepBatch(tuple(so.scheduled for so in self.ranks), self.finished_request_ids,
+                         self.preempted_request_ids, self.lora_loads)
 
 
 def rank_config(config: SchedulerConfig, data_parallel_size: int) -> SchedulerConfig:
@@ -64,13 +74,14 @@ def rank_config(config: SchedulerConfig, data_parallel_size: int) -> SchedulerCo
 
 class DataParallelScheduler:
     def __init__(self, config: SchedulerConfig, kv_managers: list[KVCacheManager],
-                 lora_slots: LoRASlotTable | None = None):
-        """lora_slots: the LoRA adapters' device slots, shared by every rank (the step holds one
+                 adapters: AdapterSlots | None = None):
+        """adapters: the LoRA adapters' device slots, shared by every rank (the step holds one
         set of slots that each rank's tokens read, so at most max_loras adapters run in a step
         over all ranks)."""
         self.config = config
         share = rank_config(config, len(kv_managers))
-        self.ranks = [Scheduler(share, kv, lora_slots) for kv in kv_managers]
+        adapters = AdapterSlots() if adapters is None else adapters
+        self.ranks = [Scheduler(share, kv, adapters) for kv in kv_managers]
         self.rank_of: dict[str, int] = {}
 
     @property

@@ -15,7 +15,7 @@ from jaxserve.config import SchedulerConfig
 from jaxserve.request import Request, RequestStatus
 
 if TYPE_CHECKING:
-    from jaxserve.core.sched_output import ScheduledRequest
+    from jaxserve.core.sched_output import ScheduledRequest, StepBatch
     from jaxserve.core.scheduler import SchedulerStats
 
 
@@ -39,6 +39,11 @@ class ScheduledStep(Protocol):
 
     @property
     def lora_loads(self) -> tuple: ...  # (slot, adapter) pairs the runner writes before the step
+
+    @property
+    def requests(self) -> tuple[Request, ...]: ...  # the scheduler's Request of each row
+
+    def batch(self) -> StepBatch: ...  # the step as the runner takes it (no live Request)
 
 
 @runtime_checkable

@@ -42,8 +42,8 @@ from dataclasses import dataclass
 
 from jaxserve.config import SchedulerConfig
 from jaxserve.core.kv_cache_manager import KVCacheManager
-from jaxserve.core.lora_slots import LoRASlotTable
-from jaxserve.core.sched_output import PENDING, ScheduledRequest, SchedulerOutput
+from jaxserve.core.adapter_slots import AdapterSlots
+from jaxserve.core.sched_output import PENDING, NewRequestData, ScheduledRequest, SchedulerOutput
 from jaxserve.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -105,13 +105,13 @@ class _WaitingQueue:
 
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, kv_cache_manager: KVCacheManager,
-                 lora_slots: LoRASlotTable | None = None) -> None:
-        """lora_slots: which LoRA adapter holds which device slot (None: LoRA off; see
-        core/lora_slots.py); with data parallelism every rank's scheduler shares one table,
+                 adapters: AdapterSlots | None = None) -> None:
+        """adapters: which LoRA adapter holds which device slot (None: no slots, LoRA off; see
+        core/adapter_slots.py); with data parallelism every rank's scheduler shares one,
         since the slots are the step's, not a rank's."""
         self.config = scheduler_config
         self.kv = kv_cache_manager
-        self.lora = lora_slots
+        self.adapters = AdapterSlots() if adapters is None else adapters
         if self.kv.max_model_len not in (None, scheduler_config.max_model_len):
             raise ValueError(
                 f"KVCacheManager.max_model_len ({self.kv.max_model_len}) differs from "
@@ -149,8 +149,7 @@ class Scheduler:
                 f"The prompt has {request.num_prompt_tokens} tokens, more than the model's "
                 f"maximum context length ({self.config.max_model_len}); shorten it."
             )
-        if request.lora_request is not None and self.lora is None:
-            raise ValueError("A LoRA adapter was requested but LoRA is not enabled (enable_lora).")
+        self.adapters.check(request)
         if request.status != RequestStatus.WAITING or request.num_computed_tokens:
             raise ValueError(f"Request {rid!r} has already been scheduled once.")
         seq = next(self._seq)
@@ -190,17 +189,14 @@ class Scheduler:
         kv.pool.uncache([b for s in scheduler_output.scheduled
                          for b in kv.get_block_ids(s.request_id)[s.start_pos // kv.block_size:]])
         preempted = []
-        for s in scheduler_output.scheduled:
-            req = s.request
+        for s, req in zip(scheduler_output.scheduled, scheduler_output.requests):
             if s.sample:
                 req.num_output_placeholders -= 1
             if req.status == RequestStatus.RUNNING:
                 self.running.remove(req)
                 self._preempt(req)
                 preempted.append(req.request_id)
-        if self.lora is not None:  # slots the step was to load hold nothing trustworthy
-            for _, lora in scheduler_output.lora_loads:
-                self.lora.forget(lora.lora_int_id)
+        self.adapters.discard_loads(scheduler_output.lora_loads)
         return preempted
 
     def get_request(self, request_id: str) -> Request | None:
@@ -223,6 +219,7 @@ class Scheduler:
         cfg = self.config
         budget = cfg.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
+        requests: list[Request] = []  # the Request of each row
         preempted: list[str] = []
         # A step samples on at most max_num_seqs rows (the largest request bucket): one per
         # request, and one per draft token. Drafts take the rows that neither the running
@@ -252,6 +249,7 @@ class Scheduler:
                 new_blocks = self.kv.allocate_slots(req, n)
             if new_blocks is not None:
                 scheduled.append(self._advance(req, n, new_blocks, is_new=False, resumed=False, num_drafts=k))
+                requests.append(req)
                 budget -= n + k
                 spare_rows -= k
                 i += 1
@@ -268,7 +266,7 @@ class Scheduler:
             req = self.waiting.peek()
             if req.num_output_placeholders:  # preempted while its last token was in flight
                 break
-            if req.lora_request is not None and not self.lora.can_acquire(req.lora_request):
+            if not self.adapters.can_admit(req):
                 no_slot.append(self.waiting.pop())
                 continue
             hits, num_hit = self.kv.get_computed_blocks(req)
@@ -279,8 +277,7 @@ class Scheduler:
             if self.kv.allocate_slots(req, n, hits) is None:
                 break
             self.waiting.pop()
-            if req.lora_request is not None:
-                req.lora_slot = self.lora.acquire(req.request_id, req.lora_request)
+            self.adapters.admit(req)
             resumed = req.status == RequestStatus.PREEMPTED
             if not resumed:
                 req.num_cached_tokens = num_hit
@@ -290,6 +287,7 @@ class Scheduler:
             bisect.insort(self.running, req, key=lambda r: self._keys[r.request_id])
             table = self.kv.get_block_ids(req.request_id)
             scheduled.append(self._advance(req, n, table, is_new=True, resumed=resumed))
+            requests.append(req)
             budget -= n
         for req in no_slot:
             self.waiting.push(self._keys[req.request_id], req)
@@ -301,7 +299,8 @@ class Scheduler:
             total_num_scheduled_tokens=cfg.max_num_batched_tokens - budget,
             finished_request_ids=finished_ids,
             preempted_request_ids=tuple(preempted),
-            lora_loads=self.lora.take_loads() if self.lora is not None else (),
+            lora_loads=self.adapters.take_loads(),
+            requests=tuple(requests),
         )
 
     def update_from_output(
@@ -317,10 +316,9 @@ class Scheduler:
         skipped; a request preempted since still takes its token.
         """
         updated = []
-        for s in scheduler_output.scheduled:
+        for s, req in zip(scheduler_output.scheduled, scheduler_output.requests):
             if not s.sample:
                 continue
-            req = s.request
             req.num_output_placeholders -= 1
             if req.status >= RequestStatus.FINISHED_STOPPED:
                 continue
@@ -360,10 +358,8 @@ class Scheduler:
             spec_num_drafts=self.spec_num_drafts,
             spec_num_draft_tokens=self.spec_num_draft_tokens,
             spec_num_accepted_tokens=self.spec_num_accepted_tokens,
-            **({} if self.lora is None else dict(
-                running_lora_adapters=tuple(self.lora.running_names()),
-                waiting_lora_adapters=tuple(sorted({r.lora_request.lora_name for r in self.waiting
-                                                    if r.lora_request is not None})))),
+            running_lora_adapters=tuple(self.adapters.running_names()),
+            waiting_lora_adapters=self.adapters.waiting_names(self.waiting),
         )
 
     # ------------------------------------------------------------------ internals
@@ -412,14 +408,13 @@ class Scheduler:
             tokens += tuple(req.spec_token_ids[:num_drafts])
         req.spec_token_ids = []  # used (or outdated once this step's tokens arrive)
         req.num_computed_tokens = end + num_drafts
-        return ScheduledRequest(req, tokens, start, n + num_drafts, tuple(block_ids), sample, is_new, resumed,
-                                num_drafts)
+        return ScheduledRequest(req.request_id, tokens, start, n + num_drafts, tuple(block_ids), sample, is_new,
+                                resumed, num_drafts, NewRequestData.of(req) if is_new else None)
 
     def _preempt(self, req: Request) -> None:
         logger.debug("Preempting %s (%d tokens) by recompute", req.request_id, req.num_tokens)
         self.kv.free(req)
-        if self.lora is not None:
-            self.lora.release(req.request_id)
+        self.adapters.release(req.request_id)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.spec_token_ids = []
@@ -449,8 +444,7 @@ class Scheduler:
             self.waiting.remove(req)
         req.status = status
         self.kv.free(req)
-        if self.lora is not None:
-            self.lora.release(req.request_id)
+        self.adapters.release(req.request_id)
         rid = req.request_id
         del self.requests[rid]
         del self._keys[rid]

@@ -28,6 +28,7 @@ from jaxserve.engine.embedding import EmbeddingResult
 from jaxserve.engine.input_processor import ModelInfo, check_lora
 from jaxserve.engine.messages import EngineSleepingError, EngineStats
 from jaxserve.engine.output_processor import StatsListener
+from jaxserve.engine.plan import PLAN_HELP  # noqa: F401 - serve's --help shows what the plan resolves
 from jaxserve.inputs import Prompt
 from jaxserve.outputs import OutputKind
 from jaxserve.parallel.multihost import FingerprintMismatch, LeaderLostError, exit_now
@@ -92,6 +93,17 @@ def default_engine_core(platform: Platform) -> Literal["thread", "process"]:
     return ENGINE_CORE_BY_PLATFORM[platform]
 
 
+def engine_core_placement(requested: CoreMode) -> tuple[str, str]:
+    """(where the engine core runs, why) for `--engine-core requested`: the engine plan's entry
+    (engine/plan.py), resolved here, before the engine (and JAX) loads."""
+    if requested != "auto":
+        return requested, "given (--engine-core)"
+    platform = serving_platform()
+    core = default_engine_core(platform)
+    logger.info("engine core: %s (the default on %s; --engine-core thread|process to choose)", core, platform)
+    return core, f"auto: the faster on {platform} (--engine-core thread|process to choose)"
+
+
 class EngineClient(Protocol):
     """An engine as an asyncio server drives it. Every method is for the event loop's thread."""
 
@@ -149,15 +161,12 @@ def open_engine(config, *, core: CoreMode = "auto", timer=None, max_waiting_requ
     """Build the engine of `config` with its core on a thread of this process or in a process of
     its own, and the client that serves it (not started: `start()` on the event loop). Raises
     what building the engine raises, and FollowerRole on a multi-host follower."""
-    if core == "auto":
-        platform = serving_platform()
-        core = default_engine_core(platform)
-        logger.info("engine core: %s (the default on %s; --engine-core thread|process to choose)",
-                    core, platform)
+    placement = engine_core_placement(core)
+    core = placement[0]
     if core == "thread":
         from jaxserve.engine.setup import build_engine
 
-        parts = build_engine(config, timer)
+        parts = build_engine(config, timer, engine_core=placement)
         if parts.is_follower:
             def follow() -> int:
                 parts.run_follower()
@@ -174,7 +183,7 @@ def open_engine(config, *, core: CoreMode = "auto", timer=None, max_waiting_requ
     tokenizer: list[concurrent.futures.Future] = []
     try:
         transport, info, stats = ProcessCore.spawn(
-            BuildEngine(config), timer=timer,
+            BuildEngine(config, placement), timer=timer,
             on_model_directory=lambda path: tokenizer.append(pool.submit(Tokenizer.from_pretrained, path)))
     except FollowerProcess as f:
         process = f.process  # (the name `f` is unbound after the except clause)

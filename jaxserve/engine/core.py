@@ -126,7 +126,8 @@ class EngineCore:
         try:
             bitmask = self.structured.bitmask(so) if constrained else None
             cg = cpu()
-            plan = self.runner.prepare(so) if bitmask is None else self.runner.prepare(so, bitmask)
+            batch = so.batch()  # the step as the runner takes it: typed rows, no scheduler state
+            plan = self.runner.prepare(batch) if bitmask is None else self.runner.prepare(batch, bitmask)
         except RequestFailedError as e:
             failed, plan = self._discard(so, e), None
         c2 = cpu()
@@ -205,7 +206,7 @@ class EngineCore:
             outputs[rid] = out
         # Prompt log-probs belong to the step that computed them: the request comes from the
         # step's own rows, finished or not (a request may end in the step that ends its prompt).
-        scheduled = {s.request_id: s.request for s in so.scheduled} if result.prompt_logprobs else {}
+        scheduled = dict(zip((s.request_id for s in so.scheduled), so.requests)) if result.prompt_logprobs else {}
         for rid, plp in result.prompt_logprobs.items():
             req = scheduled[rid]
             out = outputs.get(rid)

@@ -66,11 +66,12 @@ class BuildEngine:
     JAX) until it is called, in the engine process."""
 
     config: Any  # EngineConfig
+    engine_core: tuple[str, str] | None = None  # (where the core runs, why): the plan's entry
 
     def __call__(self, **kwargs: Any):
         from jaxserve.engine.setup import build_engine
 
-        return build_engine(self.config, **kwargs)
+        return build_engine(self.config, engine_core=self.engine_core, **kwargs)
 
 
 def _picklable(error: BaseException) -> BaseException:

@@ -166,7 +166,7 @@ def decode_step(data: bytes, runner) -> tuple[int, Any]:
     buffers = tuple(take((*ranks, n), dt) for n, dt in zip(layout.sizes, layout.dtypes))
     if offset != len(data):
         raise ValueError("a step message with trailing bytes")
-    return step_id, StepPlan((T, R), writes, buffers, [], np.zeros(0, np.int64), [], [])
+    return step_id, StepPlan((T, R), writes, buffers)  # nothing to read back: the leader collects
 
 
 # ---------------------------------------------------------------------------- the leader
@@ -344,8 +344,8 @@ class LeaderRunner:
     def is_sleeping(self) -> bool:
         return False
 
-    def prepare(self, scheduler_output, token_bitmask=None):
-        return self.model_runner.prepare(scheduler_output, token_bitmask)
+    def prepare(self, batch, token_bitmask=None):
+        return self.model_runner.prepare(batch, token_bitmask)
 
     def launch(self, plan):
         self.leader.send_step(plan)

@@ -5,11 +5,11 @@ the accelerator grid has 17. XLA compiles one program on few threads, so the buc
 compiled side by side, in processes: libtpu's compiler crashed when two compiles ran in
 threads of one process, and separate processes share nothing.
 
-Each worker gets a `StepRecipe` (everything the step programs are a function of: the model's
-config, the backend's plan, the rules, the mesh, the pages, the sampler) and builds from it,
-without weights, the same abstract arguments the runner has (the backend lays the abstract
-model out as for real weights: `prepare_model(..., abstract=True)`, the same fused layer),
-lowers the runner's step (`step_fn.step_program`) and compiles it for its devices: this
+Each worker gets a `StepRecipe` (runner/recipe.py: everything the step programs are a function
+of, quantized weights, KV scales and LoRA slots included) and builds from it, without weights,
+the same program and abstract arguments the runner has (`recipe.step_program`; the backend lays
+the abstract model out as for real weights: `prepare_model(..., abstract=True)`, the same fused
+layer), lowers one bucket's step and compiles it for its devices: this
 host's (a CPU), or a compile-only TPU topology (libtpu, no chip needed; the workers set
 ALLOW_MULTIPLE_LIBTPU_LOAD, since libtpu's lock file admits one process per host otherwise).
 The parent hands out one bucket at a time, largest first, to whichever worker is free.
@@ -37,36 +37,20 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
+
+from jaxserve.runner.recipe import StepRecipe
+
 logger = logging.getLogger(__name__)
 
 _RESULT = "@@compile-pool@@ "
-
-
-@dataclasses.dataclass(frozen=True)
-class StepRecipe:
-    """What a runner's step programs are a function of, picklable (see the module's doc)."""
-
-    arch: dict  # the HF config.json
-    platform: str  # the backend's platform ("cpu", "tpu", "gpu")
-    plan: dict  # the backend's DevicePlan, as a dict
-    attention_impl: str  # the model config's ("auto" is resolved inside the model)
-    rules: dict  # the serving rules
-    mesh_shape: tuple[int, int]  # (data, model)
-    target: dict  # the workers' devices: {"kind": "cpu"} or {"kind": "tpu", "topology": "v6e:2x4"}
-    num_pages: int
-    page_size: int
-    max_model_len: int
-    sampler_config: Any  # SamplerConfig
-
-    def pages_per_req(self) -> int:
-        return -(-self.max_model_len // self.page_size)
 
 
 def recipe_devices(target: dict):
     """The devices a recipe's programs are compiled for."""
     import jax
 
-    if target["kind"] == "tpu":
+    if target.get("kind") == "tpu":
         from jax.experimental import topologies
 
         return list(
@@ -75,152 +59,61 @@ def recipe_devices(target: dict):
     return jax.devices()
 
 
-def target_attention(
-    requested: str, platform: str, cfg, mesh, rules, page_size: int, kv_dtype, dtype
-) -> tuple[str, str | None]:
-    """(implementation, why not the kernel) that attention `requested` ("auto") takes on
-    `platform` for this model on `mesh`, decided as "auto" decides when serving there (the kernel's shape check on
-    one device's heads, else the reference): for programs compiled where that platform is not
-    JAX's default (compile-only topologies). `dtype`: the model's (a quantized cache's queries
-    come in it)."""
-    import jax
-
-    from jaxserve.models import sharding as ax
-    from jaxserve.models.interface import KV_CACHE_AXES
-    from jaxserve.pallas_kernels.kv_quant import attention_dtype
-    from jaxserve.pallas_kernels.ragged_paged_attention.ops import (
-        auto_candidates,
-        resolve_impl,
-        supports_check,
-    )
-    from jaxserve.runner.kv_cache import kv_cache_shape
-
-    candidates = (auto_candidates(platform, list(mesh.devices.flat)) if requested == "auto"
-                  else (resolve_impl(requested, platform),))  # "auto": by the GPUs' capability
-    spec = ax.logical_to_spec(KV_CACHE_AXES, kv_cache_shape(cfg, 1, page_size), mesh, rules)
-    split = ax.mesh_axes_size(mesh, spec[2])
-    notes = []
-    for impl in candidates:
-        check = supports_check(impl)
-        if check is None:
-            return impl, "; ".join(notes) or None
-        try:
-            check(
-                jax.ShapeDtypeStruct((1, cfg.num_heads // split, cfg.head_dim),
-                                     attention_dtype(kv_dtype, dtype)),
-                jax.ShapeDtypeStruct((1, page_size, cfg.num_kv_heads // split, cfg.head_dim),
-                                     kv_dtype),
-            )
-        except ValueError as e:
-            notes.append(f"{impl} kernel unsupported: {e}")
-            continue
-        return impl, "; ".join(notes) or None
-    return "reference", "; ".join(notes)
-
-
-def abstract_step(recipe: StepRecipe, devices=None):
-    """(step function, mesh, abstract weights, KV cache, sampling state, replicated sharding) as
-    a runner built from `recipe` holds them, without memory."""
-    import jax
-    from flax import nnx
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    from jaxserve.backends import DevicePlan, select_backend
-    from jaxserve.config import jax_dtype
-    from jaxserve.models.arch_config import ArchConfig
-    from jaxserve.models.weights import sharded_abstract_model
+def abstract_step(recipe: StepRecipe, devices=None) -> AbstractStep:
+    """The step program of `recipe` with its arguments as a runner built from it holds them,
+    without memory (on `devices`, default the recipe's target's)."""
+    from jaxserve.backends import select_backend
     from jaxserve.parallel.mesh import make_mesh
-    from jaxserve.runner.kv_cache import abstract_kv_cache
-    from jaxserve.runner.step_fn import StepFunction, abstract_sampling_state
+    from jaxserve.runner.recipe import abstract_model, step_program
 
     devices = recipe_devices(recipe.target) if devices is None else devices
-    D, M = recipe.mesh_shape
-    mesh = make_mesh(D, M, devices=devices)
-    cfg = ArchConfig.from_hf(recipe.arch)
-    plan = DevicePlan(**recipe.plan)
+    mesh = make_mesh(*recipe.mesh_shape, devices=devices)
     backend = select_backend(recipe.platform)
-    attention = recipe.attention_impl
-    if (
-        attention == "auto" and recipe.platform != jax.default_backend()
-    ):  # compile-only: "auto" of the target
-        attention = target_attention(
-            "auto",
-            recipe.platform,
-            cfg,
-            mesh,
-            recipe.rules,
-            recipe.page_size,
-            jax_dtype(plan.kv_dtype),
-            jax_dtype(plan.dtype),
-        )[0]
-    model = sharded_abstract_model(
-        cfg,
-        dtype=jax_dtype(plan.dtype),
-        mesh=mesh,
-        attention_impl=attention,
-        rules=recipe.rules,
-        moe_impl=plan.moe_impl,
-    )
-    backend.prepare_model(model, plan, abstract=True)
-    layer_impl = backend.layer_impl(model)
-    graphdef, state = nnx.split(model)
-    params, treedef = jax.tree.flatten(state)
+    model = abstract_model(recipe, mesh, backend)
+    program, params, _ = step_program(recipe, model, backend, mesh)
     params = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in params]
-    step = StepFunction(graphdef, treedef, layer_impl, recipe.sampler_config)
-    kv = abstract_kv_cache(
-        cfg, recipe.num_pages, recipe.page_size, jax_dtype(plan.kv_dtype), mesh, recipe.rules
-    )
-    rep = NamedSharding(mesh, P())
-    sstate = abstract_sampling_state(
-        recipe.sampler_config, NamedSharding(mesh, P("data")) if D > 1 else rep
-    )
-    return step, mesh, params, kv, sstate, rep
+    return AbstractStep(program, model, params + program.lora_arrays(abstract=True), program.abstract_kv(),
+                        program.abstract_state())
 
 
-def lower_bucket(recipe: StepRecipe, abstract, bucket: tuple[int, int]):
+@dataclasses.dataclass
+class AbstractStep:
+    """A recipe's step program and its abstract arguments (no memory)."""
+
+    program: Any  # runner/recipe.py's StepProgram
+    model: Any  # the abstract model (its variables' metadata: shard-plan's report)
+    params: list  # the weights' ShapeDtypeStructs, the LoRA slots' after them
+    kv: Any
+    sstate: Any
+
+    def lower(self, bucket: tuple[int, int]):
+        """(lower, abstract packed inputs) of `bucket`'s step."""
+        return self.program.lower(bucket, self.params, self.kv, self.sstate)
+
+
+def lower_bucket(recipe: StepRecipe, abstract: AbstractStep, bucket: tuple[int, int]):
     """The Lowered step of `bucket` over `abstract` (what `abstract_step` returned)."""
-    from jaxserve.runner.step_fn import step_layout, step_program
-
-    step, mesh, params, kv, sstate, rep = abstract
-    T, R = bucket
-    layout = step_layout(
-        T,
-        R,
-        pages_per_req=recipe.pages_per_req(),
-        page_size=recipe.page_size,
-        sampler_config=recipe.sampler_config,
-    )
-    lower, _ = step_program(step, layout, mesh, params, kv, sstate, rep)
-    return lower()
+    return abstract.lower(bucket)[0]()
 
 
 def step_memory(recipe: StepRecipe, bucket: tuple[int, int], devices=None, scope=None):
     """The `StepMemory` of `bucket`'s step compiled from `recipe` (abstract weights; on
     `devices`, default the recipe's target), through `scope` (an ExecutableScope: a restart
     loads the executable instead of compiling it) when given."""
-    from jaxserve.runner.step_fn import step_layout, step_program
     from jaxserve.runner.step_memory import StepMemory, bytes_on_device
 
-    step, mesh, params, kv, sstate, rep = abstract = abstract_step(recipe, devices)
+    abstract = abstract_step(recipe, devices)
+    lower, buffers = abstract.lower(bucket)
     T, R = bucket
-    layout = step_layout(
-        T,
-        R,
-        pages_per_req=recipe.pages_per_req(),
-        page_size=recipe.page_size,
-        sampler_config=recipe.sampler_config,
-    )
-    lower, buffers = step_program(step, layout, mesh, params, kv, sstate, rep)
     if scope is None:
         compiled = lower().compile()
     else:
         compiled = scope.get(
-            f"memory-{T}x{R}", (params, kv, sstate, *buffers), lambda: lower().compile()
+            f"memory-{T}x{R}", (abstract.params, abstract.kv, abstract.sstate, *buffers), lambda: lower().compile()
         )
-    del abstract
+    kv = abstract.kv
     return StepMemory.of(
-        compiled, bucket, weights=bytes_on_device(params), kv=bytes_on_device([*kv.k, *kv.v])
+        compiled, bucket, weights=bytes_on_device(abstract.params), kv=bytes_on_device([*kv.k, *kv.v])
     )
 
 

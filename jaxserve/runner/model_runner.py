@@ -1,4 +1,4 @@
-"""ModelRunner: turns a SchedulerOutput into one call of a precompiled step executable.
+"""ModelRunner: turns a step's typed batch into one call of a precompiled step executable.
 
 One executable per (T tokens, R requests) bucket does: replace pending input tokens by the
 tokens their slots sampled last -> fold the input tokens into the sampling state (penalty
@@ -11,13 +11,16 @@ misses the grid raises.
 A step runs in three parts, so that the engine can prepare and launch step t+1 while the
 device still computes step t:
 
-    plan = runner.prepare(scheduler_output)   # host only: slots, packing (numpy)
-    step = runner.launch(plan)                # the JAX calls; returns once dispatched
-    out = runner.collect(step)                # the one device->host transfer; waits for it
+    plan = runner.prepare(batch)    # host only: slots, packing (numpy)
+    step = runner.launch(plan)      # the JAX calls; returns once dispatched
+    out = runner.collect(step)      # the one device->host transfer; waits for it
 
-`prepare` reads the scheduler output and the runner's per-slot host state; `launch` needs only
-the plan (a multi-host follower would run it on a plan received from the leader); `collect`
-needs only the launched step.
+`prepare` reads the step's `StepBatch` (the scheduler's snapshot: typed rows, no `Request`) and
+the runner's per-slot host state, and packs it through runner/step_packing.py; `launch` needs
+only the plan (a multi-host follower runs it on a plan received from the leader); `collect`
+needs only the launched step. Everything the steps are a function of is the runner's
+`StepRecipe` (runner/recipe.py), from which the compile workers, the memory probes and
+shard-plan build the same programs.
 """
 
 from __future__ import annotations
@@ -30,24 +33,22 @@ from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
-from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh
 from tqdm import tqdm
 
-from jaxserve.core.sched_output import ScheduledRequest, SchedulerOutput
+from jaxserve.core.sched_output import StepBatch
 from jaxserve.outputs import SampleLogprobs
 from jaxserve.request import RequestFailedError
-from jaxserve.runner.buckets import BucketGrid
 from jaxserve.runner.compile import CompileCounter
-from jaxserve.runner.compile_pool import StepRecipe, compile_in_workers
+from jaxserve.runner.compile_pool import compile_in_workers
 from jaxserve.runner.executable_cache import ExecutableCache, ExecutableScope, canonical, executable_scope, signature
-from jaxserve.runner.kv_cache import abstract_kv_cache, allocate_kv_cache, zeros_compiler
-from jaxserve.runner.lora_slots import LoRASlots
+from jaxserve.runner.kv_cache import allocate_kv_cache, zeros_compiler
+from jaxserve.runner.lora_weights import LoRAWeights
+from jaxserve.runner.recipe import StepRecipe, step_program
 from jaxserve.runner.step_buffers import BufferLayout
-from jaxserve.runner.step_fn import (PromptLogprobs, StepFunction, abstract_sampling_state, step_layout,
-                                     step_program)
-from jaxserve.runner.step_inputs import TokenInfo, pack_rows
-from jaxserve.sampling.config import SamplerConfig
+from jaxserve.runner.step_fn import PromptLogprobs
+from jaxserve.runner.step_packing import (LogprobRow, PackedRank, PromptLogprobRows, SlotTable, pack_rank,
+                                          rank_rows)
 from jaxserve.sampling.metadata import SamplingMetadataBuilder
 from jaxserve.sampling.sampler import SamplerOutput
 from jaxserve.sampling.state import SlotRowsWrite, init_sampling_state, write_slot_rows
@@ -56,7 +57,6 @@ from jaxserve.startup_timer import StartupTimer
 
 if TYPE_CHECKING:
     from jaxserve.backends.base import Backend
-    from jaxserve.config import LoRAConfig
 
 logger = logging.getLogger(__name__)
 
@@ -72,16 +72,15 @@ class RunnerOutput:
 @dataclasses.dataclass(slots=True)
 class StepPlan:
     """One prepared step: the bucket, its inputs packed (`step_buffers`), and what `collect`
-    reads back."""
+    reads back (rows and tokens of the whole step: ranks one after another)."""
 
     bucket: tuple[int, int]  # (T, R)
     slot_writes: list[SlotRowsWrite]  # sampler rows of admitted requests, written first
     buffers: tuple[np.ndarray, ...]  # (ModelInputs, SamplingMetadata, TokenInfo), packed
-    sample_ids: list[str]  # the request of each row that samples, in row order
-    sample_rows: np.ndarray  # [n] int: those rows
-    logprob_rows: list[tuple[int, str, int]]  # (row, request id, top k)
-    # (request id, first flat token, count, first position, top k)
-    prompt_logprob_rows: list[tuple[str, int, int, int, int]]
+    sample_ids: list[str] = dataclasses.field(default_factory=list)  # each sampling row's request
+    sample_rows: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))
+    logprob_rows: list[LogprobRow] = dataclasses.field(default_factory=list)
+    prompt_logprob_rows: list[PromptLogprobRows] = dataclasses.field(default_factory=list)
     # LoRA adapters to write into their slots before the step: (slot, contents)
     lora_writes: list[tuple[int, list[np.ndarray]]] = dataclasses.field(default_factory=list)
     # Speculative decoding: request id -> its drafts (it samples on len + 1 rows)
@@ -99,78 +98,49 @@ class ModelRunner:
     def __init__(
         self,
         model,
+        recipe: StepRecipe,
         *,
         backend: Backend,
         mesh: Mesh,
-        num_pages: int,
-        page_size: int,
-        max_model_len: int,
-        max_num_seqs: int,
-        grid: BucketGrid,
-        sampler_config: SamplerConfig,
-        kv_dtype,
         seed: int = 0,
-        show_progress: bool = True,
-        rules=None,
-        timer: StartupTimer | None = None,
-        executable_cache: ExecutableCache | None = None,
-        lora: LoRAConfig | None = None,
+        max_cpu_loras: int | None = None,
         compile_workers: int = 1,
-        recipe: StepRecipe | None = None,
+        executable_cache: ExecutableCache | None = None,
+        show_progress: bool = True,
+        timer: StartupTimer | None = None,
     ):
-        """lora: LoRA adapters' slots (runner/lora_slots.py); None or not enabled: no LoRA path
-        (the steps are those of a runner without it)."""
-        self.mesh = mesh
-        self.rules = rules  # the sharding rules of the KV cache (None: the default "tp")
+        """The steps of `recipe` (runner/recipe.py: everything they are a function of) over
+        `model`'s weights, on `mesh`. The host-side options: `seed` (requests without one),
+        `max_cpu_loras` (the adapters' host LRU), `compile_workers` (processes compiling the
+        steps at a cold start, from the recipe), the executable cache."""
+        self.mesh, self.recipe, self.backend = mesh, recipe, backend
         # Data parallelism: D ranks, each with its own pages and its own range of S / D sampling
         # slots (see core/dp_scheduler.py); the step runs per rank inside a shard_map over "data".
         self.dp = mesh.shape.get("data", 1)
-        if max_num_seqs % self.dp:
-            raise ValueError(f"max_num_seqs ({max_num_seqs}) must be a multiple of the data-parallel size {self.dp}")
+        self.max_num_seqs = S = recipe.sampler_config.max_num_seqs
+        if S % self.dp:
+            raise ValueError(f"max_num_seqs ({S}) must be a multiple of the data-parallel size {self.dp}")
         self.cfg = model.config
-        self.num_pages = num_pages
-        self.page_size = page_size
-        self.kv_dtype = kv_dtype
-        self.pages_per_req = -(-max_model_len // page_size)
-        self.grid = grid
-        self.sampler_config = sampler_config
-        self.max_num_seqs = max_num_seqs
-        self.backend = backend
+        self.num_pages, self.page_size, self.kv_dtype = recipe.num_pages, recipe.page_size, recipe.kv_dtype
+        self.pages_per_req = recipe.pages_per_req()
+        self.grid = recipe.grid()
+        self.sampler_config = recipe.sampler_config
         timer = timer or StartupTimer()  # the phases of this runner's start (build_engine logs them)
-        self.graphdef, state = nnx.split(model)
-        # The weights travel to the step as a flat list of arrays: flattening the nnx State (one
-        # Variable per weight) on every call costs milliseconds of host time per step.
-        self.params, self._params_treedef = jax.tree.flatten(state)
-        del state
-        self.lora = None
-        if lora is not None and lora.enable_lora:
-            if not getattr(model, "supports_lora", False):
-                raise ValueError(f"LoRA adapters are not supported for {self.cfg.architecture}")
-            self.lora = LoRASlots(self.cfg, lora, model.dtype, mesh, rules)
-        # A backend's fused layer has no LoRA products: with LoRA the model's own layer runs.
-        self.layer_impl = backend.layer_impl(model) if self.lora is None else None
-        self.step_function = StepFunction(self.graphdef, self._params_treedef, self.layer_impl,
-                                          sampler_config,
-                                          None if self.lora is None else self.lora.treedef)
+        # The weights travel to the step as a flat list of arrays (flattening the nnx State on
+        # every call costs milliseconds of host time per step), the LoRA slots' after them.
+        self.program, self.params, self._params_treedef = step_program(recipe, model, backend, mesh, max_cpu_loras)
         with timer.phase("weight arena"):
             backend.place_weights(model, self.params, self._params_treedef)
-        # The LoRA slots' arrays follow the weights (rewritten when an adapter is loaded).
         self.num_weights = len(self.params)
-        if self.lora is not None:
-            self.params += self.lora.zeros()
-        self.replicated = NamedSharding(mesh, P())
-        # Slots split over "data" like the pages (one range per rank); replicated without it.
-        self.state_sharding = NamedSharding(mesh, P("data") if self.dp > 1 else P())
+        self.params += self.program.lora_arrays(abstract=False)
+        self.replicated, self.state_sharding = self.program.replicated, self.program.state_sharding
         self.counter = CompileCounter()
         self.executable_cache = executable_cache
-        # Cold starts: compile the missing steps in this many worker processes from `recipe`
-        # (what the steps are a function of, runner/compile_pool.py), then load them.
         self.compile_workers = compile_workers
-        self.recipe = recipe
         with self.counter.active(), timer.phase("kv cache"):
             self._scope = self._executable_scope()
             self._allocate_state()
-        self.builder = SamplingMetadataBuilder(sampler_config, seed=seed)
+        self.builder = SamplingMetadataBuilder(recipe.sampler_config, seed=seed)
         self._reset_slots()
         self._host_params: list[np.ndarray] | None = None  # the weights while asleep
         self._compiled: dict[tuple[int, int], jax.stages.Compiled] = {}
@@ -181,13 +151,17 @@ class ModelRunner:
         self.compile_seconds = time.perf_counter() - t0
         self.counter.mark_warm()
 
+    @property
+    def lora(self) -> LoRAWeights | None:
+        return self.program.lora
+
     def _allocate_state(self) -> None:
         """The KV cache and the sampling state (device), zeroed, by two small executables of the
         executable cache (as eager ops, some ten compilations: ~0.3 s of a start)."""
-        one = self._abstract_kv().k[0]
+        one = self.program.abstract_kv().k[0]
         zeros = self._scope.get("kv-zeros", (), zeros_compiler(one))
-        self.kv = allocate_kv_cache(self.cfg, self.num_pages, self.page_size, self.kv_dtype, self.mesh, self.rules,
-                                    zeros=zeros)
+        self.kv = allocate_kv_cache(self.cfg, self.num_pages, self.page_size, self.kv_dtype, self.mesh,
+                                    self.recipe.rules, zeros=zeros)
         # The backend's thread placing the host buffers (the CPU's huge pages), if any.
         self.host_placement = self.backend.place_kv_cache([*self.params, *self.kv.k, *self.kv.v])
         init = self._scope.get("sampling-state", (), lambda: jax.jit(
@@ -195,63 +169,56 @@ class ModelRunner:
         ).lower().compile())
         self.sstate = init()
 
-    def _abstract_kv(self):
-        return abstract_kv_cache(self.cfg, self.num_pages, self.page_size, self.kv_dtype, self.mesh, self.rules)
-
     def _reset_slots(self) -> None:
-        """Per-slot host state: which request holds each sampling slot, and its block table."""
-        S = self.max_num_seqs
-        per = S // self.dp  # each data-parallel rank's slots: [r * per, (r + 1) * per)
-        self.free_slots = [list(range((r + 1) * per - 1, r * per - 1, -1)) for r in range(self.dp)]
-        self.slot_of: dict[str, int] = {}
-        self.block_table = np.zeros((S, self.pages_per_req), np.int32)
-        self.num_blocks = np.zeros(S, np.int64)
-        self.prompt_len = np.zeros(S, np.int64)
-        self._logprobs_k: list[int | None] = [None] * S
-        self._prompt_logprobs_k: list[int | None] = [None] * S
-        self._prompt_ids: list[list[int] | None] = [None] * S
-        self.lora_slot = np.zeros(S, np.int32)  # the LoRA slot of each sampling slot's request
+        """Per-slot host state: which request holds each sampling slot, its block table, ..."""
+        self.slots = SlotTable(self.max_num_seqs, self.dp, self.pages_per_req, self.sampler_config.max_logprobs)
+
+    @property
+    def slot_of(self) -> dict[str, int]:
+        return self.slots.slot_of
 
     # ------------------------------------------------------------------ compilation
     def step_layout(self, T: int, R: int) -> BufferLayout:
         """How a (T, R) step's inputs (ModelInputs, SamplingMetadata, TokenInfo) are packed."""
-        return step_layout(T, R, pages_per_req=self.pages_per_req, page_size=self.page_size,
-                           sampler_config=self.sampler_config, lora=self.lora is not None)
+        return self.program.layout(T, R)
+
+    def _abstract_arguments(self):
+        shaped = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
+        return [shaped(x) for x in self.params], jax.tree.map(shaped, self.kv), jax.tree.map(shaped, self.sstate)
+
+    def lower(self, bucket: tuple[int, int]) -> jax.stages.Lowered:
+        """The Lowered step of `bucket` over this runner's arguments (its program: the one the
+        recipe's other users build, runner/recipe.py)."""
+        return self.program.lower(bucket, *self._abstract_arguments())[0]()
 
     def _compile_all(self, show_progress: bool) -> None:
-        shaped = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
-        params = [shaped(x) for x in self.params]
-        kv = jax.tree.map(shaped, self.kv)
-        sstate = jax.tree.map(shaped, self.sstate)
+        params, kv, sstate = self._abstract_arguments()
         shapes = self.grid.shapes()
-        # The cache and the sampling state keep their shardings from step to step; the step's
-        # results are replicated, so that every process can read them locally.
-        keep = (jax.tree.map(lambda x: x.sharding, self.kv), jax.tree.map(lambda x: x.sharding, self.sstate))
-        rep = self.replicated
         scope = self._scope
         self._compile_in_workers(shapes)
         for i, (T, R) in enumerate(tqdm(shapes, desc="compiling buckets", disable=not show_progress, unit="bucket")):
-            layout = self.layouts[(T, R)] = self.step_layout(T, R)
-            lower, buffers = step_program(self.step_function, layout, self.mesh, params, kv, sstate, rep)
+            self.layouts[(T, R)] = self.step_layout(T, R)
+            lower, buffers = self.program.lower((T, R), params, kv, sstate)
             t0, compiled_before = time.perf_counter(), scope.compiled
             self._compiled[(T, R)] = scope.get(f"step-{T}x{R}", (params, kv, sstate, *buffers),
                                                lambda: lower().compile())
             if scope.compiled != compiled_before:
                 logger.info("compiled step %dx%d in %.1fs: %d of %d steps ready, %d left", T, R,
                             time.perf_counter() - t0, i + 1, len(shapes), len(shapes) - i - 1)
+        rep = self.replicated
         rows = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep), self.empty_slot_write())
+        keep = jax.tree.map(lambda x: x.sharding, self.sstate)
         self._write_rows = scope.get("write-slot-rows", (sstate, rows), lambda: jax.jit(
-            write_slot_rows, donate_argnums=(0,), out_shardings=keep[1]).lower(sstate, rows).compile())
-        if self.lora is not None:
-            self.lora.compile_writer(scope, rep)
+            write_slot_rows, donate_argnums=(0,), out_shardings=keep).lower(sstate, rows).compile())
+        self.program.compile_lora_writer(scope)
         self.executables_loaded, self.executables_compiled = scope.loaded, scope.compiled
 
     def _compile_in_workers(self, shapes: list[tuple[int, int]]) -> None:
-        """Compile the steps the executable cache lacks in `compile_workers` processes, which
-        store them there (the loop of `_compile_all` then loads them); nothing without a cache,
-        a recipe or a second worker."""
+        """Compile the steps the executable cache lacks in `compile_workers` processes, from the
+        recipe, which store them there (the loop of `_compile_all` then loads them); nothing
+        without a cache, a compile target or a second worker."""
         scope = self._scope
-        if self.compile_workers <= 1 or self.recipe is None or scope.cache is None:
+        if self.compile_workers <= 1 or not self.recipe.target or scope.cache is None:
             return
         keys = {}
         for T, R in shapes:
@@ -281,11 +248,12 @@ class ModelRunner:
         """The keys of this runner's executables in the executable cache: everything the steps
         are a function of besides the environment (see runner/executable_cache.py)."""
         params = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in self.params]
-        kv, sstate = self._abstract_kv(), abstract_sampling_state(self.sampler_config, self.state_sharding)
-        layer = self.layer_impl and f"{self.layer_impl.__module__}.{self.layer_impl.__qualname__}"
+        kv, sstate = self.program.abstract_kv(), self.program.abstract_state()
+        fn = self.program.function
+        layer = fn.layer_impl and f"{fn.layer_impl.__module__}.{fn.layer_impl.__qualname__}"
         return executable_scope(
             self.executable_cache, self.mesh.devices.flat, **self.backend.fingerprint(),
-            graphdef=canonical(self.graphdef),
+            graphdef=canonical(fn.graphdef),
             params=signature(params), params_treedef=str(self._params_treedef), kv=signature(kv),
             sstate=signature(sstate), layer_impl=str(layer), sampler=canonical(self.sampler_config),
             mesh=repr(self.mesh), pages=f"{self.page_size} {self.pages_per_req} {self.num_pages} {self.dp}",
@@ -308,178 +276,60 @@ class ModelRunner:
         return len(self._compiled)
 
     # ------------------------------------------------------------------ per step
-    def _admit(self, s: ScheduledRequest, rank: int) -> int:
-        """Give a (re)admitted request a sampling slot of its rank and its rows; returns the slot."""
-        req = s.request
-        self._release(req.request_id)
-        free = self.free_slots[rank]
-        slot = free.pop()
-        p = req.sampling_params
-        eos = () if req.eos_token_id is None else (req.eos_token_id,)
-        try:
-            self.builder.admit(slot, p, eos, req.bad_words_token_ids)
-        except Exception as e:  # noqa: BLE001 - this request's parameters: it fails alone
-            free.append(slot)
-            raise RequestFailedError((req.request_id,), e) from e
-        self.slot_of[req.request_id] = slot
-        ids = s.new_block_ids
-        self.block_table[slot, : len(ids)] = ids
-        self.num_blocks[slot] = len(ids)
-        self.prompt_len[slot] = req.num_prompt_tokens
-        self._logprobs_k[slot] = p.logprobs
-        self._prompt_logprobs_k[slot] = p.prompt_logprobs
-        self._prompt_ids[slot] = req.prompt_token_ids if p.prompt_logprobs is not None else None
-        self.lora_slot[slot] = req.lora_slot
-        return slot
-
-    def _release(self, request_id: str) -> None:
-        slot = self.slot_of.pop(request_id, None)
-        if slot is not None:
-            self.free_slots[slot // (self.max_num_seqs // self.dp)].append(slot)
-
-    def prepare(self, so, token_bitmask: np.ndarray | None = None) -> StepPlan | None:
-        """The host half of a step (numpy only); None when nothing is scheduled. `so` is a
-        SchedulerOutput, or a DataParallelOutput (one per rank) with data parallelism.
-        `token_bitmask`: structured output's [len(so.scheduled), ceil(V/32)] int32 rows, in
-        batch order (ranks in order; None: nothing is masked)."""
-        for rid in so.finished_request_ids:
-            self._release(rid)
-        for rid in so.preempted_request_ids:
-            self._release(rid)
-        if so.is_empty:
+    def prepare(self, batch: StepBatch, token_bitmask: np.ndarray | None = None) -> StepPlan | None:
+        """The host half of a step (numpy only); None when nothing is scheduled. `batch`: the
+        scheduler's snapshot of the step (one tuple of rows per data-parallel rank).
+        `token_bitmask`: structured output's [rows, ceil(V/32)] int32 rows, in batch order
+        (ranks in order; None: nothing is masked)."""
+        for rid in batch.finished_request_ids:
+            self.slots.release(rid)
+        for rid in batch.preempted_request_ids:
+            self.slots.release(rid)
+        if batch.is_empty:
             return None
-        lora_writes = self._lora_writes(so) if so.lora_loads else []
-        rows = [self._rows(r, rank_so) for r, rank_so in enumerate(so.ranks)]
-        T, R = self.grid.pick(max(len(x[4]) for x in rows), max(len(x[0]) + sum(x[6]) for x in rows))
-        masks = [None] * len(rows)
-        if token_bitmask is not None:  # split by rank: so.scheduled lists the ranks' rows in order
-            bounds = np.cumsum([0] + [len(x[0]) for x in rows])
+        lora_writes = self._lora_writes(batch) if batch.adapter_loads else []
+        ranks = [rank_rows(rows, r, self.slots, self.builder) for r, rows in enumerate(batch.ranks)]
+        T, R = self.grid.pick(max(x.num_tokens for x in ranks), max(x.num_sample_rows for x in ranks))
+        masks = [None] * len(ranks)
+        if token_bitmask is not None:  # split by rank: the batch lists the ranks' rows in order
+            bounds = np.cumsum([0] + [len(x.rows) for x in ranks])
             masks = [token_bitmask[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
-        packs = [self._pack(r, x, T, R, m) for r, (x, m) in enumerate(zip(rows, masks))]
-        if self.dp == 1:
-            buffers = packs[0][0]
-        else:
-            buffers = tuple(np.stack([p[0][g] for p in packs]) for g in range(len(packs[0][0])))
-        sample_ids, sample_rows, logprob_rows, prompt_rows = [], [], [], []
-        for r, (_, ids, srows, lrows, prows) in enumerate(packs):
-            sample_ids += ids
-            sample_rows.append(srows + r * R)
-            logprob_rows += [(row + r * R, rid, k) for row, rid, k in lrows]
-            prompt_rows += [(rid, lo + r * T, count, first, k) for rid, lo, count, first, k in prows]
-        drafts = {s.request_id: s.token_ids[s.num_scheduled_tokens - s.num_draft_tokens:]
-                  for s in so.scheduled if s.num_draft_tokens}
-        return StepPlan((T, R), self.builder.take_slot_writes(), buffers, sample_ids, np.concatenate(sample_rows),
-                        logprob_rows, prompt_rows, drafts=drafts, lora_writes=lora_writes)
+        packs = [pack_rank(x, T, R, rank=r, table=self.slots, builder=self.builder, layout=self.layouts[(T, R)],
+                           page_size=self.page_size, lora=self.lora is not None, token_bitmask=m)
+                 for r, (x, m) in enumerate(zip(ranks, masks))]
+        drafts = {s.request_id: s.draft_token_ids for x in ranks if x.num_drafts for s in x.rows if s.num_draft_tokens}
+        return self._plan((T, R), packs, lora_writes, drafts)
 
-    def _lora_writes(self, so) -> list[tuple[int, list[np.ndarray]]]:
+    def _plan(self, bucket: tuple[int, int], packs: list[PackedRank], lora_writes, drafts) -> StepPlan:
+        """The ranks' packed inputs as one step: [D, ...] buffers, rows and tokens offset by rank."""
+        T, R = bucket
+        if drafts and max(map(len, drafts.values())) > self.recipe.num_speculative_tokens:
+            raise RuntimeError(f"a step feeds more drafts than the recipe's {self.recipe.num_speculative_tokens}")
+        writes = self.builder.take_slot_writes()
+        if len(packs) == 1:
+            p = packs[0]
+            return StepPlan(bucket, writes, p.buffers, p.sample_ids, p.sample_rows, p.logprob_rows,
+                            p.prompt_logprob_rows, lora_writes, drafts)
+        buffers = tuple(np.stack([p.buffers[g] for p in packs]) for g in range(len(packs[0].buffers)))
+        plan = StepPlan(bucket, writes, buffers, lora_writes=lora_writes, drafts=drafts)
+        for r, p in enumerate(packs):
+            plan.sample_ids += p.sample_ids
+            plan.logprob_rows += [LogprobRow(x.row + r * R, x.request_id, x.k) for x in p.logprob_rows]
+            plan.prompt_logprob_rows += [x._replace(first_token=x.first_token + r * T) for x in p.prompt_logprob_rows]
+        plan.sample_rows = np.concatenate([p.sample_rows + r * R for r, p in enumerate(packs)])
+        return plan
+
+    def _lora_writes(self, batch: StepBatch) -> list[tuple[int, list[np.ndarray]]]:
         """The contents of the adapters given a slot this step; an adapter that cannot be read
-        fails the requests that use it."""
+        fails the requests that use it (those admitted with its slot this step)."""
         writes = []
-        for slot, lora in so.lora_loads:
+        for slot, lora in batch.adapter_loads:
             try:
                 writes.append((slot, self.lora.host_copy(lora)))
             except Exception as e:  # noqa: BLE001 - this adapter's requests fail alone
-                users = [s.request_id for s in so.scheduled if s.request.lora_slot == slot]
+                users = [s.request_id for s in batch.rows if s.new is not None and s.new.adapter_slot == slot]
                 raise RequestFailedError(users, e) from e
         return writes
-
-    def _rows(self, rank: int, so: SchedulerOutput):
-        """One rank's rows: (slots, starts, lens, samples, tokens, scheduled, drafts per
-        request), admitting new requests."""
-        n = len(so.scheduled)
-        slots, starts, lens, samples, tokens = [0] * n, [0] * n, [0] * n, [False] * n, []
-        drafts = [s.num_draft_tokens for s in so.scheduled]
-        slot_of, table, num_blocks = self.slot_of, self.block_table, self.num_blocks
-        for i, s in enumerate(so.scheduled):
-            if s.is_new:
-                slot = self._admit(s, rank)
-            else:
-                slot = slot_of[s.request.request_id]
-                if s.new_block_ids:
-                    nb = num_blocks[slot]
-                    table[slot, nb : nb + len(s.new_block_ids)] = s.new_block_ids
-                    num_blocks[slot] = nb + len(s.new_block_ids)
-            slots[i], starts[i], lens[i], samples[i] = slot, s.start_pos, s.num_scheduled_tokens, s.sample
-            tokens.extend(s.token_ids)
-        return slots, starts, lens, samples, tokens, so.scheduled, drafts
-
-    def _pack(self, rank: int, rows, T: int, R: int, token_bitmask: np.ndarray | None):
-        """One rank's rows packed into a (T, R) bucket: (buffers, sample ids, sample rows,
-        logprob rows, prompt-logprob rows), rows and tokens indexed within the rank. Slots are
-        the rank's own (the step sees its range of the sampling state; the sentinel for "none"
-        is the range's size).
-
-        A request samples on one row, or with k drafts on k + 1 rows (its last k + 1 tokens'
-        logits, each with its own output position); rows are requests when no request drafts."""
-        slots, starts, lens, samples, tokens, scheduled, drafts = rows
-        per = self.max_num_seqs // self.dp
-        offset = rank * per
-        total = len(tokens)
-        slots_np = np.asarray(slots, np.int32)
-        starts_np, lens_np = np.asarray(starts, np.int64), np.asarray(lens, np.int64)
-        inputs = pack_rows(np.asarray(tokens, np.int32), starts_np, lens_np, self.block_table[slots_np],
-                           num_tokens=T, num_reqs=R, page_size=self.page_size)
-        tok_slots = np.full(T, offset, np.int32)
-        tok_slots[:total] = np.repeat(slots_np, lens_np)
-        valid = np.zeros(T, np.bool_)
-        valid[:total] = True
-        out_lens = starts_np + lens_np - self.prompt_len[slots_np]
-        samples_np = np.asarray(samples, np.bool_)
-        if any(drafts):
-            ks = np.asarray(drafts, np.int64)
-            per_req = 1 + ks
-            first_row = np.cumsum(per_req) - per_req
-            row_req = np.repeat(np.arange(len(slots)), per_req)  # [m] the request of each row
-            back = (first_row + ks)[row_req] - np.arange(len(row_req))  # [m] drafts after the row
-            logits_indices = np.zeros(R, np.int32)
-            logits_indices[: len(row_req)] = inputs.logits_indices[row_req] - back
-            inputs = dataclasses.replace(inputs, logits_indices=logits_indices)
-            # Drafts are not folded into the sampling state (a drafting request never reads it).
-            from_end = np.repeat(starts_np + lens_np, lens_np) - inputs.positions[:total]  # 1 = a row's last
-            valid[:total] = from_end > np.repeat(ks, lens_np)
-            out_lens = out_lens[row_req] - back
-            if token_bitmask is not None:
-                token_bitmask = np.repeat(token_bitmask, per_req, axis=0)
-        else:
-            row_req = first_row = np.arange(len(slots))
-        row_slots = slots_np[row_req]
-        is_prompt = valid & (inputs.positions < self.prompt_len[tok_slots])
-        sample_rows = np.flatnonzero(samples_np[row_req])
-        sample_slots = np.full(R, per, np.int32)
-        sample_slots[sample_rows] = row_slots[sample_rows] - offset
-        nxt = np.full(T, -1, np.int32)
-        logprob_rows, prompt_rows = [], []
-        lo = 0
-        for i, slot in enumerate(slots):
-            if samples[i] and self._logprobs_k[slot] is not None:
-                rid, k = scheduled[i].request.request_id, self._k(self._logprobs_k[slot])
-                first = int(first_row[i])
-                logprob_rows += [(row, rid, k) for row in range(first, first + 1 + drafts[i])]
-            if self._prompt_logprobs_k[slot] is not None:
-                pos = starts[i] + np.arange(lens[i])
-                has_next = pos + 1 < self.prompt_len[slot]
-                count = int(has_next.sum())  # the leading positions of the row
-                if count:
-                    nxt[lo : lo + count] = np.asarray(self._prompt_ids[slot], np.int32)[pos[:count] + 1]
-                    prompt_rows.append((scheduled[i].request.request_id, lo, count, starts[i] + 1,
-                                        self._k(self._prompt_logprobs_k[slot])))
-            lo += lens[i]
-        lora_slots = None
-        if self.lora is not None:
-            lora_slots = np.zeros(T, np.int32)
-            lora_slots[:total] = np.repeat(self.lora_slot[slots_np], lens_np)
-        tok = TokenInfo(slots=tok_slots - offset, is_prompt=is_prompt, valid=valid, next_prompt_token=nxt,
-                        sample_slots=sample_slots, lora_slots=lora_slots)
-        meta = self.builder.build(row_slots, out_lens, R, token_bitmask)
-        if self.dp > 1:  # the rank's own slot range
-            live = np.arange(R) < len(row_slots)
-            meta = dataclasses.replace(
-                meta, slots=np.where(live, meta.slots - offset, 0).astype(np.int32),
-                reset_slots=np.where(meta.reset_slots == self.max_num_seqs, per, meta.reset_slots - offset)
-                .astype(np.int32))
-        sample_ids = [scheduled[i].request.request_id for i in row_req[sample_rows].tolist()]
-        buffers = self.layouts[(T, R)].pack((inputs, meta, tok))
-        return buffers, sample_ids, sample_rows, logprob_rows, prompt_rows
 
     def launch(self, plan: StepPlan) -> LaunchedStep:
         """Dispatch the step (the sampler rows of admitted requests first); returns at once."""
@@ -521,15 +371,12 @@ class ModelRunner:
                                                           p_top[t, :k].tolist()) for t in range(lo, lo + count)])
         return RunnerOutput(sampled, logprobs, prompt_lps)
 
-    def execute(self, so: SchedulerOutput) -> RunnerOutput:
+    def execute(self, batch: StepBatch) -> RunnerOutput:
         """prepare, launch and collect one step."""
-        plan = self.prepare(so)
+        plan = self.prepare(batch)
         if plan is None:
             return RunnerOutput({}, {}, {})
         return self.collect(self.launch(plan))
-
-    def _k(self, requested: int) -> int:
-        return self.sampler_config.max_logprobs if requested < 0 else min(requested, self.sampler_config.max_logprobs)
 
     # ------------------------------------------------------------------ sleep mode
     @property

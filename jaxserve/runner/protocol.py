@@ -2,7 +2,8 @@
 
 Implemented by `ModelRunner` (the compiled steps on this process's devices), by the multi-host
 leader's `LeaderRunner` (each step sent to the followers before it is launched here) and by the
-tests' fakes. A step goes prepare (host: pack the batch; None when there is nothing to run) ->
+tests' fakes. A step goes prepare (host: pack the step's typed batch, `StepBatch`: the scheduler's
+snapshot, no live `Request`; None when there is nothing to run) ->
 launch (dispatch; returns at once) -> collect (wait, bring the sampled tokens to the host).
 The core passes every argument by position (the protocol's parameters are positional-only).
 """
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 if TYPE_CHECKING:
     import numpy as np
 
-    from jaxserve.core.protocol import ScheduledStep
+    from jaxserve.core.sched_output import StepBatch
     from jaxserve.runner.compile import CompileCounter
     from jaxserve.runner.model_runner import RunnerOutput
     from jaxserve.sampling.config import SamplerConfig
@@ -31,7 +32,7 @@ class StepRunner(Protocol):
     @property
     def is_sleeping(self) -> bool: ...
 
-    def prepare(self, scheduler_output: ScheduledStep, token_bitmask: np.ndarray | None = None, /
+    def prepare(self, batch: StepBatch, token_bitmask: np.ndarray | None = None, /
                 ) -> Any | None: ...
 
     def launch(self, plan: Any, /) -> Any: ...

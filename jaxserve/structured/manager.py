@@ -107,11 +107,11 @@ class StructuredOutputManager:
         self.remove(so.finished_request_ids)
         states = self._states
         rows: list[tuple[int, str, GrammarMatcher]] = []
-        for i, s in enumerate(so.scheduled):
-            st = states.get(s.request.request_id) if s.sample else None
+        for i, (s, req) in enumerate(zip(so.scheduled, so.requests)):
+            st = states.get(s.request_id) if s.sample else None
             if st is None:
                 continue
-            out = s.request.output_token_ids
+            out = req.output_token_ids
             if st.start is None and not self._reasoning_ended(st, out):
                 continue  # still reasoning: a free row
             m = st.matcher
@@ -119,7 +119,7 @@ class StructuredOutputManager:
                 m = st.matcher = st.grammar.matcher()
             for tok in out[st.start + m.num_tokens:]:
                 m.accept(tok)
-            rows.append((i, s.request.request_id, m))
+            rows.append((i, s.request_id, m))
         if not rows:
             return None
         mask = np.full((len(so.scheduled), self.words), -1, np.int32)

@@ -1,9 +1,10 @@
 """One configuration of `jaxserve shard-plan`: the real step compiled on abstract inputs.
 
-For a mesh, a rules table and a (T, R) bucket, this builds the model abstractly (no weights
-are read or allocated), lays its parameters, KV cache and sampling state over the mesh as the
-engine would, lowers the runner's own step function (`jaxserve.runner.step_fn`: model,
-sampler and all) and compiles it for the devices at hand: simulated CPU devices, a
+For a mesh, a rules table and a (T, R) bucket, this writes the step's recipe (runner/recipe.py:
+what `serve` would compile there) and builds from it, as the runner and its compile workers do,
+the model abstractly (no weights are read or allocated), its parameters, KV cache and sampling
+state laid over the mesh as the engine would, lowers the runner's own step (model, sampler and
+all) and compiles it for the devices at hand: simulated CPU devices, a
 compile-only TPU topology, GPU hosts, or the real devices. It then reads back what XLA
 decided: memory, cost (XLA's cost analysis; for GPUs compiled without one, which it leaves
 empty, the flops of the HLO's dots), the collectives and the kernels in the HLO. `--measure`
@@ -24,20 +25,17 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh
 
 from jaxserve.backends import select_backend
-from jaxserve.config import CacheConfig, LoRAConfig, ModelConfig, jax_dtype
+from jaxserve.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, jax_dtype
 from jaxserve.models import sharding as ax
 from jaxserve.models.arch_config import ArchConfig
 from jaxserve.models.interface import KV_CACHE_AXES
-from jaxserve.models.layers.linear import prepare_quantized_products
-from jaxserve.models.weights import abstract_model
-from jaxserve.runner.compile_pool import target_attention
+from jaxserve.runner.compile_pool import abstract_step
 from jaxserve.runner.kv_cache import abstract_kv_cache, bytes_per_page
-from jaxserve.runner.lora_slots import LoRASlots
-from jaxserve.runner.step_fn import StepFunction, abstract_sampling_state, step_layout
+from jaxserve.runner.lora_weights import LoRAWeights
+from jaxserve.runner.recipe import StepRecipe, program_fingerprint, target_attention
 from jaxserve.sampling.config import SamplerConfig
 from jaxserve.tools import hlo_ops
 from jaxserve.tools.hlo_collectives import parse_collectives, summarize
@@ -66,6 +64,7 @@ class PlanSettings:
     measure: bool = False
     steps: int = 5
     context: int | None = None  # decode context for --measure (default: min(max_model_len, 1024))
+    max_logprobs: int = EngineConfig.max_logprobs  # the sampler's top-logprobs width
     max_loras: int = 0  # LoRA adapters' device slots (0: LoRA off)
     max_lora_rank: int = 0
     # The FP8 / int4 weights' products: None, what the target's backend resolves (the TPU
@@ -122,7 +121,7 @@ def _requested_split(axes, shape, mesh: Mesh, rules) -> tuple[int, int, list[str
 def resolve_plan(settings: PlanSettings, cfg: ArchConfig, mesh: Mesh, rules) -> dict[str, Any]:
     """dtype, KV dtype, attention, MoE and quantized product implementations as the target's
     backend resolves them, the attention kernel checked on the per-device shapes (as
-    `impl="auto"` does when serving)."""
+    `impl="auto"` does when serving), and the backend's whole plan (`device_plan`)."""
     backend = select_backend(settings.platform)
     mc = ModelConfig(dtype=settings.dtype, attention_impl=settings.attention_impl, matmul_impl="xla")
     cc = CacheConfig(kv_cache_dtype=settings.kv_cache_dtype, page_size=settings.page_size)
@@ -131,19 +130,32 @@ def resolve_plan(settings: PlanSettings, cfg: ArchConfig, mesh: Mesh, rules) -> 
                                   jax_dtype(plan.kv_dtype), jax_dtype(plan.dtype))
     quant = settings.quant_matmul_impl or plan.quant_matmul_impl
     return {"dtype": plan.dtype, "kv_dtype": plan.kv_dtype, "attention_impl": impl, "attention_note": note,
-            "native_sampling": plan.native_sampling if mesh.size == 1 else None,
-            "moe_impl": plan.moe_impl, "quant_matmul_impl": quant}
+            "native_sampling": plan.native_sampling, "moe_impl": plan.moe_impl, "quant_matmul_impl": quant,
+            "device_plan": {**dataclasses.asdict(plan), "quant_matmul_impl": quant}}
 
 
 def lora_slots_group(settings: PlanSettings, cfg: ArchConfig, dtype, mesh: Mesh, rules):
     """The LoRA slots as the runner lays them out: (their parameter group's bytes, abstract
     arrays, structure)."""
-    slots = LoRASlots(cfg, LoRAConfig(enable_lora=True, max_loras=settings.max_loras,
-                                      max_lora_rank=settings.max_lora_rank), dtype, mesh, rules)
+    slots = LoRAWeights(cfg, LoRAConfig(enable_lora=True, max_loras=settings.max_loras,
+                                        max_lora_rank=settings.max_lora_rank), dtype, mesh, rules)
     leaves = slots.abstract()
     local = sum(_local_bytes(s) for s in leaves)
     group = {"per_device": local, "requested_per_device": local, "total": slots.nbytes}
     return group, leaves, slots.treedef
+
+
+def plan_recipe(settings: PlanSettings, cfg: ArchConfig, mesh: Mesh, rules, plan: dict, num_pages: int) -> StepRecipe:
+    """The step recipe of one configuration: the step `serve` would compile with these settings
+    on this mesh (the XLA product: packed CPU weights are one device's)."""
+    sampler_config = SamplerConfig(max_num_seqs=settings.max_num_seqs, vocab_size=cfg.vocab_size,
+                                   max_logprobs=settings.max_logprobs, native=plan["native_sampling"])
+    return StepRecipe(arch=settings.arch, platform=settings.platform, plan=plan["device_plan"],
+                      attention_impl=settings.attention_impl, rules=dict(rules),
+                      mesh_shape=(mesh.shape["data"], mesh.shape["model"]), target={}, num_pages=num_pages,
+                      page_size=settings.page_size, max_model_len=settings.max_model_len,
+                      sampler_config=sampler_config, quantization=settings.quantization,
+                      max_loras=settings.max_loras, max_lora_rank=settings.max_lora_rank if settings.max_loras else 0)
 
 
 def plan_one(settings: PlanSettings, mesh: Mesh, rules_spec: str, bucket: tuple[int, int],
@@ -153,98 +165,28 @@ def plan_one(settings: PlanSettings, mesh: Mesh, rules_spec: str, bucket: tuple[
     D = mesh.shape["data"]  # data-parallel ranks: as `serve`, each its own pages, slots and rows
     if settings.max_num_seqs % D:
         raise ValueError(f"max_num_seqs ({settings.max_num_seqs}) must be a multiple of the {D} data-parallel ranks")
+    if settings.max_loras and settings.measure:
+        raise ValueError("--measure does not run LoRA slots; plan --enable-lora without it")
     rules = ax.serving_rules(ax.load_rules(rules_spec), D)
     T, R = bucket
     rec: dict[str, Any] = {"mesh": f"{mesh.shape['data']}x{mesh.shape['model']}", "rules": ax.rules_name(rules_spec),
                            "bucket": [T, R], "device_kind": device_kind, "num_devices": mesh.size,
                            "data_parallel": D}
     plan = resolve_plan(settings, cfg, mesh, rules)
-    rec.update(plan)
-    dtype, kv_dtype = jax_dtype(plan["dtype"]), jax_dtype(plan["kv_dtype"])
-
-    # ---- parameters: abstract, with the engine's shardings
-    graphdef, abs_state, shardings = abstract_model(cfg, dtype=dtype, mesh=mesh, attention_impl=plan["attention_impl"],
-                                                    quantization=settings.quantization, rules=rules,
-                                                    moe_impl=plan["moe_impl"])
-    if plan["quant_matmul_impl"] != "xla":  # as the backend prepares the served model
-        model = nnx.merge(graphdef, abs_state)
-        prepare_quantized_products(model, plan["quant_matmul_impl"])
-        graphdef, abs_state = nnx.split(model)
-    groups: dict[str, dict[str, float]] = {}
-    replicated: list[str] = []
-    flat_params = []
-    leaves, treedef = jax.tree.flatten(abs_state)
-    sh_leaves = jax.tree.leaves(shardings)
-    variables = jax.tree_util.tree_leaves_with_path(abs_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    assert len(variables) == len(leaves) == len(sh_leaves)
-    paths = [_path(p) for p, _ in variables]
-    axes_of = {_path(p): v.get_metadata().get("logical_axes") for p, v in variables}
-    for path, leaf, sharding in zip(paths, leaves, sh_leaves):
-        s = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
-        flat_params.append(s)
-        g = groups.setdefault(param_group(path, len(leaf.shape)), {"per_device": 0, "requested_per_device": 0, "total": 0})
-        total = _nbytes(leaf.shape, leaf.dtype)
-        g["per_device"] += _local_bytes(s)
-        g["total"] += total
-        axes = axes_of.get(path)
-        if axes is None:
-            g["requested_per_device"] += total
-            continue
-        asked, granted, notes = _requested_split(axes, leaf.shape, mesh, rules)
-        g["requested_per_device"] += _local_bytes(s) * granted / asked
-        for note in notes:
-            text = f"{param_group(path, len(leaf.shape))}: {note}"
-            if text not in replicated:
-                replicated.append(text)
-    lora_treedef = None
-    if settings.max_loras:  # the adapters' slots travel after the weights, as in the runner
-        if settings.measure:
-            raise ValueError("--measure does not run LoRA slots; plan --enable-lora without it")
-        groups["lora_slots"], lora_leaves, lora_treedef = lora_slots_group(settings, cfg, dtype,
-                                                                           mesh, rules)
-        flat_params += lora_leaves
-    rec["params"] = {"per_device": int(sum(g["per_device"] for g in groups.values())),
-                     "total": int(sum(g["total"] for g in groups.values())),
-                     "groups": {k: {kk: int(vv) for kk, vv in v.items()} for k, v in sorted(groups.items())},
-                     "replicated": replicated}
-
-    # ---- KV cache: pages for the budget, per device
-    probe = abstract_kv_cache(cfg, 1, settings.page_size, kv_dtype, mesh, rules).k[0]
-    kv_spec = probe.sharding.spec
-    page_split = ax.mesh_axes_size(mesh, ax.logical_to_spec(KV_CACHE_AXES, (1 << 20, 1, 1, 1), mesh, rules)[0])
-    per_page = bytes_per_page(cfg, settings.page_size, kv_dtype, mesh, rules)  # on the devices that hold it
-    pages_per_req = -(-settings.max_model_len // settings.page_size)
-    wanted = D * (settings.max_num_seqs // D * pages_per_req + 1)  # + each rank's null page
-    if settings.kv_cache_memory is not None:
-        num_pages = int(settings.kv_cache_memory // per_page) * page_split
-    else:
-        num_pages = -(-wanted // page_split) * page_split
-    num_pages = max(num_pages, 2 * page_split)
-    kv = abstract_kv_cache(cfg, num_pages, settings.page_size, kv_dtype, mesh, rules)
-    kv_local = sum(_local_bytes(a) for a in (*kv.k, *kv.v))
-    rec["kv"] = {"dtype": plan["kv_dtype"], "bytes_per_page_per_device": per_page // page_split if page_split > 1
-                 else per_page, "page_size": settings.page_size, "num_pages": num_pages,
-                 "tokens": (num_pages - D) * settings.page_size, "per_device": kv_local,
-                 "spec": str(kv_spec), "budget": settings.kv_cache_memory,
-                 "workload_pages": wanted, "fits_workload": num_pages >= wanted,
-                 "max_requests_at_max_len": D * ((num_pages // D - 1) // pages_per_req)}
-    # ---- sampling state (its slots split over "data" like the pages) and step inputs
-    # (replicated), as the runner has them
-    replicated_sh = NamedSharding(mesh, P())
-    sampler_config = SamplerConfig(max_num_seqs=settings.max_num_seqs, vocab_size=cfg.vocab_size,
-                                   native=plan["native_sampling"])
-    sstate = abstract_sampling_state(sampler_config, NamedSharding(mesh, P("data")) if D > 1 else replicated_sh)
-    rec["sampling_state_per_device"] = sum(_local_bytes(a) for a in jax.tree.leaves(sstate))
-    layout = step_layout(T, R, pages_per_req=pages_per_req, page_size=settings.page_size,
-                         sampler_config=sampler_config, lora=lora_treedef is not None)
-    step = StepFunction(graphdef, treedef, None, sampler_config, lora_treedef)
+    rec.update({k: v for k, v in plan.items() if k != "device_plan"})
+    rec["kv"], num_pages, pages_per_req = kv_record(settings, cfg, mesh, rules, plan["kv_dtype"])
+    recipe = plan_recipe(settings, cfg, mesh, rules, plan, num_pages)
     if mesh.size > 1 or settings.platform != "cpu":
         ax.check_servable(rules)
+    # ---- the step as the runner builds it from its recipe: abstract weights, KV cache and
+    # sampling state with the engine's shardings (runner/recipe.py)
+    abstract = abstract_step(recipe, devices=list(mesh.devices.flat))
+    rec["params"] = params_record(abstract, settings, cfg, mesh, rules)
+    rec["kv"]["per_device"] = sum(_local_bytes(a) for a in (*abstract.kv.k, *abstract.kv.v))
+    rec["sampling_state_per_device"] = sum(_local_bytes(a) for a in jax.tree.leaves(abstract.sstate))
     t0 = time.perf_counter()
-    if D > 1:  # the bucket is each rank's
-        lowered = step.lower_data_parallel(layout, mesh, flat_params, kv, sstate, replicated_sh)
-    else:
-        lowered = step.lower(layout, flat_params, kv, sstate, replicated_sh)
+    lowered = abstract.lower(bucket)[0]()
+    rec["program_fingerprint"] = program_fingerprint(lowered)
     try:
         compiled = lowered.compile()
     except Exception as e:  # a compiler that refuses for lack of memory is a verdict, not an error
@@ -263,9 +205,65 @@ def plan_one(settings: PlanSettings, mesh: Mesh, rules_spec: str, bucket: tuple[
     if settings.measure:
         from jaxserve.tools.plan_measure import measure_step
 
-        rec["measure"] = measure_step(settings, cfg, mesh, rules, plan, compiled, layout, sampler_config,
-                                      num_pages, pages_per_req, bucket)
+        rec["measure"] = measure_step(settings, cfg, mesh, rules, plan, compiled, abstract.program.layout(T, R),
+                                      recipe.sampler_config, num_pages, pages_per_req, bucket)
     return rec
+
+
+def params_record(abstract, settings: PlanSettings, cfg: ArchConfig, mesh: Mesh, rules) -> dict[str, Any]:
+    """The weights per device by group (attention, mlp, moe, embed, lm_head, norms, the LoRA
+    slots), as placed and as the rules asked, and what stays whole because the mesh does not
+    divide it."""
+    groups: dict[str, dict[str, float]] = {}
+    replicated: list[str] = []
+    _, abs_state = nnx.split(abstract.model)
+    variables = jax.tree_util.tree_leaves_with_path(abs_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    for p, var in variables:
+        path, s = _path(p), var.get_value()
+        g = groups.setdefault(param_group(path, len(s.shape)), {"per_device": 0, "requested_per_device": 0, "total": 0})
+        total = _nbytes(s.shape, s.dtype)
+        g["per_device"] += _local_bytes(s)
+        g["total"] += total
+        axes = var.get_metadata().get("logical_axes")
+        if axes is None:
+            g["requested_per_device"] += total
+            continue
+        asked, granted, notes = _requested_split(axes, s.shape, mesh, rules)
+        g["requested_per_device"] += _local_bytes(s) * granted / asked
+        for note in notes:
+            text = f"{param_group(path, len(s.shape))}: {note}"
+            if text not in replicated:
+                replicated.append(text)
+    lora = abstract.program.lora
+    if lora is not None:  # the adapters' slots travel after the weights, as in the runner
+        local = sum(_local_bytes(x) for x in lora.abstract())
+        groups["lora_slots"] = {"per_device": local, "requested_per_device": local, "total": lora.nbytes}
+    return {"per_device": int(sum(g["per_device"] for g in groups.values())),
+            "total": int(sum(g["total"] for g in groups.values())),
+            "groups": {k: {kk: int(vv) for kk, vv in v.items()} for k, v in sorted(groups.items())},
+            "replicated": replicated}
+
+
+def kv_record(settings: PlanSettings, cfg: ArchConfig, mesh: Mesh, rules, kv_dtype_name: str):
+    """(the KV cache's record, its pages for the budget, pages per request at max_model_len)."""
+    D, kv_dtype = mesh.shape["data"], jax_dtype(kv_dtype_name)
+    probe = abstract_kv_cache(cfg, 1, settings.page_size, kv_dtype, mesh, rules).k[0]
+    page_split = ax.mesh_axes_size(mesh, ax.logical_to_spec(KV_CACHE_AXES, (1 << 20, 1, 1, 1), mesh, rules)[0])
+    per_page = bytes_per_page(cfg, settings.page_size, kv_dtype, mesh, rules)  # on the devices that hold it
+    pages_per_req = -(-settings.max_model_len // settings.page_size)
+    wanted = D * (settings.max_num_seqs // D * pages_per_req + 1)  # + each rank's null page
+    if settings.kv_cache_memory is not None:
+        num_pages = int(settings.kv_cache_memory // per_page) * page_split
+    else:
+        num_pages = -(-wanted // page_split) * page_split
+    num_pages = max(num_pages, 2 * page_split)
+    rec = {"dtype": kv_dtype_name, "bytes_per_page_per_device": per_page // page_split if page_split > 1
+           else per_page, "page_size": settings.page_size, "num_pages": num_pages,
+           "tokens": (num_pages - D) * settings.page_size, "per_device": None,
+           "spec": str(probe.sharding.spec), "budget": settings.kv_cache_memory,
+           "workload_pages": wanted, "fits_workload": num_pages >= wanted,
+           "max_requests_at_max_len": D * ((num_pages // D - 1) // pages_per_req)}
+    return rec, num_pages, pages_per_req
 
 
 def memory_record(compiled, device_memory: int | None) -> dict[str, Any]:

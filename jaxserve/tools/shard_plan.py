@@ -62,7 +62,7 @@ def _names(text: str) -> list[str]:
 # of those whose default differs here.
 ENGINE_FLAGS = ("max_model_len", "max_num_seqs", "kv_cache_memory_bytes", "page_size", "dtype", "kv_cache_dtype",
                 "attention_impl", "quantization", "revision", "download_dir", "gguf_file",
-                "enable_lora", "max_loras", "max_lora_rank")
+                "enable_lora", "max_loras", "max_lora_rank", "max_logprobs")
 _PLAN_HELP = {
     "max_num_seqs": "Sequences the KV cache must hold at max-model-len when --kv-cache-memory is not given "
                     "(default: the largest request bucket).",
@@ -223,7 +223,8 @@ def build_jobs(args, arch: dict) -> list[dict]:
                     dtype=engine.model.dtype, kv_cache_dtype=engine.cache.kv_cache_dtype,
                     attention_impl=engine.model.attention_impl, quantization=engine.model.quantization,
                     device_memory=args.device_memory, measure=args.measure, steps=args.steps,
-                    context=args.context, max_loras=engine.lora.max_loras if engine.lora.enable_lora else 0,
+                    context=args.context, max_logprobs=engine.max_logprobs,
+                    max_loras=engine.lora.max_loras if engine.lora.enable_lora else 0,
                     max_lora_rank=engine.lora.max_lora_rank)
     jobs = []
     for target, count, platform in targets:

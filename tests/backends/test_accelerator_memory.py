@@ -120,7 +120,7 @@ def _llama8b_layers(n: int, vocab_size: int | None = None) -> dict:
 def _recipe(topology: str, num_pages: int):
     from jaxserve.models.sharding import load_rules
 
-    from jaxserve.runner.compile_pool import StepRecipe
+    from jaxserve.runner.recipe import StepRecipe
     from jaxserve.sampling.config import SamplerConfig
 
     arch = _llama8b_layers(1, vocab_size=32000)

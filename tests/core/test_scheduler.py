@@ -81,8 +81,9 @@ def test_single_request_lifecycle():
     (x,) = out.scheduled
     assert (x.start_pos, x.num_scheduled_tokens, x.sample) == (0, 5, True)
     assert x.is_new and not x.is_resumed
-    assert list(x.token_ids) == r.prompt_token_ids and x.request is r
-    assert x.new_block_ids == (1, 2) and x.num_prompt_tokens == 5 and x.end_pos == 5
+    assert list(x.token_ids) == r.prompt_token_ids and out.requests == (r,)
+    assert x.new.prompt_token_ids == tuple(r.prompt_token_ids) and x.new.sampling_params is r.sampling_params
+    assert x.new_block_ids == (1, 2) and x.new.num_prompt_tokens == 5 and x.end_pos == 5
     assert out.total_num_scheduled_tokens == 5 and not fin
     assert r.output_token_ids == [7] and r.num_computed_tokens == 5 and r.status == S.RUNNING
 
@@ -184,7 +185,7 @@ def test_prefix_hit_in_scheduler_and_stats():
     out, _ = step(s)
     x = out.scheduled[-1]
     assert (x.request_id, x.start_pos, x.num_scheduled_tokens, x.sample) == ("b", 12, 1, True)
-    assert x.token_ids == (22,) and x.is_new and x.request.prompt_token_ids == prompt
+    assert x.token_ids == (22,) and x.is_new and x.new.prompt_token_ids == tuple(prompt)
     assert b.num_cached_tokens == 12
     assert x.new_block_ids[:3] == (1, 2, 3)  # its whole table: first the blocks a filled
     st = s.make_stats()

@@ -151,9 +151,11 @@ def check_output(s: Scheduler, out: SchedulerOutput, runner: FakeRunner) -> None
     assert out.total_num_scheduled_tokens <= cfg.max_num_batched_tokens
     assert len(out.scheduled) <= cfg.max_num_seqs
     assert len({x.request_id for x in out.scheduled}) == len(out.scheduled)
-    for x in out.scheduled:
-        r = s.requests[x.request_id]
-        assert x.request is r and x.num_scheduled_tokens == len(x.token_ids) > 0
+    assert len(out.requests) == len(out.scheduled)
+    for x, r in zip(out.scheduled, out.requests):
+        assert s.requests[x.request_id] is r and x.num_scheduled_tokens == len(x.token_ids) > 0
+        # the runner's side of a row is a snapshot: no Request in it
+        assert x.new is None if not x.is_new else x.new.prompt_token_ids == tuple(r.prompt_token_ids)
         pending = r.num_output_placeholders - x.sample  # tokens in flight before this step
         assert r.num_computed_tokens == x.end_pos <= r.num_tokens + pending
         known = r.get_token_ids(x.start_pos, x.end_pos)

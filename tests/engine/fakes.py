@@ -13,7 +13,7 @@ import time
 import numpy as np
 
 from jaxserve.core.kv_cache_manager import KVCacheManager
-from jaxserve.core.sched_output import PENDING, SchedulerOutput
+from jaxserve.core.sched_output import PENDING, NewRequestData, StepBatch
 from jaxserve.core.scheduler import Scheduler, SchedulerConfig
 from jaxserve.engine.core import EngineCore
 from jaxserve.engine.input_processor import ModelInfo
@@ -112,23 +112,29 @@ class FakeRunner:
         self.last: dict[str, int] = {}
         self.scheduled: list[list[str]] = []
         self.prompts: list[list[int]] = []  # of each request, when it first runs
+        self.requests: dict[str, NewRequestData] = {}  # the running requests' snapshots
         self.counter = _Counter()
         self.is_sleeping = False
 
-    def prepare(self, so: SchedulerOutput, token_bitmask: np.ndarray | None = None) -> _Plan | None:
-        if so.is_empty:
+    def prepare(self, batch: StepBatch, token_bitmask: np.ndarray | None = None) -> _Plan | None:
+        for rid in (*batch.finished_request_ids, *batch.preempted_request_ids):
+            self.requests.pop(rid, None)
+        if batch.is_empty:
             return None
         rows, prompt_rows = [], []
-        for s in so.scheduled:
-            if s.is_new and self.reject_token is not None and self.reject_token in s.request.prompt_token_ids:
-                self.num_failed_prepares += 1
-                raise RequestFailedError([s.request_id], ValueError(f"the runner cannot take token {self.reject_token}"))
-            if s.is_new and not s.is_resumed:
-                self.prompts.append(list(s.request.prompt_token_ids))
-            rows.append((s.request_id, list(s.token_ids), s.start_pos, s.sample, s.request.sampling_params.logprobs))
-            if s.request.sampling_params.prompt_logprobs is not None:
-                prompt_rows.append((s.request_id, s.start_pos, s.num_scheduled_tokens, s.num_prompt_tokens))
-        self.scheduled.append([s.request_id for s in so.scheduled])
+        for s in batch.rows:
+            if s.is_new:  # what a runner keeps of a request comes from its admission's snapshot
+                if self.reject_token is not None and self.reject_token in s.new.prompt_token_ids:
+                    self.num_failed_prepares += 1
+                    raise RequestFailedError([s.request_id], ValueError(f"the runner cannot take token {self.reject_token}"))
+                if not s.is_resumed:
+                    self.prompts.append(list(s.new.prompt_token_ids))
+                self.requests[s.request_id] = s.new
+            new = self.requests[s.request_id]
+            rows.append((s.request_id, list(s.token_ids), s.start_pos, s.sample, new.sampling_params.logprobs))
+            if new.sampling_params.prompt_logprobs is not None:
+                prompt_rows.append((s.request_id, s.start_pos, s.num_scheduled_tokens, new.num_prompt_tokens))
+        self.scheduled.append([s.request_id for s in batch.rows])
         if token_bitmask is not None:
             self.masked_steps += 1
             assert token_bitmask.shape == (len(rows), (self.sampler_config.vocab_size + 31) // 32)

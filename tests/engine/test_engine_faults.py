@@ -101,7 +101,7 @@ def test_the_real_runner_fails_a_request_it_cannot_take_alone(tmp_path, compile_
     assert_idle(engine.core)
     runner = engine.core.runner
     # no slot lost (finished requests hand theirs back at the next step)
-    assert sum(map(len, runner.free_slots)) + len(runner.slot_of) == runner.max_num_seqs and "bad" not in runner.slot_of
+    assert sum(map(len, runner.slots.free)) + len(runner.slot_of) == runner.max_num_seqs and "bad" not in runner.slot_of
     engine.failures.clear()
     # The offline API raises for the batch that holds such a request, and stays usable.
     with pytest.raises(ValueError, match="prompt 1"):

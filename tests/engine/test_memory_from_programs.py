@@ -52,7 +52,7 @@ def _llm(monkeypatch, options, memory: int):
 def test_the_cache_takes_what_the_step_leaves_and_the_context_is_fitted_to_it(
     monkeypatch, caplog, small_engine_options
 ):
-    with caplog.at_level(logging.INFO, logger="jaxserve.engine.setup"):
+    with caplog.at_level(logging.INFO, logger="jaxserve.engine"):
         llm = _llm(monkeypatch, _options(small_engine_options), int(0.9 * GiB))
     text = caplog.text
     assert "memory per device: 0.90 GiB per device x 0.9 = 0.81 GiB; weights" in text, text
@@ -112,3 +112,29 @@ def test_steps_compiled_in_worker_processes_load_and_generate(
         llm.generate(prompt, params)[0].outputs[0].token_ids
         == small_llm.generate(prompt, params)[0].outputs[0].token_ids
     )
+
+
+def test_quantized_and_lora_models_are_sized_from_their_programs_and_compiled_in_workers(
+    monkeypatch, caplog, tmp_path
+):
+    """int8 weights, an fp8 KV cache and LoRA slots: the step's recipe describes them
+    (runner/recipe.py), so the memory probe sizes their KV cache from their own programs and
+    the compile workers compile their steps, which the engine loads and serves (a tiny model)."""
+    from jaxserve import LLM
+
+    from tests.model_dirs import write_model_dir
+
+    monkeypatch.setattr(setup, "select_backend", lambda: _SizedLikeAnAccelerator(GiB // 4))
+    options = dict(model=str(write_model_dir(tmp_path / "m")), dtype="float32", quantization="int8",
+                   kv_cache_dtype="fp8", enable_lora=True, max_loras=2, max_lora_rank=8, max_num_seqs=8,
+                   token_buckets=(16, 32), request_buckets=(8,), compile_workers=2,
+                   compilation_cache_dir=str(tmp_path / "cache"), show_progress=False)
+    with caplog.at_level(logging.INFO, logger="jaxserve"):
+        llm = LLM(**options)
+    text = caplog.text
+    assert "memory per device: 0.25 GiB per device x 0.9" in text, text
+    assert "compiling 2 steps in 2 processes" in text, text
+    runner = llm.engine.parts.model_runner
+    assert runner.executables_loaded >= 2 and runner.recipe.quantization == "int8" and runner.lora is not None
+    out = llm.generate(["w5 w6 w7"], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4

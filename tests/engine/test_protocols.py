@@ -113,7 +113,7 @@ def test_the_check_finds_a_missing_member_and_a_changed_signature():
     class Partial:
         sampler_config = counter = is_sleeping = None
 
-        def prepare(self, so):  # the bitmask parameter is gone
+        def prepare(self, batch):  # the bitmask parameter is gone
             return None
 
         def launch(self, plan): ...
@@ -123,7 +123,7 @@ def test_the_check_finds_a_missing_member_and_a_changed_signature():
         def wake_up(self): ...
 
     assert missing(StepRunner, Partial) == [
-        "collect: missing", "prepare('so',): the protocol has ('scheduler_output', 'token_bitmask')"]
+        "collect: missing", "prepare('batch',): the protocol has ('batch', 'token_bitmask')"]
 
     class Renamed:
         def update_from_output(self, out, sampled, keep=1): ...  # positional-only: any names

@@ -56,7 +56,7 @@ def test_a_second_engine_reads_the_packed_weights(model_dir, tmp_path, caplog):
     assert _tokens(second) == _tokens(first)
     runner = second.engine.core.runner
     assert runner.executables_compiled == 0  # the same shardings: the same executables
-    assert runner.layer_impl is not None  # still the fused layer over packed weights
+    assert runner.program.function.layer_impl is not None  # still the fused layer over packed weights
 
 
 def test_a_changed_checkpoint_or_dtype_misses(model_dir, tmp_path, caplog):

@@ -88,10 +88,10 @@ def test_host_copies_padded_to_the_slot_and_kept_in_an_lru(data_dir, cfg):
     from jaxserve.config import LoRAConfig
     from jaxserve.lora_request import LoRARequest
     from jaxserve.models.sharding import single_device_mesh
-    from jaxserve.runner.lora_slots import LoRASlots
+    from jaxserve.runner.lora_weights import LoRAWeights
 
     config = LoRAConfig(enable_lora=True, max_loras=2, max_lora_rank=8, max_cpu_loras=2)
-    slots = LoRASlots(cfg, config, np.float32, single_device_mesh())
+    slots = LoRAWeights(cfg, config, np.float32, single_device_mesh())
     reqs = [LoRARequest(n, i, str(data_dir / "lora" / "llama" / n)) for i, n in enumerate("abc", 1)]
     values = slots.host_copy(reqs[0])  # rank 4 on q/k/v/o
     tree = jax.tree.unflatten(slots.treedef, values)

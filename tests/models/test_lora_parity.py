@@ -22,7 +22,7 @@ from jaxserve.models.weights import create_model
 from jaxserve.parallel.mesh import make_mesh
 from jaxserve.runner.executable_cache import executable_scope
 from jaxserve.runner.kv_cache import allocate_kv_cache
-from jaxserve.runner.lora_slots import LoRASlots
+from jaxserve.runner.lora_weights import LoRAWeights
 from jaxserve.runner.step_inputs import StepRequest, pack_step
 from tests.models.test_arch_parity import load_fixture
 
@@ -40,7 +40,7 @@ def test_mixed_batch_matches_merged_peft(arch, tp, data_dir):
     cfg, tensors, base = load_fixture(data_dir, arch)
     mesh = single_device_mesh() if tp == 1 else make_mesh(1, tp)
     model = create_model(cfg, dtype=jnp.float32, get_tensor=tensors.__getitem__, mesh=mesh)
-    slots = LoRASlots(
+    slots = LoRAWeights(
         cfg, LoRAConfig(enable_lora=True, max_loras=3, max_lora_rank=8), jnp.float32, mesh
     )
     if tp > 1:  # q_proj's B [S, R, Hq, D] over its heads, o_proj's A [S, Hq, D, R] too

@@ -25,6 +25,10 @@ def _start_up_line(model_dir, cache_dir, engine_core: str) -> str:
     assert proc.returncode == 0, out[-2000:]
     lines = [line for line in out.splitlines() if "start-up " in line and "since launch" in line]
     assert len(lines) == 1, out[-3000:]
+    # The engine's plan, once, with where its core runs and why (engine/plan.py).
+    plans = [line for line in out.splitlines() if "engine plan: " in line]
+    assert len(plans) == 1 and f"engine_core {engine_core} (given (--engine-core))" in plans[0], out[-3000:]
+    assert "dtype " in plans[0] and "kv_cache " in plans[0], plans[0]
     return lines[0]
 
 

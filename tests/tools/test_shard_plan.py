@@ -209,7 +209,7 @@ def test_lora_slots_are_counted_as_the_runner_places_them():
     of the runner's slots (B split over the heads and MLP columns like its weight). (The step
     that plan_one compiles with them is the engine's: tests/engine/test_lora.py runs it.)"""
     from jaxserve.config import LoRAConfig
-    from jaxserve.runner.lora_slots import LoRASlots
+    from jaxserve.runner.lora_weights import LoRAWeights
     from jaxserve.tools.plan_compile import lora_slots_group
 
     settings = PlanSettings(arch=TINY, platform="cpu", max_model_len=128, max_num_seqs=8,
@@ -217,7 +217,7 @@ def test_lora_slots_are_counted_as_the_runner_places_them():
     mesh, cfg = make_mesh(1, 2), ArchConfig.from_hf(TINY)
     group, leaves, _ = lora_slots_group(settings, cfg, jnp.float32, mesh, load_rules("tp"))
     lora = LoRAConfig(enable_lora=True, max_loras=4, max_lora_rank=8)
-    live = LoRASlots(cfg, lora, jnp.float32, mesh).zeros()
+    live = LoRAWeights(cfg, lora, jnp.float32, mesh).zeros()
     # per layer, slot and rank: A's inputs + B's outputs of q, k, v, o, gate, up, down (E 64,
     # Hq*D 128, Hkv*D 64, F 128)
     per = (64 + 128) + 2 * (64 + 64) + (128 + 64) + 2 * (64 + 128) + (128 + 64)

@@ -126,6 +126,21 @@ class CpuBackend(Backend):
     def native_sampling(self, mesh: Mesh) -> str | None:
         return "cpu" if mesh.size == 1 and kernels.available() else None
 
+    def dtype_reason(self, dtype: str) -> str:
+        return "auto: the faster of bfloat16 and float32 in this CPU's products (measured once per CPU)"
+
+    def kv_dtype_reason(self, plan: DevicePlan) -> str:
+        if plan.kv_dtype == plan.dtype:
+            return "auto: the model's dtype (the native attention kernel writes the cache)"
+        return "auto: float32 (without the native attention kernel XLA writes the cache: its bfloat16 scatter is slow)"
+
+    def matmul_reason(self, plan: DevicePlan) -> str:
+        if plan.matmul_impl == "xla":
+            return "auto: XLA's dot (no native product kernel for these weights on this mesh and CPU)"
+        return f"auto: the native {plan.matmul_impl} kernel on weights packed at load ({plan.dtype}, one device)"
+
+    moe_reason = "tiled-or-dense: XLA:CPU has no grouped matmul (tiles of the sorted rows; dense for small steps)"
+
     def plan(self, mc: ModelConfig, cc: CacheConfig, mesh: Mesh) -> DevicePlan:
         kernels.select_target(mc.cpu_kernel_target)  # before anything loads the kernels
         return super().plan(mc, cc, mesh)
@@ -134,9 +149,9 @@ class CpuBackend(Backend):
     sizes_kv_from_programs = False
     default_max_model_len = DEFAULT_MAX_MODEL_LEN
 
-    def compile_target(self, devices) -> dict | None:
+    def compile_target(self, devices, processes: int | None = None) -> dict | None:
         """This host's CPU devices (one process)."""
-        return {"kind": "cpu"} if jax.process_count() == 1 else None
+        return {"kind": "cpu"} if (jax.process_count() if processes is None else processes) == 1 else None
 
     def kv_cache_budget(self, cc: CacheConfig) -> int:
         return cc.kv_cache_memory_bytes if cc.kv_cache_memory_bytes is not None else default_kv_bytes()

@@ -1,4 +1,5 @@
-"""The LoRA adapters' device slots (the runner's side; the scheduler's is core/lora_slots.py).
+"""The LoRA adapters' weights in their device slots (which adapter holds which slot is the
+scheduler's: core/adapter_slots.py).
 
 Per decoder layer and target (q/k/v/o, gate/up/down), A and B of every slot stacked:
 A [S, in..., R] and B [S, R, out...] (S = max_loras, R = max_lora_rank; zero-padded ranks and
@@ -38,7 +39,7 @@ TARGET_AXES = {
 _ORDER = tuple(sorted(TARGETS))  # the leaves' order: as jax flattens a layer's dict
 
 
-class LoRASlots:
+class LoRAWeights:
     def __init__(self, cfg: ArchConfig, config: LoRAConfig, dtype, mesh: Mesh, rules=None):
         self.cfg, self.config = cfg, config
         self.dtype = np.dtype(dtype)

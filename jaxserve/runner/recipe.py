@@ -1,0 +1,237 @@
+"""StepRecipe: what an engine's compiled steps are a function of, and the one way to build them.
+
+Four users compile the same step programs: the runner (on the real weights), the compile workers
+(runner/compile_pool.py: abstract weights, in other processes), the memory probes that size the
+KV cache on accelerators (engine/setup.py: abstract weights, other page counts) and `jaxserve
+shard-plan` (tools/plan_compile.py: abstract weights, for meshes and chips this host may not
+have). Each starts from a `StepRecipe` and goes through `step_program` (the step function, its
+LoRA slots, its shardings) and `StepProgram.lower` (one bucket's Lowered program), so none of
+them can describe a step the others would not compile: the recipe names the weights' format
+(quantization, the checkpoint's own format), the KV cache's dtype and scales, the LoRA slots,
+the sampler's sizes (max_logprobs included) and the drafts a request may add.
+tests/engine/test_step_recipe.py lowers one recipe through all three and compares the programs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxserve.backends.base import Backend, DevicePlan
+from jaxserve.config import LoRAConfig, jax_dtype
+from jaxserve.runner.buckets import BucketGrid
+from jaxserve.runner.kv_cache import abstract_kv_cache
+from jaxserve.runner.lora_weights import LoRAWeights
+from jaxserve.runner.step_buffers import BufferLayout
+from jaxserve.runner.step_fn import StepFunction, abstract_sampling_state, step_layout, step_program as lower_step
+from jaxserve.sampling.config import SamplerConfig
+
+# A quantized KV cache's scales, per layer: ((k per tensor or per KV head), (v ...)).
+KVScales = tuple[tuple[tuple[float, ...], tuple[float, ...]], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRecipe:
+    """What a runner's step programs are a function of, picklable (see the module's doc). The
+    runner's host-side options (the seed of requests without one, the host LRU of adapters,
+    the compile workers, the caches) are not in it: they change no program."""
+
+    arch: dict  # the HF config.json (its quantization_config: the checkpoint's weight format)
+    platform: str  # the backend's platform ("cpu", "tpu", "gpu")
+    plan: dict  # the backend's DevicePlan, as a dict (dtype, KV dtype, kernels, products)
+    attention_impl: str  # the model config's ("auto" is resolved inside the model)
+    rules: dict  # the serving rules
+    mesh_shape: tuple[int, int]  # (data, model)
+    target: dict  # compile workers' devices: {"kind": "cpu"}, {"kind": "tpu", "topology": ...}; {}: none
+    num_pages: int  # KV pages of the whole mesh
+    page_size: int
+    max_model_len: int
+    sampler_config: SamplerConfig  # the sampler's sizes: slots, vocabulary, max_logprobs, native draws
+    quantization: str | None = None  # --quantization: the weights quantized at load (int8, fp8, int4)
+    kv_scales: KVScales | None = None  # a quantized KV cache's scales (None: 1.0, or a float cache)
+    max_loras: int = 0  # LoRA adapters' device slots (0: no LoRA path)
+    max_lora_rank: int = 0
+    # Speculative decoding's drafts per request and step: a drafting request samples on 1 + k
+    # rows of the request bucket (the shapes do not change; the runner checks a step against it).
+    num_speculative_tokens: int = 0
+    token_buckets: tuple[int, ...] = ()  # the grid the runner compiles (T, R pairs with R <= T)
+    request_buckets: tuple[int, ...] = ()
+
+    def pages_per_req(self) -> int:
+        return -(-self.max_model_len // self.page_size)
+
+    def device_plan(self) -> DevicePlan:
+        return DevicePlan(**self.plan)
+
+    @property
+    def kv_dtype(self):
+        return jax_dtype(self.plan["kv_dtype"])
+
+    @property
+    def dtype(self):
+        return jax_dtype(self.plan["dtype"])
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.mesh_shape[0]
+
+    def grid(self) -> BucketGrid:
+        return BucketGrid(tuple(self.token_buckets), tuple(self.request_buckets))
+
+    def with_pages(self, num_pages: int) -> StepRecipe:
+        return dataclasses.replace(self, num_pages=num_pages)
+
+    def program_key(self) -> StepRecipe:
+        """The recipe without its grid: what one bucket's program is a function of (with the
+        bucket's name, the executable cache's key of a memory probe)."""
+        return dataclasses.replace(self, token_buckets=(), request_buckets=())
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StepProgram:
+    """The step function of a recipe with the structure of its arguments: the weights (and the
+    LoRA slots after them), the KV cache, the sampling state, each bucket's packed inputs."""
+
+    recipe: StepRecipe
+    cfg: Any  # the model's ArchConfig
+    function: StepFunction
+    mesh: Mesh
+    lora: LoRAWeights | None  # the adapters' device slots (None: LoRA off)
+    replicated: NamedSharding  # the packed inputs and the step's outputs
+    state_sharding: NamedSharding  # the sampling state (split over "data" like the pages)
+
+    def layout(self, T: int, R: int) -> BufferLayout:
+        """How a (T, R) step's inputs (ModelInputs, SamplingMetadata, TokenInfo) are packed."""
+        r = self.recipe
+        return step_layout(T, R, pages_per_req=r.pages_per_req(), page_size=r.page_size,
+                           sampler_config=r.sampler_config, lora=self.lora is not None)
+
+    def abstract_kv(self):
+        r = self.recipe
+        return abstract_kv_cache(self.cfg, r.num_pages, r.page_size, r.kv_dtype, self.mesh,
+                                 r.rules)
+
+    def abstract_state(self):
+        return abstract_sampling_state(self.recipe.sampler_config, self.state_sharding)
+
+    def lora_arrays(self, abstract: bool) -> list:
+        """The LoRA slots' arrays that follow the weights: zeros (a runner's), or abstract."""
+        if self.lora is None:
+            return []
+        return self.lora.abstract() if abstract else self.lora.zeros()
+
+    def compile_lora_writer(self, scope) -> None:
+        """The executable writing an adapter into a slot (nothing without LoRA)."""
+        if self.lora is not None:
+            self.lora.compile_writer(scope, self.replicated)
+
+    def lower(self, bucket: tuple[int, int], params, kv, sstate):
+        """(lower, abstract packed inputs) of `bucket`'s step over these arguments (abstract or
+        real): per data-parallel rank inside a shard_map when the mesh has "data" over 1."""
+        return lower_step(self.function, self.layout(*bucket), self.mesh, params, kv, sstate, self.replicated)
+
+
+def step_program(recipe: StepRecipe, model, backend: Backend, mesh: Mesh,
+                 max_cpu_loras: int | None = None) -> tuple[StepProgram, list, Any]:
+    """The step of `recipe` over `model` (real or abstract weights, already laid out by
+    `backend`): (program, the model's flat weights, their tree structure). The LoRA slots'
+    arrays follow the weights in the step's parameter list (`StepProgram.lora_arrays`)."""
+    graphdef, state = nnx.split(model)
+    params, treedef = jax.tree.flatten(state)
+    lora = None
+    if recipe.max_loras:
+        if not getattr(model, "supports_lora", False):
+            raise ValueError(f"LoRA adapters are not supported for {model.config.architecture}")
+        config = LoRAConfig(enable_lora=True, max_loras=recipe.max_loras, max_lora_rank=recipe.max_lora_rank,
+                            max_cpu_loras=max_cpu_loras)
+        lora = LoRAWeights(model.config, config, model.dtype, mesh, recipe.rules)
+    # A backend's fused layer has no LoRA products: with LoRA the model's own layer runs.
+    layer_impl = backend.layer_impl(model) if lora is None else None
+    function = StepFunction(graphdef, treedef, layer_impl, recipe.sampler_config,
+                            None if lora is None else lora.treedef)
+    replicated = NamedSharding(mesh, P())
+    state_sharding = NamedSharding(mesh, P("data")) if recipe.data_parallel_size > 1 else replicated
+    return StepProgram(recipe, model.config, function, mesh, lora, replicated, state_sharding), params, treedef
+
+
+def abstract_model(recipe: StepRecipe, mesh: Mesh, backend: Backend):
+    """The model a runner of `recipe` holds, without memory: abstract weights in the recipe's
+    format and shardings, laid out by the backend as real ones are, with the KV cache's scales."""
+    from jaxserve.models.arch_config import ArchConfig
+    from jaxserve.models.weights import sharded_abstract_model
+    from jaxserve.runner.kv_scales import set_kv_scales
+
+    cfg = ArchConfig.from_hf(recipe.arch)
+    plan = recipe.device_plan()
+    attention = recipe.attention_impl
+    if attention == "auto" and recipe.platform != jax.default_backend():  # compile-only: the target's "auto"
+        attention = target_attention("auto", recipe.platform, cfg, mesh, recipe.rules, recipe.page_size,
+                                     recipe.kv_dtype, recipe.dtype)[0]
+    model = sharded_abstract_model(cfg, dtype=recipe.dtype, mesh=mesh, attention_impl=attention,
+                                   rules=recipe.rules, moe_impl=plan.moe_impl, quantization=recipe.quantization)
+    set_kv_scales(model, None if recipe.kv_scales is None else list(recipe.kv_scales))
+    backend.prepare_model(model, plan, abstract=True)
+    return model
+
+
+def program_fingerprint(lowered: jax.stages.Lowered) -> str:
+    """A short hash of a lowered step program's text (StableHLO): equal for equal programs."""
+    import hashlib
+
+    return hashlib.sha256(lowered.as_text().encode()).hexdigest()[:16]
+
+
+def kv_scales_of(model) -> KVScales | None:
+    """The KV cache scales set on `model`'s layers (runner/kv_scales.py), as a recipe holds them."""
+    if not model.layers or model.layers[0].attn_spec.k_scale is None:
+        return None
+    return tuple((tuple(layer.attn_spec.k_scale), tuple(layer.attn_spec.v_scale)) for layer in model.layers)
+
+
+def target_attention(requested: str, platform: str, cfg, mesh, rules, page_size: int, kv_dtype,
+                     dtype, devices=None) -> tuple[str, str | None]:
+    """(implementation, why not the first kernel) that attention `requested` ("auto") takes on
+    `platform` for this model on `mesh` (anything with the mesh's `shape`), decided as "auto"
+    decides when serving there (the first of the platform's kernels whose shape check takes one
+    device's heads, else the reference), without devices: for programs compiled where that
+    platform is not JAX's default (compile-only topologies) and for the engine's plan.
+    `devices`: the mesh's devices or their descriptions (on GPUs "auto" reads their compute
+    capability; default `mesh.devices`). `dtype`: the model's (a quantized cache's queries come
+    in it)."""
+    from jaxserve.models import sharding as ax
+    from jaxserve.models.interface import KV_CACHE_AXES
+    from jaxserve.pallas_kernels.kv_quant import attention_dtype
+    from jaxserve.pallas_kernels.ragged_paged_attention.ops import auto_candidates, resolve_impl, supports_check
+    from jaxserve.runner.kv_cache import kv_cache_shape
+
+    if devices is None and hasattr(mesh, "devices"):
+        devices = list(mesh.devices.flat)
+    candidates = (auto_candidates(platform, devices) if requested == "auto"
+                  else (resolve_impl(requested, platform),))
+    spec = ax.logical_to_spec(KV_CACHE_AXES, kv_cache_shape(cfg, 1, page_size), mesh, rules)
+    split = ax.mesh_axes_size(mesh, spec[2])
+    notes = []
+    for impl in candidates:
+        check = supports_check(impl)
+        if check is None:
+            return impl, "; ".join(notes) or None
+        try:
+            check(jax.ShapeDtypeStruct((1, cfg.num_heads // split, cfg.head_dim), attention_dtype(kv_dtype, dtype)),
+                  jax.ShapeDtypeStruct((1, page_size, cfg.num_kv_heads // split, cfg.head_dim), kv_dtype))
+        except ValueError as e:
+            notes.append(f"{impl} kernel unsupported: {e}")
+            continue
+        return impl, "; ".join(notes) or None
+    return "reference", "; ".join(notes)
+    spec = ax.logical_to_spec(KV_CACHE_AXES, kv_cache_shape(cfg, 1, page_size), mesh, rules)
+    split = ax.mesh_axes_size(mesh, spec[2])
+    try:
+        check(jax.ShapeDtypeStruct((1, cfg.num_heads // split, cfg.head_dim), attention_dtype(kv_dtype, dtype)),
+              jax.ShapeDtypeStruct((1, page_size, cfg.num_kv_heads // split, cfg.head_dim), kv_dtype))
+    except ValueError as e:
+        return "reference", f"{impl} kernel unsupported: {e}"
+    return impl, None
