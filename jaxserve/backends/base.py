@@ -149,7 +149,7 @@ class Backend:
 
     def plan(self, mc: ModelConfig, cc: CacheConfig, mesh: Mesh) -> DevicePlan:
         dtype = self.resolve_dtype(mc.dtype, mesh)
-        devices = list(mesh.devices.flat)
+        devices = mesh_devices(mesh)
         attention = resolve_attention_impl(mc.attention_impl, self.platform, devices=devices)
         kv_dtype = self.resolve_kv_dtype(cc.kv_cache_dtype, dtype, attention)
         if mc.attention_impl == "auto" and self.platform == "gpu":  # by the cache's dtype
@@ -202,7 +202,7 @@ class Backend:
         compute capability of at least 8.9; TPUs before v7 and CPUs do not)."""
         if self.platform != "gpu":
             return False
-        caps = [getattr(d, "compute_capability", None) for d in getattr(mesh.devices, "flat", mesh.devices)]
+        caps = [getattr(d, "compute_capability", None) for d in mesh_devices(mesh)]
         return all(c is not None and tuple(int(x) for x in str(c).split(".")[:2]) >= (8, 9)
                    for c in caps)
 
@@ -379,3 +379,8 @@ def min_over_processes(value: int) -> int:
     from jax.experimental import multihost_utils
 
     return int(np.min(multihost_utils.process_allgather(np.asarray(value, np.int64))))
+
+
+def mesh_devices(mesh) -> list:
+    """The devices of a JAX Mesh or of a DeviceSet (what a plan reads of them), as a list."""
+    return list(getattr(mesh.devices, "flat", mesh.devices))

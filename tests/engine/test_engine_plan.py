@@ -69,14 +69,16 @@ def test_gpu_hosts_are_planned_with_their_fp8_products():
     config = EngineConfig.from_kwargs(model="llama3-8b", data_parallel_size=2, tensor_parallel_size=4,
                                       compile_workers=4)
     plan = plan_engine(config, _files("llama3-8b"), select_backend("gpu"), devices)
-    assert plan.device.fp8_products and plan.attention_impl == "gpu" and plan.device.quant_matmul_impl == "xla"
+    # Hopper: the Mosaic GPU kernel
+    assert plan.device.fp8_products and plan.attention_impl == "gpu-mosaic" and plan.device.quant_matmul_impl == "xla"
     assert plan.mesh_shape == (2, 4) and plan.scheduler.max_num_batched_tokens == 16384  # 8192 a rank
     assert plan.grid.token_buckets[-1] == 8192  # one rank's buckets
     assert plan.compile_target == {} and plan.compile_workers == 1  # no compile-only GPU target
     assert "no compile-only target" in plan.reasons["compile_workers"]
     _check_reasons(plan)
     older = DeviceSet.described("gpu", "NVIDIA A100-SXM4-80GB", 8, compute_capability="8.0")
-    assert not plan_engine(config, _files("llama3-8b"), select_backend("gpu"), older).device.fp8_products
+    older_plan = plan_engine(config, _files("llama3-8b"), select_backend("gpu"), older)
+    assert not older_plan.device.fp8_products and older_plan.attention_impl == "gpu"  # Triton before Hopper
 
 
 def test_this_cpu_is_planned_with_a_fixed_budget_and_capped_context(monkeypatch):
