@@ -52,10 +52,14 @@ class WeightFormat:
         return self.activations is not None and self.activations.endswith("-static")
 
     def describe(self) -> str:
-        blocks = {None: "tensor", 1: "channel"}
-        out = blocks.get(self.out_block, str(self.out_block))
-        inn = blocks.get(self.in_block, str(self.in_block))
+        if self.out_block is None and self.in_block is None:
+            scales = "one scale"
+        elif self.out_block == 1:
+            scales = "a scale per channel" + (
+                "" if self.in_block is None else f" and group of {self.in_block}")
+        else:
+            scales = f"a scale per {self.out_block} x {self.in_block} block"
         extra = "".join([", asymmetric" if self.kind == "int8" and self.asymmetric else "",
                          ", act-order" if self.act_order else "",
                          f", activations {self.activations}" if self.activations else ""])
-        return f"{self.kind} ({self.source}; scale per {out} x {inn}{extra})"
+        return f"{self.kind} ({self.source}; {scales}{extra})"

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 
 from jaxserve.backends import Backend, DevicePlan, select_backend
-from jaxserve.backends.base import InsufficientMemoryError, MemoryBudget, min_over_processes
+from jaxserve.backends.base import InsufficientMemoryError, MemoryBudget, log_activation_products, min_over_processes
 from jaxserve.config import EngineConfig, jax_dtype
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.lora_slots import LoRASlotTable
@@ -416,6 +416,7 @@ def _prepared_model(config: EngineConfig, ckpt, arch: ArchConfig, backend: Backe
             model = cache.load(key, abstract)
         if model is not None:
             timer.note("weights", "laid out, from the weight cache")
+            log_activation_products(model, plan)  # what prepare_model says when it lays them out
             return model
     with timer.phase("weights"):
         model = create_model(arch, dtype=dtype, mesh=mesh, attention_impl=mc.attention_impl,
