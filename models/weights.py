@@ -173,11 +173,18 @@ def create_model(
         try:
             if stored is None:
                 raise UnquantizedTensor(key)
-            q = host_tensor(key, stored.values)
+            sources: list[str] = []
+
+            def values(name):
+                sources.append(name)
+                return stored.values(name)
+
+            q = host_tensor(key, values)
             _check_shape(key, q.shape, shape)
             scale = block_scales(host_tensor(key, stored.scales), sshape).astype(np.float32)
             zero = block_scales(host_tensor(key, stored.zeros), sshape) if fmt.has_zeros else None
-            perm, sources = input_order(key, spec, shape)
+            if fmt.act_order:
+                perm = input_order(key, spec, shape)
             scales = [s for s in map(stored.input_scale, sources) if s is not None]
             input_scale = max(scales, key=lambda a: float(a[0])) if scales else None
         except UnquantizedTensor:
@@ -192,16 +199,13 @@ def create_model(
             input_scale = np.zeros((1,), np.float32)  # none stored: scaled per token
         return q, scale, zero, perm, input_scale
 
-    def input_order(key: str, spec: str, shape) -> tuple[np.ndarray | None, list[str]]:
-        """(the activations' gather order for weight `key`, whose stored inputs `stored.perm`
-        reordered, in the parameter's flattened contracted dims; None when in order), and the
-        checkpoint tensors it is read from. The weight map moves each HF input column's index
-        (and the index its stored column holds) as it moves the values."""
-        sources: list[str] = []
-
+    def input_order(key: str, spec: str, shape) -> np.ndarray | None:
+        """The activations' gather order for act-order weight `key`, whose stored inputs
+        `stored.perm` reordered, in the parameter's flattened contracted dims (None when in
+        order). The weight map moves each HF input column's index (and the index its stored
+        column holds) as it moves the values."""
         def columns(order):
             def get(name):
-                sources.append(name)
                 out, inn = stored._shape(_base_name(name))
                 idx = order(name, inn)
                 return np.broadcast_to(np.asarray(idx, np.float32)[None, :], (out, inn))
@@ -210,9 +214,8 @@ def create_model(
         natural = host_tensor(key, columns(lambda name, n: np.arange(n)))
         held = host_tensor(key, columns(
             lambda name, n: np.arange(n) if stored.perm(name) is None else stored.perm(name)))
-        sources = sorted(set(sources))
         if np.array_equal(natural, held):
-            return None, sources
+            return None
         axes = list(contracted_axes(spec))
         rest = [a for a in range(len(shape)) if a not in axes]
         flat = lambda a: np.transpose(a, axes + rest).reshape(-1, max(1, math.prod(  # noqa: E731
@@ -220,7 +223,7 @@ def create_model(
         c, p = flat(natural), flat(held)
         inverse = np.empty_like(c)
         inverse[c] = np.arange(len(c))
-        return inverse[p].astype(np.int32), sources
+        return inverse[p].astype(np.int32)
 
     def load(path, var):
         key = _path_key(path)
