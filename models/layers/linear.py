@@ -300,8 +300,11 @@ def dense(spec: str, x: jax.Array, w: jax.Array | PackedWeight | QuantizedWeight
 def _dense_quantized(spec: str, x: jax.Array, w: QuantizedWeight) -> jax.Array:
     """The product on quantized values converted in the dot (per channel: scales applied to
     the float32 result; per block, or with zeros: dequantized in the step first). A compute
-    dtype of float8_e4m3fn (a chip with FP8 products: `fp8_products`) multiplies FP8 values:
-    the activations are scaled per token into e4m3 and the dot takes both in FP8."""
+    dtype of float8_e4m3fn or int8 (a chip with such products: `prepare_fp8_products`,
+    `prepare_int8_products`) multiplies the stored values as they are: the activations are
+    quantized per token, or by the checkpoint's static scale (`quantize_activations`), and the
+    dot takes both in FP8 (int8, accumulating in int32). An act-order weight (`perm`) first
+    gathers the activations in the order of its stored rows."""
     if w.perm is not None:
         x = permute_inputs(spec, x, w.perm)
         w = dataclasses.replace(w, perm=None)
