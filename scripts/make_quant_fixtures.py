@@ -19,9 +19,12 @@ Beside each checkpoint:
     /tmp/tools/bin/pip install llmcompressor==0.14.0.1   # compressed-tensors 0.19.0
     /tmp/tools/bin/python scripts/make_quant_fixtures.py [--only NAME ...]
 
-`--default-model DIR [--scheme NAME]` instead quantizes the default model (SmolLM2-135M-
-Instruct, converted from its GGUF by `jaxserve`, in float32) with one scheme into DIR, with its
-reference.safetensors beside it: too large to commit; `benchmarks/quant_parity.py` reads it.
+`--default-model DIR --source SRC [--scheme NAME]` instead quantizes the default model
+(SmolLM2-135M-Instruct in float32; SRC is its HF directory as jaxserve converts it from the
+GGUF: `python -c "from jaxserve.models.loader import resolve_model; print(resolve_model(None))"`
+in the project's environment) with one scheme into DIR, with its reference.safetensors beside
+it (groups of 64: its hidden size 576 takes 64, not the presets' 128): too large to commit;
+`benchmarks/quant_parity.py` reads it.
 
 `--awq` writes the AutoAWQ fixture (AutoAWQ 0.2.9 installed beside llm-compressor),
 `--gptqmodel` the GPTQModel one (GPTQModel 7.7.0 in an environment of its own: it needs torch
@@ -356,7 +359,7 @@ def make_default(out: pathlib.Path, scheme: str, source: pathlib.Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(source)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
     weights, activations, algorithm, fmt = SCHEMES[scheme]
-    if weights.get("group_size") == 32:  # the real model's dims take the presets' groups
+    if weights.get("group_size") == 32:  # SmolLM2's 576 takes groups of 64, not 128
         weights = dict(weights, group_size=64)
         SCHEMES[scheme] = (weights, activations, algorithm, fmt)
     quantize(model, scheme, out, tokenizer=tokenizer)
