@@ -356,14 +356,23 @@ def make_default(out: pathlib.Path, scheme: str, source: pathlib.Path) -> None:
     `scheme` into `out`, with the tokenizer and reference.safetensors."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(source)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    except AttributeError:  # transformers 4.x cannot read a tokenizer_config 5.x wrote
+        from tokenizers import Tokenizer
+        from transformers import PreTrainedTokenizerFast
+
+        tokenizer = PreTrainedTokenizerFast(
+            tokenizer_object=Tokenizer.from_file(str(source / "tokenizer.json")))
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
     weights, activations, algorithm, fmt = SCHEMES[scheme]
     if weights.get("group_size") == 32:  # SmolLM2's 576 takes groups of 64, not 128
         weights = dict(weights, group_size=64)
         SCHEMES[scheme] = (weights, activations, algorithm, fmt)
     quantize(model, scheme, out, tokenizer=tokenizer)
-    tokenizer.save_pretrained(out)
+    for f in source.iterdir():  # the source's own tokenizer files
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(f, out / f.name)
     (out / "recipe.yaml").unlink(missing_ok=True)
     write_reference(out, None)
 
