@@ -12,6 +12,7 @@ with depth (about 3-5 s per bucket for SmolLM2 instead of under 1 s).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import jax
@@ -25,6 +26,8 @@ from jaxserve.models.arch_config import ArchConfig
 from jaxserve.models.interface import AttentionMetadata, KVCache
 from jaxserve.models.layers.attention import AttentionSpec, paged_attention
 from jaxserve.models.layers.linear import (
+    INPUT_SCALE_SUFFIX,
+    PERM_SUFFIX,
     SCALE_SUFFIX,
     ZERO_SUFFIX,
     QuantizedParam,
@@ -40,6 +43,7 @@ from jaxserve.models.layers.quant import (
     pack_int4,
     quantize_fp8_blocks,
     quantize_int4_blocks,
+    quantize_int8_blocks,
     weight_format,
 )
 from jaxserve.models.weight_format import WeightFormat
@@ -120,17 +124,33 @@ def add_weight(module: nnx.Module, name: str, rngs: nnx.Rngs | None, shape, axes
 
 def add_format_weight(module: nnx.Module, name: str, rngs: nnx.Rngs | None, shape, axes, dtype,
                       scale: float, spec: str, fmt: WeightFormat) -> None:
-    """Matmul weight `name` in format `fmt`: its values as a `QuantizedParam` (float8_e4m3fn, or
-    uint8 holding two int4 values along the last contracted dim), float32 scales and (int4)
-    zeros of `scale_shape(shape, spec, fmt.in_block, fmt.out_block)`."""
+    """Matmul weight `name` in format `fmt`: its values as a `QuantizedParam` (float8_e4m3fn,
+    int8, or uint8 holding two int4 values along the last contracted dim), float32 scales and
+    (int4, asymmetric int8) zeros of `scale_shape(shape, spec, fmt.in_block, fmt.out_block)`;
+    act-order formats an int32 order of the contracted inputs (`PERM_SUFFIX`), formats with
+    static activation scales a float32 [1] (`INPUT_SCALE_SUFFIX`)."""
     sshape = scale_shape(shape, spec, fmt.in_block, fmt.out_block)
     split = [x for n, m in zip(shape, sshape) for x in (m, n // m)]
     w = (scale * jax.random.normal(rngs.params(), shape, jnp.float32) if rngs is not None
          else jnp.zeros(shape))
     scale_axes = tuple(None if n == 1 and m != 1 else a for a, n, m in zip(axes, sshape, shape))
     meta = dict(spec=spec, compute_dtype=jnp.dtype(dtype).name)
+    if fmt.activations is not None:
+        meta["activations"] = fmt.activations
+    if fmt.act_order:  # the contracted inputs' order of the stored rows (identity at random)
+        contracted = [n for n, c in zip(shape, spec.split(",")[1].split("->")[0])
+                      if c in spec.split(",")[0] and c not in spec.split("->")[1]]
+        perm = jnp.arange(math.prod(contracted), dtype=jnp.int32)
+        setattr(module, name + PERM_SUFFIX, nnx.Param(perm, logical_axes=(None,)))
+    if fmt.static_activations:  # the checkpoint's activation scale (0: per token)
+        setattr(module, name + INPUT_SCALE_SUFFIX,
+                nnx.Param(jnp.zeros((1,), jnp.float32), logical_axes=(None,)))
     if fmt.kind == "fp8":
         q, s = quantize_fp8_blocks(w, split)
+    elif fmt.kind == "int8":
+        q, s, z = quantize_int8_blocks(w, split, fmt.asymmetric)
+        if z is not None:
+            setattr(module, name + ZERO_SUFFIX, nnx.Param(z, logical_axes=scale_axes))
     else:
         packed_axis = max(a for a, c in enumerate(spec.split("->")[0].split(",")[1])
                           if c in spec.split(",")[0] and c not in spec.split("->")[1])

@@ -8,6 +8,7 @@ converted, and placed straight into that sharding (each device receives only its
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Mapping
 
 import jax
@@ -17,11 +18,14 @@ from flax import nnx
 from jax.sharding import Mesh
 from jaxserve.models.arch_config import ArchConfig
 from jaxserve.models.layers.linear import (
+    INPUT_SCALE_SUFFIX,
+    PERM_SUFFIX,
     QUANTIZATIONS,
     SCALE_SUFFIX,
     ZERO_SUFFIX,
     QuantizedParam,
     block_scales,
+    contracted_axes,
     quantize_int8,
     scale_shape,
 )
@@ -29,6 +33,7 @@ from jaxserve.models.layers.quant import (
     pack_int4,
     quantize_fp8_blocks,
     quantize_int4_blocks,
+    quantize_int8_blocks,
     weight_format,
 )
 from jaxserve.models.weight_format import WeightFormat
@@ -109,31 +114,39 @@ def create_model(
     abstract_vars = {
         _path_key(p): v for p, v in jax.tree_util.tree_leaves_with_path(abs_state, is_leaf=_is_var)
     }
-    pending: dict[str, tuple] = {}  # quantized weight -> (q, scale[, zero])
+    pending: dict[str, tuple] = {}  # quantized weight -> (its parts, accesses left)
 
     def host_tensor(key: str, get=get_float) -> np.ndarray:
         if key not in weight_map:
             raise ValueError(f"no checkpoint mapping for parameter {key!r} of {cfg.architecture}")
         return weight_map[key](get)
 
-    def quantized(key: str) -> tuple[np.ndarray, np.ndarray]:
-        """int8 values and scales of quantized weight `key` (each is asked for once): the
-        checkpoint's own blocks when it stores them, else quantized here."""
+    def quantized(key: str) -> tuple:
+        """Values and scales (zeros, input order, input scale) of quantized weight `key`,
+        kept until each of its parameters has taken its part: the checkpoint's own blocks
+        when it stores them, else quantized here."""
         if key in pending:
-            return pending.pop(key)
+            parts, left = pending[key]
+            if left <= 1:
+                del pending[key]
+            else:
+                pending[key] = (parts, left - 1)
+            return parts
         var = abstract_vars[key]
         spec = var.get_metadata()["spec"]
+        uses = sum(key + suffix in abstract_vars for suffix in
+                   (SCALE_SUFFIX, ZERO_SUFFIX, PERM_SUFFIX, INPUT_SCALE_SUFFIX))
         if fmt is not None:
-            pending[key] = format_weight(key, var)
-            return pending[key]
-        stored = None if block is None else stored_int8(key, spec)
-        if stored is None:
-            host = host_tensor(key)
-            _check_shape(key, host.shape, var.get_value().shape)
-            stored = quantize_int8(np.asarray(host, np.float32), spec, block)
-        _check_shape(key, stored[0].shape, var.get_value().shape)
-        pending[key] = stored
-        return stored
+            parts = format_weight(key, var)
+        else:
+            parts = None if block is None else stored_int8(key, spec)
+            if parts is None:
+                host = host_tensor(key)
+                _check_shape(key, host.shape, var.get_value().shape)
+                parts = quantize_int8(np.asarray(host, np.float32), spec, block)
+            _check_shape(key, parts[0].shape, var.get_value().shape)
+        pending[key] = (parts, uses)
+        return parts
 
     def stored_int8(key: str, spec: str) -> tuple[np.ndarray, np.ndarray] | None:
         """The checkpoint's int8 blocks of weight `key`, laid out as the parameter (None when a
@@ -146,39 +159,82 @@ def create_model(
         expanded = host_tensor(key, lambda name: np.repeat(get_tensor(name + BLOCK_SCALE_SUFFIX), block, axis=-1))
         return q, block_scales(expanded, scale_shape(q.shape, spec, block)).astype(np.float32)
 
-    def format_weight(key: str, var) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    def format_weight(key: str, var) -> tuple:
         """Weight `key` in format `fmt`: the checkpoint's own values and scales (and zeros)
-        laid out as the parameter, or (a float tensor) quantized here."""
+        laid out as the parameter, or (a float tensor) quantized here; then the order of its
+        contracted inputs (act-order) and its static activation scale, or None."""
         meta = var.get_metadata()
         spec, axis = meta["spec"], meta.get("packed_axis")
         shape = list(var.get_value().shape)
         if axis is not None:
             shape[axis] *= 2
         sshape = scale_shape(shape, spec, fmt.in_block, fmt.out_block)
+        perm = input_scale = None
         try:
             if stored is None:
                 raise UnquantizedTensor(key)
-            q = host_tensor(key, stored.values)
+            sources: list[str] = []
+
+            def values(name):
+                sources.append(name)
+                return stored.values(name)
+
+            q = host_tensor(key, values)
             _check_shape(key, q.shape, shape)
             scale = block_scales(host_tensor(key, stored.scales), sshape).astype(np.float32)
             zero = block_scales(host_tensor(key, stored.zeros), sshape) if fmt.has_zeros else None
+            if fmt.act_order:
+                perm = input_order(key, spec, shape)
+            scales = [s for s in map(stored.input_scale, sources) if s is not None]
+            input_scale = max(scales, key=lambda a: float(a[0])) if scales else None
         except UnquantizedTensor:
             host = np.asarray(host_tensor(key), np.float32)
             _check_shape(key, host.shape, shape)
             q, scale, zero = quantize_format(host, sshape, fmt)
         if axis is not None:
             q = pack_int4(q, axis)
-        return q, scale, zero
+        if fmt.act_order and perm is None:
+            perm = np.arange(math.prod(shape[a] for a in contracted_axes(spec)), dtype=np.int32)
+        if fmt.static_activations and input_scale is None:
+            input_scale = np.zeros((1,), np.float32)  # none stored: scaled per token
+        return q, scale, zero, perm, input_scale
+
+    def input_order(key: str, spec: str, shape) -> np.ndarray | None:
+        """The activations' gather order for act-order weight `key`, whose stored inputs
+        `stored.perm` reordered, in the parameter's flattened contracted dims (None when in
+        order). The weight map moves each HF input column's index (and the index its stored
+        column holds) as it moves the values."""
+        def columns(order):
+            def get(name):
+                out, inn = stored._shape(_base_name(name))
+                idx = order(name, inn)
+                return np.broadcast_to(np.asarray(idx, np.float32)[None, :], (out, inn))
+            return get
+
+        natural = host_tensor(key, columns(lambda name, n: np.arange(n)))
+        held = host_tensor(key, columns(
+            lambda name, n: np.arange(n) if stored.perm(name) is None else stored.perm(name)))
+        if np.array_equal(natural, held):
+            return None
+        axes = list(contracted_axes(spec))
+        rest = [a for a in range(len(shape)) if a not in axes]
+        flat = lambda a: np.transpose(a, axes + rest).reshape(-1, max(1, math.prod(  # noqa: E731
+            shape[r] for r in rest)))[:, 0].astype(np.int64)
+        c, p = flat(natural), flat(held)
+        inverse = np.empty_like(c)
+        inverse[c] = np.arange(len(c))
+        return inverse[p].astype(np.int32)
 
     def load(path, var):
         key = _path_key(path)
-        for suffix, index in ((SCALE_SUFFIX, 1), (ZERO_SUFFIX, 2)):
+        for suffix, index in ((SCALE_SUFFIX, 1), (ZERO_SUFFIX, 2), (PERM_SUFFIX, 3),
+                              (INPUT_SCALE_SUFFIX, 4)):
             base = key.removesuffix(suffix)
             if base != key and isinstance(abstract_vars.get(base), QuantizedParam):
                 part = quantized(base)[index]
                 axes = var.get_metadata()["logical_axes"]
                 sharding = named_sharding(axes, part.shape, mesh, rules)
-                return var.replace(put_sharded(part, sharding, np.float32))
+                return var.replace(put_sharded(part, sharding, var.get_value().dtype))
         if isinstance(var, QuantizedParam):
             q = quantized(key)[0]
             return var.replace(put_sharded(q, flat_shardings[key], var.get_value().dtype))
@@ -249,7 +305,13 @@ def quantize_format(w32: np.ndarray, sshape, fmt: WeightFormat):
     split = [x for n, m in zip(w32.shape, sshape) for x in (m, n // m)]
     if fmt.kind == "fp8":
         return (*quantize_fp8_blocks(w32, split), None)
+    if fmt.kind == "int8":
+        return quantize_int8_blocks(w32, split, fmt.asymmetric)
     return quantize_int4_blocks(w32, split)
+
+
+def _base_name(name: str) -> str:
+    return name.removesuffix(".weight")
 
 
 def _has(get_tensor: Callable[[str], np.ndarray]) -> Callable[[str], bool]:

@@ -27,7 +27,12 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxserve.config import CacheConfig, ModelConfig, jax_dtype
-from jaxserve.models.layers.linear import prepare_fp8_products, prepare_quantized_products
+from jaxserve.models.layers.linear import (
+    activation_products,
+    prepare_fp8_products,
+    prepare_int8_products,
+    prepare_quantized_products,
+)
 from jaxserve.pallas_kernels.ragged_paged_attention.ops import (
     auto_for_dtypes as auto_attention_for_dtypes,
     resolve_impl as resolve_attention_impl,
@@ -57,6 +62,10 @@ class DevicePlan:
     # token into e4m3): chips with FP8 products (GPUs of compute capability >= 8.9: H100,
     # H200). False: FP8 weights are upcast inside the dot (TPU v5e/v6e, the CPU, older GPUs).
     fp8_products: bool = False
+    # W8A8 int8 checkpoints' weights multiplied int8 x int8 into int32 (activations quantized
+    # per token or by the checkpoint's static scale): chips with int8 products (TPU v4, v5e,
+    # v5p, v6e; GPUs of compute capability >= 7.5). False: weight-only (the CPU).
+    int8_products: bool = False
     # FP8 and int4 weights' products (models/layers/linear.py): "xla" (dequantized in the step,
     # then XLA's dot) or a quantized product kernel (pallas_kernels/quant_matmul: "tpu", or
     # "tpu-interpret" where attention runs the TPU kernel in the interpreter). The TPU kernels
@@ -66,6 +75,34 @@ class DevicePlan:
 
 # What a TPU's `device_kind` reports -> the chip's name in libtpu's topology names ("v6e:2x4").
 TPU_CHIP_NAMES = {"TPU v4": "v4", "TPU v5 lite": "v5e", "TPU v5": "v5p", "TPU v5p": "v5p", "TPU v6 lite": "v6e"}
+
+
+def log_activation_products(model, plan: DevicePlan) -> str | None:
+    """Say at start-up how a checkpoint that quantizes its activations (W8A8 int8 or FP8)
+    multiplies here: with quantized activations where the chip has the products, else
+    weight-only (activations in the compute dtype, as vLLM runs such checkpoints on chips
+    without them). Returns the line (None for other models)."""
+    fmt = getattr(getattr(model, "config", None), "weight_format", None)
+    counts = activation_products(model)
+    if fmt is None or fmt.activations is None or not counts:
+        return None
+    kind, how = fmt.activations.split("-")
+    scales = ("the checkpoint's static input_scale" if how == "static"
+              else "a scale per token (amax / 127)" if kind == "int8" else "a scale per token (amax / 448)")
+    done = counts.get("int8" if kind == "int8" else "float8_e4m3fn", 0)
+    has = plan.int8_products if kind == "int8" else plan.fp8_products
+    if done:
+        line = (f"{fmt.describe()}: {done} weights multiply {kind} x {kind} with the activations "
+                f"quantized to {kind} by {scales}")
+        if counts.get("weight-only"):
+            line += f"; {counts['weight-only']} stay weight-only (their scales or zeros)"
+    else:
+        why = "this chip has no int8 products" if kind == "int8" and not has else (
+            "this chip has no FP8 products" if not has else "no weight's scales allow it")
+        line = (f"{fmt.describe()}: weight-only, the activations stay {plan.dtype} ({why}; as "
+                f"vLLM runs such checkpoints on chips without them)")
+    logger.info("%s", line)
+    return line
 
 
 class InsufficientMemoryError(ValueError):
@@ -163,6 +200,7 @@ class Backend:
             native_sampling=self.native_sampling(mesh),
             moe_impl=self.moe_impl,
             fp8_products=self.fp8_products(mesh),
+            int8_products=self.int8_products(mesh),
             quant_matmul_impl=self.resolve_quant_matmul_impl(attention),
         )
 
@@ -204,6 +242,18 @@ class Backend:
             return False
         caps = [getattr(d, "compute_capability", None) for d in mesh_devices(mesh)]
         return all(c is not None and tuple(int(x) for x in str(c).split(".")[:2]) >= (8, 9)
+                   for c in caps)
+
+    def int8_products(self, mesh: Mesh) -> bool:
+        """Whether every device of `mesh` multiplies int8 natively: the TPUs of
+        `TPU_CHIP_NAMES` (v4 to v6e), GPUs of compute capability >= 7.5 (int8 tensor cores,
+        what vLLM's W8A8 kernels ask for); never the CPU."""
+        if self.platform == "tpu":
+            return all(d.device_kind in TPU_CHIP_NAMES for d in mesh.devices.flat)
+        if self.platform != "gpu":
+            return False
+        caps = [getattr(d, "compute_capability", None) for d in mesh.devices.flat]
+        return all(c is not None and tuple(int(x) for x in str(c).split(".")[:2]) >= (7, 5)
                    for c in caps)
 
     # ------------------------------------------------------------------ step sizes
@@ -335,6 +385,10 @@ class Backend:
         ShapeDtypeStructs; give it the layout's structure only."""
         if plan.fp8_products:
             prepare_fp8_products(model)
+        if plan.int8_products:
+            prepare_int8_products(model)
+        if not abstract:
+            log_activation_products(model, plan)
         if plan.quant_matmul_impl != "xla":
             n = prepare_quantized_products(model, plan.quant_matmul_impl)
             if n and not abstract:

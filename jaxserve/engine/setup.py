@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from jaxserve.backends import Backend, DevicePlan, select_backend
+from jaxserve.backends.base import log_activation_products
 from jaxserve.backends.devices import DeviceSet
 from jaxserve.config import EngineConfig, jax_dtype
 from jaxserve.core.adapter_slots import AdapterSlots
@@ -338,6 +339,7 @@ def _prepared_model(plan: EnginePlan, start: _Start, timer: StartupTimer):
             model = cache.load(key, abstract)
         if model is not None:
             timer.note("weights", "laid out, from the weight cache")
+            log_activation_products(model, device)  # what prepare_model says when it lays them out
             return model
     with timer.phase("weights"):
         model = create_model(plan.arch, dtype=dtype, mesh=mesh, attention_impl=mc.attention_impl,

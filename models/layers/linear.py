@@ -92,6 +92,12 @@ class QuantizedProduct:
 
 SCALE_SUFFIX = "_qscale"
 ZERO_SUFFIX = "_qzero"
+# Act-order weights: the order of the contracted inputs their rows are stored in (int32, over
+# the contracted dims flattened); `dense` gathers the activations in that order.
+PERM_SUFFIX = "_qperm"
+# A checkpoint's static activation scale (float32 [1]; 0 where the weight has none: per token).
+INPUT_SCALE_SUFFIX = "_qinput"
+AUX_SUFFIXES = (SCALE_SUFFIX, ZERO_SUFFIX, PERM_SUFFIX, INPUT_SCALE_SUFFIX)
 QUANTIZATIONS = ("int8", "fp8", "int4")
 
 
@@ -105,6 +111,8 @@ class QuantizedWeight:
     packed_axis: int | None = dataclasses.field(metadata=dict(static=True), default=None)
     # The product kernel `dense` calls (None: XLA's product on the dequantized values).
     product: QuantizedProduct | None = dataclasses.field(metadata=dict(static=True), default=None)
+    perm: jax.Array | None = None  # act-order: the stored rows' inputs (flat contracted index)
+    input_scale: jax.Array | None = None  # a static activation scale ([1]; 0: per token)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -116,7 +124,7 @@ class QuantizedWeight:
     def per_channel(self) -> bool:
         """True when every scale covers whole contracted dims (one per output channel) and the
         values need no unpacking or zeros: the scales then apply to the product's result."""
-        return self.zero is None and self.packed_axis is None and all(
+        return self.zero is None and self.packed_axis is None and self.perm is None and all(
             m == 1 or m == n for n, m in zip(self.q.shape, self.scale.shape))
 
     def values(self) -> jax.Array:
@@ -143,11 +151,13 @@ def param_weight(module: nnx.Module, name: str):
         return None
     if isinstance(var, QuantizedParam):
         scale = getattr(module, name + SCALE_SUFFIX)
-        zero = getattr(module, name + ZERO_SUFFIX, None)
+        aux = {suffix: getattr(module, name + suffix, None)
+               for suffix in (ZERO_SUFFIX, PERM_SUFFIX, INPUT_SCALE_SUFFIX)}
+        aux = {k: None if v is None else v[...] for k, v in aux.items()}
         meta = var.get_metadata()
         return QuantizedWeight(var[...], scale[...], meta.get("compute_dtype", "float32"),
-                               None if zero is None else zero[...], meta.get("packed_axis"),
-                               meta.get("product"))
+                               aux[ZERO_SUFFIX], meta.get("packed_axis"), meta.get("product"),
+                               aux[PERM_SUFFIX], aux[INPUT_SCALE_SUFFIX])
     return weight_value(var)
 
 
@@ -156,7 +166,7 @@ def module_weights(module: nnx.Module) -> dict:
     quantized weights)."""
     out = {}
     for name, var in vars(module).items():
-        if not isinstance(var, nnx.Param) or name.endswith((SCALE_SUFFIX, ZERO_SUFFIX)):
+        if not isinstance(var, nnx.Param) or name.endswith(AUX_SUFFIXES):
             continue
         out[name] = param_weight(module, name)
     return out
@@ -290,21 +300,26 @@ def dense(spec: str, x: jax.Array, w: jax.Array | PackedWeight | QuantizedWeight
 def _dense_quantized(spec: str, x: jax.Array, w: QuantizedWeight) -> jax.Array:
     """The product on quantized values converted in the dot (per channel: scales applied to
     the float32 result; per block, or with zeros: dequantized in the step first). A compute
-    dtype of float8_e4m3fn (a chip with FP8 products: `fp8_products`) multiplies FP8 values:
-    the activations are scaled per token into e4m3 and the dot takes both in FP8."""
+    dtype of float8_e4m3fn or int8 (a chip with such products: `prepare_fp8_products`,
+    `prepare_int8_products`) multiplies the stored values as they are: the activations are
+    quantized per token, or by the checkpoint's static scale (`quantize_activations`), and the
+    dot takes both in FP8 (int8, accumulating in int32). An act-order weight (`perm`) first
+    gathers the activations in the order of its stored rows."""
+    if w.perm is not None:
+        x = permute_inputs(spec, x, w.perm)
+        w = dataclasses.replace(w, perm=None)
     if w.product is not None:
         return _dense_kernel(spec, x, w)
     cdt = jnp.dtype(w.compute_dtype)
     if not w.per_channel or any(w.scale.shape[a] != 1 for a in contracted_axes(spec)):
-        if cdt == FP8:  # block scales: no FP8 product here, upcast (prepare_fp8_products)
+        if cdt in (FP8, INT8):  # block scales or zeros: no such product here, upcast
             cdt = jnp.dtype(jnp.bfloat16)
         return jnp.einsum(spec, x.astype(cdt), w.dequantize(cdt), preferred_element_type=jnp.float32)
-    if cdt == FP8:
+    if cdt in (FP8, INT8):
         xs, _, out, contract = parse_spec(spec)
-        axes = tuple(xs.index(c) for c in contract)
-        amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=axes, keepdims=True)
-        sx = jnp.maximum(amax, 1e-12) / 448.0
-        y = jnp.einsum(spec, (x / sx).astype(FP8), w.q, preferred_element_type=jnp.float32)
+        xq, sx = quantize_activations(x, tuple(xs.index(c) for c in contract), cdt, w.input_scale)
+        acc = jnp.int32 if cdt == INT8 else jnp.float32
+        y = jnp.einsum(spec, xq, w.q, preferred_element_type=acc).astype(jnp.float32)
         rows = [c for c in xs if c not in contract]  # x's kept dims, in y's order
         y = y * sx.reshape([sx.shape[xs.index(c)] if c in rows else 1 for c in out])
     else:
@@ -321,6 +336,41 @@ def _dense_quantized(spec: str, x: jax.Array, w: QuantizedWeight) -> jax.Array:
 
 
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
+INT8 = jnp.dtype(jnp.int8)
+# The largest magnitude each activation dtype takes (e4m3's 448; int8's 127, as vLLM's
+# per-token int8 quantization scales amax to 127 and clamps to [-128, 127]).
+_ACT_MAX = {FP8: 448.0, INT8: 127.0}
+
+
+def quantize_activations(x: jax.Array, axes: tuple[int, ...], dtype, input_scale=None):
+    """x scaled into `dtype` (float8_e4m3fn or int8) per token: (values, float32 scales with
+    x's rank, size 1 on `axes`). The scale is the checkpoint's static one where `input_scale`
+    is given and positive, else amax / max over `axes` (each token's own: dynamic). int8
+    values are rounded to nearest even and clamped to [-128, 127], e4m3 ones clipped to
+    +-448 and converted (round to nearest even)."""
+    dtype = jnp.dtype(dtype)
+    top = _ACT_MAX[dtype]
+    x32 = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x32), axis=axes, keepdims=True)
+    sx = jnp.maximum(amax, 1e-12) / top
+    if input_scale is not None:
+        static = input_scale.astype(jnp.float32).reshape(())
+        sx = jnp.where(static > 0, jnp.broadcast_to(static, sx.shape), sx)
+    if dtype == INT8:
+        return jnp.clip(jnp.round(x32 / sx), -128, 127).astype(INT8), sx
+    return jnp.clip(x32 / sx, -top, top).astype(FP8), sx
+
+
+def permute_inputs(spec: str, x: jax.Array, perm: jax.Array) -> jax.Array:
+    """x with its contracted dims (flattened) gathered in the order `perm`: the order an
+    act-order weight's rows are stored in."""
+    xs, _, _, contract = parse_spec(spec)
+    axes = [xs.index(c) for c in contract]
+    if axes != list(range(x.ndim - len(axes), x.ndim)):
+        raise ValueError(f"act-order weights need the contracted dims last; spec {spec!r}")
+    lead = x.shape[: x.ndim - len(axes)]
+    flat = x.reshape(*lead, -1)
+    return jnp.take(flat, perm.reshape(-1), axis=-1).reshape(x.shape)
 
 
 def prepare_fp8_products(model: nnx.Module) -> int:
@@ -339,6 +389,54 @@ def prepare_fp8_products(model: nnx.Module) -> int:
                     var.set_metadata("compute_dtype", FP8.name)
                     count += 1
     return count
+
+
+def prepare_int8_products(model: nnx.Module) -> tuple[int, int]:
+    """Mark `model`'s int8 weights whose checkpoint quantizes the activations to int8 too
+    (W8A8: metadata `activations` "int8-dynamic" or "int8-static") for an int8 x int8 product
+    with an int32 accumulator (compute dtype int8; see `_dense_quantized`); the backend calls
+    this on chips with int8 products. Only symmetric weights with one scale per output
+    channel (or tensor) and inputs in order multiply so; the others keep their floats.
+    Returns (weights marked, W8A8 weights left weight-only)."""
+    marked = left = 0
+    for _, module in nnx.iter_graph(model):
+        if not isinstance(module, nnx.Module):
+            continue
+        for name, var in list(vars(module).items()):
+            if not isinstance(var, QuantizedParam):
+                continue
+            meta = var.get_metadata()
+            if not str(meta.get("activations") or "").startswith("int8"):
+                continue
+            scale = getattr(module, name + SCALE_SUFFIX).get_value().shape
+            if (jnp.dtype(var.get_value().dtype) == INT8
+                    and getattr(module, name + ZERO_SUFFIX, None) is None
+                    and getattr(module, name + PERM_SUFFIX, None) is None
+                    and all(scale[a] == 1 for a in contracted_axes(meta["spec"]))):
+                var.set_metadata("compute_dtype", INT8.name)
+                marked += 1
+            else:
+                left += 1
+    return marked, left
+
+
+def activation_products(model: nnx.Module) -> dict[str, int]:
+    """How many quantized weights multiply with quantized activations, by compute dtype
+    (float8_e4m3fn, int8), and how many have an activation scheme but multiply weight-only
+    ("weight-only"): what start-up reports."""
+    out: dict[str, int] = {}
+    for _, module in nnx.iter_graph(model):
+        if not isinstance(module, nnx.Module):
+            continue
+        for var in vars(module).values():
+            if not isinstance(var, QuantizedParam):
+                continue
+            meta = var.get_metadata()
+            cdt = jnp.dtype(meta.get("compute_dtype", "float32"))
+            key = cdt.name if cdt in (FP8, INT8) else "weight-only" if meta.get("activations") else None
+            if key is not None:
+                out[key] = out.get(key, 0) + 1
+    return out
 
 
 def product_form(spec: str) -> bool:
@@ -391,7 +489,7 @@ def prepare_quantized_products(model: nnx.Module, impl: str) -> int:
             spec, packed_axis = meta["spec"], meta.get("packed_axis")
             nc = len(parse_spec(spec)[3])
             if (jnp.dtype(value.dtype) not in (FP8, jnp.dtype(jnp.uint8))
-                    or jnp.dtype(meta.get("compute_dtype", "float32")) == FP8
+                    or jnp.dtype(meta.get("compute_dtype", "float32")) in (FP8, INT8)
                     or not product_form(spec) or packed_axis not in (None, nc - 1)):
                 continue
             specs = None

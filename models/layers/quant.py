@@ -1,4 +1,4 @@
-"""Weight formats kept quantized on the device: FP8 (float8_e4m3fn) and 4-bit integers.
+"""Weight formats kept quantized on the device: FP8 (float8_e4m3fn), 4- and 8-bit integers.
 
 A `WeightFormat` says how a model's matmul weights are stored: the values' kind and which
 values share one scale. Scales (and int4 zeros) cover blocks of the weight as its checkpoint
@@ -88,6 +88,29 @@ def quantize_fp8_blocks(w32, split: list[int]):
     safe = xp.where(scale == 0, xp.float32(1.0), scale)
     q = xp.clip(blocks / safe, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
     return q.reshape(w32.shape), scale.reshape(split[0::2])
+
+
+def quantize_int8_blocks(w32, split: list[int], asymmetric: bool = False):
+    """8-bit values of `w32` per block: symmetric (scale = amax / 127, no zeros) or
+    asymmetric (scale = (max - min) / 255, zero = round(-128 - min / scale)). Returns (int8
+    values, scales, zeros as float32 or None)."""
+    xp = np if isinstance(w32, np.ndarray) else jnp
+    blocks = w32.reshape(split)
+    axes = tuple(range(1, len(split), 2))
+    grid = split[0::2]
+    if not asymmetric:
+        amax = xp.max(xp.abs(blocks), axis=axes, keepdims=True)
+        scale = (amax / 127.0).astype(xp.float32)
+        safe = xp.where(scale == 0, xp.float32(1.0), scale)
+        q = xp.clip(xp.round(blocks / safe), -127, 127).astype(xp.int8)
+        return q.reshape(w32.shape), scale.reshape(grid), None
+    hi = xp.maximum(xp.max(blocks, axis=axes, keepdims=True), 0)
+    lo = xp.minimum(xp.min(blocks, axis=axes, keepdims=True), 0)
+    scale = ((hi - lo) / 255.0).astype(xp.float32)
+    safe = xp.where(scale == 0, xp.float32(1.0), scale)
+    zero = xp.clip(xp.round(-128 - lo / safe), -128, 127)
+    q = xp.clip(xp.round(blocks / safe) + zero, -128, 127).astype(xp.int8)
+    return q.reshape(w32.shape), scale.reshape(grid), zero.astype(xp.float32).reshape(grid)
 
 
 def quantize_int4_blocks(w32, split: list[int]):

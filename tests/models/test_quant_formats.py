@@ -133,6 +133,25 @@ def gptq_v1(w, group):
 
 
 
+def gptq_act_order(w, group, seed=0):
+    """auto-gptq's desc_act true layout: inputs assigned to groups in a permuted order
+    (`g_idx`), qweight rows still in input order; symmetric as `gptq_v1`."""
+    out, inn = w.shape
+    g_idx = np.empty(inn, np.int32)
+    g_idx[np.random.default_rng(seed).permutation(inn)] = np.arange(inn) // group
+    scale = np.stack([2 * np.abs(w[:, g_idx == k]).max(axis=1) / 15
+                      for k in range(inn // group)], axis=1).astype(np.float16)  # [out, groups]
+    s = scale.astype(np.float32)[:, g_idx]
+    q = np.clip(np.round(w / s) + 8, 0, 15).astype(np.uint8)
+    deq = (q.astype(np.float32) - 8) * s
+    qweight = np.zeros((inn // 8, out), np.uint32)
+    for j in range(8):
+        qweight |= q.T[j::8].astype(np.uint32) << np.uint32(4 * j)
+    stored_zero = np.full((inn // group, out), 7, np.uint8)
+    return {"qweight": qweight.view(np.int32), "qzeros": _pack_words(stored_zero, range(8)),
+            "scales": scale.T.copy(), "g_idx": g_idx}, deq.astype(np.float32)
+
+
 def _ct(strategy: str, activations: dict) -> dict:
     """A compressed-tensors quantization_config as llm-compressor writes it for float8."""
     weights = {"num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True,
@@ -158,6 +177,9 @@ FORMATS = {
     "gptq": (lambda w: gptq_v1(w, 32),
              {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": True,
               "checkpoint_format": "gptq"}),
+    "gptq-act-order": (lambda w: gptq_act_order(w, 32),
+                       {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True,
+                        "sym": True, "checkpoint_format": "gptq"}),
 }
 
 
@@ -222,7 +244,8 @@ def _assert_weights_equal(model, reference, rtol=1e-6):
 # Run through the model (each format compiles its own step): FP8 per block (dequantized in the
 # step) and per channel (converted in the dot), int4; GPTQ and per-tensor FP8 are checked weight
 # by weight (their products are the same code as AWQ's and per-channel FP8's).
-RUN = ("fp8-block", "ct-fp8-channel", "awq")
+# act-order GPTQ runs too: its rows are reordered at load and the activations gathered.
+RUN = ("fp8-block", "ct-fp8-channel", "awq", "gptq-act-order")
 
 
 @pytest.mark.parametrize("name", list(FORMATS))
@@ -240,7 +263,10 @@ def test_checkpoint_equals_reference_dequantization(tmp_path, data_dir, name):
     scales = {"fp8-block": (2, 2, 1),  # 32 x 32 blocks of q_proj [Hq * D, E]: each spans two heads
               "ct-fp8-channel": (1, 4, 16), "ct-fp8-tensor-static": (1, 1, 1), "awq": (2, 4, 16)}
     assert layer.wq_qscale[...].shape == scales.get(name, (2, 4, 16))
-    _assert_weights_equal(model, reference)
+    if model.config.weight_format.act_order:  # stored in group order: gathered inputs
+        assert layer.w_down_qperm[...].shape == (96,)
+    else:
+        _assert_weights_equal(model, reference)
     if name not in RUN:
         return
     ref = _logits(create_model(_reference_config(tmp_path / name), dtype=jnp.float32,
@@ -281,7 +307,7 @@ def test_int4_packing_round_trips():
 
 
 @pytest.mark.parametrize("qc,match", [
-    ({"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True}, "act-order"),
+    ({"quant_method": "gptq", "bits": 3, "group_size": 32}, "4 bits"),
     ({"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemv"}, "GEMM layout"),
     ({"quant_method": "bitsandbytes"}, "pre-quantized \\(quantization_config: bitsandbytes\\)"),
 ])

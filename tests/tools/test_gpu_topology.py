@@ -228,6 +228,27 @@ def test_fp8_weights_multiply_in_fp8_on_h200(fp8_products):
     assert _dot_operand_types(hlo) == [want]
 
 
+@pytest.mark.parametrize("static", [False, True])
+def test_w8a8_int8_weights_multiply_in_int8_on_h200(static):
+    """A W8A8 int8 weight marked as a backend whose plan has int8 products marks it (compute
+    dtype int8): compiled for an H200, the product takes two s8 operands (the activations
+    quantized per token, or by a static input scale, inside the step)."""
+    from jaxserve.models.layers.linear import QuantizedWeight, dense
+
+    devices, _, _ = _devices("h200")
+    sharding = NamedSharding(Mesh(np.array(devices[:1]).reshape(1, 1), ("data", "model")), P())
+
+    def f(x, q, s, *inp):
+        return dense("te,ef->tf", x, QuantizedWeight(q, s, "int8", input_scale=inp[0] if inp else None))
+
+    sd = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)  # noqa: E731
+    args = (sd((64, 512), jnp.bfloat16), sd((512, 1024), jnp.int8), sd((1, 1024), jnp.float32))
+    if static:
+        args += (sd((1,), jnp.float32),)
+    hlo = jax.jit(f).lower(*args).compile().as_text()
+    assert _dot_operand_types(hlo) == [("s8", "s8")]
+
+
 def _dot_operand_types(hlo: str) -> list[tuple[str, str]]:
     """The element types of each dot's two operands in a compiled HLO text (inside fusions
     too: XLA's GPU compiler emits the product as a Triton GEMM fusion or a cuBLAS call)."""

@@ -168,3 +168,25 @@ def test_whole_steps_compile_for_v5e_and_v6e():
         else:
             assert rec["attention_impl"] == "tpu" and rec["attention_note"] is None
         assert rec["kv"]["dtype"] == "bfloat16" and rec["dtype"] == "bfloat16"
+
+
+def test_w8a8_int8_weights_multiply_in_int8_on_v6e():
+    """A W8A8 int8 weight marked for int8 products (v6e's MXU takes int8): compiled for the
+    chip, the product is one int8 x int8 convolution accumulating in s32 (the activations
+    quantized per token in the step)."""
+    import re
+
+    from jaxserve.models.layers.linear import QuantizedWeight, dense
+
+    devices, _, _ = _devices("v6e:2x2")
+    sharding = NamedSharding(Mesh(np.array(devices[:1]).reshape(1, 1), ("data", "model")), P())
+    sd = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)  # noqa: E731
+
+    def f(x, q, s):
+        return dense("te,ef->tf", x, QuantizedWeight(q, s, "int8"))
+
+    text = jax.jit(f).lower(sd((64, 512), jnp.bfloat16), sd((512, 1024), jnp.int8),
+                            sd((1, 1024), jnp.float32)).compile().as_text()
+    types = {m.group(1): m.group(2) for m in re.finditer(r"%([\w.-]+) = (\w+)\[", text)}
+    products = re.findall(r"= (\w+)\[[^=]*? (?:convolution|dot)\(%([\w.-]+), %([\w.-]+)\)", text)
+    assert [(out, types[a], types[b]) for out, a, b in products] == [("s32", "s8", "s8")]
