@@ -35,6 +35,7 @@ from jaxserve.models.layers.linear import (
 )
 from jaxserve.pallas_kernels.ragged_paged_attention.ops import (
     auto_for_dtypes as auto_attention_for_dtypes,
+    gpu_capability,
     resolve_impl as resolve_attention_impl,
 )
 from jaxserve.runner.buckets import geometric
@@ -240,21 +241,19 @@ class Backend:
         compute capability of at least 8.9; TPUs before v7 and CPUs do not)."""
         if self.platform != "gpu":
             return False
-        caps = [getattr(d, "compute_capability", None) for d in mesh_devices(mesh)]
-        return all(c is not None and tuple(int(x) for x in str(c).split(".")[:2]) >= (8, 9)
-                   for c in caps)
+        cap = gpu_capability(mesh_devices(mesh))
+        return cap is not None and cap >= (8, 9)
 
     def int8_products(self, mesh: Mesh) -> bool:
         """Whether every device of `mesh` multiplies int8 natively: the TPUs of
         `TPU_CHIP_NAMES` (v4 to v6e), GPUs of compute capability >= 7.5 (int8 tensor cores,
         what vLLM's W8A8 kernels ask for); never the CPU."""
         if self.platform == "tpu":
-            return all(d.device_kind in TPU_CHIP_NAMES for d in mesh.devices.flat)
+            return all(d.device_kind in TPU_CHIP_NAMES for d in mesh_devices(mesh))
         if self.platform != "gpu":
             return False
-        caps = [getattr(d, "compute_capability", None) for d in mesh.devices.flat]
-        return all(c is not None and tuple(int(x) for x in str(c).split(".")[:2]) >= (7, 5)
-                   for c in caps)
+        cap = gpu_capability(mesh_devices(mesh))
+        return cap is not None and cap >= (7, 5)
 
     # ------------------------------------------------------------------ step sizes
     # Tokens per step when none is given: vLLM's default. A chip computes a step of thousands of
