@@ -8,6 +8,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from jaxserve.platform import pin_cpu_without_accelerator
+
+pin_cpu_without_accelerator()  # before JAX starts: no accelerator plugin tracebacks on CPU hosts
+
 from jaxserve.inputs import PromptType, TextPrompt, TokensPrompt
 from jaxserve.lora_request import LoRARequest
 from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import os
-import pathlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, Protocol
 
 from jaxserve.engine.async_client import (
@@ -31,6 +29,7 @@ from jaxserve.engine.output_processor import StatsListener
 from jaxserve.engine.plan import PLAN_HELP  # noqa: F401 - serve's --help shows what the plan resolves
 from jaxserve.inputs import Prompt
 from jaxserve.outputs import OutputKind
+from jaxserve.platform import Platform, serving_platform
 from jaxserve.parallel.multihost import FingerprintMismatch, LeaderLostError, exit_now
 from jaxserve.sampling_params import SamplingParams
 
@@ -64,26 +63,6 @@ CoreMode = Literal["auto", "thread", "process"]
 # process serves 1.3-1.5x the tokens at 32 and 128 streams.
 ENGINE_CORE_BY_PLATFORM: dict[str, Literal["thread", "process"]] = {
     "cpu": "thread", "tpu": "process", "gpu": "process"}
-
-
-Platform = Literal["cpu", "tpu", "gpu"]
-
-
-def serving_platform(env: Mapping[str, str] | None = None, dev: str = "/dev") -> Platform:
-    """The accelerator JAX will serve on, told without loading JAX (the client must not: on a
-    TPU only one process may open the chips, and with `--engine-core process` that is the
-    engine's): the first entry of JAX_PLATFORMS when set, else the device files present (TPU:
-    /dev/accel<N> or /dev/vfio/<N>; GPU: /dev/nvidia<N> or ROCm's /dev/kfd), else the CPU."""
-    env = os.environ if env is None else env
-    first = env.get("JAX_PLATFORMS", "").split(",")[0].strip().lower()
-    if first:
-        return "tpu" if first == "tpu" else "cpu" if first == "cpu" else "gpu"
-    root = pathlib.Path(dev)
-    if any(root.glob("accel[0-9]*")) or any(p.name.isdigit() for p in root.glob("vfio/*")):
-        return "tpu"
-    if any(p.name[len("nvidia"):].isdigit() for p in root.glob("nvidia[0-9]*")) or (root / "kfd").exists():
-        return "gpu"
-    return "cpu"
 
 
 def default_engine_core(platform: Platform) -> Literal["thread", "process"]:

@@ -125,7 +125,8 @@ def test_a_dead_engine_process_fails_its_requests_and_health(config):
     ({}, [], "cpu"),
 ])
 def test_the_serving_platform_is_told_without_jax(tmp_path, env, files, platform):
-    from jaxserve.engine.client import default_engine_core, serving_platform
+    from jaxserve.engine.client import default_engine_core
+    from jaxserve.platform import serving_platform
 
     for name in files:
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
@@ -133,3 +134,45 @@ def test_the_serving_platform_is_told_without_jax(tmp_path, env, files, platform
     assert serving_platform(env, dev=str(tmp_path)) == platform
     # the measured defaults (README: the engine core on a thread or in a process of its own)
     assert default_engine_core(platform) == {"cpu": "thread", "tpu": "process", "gpu": "process"}[platform]
+
+
+@pytest.mark.parametrize("env, files, system, pinned", [
+    ({}, [], "linux", True),  # a CPU host: JAX is told to use the CPU
+    ({}, ["accel0"], "linux", False),  # a TPU VM: JAX's choice
+    ({}, ["nvidia0"], "linux", False),
+    ({}, ["dxg"], "linux", False),  # WSL's GPU
+    ({"JAX_PLATFORMS": "cuda"}, [], "linux", False),  # the user's choice stands
+    ({}, [], "darwin", False),  # no device files to read there
+])
+def test_a_host_without_accelerators_pins_jax_to_the_cpu(tmp_path, env, files, system, pinned):
+    from jaxserve.platform import pin_cpu_without_accelerator
+
+    for name in files:
+        (tmp_path / name).touch()
+    before = dict(env)
+    assert pin_cpu_without_accelerator(env, dev=str(tmp_path), system=system) is pinned
+    assert env == ({**before, "JAX_PLATFORMS": "cpu"} if pinned else before)
+
+
+def test_no_accelerator_plugin_tracebacks_on_a_cpu_host():
+    """With the compile-only plugins installed (JAX's CUDA plugin, libtpu: the CI installs both)
+    and JAX_PLATFORMS unset, a process that imports jaxserve starts JAX on the CPU without the
+    plugins' initialisation errors; a bare `import jax` still prints them (the check can fail)."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    from jaxserve.platform import serving_platform
+
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    if serving_platform(env) != "cpu":
+        pytest.skip("this host has accelerator device files")
+    code = "import jaxserve, jax; print(jax.default_backend())"
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip() == "cpu", run.stderr
+    assert "Jax plugin configuration error" not in run.stderr
+    assert "TPU_ACCELERATOR_TYPE" not in run.stderr
+    if importlib.util.find_spec("jax_plugins.xla_cuda12") is not None:
+        bare = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert "Jax plugin configuration error" in bare.stderr
