@@ -15,7 +15,7 @@ import jaxserve
 LAYERS = [
     ("types", ["jaxserve.config", "jaxserve.config_cli", "jaxserve.sampling_params", "jaxserve.request",
                "jaxserve.lora_request", "jaxserve.outputs", "jaxserve.startup_timer", "jaxserve.reasoning",
-               "jaxserve.inputs", "jaxserve.beam_search", "jaxserve.chat"]),
+               "jaxserve.inputs", "jaxserve.beam_search", "jaxserve.chat", "jaxserve.platform"]),
     ("core", ["jaxserve.core"]),
     ("device", ["jaxserve.runner", "jaxserve.backends", "jaxserve.sampling", "jaxserve.structured",
                 "jaxserve.spec_decode", "jaxserve.parallel", "jaxserve.models", "jaxserve.pallas_kernels"]),
