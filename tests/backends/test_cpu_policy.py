@@ -20,8 +20,9 @@ PACKAGES = [JAXSERVE, pathlib.Path(jaxserve.models.__file__).parent,
             pathlib.Path(jaxserve.server.__file__).parent, KERNELS]
 # Where a platform check may stand: the backends; the tools, whose compile targets are
 # platforms (`shard-plan --topology`); the kernels' dispatch, where "auto" is the kernel
-# registered under the platform's name.
-PLATFORM_CHECKS_ALLOWED = (BACKENDS, JAXSERVE / "tools", KERNELS)
+# registered under the platform's name; jaxserve/platform.py, which tells the platform from the
+# host's device files before JAX starts.
+PLATFORM_CHECKS_ALLOWED = (BACKENDS, JAXSERVE / "tools", KERNELS, JAXSERVE / "platform.py")
 
 
 def _sources(allowed: tuple[pathlib.Path, ...] = (BACKENDS,)):
