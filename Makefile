@@ -3,7 +3,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install install-tpu install-gpu-compile test test-packaging serve bench clean
+.PHONY: install install-tpu install-gpu-compile test test-fast test-packaging serve bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -37,6 +37,12 @@ TEST_WORKERS ?= $(shell n=$$(nproc); echo $$(( n < 2 ? 2 : n > 4 ? 4 : n )))
 test: $(STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
 		--ignore=tests/test_packaging.py $(PYTEST_ARGS)
+
+# The inner loop: the suite without the modules that build engines and servers or compile for
+# TPU/GPU topologies (marked `slow`: tests/conftest.py), a minute or two on 2 cores.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
+		--ignore=tests/test_packaging.py -m "not slow" $(PYTEST_ARGS)
 
 test-packaging: $(STAMP)
 	$(PY) -m pytest -q tests/test_packaging.py

@@ -105,44 +105,83 @@ def small_llm(small_engine_options):
     return LLM(**small_engine_options)
 
 
+# The slow modules, longest first (from `--durations=0` of a whole run, 2 workers on a 2-core CPU:
+# those of 10 s or more, the ones that build engines and servers or compile for TPU/GPU
+# topologies). They are marked `slow`, so that `make test-fast` (`-m "not slow"`) leaves them
+# out for the inner loop; `make test` runs them all.
 # pytest-xdist (`make test`: `-n 2 --dist loadfile --no-loadscope-reorder`): a module's tests run
 # in one worker, so that its module-scoped engines, model directories and per-process caches of
 # compiled topologies are built once; each worker takes the next module in collection order.
 # The longest modules go first, so that no long module starts last while the other worker idles.
 # (Not --dist loadgroup: with pytest 9.2, xdist 3.8's `xdist_group` marks never reach its
 # scheduler.)
-LONGEST_FIRST = (  # from `--durations=0` of a whole run, 2 workers on a 2-core CPU
-    "tests/tools/test_shard_plan.py",
-    "tests/backends/test_accelerator_memory.py",
-    "tests/models/test_moe.py",
-    "tests/backends/test_cpu_kernel.py",
-    "tests/tools/test_gpu_topology.py",
-    "tests/models/test_sharding_rules.py",
-    "tests/parallel/test_tensor_parallel.py",
+SLOW_MODULES = (
     "tests/parallel/test_multihost.py",
+    "tests/parallel/test_tensor_parallel.py",
+    "tests/tools/test_shard_plan.py",
     "tests/engine/test_executable_cache.py",
-    "tests/engine/test_sharding_rules_engine.py",
+    "tests/pallas_kernels/test_gpu_mosaic_kernel.py",
+    "tests/engine/test_llm_golden.py",
+    "tests/tools/test_device_check.py",
     "tests/parallel/test_data_parallel.py",
     "tests/tools/test_tpu_topology.py",
-    "tests/pallas_kernels/test_tpu_kernel.py",
-    "tests/server/test_families.py",
     "tests/models/test_paged_consistency.py",
+    "tests/tools/test_gpu_topology.py",
+    "tests/engine/test_sharding_rules_engine.py",
+    "tests/backends/test_accelerator_memory.py",
     "tests/server/test_fuzz.py",
-    "tests/engine/test_llm_golden.py",
-    "tests/models/test_lora_parity.py",
+    "tests/server/test_families.py",
+    "tests/models/test_sharding_rules.py",
     "tests/engine/test_memory_from_programs.py",
-    "tests/engine/test_lora.py",
-    "tests/pallas_kernels/test_quantized_kv.py",
-    "tests/engine/test_kv_cache_dtype.py",
+    "tests/backends/test_cpu_matmul.py",
+    "tests/pallas_kernels/test_tpu_kernel.py",
+    "tests/backends/test_cpu_kernel.py",
+    "tests/models/test_default_model.py",
+    "tests/server/test_structured_tools.py",
     "tests/models/test_gguf_archs.py",
-    "tests/server/test_startup_log.py",
+    "tests/models/test_int8.py",
+    "tests/server/test_engine_process.py",
     "tests/pallas_kernels/test_gpu_kernel.py",
-    "tests/tools/test_device_check.py",
+    "tests/models/test_moe.py",
+    "tests/models/test_ct_formats.py",
+    "tests/models/test_sharding.py",
+    "tests/engine/test_damaged_caches.py",
+    "tests/sampling/test_transforms.py",
+    "tests/server/test_engine_failure_exit.py",
+    "tests/server/test_responses.py",
+    "tests/sampling/test_bitmask.py",
+    "tests/models/test_arch_parity.py",
+    "tests/models/test_quant_formats.py",
+    "tests/engine/test_lora.py",
+    "tests/server/test_openai_api.py",
+    "tests/pallas_kernels/test_quantized_kv.py",
+    "tests/tools/test_step_model.py",
+    "tests/models/test_gguf_default_model.py",
+    "tests/sampling/test_truncation.py",
+    "tests/engine/test_weight_cache.py",
+    "tests/engine/test_matmul_impl.py",
+    "tests/server/test_shutdown.py",
+    "tests/server/test_startup_log.py",
+    "tests/sampling/test_sample.py",
+    "tests/models/test_hub.py",
+    "tests/engine/test_offline_api.py",
+    "tests/server/test_embeddings_server.py",
+    "tests/engine/test_structured_output.py",
+    "tests/server/test_cli.py",
+    "tests/pallas_kernels/test_reference_attention.py",
+    "tests/server/test_playground.py",
+    "tests/engine/test_kv_cache_dtype.py",
+    "tests/pallas_kernels/test_kv_write.py",
+    "tests/engine/test_backend_layer.py",
+    "tests/engine/test_embeddings.py",
+    "tests/engine/test_config.py",
 )
 
 
 def pytest_collection_modifyitems(config, items):
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
-        return  # one process: the usual order
-    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
+    rank = {path: i for i, path in enumerate(SLOW_MODULES)}
+    for item in items:
+        if item.nodeid.split("::", 1)[0] in rank:
+            item.add_marker(pytest.mark.slow)
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))

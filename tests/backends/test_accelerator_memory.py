@@ -158,7 +158,9 @@ BUCKET = (16, 8)
 
 
 @needs_libtpu
-@pytest.mark.parametrize("topology", ["v5e:2x2", "v6e:2x4"])
+# One topology: the sizing is the same mechanism on every chip (v6e:2x4 took 80 s of a 2-core
+# suite; test_tpu_topology compiles whole steps for both chips).
+@pytest.mark.parametrize("topology", ["v5e:2x2"])
 def test_llama8b_shaped_budget_is_confirmed_by_the_served_step_and_an_overfull_one_refused(
     topology,
 ):
