@@ -30,6 +30,8 @@ import subprocess
 import sys
 import tempfile
 
+from results_log import append_results
+
 HERE = pathlib.Path(__file__).parent
 REPO = HERE.parent
 RESULTS = HERE / "results" / "kv_write_cost.jsonl"
@@ -184,11 +186,8 @@ def main() -> int:
                         [int(x) for x in a.heads.split(",")], a.dtypes.split(","))
     if a.whole_step:
         recs += whole_step(a.topology, ["fp8", "bfloat16"])
-    pathlib.Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    with open(a.out, "a") as f:
-        for rec in recs:
-            f.write(json.dumps({**rec, **meta, "loadavg_after": [round(x, 2)
-                                                                 for x in os.getloadavg()]}) + "\n")
+    loadavg_after = [round(x, 2) for x in os.getloadavg()]
+    append_results(a.out, [{**rec, **meta, "loadavg_after": loadavg_after} for rec in recs])
     return 0
 
 
