@@ -10,7 +10,7 @@ a uint32 view of the cache (four rows of a lane a word, as the TPU packs them), 
 
 Whole step (`--whole-step`): `jaxserve shard-plan` of the Llama-3-8B step with an fp8 and a
 bfloat16 cache on v6e (tp over 4 chips, bucket 64x64, 64 x 2,048 tokens, pages of 32), the
-figures README's "Quantized KV cache" bullet quotes: KV bytes per chip and bytes accessed.
+figures docs/serving.md's "Quantized KV cache" bullet quotes: KV bytes per chip and bytes accessed.
 About 10 minutes a dtype on a 2-core host.
 
     ALLOW_MULTIPLE_LIBTPU_LOAD=1 .venv/bin/python benchmarks/kv_write_cost.py
