@@ -15,7 +15,6 @@ The machine is shared: look at the load average in the JSON line before trusting
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
@@ -26,6 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.pallas_kernels import AttentionMetadata, ragged_paged_attention
+
+from results_log import append_results
 
 HQ, HKV, D, PS = 9, 3, 64, 16
 RESULTS = os.path.join(os.path.dirname(__file__), "results", "attention_reference.jsonl")
@@ -214,9 +215,7 @@ def main():
         "decode_ratio_vs_dense_head_major": round(best[2] / dense_dec_hm, 3),
     }
     if not args.no_write:
-        os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-        with open(RESULTS, "a") as fh:
-            fh.write(json.dumps(record) + "\n")
+        append_results(RESULTS, record)
         print(f"appended to {RESULTS}")
     print(f"decode reference / dense = {record['decode_ratio_vs_dense']:.2f} "
           f"(/ dense with head-major K/V = {record['decode_ratio_vs_dense_head_major']:.2f})")

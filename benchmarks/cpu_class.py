@@ -49,6 +49,8 @@ import subprocess
 import sys
 import tempfile
 
+from results_log import append_results
+
 HERE = pathlib.Path(__file__).resolve().parent
 SITE_DIR = HERE / "cpu_class_site"
 CACHE = HERE / ".cache"
@@ -437,8 +439,7 @@ def main(argv=None) -> None:
     report["timestamp"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     print_check(report)
     if args.results:
-        with open(args.results, "a") as f:
-            f.write(json.dumps(report) + "\n")
+        append_results(args.results, report)
 
 
 if __name__ == "__main__":

@@ -40,6 +40,8 @@ import tempfile
 import time
 import urllib.request
 
+from results_log import append_results
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 STEPS = ["kernel_tests", "kernel_benchmark", "golden_parity", "step_throughput", "served_request"]
 PY = sys.executable
@@ -79,8 +81,7 @@ class Check:
             "time": time.time(),
             **fields,
         }
-        with open(self.out / "device_check.jsonl", "a") as f:
-            f.write(json.dumps(rec) + "\n")
+        append_results(self.out / "device_check.jsonl", rec)
         print(
             f"[device_check] {step}: {status} ({seconds:.0f}s)"
             + (f" {json.dumps(fields)[:300]}" if fields else ""),
@@ -212,6 +213,7 @@ def step_golden(c: Check) -> None:
 
 def step_throughput(c: Check, devices: int) -> None:
     out = c.out / "step_throughput.jsonl"
+    plan_json = pathlib.Path(tempfile.mkdtemp()) / "plan.jsonl"  # shard-plan writes it
     if c.rehearse:
         tmp = pathlib.Path(tempfile.mkdtemp())
         (tmp / "config.json").write_text(json.dumps(TINY_LLAMA))
@@ -239,14 +241,17 @@ def step_throughput(c: Check, devices: int) -> None:
         "--max-num-seqs",
         str(seqs),
         "--json",
-        str(out),
+        str(plan_json),
     ]
     rc, text = c.run("step_throughput", 200, cmd)
     if c.rehearse:
         shutil.rmtree(tmp, ignore_errors=True)
+    rows = [json.loads(x) for x in plan_json.read_text().splitlines()] if plan_json.exists() else []
+    shutil.rmtree(plan_json.parent, ignore_errors=True)
+    if rows:  # shard-plan's lines, each with its provenance
+        append_results(out, rows)
     cells = []
-    for line in out.read_text().splitlines() if out.exists() else []:
-        r = json.loads(line)
+    for r in rows:
         m = r.get("measure") or {}
         if m.get("decode_ms"):
             seqs_ = r["bucket"][1]

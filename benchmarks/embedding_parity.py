@@ -28,6 +28,8 @@ import tempfile
 
 import numpy as np
 
+from results_log import append_results
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -137,8 +139,7 @@ def main() -> int:
                 ok &= line["ok"]
                 lines.append(line)
                 print(json.dumps(line), flush=True)
-    with open(args.out / "embedding_parity.jsonl", "a") as f:
-        f.writelines(json.dumps(x) + "\n" for x in lines)
+    append_results(args.out / "embedding_parity.jsonl", lines)
     return 0 if ok else 1
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import pathlib
 import socket
@@ -31,6 +30,8 @@ import statistics
 import subprocess
 import sys
 import time
+
+from results_log import append_results
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -189,8 +190,7 @@ def main() -> None:
                           f"{m['ttft_ms']['p50']:7.0f} ms p99 {m['ttft_ms']['p99']:7.0f}, ITL p50 "
                           f"{m['itl_ms']['p50']:6.1f} ms p99 {m['itl_ms']['p99']:6.1f} ({m['failed']} failed)",
                           flush=True)
-                    with RESULTS.open("a") as f:
-                        f.write(json.dumps(row) + "\n")
+                    append_results(RESULTS, row)
     print("\nmedians over rounds (process / thread):")
     for workload in args.workloads:
         for c in args.concurrency:

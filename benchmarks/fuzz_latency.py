@@ -36,6 +36,8 @@ import sys  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 
+from results_log import append_results  # noqa: E402
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "benchmarks" / "results" / "fuzz_latency.jsonl"
@@ -155,9 +157,7 @@ def main() -> None:
            "engine_recompiles": engine.stats.recompiles, "event_loop_max_lag_s": max(lags, default=0.0),
            "statuses": statuses, "slow_fuzz_requests": sorted(slow, reverse=True)[:10]}
     print(json.dumps(row, indent=1))
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    with RESULTS.open("a") as f:
-        f.write(json.dumps(row) + "\n")
+    append_results(RESULTS, row)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,8 @@ import sys
 import tempfile
 import time
 
+from results_log import append_results
+
 HERE = pathlib.Path(__file__).resolve().parent
 GOLDEN = HERE.parent / "tests" / "data" / "smollm2_public.json"
 NEAR_TIE = 1e-3
@@ -111,8 +113,7 @@ def main() -> int:
     line = json.dumps(rec)
     print(line)
     if args.out:
-        with open(args.out, "a") as f:
-            f.write(line + "\n")
+        append_results(args.out, rec)
     return 0 if ok else 1
 
 

@@ -44,6 +44,8 @@ import sys
 import tempfile
 import time
 
+from results_log import append_results
+
 RESULTS = pathlib.Path(__file__).parent / "results" / "gpu_kernel_compile.jsonl"
 SHAPES = {  # name: (query heads, KV heads, head dim) on one device
     "llama3-8b-tp1": (32, 8, 128),
@@ -339,31 +341,30 @@ def main() -> int:
         f"{'part':7} {'regs':>4} {'spill':>5} {'smem KB':>7} {'thr':>4} {'blk/SM':>6} "
         f"{'warps':>5} {'temp MB':>7} {'compile s':>9}"
     )
-    with open(args.out, "a") as out:
-        for chip in args.chips:
-            for shape in args.shapes:
-                for bucket in args.buckets:
-                    for kernel, cache, knobs in _variants(args):
-                        rec = {
-                            **head,
-                            "chip": chip,
-                            "shape": shape,
-                            "bucket": bucket,
-                            "kernel": kernel,
-                            "cache_dtype": cache,
-                            "knobs": knobs,
-                            **run_case(chip, shape, bucket, kernel, cache, knobs),
-                        }
-                        out.write(json.dumps(rec) + "\n")
-                        out.flush()
-                        if "error" in rec:
-                            print(
-                                f"{chip:5} {shape:15} {bucket:13} {kernel:18} {cache[:6]:6} "
-                                f"error: {rec['error'][:120]}", flush=True
-                            )
-                            continue
-                        for entry in rec["kernels"]:
-                            print(_row(rec, entry), flush=True)
+    # each line is appended as soon as its case is compiled
+    for chip in args.chips:
+        for shape in args.shapes:
+            for bucket in args.buckets:
+                for kernel, cache, knobs in _variants(args):
+                    rec = {
+                        **head,
+                        "chip": chip,
+                        "shape": shape,
+                        "bucket": bucket,
+                        "kernel": kernel,
+                        "cache_dtype": cache,
+                        "knobs": knobs,
+                        **run_case(chip, shape, bucket, kernel, cache, knobs),
+                    }
+                    append_results(args.out, rec)
+                    if "error" in rec:
+                        print(
+                            f"{chip:5} {shape:15} {bucket:13} {kernel:18} {cache[:6]:6} "
+                            f"error: {rec['error'][:120]}", flush=True
+                        )
+                        continue
+                    for entry in rec["kernels"]:
+                        print(_row(rec, entry), flush=True)
     return 0
 
 

@@ -32,6 +32,8 @@ import time
 
 import numpy as np
 
+from results_log import append_results
+
 HERE = pathlib.Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "grammar_engines.jsonl"
 
@@ -280,9 +282,7 @@ def main() -> None:
                    load=round(os.getloadavg()[0], 2))
         print(json.dumps(row))
         if not args.no_save:
-            RESULTS.parent.mkdir(parents=True, exist_ok=True)
-            with RESULTS.open("a") as f:
-                f.write(json.dumps(row) + "\n")
+            append_results(RESULTS, row)
 
 
 if __name__ == "__main__":

@@ -23,12 +23,13 @@ import argparse
 import dataclasses
 import datetime
 import gc
-import json
 import os
 import pathlib
 import statistics
 import sys
 import time
+
+from results_log import append_results
 
 HERE = pathlib.Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "host_overhead.jsonl"
@@ -203,10 +204,9 @@ def main(argv=None) -> None:
         rows += [{"benchmark": "host_overhead", "kind": "real_model", **r} for r in measure_real(32, args.steps)]
     stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     if args.results:
-        os.makedirs(os.path.dirname(os.path.abspath(args.results)), exist_ok=True)
-        with open(args.results, "a") as f:
-            for row in rows:
-                f.write(json.dumps({**row, **env, "load_avg": os.getloadavg(), "timestamp": stamp}) + "\n")
+        load_avg = os.getloadavg()
+        append_results(args.results, [{**row, **env, "load_avg": load_avg, "timestamp": stamp}
+                                      for row in rows])
 
 
 if __name__ == "__main__":

@@ -26,6 +26,8 @@ HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from offline_throughput import environment
 
+from results_log import append_results  # noqa: E402
+
 RESULTS = HERE / "results" / "int8_quality.jsonl"
 # variant -> (weights dtype, quantization, KV-cache dtype)
 VARIANTS = {"float32": ("float32", None, "auto"), "bfloat16": ("bfloat16", None, "auto"),
@@ -93,8 +95,8 @@ def main(argv=None) -> None:
     rows = [evaluate(v, golden, args.compilation_cache_dir) for v in args.variants]
     stamp = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     if args.results:
-        with open(args.results, "a") as f:
-            f.writelines(json.dumps({"benchmark": "int8_quality", **row, **env, "timestamp": stamp}) + "\n" for row in rows)
+        append_results(args.results, [{"benchmark": "int8_quality", **row, **env,
+                                       "timestamp": stamp} for row in rows])
     print(f"\n{env['host']['cpu']}, jax {env['versions']['jax']}, git {str(env['git_sha'])[:10]}")
     print(f"{'variant':10} {'weights MiB':>12} {'KV B/page':>10} {'drift max':>10} {'drift mean':>11} {'greedy agree':>13} {'identical':>10}")
     for r in rows:

@@ -25,7 +25,6 @@ printed last. On the CPU (`--small`) it rehearses one variant in the interpreter
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
@@ -36,6 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.pallas_kernels import AttentionMetadata, ragged_paged_attention
+
+from results_log import append_results
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results", "kernels.jsonl")
 
@@ -248,9 +249,7 @@ def main(argv=None):
         table = next((r for r in swept if r["blocks"]["table"]), None)
         print(f"sweep {scenario}: best {best['blocks']} {best['gb_per_s']} GB/s"
               + (f"; the table's {table['gb_per_s']} GB/s" if table else ""))
-    with open(args.out, "a") as fh:
-        for row in rows:
-            fh.write(json.dumps(row) + "\n")
+    append_results(args.out, rows)
     print(f"wrote {len(rows)} lines to {args.out}")
     return rows
 

@@ -10,7 +10,7 @@ a uint32 view of the cache (four rows of a lane a word, as the TPU packs them), 
 
 Whole step (`--whole-step`): `jaxserve shard-plan` of the Llama-3-8B step with an fp8 and a
 bfloat16 cache on v6e (tp over 4 chips, bucket 64x64, 64 x 2,048 tokens, pages of 32), the
-figures README's "Quantized KV cache" bullet quotes: KV bytes per chip and bytes accessed.
+figures docs/serving.md's "Quantized KV cache" bullet quotes: KV bytes per chip and bytes accessed.
 About 10 minutes a dtype on a 2-core host.
 
     ALLOW_MULTIPLE_LIBTPU_LOAD=1 .venv/bin/python benchmarks/kv_write_cost.py
@@ -29,6 +29,8 @@ import re
 import subprocess
 import sys
 import tempfile
+
+from results_log import append_results
 
 HERE = pathlib.Path(__file__).parent
 REPO = HERE.parent
@@ -184,11 +186,8 @@ def main() -> int:
                         [int(x) for x in a.heads.split(",")], a.dtypes.split(","))
     if a.whole_step:
         recs += whole_step(a.topology, ["fp8", "bfloat16"])
-    pathlib.Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    with open(a.out, "a") as f:
-        for rec in recs:
-            f.write(json.dumps({**rec, **meta, "loadavg_after": [round(x, 2)
-                                                                 for x in os.getloadavg()]}) + "\n")
+    loadavg_after = [round(x, 2) for x in os.getloadavg()]
+    append_results(a.out, [{**rec, **meta, "loadavg_after": loadavg_after} for rec in recs])
     return 0
 
 

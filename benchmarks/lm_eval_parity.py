@@ -35,6 +35,8 @@ import threading
 import time
 import urllib.request
 
+from results_log import append_results
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 GOLDEN = ROOT / "tests" / "data" / "smollm2_public.json"
 RESULTS = ROOT / "benchmarks" / "results" / "lm_eval_parity.jsonl"
@@ -239,12 +241,11 @@ def main() -> None:
         print(f"recorded one request body ({len(body['prompt'])} prompts) in {args.record}")
 
     sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    with RESULTS.open("a") as f:
-        f.write(json.dumps({"git": sha, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                            "lm_eval": lm_eval.__version__, "torch": torch.__version__,
-                            "request_shape": {k: v for k, v in calls[0][0].items() if k != "prompt"} if calls else None,
-                            "items": rows, "max_abs_diff": worst, "pass": ok}) + "\n")
+    shape = {k: v for k, v in calls[0][0].items() if k != "prompt"} if calls else None
+    append_results(RESULTS, {"git": sha, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                             "lm_eval": lm_eval.__version__, "torch": torch.__version__,
+                             "request_shape": shape, "items": rows, "max_abs_diff": worst,
+                             "pass": ok})
     sys.exit(0 if ok else 1)
 
 

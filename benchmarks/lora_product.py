@@ -61,6 +61,8 @@ import subprocess
 import sys
 import time
 
+from results_log import append_results
+
 HERE = pathlib.Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "lora_product.jsonl"
 # what each target measures: "segments" is a loop (XLA's cost analysis counts its body once);
@@ -385,9 +387,7 @@ def main() -> int:
                 print(line, end="", flush=True)
         if proc.wait():
             print(f"{target}: the compile-only child failed (exit {proc.returncode})", file=sys.stderr)
-    with open(args.results, "a") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
+    append_results(args.results, rows)
     print(f"{len(rows)} rows appended to {args.results}")
     return 0
 

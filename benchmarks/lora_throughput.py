@@ -30,6 +30,8 @@ import time
 
 import numpy as np
 
+from results_log import append_results
+
 RESULTS = pathlib.Path(__file__).parent / "results" / "lora_throughput.jsonl"
 MODULES = {
     "q_proj": "self_attn",
@@ -166,9 +168,7 @@ def main() -> None:
         "results": results,
         "lora_path_cost": round(1 - results["0 adapters"]["output_tok_s"] / base, 4),
     }
-    RESULTS.parent.mkdir(exist_ok=True)
-    with RESULTS.open("a") as f:
-        f.write(json.dumps(record) + "\n")
+    append_results(RESULTS, record)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import glob
-import json
 import os
 import platform
 import threading
@@ -56,6 +55,8 @@ from jaxserve.backends.cpu.kernels.matmul import (
     strips_kernel,
 )
 from jaxserve.backends.cpu.huge_pages import place_on_huge_pages, thp_enabled
+
+from results_log import append_results
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results", "matmul.jsonl")
 # SmolLM2-135M: hidden 576, 9 + 2 x 3 heads of 64, MLP 1536 (gate and up fused), vocabulary
@@ -247,8 +248,7 @@ def main() -> None:
                           f"{row['floor_fraction_alternating']:>8.0%} "
                           f"{row['speedup_vs_xla']:>6.2f}x")
                     if args.out:
-                        with open(args.out, "a") as f:
-                            f.write(json.dumps({"benchmark": "matmul", **env, **row}) + "\n")
+                        append_results(args.out, {"benchmark": "matmul", **env, **row})
 
 
 if __name__ == "__main__":

@@ -26,6 +26,8 @@ import subprocess
 import sys
 import time
 
+from results_log import append_results
+
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 GiB = 2**30
@@ -110,8 +112,7 @@ def main() -> int:
                "time": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "git_sha": sha,
                "preset": a.preset, **measure(a.preset, topology, bucket, a.layers, a.utilization,
                                              a.max_model_len, a.max_num_seqs), "note": a.note}
-        with open(a.out, "a") as f:
-            f.write(json.dumps(rec) + "\n")
+        append_results(a.out, rec)
         print(json.dumps(rec), flush=True)
     return 0
 

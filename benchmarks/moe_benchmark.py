@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import pathlib
 import statistics
@@ -29,6 +28,8 @@ import time
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from offline_throughput import environment
+
+from results_log import append_results  # noqa: E402
 
 RESULTS = HERE / "results" / "moe.jsonl"
 
@@ -133,8 +134,7 @@ def main(argv=None) -> None:
                          "load_avg": os.getloadavg(), **env})
     stamp = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     if args.results:
-        with open(args.results, "a") as f:
-            f.writelines(json.dumps({**row, "timestamp": stamp}) + "\n" for row in rows)
+        append_results(args.results, [{**row, "timestamp": stamp} for row in rows])
     print(f"\n{env['host']['cpu']} ({env['host']['cpu_count']} cores), {env['device']}, jax "
           f"{env['versions']['jax']}, git {str(env['git_sha'])[:10]}, {args.dtype}, {args.experts} experts top-{args.top_k}")
     print(f"{'step':8} {'tokens':>6} {'impl':>7} {'median ms':>10} {'vs dense':>9}")

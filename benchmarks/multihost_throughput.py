@@ -23,6 +23,8 @@ import subprocess
 import sys
 import tempfile
 
+from results_log import append_results
+
 HERE = pathlib.Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "multihost.jsonl"
 
@@ -113,9 +115,7 @@ def main(argv=None) -> None:
     env = environment()
     stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     if args.results:
-        with open(args.results, "a") as f:
-            for row in rows:
-                f.write(json.dumps({**row, **env, "timestamp": stamp}) + "\n")
+        append_results(args.results, [{**row, **env, "timestamp": stamp} for row in rows])
 
 
 if __name__ == "__main__":

@@ -50,6 +50,8 @@ import numpy as np
 
 import cpu_class
 
+from results_log import append_results
+
 HERE = pathlib.Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "offline_throughput.jsonl"
 CACHE = HERE / ".cache"
@@ -353,11 +355,9 @@ def main(argv=None) -> None:
             row["ratio_vllm_output_tok_s"] = row["figures"]["output_tok_s"] / v["output_tok_s"]
     timestamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     if args.results:
-        os.makedirs(os.path.dirname(os.path.abspath(args.results)), exist_ok=True)
-        with open(args.results, "a") as f:
-            for row in rows:
-                row["figures"] = {k: v for k, v in row["figures"].items() if k != "output_ids"}
-                f.write(json.dumps({**row, "timestamp": timestamp}) + "\n")
+        for row in rows:
+            row["figures"] = {k: v for k, v in row["figures"].items() if k != "output_ids"}
+        append_results(args.results, [{**row, "timestamp": timestamp} for row in rows])
     print_table(rows, env, hf, vl)
 
 

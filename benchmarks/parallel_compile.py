@@ -22,6 +22,8 @@ import pathlib
 import subprocess
 import sys
 
+from results_log import append_results
+
 HERE = pathlib.Path(__file__).resolve().parent
 REPO = HERE.parent
 
@@ -137,9 +139,7 @@ def main() -> int:
             "loadavg_after": [round(x, 2) for x in os.getloadavg()],
             "note": a.note,
         }
-        pathlib.Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        with open(a.out, "a") as f:
-            f.write(json.dumps(rec) + "\n")
+        append_results(a.out, rec)
         print(
             json.dumps(
                 {

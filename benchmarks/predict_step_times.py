@@ -27,6 +27,8 @@ from jaxserve.tools.chips import CHIPS
 from jaxserve.tools.shard_plan import model_config
 from jaxserve.tools.step_model import Shapes, fits, layout, predict, step_cost
 
+from results_log import append_results
+
 RESULTS = pathlib.Path(__file__).parent / "results" / "predicted_step_times.jsonl"
 CONTEXT, PREFILL = 2048, 2048
 DECODE_SEQS = (1, 8, 64, 256)
@@ -258,41 +260,40 @@ def main() -> int:
         + " ".join(f"{'decode ' + str(b):>12}" for b in DECODE_SEQS)
         + f" {'prefill 2048':>13}"
     )
-    with open(args.out, "a") as f:
-        for r in rows:
-            f.write(json.dumps({**head, **r}, default=str) + "\n")
-            if not r["fits"]:
-                print(
-                    f"{r['model']:11} {r['chip']:5}   does not fit on "
-                    f"{max(MESHES[r['chip']])} chips"
-                )
-                continue
-            cellsx = [
-                f"{r[f'decode_{b}']['ms']:>10.2f}{'' if r[f'decode_{b}']['fits'] else '*':2}"
-                for b in DECODE_SEQS
-            ]
+    append_results(args.out, [{**head, **r} for r in rows])
+    for r in rows:
+        if not r["fits"]:
             print(
-                f"{r['model']:11} {r['chip']:5} {r['chips']:>5} {r['weights_per_chip_gib']:>10} "
-                + " ".join(cellsx)
-                + f" {r['prefill']['ms']:>11.2f}{r['prefill']['bound'][0]:>2}"
+                f"{r['model']:11} {r['chip']:5}   does not fit on "
+                f"{max(MESHES[r['chip']])} chips"
             )
+            continue
+        cellsx = [
+            f"{r[f'decode_{b}']['ms']:>10.2f}{'' if r[f'decode_{b}']['fits'] else '*':2}"
+            for b in DECODE_SEQS
+        ]
         print(
-            "(* the KV cache of that many 2,048-token sequences does not fit on the mesh; "
-            "a prefill's c/m: compute / memory bound)"
+            f"{r['model']:11} {r['chip']:5} {r['chips']:>5} {r['weights_per_chip_gib']:>10} "
+            + " ".join(cellsx)
+            + f" {r['prefill']['ms']:>11.2f}{r['prefill']['bound'][0]:>2}"
         )
-        for a in anchors():
-            f.write(json.dumps({**head, **a}) + "\n")
-            print(
-                f"anchor: {a['anchor']}\n    predicted with {a['weights']} weights, KV head copies "
-                f"{a['kv_head_copies']}: {a['predicted']} {a['unit']} (published / predicted "
-                f"{a['published_over_predicted']}; fits: {a['fits']}, "
-                f"weights {a['weights_per_chip_gib']} GiB "
-                f"per chip, collectives {a['collective_ms']} ms)"
-            )
-        if args.validate:
-            for v in validate():
-                f.write(json.dumps({**head, "validation": True, **v}) + "\n")
-                print("validate:", json.dumps(v))
+    print(
+        "(* the KV cache of that many 2,048-token sequences does not fit on the mesh; "
+        "a prefill's c/m: compute / memory bound)"
+    )
+    for a in anchors():
+        append_results(args.out, {**head, **a})
+        print(
+            f"anchor: {a['anchor']}\n    predicted with {a['weights']} weights, KV head copies "
+            f"{a['kv_head_copies']}: {a['predicted']} {a['unit']} (published / predicted "
+            f"{a['published_over_predicted']}; fits: {a['fits']}, "
+            f"weights {a['weights_per_chip_gib']} GiB "
+            f"per chip, collectives {a['collective_ms']} ms)"
+        )
+    if args.validate:
+        for v in validate():
+            append_results(args.out, {**head, "validation": True, **v})
+            print("validate:", json.dumps(v))
     return 0
 
 

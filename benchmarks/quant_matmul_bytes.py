@@ -27,12 +27,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import pathlib
 import subprocess
 import sys
 import time
+
+from results_log import append_results
 
 RESULTS = pathlib.Path(__file__).parent / "results" / "quant_matmul.jsonl"
 TOPOLOGY = "v6e:2x2"
@@ -216,9 +217,7 @@ def main() -> int:
         q.add_argument("--out", default=str(RESULTS))
     args = p.parse_args()
     records = products(args) if args.what == "products" else step(args)
-    with open(args.out, "a") as f:
-        for rec in records:
-            f.write(json.dumps(rec) + "\n")
+    append_results(args.out, records)
     return 0
 
 

@@ -28,6 +28,8 @@ import tempfile
 
 import numpy as np
 
+from results_log import append_results
+
 HERE = pathlib.Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "quant_parity.jsonl"
 TEXTS = ["Quantization keeps the model small.", "jaxserve serves models",
@@ -126,9 +128,8 @@ def main(argv=None) -> None:
                 print(json.dumps(rows[-1]), flush=True)
     stamp = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     if args.results:
-        with open(args.results, "a") as f:
-            f.writelines(json.dumps({"benchmark": "quant_parity", **r, "timestamp": stamp}) + "\n"
-                         for r in rows)
+        append_results(args.results, [{"benchmark": "quant_parity", **r, "timestamp": stamp}
+                                      for r in rows])
     print(f"\n{'checkpoint':28} {'tp':>3} {'tokens':>7} {'max |dlp|':>10} {'mean |dlp|':>11} {'greedy':>7}")
     for r in rows:
         print(f"{r['checkpoint']:28} {r['tp']:3d} {r['scored_tokens']:7d} {r['max_abs_dlogprob']:10.2e} "

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
 import os
 import platform
 import subprocess
@@ -42,6 +41,8 @@ from jaxserve.sampling import (
     write_slot_rows,
 )
 from jaxserve.sampling_params import SamplingParams
+
+from results_log import append_results
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results", "sampling.jsonl")
 
@@ -182,9 +183,7 @@ def main() -> None:
         "compile_s": compile_s,
         "figures": figures,
     }
-    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-    with open(RESULTS, "a") as fh:
-        fh.write(json.dumps(record) + "\n")
+    append_results(RESULTS, record)
 
 
 if __name__ == "__main__":

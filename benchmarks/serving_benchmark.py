@@ -63,6 +63,8 @@ import httpx
 
 import cpu_class
 
+import results_log
+
 HERE = pathlib.Path(__file__).resolve().parent
 RESULTS = pathlib.Path(__file__).parent / "results" / "serving.jsonl"
 _WORDS = ("time person year way day thing man world life hand part child eye woman place work week case point "
@@ -225,10 +227,7 @@ def summarize(results: list[Result], duration: float) -> dict[str, Any]:
 def append_results(path: str, records: list[dict]) -> None:
     if not path:
         return
-    pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        for r in records:
-            f.write(json.dumps(r) + "\n")
+    results_log.append_results(path, records)
 
 
 def _git_sha() -> str:

@@ -44,6 +44,8 @@ from typing import Any
 
 import httpx
 
+from results_log import append_results
+
 RESULTS = pathlib.Path(__file__).parent / "results" / "soak.jsonl"
 _WORDS = ("time person year way day thing man world life hand part child eye woman place work week case point "
           "government company number group problem fact water river mountain music science garden window "
@@ -406,10 +408,7 @@ def main(argv: list[str] | None = None) -> int:
             "server_exit_code": proc.returncode if proc is not None else None,
             "ok": ok, **summary,
         }
-        path = pathlib.Path(args.results)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        append_results(args.results, record)
     print("OK" if ok else "CHECKS FAILED")
     return 0 if ok else 1
 

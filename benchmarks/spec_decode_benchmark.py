@@ -40,6 +40,8 @@ HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from offline_throughput import environment, make_prompts, run_closed_loop  # noqa: E402
 
+from results_log import append_results  # noqa: E402
+
 RESULTS = HERE / "results" / "spec_decode.jsonl"
 DEFAULT_SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}'
 
@@ -160,10 +162,7 @@ def main(argv=None) -> None:
                       f"mean accepted length {row['mean_accepted_length']:.2f}, identical {same}", flush=True)
         del engines
     if args.results:
-        os.makedirs(os.path.dirname(os.path.abspath(args.results)), exist_ok=True)
-        with open(args.results, "a") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
+        append_results(args.results, rows)
     print(f"\n{env['host']['cpu']}, {env['device']}, git {str(env['git_sha'])[:10]}, spec {args.speculative_config}")
     print(f"{'dtype':9} {'workload':8} {'c':>3} {'plain tok/s':>11} {'spec tok/s':>10} {'ratio':>6} "
           f"{'accept':>6} {'mean len':>8} {'same':>5}")

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import http.client
-import json
 import os
 import pathlib
 import re
@@ -35,6 +34,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+from results_log import append_results
 
 HERE = pathlib.Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -192,10 +193,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"  round {r} {mode:4s} {name:10s} {res['seconds']:6.2f} s  load "
                           f"{res['load_avg_before'][0]:.2f}  {phases}", flush=True)
                     if args.results:
-                        path = pathlib.Path(args.results)
-                        path.parent.mkdir(parents=True, exist_ok=True)
-                        with path.open("a") as f:
-                            f.write(json.dumps(row) + "\n")
+                        append_results(args.results, row)
     finally:
         if args.cache_root is None:
             shutil.rmtree(cache_root, ignore_errors=True)

@@ -34,6 +34,8 @@ import statistics
 import sys
 import time
 
+from results_log import append_results
+
 HERE = pathlib.Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "structured_overhead.jsonl"
 sys.path.insert(0, str(HERE))
@@ -180,9 +182,7 @@ def main() -> None:
     }
     print(json.dumps(row))
     if not args.no_save:
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        with RESULTS.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+        append_results(RESULTS, row)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
-import json
 import os
 import pathlib
 import shlex
@@ -37,6 +36,8 @@ HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import serving_benchmark as sb  # noqa: E402
 from startup import cpu_model, free_port, git_state, healthy, parse_phases  # noqa: E402
+
+from results_log import append_results  # noqa: E402
 
 RESULTS = HERE / "results" / "token_budget.jsonl"
 
@@ -133,8 +134,7 @@ def main(argv: list[str] | None = None) -> int:
                           f"{m['ttft_ms']['p90']:8.0f}  ITL p50 {m['itl_ms']['p50']:6.1f} p99 {m['itl_ms']['p99']:7.1f}  "
                           f"{m['output_throughput']:6.1f} out tok/s  (load {m['load_avg_before'][0]:.2f})", flush=True)
                     if args.results:
-                        with open(args.results, "a") as f:
-                            f.write(json.dumps(row) + "\n")
+                        append_results(args.results, row)
     finally:
         for proc, log, _, _ in servers.values():
             stop(proc)

@@ -40,6 +40,8 @@ import serving_benchmark as sb
 import serving_compare as sc
 from offline_throughput import cpu_model
 
+from results_log import append_results
+
 HERE = pathlib.Path(__file__).resolve().parent
 TRANSCRIPTS = HERE / "results" / "vllm_bench_serve"
 RESULTS = HERE / "results" / "vllm_bench_serve.jsonl"
@@ -190,8 +192,7 @@ def main(argv: list[str] | None = None) -> None:
                            "concurrency": args.concurrency, "dataset": "random", "ignore_eos": True},
               "server": "jaxserve serve " + " ".join(args.launch_args.split()), "model": model,
               "vllm_version": vllm_version(args.vllm_python)}
-    with open(RESULTS, "a") as f:
-        f.writelines(json.dumps({**common, **run}) + "\n" for run in runs)
+    append_results(RESULTS, [{**common, **run} for run in runs])
     print(f"\n{common['host']['cpu']} ({common['host']['cpu_count']} cores); {args.num_prompts} prompts, "
           f"{args.input_len} in / {args.output_len} out, concurrency {args.concurrency}; medians of "
           f"{args.rounds} rounds")

@@ -50,8 +50,8 @@ class ServerConfig:
     """Where the engine core (scheduler, runner, device calls) runs: on a thread of the server's
     process, or in a process of its own, so that the HTTP event loop and detokenizing never
     share an interpreter with the steps. Default (auto): a process on a TPU or GPU, a thread on
-    the CPU, the faster of the two on each as measured (README: the engine core on a thread or
-    in a process of its own)."""
+    the CPU, the faster of the two on each as measured (docs/performance.md: the engine core on a
+    thread or in a process of its own)."""
     request_timeout: float | None = option(None, check=positive, metavar="SECONDS")
     """Seconds from a request's arrival to its last token: past it the request is aborted (its KV
     freed) and the client gets a 504, or an error event in a stream. Default: no deadline."""

@@ -56,9 +56,10 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 CoreMode = Literal["auto", "thread", "process"]
-# --engine-core auto, per platform, as measured (benchmarks/engine_core_modes.py; README, "The
-# engine core on a thread or in a process of its own"): on the CPU the device work of a step
-# takes the cores the second process would want (the two modes within 1-8 %, the thread ahead);
+# --engine-core auto, per platform, as measured (benchmarks/engine_core_modes.py;
+# docs/performance.md, "The engine core on a thread or in a process of its own"): on the CPU
+# the device work of a step takes the cores the second process would want (the two modes within
+# 1-8 %, the thread ahead);
 # with a fast step (the null model standing in for a TPU/GPU) the host work decides, and the
 # process serves 1.3-1.5x the tokens at 32 and 128 streams.
 ENGINE_CORE_BY_PLATFORM: dict[str, Literal["thread", "process"]] = {
@@ -67,8 +68,8 @@ ENGINE_CORE_BY_PLATFORM: dict[str, Literal["thread", "process"]] = {
 
 def default_engine_core(platform: Platform) -> Literal["thread", "process"]:
     """Where the engine core runs when the user does not say (`--engine-core auto`): the faster
-    of the two on that platform as measured (benchmarks/engine_core_modes.py; README, "The
-    engine core on a thread or in a process of its own")."""
+    of the two on that platform as measured (benchmarks/engine_core_modes.py;
+    docs/performance.md, "The engine core on a thread or in a process of its own")."""
     return ENGINE_CORE_BY_PLATFORM[platform]
 
 

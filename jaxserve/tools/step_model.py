@@ -22,7 +22,7 @@ and the KV cache are whole on every chip, and each chip's attention reads the wh
 `kv_head_copies` models the other layout, each KV head copied so that the copies divide the
 mesh (8 KV heads as 16 on 16 chips), which jaxserve does not implement.
 
-Assumptions (README, Performance): bfloat16 (or int8) weights, bfloat16 KV cache; 100 % of the
+Assumptions (docs/performance.md): bfloat16 (or int8) weights, bfloat16 KV cache; 100 % of the
 published HBM bandwidth and peak flops (real kernels reach 70-90 %); activations at 2 bytes,
 each layer reading and writing its hidden state ~10 times plus its q/k/v, attention and MLP
 outputs once; collective latency `COLLECTIVE_LATENCY_S` each; the sampler, embedding gather and

@@ -3,12 +3,12 @@ quantized bytes from HBM and dequantizing them in VMEM.
 
 Why a kernel. For a few rows of activations (decode), XLA's TPU compiler converts a quantized
 weight in a fusion of its own before the dot: it writes the dequantized weight to HBM and
-reads it back, so the product moves more bytes than a bfloat16 weight would (README, "FP8 and
-int4 weights"). Here each grid step DMAs a tile of the stored weight (uint8 bytes holding two
-int4 values, or float8_e4m3fn values) with its scales and zeros into VMEM, converts it there
-and accumulates the product in the float32 output block, which stays in VMEM across the
-contracted axis: HBM traffic is the stored bytes once per block of rows, plus x once per
-block of outputs (`hbm_bytes`).
+reads it back, so the product moves more bytes than a bfloat16 weight would
+(docs/performance.md, "FP8 and int4 weights"). Here each grid step DMAs a tile of the stored
+weight (uint8 bytes holding two int4 values, or float8_e4m3fn values) with its scales and zeros
+into VMEM, converts it there and accumulates the product in the float32 output block, which
+stays in VMEM across the contracted axis: HBM traffic is the stored bytes once per block of
+rows, plus x once per block of outputs (`hbm_bytes`).
 
 Operands (the op's 2-D form, `ops.quant_matmul`):
   x      [M, K]        activations

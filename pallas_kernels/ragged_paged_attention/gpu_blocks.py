@@ -43,7 +43,8 @@ class MosaicBlocks:
 
 
 # Predicted from the compile figures (benchmarks/results/gpu_kernel_compile.jsonl, --sweep on
-# the llama3-8b, llama3-70b-tp8 and smollm2 decode shapes; README "GPU attention kernels"):
+# the llama3-8b, llama3-70b-tp8 and smollm2 decode shapes; docs/performance.md, "GPU attention
+# kernels"):
 # - 16-bit pages, head dim 128: 3 slots, 215-224 registers and 98 KiB of shared memory a decode
 #   program: 2 programs an SM (4 slots, 130 KiB, leave room for one; so do chunks of 128 keys,
 #   241-243 registers and 130-194 KiB). 2 programs x 2 chunks copied ahead x 32 KiB = 128 KiB

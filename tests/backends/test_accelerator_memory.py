@@ -8,8 +8,8 @@ a 32,000-token vocabulary instead of 128,256: a 32-layer step takes 1-6 minutes 
 here, one layer and the smaller head ~11 s (18 s with two layers and the full vocabulary), and
 the budget's arithmetic does not depend on the depth or the vocabulary (the weights are counted
 from the arguments, the temporaries from the buffer assignment of the compiled step, whatever
-their size). `benchmarks/memory_budget.py` runs the same check on the whole model (README
-figures)."""
+their size). `benchmarks/memory_budget.py` runs the same check on the whole model
+(docs/performance.md)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """--kv-cache-dtype fp8 / int8 end to end on a tiny Llama: smaller pages (more of them in the same
 budget), scales from the checkpoint or measured, outputs close to the float cache's, prefix
 caching unchanged, nothing compiled while serving. (The default model's drift against the
-golden data: benchmarks/int8_quality.py, README.)"""
+golden data: benchmarks/int8_quality.py, docs/performance.md.)"""
 
 from __future__ import annotations
 

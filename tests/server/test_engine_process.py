@@ -132,7 +132,8 @@ def test_the_serving_platform_is_told_without_jax(tmp_path, env, files, platform
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).touch()
     assert serving_platform(env, dev=str(tmp_path)) == platform
-    # the measured defaults (README: the engine core on a thread or in a process of its own)
+    # the measured defaults (docs/performance.md: the engine core on a thread or in a process of
+    # its own)
     assert default_engine_core(platform) == {"cpu": "thread", "tpu": "process", "gpu": "process"}[platform]
 
 
