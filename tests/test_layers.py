@@ -18,7 +18,8 @@ LAYERS = [
                "jaxserve.inputs", "jaxserve.beam_search", "jaxserve.chat", "jaxserve.platform"]),
     ("core", ["jaxserve.core"]),
     ("device", ["jaxserve.runner", "jaxserve.backends", "jaxserve.sampling", "jaxserve.structured",
-                "jaxserve.spec_decode", "jaxserve.parallel", "jaxserve.models", "jaxserve.pallas_kernels"]),
+                "jaxserve.spec_decode", "jaxserve.parallel", "jaxserve.models", "jaxserve.pallas_kernels",
+                "jaxserve.compiled_step"]),
     ("engine", ["jaxserve.engine"]),
     ("front", ["jaxserve.server", "jaxserve.tools", "jaxserve.entrypoints"]),
 ]
