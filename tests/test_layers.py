@@ -19,7 +19,7 @@ LAYERS = [
     ("core", ["jaxserve.core"]),
     ("device", ["jaxserve.runner", "jaxserve.backends", "jaxserve.sampling", "jaxserve.structured",
                 "jaxserve.spec_decode", "jaxserve.parallel", "jaxserve.models", "jaxserve.pallas_kernels",
-                "jaxserve.compiled_step"]),
+                "jaxserve.compiled_step", "jaxserve.leader"]),
     ("engine", ["jaxserve.engine"]),
     ("front", ["jaxserve.server", "jaxserve.tools", "jaxserve.entrypoints"]),
 ]
