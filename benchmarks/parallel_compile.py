@@ -30,7 +30,7 @@ REPO = HERE.parent
 
 def default_grid(max_num_seqs: int = 32) -> list[tuple[int, int]]:
     from jaxserve.backends.base import Backend
-    from jaxserve.runner.buckets import BucketGrid
+    from jaxserve.compiled_step.buckets import BucketGrid
 
     backend = Backend("tpu")
     budget = backend.resolve_max_num_batched_tokens(None, None)

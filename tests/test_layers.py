@@ -1,13 +1,28 @@
-"""The layers import one way (docs/DESIGN.md §1): types and configuration <- core <- the device
-side (runner, backends, sampling, structured output, speculative decoding, parallel, models,
-kernels) <- engine <- server, tools, entry points. Every import in every module of the package
-counts, the ones inside functions too (they are dependencies all the same)."""
+"""The layers import one way (docs/DESIGN.md §1): types and configuration <- core <- kernels <-
+models <- sampling and backends <- runner <- leader <- engine <- server, tools, entry points.
+Every import in every module of the package counts, the ones inside functions and under
+TYPE_CHECKING too (they are dependencies all the same).
+
+The device side's floors, from what their modules import:
+- kernels (pallas_kernels) import nothing of the package.
+- models call the kernels.
+- sampling and backends: the sampler (whose ops read the models' sharding axes), the backends
+  (which lay out the models' weights, call the kernels, and the CPU one the sampler), the
+  compiled step's shapes and memory (compiled_step: the backend sizes the KV cache from them,
+  the runner compiles them), and the parts that import no higher device floor: structured
+  output and speculative decoding (the core's and the request's types only), and parallel
+  (meshes over the models' sharding axes; the hosts' bootstrap).
+- runner: compiles and launches the step from all of the above.
+- leader: the multi-host leader's runner and its followers, around the runner.
+"""
 
 from __future__ import annotations
 
 import ast
 import pathlib
 import sys
+
+import pytest
 
 import jaxserve
 
@@ -17,8 +32,12 @@ LAYERS = [
                "jaxserve.lora_request", "jaxserve.outputs", "jaxserve.startup_timer", "jaxserve.reasoning",
                "jaxserve.inputs", "jaxserve.beam_search", "jaxserve.chat", "jaxserve.platform"]),
     ("core", ["jaxserve.core"]),
-    ("device", ["jaxserve.runner", "jaxserve.backends", "jaxserve.sampling", "jaxserve.structured",
-                "jaxserve.spec_decode", "jaxserve.parallel", "jaxserve.models", "jaxserve.pallas_kernels"]),
+    ("kernels", ["jaxserve.pallas_kernels"]),
+    ("models", ["jaxserve.models"]),
+    ("sampling/backends", ["jaxserve.sampling", "jaxserve.backends", "jaxserve.compiled_step",
+                           "jaxserve.structured", "jaxserve.spec_decode", "jaxserve.parallel"]),
+    ("runner", ["jaxserve.runner"]),
+    ("leader", ["jaxserve.leader"]),
     ("engine", ["jaxserve.engine"]),
     ("front", ["jaxserve.server", "jaxserve.tools", "jaxserve.entrypoints"]),
 ]
@@ -92,3 +111,35 @@ def test_the_check_sees_an_import_against_the_layers(tmp_path, monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "package_modules",
                         lambda: {**real, "jaxserve.core.scheduler": fake})
     assert violations() == ["jaxserve.core.scheduler (core) imports jaxserve.engine.core (engine)"]
+
+
+def test_every_layer_names_packages_that_exist():
+    """A renamed package leaves no empty name behind in a layer (its modules would be unplaced)."""
+    real = package_modules()
+    missing = [p for _, prefixes in LAYERS for p in prefixes if p not in real]
+    assert not missing, missing
+
+
+@pytest.mark.parametrize("module, source, name", [
+    ("jaxserve.pallas_kernels.kv_quant", "from jaxserve.models.interface import KV_CACHE_AXES",
+     "jaxserve.models.interface"),
+    ("jaxserve.models.llama", "from jaxserve.sampling.state import SamplingState",
+     "jaxserve.sampling.state"),
+    ("jaxserve.backends.base", "from jaxserve.runner.compile_pool import step_memory",
+     "jaxserve.runner.compile_pool"),
+    ("jaxserve.compiled_step.memory", "import jaxserve.runner.recipe", "jaxserve.runner.recipe"),
+    ("jaxserve.parallel.mesh", "from jaxserve.leader.step_channel import Leader",
+     "jaxserve.leader.step_channel"),
+    ("jaxserve.runner.model_runner", "from jaxserve.leader import step_channel", "jaxserve.leader"),
+    ("jaxserve.leader.step_channel", "from jaxserve.engine.plan import EnginePlan",
+     "jaxserve.engine.plan"),
+])
+def test_the_check_sees_an_import_up_a_device_floor(tmp_path, monkeypatch, module, source, name):
+    """Each floor of the device side is its own layer: an import up to a higher floor (under
+    TYPE_CHECKING here) is found."""
+    real = package_modules()
+    fake = tmp_path / "module.py"
+    fake.write_text(f"from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    {source}\n")
+    monkeypatch.setattr(sys.modules[__name__], "package_modules", lambda: {**real, module: fake})
+    assert violations() == [f"{module} ({LAYERS[layer_of(module)][0]}) imports {name} "
+                            f"({LAYERS[layer_of(name)][0]})"]

@@ -26,6 +26,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from jaxserve.compiled_step.buckets import geometric
+from jaxserve.compiled_step.memory import StepMemory
 from jaxserve.config import CacheConfig, ModelConfig, jax_dtype
 from jaxserve.models.layers.linear import (
     activation_products,
@@ -38,8 +40,6 @@ from jaxserve.pallas_kernels.ragged_paged_attention.ops import (
     gpu_capability,
     resolve_impl as resolve_attention_impl,
 )
-from jaxserve.runner.buckets import geometric
-from jaxserve.runner.step_memory import StepMemory
 
 logger = logging.getLogger(__name__)
 

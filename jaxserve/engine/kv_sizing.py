@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from jaxserve.backends import Backend
 from jaxserve.backends.base import InsufficientMemoryError, MemoryBudget, min_over_processes
+from jaxserve.compiled_step.memory import StepMemory, bytes_on_device
 from jaxserve.config import jax_dtype
 from jaxserve.engine.plan import EnginePlan
 from jaxserve.runner.compile import executable_cache
@@ -20,7 +21,6 @@ from jaxserve.runner.compile_pool import step_memory
 from jaxserve.runner.executable_cache import canonical, executable_scope
 from jaxserve.runner.kv_cache import bytes_per_page, num_pages_for_budget
 from jaxserve.runner.recipe import StepRecipe, kv_scales_of
-from jaxserve.runner.step_memory import StepMemory, bytes_on_device
 from jaxserve.startup_timer import StartupTimer
 
 if TYPE_CHECKING:

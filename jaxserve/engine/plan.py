@@ -27,8 +27,8 @@ from jaxserve.config import EngineConfig, LoRAConfig, SchedulerConfig, Speculati
 if TYPE_CHECKING:
     from jaxserve.backends.base import Backend, DevicePlan
     from jaxserve.backends.devices import DeviceSet
+    from jaxserve.compiled_step.buckets import BucketGrid
     from jaxserve.models.arch_config import ArchConfig
-    from jaxserve.runner.buckets import BucketGrid
     from jaxserve.runner.recipe import KVScales, StepRecipe
     from jaxserve.sampling.config import SamplerConfig
 
@@ -227,8 +227,8 @@ def _runner_reason(mc, pooling: bool) -> str:
 def _steps(config: EngineConfig, arch: ArchConfig, backend: Backend, pooling: bool,
            reasons: dict[str, str]) -> tuple[SchedulerConfig, BucketGrid]:
     """The scheduler's limits (context, token budget) and the runner's bucket grid."""
+    from jaxserve.compiled_step.buckets import BucketGrid
     from jaxserve.core.dp_scheduler import rank_config
-    from jaxserve.runner.buckets import BucketGrid
 
     mc, comp, D = config.model, config.compile, config.parallel.data_parallel_size
     max_model_len = mc.resolve_max_model_len(arch.max_position_embeddings, backend.default_max_model_len)

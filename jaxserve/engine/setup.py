@@ -34,12 +34,13 @@ from jaxserve.engine.kv_sizing import (KVSize, confirm_memory, fit_max_model_len
 from jaxserve.engine.plan import DEFAULT_MODEL_NAME, EnginePlan, ModelFiles, plan_engine, with_device_plan
 from jaxserve.engine.pooling_core import PoolingCore
 from jaxserve.engine.tokenizer import Tokenizer
+from jaxserve.leader import step_channel
 from jaxserve.models.arch_config import ArchConfig
 from jaxserve.models.loader import load_checkpoint, resolve_model
 from jaxserve.models.pooling_config import as_causal_lm, check_decoder, load_pooling_config
 from jaxserve.models.sharding import check_servable, load_rules, serving_rules
 from jaxserve.models.weights import create_model, sharded_abstract_model
-from jaxserve.parallel import multihost, step_channel
+from jaxserve.parallel import multihost
 from jaxserve.parallel.mesh import bytes_per_device, make_mesh, replicated_axes
 from jaxserve.runner.compile import executable_cache, weight_cache
 from jaxserve.reasoning import get_reasoning_parser

@@ -4,7 +4,7 @@ Every host runs the same command with its own `--process-id`; `jax.distributed.i
 joins them into one global mesh. Process 0, the leader, runs everything a one-process server
 runs (HTTP, tokenizer, scheduler, output processing). The others, the followers, load their
 weight shards, allocate their KV shards, compile the same buckets in the same order, and then
-run the leader's steps, which reach them over the step channel (parallel/step_channel.py:
+run the leader's steps, which reach them over the step channel (leader/step_channel.py:
 the messages, and what happens when a process fails). Followers keep no request state.
 
 Before anything is built, each follower sends the leader a fingerprint of its flags, model and

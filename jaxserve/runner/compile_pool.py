@@ -100,7 +100,7 @@ def step_memory(recipe: StepRecipe, bucket: tuple[int, int], devices=None, scope
     """The `StepMemory` of `bucket`'s step compiled from `recipe` (abstract weights; on
     `devices`, default the recipe's target), through `scope` (an ExecutableScope: a restart
     loads the executable instead of compiling it) when given."""
-    from jaxserve.runner.step_memory import StepMemory, bytes_on_device
+    from jaxserve.compiled_step.memory import StepMemory, bytes_on_device
 
     abstract = abstract_step(recipe, devices)
     lower, buffers = abstract.lower(bucket)

@@ -24,8 +24,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tqdm import tqdm
 
+from jaxserve.compiled_step.buckets import BucketGrid
 from jaxserve.models.pooling_config import PoolingConfig
-from jaxserve.runner.buckets import BucketGrid
 from jaxserve.runner.compile import CompileCounter
 from jaxserve.runner.executable_cache import ExecutableCache, canonical, executable_scope, signature
 from jaxserve.runner.kv_cache import abstract_kv_cache, allocate_kv_cache, zeros_compiler

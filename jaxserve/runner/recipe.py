@@ -22,8 +22,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxserve.backends.base import Backend, DevicePlan
+from jaxserve.compiled_step.buckets import BucketGrid
 from jaxserve.config import LoRAConfig, jax_dtype
-from jaxserve.runner.buckets import BucketGrid
 from jaxserve.runner.kv_cache import abstract_kv_cache
 from jaxserve.runner.lora_weights import LoRAWeights
 from jaxserve.runner.step_buffers import BufferLayout

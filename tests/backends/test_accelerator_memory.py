@@ -1,5 +1,5 @@
 """The accelerators' KV budget from the compiled programs (backends/base.py `kv_budget_from_step`,
-runner/step_memory.py, engine/setup.py): the arithmetic and its refusal, max_model_len fitted to
+compiled_step/memory.py, engine/setup.py): the arithmetic and its refusal, max_model_len fitted to
 the cache, and, compiled for TPU topologies through libtpu on this host (no TPU), a
 Llama-3-8B-shaped model whose budget the served step's own memory analysis confirms.
 
@@ -22,9 +22,9 @@ import os
 import pytest
 
 from jaxserve.backends.base import Backend, InsufficientMemoryError
+from jaxserve.compiled_step.memory import StepMemory
 from jaxserve.config import CacheConfig
 from jaxserve.engine.setup import fit_max_model_len
-from jaxserve.runner.step_memory import StepMemory
 
 GiB = 2**30
 needs_libtpu = pytest.mark.skipif(

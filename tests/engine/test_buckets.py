@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaxserve.runner.buckets import BucketGrid, geometric
+from jaxserve.compiled_step.buckets import BucketGrid, geometric
 
 
 def test_default_grid():

@@ -114,7 +114,7 @@ def test_default_token_buckets_by_backend():
     assert tpu.default_token_buckets(512) == (16, 32, 64, 128, 256, 512)
     assert CpuBackend().default_token_buckets(2048) == (16, 32, 64, 128, 256, 512, 1024, 2048)
     assert CpuBackend().default_token_buckets(100) == (16, 32, 64, 100)
-    from jaxserve.runner.buckets import BucketGrid
+    from jaxserve.compiled_step.buckets import BucketGrid
 
     assert len(BucketGrid.build(8192, 32, tpu.default_token_buckets(8192)).shapes()) == 17  # bounded
 

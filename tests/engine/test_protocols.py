@@ -21,7 +21,7 @@ from jaxserve.core.scheduler import Scheduler
 from jaxserve.engine.core import EngineCore
 from jaxserve.engine.core_loop import Core
 from jaxserve.engine.pooling_core import PoolingCore
-from jaxserve.parallel.step_channel import LeaderRunner
+from jaxserve.leader.step_channel import LeaderRunner
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.runner.protocol import StepRunner
 from tests.engine.fakes import FakeRunner

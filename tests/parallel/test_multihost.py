@@ -251,8 +251,8 @@ def test_a_step_failed_by_a_lost_follower_names_the_follower():
     """A follower killed mid-step fails the step's collective with a transport error at about the
     moment its connection closes, in either order: the step's error is the connection's verdict
     (which /health shows) when it comes soon after, and the step's own error otherwise."""
+    from jaxserve.leader.step_channel import Leader, LeaderRunner
     from jaxserve.parallel.multihost import FollowerLostError, Topology, free_coordinator_port
-    from jaxserve.parallel.step_channel import Leader, LeaderRunner
 
     class FailingRunner:
         def collect(self, step):
