@@ -10,9 +10,11 @@ the default model's golden cases (tests/data/smollm2_public.json: prompt + compl
 the tiny fixtures a few ASCII sentences. One JSON line per checkpoint and mesh goes to
 benchmarks/results/quant_parity.jsonl.
 
-    python benchmarks/quant_parity.py DIR [DIR ...] [--tp 1 2] [--cases 8]
+    python benchmarks/quant_parity.py DIR [DIR ...] [--tp 1 2] [--cases 8] [--serve]
 
 --tp 2 splits both models over two devices (on the CPU: two host devices, set here).
+--serve runs each model under `jaxserve serve` and asks /v1/completions instead (the token
+ids as the prompt; echo + logprobs for the prompt log-probs; greedy completions).
 """
 
 from __future__ import annotations
@@ -99,11 +101,65 @@ def run(path: pathlib.Path, cases, tp: int) -> tuple[list[float], list[list[int]
     return logprobs, [list(o.outputs[0].token_ids) for o in gen], fmt.describe() if fmt else "float"
 
 
+def serve_run(path: pathlib.Path, cases, tp: int) -> tuple[list[float], list[list[int]], str]:
+    """`run` through `jaxserve serve` (a subprocess on a loopback port): /v1/completions with
+    the token ids as the prompt, echo and logprobs for the prompt log-probs, then greedy."""
+    import socket
+    import subprocess
+    import time
+    import urllib.request
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    base = f"http://127.0.0.1:{port}"
+    cmd = [str(pathlib.Path(sys.executable).parent / "jaxserve"), "serve", str(path), "--dtype",
+           "float32", "--port", str(port), "--tensor-parallel-size", str(tp), "--max-model-len",
+           "1024", "--max-num-seqs", "8", "--served-model-name", "m"]
+    log = tempfile.NamedTemporaryFile("w+", prefix="quant-parity-serve-", suffix=".log", delete=False)
+    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
+
+    def post(body):
+        req = urllib.request.Request(base + "/v1/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        return json.load(urllib.request.urlopen(req, timeout=600))["choices"][0]
+
+    try:
+        deadline = time.monotonic() + 1800
+        while True:
+            try:
+                urllib.request.urlopen(base + "/health", timeout=2)
+                break
+            except OSError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"jaxserve serve did not start: {pathlib.Path(log.name).read_text()[-2000:]}")
+                time.sleep(1)
+        logprobs, completions = [], []
+        for prompt, completion in cases:
+            scored = post({"model": "m", "prompt": prompt + completion, "max_tokens": 1,
+                           "temperature": 0, "echo": True, "logprobs": 0})
+            logprobs += [lp for lp in scored["logprobs"]["token_logprobs"][1:len(prompt + completion)]]
+            gen = post({"model": "m", "prompt": prompt, "max_tokens": len(completion),
+                        "temperature": 0, "ignore_eos": True, "return_token_ids": True})
+            completions.append(list(gen.get("token_ids") or []) or [gen["text"]])
+    finally:
+        server.terminate()
+        server.wait(120)
+    print(f"  {path.name}: {pathlib.Path(log.name).read_text().count('weight-only')} start-up "
+          f"lines saying weight-only (log {log.name})", flush=True)
+    from jaxserve.models.arch_config import ArchConfig
+
+    fmt = ArchConfig.from_hf(json.loads((path / "config.json").read_text())).weight_format
+    return logprobs, completions, fmt.describe() if fmt else "float"
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("dirs", nargs="+", type=pathlib.Path)
     p.add_argument("--tp", nargs="+", type=int, default=[1])
     p.add_argument("--cases", type=int, default=8)
+    p.add_argument("--serve", action="store_true",
+                   help="through `jaxserve serve` (HTTP, one server at a time) instead of LLM")
     p.add_argument("--results", default=str(RESULTS))
     args = p.parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -116,10 +172,12 @@ def main(argv=None) -> None:
         with tempfile.TemporaryDirectory(prefix="quant-reference-") as tmp:
             ref_dir = reference_checkpoint(d, pathlib.Path(tmp) / "reference")
             for tp in args.tp:
-                want, want_gen, _ = run(ref_dir, cases, tp)
-                got, got_gen, fmt = run(d, cases, tp)
+                runner = serve_run if args.serve else run
+                want, want_gen, _ = runner(ref_dir, cases, tp)
+                got, got_gen, fmt = runner(d, cases, tp)
                 diff = np.abs(np.asarray(got) - np.asarray(want))
                 rows.append({"checkpoint": d.name, "format": fmt, "tp": tp,
+                             "path": "jaxserve serve" if args.serve else "LLM",
                              "scored_tokens": len(diff),
                              "max_abs_dlogprob": float(diff.max()),
                              "mean_abs_dlogprob": float(diff.mean()),
