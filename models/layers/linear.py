@@ -373,21 +373,28 @@ def permute_inputs(spec: str, x: jax.Array, perm: jax.Array) -> jax.Array:
     return jnp.take(flat, perm.reshape(-1), axis=-1).reshape(x.shape)
 
 
+def quantized_params(model: nnx.Module):
+    """(module, attribute name, QuantizedParam) of every quantized weight of `model`."""
+    for _, module in nnx.iter_graph(model):
+        if not isinstance(module, nnx.Module):
+            continue
+        for name, var in list(vars(module).items()):
+            if isinstance(var, QuantizedParam):
+                yield module, name, var
+
+
 def prepare_fp8_products(model: nnx.Module) -> int:
     """Mark `model`'s FP8 weights with per-channel or per-tensor scales to be multiplied as FP8
     (their compute dtype becomes float8_e4m3fn; see `_dense_quantized`); the backend calls
     this on chips with FP8 products (H100/H200). Block-scaled weights keep their upcast.
     Returns how many weights were marked."""
     count = 0
-    for _, module in nnx.iter_graph(model):
-        if not isinstance(module, nnx.Module):
-            continue
-        for name, var in list(vars(module).items()):
-            if isinstance(var, QuantizedParam) and jnp.dtype(var.get_value().dtype) == FP8:
-                scale = getattr(module, name + SCALE_SUFFIX).get_value().shape
-                if all(scale[a] == 1 for a in contracted_axes(var.get_metadata()["spec"])):
-                    var.set_metadata("compute_dtype", FP8.name)
-                    count += 1
+    for module, name, var in quantized_params(model):
+        if jnp.dtype(var.get_value().dtype) == FP8:
+            scale = getattr(module, name + SCALE_SUFFIX).get_value().shape
+            if all(scale[a] == 1 for a in contracted_axes(var.get_metadata()["spec"])):
+                var.set_metadata("compute_dtype", FP8.name)
+                count += 1
     return count
 
 
@@ -399,24 +406,19 @@ def prepare_int8_products(model: nnx.Module) -> tuple[int, int]:
     channel (or tensor) and inputs in order multiply so; the others keep their floats.
     Returns (weights marked, W8A8 weights left weight-only)."""
     marked = left = 0
-    for _, module in nnx.iter_graph(model):
-        if not isinstance(module, nnx.Module):
+    for module, name, var in quantized_params(model):
+        meta = var.get_metadata()
+        if not str(meta.get("activations") or "").startswith("int8"):
             continue
-        for name, var in list(vars(module).items()):
-            if not isinstance(var, QuantizedParam):
-                continue
-            meta = var.get_metadata()
-            if not str(meta.get("activations") or "").startswith("int8"):
-                continue
-            scale = getattr(module, name + SCALE_SUFFIX).get_value().shape
-            if (jnp.dtype(var.get_value().dtype) == INT8
-                    and getattr(module, name + ZERO_SUFFIX, None) is None
-                    and getattr(module, name + PERM_SUFFIX, None) is None
-                    and all(scale[a] == 1 for a in contracted_axes(meta["spec"]))):
-                var.set_metadata("compute_dtype", INT8.name)
-                marked += 1
-            else:
-                left += 1
+        scale = getattr(module, name + SCALE_SUFFIX).get_value().shape
+        if (jnp.dtype(var.get_value().dtype) == INT8
+                and getattr(module, name + ZERO_SUFFIX, None) is None
+                and getattr(module, name + PERM_SUFFIX, None) is None
+                and all(scale[a] == 1 for a in contracted_axes(meta["spec"]))):
+            var.set_metadata("compute_dtype", INT8.name)
+            marked += 1
+        else:
+            left += 1
     return marked, left
 
 
@@ -425,17 +427,12 @@ def activation_products(model: nnx.Module) -> dict[str, int]:
     (float8_e4m3fn, int8), and how many have an activation scheme but multiply weight-only
     ("weight-only"): what start-up reports."""
     out: dict[str, int] = {}
-    for _, module in nnx.iter_graph(model):
-        if not isinstance(module, nnx.Module):
-            continue
-        for var in vars(module).values():
-            if not isinstance(var, QuantizedParam):
-                continue
-            meta = var.get_metadata()
-            cdt = jnp.dtype(meta.get("compute_dtype", "float32"))
-            key = cdt.name if cdt in (FP8, INT8) else "weight-only" if meta.get("activations") else None
-            if key is not None:
-                out[key] = out.get(key, 0) + 1
+    for _, _, var in quantized_params(model):
+        meta = var.get_metadata()
+        cdt = jnp.dtype(meta.get("compute_dtype", "float32"))
+        key = cdt.name if cdt in (FP8, INT8) else "weight-only" if meta.get("activations") else None
+        if key is not None:
+            out[key] = out.get(key, 0) + 1
     return out
 
 
@@ -479,29 +476,24 @@ def prepare_quantized_products(model: nnx.Module, impl: str) -> int:
     mesh = mesh if mesh is not None and mesh.size > 1 else None
     rules = dict(getattr(model, "rules", ())) or ax.DEFAULT_RULES
     count = 0
-    for _, module in nnx.iter_graph(model):
-        if not isinstance(module, nnx.Module):
+    for module, name, var in quantized_params(model):
+        value, meta = var.get_value(), var.get_metadata()
+        spec, packed_axis = meta["spec"], meta.get("packed_axis")
+        nc = len(parse_spec(spec)[3])
+        if (jnp.dtype(value.dtype) not in (FP8, jnp.dtype(jnp.uint8))
+                or jnp.dtype(meta.get("compute_dtype", "float32")) in (FP8, INT8)
+                or not product_form(spec) or packed_axis not in (None, nc - 1)):
             continue
-        for name, var in list(vars(module).items()):
-            if not isinstance(var, QuantizedParam):
+        specs = None
+        if mesh is not None:
+            q_spec = ax.logical_to_spec(meta["logical_axes"], value.shape, mesh, rules)
+            scale = getattr(module, name + SCALE_SUFFIX).get_value()
+            s_spec = _scale_spec(q_spec, scale.shape, mesh)
+            if s_spec is None:
                 continue
-            value, meta = var.get_value(), var.get_metadata()
-            spec, packed_axis = meta["spec"], meta.get("packed_axis")
-            nc = len(parse_spec(spec)[3])
-            if (jnp.dtype(value.dtype) not in (FP8, jnp.dtype(jnp.uint8))
-                    or jnp.dtype(meta.get("compute_dtype", "float32")) in (FP8, INT8)
-                    or not product_form(spec) or packed_axis not in (None, nc - 1)):
-                continue
-            specs = None
-            if mesh is not None:
-                q_spec = ax.logical_to_spec(meta["logical_axes"], value.shape, mesh, rules)
-                scale = getattr(module, name + SCALE_SUFFIX).get_value()
-                s_spec = _scale_spec(q_spec, scale.shape, mesh)
-                if s_spec is None:
-                    continue
-                specs = (q_spec, s_spec)
-            var.set_metadata("product", QuantizedProduct(impl, mesh, specs))
-            count += 1
+            specs = (q_spec, s_spec)
+        var.set_metadata("product", QuantizedProduct(impl, mesh, specs))
+        count += 1
     return count
 
 
