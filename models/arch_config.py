@@ -218,6 +218,9 @@ def _stored_quantization(hf: dict[str, Any]) -> tuple[int | None, WeightFormat |
         qc = {}
     if qc.get("quant_method") == "gguf" and qc.get("weight_type") == "Q8_0":
         return int(qc["block_size"]), None
+    if (qc.get("quant_method") == "compressed-tensors" and not qc.get("config_groups")
+            and qc.get("kv_cache_scheme")):
+        return None, None  # only the KV cache's scales (runner/kv_scales.py): float weights
     return None, parse_quantization_config(qc)
 
 

@@ -2,13 +2,17 @@
 layer's `AttentionSpec` before the steps are compiled (they are constants of the step).
 
 - From the checkpoint when it has them (vLLM's names: `model.layers.N.self_attn.k_scale` /
-  `v_scale`, or `k_proj.output_scale` / `v_proj.output_scale`, or one `kv_scale` for both),
-  a value per tensor or per KV head, for either dtype.
-- Otherwise fp8 takes 1.0 (as vLLM: e4m3 holds +-448 with 3 mantissa bits, so the scale
-  matters little for values of a normal size), and int8 is measured: one float32 forward of
-  the model over `CALIBRATION_TEXT` (about 150 tokens) followed by 64 token ids spread evenly
-  over the vocabulary; each layer's and KV head's largest |k| and |v| over it times
-  `INT8_HEADROOM` becomes 127 (values beyond it are clipped).
+  `v_scale`, as llm-compressor writes them with a compressed-tensors `kv_cache_scheme`, or
+  `k_proj.output_scale` / `v_proj.output_scale`, or one `kv_scale` for both), a value per
+  tensor or per KV head. They are calibrated for fp8 (the largest value becomes 448), or for
+  int8 where the `kv_cache_scheme` says so (127); a cache of the other dtype maps the same
+  largest value to its own largest.
+- Otherwise they are measured: one float32 forward of the model over `CALIBRATION_TEXT`
+  (about 150 tokens) followed by 64 token ids spread evenly over the vocabulary; each layer's
+  and KV head's largest |k| and |v| over it times the dtype's `HEADROOM` becomes the dtype's
+  largest value (int8 127, fp8 448). Values beyond it are clipped. fp8 is measured too, not
+  1.0 as in vLLM: the default model's layer-0 values have a median of 0.017 and 40 % of them
+  lie below e4m3's smallest normal (2^-6), where its precision falls.
 """
 
 from __future__ import annotations
@@ -23,14 +27,26 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.models.sharding import single_device_mesh
-from jaxserve.pallas_kernels.kv_quant import INT8_DTYPE, QUANT_MAX, head_scales, is_quantized
+from jaxserve.pallas_kernels.kv_quant import (
+    FP8_DTYPE,
+    INT8_DTYPE,
+    QUANT_MAX,
+    head_scales,
+    is_quantized,
+)
 from jaxserve.runner.kv_cache import allocate_kv_cache
 from jaxserve.runner.step_inputs import StepRequest, pack_step
 
 logger = logging.getLogger(__name__)
 
-# The measured int8 range: the calibration's largest value times this becomes 127.
-INT8_HEADROOM = 1.25
+# The measured range per cache dtype: the calibration's largest value times this becomes the
+# dtype's largest (QUANT_MAX). int8's rounding step grows with it, so its margin is small; e4m3
+# keeps 3 mantissa bits over 2^-6..448, so a wide margin costs nothing: at 16 the calibration's
+# largest value becomes 28, values 16x past it still fit, and values down to 1/1792 of it stay
+# normal (measured on the default model: benchmarks/kv_fp8_drift.py, docs/DESIGN.md §9).
+HEADROOM = {INT8_DTYPE: 1.25, FP8_DTYPE: 16.0}
+INT8_HEADROOM = HEADROOM[INT8_DTYPE]
+FP8_HEADROOM = HEADROOM[FP8_DTYPE]
 CALIBRATION_SPREAD = 64  # tokens spread evenly over the vocabulary after the text
 CALIBRATION_TEXT = (
     "The committee met on a rainy Tuesday in March to review the budget for the new library. "
@@ -50,9 +66,31 @@ _SCALE_NAMES = (("self_attn.k_scale", "self_attn.v_scale"),
 Scales = list[tuple[tuple[float, ...], tuple[float, ...]]]  # per layer: (k, v)
 
 
+def kv_cache_scheme(config: dict) -> dict | None:
+    """A compressed-tensors checkpoint's `kv_cache_scheme` (config.json's quantization_config),
+    None when it has none; ValueError for schemes the cache cannot hold (8-bit static symmetric
+    float or int, a scale per tensor or per KV head: strategy "tensor" or "attn_head")."""
+    qc = config.get("quantization_config") if isinstance(config, dict) else None
+    scheme = qc.get("kv_cache_scheme") if isinstance(qc, dict) else None
+    if scheme is None:
+        return None
+    what = (f"kv_cache_scheme {{type {scheme.get('type')!r}, num_bits {scheme.get('num_bits')}, "
+            f"strategy {scheme.get('strategy')!r}, dynamic {scheme.get('dynamic')}, symmetric "
+            f"{scheme.get('symmetric')}}}")
+    if (scheme.get("type") not in ("float", "int") or int(scheme.get("num_bits") or 0) != 8
+            or scheme.get("strategy", "tensor") not in ("tensor", "attn_head")
+            or scheme.get("dynamic") not in (None, False) or scheme.get("symmetric") is False):
+        raise ValueError(f"the checkpoint's {what} is not supported: a quantized KV cache takes "
+                         "static symmetric 8-bit scales (type float or int) per tensor or per "
+                         "KV head (strategy tensor or attn_head)")
+    return scheme
+
+
 def checkpoint_scales(ckpt, num_layers: int, num_kv_heads: int) -> Scales | None:
-    """Each layer's (k, v) scales from the checkpoint, None when it has none; a checkpoint
-    with scales for some layers only is refused (ValueError)."""
+    """Each layer's (k, v) scales from the checkpoint, as stored (None when it has none); a
+    checkpoint with scales for some layers only, or a `kv_cache_scheme` without them, is
+    refused (ValueError), as is a `kv_cache_scheme` the cache cannot hold."""
+    scheme = kv_cache_scheme(getattr(ckpt, "config", None) or {})
     names = set(ckpt.tensor_names())
     for k_name, v_name in _SCALE_NAMES:
         found = [f"model.layers.{i}.{k_name}" in names for i in range(num_layers)]
@@ -65,6 +103,9 @@ def checkpoint_scales(ckpt, num_layers: int, num_kv_heads: int) -> Scales | None
             k, v = (ckpt.get_tensor(f"model.layers.{i}.{n}", np.float32) for n in (k_name, v_name))
             out.append((_values(k, num_kv_heads), _values(v, num_kv_heads)))
         return out
+    if scheme is not None:
+        raise ValueError("the checkpoint's quantization_config has a kv_cache_scheme but no "
+                         "model.layers.N.self_attn.k_scale / v_scale tensors")
     return None
 
 
@@ -76,9 +117,18 @@ def _values(x: np.ndarray, num_kv_heads: int) -> tuple[float, ...]:
     return tuple(float(v) for v in x)
 
 
-def measure_int8_scales(model, token_ids: list[int], page_size: int = 16) -> Scales:
+def for_cache_dtype(scales: Scales, calibrated_for, kv_dtype) -> Scales:
+    """Scales calibrated for a cache of `calibrated_for` (its largest value is the calibration's
+    largest) as the scales of a `kv_dtype` cache mapping that same value to its own largest."""
+    ratio = QUANT_MAX[jnp.dtype(calibrated_for)] / QUANT_MAX[jnp.dtype(kv_dtype)]
+    if ratio == 1.0:
+        return scales
+    return [(tuple(x * ratio for x in k), tuple(x * ratio for x in v)) for k, v in scales]
+
+
+def measure_kv_scales(model, token_ids: list[int], kv_dtype, page_size: int = 16) -> Scales:
     """Per layer and KV head: (largest |k|, largest |v|) over one float32 forward of
-    `token_ids`, times INT8_HEADROOM, / 127."""
+    `token_ids`, times the dtype's HEADROOM, / the dtype's largest value (QUANT_MAX)."""
     cfg = model.config
     n = len(token_ids)
     pages = math.ceil(n / page_size)
@@ -94,26 +144,37 @@ def measure_int8_scales(model, token_ids: list[int], page_size: int = 16) -> Sca
         return [per_head(c) for c in kv.k], [per_head(c) for c in kv.v]
 
     ks, vs = jax.device_get(amax(state, kv, jax.tree.map(jnp.asarray, inputs)))
-    top = QUANT_MAX[INT8_DTYPE]
+    kv_dtype = jnp.dtype(kv_dtype)
+    factor = HEADROOM[kv_dtype] / QUANT_MAX[kv_dtype]
 
     def scale(a):
-        return tuple(float(max(x, 1e-6) * INT8_HEADROOM / top) for x in np.asarray(a))
+        return tuple(float(max(x, 1e-6) * factor) for x in np.asarray(a))
 
     return [(scale(k), scale(v)) for k, v in zip(ks, vs)]
 
 
 def resolve_kv_scales(kv_dtype, ckpt, model, tokenize) -> tuple[Scales | None, str]:
     """(scales per layer or None for 1.0, where they come from) for a cache of `kv_dtype`;
-    `tokenize()` gives the calibration text's token ids (called only to measure)."""
+    `tokenize()` gives the calibration text's token ids (called only to measure). A dtype
+    without a HEADROOM is not measured (1.0)."""
     cfg = model.config
+    kv_dtype = jnp.dtype(kv_dtype)
     scales = checkpoint_scales(ckpt, cfg.num_layers, cfg.num_kv_heads)
     if scales is not None:
-        return scales, "from the checkpoint"
-    if jnp.dtype(kv_dtype) == INT8_DTYPE:
+        scheme = kv_cache_scheme(getattr(ckpt, "config", None) or {})
+        calibrated_for = INT8_DTYPE if scheme and scheme["type"] == "int" else FP8_DTYPE
+        source = "from the checkpoint" + (
+            f" (kv_cache_scheme: {scheme['type']} 8-bit, {scheme.get('strategy', 'tensor')})"
+            if scheme else "")
+        if calibrated_for != kv_dtype:
+            source += f", calibrated for {calibrated_for.name}"
+        return for_cache_dtype(scales, calibrated_for, kv_dtype), source
+    if kv_dtype in HEADROOM:
         # The text, then tokens spread over the whole vocabulary (rare tokens, other scripts).
         spread = np.linspace(0, cfg.vocab_size - 1, CALIBRATION_SPREAD).astype(int).tolist()
         ids = list(tokenize()) + spread
-        return measure_int8_scales(model, ids), f"measured on {len(ids)} calibration tokens"
+        return (measure_kv_scales(model, ids, kv_dtype),
+                f"measured on {len(ids)} calibration tokens (headroom {HEADROOM[kv_dtype]:g})")
     return None, "1.0 (the checkpoint has none)"
 
 

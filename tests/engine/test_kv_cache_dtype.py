@@ -1,12 +1,15 @@
 """--kv-cache-dtype fp8 / int8 end to end on a tiny Llama: smaller pages (more of them in the same
-budget), scales from the checkpoint or measured, outputs close to the float cache's, prefix
-caching unchanged, nothing compiled while serving. (The default model's drift against the
-golden data: benchmarks/int8_quality.py, docs/performance.md.)"""
+budget), scales from the checkpoint (vLLM's names, a compressed-tensors kv_cache_scheme) or
+measured per layer and KV head, outputs close to the float cache's, prefix caching unchanged,
+nothing compiled while serving. (The default model's drift against the golden data:
+benchmarks/kv_fp8_drift.py, benchmarks/int8_quality.py, docs/performance.md.)"""
 
 from __future__ import annotations
 
+import json
 import logging
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -17,11 +20,13 @@ from jaxserve.config import CacheConfig
 from jaxserve.models.arch_config import ArchConfig
 from jaxserve.models.loader import load_checkpoint
 from jaxserve.models.weights import create_model
+from jaxserve.pallas_kernels.kv_quant import QUANT_MAX
 from jaxserve.runner.kv_scales import (
     CALIBRATION_SPREAD,
-    INT8_HEADROOM,
+    HEADROOM,
     checkpoint_scales,
     prepare_kv_scales,
+    set_kv_scales,
 )
 from tests.model_dirs import write_model_dir
 from tests.models.model_utils import PagedRunner
@@ -86,30 +91,122 @@ def test_pages_are_smaller_and_outputs_close_to_float(engines):
         assert drift.max() < tol_max and drift.mean() < tol_mean, (name, drift.max(), drift.mean())
         assert np.any(drift > 0)  # the quantized pages were read
         assert engines[name].engine.num_compiles_after_warmup == 0
+    # The checkpoint's scales win over measuring; int8 without them is measured.
+    assert engines["fp8_e4m3"].engine.runner.recipe.kv_scales == (((0.5,), (0.25,)),
+                                                                   ((0.5, 2.0), (1.0, 0.125)))
+    assert engines["int8"].engine.runner.recipe.kv_scales is not None
 
 
-def test_int8_scales_are_measured_per_kv_head(model_dir, caplog):
+def tiny_model(model_dir):
     ckpt = load_checkpoint(model_dir)
-    model = create_model(ArchConfig.from_hf(ckpt.config), dtype=jnp.float32,
-                         get_tensor=ckpt.get_tensor)
-    with caplog.at_level(logging.INFO, logger="jaxserve.runner.kv_scales"):
-        prepare_kv_scales(model, jnp.float8_e4m3fn, ckpt, tokenize=None)  # fp8: 1.0, as vLLM
-    assert all(layer.attn_spec.k_scale is None for layer in model.layers)
-    assert "scales 1.0 (the checkpoint has none)" in caplog.text
+    return ckpt, create_model(ArchConfig.from_hf(ckpt.config), dtype=jnp.float32,
+                              get_tensor=ckpt.get_tensor)
+
+
+@pytest.mark.parametrize("kv_dtype", [jnp.int8, jnp.float8_e4m3fn])
+def test_scales_are_measured_per_layer_and_kv_head(model_dir, kv_dtype, caplog):
+    ckpt, model = tiny_model(model_dir)
     text = list(range(3, 60))
-    prepare_kv_scales(model, jnp.int8, ckpt, tokenize=lambda: text)
+    with caplog.at_level(logging.INFO, logger="jaxserve.runner.kv_scales"):
+        prepare_kv_scales(model, kv_dtype, ckpt, tokenize=lambda: text)
+    assert f"scales measured on {len(text) + CALIBRATION_SPREAD} calibration tokens" in caplog.text
     specs = [layer.attn_spec for layer in model.layers]
     assert all(len(s.k_scale) == len(s.v_scale) == 2 for s in specs)  # 2 KV heads
     assert len({s.k_scale for s in specs}) == 2  # each layer its own
     assert model.attn_spec == specs[0]
-    # The largest |k| of the calibration forward (the text, then a sweep of the vocabulary)
-    # maps to 127 / INT8_HEADROOM.
+    # The largest |k| and |v| of the calibration forward (the text, then a sweep of the
+    # vocabulary) map to the dtype's largest value / its headroom.
+    set_kv_scales(model, [((1.0,), (1.0,))] * len(specs))  # the float forward ignores them
     fwd = PagedRunner(model, page_size=16, num_pages=16)
     ids = text + np.linspace(0, 127, CALIBRATION_SPREAD).astype(int).tolist()
     fwd.step([(0, ids, 0)], num_tokens=len(ids), num_reqs=1, pages_per_req=8)
-    for layer, spec, kc in zip(model.layers, specs, fwd.kv.k):
-        amax = np.abs(np.asarray(kc)).max(axis=(0, 1, 3))
-        np.testing.assert_allclose(np.asarray(spec.k_scale), amax * INT8_HEADROOM / 127, rtol=1e-5)
+    factor = HEADROOM[jnp.dtype(kv_dtype)] / QUANT_MAX[jnp.dtype(kv_dtype)]
+    for spec, kc, vc in zip(specs, fwd.kv.k, fwd.kv.v):
+        for got, cache in ((spec.k_scale, kc), (spec.v_scale, vc)):
+            amax = np.abs(np.asarray(cache)).max(axis=(0, 1, 3))
+            np.testing.assert_allclose(np.asarray(got), amax * factor, rtol=1e-5)
+
+
+def test_checkpoint_scales_win_over_measuring(scaled_dir, caplog):
+    """vLLM's k_scale / v_scale are fp8's (the largest value becomes 448): an int8 cache maps
+    the same value to 127. Nothing is measured (tokenize is never called)."""
+    ckpt, model = tiny_model(scaled_dir)
+    with caplog.at_level(logging.INFO, logger="jaxserve.runner.kv_scales"):
+        prepare_kv_scales(model, jnp.float8_e4m3fn, ckpt, tokenize=None)
+    assert "scales from the checkpoint (k" in caplog.text
+    assert [(lay.attn_spec.k_scale, lay.attn_spec.v_scale) for lay in model.layers] == [
+        ((0.5,), (0.25,)), ((0.5, 2.0), (1.0, 0.125))]
+    with caplog.at_level(logging.INFO, logger="jaxserve.runner.kv_scales"):
+        prepare_kv_scales(model, jnp.int8, ckpt, tokenize=None)
+    np.testing.assert_allclose(model.layers[1].attn_spec.v_scale, np.asarray([1.0, 0.125]) * 448 / 127)
+    assert "from the checkpoint, calibrated for float8_e4m3fn" in caplog.text
+
+
+def scheme_dir(path, scheme: dict | None, scales: bool = True):
+    """The tiny model as llm-compressor saves a KV-cache-only recipe: float weights, config.json's
+    quantization_config with `kv_cache_scheme`, one k_scale / v_scale a layer (per KV head:
+    [Hkv, 1, 1])."""
+    d = write_model_dir(path, "llama")
+    config = json.loads((d / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "compressed-tensors", "config_groups": {},
+                                     "format": "dense", "kv_cache_scheme": scheme}
+    (d / "config.json").write_text(json.dumps(config))
+    if scales:
+        tensors = load_file(str(d / "model.safetensors"))
+        for i in range(2):
+            tensors[f"model.layers.{i}.self_attn.k_scale"] = np.asarray([[[0.5]], [[2.0]]], np.float32)
+            tensors[f"model.layers.{i}.self_attn.v_scale"] = np.asarray([[[0.25]], [[4.0]]], np.float32)
+        save_file(tensors, str(d / "model.safetensors"))
+    return d
+
+
+CT_SCHEME = {"type": "float", "num_bits": 8, "strategy": "attn_head", "dynamic": False,
+             "symmetric": True}
+
+
+def test_kv_cache_scheme(tmp_path, caplog):
+    ckpt, model = tiny_model(scheme_dir(tmp_path / "fp8", CT_SCHEME))
+    with caplog.at_level(logging.INFO, logger="jaxserve.runner.kv_scales"):
+        prepare_kv_scales(model, jnp.float8_e4m3fn, ckpt, tokenize=None)
+    assert "from the checkpoint (kv_cache_scheme: float 8-bit, attn_head)" in caplog.text
+    assert model.layers[1].attn_spec.k_scale == (0.5, 2.0)
+    assert model.layers[1].attn_spec.v_scale == (0.25, 4.0)
+    # Scales calibrated for an int8 cache (127) serve an fp8 one at 448.
+    ckpt, model = tiny_model(scheme_dir(tmp_path / "int", {**CT_SCHEME, "type": "int"}))
+    prepare_kv_scales(model, jnp.float8_e4m3fn, ckpt, tokenize=None)
+    np.testing.assert_allclose(model.layers[0].attn_spec.k_scale, np.asarray([0.5, 2.0]) * 127 / 448)
+    prepare_kv_scales(model, jnp.int8, ckpt, tokenize=None)
+    assert model.layers[0].attn_spec.k_scale == (0.5, 2.0)
+    with pytest.raises(ValueError, match="kv_cache_scheme but no"):
+        checkpoint_scales(load_checkpoint(scheme_dir(tmp_path / "none", CT_SCHEME, False)), 2, 2)
+    with pytest.raises(ValueError, match="dynamic True.* is not supported"):
+        checkpoint_scales(load_checkpoint(scheme_dir(tmp_path / "dyn", {**CT_SCHEME, "dynamic": True})), 2, 2)
+
+
+def test_fp8_measured_scales_keep_small_values(tmp_path):
+    """The same function with V 1000x smaller (v_proj / 1000, o_proj x 1000): at scale 1.0
+    e4m3 flushes most of V to zero or to a few subnormal steps (its smallest normal is 2^-6);
+    measured scales keep it within e4m3's rounding of the float cache (the engine test's bound)."""
+    d = write_model_dir(tmp_path / "small-v", "llama")
+    tensors = load_file(str(d / "model.safetensors"))
+    for name in list(tensors):
+        if name.endswith(("v_proj.weight", "o_proj.weight")):
+            tensors[name] = tensors[name] * (1e-3 if "v_proj" in name else 1e3)
+    save_file(tensors, str(d / "model.safetensors"))
+    ckpt, model = tiny_model(d)
+    ids = PROMPTS[2]
+
+    def logprobs(kv_dtype):
+        fwd = PagedRunner(model, page_size=16, num_pages=8, dtype=kv_dtype)
+        (logits,) = fwd.step([(0, ids, 0)], num_tokens=len(ids), num_reqs=1, pages_per_req=3)
+        return np.asarray(jax.nn.log_softmax(jnp.asarray(logits), axis=-1))
+
+    want = logprobs(jnp.float32)
+    unscaled = np.abs(logprobs(jnp.float8_e4m3fn) - want).max()
+    prepare_kv_scales(model, jnp.float8_e4m3fn, ckpt, tokenize=lambda: ids)
+    measured = np.abs(logprobs(jnp.float8_e4m3fn) - want).max()
+    # (every log-prob of the vocabulary at every position: 0.09 against 2.0 here)
+    assert measured < 0.15 and unscaled > 1.0, (measured, unscaled)
 
 
 def test_prefix_cache_hits_read_quantized_pages(engines):
