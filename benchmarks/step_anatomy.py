@@ -64,7 +64,9 @@ touches only in part:
     scatter counts nothing read, its output the update's bytes written;
   - an operand of the KV cache's size given to a custom call (the Pallas attention kernel reads
     only the pages of its sequences) counts the pages the page table gives it: requests x
-    ceil(context / page_size) pages (a prefill: its own ceil(P / page_size)); a cache-sized
+    ceil(context / page_size) pages (a prefill: its own ceil(P / page_size)), and none for a
+    kernel variant of the other phase (the GPU's `..._prefill` attention kernel in a decode
+    step has no rows: it is launched and reads no pages); a cache-sized
     output it aliases (output_to_operand_aliasing: the kernel writes in place) counts the T
     rows written.
 `minimum` = the weights once (per device; the embedding table by its T gathered rows unless
@@ -109,15 +111,35 @@ import time
 HERE = pathlib.Path(__file__).resolve().parent
 REPO = HERE.parent
 RESULTS = HERE / "results" / "step_anatomy.jsonl"
-CACHE = pathlib.Path(os.environ.get("JAXSERVE_STEP_ANATOMY_CACHE",
-                                    pathlib.Path.home() / ".cache" / "jaxserve" / "step_anatomy"))
+CACHE = pathlib.Path(
+    os.environ.get(
+        "JAXSERVE_STEP_ANATOMY_CACHE", pathlib.Path.home() / ".cache" / "jaxserve" / "step_anatomy"
+    )
+)
 PARTS = ("matmuls", "attention", "kv_write", "norms_rope", "sampler", "collectives", "other")
 
 # ------------------------------------------------------------------------------ the HLO parser
-_NO_KERNEL = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "after-all", "partition-id",
-              "replica-id", "opt-barrier", "add-dependency", "copy-done", "async-done", "call-done",
-              "all-reduce-done", "all-gather-done", "collective-permute-done", "send-done", "recv-done",
-              "domain"}
+_NO_KERNEL = {
+    "parameter",
+    "constant",
+    "tuple",
+    "get-tuple-element",
+    "bitcast",
+    "after-all",
+    "partition-id",
+    "replica-id",
+    "opt-barrier",
+    "add-dependency",
+    "copy-done",
+    "async-done",
+    "call-done",
+    "all-reduce-done",
+    "all-gather-done",
+    "collective-permute-done",
+    "send-done",
+    "recv-done",
+    "domain",
+}
 # custom calls that launch nothing: markers, and a TPU's concatenation of slices already side by
 # side in on-chip memory
 _MARKERS = ("PrepareAsyncCallStart", "PrepareAsyncCallDone", "AllocateBuffer", "ConcatBitcast")
@@ -134,8 +156,25 @@ _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _FRAME = re.compile(r"stack_frame_id=(\d+)")
 _ALIASED_PARAMS = re.compile(r"\{[\d,\s]*\}:\s*\((\d+),")
 _OUT_ALIAS = re.compile(r"output_to_operand_aliasing=\{([^}]*)\}")
-_DTYPE_BYTES = {"pred": 1, "s4": .5, "u4": .5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "s32": 4, "u32": 4,
-                "s64": 8, "u64": 8, "f16": 2, "bf16": 2, "f32": 4, "f64": 8, "c64": 8, "c128": 16}
+_DTYPE_BYTES = {
+    "pred": 1,
+    "s4": 0.5,
+    "u4": 0.5,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "s32": 4,
+    "u32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f16": 2,
+    "bf16": 2,
+    "f32": 4,
+    "f64": 8,
+    "c64": 8,
+    "c128": 16,
+}
 
 
 def _dtype_bytes(dtype: str) -> float:
@@ -168,9 +207,9 @@ def _take_shape(rest: str) -> tuple[str, str]:
             depth += c == "("
             depth -= c == ")"
             if depth == 0:
-                return rest[: i + 1], rest[i + 1:].lstrip()
+                return rest[: i + 1], rest[i + 1 :].lstrip()
     j = rest.find(" ")
-    return (rest, "") if j < 0 else (rest[:j], rest[j + 1:].lstrip())
+    return (rest, "") if j < 0 else (rest[:j], rest[j + 1 :].lstrip())
 
 
 @dataclasses.dataclass
@@ -250,9 +289,9 @@ def parse_module(text: str) -> Module:
         m = _INSTR.match(line)
         if not m or current is None:
             continue
-        shape, rest = _take_shape(line[m.end():])
+        shape, rest = _take_shape(line[m.end() :])
         opcode = rest.split("(", 1)[0].strip()
-        args = rest[len(opcode):]
+        args = rest[len(opcode) :]
         depth, end = 0, len(args)
         for i, c in enumerate(args):
             depth += c == "("
@@ -260,8 +299,11 @@ def parse_module(text: str) -> Module:
             if depth == 0 and i:
                 end = i
                 break
-        comps[current].append(Instr(m.group(2), shape, opcode, _OPERAND.findall(args[:end + 1]), line,
-                                    bool(m.group(1))))
+        comps[current].append(
+            Instr(
+                m.group(2), shape, opcode, _OPERAND.findall(args[: end + 1]), line, bool(m.group(1))
+            )
+        )
     header = text.split("\n", 1)[0]
     alias = re.search(r"input_output_alias=\{(.*?)\}\s*,\s*entry_computation_layout", header)
     aliased = {int(x) for x in _ALIASED_PARAMS.findall(alias.group(1))} if alias else set()
@@ -290,6 +332,7 @@ class CacheGeometry:
     tokens: int  # rows the step writes (T)
     row_elements: int  # one token's elements in one layer's K (or V) array
     page_bytes: int = 0  # one page of one layer's K (or V) array
+    phase: str = ""  # "decode" (every row a decode row) or "prefill" (every row a prompt's)
 
     def is_cache_sized(self, n: int) -> bool:
         """An array of n elements is one layer's K or V cache, however laid out (or a whole
@@ -297,8 +340,15 @@ class CacheGeometry:
         return n >= self.elements and n % self.elements == 0
 
 
-def _classify(own: list[str], files: list[str], op_names: list[str], opcodes: set[str], target: str,
-              label: str, in_place: bool) -> str:
+def _classify(
+    own: list[str],
+    files: list[str],
+    op_names: list[str],
+    opcodes: set[str],
+    target: str,
+    label: str,
+    in_place: bool,
+) -> str:
     """The part of a kernel: `own` the source files of the kernel itself (its root), `files` of
     everything fused in it, `op_names` its own op_name first (see the module docstring)."""
     own_src, all_src = " ".join(own), " ".join(files)
@@ -317,7 +367,11 @@ def _classify(own: list[str], files: list[str], op_names: list[str], opcodes: se
         return "matmuls"  # a matrix-vector product XLA wrote as a reduction keeps its op_name
     if "layers/norm.py" in (own_src or all_src) or "layers/rotary.py" in (own_src or all_src):
         return "norms_rope"
-    if not own and "/sampling/" in all_src and not re.search(r"(^|/)(embed|lm_head|layer_\d+)(/|$)", scope):
+    if (
+        not own
+        and "/sampling/" in all_src
+        and not re.search(r"(^|/)(embed|lm_head|layer_\d+)(/|$)", scope)
+    ):
         return "sampler"
     return "other"
 
@@ -326,10 +380,13 @@ def _innermost_project_files(module: Module, lines: list[str]) -> list[str]:
     out = []
     for line in lines:
         for f in module.source(line):
-            if "site-packages" not in f and ("/jaxserve/" in f or "/models/" in f or "/pallas_kernels/" in f):
-                if not f.endswith(("step_fn.py", "compile_pool.py", "recipe.py")):
-                    out.append(f)
-                    break
+            if (
+                "site-packages" not in f
+                and ("/jaxserve/" in f or "/models/" in f or "/pallas_kernels/" in f)
+                and not f.endswith(("step_fn.py", "compile_pool.py", "recipe.py"))
+            ):
+                out.append(f)
+                break
     return out
 
 
@@ -362,8 +419,10 @@ def _users(comp: list[Instr]) -> dict[str, list[tuple[Instr, int]]]:
 
 
 def _params(comp: list[Instr]) -> list[Instr]:
-    return sorted((x for x in comp if x.opcode == "parameter"),
-                  key=lambda x: int(re.search(r"parameter\((\d+)\)", x.line).group(1)))
+    return sorted(
+        (x for x in comp if x.opcode == "parameter"),
+        key=lambda x: int(re.search(r"parameter\((\d+)\)", x.line).group(1)),
+    )
 
 
 def _read_bytes(module: Module, comp: list[Instr], param: Instr) -> int:
@@ -406,7 +465,9 @@ def _written_bytes(module: Module, comp: list[Instr]) -> tuple[int, bool]:
             total += shape_bytes(instrs[src.operands[1]].shape) if src.operands[1] in instrs else 0
             in_place = True
         elif src.opcode == "scatter" and len(src.operands) > 2:
-            upd = src.operands[len(src.operands) // 2 + 1:]  # scatter(operands..., indices, updates...)
+            upd = src.operands[
+                len(src.operands) // 2 + 1 :
+            ]  # scatter(operands..., indices, updates...)
             total += sum(shape_bytes(instrs[u].shape) for u in upd if u in instrs)
             in_place = True
         elif src.opcode == "fusion" and src.calls and src.calls[0] in module.computations:
@@ -416,6 +477,13 @@ def _written_bytes(module: Module, comp: list[Instr]) -> tuple[int, bool]:
         else:
             total += shape_bytes(o.shape)
     return total, in_place
+
+
+def _other_phases_kernel(label: str, phase: str) -> bool:
+    """A kernel variant for the other phase's rows (the GPU attention's `..._prefill` kernel in
+    a decode step, `..._decode` in a prefill): launched, but it has no rows to read pages for."""
+    other = {"decode": "prefill", "prefill": "decode"}.get(phase)
+    return bool(other) and label.endswith("_" + other)
 
 
 def _outputs(i: Instr) -> list[tuple[int, int, bool]]:
@@ -430,7 +498,11 @@ def _outputs(i: Instr) -> list[tuple[int, int, bool]]:
 
 
 def _kernel(module: Module, comp: dict[str, Instr], i: Instr, geo: CacheGeometry) -> Kernel | None:
-    if i.opcode in _NO_KERNEL or i.opcode.endswith("-done") or (i.opcode == "custom-call" and i.target in _MARKERS):
+    if (
+        i.opcode in _NO_KERNEL
+        or i.opcode.endswith("-done")
+        or (i.opcode == "custom-call" and i.target in _MARKERS)
+    ):
         return None
     cache_sized = any(geo.is_cache_sized(n) for n, _, _ in _outputs(i))
     if i.opcode in ("fusion", "call-start", "async-start") and i.calls:
@@ -454,7 +526,9 @@ def _kernel(module: Module, comp: dict[str, Instr], i: Instr, geo: CacheGeometry
         written, in_place = _written_bytes(module, body) if body else (shape_bytes(i.shape), False)
         outs = _outputs(i)
         if sum(b for _, b, _ in outs):
-            written = int(written * sum(b for _, b, vmem in outs if not vmem) / sum(b for _, b, _ in outs))
+            written = int(
+                written * sum(b for _, b, vmem in outs if not vmem) / sum(b for _, b, _ in outs)
+            )
         opcodes = {x.opcode for x in lines}
         copies = cache_sized and not in_place
     else:
@@ -479,7 +553,8 @@ def _kernel(module: Module, comp: dict[str, Instr], i: Instr, geo: CacheGeometry
                 continue  # read from on-chip memory
             if i.opcode == "custom-call" and geo.is_cache_sized(sum(n for n, _, _ in a)):
                 per_page = sum(b for _, b, _ in a) / geo.pages
-                read += int(per_page * min(geo.pages, geo.pages_touched))
+                if not _other_phases_kernel(_label(i, []), geo.phase):
+                    read += int(per_page * min(geo.pages, geo.pages_touched))
             elif i.opcode in ("dynamic-update-slice", "scatter") and o == i.operands[0]:
                 continue
             elif base in ("gather", "dynamic-slice", "slice") and o == i.operands[0]:
@@ -491,8 +566,14 @@ def _kernel(module: Module, comp: dict[str, Instr], i: Instr, geo: CacheGeometry
         for k, (n, b, vmem) in enumerate(_outputs(i)):
             if vmem:
                 continue
-            if geo.is_cache_sized(n) and (k in aliased_out or (not aliased_out and i.opcode == "custom-call"
-                                                            and "output_to_operand_aliasing" in i.line)):
+            if geo.is_cache_sized(n) and (
+                k in aliased_out
+                or (
+                    not aliased_out
+                    and i.opcode == "custom-call"
+                    and "output_to_operand_aliasing" in i.line
+                )
+            ):
                 written += int(b / n * geo.row_elements * geo.tokens)  # the T rows, in place
                 in_place = True
             elif i.opcode in ("dynamic-update-slice", "scatter") and k == 0:  # in place
@@ -505,10 +586,15 @@ def _kernel(module: Module, comp: dict[str, Instr], i: Instr, geo: CacheGeometry
     names = [m.group(1) for m in map(_OP_NAME.search, own_lines + [x.line for x in lines]) if m]
     target = i.target if i.opcode == "custom-call" else ""
     label = _label(i, names)
-    part = _classify(_innermost_project_files(module, own_lines),
-                     _innermost_project_files(module, [x.line for x in lines]), names, opcodes,
-                     target + (" gemm" if "__triton_gemm" in i.line else ""), label,
-                     in_place and cache_sized)
+    part = _classify(
+        _innermost_project_files(module, own_lines),
+        _innermost_project_files(module, [x.line for x in lines]),
+        names,
+        opcodes,
+        target + (" gemm" if "__triton_gemm" in i.line else ""),
+        label,
+        in_place and cache_sized,
+    )
     kind = f"custom-call:{target}" if target else i.opcode
     return Kernel(i.name, kind, part, int(read + written), bool(copies), label, tuple(cache_reads))
 
@@ -534,7 +620,9 @@ class Path:
 DYNAMIC_LOOPS: list[int] = []  # the passes given to data-dependent loop nests (for the record)
 
 
-def walk(module: Module, comp_name: str, geo: CacheGeometry, in_dynamic_loop: bool = False) -> tuple[Path, Path]:
+def walk(
+    module: Module, comp_name: str, geo: CacheGeometry, in_dynamic_loop: bool = False
+) -> tuple[Path, Path]:
     """(plain path, heavy path) of a computation's kernels (see the module docstring)."""
     comp = module.instr(comp_name)
     plain, heavy = Path([]), Path([])
@@ -551,13 +639,17 @@ def walk(module: Module, comp_name: str, geo: CacheGeometry, in_dynamic_loop: bo
                 if dynamic and reads and not in_dynamic_loop:
                     # a loop nest over the pages in use (its bound is data-dependent): as many
                     # passes as make it read each cache's pages of the step once
-                    n = max(1, math.ceil(geo.pages_touched * geo.page_bytes / (sum(reads) / len(reads))))
+                    n = max(
+                        1, math.ceil(geo.pages_touched * geo.page_bytes / (sum(reads) / len(reads)))
+                    )
                     DYNAMIC_LOOPS.append(n)
                 plain.kernels += p.kernels * n
                 heavy.kernels += h.kernels * n
             continue
         if i.opcode == "conditional":
-            paths = [walk(module, c, geo, in_dynamic_loop) for c in i.calls if c in module.computations]
+            paths = [
+                walk(module, c, geo, in_dynamic_loop) for c in i.calls if c in module.computations
+            ]
             if paths:
                 plain.kernels += min((p for p, _ in paths), key=lambda p: p.bytes).kernels
                 heavy.kernels += max((h for _, h in paths), key=lambda h: h.bytes).kernels
@@ -581,8 +673,13 @@ def _trip_from_condition(module: Module, loop: Instr) -> int:
     counter with a constant (LT N from 0: N); else 1."""
     m = re.search(r"condition=%?([\w.\-]+)", loop.line)
     cond = module.computations.get(m.group(1), []) if m else []
-    consts = {x.name: int(c.group(1)) for x in cond if x.opcode == "constant"
-              for c in [re.search(r"constant\((-?\d+)\)", x.line)] if c}
+    consts = {
+        x.name: int(c.group(1))
+        for x in cond
+        if x.opcode == "constant"
+        for c in [re.search(r"constant\((-?\d+)\)", x.line)]
+        if c
+    }
     for x in cond:
         if x.opcode == "compare" and "direction=LT" in x.line:
             bound = [consts[o] for o in x.operands if o in consts]
@@ -593,7 +690,8 @@ def _trip_from_condition(module: Module, loop: Instr) -> int:
 
 def _prefetches_take_their_consumers_part(instrs: list[Instr], made: dict[str, Kernel]) -> None:
     """A copy XLA inserted (it has no op_name: copy insertion, a relayout) joins the part of the
-    kernel whose result it copies (a sampling-state argument's copy: the sampler's). An async copy or slice into on-chip memory (a TPU's prefetch of a weight or of cache
+    kernel whose result it copies (a sampling-state argument's copy: the sampler's). An async
+    copy or slice into on-chip memory (a TPU's prefetch of a weight or of cache
     pages) is read for the kernel that takes its result: it joins that kernel's part."""
     users: dict[str, list[str]] = {}
     for i in instrs:
@@ -602,10 +700,19 @@ def _prefetches_take_their_consumers_part(instrs: list[Instr], made: dict[str, K
     by_name = {i.name: i for i in instrs}
     for name, k in made.items():  # copies XLA inserted (no op_name of their own)
         i = by_name[name]
-        if k.kind not in ("copy", "copy-start") or k.part != "other" or _OP_NAME.search(i.line) or not i.operands:
+        if (
+            k.kind not in ("copy", "copy-start")
+            or k.part != "other"
+            or _OP_NAME.search(i.line)
+            or not i.operands
+        ):
             continue
         src = by_name.get(i.operands[0])
-        while src is not None and src.opcode in ("bitcast", "get-tuple-element", "copy-done") and src.operands:
+        while (
+            src is not None
+            and src.opcode in ("bitcast", "get-tuple-element", "copy-done")
+            and src.operands
+        ):
             if src.name in made:
                 break
             src = by_name.get(src.operands[0])
@@ -624,11 +731,18 @@ def _prefetches_take_their_consumers_part(instrs: list[Instr], made: dict[str, K
             if u in seen:
                 continue
             seen.add(u)
-            if u in made and made[u].kind not in ("copy-start", "slice-start", "dynamic-slice-start"):
+            if u in made and made[u].kind not in (
+                "copy-start",
+                "slice-start",
+                "dynamic-slice-start",
+            ):
                 k.part = made[u].part
                 break
-            if u in by_name and (by_name[u].opcode in ("bitcast", "get-tuple-element", "tuple")
-                                 or by_name[u].opcode.endswith("-done") or by_name[u].target in _MARKERS):
+            if u in by_name and (
+                by_name[u].opcode in ("bitcast", "get-tuple-element", "tuple")
+                or by_name[u].opcode.endswith("-done")
+                or by_name[u].target in _MARKERS
+            ):
                 todo += users.get(u, [])
 
 
@@ -651,17 +765,25 @@ def anatomy(text: str, geo: CacheGeometry, cache_params: list[int]) -> dict:
         out[f"bytes_moved{tag}"] = total
         out[f"by_part{tag}"] = by_part
         out[f"sampler_bytes{tag}"] = by_part["sampler"]["bytes"]
-        out[f"sampler_share{tag}"] = round(by_part["sampler"]["bytes"] / total, 4) if total else None
+        out[f"sampler_share{tag}"] = (
+            round(by_part["sampler"]["bytes"] / total, 4) if total else None
+        )
     copies = [k for k in heavy.kernels if k.cache_copy]
     out["cache_copies"] = len(copies) + len(unaliased)
     out["cache_copy_bytes"] = sum(k.bytes for k in copies)
     out["data_dependent_loops"] = out_loops  # passes assumed for each (both paths walked)
     entry = module.computations[module.entry]
-    params = {int(m.group(1)): x.shape for x in entry if x.opcode == "parameter"
-              for m in [re.search(r"parameter\((\d+)\)", x.line)] if m}
+    params = {
+        int(m.group(1)): x.shape
+        for x in entry
+        if x.opcode == "parameter"
+        for m in [re.search(r"parameter\((\d+)\)", x.line)]
+        if m
+    }
     out["cache_layout"] = params.get(cache_params[0]) if cache_params else None
     out["cache_copy_ops"] = [f"{k.name} ({k.kind}, {k.part}, {k.label})" for k in copies][:20] + [
-        f"cache argument {p} not aliased to an output" for p in unaliased]
+        f"cache argument {p} not aliased to an output" for p in unaliased
+    ]
     out["kernel_labels"] = _top_kernels(plain.kernels)
     return out
 
@@ -675,9 +797,10 @@ def _top_kernels(kernels: list[Kernel], n: int = 12) -> list[str]:
 # ------------------------------------------------------------------------------ compiling
 def _cpu_model() -> str:
     try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
     return platform.processor() or platform.machine()
@@ -696,9 +819,17 @@ def _versions() -> dict:
 
 
 def meta() -> dict:
-    sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    return {"commit": sha, "time": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "host": _cpu_model(), "cpus": os.cpu_count(), "versions": _versions(), "compile_only": True}
+    sha = subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=False
+    ).stdout.strip()
+    return {
+        "commit": sha,
+        "time": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "host": _cpu_model(),
+        "cpus": os.cpu_count(),
+        "versions": _versions(),
+        "compile_only": True,
+    }
 
 
 def target_devices(target: str):
@@ -736,8 +867,15 @@ def _compiled_text(lowered, target: str) -> tuple[str, dict | None, float, bool]
     cost = compiled.cost_analysis()
     if isinstance(cost, list):
         cost = cost[0] if cost else None
-    cost = {k: float(v) for k, v in cost.items() if k in ("flops", "bytes accessed", "transcendentals")} \
-        if cost else None
+    cost = (
+        {
+            k: float(v)
+            for k, v in cost.items()
+            if k in ("flops", "bytes accessed", "transcendentals")
+        }
+        if cost
+        else None
+    )
     text = compiled.as_text()
     CACHE.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
@@ -746,16 +884,25 @@ def _compiled_text(lowered, target: str) -> tuple[str, dict | None, float, bool]
     return text, cost, seconds, False
 
 
-def step_records(arch: dict, target: str, *, context: int, decode: list[int], prefill: int,
-                 kv_cache_dtype: str = "auto", page_size: int = 16, kv_cache_memory: int | None = None,
-                 model_name: str = "") -> list[dict]:
+def step_records(
+    arch: dict,
+    target: str,
+    *,
+    context: int,
+    decode: list[int],
+    prefill: int,
+    kv_cache_dtype: str = "auto",
+    page_size: int = 16,
+    kv_cache_memory: int | None = None,
+    model_name: str = "",
+) -> list[dict]:
     """Compile one target's decode steps (S, S) for S in `decode` and a (prefill, 1) step; one
     record each. `kv_cache_memory`: the KV cache's bytes per device (default: max(decode) x
     context tokens)."""
     import jax
-
     from jaxserve.models import sharding as ax
     from jaxserve.models.arch_config import ArchConfig
+
     from jaxserve.parallel.mesh import make_mesh
     from jaxserve.runner.compile_pool import abstract_step, lower_bucket
     from jaxserve.tools.chips import CHIPS
@@ -763,13 +910,20 @@ def step_records(arch: dict, target: str, *, context: int, decode: list[int], pr
 
     devices, plat, chip = target_devices(target)
     max_seqs = max(decode or [1])
-    settings = PlanSettings(arch=arch, platform=plat, max_model_len=context, max_num_seqs=max_seqs,
-                            page_size=page_size, kv_cache_dtype=kv_cache_dtype, kv_cache_memory=kv_cache_memory)
+    settings = PlanSettings(
+        arch=arch,
+        platform=plat,
+        max_model_len=context,
+        max_num_seqs=max_seqs,
+        page_size=page_size,
+        kv_cache_dtype=kv_cache_dtype,
+        kv_cache_memory=kv_cache_memory,
+    )
     cfg = ArchConfig.from_hf(arch)
     mesh = make_mesh(1, len(devices), devices=devices)
     rules = ax.serving_rules(ax.load_rules("tp"), 1)
     plan = resolve_plan(settings, cfg, mesh, rules)
-    kv, num_pages, pages_per_req = kv_record(settings, cfg, mesh, rules, plan["kv_dtype"])
+    _kv, num_pages, _pages_per_req = kv_record(settings, cfg, mesh, rules, plan["kv_dtype"])
     recipe = plan_recipe(settings, cfg, mesh, rules, plan, num_pages)
     abstract = abstract_step(recipe, devices=devices)
     k0 = abstract.kv.k[0]
@@ -787,14 +941,21 @@ def step_records(arch: dict, target: str, *, context: int, decode: list[int], pr
     n_params = len(abstract.params)
     cache_params = list(range(n_params, n_params + 2 * cfg.num_layers))
     bw = CHIPS[chip].hbm_bandwidth if chip in CHIPS else None
-    steps = [("decode", s, s, s) for s in decode] + ([("prefill", 1, prefill, 1)] if prefill else [])
+    steps = [("decode", s, s, s) for s in decode] + (
+        [("prefill", 1, prefill, 1)] if prefill else []
+    )
     out = []
     for phase, seqs, T, R in steps:
         ctx = context if phase == "decode" else T
-        geo = CacheGeometry(elements=elements, pages=local_shape[0],
-                            pages_touched=seqs * -(-ctx // page_size), tokens=T,
-                            row_elements=math.prod(local_shape[2:]),
-                            page_bytes=elements * k0.dtype.itemsize // local_shape[0])
+        geo = CacheGeometry(
+            elements=elements,
+            pages=local_shape[0],
+            pages_touched=seqs * -(-ctx // page_size),
+            tokens=T,
+            row_elements=math.prod(local_shape[2:]),
+            page_bytes=elements * k0.dtype.itemsize // local_shape[0],
+            phase=phase,
+        )
         t0 = time.perf_counter()
         # Pallas's TPU lowering asks the default device which chip it lowers for
         with jax.default_device(devices[0]) if plat == "tpu" else contextlib.nullcontext():
@@ -802,8 +963,11 @@ def step_records(arch: dict, target: str, *, context: int, decode: list[int], pr
         lower_s = time.perf_counter() - t0
         text, cost, compile_s, cached = _compiled_text(lowered, target)
         rec = anatomy(text, geo, cache_params)
-        weights_once = weight_bytes - (0 if tied else embed_bytes) + (0 if tied else T * embed_shape[1]
-                                                                      * embed_local.dtype.itemsize)
+        weights_once = (
+            weight_bytes
+            - (0 if tied else embed_bytes)
+            + (0 if tied else T * embed_shape[1] * embed_local.dtype.itemsize)
+        )
         kv_read = 2 * cfg.num_layers * seqs * ctx * row_bytes if phase == "decode" else 0
         kv_write = 2 * cfg.num_layers * T * row_bytes
         logits = R * vocab_local * 4
@@ -811,29 +975,58 @@ def step_records(arch: dict, target: str, *, context: int, decode: list[int], pr
         for tag in ("", "_heavy"):
             for part in rec[f"by_part{tag}"].values():
                 part["us_at_hbm"] = round(part["bytes"] / bw * 1e6, 2) if bw else None
-        out.append({
-            "benchmark": "step_anatomy", "target": target, "phase": phase, "seqs": seqs, "context": ctx,
-            "bucket": [T, R], "layers": cfg.num_layers, "model": model_name, "head_dim": cfg.head_dim,
-            "kv_cache_dtype": plan["kv_dtype"], "dtype": plan["dtype"], "attention_impl": plan["attention_impl"],
-            "devices": len(devices), "page_size": page_size, "kv_pages": num_pages,
-            "kernels": rec["kernels"], "kernels_heavy": rec["kernels_heavy"],
-            "kernels_static": rec["kernels_static"], "kernels_static_heavy": rec["kernels_static_heavy"],
-            "bytes_moved": rec["bytes_moved"], "bytes_moved_heavy": rec["bytes_moved_heavy"],
-            "minimum": {"total": minimum, "weights_once": weights_once, "kv_read": kv_read,
-                        "kv_write": kv_write, "logits": logits},
-            "bytes_over_minimum": round(rec["bytes_moved"] / minimum, 3),
-            "cache_copies": rec["cache_copies"], "cache_copy_bytes": rec["cache_copy_bytes"],
-            "cache_copy_ops": rec["cache_copy_ops"], "cache_layout": rec["cache_layout"],
-            "data_dependent_loops": rec["data_dependent_loops"],
-            "sampler_bytes": rec["sampler_bytes"], "sampler_share": rec["sampler_share"],
-            "sampler_bytes_heavy": rec["sampler_bytes_heavy"], "sampler_share_heavy": rec["sampler_share_heavy"],
-            "by_part": rec["by_part"], "by_part_heavy": rec["by_part_heavy"],
-            "largest_kernels": rec["kernel_labels"],
-            "cache_bytes_per_layer": elements * k0.dtype.itemsize,
-            "xla_cost_analysis": cost, "hbm_bandwidth": bw,
-            "predicted_us_at_hbm": round(rec["bytes_moved"] / bw * 1e6, 1) if bw else None,
-            "compile_s": compile_s, "compile_cached": cached, "lower_s": round(lower_s, 2),
-        })
+        out.append(
+            {
+                "benchmark": "step_anatomy",
+                "target": target,
+                "phase": phase,
+                "seqs": seqs,
+                "context": ctx,
+                "bucket": [T, R],
+                "layers": cfg.num_layers,
+                "model": model_name,
+                "head_dim": cfg.head_dim,
+                "kv_cache_dtype": plan["kv_dtype"],
+                "dtype": plan["dtype"],
+                "attention_impl": plan["attention_impl"],
+                "devices": len(devices),
+                "page_size": page_size,
+                "kv_pages": num_pages,
+                "kernels": rec["kernels"],
+                "kernels_heavy": rec["kernels_heavy"],
+                "kernels_static": rec["kernels_static"],
+                "kernels_static_heavy": rec["kernels_static_heavy"],
+                "bytes_moved": rec["bytes_moved"],
+                "bytes_moved_heavy": rec["bytes_moved_heavy"],
+                "minimum": {
+                    "total": minimum,
+                    "weights_once": weights_once,
+                    "kv_read": kv_read,
+                    "kv_write": kv_write,
+                    "logits": logits,
+                },
+                "bytes_over_minimum": round(rec["bytes_moved"] / minimum, 3),
+                "cache_copies": rec["cache_copies"],
+                "cache_copy_bytes": rec["cache_copy_bytes"],
+                "cache_copy_ops": rec["cache_copy_ops"],
+                "cache_layout": rec["cache_layout"],
+                "data_dependent_loops": rec["data_dependent_loops"],
+                "sampler_bytes": rec["sampler_bytes"],
+                "sampler_share": rec["sampler_share"],
+                "sampler_bytes_heavy": rec["sampler_bytes_heavy"],
+                "sampler_share_heavy": rec["sampler_share_heavy"],
+                "by_part": rec["by_part"],
+                "by_part_heavy": rec["by_part_heavy"],
+                "largest_kernels": rec["kernel_labels"],
+                "cache_bytes_per_layer": elements * k0.dtype.itemsize,
+                "xla_cost_analysis": cost,
+                "hbm_bandwidth": bw,
+                "predicted_us_at_hbm": round(rec["bytes_moved"] / bw * 1e6, 1) if bw else None,
+                "compile_s": compile_s,
+                "compile_cached": cached,
+                "lower_s": round(lower_s, 2),
+            }
+        )
         del lowered
         jax.clear_caches()
     return out
@@ -854,18 +1047,41 @@ def _ints(text: str) -> list[int]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="llama3-8b", help="an architecture preset of shard-plan, or a config.json")
-    p.add_argument("--layers", type=int, default=2, help="cut the model to this many layers (0: all)")
-    p.add_argument("--context", type=int, default=2048, help="the decode steps' context (and max_model_len)")
-    p.add_argument("--decode", type=_ints, default=[1, 64], help="decode sizes (sequences), comma-separated")
-    p.add_argument("--prefill", type=int, default=2048, help="prefill tokens (one request); 0: none")
-    p.add_argument("--topology", default="v6e:1x1,h100:1x1",
-                   help="targets, comma-separated: v6e:1x1, v6e:2x2, h100:1x1, ... or cpu")
-    p.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's), fp8, int8, bfloat16, ...")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--preset",
+        default="llama3-8b",
+        help="an architecture preset of shard-plan, or a config.json",
+    )
+    p.add_argument(
+        "--layers", type=int, default=2, help="cut the model to this many layers (0: all)"
+    )
+    p.add_argument(
+        "--context", type=int, default=2048, help="the decode steps' context (and max_model_len)"
+    )
+    p.add_argument(
+        "--decode", type=_ints, default=[1, 64], help="decode sizes (sequences), comma-separated"
+    )
+    p.add_argument(
+        "--prefill", type=int, default=2048, help="prefill tokens (one request); 0: none"
+    )
+    p.add_argument(
+        "--topology",
+        default="v6e:1x1,h100:1x1",
+        help="targets, comma-separated: v6e:1x1, v6e:2x2, h100:1x1, ... or cpu",
+    )
+    p.add_argument(
+        "--kv-cache-dtype", default="auto", help="auto (the model's), fp8, int8, bfloat16, ..."
+    )
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--kv-cache-memory", type=int, default=None,
-                   help="KV cache bytes per device (default: max(decode) x context tokens)")
+    p.add_argument(
+        "--kv-cache-memory",
+        type=int,
+        default=None,
+        help="KV cache bytes per device (default: max(decode) x context tokens)",
+    )
     p.add_argument("--json", default=str(RESULTS), help="append one JSON line per step here")
     a = p.parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -874,19 +1090,30 @@ def main(argv=None) -> int:
     info = meta()
     pathlib.Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     for target in [t for t in a.topology.split(",") if t]:
-        recs = step_records(arch, target, context=a.context, decode=a.decode, prefill=a.prefill,
-                            kv_cache_dtype=a.kv_cache_dtype, page_size=a.page_size,
-                            kv_cache_memory=a.kv_cache_memory, model_name=a.preset)
+        recs = step_records(
+            arch,
+            target,
+            context=a.context,
+            decode=a.decode,
+            prefill=a.prefill,
+            kv_cache_dtype=a.kv_cache_dtype,
+            page_size=a.page_size,
+            kv_cache_memory=a.kv_cache_memory,
+            model_name=a.preset,
+        )
         with open(a.json, "a") as f:
             for rec in recs:
                 rec = {**rec, **info, "loadavg": [round(x, 2) for x in os.getloadavg()]}
                 f.write(json.dumps(rec) + "\n")
-                print(f"{target:9s} {rec['phase']:7s} seqs={rec['seqs']:4d} {rec['kv_cache_dtype']:14s} "
-                      f"kernels {rec['kernels']:5d}  moved {rec['bytes_moved'] / 1e6:10.1f} MB "
-                      f"(x{rec['bytes_over_minimum']:.2f} of min {rec['minimum']['total'] / 1e6:.1f}) "
-                      f"copies {rec['cache_copies']}  sampler {100 * (rec['sampler_share'] or 0):.1f}% "
-                      f"(heavy {100 * (rec['sampler_share_heavy'] or 0):.1f}%)  compile {rec['compile_s']}s"
-                      f"{' cached' if rec['compile_cached'] else ''}", flush=True)
+                print(
+                    f"{target:9s} {rec['phase']:7s} seqs={rec['seqs']:4d} {rec['kv_cache_dtype']:14s} "
+                    f"kernels {rec['kernels']:5d}  moved {rec['bytes_moved'] / 1e6:10.1f} MB "
+                    f"(x{rec['bytes_over_minimum']:.2f} of min {rec['minimum']['total'] / 1e6:.1f}) "
+                    f"copies {rec['cache_copies']}  sampler {100 * (rec['sampler_share'] or 0):.1f}% "
+                    f"(heavy {100 * (rec['sampler_share_heavy'] or 0):.1f}%)  compile {rec['compile_s']}s"
+                    f"{' cached' if rec['compile_cached'] else ''}",
+                    flush=True,
+                )
     return 0
 
 
