@@ -852,11 +852,22 @@ def target_devices(target: str):
     return gpu_devices(t), "gpu", t["chip"]
 
 
+def _installed(package: str) -> str:
+    """The installed version of `package` (the compilers' versions key the HLO cache)."""
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "-"
+
+
 def _compiled_text(lowered, target: str) -> tuple[str, dict | None, float, bool]:
     """(optimized HLO text, cost analysis, compile seconds, from the cache) of a lowered step."""
     import jax
 
-    key = hashlib.sha256((lowered.as_text() + target + jax.__version__).encode()).hexdigest()[:24]
+    compilers = " ".join(f"{n}={_installed(n)}" for n in ("jaxlib", "libtpu", "jax-cuda12-plugin"))
+    key = hashlib.sha256((lowered.as_text() + target + jax.__version__ + compilers).encode()).hexdigest()[:24]
     path = CACHE / f"{key}.json"
     if path.exists():
         rec = json.loads(path.read_text())

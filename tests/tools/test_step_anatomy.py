@@ -14,11 +14,16 @@ takes it, and the KV cache is a server's (1 GiB; nothing is allocated)."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import pathlib
 import sys
+import tempfile
 
 import pytest
 
+# The compiled HLO is cached by the script; the tests compile into a folder of their own process
+# rather than the user's cache.
+os.environ.setdefault("JAXSERVE_STEP_ANATOMY_CACHE", tempfile.mkdtemp(prefix="step-anatomy-"))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benchmarks"))
 import step_anatomy as sa
 
