@@ -13,7 +13,7 @@ then gives, without weights, every executable a runner holds (the steps of the b
 KV cache's and sampling state's makers, the slot writers), compiled through the same
 `StepProgram` methods the runner calls and stored as an executable cache under the key of
 runner/prebuilt.py, with `manifest.json` beside them. No weights are read: only the model's
-config.json.
+config.json (MODEL may be that file, or one of shard-plan's presets).
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from jaxserve.config import EngineConfig
 
     p.add_argument("model", nargs="?", default=None,
-                   help="HF model directory, .gguf file or Hugging Face Hub name (default: the bundled model); "
-                        "its config.json is read, not its weights")
+                   help="HF model directory, .gguf file, Hugging Face Hub name, a config.json or a shard-plan "
+                        "preset (llama3-8b, ...); default: the bundled model. Its config is read, not its weights")
     p.add_argument("--topology", required=True,
                    help="the devices to compile for: a TPU slice (v6e:2x4), GPU hosts (h100:1x8 = hosts x GPUs "
                         "per host) or 'cpu' (this host's CPU devices)")
@@ -66,6 +66,23 @@ def target_devices(target: dict) -> list:
     return jax.devices()
 
 
+def model_config(mc) -> tuple[pathlib.Path | None, dict]:
+    """(the model's directory, its config.json) as `serve` reads them (models/loader.py); a
+    config.json file or a shard-plan preset (llama3-8b, ...) stands for a model without weights
+    (its executables serve a checkpoint whose config.json is that one)."""
+    from jaxserve.models.loader import load_checkpoint, resolve_model
+    from jaxserve.tools.shard_plan import ARCH_PRESETS, PRESET_DIR
+
+    name = mc.model
+    if name in ARCH_PRESETS:
+        return None, json.loads((PRESET_DIR / f"{name}.json").read_text())
+    if name is not None and name.endswith(".json") and pathlib.Path(name).is_file():
+        return None, json.loads(pathlib.Path(name).read_text())
+    path = resolve_model(name, cache_dir=mc.model_cache_dir, revision=mc.revision, download_dir=mc.download_dir,
+                         gguf_file=mc.gguf_file)
+    return path, load_checkpoint(path).config
+
+
 def compile_for_target(config, target: dict, out: str | os.PathLike[str]) -> dict[str, Any]:
     """Plan the engine of `config` for `target`'s devices, compile every executable a runner of
     its recipe holds into `out`, write the manifest; returns the manifest."""
@@ -75,7 +92,6 @@ def compile_for_target(config, target: dict, out: str | os.PathLike[str]) -> dic
     from jaxserve.backends.devices import DeviceSet
     from jaxserve.engine.kv_sizing import size_kv_cache
     from jaxserve.engine.plan import ModelFiles, plan_engine
-    from jaxserve.models.loader import load_checkpoint, resolve_model
     from jaxserve.parallel.mesh import make_mesh
     from jaxserve.runner.compile_pool import abstract_step
     from jaxserve.runner.prebuilt import compile_scope, target_material, write_manifest
@@ -83,17 +99,15 @@ def compile_for_target(config, target: dict, out: str | os.PathLike[str]) -> dic
 
     t_start = time.perf_counter()
     mc, pc = config.model, config.parallel
-    model_path = resolve_model(mc.model, cache_dir=mc.model_cache_dir, revision=mc.revision,
-                               download_dir=mc.download_dir, gguf_file=mc.gguf_file)
-    ckpt = load_checkpoint(model_path)
-    architectures = ckpt.config.get("architectures")
+    model_path, arch = model_config(mc)
+    architectures = arch.get("architectures")
     if mc.is_pooling(architectures):
         raise ValueError("jaxserve compile covers generation engines; a pooling model's steps compile at start")
     devices = target_devices(target)
     mesh = make_mesh(pc.data_parallel_size, pc.tensor_parallel_size, devices=devices)
     platform = "cpu" if target["kind"] == "cpu" else target["kind"]
     backend = select_backend(platform)
-    plan = plan_engine(config, ModelFiles(model_path, ckpt.config, architectures), backend,
+    plan = plan_engine(config, ModelFiles(model_path, arch, architectures), backend,
                        DeviceSet.of_mesh(mesh, platform))
     if plan.kv_sizing == "programs":
         raise ValueError(f"give the KV cache's size (--kv-cache-memory, the same to serve): on {platform} the "
@@ -126,7 +140,7 @@ def compile_for_target(config, target: dict, out: str | os.PathLike[str]) -> dic
     facts = {
         "topology": target["topology"], "platform": platform,
         "devices": [f"{d.device_kind}" for d in mesh_devices], "mesh": list(plan.mesh_shape),
-        "model": str(model_path), "jax": jax.__version__,
+        "model": str(model_path or mc.model), "jax": jax.__version__,
         "buckets": [list(b) for b in shapes], "num_pages": recipe.num_pages, "max_model_len": recipe.max_model_len,
         "entries": list(seconds), "compile_seconds": seconds,
         "total_seconds": round(time.perf_counter() - t_start, 2),
