@@ -174,8 +174,21 @@ class StepProgram:
 
     def lower(self, bucket: tuple[int, int], params, kv, sstate):
         """(lower, abstract packed inputs) of `bucket`'s step over these arguments (abstract or
-        real): per data-parallel rank inside a shard_map when the mesh has "data" over 1."""
-        return lower_step(self.function, self.layout(*bucket), self.mesh, params, kv, sstate, self.replicated)
+        real): per data-parallel rank inside a shard_map when the mesh has "data" over 1.
+        For devices of another platform than JAX's default (a compile-only TPU slice) the
+        lowering runs with the first of them as the default device: Pallas' TPU lowering reads
+        the chip's generation from the default device ("Unsupported TPU device kind: cpu")."""
+        lower, buffers = lower_step(self.function, self.layout(*bucket), self.mesh, params, kv, sstate,
+                                    self.replicated)
+        device = self.mesh.devices.flat[0]
+        if device.platform == jax.default_backend():
+            return lower, buffers
+
+        def lower_for_target():
+            with jax.default_device(device):
+                return lower()
+
+        return lower_for_target, buffers
 
 
 def step_program(recipe: StepRecipe, model, backend: Backend, mesh: Mesh,

@@ -1,8 +1,10 @@
 """`jaxserve compile` for chips this host does not have (jaxserve/tools/compile_ahead.py): a TPU
 slice through libtpu's compile-only topology, an H100 host through JAX's CUDA plugin and XLA's
-description of the chip. Every executable a runner holds is compiled and serialized with a
-manifest naming the platform's plugin; loading them needs the chip (docs/DESIGN.md, "Compiled
-before the chip"). Skipped where the compile-only plugin is not installed."""
+description of the chip, from a model's config.json alone (a small Llama with head dim 128,
+whose TPU attention kernel reads the chip's generation while it lowers). Every executable a
+runner holds is compiled and serialized with a manifest naming the platform's plugin; loading
+them needs the chip (docs/DESIGN.md, "Executables compiled ahead"). Skipped where the
+compile-only plugin is not installed."""
 
 from __future__ import annotations
 
@@ -14,12 +16,17 @@ import pytest
 
 from jaxserve.runner import prebuilt
 from server.cli import main as cli
-from tests.model_dirs import write_model_dir
+
+TINY_LLAMA = dict(architectures=["LlamaForCausalLM"], vocab_size=512, hidden_size=256, intermediate_size=512,
+                  num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, head_dim=128,
+                  max_position_embeddings=2048, tie_word_embeddings=False, rms_norm_eps=1e-5, rope_theta=10000.0)
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> pathlib.Path:
-    return write_model_dir(tmp_path_factory.mktemp("tiny"))
+def model_config(tmp_path_factory) -> pathlib.Path:
+    path = tmp_path_factory.mktemp("tiny") / "config.json"
+    path.write_text(json.dumps(TINY_LLAMA))
+    return path
 
 
 def _has(*modules: str) -> bool:
@@ -32,10 +39,10 @@ def _has(*modules: str) -> bool:
     pytest.param("h100:1x1", "gpu", "NVIDIA H100 80GB HBM3", "jax-cuda12-plugin=", marks=pytest.mark.skipif(
         not _has("jax_cuda12_plugin", "nvidia.cuda_nvcc"), reason="JAX's CUDA plugin is not installed")),
 ])
-def test_compiled_for_a_chip_this_host_does_not_have(model_dir, tmp_path, topology, platform, kind, plugin,
+def test_compiled_for_a_chip_this_host_does_not_have(model_config, tmp_path, topology, platform, kind, plugin,
                                                      capsys):
     out = tmp_path / "exe"
-    args = ["compile", str(model_dir), "--topology", topology, "--out", str(out), "--log-level", "warning",
+    args = ["compile", str(model_config), "--topology", topology, "--out", str(out), "--log-level", "warning",
             "--max-num-seqs", "8", "--token-buckets", "16", "--request-buckets", "8", "--max-model-len", "64"]
     assert cli(args) == 2  # the KV cache's size is what the real devices have free: it must be given
     assert "--kv-cache-memory" in capsys.readouterr().out
