@@ -51,9 +51,9 @@ def recipe_devices(target: dict):
     import jax
 
     if target.get("kind") == "tpu":
-        from jaxserve.tools.chips import tpu_devices
+        from jaxserve.backends.devices import tpu_slice_devices
 
-        return tpu_devices(target)
+        return tpu_slice_devices(target["topology"])
     return jax.devices()
 
 

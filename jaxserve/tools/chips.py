@@ -116,17 +116,10 @@ def target_chip_count(target: dict) -> int:
 
 
 def tpu_devices(target: dict):
-    """The devices of a compile-only TPU slice (libtpu; JAX_PLATFORMS=cpu where no TPU is
-    attached). libtpu assumes hosts of 2x2 chips: a smaller slice (v6e:1x1, a one-chip host) is
-    described as one host of its own shape."""
-    from jax.experimental import topologies
+    """The devices of a compile-only TPU slice (`backends/devices.py`'s `tpu_slice_devices`)."""
+    from jaxserve.backends.devices import tpu_slice_devices
 
-    name = target["topology"]
-    dims = [int(d) for d in name.split(":")[-1].split("x")]
-    kwargs = {}
-    if len(dims) <= 3 and any(d < 2 for d in dims[:2]):
-        kwargs["chips_per_host_bounds"] = [*dims, *[1] * (3 - len(dims))]
-    return list(topologies.get_topology_desc(topology_name=name, platform="tpu", **kwargs).devices)
+    return tpu_slice_devices(target["topology"])
 
 
 def gpu_devices(target: dict):
