@@ -351,6 +351,10 @@ class CompileConfig:
     """Processes compiling the steps side by side at a cold start (runner/compile_pool.py; needs
     the executable cache). Default: on TPU one per 4 cores, at most 8; elsewhere 1 (in this
     process)."""
+    executables: str | None = per_process(None)
+    """A directory of executables compiled ahead by `jaxserve compile` (for these devices, maybe on
+    another host): the steps it holds are loaded, not compiled, when its manifest matches this
+    engine (versions, devices, recipe); else one log line names what differs and they compile."""
     show_progress: bool = per_process(True, not_a_flag="the command's: on in serve, not generate")
     """Show a progress bar while the steps compile."""
 

@@ -1,5 +1,6 @@
-"""The `jaxserve` command: `serve` (the OpenAI-compatible server), `generate` (one prompt) and
-`shard-plan` (sharding experiments: jaxserve/tools/shard_plan.py)."""
+"""The `jaxserve` command: `serve` (the OpenAI-compatible server), `generate` (one prompt),
+`shard-plan` (sharding experiments: jaxserve/tools/shard_plan.py) and `compile` (the served steps
+compiled ahead for a target: jaxserve/tools/compile_ahead.py)."""
 
 from __future__ import annotations
 
@@ -81,6 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("shard-plan", help="compile the step for meshes, sharding rules and buckets (simulated "
                         "CPU devices or TPU topologies) and report memory, collectives and cost per device")
     add_shard_plan_arguments(sp)
+
+    from jaxserve.tools.compile_ahead import add_arguments as add_compile_arguments
+
+    c = sub.add_parser("compile", help="compile the served steps for a TPU slice, GPU hosts or this CPU into a "
+                       "directory that serve --executables loads (no chips or weights needed)")
+    add_compile_arguments(c)
     return parser
 
 
@@ -215,6 +222,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "serve":
             return _serve(args)
+        if args.command == "compile":
+            from jaxserve.tools.compile_ahead import run as compile_ahead
+
+            return compile_ahead(args)
         if args.command == "shard-plan":
             from jaxserve.tools.shard_plan import run as shard_plan
 

@@ -116,6 +116,8 @@ def small_llm(small_engine_options):
 # (Not --dist loadgroup: with pytest 9.2, xdist 3.8's `xdist_group` marks never reach its
 # scheduler.)
 SLOW_MODULES = (
+    "tests/engine/test_compile_ahead.py",
+    "tests/tools/test_compile_targets.py",
     "tests/parallel/test_multihost.py",
     "tests/parallel/test_tensor_parallel.py",
     "tests/tools/test_shard_plan.py",

@@ -71,3 +71,16 @@ class DeviceSet:
             coords = [(*c, *(0,) * (3 - len(c))) for c in coords][:count]
         devices = tuple(DescribedDevice(platform, device_kind, c, compute_capability) for c in coords)
         return cls(platform, devices, processes, host_cores or os.cpu_count() or 1)
+
+
+def tpu_slice_devices(topology: str) -> list:
+    """The devices of libtpu's compile-only TPU slice `topology` ("v6e:2x4"; JAX_PLATFORMS=cpu
+    where no TPU is attached). libtpu assumes hosts of 2x2 chips: a smaller slice (v6e:1x1, a
+    one-chip host) is described as one host of its own shape."""
+    from jax.experimental import topologies
+
+    dims = [int(d) for d in topology.split(":")[-1].split("x")]
+    kwargs = {}
+    if len(dims) <= 3 and any(d < 2 for d in dims[:2]):
+        kwargs["chips_per_host_bounds"] = [*dims, *[1] * (3 - len(dims))]
+    return list(topologies.get_topology_desc(topology_name=topology, platform="tpu", **kwargs).devices)

@@ -47,8 +47,9 @@ class KVSize:
 def size_kv_cache(plan: EnginePlan, model, backend: Backend, mesh, timer: StartupTimer) -> KVSize:
     """The KV cache's pages as the plan sizes it: a page count given, a budget in bytes per
     device, or what the largest compiled step leaves of each device; then max_model_len fitted
-    to them (one sequence of it must fit; a page count given for tests is taken as is)."""
-    cc, D, scales = plan.config.cache, plan.mesh_shape[0], kv_scales_of(model)
+    to them (one sequence of it must fit; a page count given for tests is taken as is).
+    `model`: the one built (its KV scales); None where there is none (`jaxserve compile`)."""
+    cc, D, scales = plan.config.cache, plan.mesh_shape[0], None if model is None else kv_scales_of(model)
     if plan.kv_sizing == "pages":
         return KVSize(cc.num_pages // D, plan.max_model_len, None, scales)
     memory = None

@@ -213,6 +213,7 @@ def _compile(plan: EnginePlan, start: _Start, model, kv: KVSize, timer: StartupT
     runner = ModelRunner(model, kv.recipe(plan), backend=start.backend, mesh=start.mesh, seed=config.model.seed,
                          max_cpu_loras=config.lora.max_cpu_loras, compile_workers=plan.compile_workers,
                          executable_cache=executable_cache(config.compile),
+                         executables=config.compile.executables,
                          show_progress=config.compile.show_progress, timer=timer)
     timer.note("executables", f"{runner.executables_loaded} loaded, {runner.executables_compiled} compiled")
     if kv.memory is not None:

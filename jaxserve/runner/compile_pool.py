@@ -51,11 +51,9 @@ def recipe_devices(target: dict):
     import jax
 
     if target.get("kind") == "tpu":
-        from jax.experimental import topologies
+        from jaxserve.backends.devices import tpu_slice_devices
 
-        return list(
-            topologies.get_topology_desc(topology_name=target["topology"], platform="tpu").devices
-        )
+        return tpu_slice_devices(target["topology"])
     return jax.devices()
 
 

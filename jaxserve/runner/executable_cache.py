@@ -151,9 +151,13 @@ def signature(tree: Any) -> str:
 class ExecutableCache:
     """A directory of serialized executables; `scope(...)` gives the keyed view one runner uses."""
 
-    def __init__(self, directory: str | os.PathLike[str], max_bytes: int = DEFAULT_MAX_BYTES):
+    def __init__(self, directory: str | os.PathLike[str], max_bytes: int = DEFAULT_MAX_BYTES,
+                 read_only: bool = False):
         self.directory = pathlib.Path(directory)
         self.max_bytes = max_bytes
+        # A directory of executables compiled ahead (runner/prebuilt.py): loaded from, never
+        # written to or pruned (an entry that fails its checks is skipped, not removed).
+        self.read_only = read_only
         self.hits = 0
         self.misses = 0
 
@@ -198,9 +202,9 @@ class ExecutableCache:
         head = len(_MAGIC) + _DIGEST_BYTES
         stored_digest = blob[len(_MAGIC):head].decode("ascii", "replace")
         if blob[:len(_MAGIC)] != _MAGIC or checksum.digest(blob[head:]) != stored_digest:
-            logger.warning("the cached executable %s is damaged (it fails its checksum): removing it; compiling",
-                           path)
-            _unlink(path)
+            logger.warning("the cached executable %s is damaged (it fails its checksum): %s; compiling",
+                           path, "skipping it" if self.read_only else "removing it")
+            self._discard(path)
             self.misses += 1
             return None
         try:
@@ -214,20 +218,27 @@ class ExecutableCache:
         except Exception as e:  # noqa: BLE001 - any unreadable entry: compile instead
             logger.warning("discarding the cached executable %s (%s: %s); compiling", path.name,
                            type(e).__name__, e)
-            _unlink(path)
+            self._discard(path)
             self.misses += 1
             return None
-        try:
-            os.utime(path)  # recently used: kept longest
-        except OSError:
-            pass
+        if not self.read_only:
+            try:
+                os.utime(path)  # recently used: kept longest
+            except OSError:
+                pass
         self.hits += 1
         return compiled
+
+    def _discard(self, path: pathlib.Path) -> None:
+        if not self.read_only:
+            _unlink(path)
 
     def store(self, key: str, name: str, compiled: jax.stages.Compiled) -> None:
         """Keep `compiled` under `key` (best effort: a failure is logged, serving goes on)."""
         from jax.experimental.serialize_executable import serialize
 
+        if self.read_only:
+            return
         path = self._path(key, name)
         try:
             payload, in_tree, out_tree = serialize(compiled)
@@ -248,21 +259,35 @@ def executable_scope(cache: ExecutableCache | None, devices: Iterable[jax.Device
 
 
 class ExecutableScope:
-    """The executables of one runner: `get(name, args, compile)` loads or compiles and stores."""
+    """The executables of one runner: `get(name, args, compile)` loads or compiles and stores.
+    `prebuilt`: a read-only scope of executables compiled ahead for these devices
+    (runner/prebuilt.py), looked in first."""
 
-    def __init__(self, cache: ExecutableCache | None, key: str, devices: list[jax.Device]):
+    def __init__(self, cache: ExecutableCache | None, key: str, devices: list[jax.Device],
+                 prebuilt: ExecutableScope | None = None):
         self.cache = cache
         self.key = key
         self.devices = devices  # the executables' device assignment, in order
+        self.prebuilt = prebuilt
         self.loaded = 0
         self.compiled = 0
 
     def entry_key(self, name: str) -> str:
         return hashlib.sha256(f"{self.key}\0{name}".encode()).hexdigest()
 
+    def has(self, name: str) -> bool:
+        """Whether an entry for `name` is stored (here or in the executables compiled ahead)."""
+        return ((self.cache is not None and self.cache.has(self.entry_key(name), name))
+                or (self.prebuilt is not None and self.prebuilt.has(name)))
+
     def get(self, name: str, args: tuple, compile_fn: Callable[[], jax.stages.Compiled]) -> jax.stages.Compiled:
-        """The executable `name` taking `args` (abstract, with shardings): loaded when cached,
-        else `compile_fn()`, then stored."""
+        """The executable `name` taking `args` (abstract, with shardings): loaded when compiled
+        ahead or cached, else `compile_fn()`, then stored."""
+        if self.prebuilt is not None and self.prebuilt.has(name):
+            compiled = self.prebuilt.cache.load(self.prebuilt.entry_key(name), name, args, self.prebuilt.devices)
+            if compiled is not None:
+                self.loaded += 1
+                return compiled
         if self.cache is None:
             self.compiled += 1
             return compile_fn()

@@ -26,7 +26,6 @@ shard-plan build the same programs.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -42,8 +41,9 @@ from jaxserve.request import RequestFailedError
 from jaxserve.runner.compile import CompileCounter
 from jaxserve.runner.compile_pool import compile_in_workers
 from jaxserve.runner.executable_cache import ExecutableCache, ExecutableScope, canonical, executable_scope, signature
-from jaxserve.runner.kv_cache import allocate_kv_cache, zeros_compiler
+from jaxserve.runner.kv_cache import allocate_kv_cache
 from jaxserve.runner.lora_weights import LoRAWeights
+from jaxserve.runner.prebuilt import prebuilt_scope, target_material
 from jaxserve.runner.recipe import StepRecipe, step_program
 from jaxserve.runner.step_buffers import BufferLayout
 from jaxserve.runner.step_fn import PromptLogprobs
@@ -51,7 +51,7 @@ from jaxserve.runner.step_packing import (LogprobRow, PackedRank, PromptLogprobR
                                           rank_rows)
 from jaxserve.sampling.metadata import SamplingMetadataBuilder
 from jaxserve.sampling.sampler import SamplerOutput
-from jaxserve.sampling.state import SlotRowsWrite, init_sampling_state, write_slot_rows
+from jaxserve.sampling.state import SlotRowsWrite
 from jaxserve.spec_decode.ngram import accept_drafts
 from jaxserve.startup_timer import StartupTimer
 
@@ -106,13 +106,15 @@ class ModelRunner:
         max_cpu_loras: int | None = None,
         compile_workers: int = 1,
         executable_cache: ExecutableCache | None = None,
+        executables: str | None = None,
         show_progress: bool = True,
         timer: StartupTimer | None = None,
     ):
         """The steps of `recipe` (runner/recipe.py: everything they are a function of) over
         `model`'s weights, on `mesh`. The host-side options: `seed` (requests without one),
         `max_cpu_loras` (the adapters' host LRU), `compile_workers` (processes compiling the
-        steps at a cold start, from the recipe), the executable cache."""
+        steps at a cold start, from the recipe), the executable cache, `executables` (a
+        directory of executables compiled ahead, runner/prebuilt.py: loaded where they match)."""
         self.mesh, self.recipe, self.backend = mesh, recipe, backend
         # Data parallelism: D ranks, each with its own pages and its own range of S / D sampling
         # slots (see core/dp_scheduler.py); the step runs per rank inside a shard_map over "data".
@@ -136,6 +138,7 @@ class ModelRunner:
         self.replicated, self.state_sharding = self.program.replicated, self.program.state_sharding
         self.counter = CompileCounter()
         self.executable_cache = executable_cache
+        self.executables = executables
         self.compile_workers = compile_workers
         with self.counter.active(), timer.phase("kv cache"):
             self._scope = self._executable_scope()
@@ -158,16 +161,12 @@ class ModelRunner:
     def _allocate_state(self) -> None:
         """The KV cache and the sampling state (device), zeroed, by two small executables of the
         executable cache (as eager ops, some ten compilations: ~0.3 s of a start)."""
-        one = self.program.abstract_kv().k[0]
-        zeros = self._scope.get("kv-zeros", (), zeros_compiler(one))
+        zeros = self.program.kv_zeros(self._scope)
         self.kv = allocate_kv_cache(self.cfg, self.num_pages, self.page_size, self.kv_dtype, self.mesh,
                                     self.recipe.rules, zeros=zeros)
         # The backend's thread placing the host buffers (the CPU's huge pages), if any.
         self.host_placement = self.backend.place_kv_cache([*self.params, *self.kv.k, *self.kv.v])
-        init = self._scope.get("sampling-state", (), lambda: jax.jit(
-            functools.partial(init_sampling_state, self.sampler_config), out_shardings=self.state_sharding
-        ).lower().compile())
-        self.sstate = init()
+        self.sstate = self.program.sampling_state_init(self._scope)()
 
     def _reset_slots(self) -> None:
         """Per-slot host state: which request holds each sampling slot, its block table, ..."""
@@ -198,18 +197,12 @@ class ModelRunner:
         self._compile_in_workers(shapes)
         for i, (T, R) in enumerate(tqdm(shapes, desc="compiling buckets", disable=not show_progress, unit="bucket")):
             self.layouts[(T, R)] = self.step_layout(T, R)
-            lower, buffers = self.program.lower((T, R), params, kv, sstate)
             t0, compiled_before = time.perf_counter(), scope.compiled
-            self._compiled[(T, R)] = scope.get(f"step-{T}x{R}", (params, kv, sstate, *buffers),
-                                               lambda: lower().compile())
+            self._compiled[(T, R)] = self.program.step_executable(scope, (T, R), params, kv, sstate)
             if scope.compiled != compiled_before:
                 logger.info("compiled step %dx%d in %.1fs: %d of %d steps ready, %d left", T, R,
                             time.perf_counter() - t0, i + 1, len(shapes), len(shapes) - i - 1)
-        rep = self.replicated
-        rows = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep), self.empty_slot_write())
-        keep = jax.tree.map(lambda x: x.sharding, self.sstate)
-        self._write_rows = scope.get("write-slot-rows", (sstate, rows), lambda: jax.jit(
-            write_slot_rows, donate_argnums=(0,), out_shardings=keep).lower(sstate, rows).compile())
+        self._write_rows = self.program.slot_rows_writer(scope, sstate)
         self.program.compile_lora_writer(scope)
         self.executables_loaded, self.executables_compiled = scope.loaded, scope.compiled
 
@@ -222,10 +215,9 @@ class ModelRunner:
             return
         keys = {}
         for T, R in shapes:
-            name = f"step-{T}x{R}"
-            key = scope.entry_key(name)
-            if not scope.cache.has(key, name):
-                keys[(T, R)] = (name, key)
+            name = self.program.step_name((T, R))
+            if not scope.has(name):
+                keys[(T, R)] = (name, scope.entry_key(name))
         if len(keys) < 2:
             return
         workers = min(self.compile_workers, len(keys))
@@ -251,21 +243,21 @@ class ModelRunner:
         kv, sstate = self.program.abstract_kv(), self.program.abstract_state()
         fn = self.program.function
         layer = fn.layer_impl and f"{fn.layer_impl.__module__}.{fn.layer_impl.__qualname__}"
-        return executable_scope(
+        scope = executable_scope(
             self.executable_cache, self.mesh.devices.flat, **self.backend.fingerprint(),
             graphdef=canonical(fn.graphdef),
             params=signature(params), params_treedef=str(self._params_treedef), kv=signature(kv),
             sstate=signature(sstate), layer_impl=str(layer), sampler=canonical(self.sampler_config),
             mesh=repr(self.mesh), pages=f"{self.page_size} {self.pages_per_req} {self.num_pages} {self.dp}",
             replicated=repr(self.replicated))
+        if self.executables is not None:
+            devices = list(self.mesh.devices.flat)
+            scope.prebuilt = prebuilt_scope(self.executables, target_material(self.recipe, devices, self.backend),
+                                            devices)
+        return scope
 
     def empty_slot_write(self) -> SlotRowsWrite:
-        c = self.sampler_config
-        return SlotRowsWrite(
-            slots=np.full(c.slot_write_batch, c.max_num_seqs, np.int32),
-            logit_bias=np.zeros((c.slot_write_batch, c.vocab_size), np.float32),
-            bad_words=np.zeros((c.slot_write_batch, c.max_bad_words, c.max_bad_word_len), np.int32),
-        )
+        return self.program.empty_slot_write()
 
     def executable(self, bucket: tuple[int, int]) -> jax.stages.Compiled:
         """The compiled step of `bucket` (its memory analysis, its HLO)."""

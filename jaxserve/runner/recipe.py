@@ -15,7 +15,10 @@ tests/engine/test_step_recipe.py lowers one recipe through all three and compare
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
+
+import numpy as np
 
 import jax
 from flax import nnx
@@ -24,11 +27,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxserve.backends.base import Backend, DevicePlan
 from jaxserve.compiled_step.buckets import BucketGrid
 from jaxserve.config import LoRAConfig, jax_dtype
-from jaxserve.runner.kv_cache import abstract_kv_cache
+from jaxserve.runner.kv_cache import abstract_kv_cache, zeros_compiler
 from jaxserve.runner.lora_weights import LoRAWeights
 from jaxserve.runner.step_buffers import BufferLayout
 from jaxserve.runner.step_fn import StepFunction, abstract_sampling_state, step_layout, step_program as lower_step
 from jaxserve.sampling.config import SamplerConfig
+from jaxserve.sampling.state import SlotRowsWrite, init_sampling_state, write_slot_rows
 
 # A quantized KV cache's scales, per layer: ((k per tensor or per KV head), (v ...)).
 KVScales = tuple[tuple[tuple[float, ...], tuple[float, ...]], ...]
@@ -124,6 +128,45 @@ class StepProgram:
             return []
         return self.lora.abstract() if abstract else self.lora.zeros()
 
+    # The executables a runner of this program holds, each loaded or compiled through `scope`
+    # (an ExecutableScope: the runner's, or `jaxserve compile`'s for a target; runner/prebuilt.py)
+    # under the one name both use.
+    @staticmethod
+    def step_name(bucket: tuple[int, int]) -> str:
+        return f"step-{bucket[0]}x{bucket[1]}"
+
+    def step_executable(self, scope, bucket: tuple[int, int], params, kv, sstate) -> jax.stages.Compiled:
+        """The step of `bucket` over these arguments (abstract or real)."""
+        lower, buffers = self.lower(bucket, params, kv, sstate)
+        return scope.get(self.step_name(bucket), (params, kv, sstate, *buffers), lambda: lower().compile())
+
+    def kv_zeros(self, scope) -> jax.stages.Compiled:
+        """The executable making one zeroed layer array of the KV cache."""
+        return scope.get("kv-zeros", (), zeros_compiler(self.abstract_kv().k[0]))
+
+    def sampling_state_init(self, scope) -> jax.stages.Compiled:
+        """The executable making the sampling state, zeroed, in its sharding."""
+        return scope.get("sampling-state", (), lambda: jax.jit(
+            functools.partial(init_sampling_state, self.recipe.sampler_config), out_shardings=self.state_sharding
+        ).lower().compile())
+
+    def empty_slot_write(self) -> SlotRowsWrite:
+        """A slot-row write that writes nothing (every row aimed past the last slot)."""
+        c = self.recipe.sampler_config
+        return SlotRowsWrite(
+            slots=np.full(c.slot_write_batch, c.max_num_seqs, np.int32),
+            logit_bias=np.zeros((c.slot_write_batch, c.vocab_size), np.float32),
+            bad_words=np.zeros((c.slot_write_batch, c.max_bad_words, c.max_bad_word_len), np.int32),
+        )
+
+    def slot_rows_writer(self, scope, sstate) -> jax.stages.Compiled:
+        """The executable writing new requests' rows into the sampling state `sstate` (donated)."""
+        rep = self.replicated
+        rows = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep), self.empty_slot_write())
+        keep = jax.tree.map(lambda x: x.sharding, sstate)
+        return scope.get("write-slot-rows", (sstate, rows), lambda: jax.jit(
+            write_slot_rows, donate_argnums=(0,), out_shardings=keep).lower(sstate, rows).compile())
+
     def compile_lora_writer(self, scope) -> None:
         """The executable writing an adapter into a slot (nothing without LoRA)."""
         if self.lora is not None:
@@ -131,8 +174,21 @@ class StepProgram:
 
     def lower(self, bucket: tuple[int, int], params, kv, sstate):
         """(lower, abstract packed inputs) of `bucket`'s step over these arguments (abstract or
-        real): per data-parallel rank inside a shard_map when the mesh has "data" over 1."""
-        return lower_step(self.function, self.layout(*bucket), self.mesh, params, kv, sstate, self.replicated)
+        real): per data-parallel rank inside a shard_map when the mesh has "data" over 1.
+        For devices of another platform than JAX's default (a compile-only TPU slice) the
+        lowering runs with the first of them as the default device: Pallas' TPU lowering reads
+        the chip's generation from the default device ("Unsupported TPU device kind: cpu")."""
+        lower, buffers = lower_step(self.function, self.layout(*bucket), self.mesh, params, kv, sstate,
+                                    self.replicated)
+        device = self.mesh.devices.flat[0]
+        if device.platform == jax.default_backend():
+            return lower, buffers
+
+        def lower_for_target():
+            with jax.default_device(device):
+                return lower()
+
+        return lower_for_target, buffers
 
 
 def step_program(recipe: StepRecipe, model, backend: Backend, mesh: Mesh,

@@ -115,6 +115,13 @@ def target_chip_count(target: dict) -> int:
     return n
 
 
+def tpu_devices(target: dict):
+    """The devices of a compile-only TPU slice (`backends/devices.py`'s `tpu_slice_devices`)."""
+    from jaxserve.backends.devices import tpu_slice_devices
+
+    return tpu_slice_devices(target["topology"])
+
+
 def gpu_devices(target: dict):
     """The devices of GPU hosts for a compile-only target (needs jax's CUDA plugin: the
     `gpu-compile` extra; JAX_PLATFORMS=cpu must be set before jax starts)."""

@@ -18,12 +18,10 @@ def target_devices(target: dict):
     """(devices, device kind, per-device memory or None) of a job's target."""
     import jax
 
-    from jaxserve.tools.chips import CHIPS, HBM_BY_DEVICE_KIND, gpu_devices
+    from jaxserve.tools.chips import CHIPS, HBM_BY_DEVICE_KIND, gpu_devices, tpu_devices
 
     if target["kind"] == "tpu":
-        from jax.experimental import topologies
-
-        devices = list(topologies.get_topology_desc(topology_name=target["topology"], platform="tpu").devices)
+        devices = tpu_devices(target)
         kind = devices[0].device_kind
         return devices, kind, HBM_BY_DEVICE_KIND.get(kind)
     if target["kind"] == "gpu":

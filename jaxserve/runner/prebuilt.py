@@ -1,0 +1,171 @@
+"""Executables compiled ahead for a target: the directory `jaxserve compile` writes and
+`serve --executables DIR` (`LLM(..., executables=DIR)`) loads.
+
+The executable cache (runner/executable_cache.py) keys an entry by the environment of the
+devices that compiled it: their ids and kinds, the backend's version string, every JAX option and
+XLA/TPU/JAX environment variable, and the runner's arguments with their shardings (whose text
+names the devices). A host compiling for a TPU slice or GPU hosts it does not have sees other
+values for most of these (a compile-only client, JAX_PLATFORMS=cpu), so its entries could never
+be found on the real machine. This module keys a directory of executables by what the programs
+are a function of that both hosts compute alike (`target_material`):
+
+- the code traced (`code_fingerprint`) and the versions of the libraries that compile and run it,
+  the platform's plugin included (libtpu; JAX's CUDA plugin and ptxas);
+- the platform, the devices of the mesh in order (their kind, a TPU's coordinates) and the
+  processes; what the backend adds (`Backend.fingerprint`: on a CPU its instruction sets and
+  native kernels);
+- the XLA flags (XLA_FLAGS, LIBTPU_INIT_ARGS) and JAX's options, less those that name the
+  platform to open (the compiling host sets JAX_PLATFORMS=cpu);
+- the step's recipe (runner/recipe.py), field by field (the model's config.json, the device
+  plan and the sampler's sizes entry by entry), less its bucket grid (each step is one entry: a
+  bucket not in the directory is compiled) and the compile workers' target.
+
+The directory is an executable cache (the same files, checksums and argument checks) plus
+`manifest.json`, which holds these parts. A runner given the directory compares its own parts
+with the manifest's: when all agree its scope looks there first (`ExecutableScope.prebuilt`);
+otherwise one log line names each part that differs, with both values where they are short,
+and the steps are compiled as without it. Loading still checks each entry's checksum and that
+it takes exactly the runner's arguments, shardings included. The directory is read, never
+written or pruned.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import logging
+import os
+import pathlib
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import jax
+
+from jaxserve.runner.executable_cache import (FORMAT, ExecutableCache, ExecutableScope, _version, canonical,
+                                              code_fingerprint)
+
+if TYPE_CHECKING:
+    from jaxserve.backends.base import Backend
+    from jaxserve.runner.recipe import StepRecipe
+
+logger = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+MANIFEST_FORMAT = 1
+# The distributions that compile (and then run) a platform's programs, beside jax and jaxlib.
+_PLUGINS = {"tpu": ("libtpu",), "gpu": ("jax-cuda12-plugin", "jax-cuda12-pjrt", "nvidia-cuda-nvcc-cu12")}
+_FLAG_VARIABLES = ("XLA_FLAGS", "LIBTPU_INIT_ARGS")
+# JAX options that name where to run, not what to compile, or change nothing compiled.
+_CONFIG_IGNORED = ("platform", "visible_devices", "cache", "log", "explain", "dump", "traceback", "pprint",
+                   "source_url", "timeout", "transfer_guard", "thread_guard", "tracer_error")
+_RECIPE_IGNORED = ("target", "token_buckets", "request_buckets")
+_SHORT = 400  # parts longer than this are kept as their hash
+
+
+def _distribution(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "-"
+
+
+def target_material(recipe: StepRecipe, devices: Iterable[Any], backend: Backend) -> dict[str, str]:
+    """The parts that key a recipe's executables for `devices` (see the module's doc): equal on a
+    host compiling for the devices without them and on their own host."""
+    import dataclasses
+
+    devices = list(devices)
+    versions = [f"{m}={_version(m)}" for m in ("jax", "jaxlib", "flax", "numpy", "ml_dtypes")]
+    versions += [f"{d}={_distribution(d)}" for d in _PLUGINS.get(recipe.platform, ())]
+    config = {k: v for k, v in sorted(jax.config.values.items()) if not any(w in k for w in _CONFIG_IGNORED)}
+    parts = {
+        "format": f"{FORMAT}.{MANIFEST_FORMAT}",
+        "code": code_fingerprint(),
+        "versions": " ".join(versions),
+        "platform": recipe.platform,
+        "devices": repr([(d.device_kind, tuple(getattr(d, "coords", None) or ()) or None) for d in devices]),
+        "processes": str(len({d.process_index for d in devices})),
+        "backend": canonical(backend.fingerprint()),
+        "xla_flags": repr([(k, os.environ.get(k, "")) for k in _FLAG_VARIABLES]),
+        "jax_config": repr(config),
+    }
+    for field in dataclasses.fields(recipe):
+        if field.name in _RECIPE_IGNORED:
+            continue
+        value = getattr(recipe, field.name)
+        if dataclasses.is_dataclass(value):  # field by field, so that a difference is named
+            value = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+        if isinstance(value, Mapping):
+            parts.update({f"recipe.{field.name}.{k}": canonical(v) for k, v in value.items()})
+        else:
+            parts[f"recipe.{field.name}"] = canonical(value)
+    return {k: v if len(v) <= _SHORT else "sha256:" + hashlib.sha256(v.encode()).hexdigest() for k, v in parts.items()}
+
+
+def material_key(material: Mapping[str, str]) -> str:
+    h = hashlib.sha256()
+    for name in sorted(material):
+        h.update(f"{name}\0{material[name]}\0".encode())
+    return h.hexdigest()
+
+
+def differences(manifest: Mapping[str, str], here: Mapping[str, str]) -> list[str]:
+    """Each part that differs, named ("recipe.num_pages: 130 in the directory, 66 here")."""
+    out = []
+    for name in sorted(set(manifest) | set(here)):
+        a, b = manifest.get(name), here.get(name)
+        if a == b:
+            continue
+        if a is None or b is None:
+            out.append(f"{name}: {'absent' if a is None else 'present'} in the directory, "
+                       f"{'absent' if b is None else 'present'} here")
+        elif a.startswith("sha256:") or b.startswith("sha256:"):
+            out.append(f"{name} differs")
+        else:
+            out.append(f"{name}: {a} in the directory, {b} here")
+    return out
+
+
+def write_manifest(directory: str | os.PathLike[str], material: Mapping[str, str], **facts: Any) -> pathlib.Path:
+    """The manifest of a directory of executables: the parts that key them and `facts` (the
+    topology, the buckets, the entries, timings) for people."""
+    path = pathlib.Path(directory) / MANIFEST
+    body = {"manifest_format": MANIFEST_FORMAT, "key": material_key(material), **facts, "material": dict(material)}
+    tmp = path.with_name(f".{MANIFEST}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(body, indent=1, sort_keys=False) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def read_manifest(directory: str | os.PathLike[str]) -> dict:
+    return json.loads((pathlib.Path(directory) / MANIFEST).read_text())
+
+
+def compile_scope(directory: str | os.PathLike[str], material: Mapping[str, str], devices: list[Any]) -> ExecutableScope:
+    """The scope `jaxserve compile` stores a target's executables through (nothing is evicted)."""
+    cache = ExecutableCache(directory, max_bytes=1 << 62)
+    return ExecutableScope(cache, material_key(material), devices)
+
+
+def prebuilt_scope(directory: str | os.PathLike[str] | None, material: Mapping[str, str],
+                   devices: list[Any]) -> ExecutableScope | None:
+    """A read-only scope of the executables in `directory` when its manifest's parts are
+    `material`; else None, with one log line naming what differs (or why it cannot be read)."""
+    if directory is None:
+        return None
+    try:
+        manifest = read_manifest(directory)
+        stored = manifest["material"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        logger.warning("executables in %s not used: no readable %s (%s: %s); compiling", directory, MANIFEST,
+                       type(e).__name__, e)
+        return None
+    diff = differences(stored, material)
+    if diff:
+        logger.warning("executables in %s (compiled for %s) not used: %s; compiling", directory,
+                       manifest.get("topology", "?"), "; ".join(diff))
+        return None
+    logger.info("executables compiled ahead in %s (%s, %d entries) match this engine", directory,
+                manifest.get("topology", "?"), len(manifest.get("entries", ())))
+    return ExecutableScope(ExecutableCache(directory, read_only=True), material_key(material), devices)

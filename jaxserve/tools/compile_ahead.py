@@ -1,0 +1,181 @@
+"""`jaxserve compile`: the served steps compiled for a target without its chips, into a directory
+that `jaxserve serve --executables DIR` loads on the real devices.
+
+    jaxserve compile [MODEL] --topology v6e:2x4|h100:1x8|cpu [--tensor-parallel-size N]
+        [engine flags] --out DIR
+
+The engine is planned as `serve` plans it (engine/plan.py) on the target's devices: a
+compile-only TPU slice (libtpu), GPU hosts (JAX's CUDA plugin and XLA's description of the
+chip: tools/chips.py), or this host's own (`cpu`). The KV cache is sized from the flags (on
+TPU/GPU `serve` otherwise sizes it from the memory its devices have free at start, which only
+they know: give --kv-cache-memory, the same on both sides). Its StepRecipe (runner/recipe.py)
+then gives, without weights, every executable a runner holds (the steps of the bucket grid, the
+KV cache's and sampling state's makers, the slot writers), compiled through the same
+`StepProgram` methods the runner calls and stored as an executable cache under the key of
+runner/prebuilt.py, with `manifest.json` beside them. No weights are read: only the model's
+config.json (MODEL may be that file, or one of shard-plan's presets).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import pathlib
+import time
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from jaxserve.config import EngineConfig
+
+    p.add_argument("model", nargs="?", default=None,
+                   help="HF model directory, .gguf file, Hugging Face Hub name, a config.json or a shard-plan "
+                        "preset (llama3-8b, ...); default: the bundled model. Its config is read, not its weights")
+    p.add_argument("--topology", required=True,
+                   help="the devices to compile for: a TPU slice (v6e:2x4), GPU hosts (h100:1x8 = hosts x GPUs "
+                        "per host) or 'cpu' (this host's CPU devices)")
+    p.add_argument("--out", required=True, help="the directory to write (serve it with --executables DIR)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"])
+    EngineConfig.add_cli_args(p)
+
+
+def parse_topology(text: str) -> dict[str, Any]:
+    """`cpu` -> {"kind": "cpu", "topology": "cpu"}; a chip's slice or hosts: tools/chips.py's."""
+    if text.strip().lower() == "cpu":
+        return {"kind": "cpu", "topology": "cpu"}
+    from jaxserve.tools.chips import parse_target
+
+    return parse_target(text)
+
+
+def target_devices(target: dict) -> list:
+    """The devices of `target` (compile-only for a TPU slice or GPU hosts)."""
+    import jax
+
+    from jaxserve.tools.chips import gpu_devices, tpu_devices
+
+    if target["kind"] == "tpu":
+        return tpu_devices(target)
+    if target["kind"] == "gpu":
+        return gpu_devices(target)
+    return jax.devices()
+
+
+def model_config(mc) -> tuple[pathlib.Path | None, dict]:
+    """(the model's directory, its config.json) as `serve` reads them (models/loader.py); a
+    config.json file or a shard-plan preset (llama3-8b, ...) stands for a model without weights
+    (its executables serve a checkpoint whose config.json is that one)."""
+    from jaxserve.models.loader import load_checkpoint, resolve_model
+    from jaxserve.tools.shard_plan import ARCH_PRESETS, PRESET_DIR
+
+    name = mc.model
+    if name in ARCH_PRESETS:
+        return None, json.loads((PRESET_DIR / f"{name}.json").read_text())
+    if name is not None and name.endswith(".json") and pathlib.Path(name).is_file():
+        return None, json.loads(pathlib.Path(name).read_text())
+    path = resolve_model(name, cache_dir=mc.model_cache_dir, revision=mc.revision, download_dir=mc.download_dir,
+                         gguf_file=mc.gguf_file)
+    return path, load_checkpoint(path).config
+
+
+def compile_for_target(config, target: dict, out: str | os.PathLike[str]) -> dict[str, Any]:
+    """Plan the engine of `config` for `target`'s devices, compile every executable a runner of
+    its recipe holds into `out`, write the manifest; returns the manifest."""
+    import jax
+
+    from jaxserve.backends import select_backend
+    from jaxserve.backends.devices import DeviceSet
+    from jaxserve.engine.kv_sizing import size_kv_cache
+    from jaxserve.engine.plan import ModelFiles, plan_engine
+    from jaxserve.parallel.mesh import make_mesh
+    from jaxserve.runner.compile_pool import abstract_step
+    from jaxserve.runner.prebuilt import compile_scope, target_material, write_manifest
+    from jaxserve.startup_timer import StartupTimer
+
+    t_start = time.perf_counter()
+    mc, pc = config.model, config.parallel
+    model_path, arch = model_config(mc)
+    architectures = arch.get("architectures")
+    if mc.is_pooling(architectures):
+        raise ValueError("jaxserve compile covers generation engines; a pooling model's steps compile at start")
+    devices = target_devices(target)
+    mesh = make_mesh(pc.data_parallel_size, pc.tensor_parallel_size, devices=devices)
+    platform = "cpu" if target["kind"] == "cpu" else target["kind"]
+    backend = select_backend(platform)
+    plan = plan_engine(config, ModelFiles(model_path, arch, architectures), backend,
+                       DeviceSet.of_mesh(mesh, platform))
+    if plan.kv_sizing == "programs":
+        raise ValueError(f"give the KV cache's size (--kv-cache-memory, the same to serve): on {platform} the "
+                         "server otherwise sizes it from the memory its devices have free at start, which this "
+                         "host cannot know")
+    kv = size_kv_cache(plan, None, backend, mesh, StartupTimer())
+    recipe = kv.recipe(plan)
+    mesh_devices = list(mesh.devices.flat)
+    abstract = abstract_step(recipe, devices=mesh_devices)
+    material = target_material(recipe, mesh_devices, backend)
+    pathlib.Path(out).mkdir(parents=True, exist_ok=True)
+    scope = compile_scope(out, material, mesh_devices)
+    program, seconds = abstract.program, {}
+
+    def timed(name: str, make) -> None:
+        t0 = time.perf_counter()
+        make()
+        seconds[name] = round(time.perf_counter() - t0, 2)
+        logger.info("compiled %s in %.1fs", name, seconds[name])
+
+    timed("kv-zeros", lambda: program.kv_zeros(scope))
+    timed("sampling-state", lambda: program.sampling_state_init(scope))
+    shapes = recipe.grid().shapes()
+    for bucket in shapes:
+        timed(program.step_name(bucket), lambda b=bucket: program.step_executable(
+            scope, b, abstract.params, abstract.kv, abstract.sstate))
+    timed("write-slot-rows", lambda: program.slot_rows_writer(scope, abstract.sstate))
+    if program.lora is not None:
+        timed("lora-write-slot", lambda: program.compile_lora_writer(scope))
+    facts = {
+        "topology": target["topology"], "platform": platform,
+        "devices": [f"{d.device_kind}" for d in mesh_devices], "mesh": list(plan.mesh_shape),
+        "model": str(model_path or mc.model), "jax": jax.__version__,
+        "buckets": [list(b) for b in shapes], "num_pages": recipe.num_pages, "max_model_len": recipe.max_model_len,
+        "entries": list(seconds), "compile_seconds": seconds,
+        "total_seconds": round(time.perf_counter() - t_start, 2),
+        "recipe": {f.name: _plain(getattr(recipe, f.name)) for f in dataclasses.fields(recipe)
+                   if f.name not in ("arch", "sampler_config")},
+    }
+    write_manifest(out, material, **facts)
+    return {**facts, "material": material}
+
+
+def _plain(x: Any) -> Any:
+    try:
+        json.dumps(x)
+        return x
+    except TypeError:
+        return repr(x)
+
+
+def run(args: argparse.Namespace) -> int:
+    """The command: compile, then one summary line (or the reason it could not)."""
+    target = parse_topology(args.topology)
+    if target["kind"] != "cpu":  # compile-only: never open a chip (before JAX starts its backends)
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        os.environ["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
+    from jaxserve.config import EngineConfig
+
+    opts = EngineConfig.cli_options(args)
+    opts.setdefault("show_progress", False)
+    config = EngineConfig.from_kwargs(model=args.model, **opts)
+    try:
+        manifest = compile_for_target(config, target, args.out)
+    except ValueError as e:
+        print(f"jaxserve compile: {e}")
+        return 2
+    print(f"jaxserve compile: {len(manifest['entries'])} executables for {manifest['topology']} "
+          f"({manifest['devices'][0]} x{len(manifest['devices'])}, {len(manifest['buckets'])} steps) in "
+          f"{manifest['total_seconds']:.1f}s -> {args.out}")
+    return 0

@@ -1,0 +1,108 @@
+"""`jaxserve compile` (jaxserve/tools/compile_ahead.py) and the directories it writes
+(jaxserve/runner/prebuilt.py): compiled for this host's CPU and served from there, an engine
+loads every executable and compiles nothing, with the same tokens; a directory whose manifest
+disagrees with the engine (a version, the recipe) is named in one log line and the engine
+compiles as without it. For TPU slices and GPU hosts: tests/tools/test_compile_targets.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import pathlib
+
+import pytest
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.runner import prebuilt
+from server.cli import main as cli
+from tests.model_dirs import write_model_dir
+
+OPTIONS = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=16, token_buckets=(8, 16),
+               request_buckets=(8,), show_progress=False, enable_compilation_cache=False)
+FLAGS = ["--dtype", "float32", "--max-num-seqs", "8", "--max-num-batched-tokens", "16", "--token-buckets", "8", "16",
+         "--request-buckets", "8"]
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16, 17, 18, 19]]
+PREBUILT_LOG = "jaxserve.runner.prebuilt"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> pathlib.Path:
+    return write_model_dir(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def cpu_dir(model_dir, tmp_path_factory) -> pathlib.Path:
+    """`jaxserve compile MODEL --topology cpu` of OPTIONS' engine."""
+    out = tmp_path_factory.mktemp("exe") / "cpu"
+    assert cli(["compile", str(model_dir), "--topology", "cpu", "--out", str(out), "--log-level", "warning",
+                *FLAGS]) == 0
+    return out
+
+
+def _outputs(llm: LLM):
+    params = [SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2),
+              SamplingParams(max_tokens=6, temperature=0.9, top_p=0.8, seed=7, ignore_eos=True),
+              SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)]
+    return [(o.outputs[0].token_ids, [sorted(d) for d in o.outputs[0].logprobs or []])
+            for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+
+def _messages(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == PREBUILT_LOG and r.levelno >= logging.WARNING]
+
+
+def test_served_from_the_directory_nothing_compiles_and_the_tokens_are_the_same(model_dir, cpu_dir, caplog):
+    manifest = prebuilt.read_manifest(cpu_dir)
+    assert manifest["topology"] == "cpu" and manifest["buckets"] == [[8, 8], [16, 8]]
+    assert manifest["entries"] == ["kv-zeros", "sampling-state", "step-8x8", "step-16x8", "write-slot-rows"]
+    files = sorted((p.name, p.stat().st_mtime_ns) for p in cpu_dir.iterdir())
+
+    # An engine whose recipe differs (the sampler's top-logprobs width): named, compiled as today.
+    with caplog.at_level(logging.WARNING, logger=PREBUILT_LOG):
+        compiled = LLM(str(model_dir), executables=str(cpu_dir), max_logprobs=5, **OPTIONS)
+    (line,) = _messages(caplog)
+    assert "recipe.sampler_config.max_logprobs: 20 in the directory, 5 here" in line, line
+    runner = compiled.engine.core.runner
+    assert (runner.executables_loaded, runner.executables_compiled) == (0, len(manifest["entries"]))
+    expected = _outputs(compiled)
+
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger=PREBUILT_LOG):
+        loaded = LLM(str(model_dir), executables=str(cpu_dir), **OPTIONS)
+    assert _messages(caplog) == []
+    runner = loaded.engine.core.runner
+    assert (runner.executables_loaded, runner.executables_compiled) == (len(manifest["entries"]), 0)
+    assert runner.counter.num_compiles == 0  # nothing traced or compiled at start
+    assert _outputs(loaded) == expected
+    assert runner.counter.recompiles == 0
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in cpu_dir.iterdir()) == files  # read, never written
+
+
+def test_a_changed_version_or_recipe_is_named_and_nothing_is_loaded(cpu_dir, caplog):
+    stored = prebuilt.read_manifest(cpu_dir)["material"]
+    devices = []  # never reached: a mismatch opens nothing
+    assert prebuilt.prebuilt_scope(cpu_dir, stored, devices) is not None
+    jax_version = next(v for v in stored["versions"].split() if v.startswith("jax="))
+    here = {**stored, "versions": stored["versions"].replace(jax_version, "jax=0.0.1"),
+            "recipe.num_pages": "999"}
+    with caplog.at_level(logging.WARNING, logger=PREBUILT_LOG):
+        assert prebuilt.prebuilt_scope(cpu_dir, here, devices) is None
+    (line,) = _messages(caplog)
+    assert f"recipe.num_pages: {stored['recipe.num_pages']} in the directory, 999 here" in line, line
+    assert f"versions: {stored['versions']} in the directory" in line and "jax=0.0.1" in line, line
+    assert prebuilt.differences(stored, {**stored, "code": "sha256:0"}) == ["code differs"]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger=PREBUILT_LOG):
+        assert prebuilt.prebuilt_scope(cpu_dir / "absent", stored, devices) is None
+    assert "no readable manifest.json" in _messages(caplog)[0]
+
+
+def test_the_material_is_the_recipe_field_by_field_without_its_grid(cpu_dir):
+    from jaxserve.runner.recipe import StepRecipe
+
+    names = {f.name for f in dataclasses.fields(StepRecipe)} - {"target", "token_buckets", "request_buckets"}
+    material = prebuilt.read_manifest(cpu_dir)["material"]
+    assert {k.split(".")[1] for k in material if k.startswith("recipe.")} == names
+    assert material["recipe.arch.num_hidden_layers"] == "2" and material["recipe.plan.dtype"] == "'float32'"
+    assert {"code", "versions", "platform", "devices", "backend", "xla_flags", "jax_config"} <= set(material)
+    assert prebuilt.read_manifest(cpu_dir)["key"] == prebuilt.material_key(material)
