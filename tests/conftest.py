@@ -116,8 +116,6 @@ def small_llm(small_engine_options):
 # (Not --dist loadgroup: with pytest 9.2, xdist 3.8's `xdist_group` marks never reach its
 # scheduler.)
 SLOW_MODULES = (
-    "tests/engine/test_compile_ahead.py",
-    "tests/tools/test_compile_targets.py",
     "tests/parallel/test_multihost.py",
     "tests/parallel/test_tensor_parallel.py",
     "tests/tools/test_shard_plan.py",
@@ -129,6 +127,8 @@ SLOW_MODULES = (
     "tests/tools/test_tpu_topology.py",
     "tests/models/test_paged_consistency.py",
     "tests/tools/test_gpu_topology.py",
+    "tests/tools/test_step_anatomy.py",
+    "tests/tools/test_compile_targets.py",
     "tests/engine/test_sharding_rules_engine.py",
     "tests/backends/test_accelerator_memory.py",
     "tests/server/test_fuzz.py",
@@ -177,6 +177,7 @@ SLOW_MODULES = (
     "tests/engine/test_backend_layer.py",
     "tests/engine/test_embeddings.py",
     "tests/engine/test_config.py",
+    "tests/engine/test_compile_ahead.py",
 )
 
 
