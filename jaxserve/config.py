@@ -354,7 +354,8 @@ class CompileConfig:
     executables: str | None = per_process(None)
     """A directory of executables compiled ahead by `jaxserve compile` (for these devices, maybe on
     another host): the steps it holds are loaded, not compiled, when its manifest matches this
-    engine (versions, devices, recipe); else one log line names what differs and they compile."""
+    engine (versions, devices, recipe); else one log line names what differs and they compile.
+    Default: none (every step compiles, or comes from the executable cache)."""
     show_progress: bool = per_process(True, not_a_flag="the command's: on in serve, not generate")
     """Show a progress bar while the steps compile."""
 
