@@ -17,7 +17,6 @@ benchmarks/results/memory_budget.jsonl.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import os

@@ -96,21 +96,21 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import datetime
 import hashlib
 import json
 import math
 import os
 import pathlib
-import platform
 import re
-import subprocess
 import sys
 import time
 
 HERE = pathlib.Path(__file__).resolve().parent
-REPO = HERE.parent
 RESULTS = HERE / "results" / "step_anatomy.jsonl"
+sys.path.insert(0, str(HERE))
+from results_log import append_results  # noqa: E402
+
+from jaxserve.tools.hlo_collectives import take_shape  # noqa: E402
 CACHE = pathlib.Path(
     os.environ.get(
         "JAXSERVE_STEP_ANATOMY_CACHE", pathlib.Path.home() / ".cache" / "jaxserve" / "step_anatomy"
@@ -200,18 +200,6 @@ def hbm_bytes(shape: str) -> int:
     return sum(b for _, b, vmem in arrays(shape) if not vmem)
 
 
-def _take_shape(rest: str) -> tuple[str, str]:
-    if rest.startswith("("):
-        depth = 0
-        for i, c in enumerate(rest):
-            depth += c == "("
-            depth -= c == ")"
-            if depth == 0:
-                return rest[: i + 1], rest[i + 1 :].lstrip()
-    j = rest.find(" ")
-    return (rest, "") if j < 0 else (rest[:j], rest[j + 1 :].lstrip())
-
-
 @dataclasses.dataclass
 class Instr:
     name: str
@@ -289,7 +277,7 @@ def parse_module(text: str) -> Module:
         m = _INSTR.match(line)
         if not m or current is None:
             continue
-        shape, rest = _take_shape(line[m.end() :])
+        shape, rest = take_shape(line[m.end() :])
         opcode = rest.split("(", 1)[0].strip()
         args = rest[len(opcode) :]
         depth, end = 0, len(args)
@@ -795,43 +783,6 @@ def _top_kernels(kernels: list[Kernel], n: int = 12) -> list[str]:
 
 
 # ------------------------------------------------------------------------------ compiling
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _versions() -> dict:
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {}
-    for pkg in ("jax", "jaxlib", "libtpu", "jax-cuda12-plugin"):
-        try:
-            out[pkg] = version(pkg)
-        except PackageNotFoundError:
-            out[pkg] = None
-    return out
-
-
-def meta() -> dict:
-    sha = subprocess.run(
-        ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=False
-    ).stdout.strip()
-    return {
-        "commit": sha,
-        "time": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "host": _cpu_model(),
-        "cpus": os.cpu_count(),
-        "versions": _versions(),
-        "compile_only": True,
-    }
-
-
 def target_devices(target: str):
     """(devices, platform, chip name or "cpu") of a target: cpu, v6e:1x1, v6e:2x2, h100:1x1, ..."""
     import jax
@@ -1098,7 +1049,6 @@ def main(argv=None) -> int:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     arch = load_arch(a.preset, a.layers)
-    info = meta()
     pathlib.Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     for target in [t for t in a.topology.split(",") if t]:
         recs = step_records(
@@ -1112,19 +1062,18 @@ def main(argv=None) -> int:
             kv_cache_memory=a.kv_cache_memory,
             model_name=a.preset,
         )
-        with open(a.json, "a") as f:
-            for rec in recs:
-                rec = {**rec, **info, "loadavg": [round(x, 2) for x in os.getloadavg()]}
-                f.write(json.dumps(rec) + "\n")
-                print(
-                    f"{target:9s} {rec['phase']:7s} seqs={rec['seqs']:4d} {rec['kv_cache_dtype']:14s} "
-                    f"kernels {rec['kernels']:5d}  moved {rec['bytes_moved'] / 1e6:10.1f} MB "
-                    f"(x{rec['bytes_over_minimum']:.2f} of min {rec['minimum']['total'] / 1e6:.1f}) "
-                    f"copies {rec['cache_copies']}  sampler {100 * (rec['sampler_share'] or 0):.1f}% "
-                    f"(heavy {100 * (rec['sampler_share_heavy'] or 0):.1f}%)  compile {rec['compile_s']}s"
-                    f"{' cached' if rec['compile_cached'] else ''}",
-                    flush=True,
-                )
+        for rec in recs:
+            rec = {**rec, "compile_only": True, "loadavg": [round(x, 2) for x in os.getloadavg()]}
+            append_results(a.json, rec)
+            print(
+                f"{target:9s} {rec['phase']:7s} seqs={rec['seqs']:4d} {rec['kv_cache_dtype']:14s} "
+                f"kernels {rec['kernels']:5d}  moved {rec['bytes_moved'] / 1e6:10.1f} MB "
+                f"(x{rec['bytes_over_minimum']:.2f} of min {rec['minimum']['total'] / 1e6:.1f}) "
+                f"copies {rec['cache_copies']}  sampler {100 * (rec['sampler_share'] or 0):.1f}% "
+                f"(heavy {100 * (rec['sampler_share_heavy'] or 0):.1f}%)  compile {rec['compile_s']}s"
+                f"{' cached' if rec['compile_cached'] else ''}",
+                flush=True,
+            )
     return 0
 
 

@@ -34,7 +34,6 @@ import torch
 import transformers
 from safetensors.numpy import save_file
 from sentence_transformers import SentenceTransformer
-from sentence_transformers.base.modules.normalize import Normalize
 from sentence_transformers.base.modules.transformer import Transformer
 from sentence_transformers.sentence_transformer.modules.pooling import Pooling
 from tokenizers import processors

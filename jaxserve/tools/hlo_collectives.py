@@ -84,7 +84,7 @@ def shape_bytes(shape: str) -> int:
     return int(total)
 
 
-def _take_shape(rest: str) -> tuple[str, str]:
+def take_shape(rest: str) -> tuple[str, str]:
     """Split 'SHAPE opcode(...)...' into (SHAPE, the rest)."""
     if rest.startswith("("):
         depth = 0
@@ -122,7 +122,7 @@ def parse_collectives(hlo_text: str, num_devices: int) -> list[Collective]:
         m = _INSTR.match(line)
         if not m:
             continue
-        shape, rest = _take_shape(line[m.end():])
+        shape, rest = take_shape(line[m.end():])
         opcode = rest.split("(", 1)[0].strip()
         kind, is_async = opcode, False
         if opcode.endswith("-start"):

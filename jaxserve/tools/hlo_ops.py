@@ -19,7 +19,7 @@ import json
 import math
 import re
 
-from jaxserve.tools.hlo_collectives import _ARRAY, _INSTR, _OP_NAME, _take_shape
+from jaxserve.tools.hlo_collectives import _ARRAY, _INSTR, _OP_NAME, take_shape
 
 _DIMS = {k: re.compile(rf"{k}=\{{([\d,]*)\}}") for k in ("lhs_contracting_dims", "lhs_batch_dims")}
 _OPERANDS = re.compile(r"^[\w\-]+\(([^)]*)\)")
@@ -46,7 +46,7 @@ def parse(hlo_text: str) -> tuple[int, list[Kernel]]:
         m = _INSTR.match(line)
         if not m:
             continue
-        shape, rest = _take_shape(line[m.end() :])
+        shape, rest = take_shape(line[m.end() :])
         shapes[m.group(1)] = shape
         lines.append((m.group(1), shape, rest, line))
     flops = 0
