@@ -1,6 +1,6 @@
 """benchmarks/step_anatomy.py: its HLO parser's rules on a hand-written module, the kernels and
 parts it finds in the server's compiled decode step (CPU, and compile-only v6e and H100 where
-libtpu / JAX's CUDA plugin are installed), and the step's invariants (issue 38):
+libtpu / JAX's CUDA plugin are installed), and the step's invariants:
 
 - no decode step copies or rewrites a buffer of the KV cache's size;
 - the sampler moves at most 5 % of a decode step's bytes.
@@ -185,7 +185,8 @@ def test_the_parser_finds_the_steps_kernels_and_parts(target):
     assert rec["bytes_moved_heavy"] >= rec["bytes_moved"]
 
 
-# The invariants' violations measured on today's step (issue 38 §2 fixes them): strict, so that
+# The invariants' violations measured on today's step (the work on the step's sampler and cache
+# layout is to fix them): strict, so that
 # a test turns red the moment its violation is gone and its mark must go too.
 VIOLATIONS = {
     (
@@ -195,20 +196,19 @@ VIOLATIONS = {
     "copied out of the entry's layout for XLA's write, reshaped to [pages, page, "
     "Hkv*D] for the Pallas kernel (a relayout under the TPU's tiling) and copied back; "
     "6.4 GB of the step's 6.4 GB with a 1 GiB cache (Llama-3-8B on v6e: 4 reshapes "
-    "of 2.1 GB a decode step) (issue 38 §2)",
+    "of 2.1 GB a decode step)",
     (
         "sampler",
         "cpu",
         "_heavy",
     ): "sampler 20.5 % of a CPU decode step's bytes on the branches a row with "
-    "penalties or logprobs takes (full-vocabulary passes) (issue 38 §2)",
+    "penalties or logprobs takes (full-vocabulary passes)",
     (
         "sampler",
         "h100:1x1",
         "_heavy",
     ): "sampler 39 % of an h100:1x1 decode step's bytes on the branches a "
-    "row with penalties or logprobs takes (full-vocabulary passes) "
-    "(issue 38 §2)",
+    "row with penalties or logprobs takes (full-vocabulary passes)",
 }
 
 
