@@ -12,6 +12,9 @@ import sys  # noqa: E402
 # mode), so JAX keeps its default platform (see benchmarks/device_check.sh).
 if "--kernel-device" not in sys.argv:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    # libtpu (compile-only TPU topologies) admits one process per host unless told otherwise:
+    # the test workers, the servers they start and the other test runs on the host all load it.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 # Each engine zeroes its whole KV cache at start, on every simulated device: 1 GiB a device by
 # default on a CPU made the suite's hundreds of engines spend minutes in page faults. 128 MiB holds
 # ~2,900 tokens of the default model in float32 (tests that need more say so). Test processes

@@ -17,7 +17,6 @@ import dataclasses
 import importlib.util
 import json
 import logging
-import os
 
 import pytest
 
@@ -169,9 +168,6 @@ def test_llama8b_shaped_budget_is_confirmed_by_the_served_step_and_an_overfull_o
     the cache) with the chip's HBM, then the step with the pages of the budget: its own memory
     analysis fits the device x utilization. At a utilization that
     leaves less than the weights and the step, refused with the figures."""
-    os.environ.setdefault(
-        "ALLOW_MULTIPLE_LIBTPU_LOAD", "1"
-    )  # compile-only: another process may hold the lock
     import jax.numpy as jnp
     from jaxserve.models.arch_config import ArchConfig
 

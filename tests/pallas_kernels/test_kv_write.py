@@ -243,11 +243,9 @@ def test_tpu_kernel_writes_in_place_when_compiled_for_v6e():
     pages of 32 x 2 x 128 moves under 1 % of the caches' bytes (XLA's cost analysis; its 8-bit
     scatter moves 6 times the caches'), and the caches are aliased with no cache-sized copy."""
     import importlib.util
-    import os
 
     if importlib.util.find_spec("libtpu") is None:
         pytest.skip("libtpu is not installed (pip install 'jaxserve[tpu]'): no TPU compiles")
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # another process may hold it
     from jax.sharding import SingleDeviceSharding
 
     from jaxserve.tools.plan_worker import target_devices
