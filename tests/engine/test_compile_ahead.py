@@ -14,7 +14,7 @@ import pytest
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.runner import prebuilt
-from server.cli import main as cli
+from jaxserve.server.cli import main as cli
 from tests.model_dirs import write_model_dir
 
 OPTIONS = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=16, token_buckets=(8, 16),

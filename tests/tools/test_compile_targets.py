@@ -15,7 +15,7 @@ import pathlib
 import pytest
 
 from jaxserve.runner import prebuilt
-from server.cli import main as cli
+from jaxserve.server.cli import main as cli
 
 TINY_LLAMA = dict(architectures=["LlamaForCausalLM"], vocab_size=512, hidden_size=256, intermediate_size=512,
                   num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, head_dim=128,
