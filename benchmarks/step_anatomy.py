@@ -32,6 +32,13 @@ fewest bytes (the sampler's plain path: no penalties, no masks, no logprobs), `h
 that moves the most (some row asks for penalties or logprobs). `kernels` and `bytes_moved` are
 the plain path's; `*_heavy` the heavy path's; `kernels_static` counts a loop's body once.
 
+Host launches (GPU targets: `gpu_host_launches`). XLA:GPU wraps runs of kernels into command
+buffers (CUDA graphs) after the HLO, in its thunk sequence, so what the host launches a step is
+read from the thunk sequence XLA dumps while compiling (gpu_thunks.py): command buffers (one
+graph launch each), what stays outside them (custom calls that are not command-buffer
+compatible, copies, kernels), and conditionals (each reads its predicate back to the host
+before it launches a branch: a synchronisation inside the step).
+
 Parts. Each kernel goes to one part, the first rule that matches:
   collectives  an all-reduce / all-gather / reduce-scatter / all-to-all / collective-permute
                (or its async start) is the kernel, or is fused in it;
@@ -103,11 +110,13 @@ import os
 import pathlib
 import re
 import sys
+import tempfile
 import time
 
 HERE = pathlib.Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "step_anatomy.jsonl"
 sys.path.insert(0, str(HERE))
+import gpu_thunks  # noqa: E402
 from results_log import append_results  # noqa: E402
 
 from jaxserve.tools.hlo_collectives import take_shape  # noqa: E402
@@ -813,18 +822,24 @@ def _installed(package: str) -> str:
         return "-"
 
 
-def _compiled_text(lowered, target: str) -> tuple[str, dict | None, float, bool]:
-    """(optimized HLO text, cost analysis, compile seconds, from the cache) of a lowered step."""
+def _compiled_text(lowered, target: str) -> tuple[str, dict | None, float, bool, dict | None]:
+    """(optimized HLO text, cost analysis, compile seconds, from the cache, the host's launches
+    from XLA's thunk sequence: GPU only, see gpu_thunks.py) of a lowered step."""
     import jax
 
     compilers = " ".join(f"{n}={_installed(n)}" for n in ("jaxlib", "libtpu", "jax-cuda12-plugin"))
     key = hashlib.sha256((lowered.as_text() + target + jax.__version__ + compilers).encode()).hexdigest()[:24]
     path = CACHE / f"{key}.json"
+    gpu = target.startswith(("h100", "h200"))
     if path.exists():
         rec = json.loads(path.read_text())
-        return rec["hlo"], rec["cost"], rec["compile_s"], True
+        if not gpu or "thunks" in rec:
+            return rec["hlo"], rec["cost"], rec["compile_s"], True, rec.get("thunks")
     t0 = time.perf_counter()
-    compiled = lowered.compile()
+    with tempfile.TemporaryDirectory() as dump:
+        options = {"xla_dump_to": dump} if gpu else None
+        compiled = lowered.compile(compiler_options=options)
+        thunks = gpu_thunks.read_dump(dump) if gpu else None
     seconds = round(time.perf_counter() - t0, 2)
     cost = compiled.cost_analysis()
     if isinstance(cost, list):
@@ -841,9 +856,9 @@ def _compiled_text(lowered, target: str) -> tuple[str, dict | None, float, bool]
     text = compiled.as_text()
     CACHE.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"hlo": text, "cost": cost, "compile_s": seconds}))
+    tmp.write_text(json.dumps({"hlo": text, "cost": cost, "compile_s": seconds, "thunks": thunks}))
     tmp.replace(path)
-    return text, cost, seconds, False
+    return text, cost, seconds, False, thunks
 
 
 def step_records(
@@ -857,6 +872,7 @@ def step_records(
     page_size: int = 16,
     kv_cache_memory: int | None = None,
     model_name: str = "",
+    attention_impl: str = "auto",
 ) -> list[dict]:
     """Compile one target's decode steps (S, S) for S in `decode` and a (prefill, 1) step; one
     record each. `kv_cache_memory`: the KV cache's bytes per device (default: max(decode) x
@@ -880,6 +896,7 @@ def step_records(
         page_size=page_size,
         kv_cache_dtype=kv_cache_dtype,
         kv_cache_memory=kv_cache_memory,
+        attention_impl=attention_impl,
     )
     cfg = ArchConfig.from_hf(arch)
     mesh = make_mesh(1, len(devices), devices=devices)
@@ -923,7 +940,7 @@ def step_records(
         with jax.default_device(devices[0]) if plat == "tpu" else contextlib.nullcontext():
             lowered = lower_bucket(recipe, abstract, (T, R))
         lower_s = time.perf_counter() - t0
-        text, cost, compile_s, cached = _compiled_text(lowered, target)
+        text, cost, compile_s, cached, thunks = _compiled_text(lowered, target)
         rec = anatomy(text, geo, cache_params)
         weights_once = (
             weight_bytes
@@ -980,6 +997,7 @@ def step_records(
                 "by_part": rec["by_part"],
                 "by_part_heavy": rec["by_part_heavy"],
                 "largest_kernels": rec["kernel_labels"],
+                "gpu_host_launches": thunks,
                 "cache_bytes_per_layer": elements * k0.dtype.itemsize,
                 "xla_cost_analysis": cost,
                 "hbm_bandwidth": bw,
@@ -1044,6 +1062,9 @@ def main(argv=None) -> int:
         default=None,
         help="KV cache bytes per device (default: max(decode) x context tokens)",
     )
+    p.add_argument(
+        "--attention-impl", default="auto", help="auto (what serve takes on the target), gpu, gpu-mosaic, ..."
+    )
     p.add_argument("--json", default=str(RESULTS), help="append one JSON line per step here")
     a = p.parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -1061,6 +1082,7 @@ def main(argv=None) -> int:
             page_size=a.page_size,
             kv_cache_memory=a.kv_cache_memory,
             model_name=a.preset,
+            attention_impl=a.attention_impl,
         )
         for rec in recs:
             rec = {**rec, "compile_only": True, "loadavg": [round(x, 2) for x in os.getloadavg()]}
@@ -1074,6 +1096,8 @@ def main(argv=None) -> int:
                 f"{' cached' if rec['compile_cached'] else ''}",
                 flush=True,
             )
+            if rec["gpu_host_launches"]:
+                print(f"{'':9s} host launches {json.dumps(rec['gpu_host_launches'])}", flush=True)
     return 0
 
 
