@@ -43,7 +43,7 @@ from jaxserve.sampling import native as native_impls
 from jaxserve.sampling import ops
 from jaxserve.sampling.config import SamplerConfig
 from jaxserve.sampling.metadata import SamplingMetadata
-from jaxserve.sampling.state import PAD_WORD, SamplingState
+from jaxserve.sampling.state import PAD_WORD, SamplingState, output_counts
 
 NEG_INF = float("-inf")
 
@@ -188,9 +188,10 @@ def _bans(meta: SamplingMetadata, state: SamplingState, any_rows, V: int) -> jax
 
 def _apply_penalties(x: jax.Array, meta: SamplingMetadata, state: SamplingState) -> jax.Array:
     """Step 3, vLLM's apply_penalties (neutral parameters leave a row bit-identical)."""
-    counts = state.output_counts[meta.slots]  # [R, V] int32
+    packed = state.token_counts[meta.slots]  # [R, V] int32: output counts and prompt bits
+    counts = output_counts(packed)
     out_mask = counts > 0
-    seen = out_mask | state.prompt_mask[meta.slots]  # [R, V]
+    seen = packed != 0  # in the prompt or the outputs
     rp = meta.repetition_penalty[:, None]
     x = jnp.where(seen, jnp.where(x > 0, x / rp, x * rp), x)
     x = x - meta.frequency_penalty[:, None] * counts.astype(jnp.float32)
