@@ -10,10 +10,10 @@ The step is the server's own (runner/recipe.py's `StepRecipe`, compiled through
 weights, KV cache and sampling state laid over a 1xN tensor-parallel mesh with the "tp" rules).
 A decode step of S sequences is the bucket (S, S); a prefill of P tokens is (P, 1). The KV
 cache holds N x context tokens (plus the null page), the sampling state N slots (N:
---max-num-seqs, default max(decode sizes)), and max_model_len = context: one cache for every step, as one server
-would have. TPU targets compile through libtpu's compile-only topologies (one chip: the 1x1
-topology), GPU targets through JAX's CUDA plugin with XLA's target description of the chip
-(`jaxserve/tools/chips.py`); nothing runs, no time is measured.
+--max-num-seqs, default max(decode sizes)), and max_model_len = context: one cache for every
+step, as one server would have. TPU targets compile through libtpu's compile-only topologies
+(one chip: the 1x1 topology), GPU targets through JAX's CUDA plugin with XLA's target
+description of the chip (`jaxserve/tools/chips.py`); nothing runs, no time is measured.
 
 What is read from the compiled step (`compiled.as_text()`, the optimized, scheduled HLO):
 
