@@ -81,7 +81,9 @@ def prompt_mask(token_counts: jax.Array) -> jax.Array:
     return (token_counts & PROMPT_BIT) != 0
 
 
-def sampling_state_shardings(config: SamplerConfig, mesh, rules, data_parallel: bool) -> SamplingState:
+def sampling_state_shardings(
+    config: SamplerConfig, mesh, rules, data_parallel: bool
+) -> SamplingState:
     """Where each array of the sampling state lives on `mesh` (a SamplingState of
     NamedShardings): the slots over "data" with data parallelism (each rank owns a slot range,
     like its pages), and the [S, V] arrays' vocabulary split as the serving `rules` split the
@@ -94,7 +96,9 @@ def sampling_state_shardings(config: SamplerConfig, mesh, rules, data_parallel: 
     S, V = config.max_num_seqs, config.vocab_size
     slots = "data" if data_parallel else None
     row = PartitionSpec(slots)
-    dense = logical_to_spec(("slots", VOCAB), (S, V), mesh, {"slots": slots, VOCAB: rules.get(VOCAB)})
+    dense = logical_to_spec(
+        ("slots", VOCAB), (S, V), mesh, {"slots": slots, VOCAB: rules.get(VOCAB)}
+    )
     return SamplingState(
         token_counts=NamedSharding(mesh, dense),
         logit_bias=NamedSharding(mesh, dense),
@@ -178,7 +182,9 @@ def update_state_from_tokens(
     # A scatter of one element is rewritten by XLA into a dynamic slice and update, which the
     # SPMD partitioner cannot keep on the device holding that part of a vocabulary-split array
     # (it gathers the whole [S, V] array): a one-token step scatters one more, dropped, element.
-    pad = (lambda a, v: jnp.concatenate([a, jnp.full((1,), v, a.dtype)])) if T == 1 else (lambda a, v: a)
+    def pad(a, v):
+        return jnp.concatenate([a, jnp.full((1,), v, a.dtype)]) if T == 1 else a
+
     tokens = pad(token_ids, 0)
     counts = state.token_counts.at[pad(prompt_rows, S), tokens].apply(
         lambda c: c | PROMPT_BIT, mode="drop"
