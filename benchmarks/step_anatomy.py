@@ -9,11 +9,11 @@ The step is the server's own (runner/recipe.py's `StepRecipe`, compiled through
 `compile_pool.abstract_step` and `lower_bucket`, as `jaxserve shard-plan` builds it: abstract
 weights, KV cache and sampling state laid over a 1xN tensor-parallel mesh with the "tp" rules).
 A decode step of S sequences is the bucket (S, S); a prefill of P tokens is (P, 1). The KV
-cache holds max(decode sizes) x context tokens (plus the null page), the sampling state
-max(decode sizes) slots, and max_model_len = context: one cache for every step, as one server
-would have. TPU targets compile through libtpu's compile-only topologies (one chip: the 1x1
-topology), GPU targets through JAX's CUDA plugin with XLA's target description of the chip
-(`jaxserve/tools/chips.py`); nothing runs, no time is measured.
+cache holds N x context tokens (plus the null page), the sampling state N slots (N:
+--max-num-seqs, default max(decode sizes)), and max_model_len = context: one cache for every
+step, as one server would have. TPU targets compile through libtpu's compile-only topologies
+(one chip: the 1x1 topology), GPU targets through JAX's CUDA plugin with XLA's target
+description of the chip (`jaxserve/tools/chips.py`); nothing runs, no time is measured.
 
 What is read from the compiled step (`compiled.as_text()`, the optimized, scheduled HLO):
 
@@ -873,9 +873,11 @@ def step_records(
     kv_cache_memory: int | None = None,
     model_name: str = "",
     attention_impl: str = "auto",
+    max_num_seqs: int | None = None,
 ) -> list[dict]:
     """Compile one target's decode steps (S, S) for S in `decode` and a (prefill, 1) step; one
-    record each. `kv_cache_memory`: the KV cache's bytes per device (default: max(decode) x
+    record each. `max_num_seqs`: the server's sequences (sampling-state slots; default
+    max(decode)); `kv_cache_memory`: the KV cache's bytes per device (default: max_num_seqs x
     context tokens)."""
     import jax
     from jaxserve.models import sharding as ax
@@ -887,7 +889,7 @@ def step_records(
     from jaxserve.tools.plan_compile import PlanSettings, kv_record, plan_recipe, resolve_plan
 
     devices, plat, chip = target_devices(target)
-    max_seqs = max(decode or [1])
+    max_seqs = max_num_seqs or max(decode or [1])
     settings = PlanSettings(
         arch=arch,
         platform=plat,
@@ -1060,7 +1062,13 @@ def main(argv=None) -> int:
         "--kv-cache-memory",
         type=int,
         default=None,
-        help="KV cache bytes per device (default: max(decode) x context tokens)",
+        help="KV cache bytes per device (default: --max-num-seqs x context tokens)",
+    )
+    p.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=None,
+        help="the server's sequences: sampling-state slots and KV cache (default: max(decode))",
     )
     p.add_argument(
         "--attention-impl", default="auto", help="auto (what serve takes on the target), gpu, gpu-mosaic, ..."
@@ -1083,6 +1091,7 @@ def main(argv=None) -> int:
             kv_cache_memory=a.kv_cache_memory,
             model_name=a.preset,
             attention_impl=a.attention_impl,
+            max_num_seqs=a.max_num_seqs,
         )
         for rec in recs:
             rec = {**rec, "compile_only": True, "loadavg": [round(x, 2) for x in os.getloadavg()]}

@@ -32,7 +32,13 @@ from jaxserve.runner.lora_weights import LoRAWeights
 from jaxserve.runner.step_buffers import BufferLayout
 from jaxserve.runner.step_fn import StepFunction, abstract_sampling_state, step_layout, step_program as lower_step
 from jaxserve.sampling.config import SamplerConfig
-from jaxserve.sampling.state import SlotRowsWrite, init_sampling_state, write_slot_rows
+from jaxserve.sampling.state import (
+    SamplingState,
+    SlotRowsWrite,
+    init_sampling_state,
+    sampling_state_shardings,
+    write_slot_rows,
+)
 
 # A quantized KV cache's scales, per layer: ((k per tensor or per KV head), (v ...)).
 KVScales = tuple[tuple[tuple[float, ...], tuple[float, ...]], ...]
@@ -106,7 +112,9 @@ class StepProgram:
     mesh: Mesh
     lora: LoRAWeights | None  # the adapters' device slots (None: LoRA off)
     replicated: NamedSharding  # the packed inputs and the step's outputs
-    state_sharding: NamedSharding  # the sampling state (split over "data" like the pages)
+    # the sampling state's shardings (a SamplingState of them: the slots split over "data" like
+    # the pages, the [S, V] arrays' vocabulary like the logits'; sampling/state.py)
+    state_sharding: SamplingState
 
     def layout(self, T: int, R: int) -> BufferLayout:
         """How a (T, R) step's inputs (ModelInputs, SamplingMetadata, TokenInfo) are packed."""
@@ -210,7 +218,8 @@ def step_program(recipe: StepRecipe, model, backend: Backend, mesh: Mesh,
     function = StepFunction(graphdef, treedef, layer_impl, recipe.sampler_config,
                             None if lora is None else lora.treedef)
     replicated = NamedSharding(mesh, P())
-    state_sharding = NamedSharding(mesh, P("data")) if recipe.data_parallel_size > 1 else replicated
+    state_sharding = sampling_state_shardings(recipe.sampler_config, mesh, recipe.rules,
+                                              recipe.data_parallel_size > 1)
     return StepProgram(recipe, model.config, function, mesh, lora, replicated, state_sharding), params, treedef
 
 

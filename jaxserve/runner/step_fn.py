@@ -161,7 +161,8 @@ def step_layout(T: int, R: int, *, pages_per_req: int, page_size: int,
     return BufferLayout.of((dummy, meta, tok))
 
 
-def abstract_sampling_state(sampler_config: SamplerConfig, sharding):
-    """The sampling state's ShapeDtypeStructs (no memory), with `sharding`."""
+def abstract_sampling_state(sampler_config: SamplerConfig, shardings):
+    """The sampling state's ShapeDtypeStructs (no memory), with `shardings` (a SamplingState of
+    them: state.sampling_state_shardings)."""
     shapes = jax.eval_shape(functools.partial(init_sampling_state, sampler_config))
-    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), shapes)
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)

@@ -43,7 +43,7 @@ from jaxserve.sampling import native as native_impls
 from jaxserve.sampling import ops
 from jaxserve.sampling.config import SamplerConfig
 from jaxserve.sampling.metadata import SamplingMetadata
-from jaxserve.sampling.state import PAD_WORD, SamplingState
+from jaxserve.sampling.state import PAD_WORD, SamplingState, output_counts
 
 NEG_INF = float("-inf")
 
@@ -81,9 +81,6 @@ def sample(
             lambda: tok_greedy,
         )
 
-    def step0(x):  # tokens outside the grammar -> -inf (x: a buffer of the steps-1-3 branch)
-        return ops.batch_cond(any_mask, lambda: apply_token_bitmask(x, bitmask), lambda: x)
-
     def logprobs_after_step0():  # (the unmasked logits are not copied through a cond)
         lps = functools.partial(_raw_logprobs, tok=tok, k=k, native=config.native)
         if bitmask is None:
@@ -101,8 +98,7 @@ def sample(
     with jax.named_scope("sampler"):
         tok = ops.batch_cond(
             use_rows | stops | jnp.any(pen) | any_mask,
-            lambda: choose(_process(raw, meta, state, use_rows, jnp.any(pen),
-                                    step0 if bitmask is not None else None)),
+            lambda: choose(_process(raw, meta, state, use_rows, jnp.any(pen), bitmask)),
             lambda: choose(raw),
         )
     with jax.named_scope("sampler_logprobs"):
@@ -138,25 +134,31 @@ def apply_token_bitmask(x: jax.Array, bitmask: jax.Array) -> jax.Array:
     return jnp.where(bits != 0, x, NEG_INF)
 
 
-def _process(x, meta, state, any_rows, any_pen, step0=None):
-    """Steps 0-3. The -inf bans (bad words, min_tokens) commute with the penalties (-inf stays
-    -inf), so they are scattered last, in place into the fresh buffer the other steps made.
-    Step 0 (`step0`, the grammar's bitmask) commutes with steps 1-3 the same way (a masked token
-    stays -inf through bias and penalties), so it is applied to that buffer too rather than
-    to a copy of the logits."""
+def _process(x, meta, state, any_rows, any_pen, bitmask=None):
+    """Steps 0-3 in one pass over the logits: bias, penalties and the grammar's bitmask (step
+    0: a masked token stays -inf through bias and penalties, so applying it last gives the
+    same logits) are one elementwise expression per branch, and the -inf bans (bad words,
+    min_tokens), which commute with the penalties (-inf stays -inf), are scattered last, in
+    place into the fresh buffer that pass made. The bitmask is applied in every branch (a
+    row without a grammar has every bit set, and reading the bitmask costs 1/32 of the
+    logits): a cond of its own would cost another pass over the logits."""
+
+    def step0(y):
+        return y if bitmask is None else apply_token_bitmask(y, bitmask)
+
     x = ops.batch_cond(
         any_rows,
         lambda: ops.batch_cond(
             any_pen,
-            lambda: _apply_penalties(_apply_bias(x, meta, state), meta, state),
-            lambda: _apply_bias(x, meta, state),
+            lambda: step0(_apply_penalties(_apply_bias(x, meta, state), meta, state)),
+            lambda: step0(_apply_bias(x, meta, state)),
         ),
         lambda: ops.batch_cond(
-            any_pen, lambda: _apply_penalties(x, meta, state), lambda: x + 0.0
+            any_pen,
+            lambda: step0(_apply_penalties(x, meta, state)),
+            lambda: step0(x) if bitmask is not None else x + 0.0,
         ),
     )
-    if step0 is not None:
-        x = step0(x)
     rows = jnp.arange(x.shape[0], dtype=jnp.int32)[:, None]  # [R, 1]
     return x.at[rows, _bans(meta, state, any_rows, x.shape[1])].set(NEG_INF, mode="drop")
 
@@ -188,9 +190,10 @@ def _bans(meta: SamplingMetadata, state: SamplingState, any_rows, V: int) -> jax
 
 def _apply_penalties(x: jax.Array, meta: SamplingMetadata, state: SamplingState) -> jax.Array:
     """Step 3, vLLM's apply_penalties (neutral parameters leave a row bit-identical)."""
-    counts = state.output_counts[meta.slots]  # [R, V] int32
+    packed = state.token_counts[meta.slots]  # [R, V] int32: output counts and prompt bits
+    counts = output_counts(packed)
     out_mask = counts > 0
-    seen = out_mask | state.prompt_mask[meta.slots]  # [R, V]
+    seen = packed != 0  # in the prompt or the outputs
     rp = meta.repetition_penalty[:, None]
     x = jnp.where(seen, jnp.where(x > 0, x / rp, x * rp), x)
     x = x - meta.frequency_penalty[:, None] * counts.astype(jnp.float32)

@@ -15,14 +15,13 @@ import time
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxserve.config import jax_dtype
 from jaxserve.models.weights import create_model
 from jaxserve.runner.kv_cache import allocate_kv_cache
 from jaxserve.runner.step_inputs import TokenInfo, pack_rows
 from jaxserve.sampling.metadata import SamplingMetadataBuilder
-from jaxserve.sampling.state import init_sampling_state
+from jaxserve.sampling.state import init_sampling_state, sampling_state_shardings
 
 
 def _buffers(layout, sampler_config, page_size, pages_per_req, T, R, lens, starts, vocab):
@@ -62,7 +61,8 @@ def measure_step(settings, cfg, mesh, rules, plan, compiled, layout, sampler_con
     del model
     D = mesh.shape["data"]  # with data parallelism every rank runs the same synthetic rows
     kv = allocate_kv_cache(cfg, num_pages, ps, jax_dtype(plan["kv_dtype"]), mesh, rules)
-    sstate = jax.device_put(init_sampling_state(sampler_config), NamedSharding(mesh, P("data") if D > 1 else P()))
+    sstate = jax.device_put(init_sampling_state(sampler_config),
+                            sampling_state_shardings(sampler_config, mesh, rules, D > 1))
     rank_pages = num_pages // D
     # A rank's rows name its own slots and pages (the sentinel slot is the rank's slot count).
     rank_config = dataclasses.replace(sampler_config, max_num_seqs=sampler_config.max_num_seqs // D)

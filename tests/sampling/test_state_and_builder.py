@@ -15,6 +15,7 @@ from jaxserve.sampling import (
     init_sampling_state,
     row_uniforms,
 )
+from jaxserve.sampling.state import output_counts, prompt_mask
 from jaxserve.sampling_params import SamplingParams
 from tests.sampling.harness import Req, feed, jitted
 
@@ -34,8 +35,8 @@ class Mirror:
         self.prompt[s], self.outputs[s] = set(), []
 
     def check(self, state):
-        counts = np.asarray(state.output_counts)
-        pm = np.asarray(state.prompt_mask)
+        counts = np.asarray(output_counts(state.token_counts))
+        pm = np.asarray(prompt_mask(state.token_counts))
         recent = np.asarray(state.recent_outputs)
         W = recent.shape[1]
         for s in range(S):
