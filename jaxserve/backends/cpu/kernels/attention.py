@@ -10,7 +10,9 @@ Semantics are the reference's (`reference.py`), sliding window and soft cap incl
 float32 or bfloat16 (computed in float32), the caches float32 or bfloat16, or fp8 (e4m3) or int8
 pages, widened to float32 as they are read. How the library is
 built and loaded: `__init__.py`; without a C++ compiler, `supports()` raises and `impl="auto"`
-falls back to the reference with a warning. `target` (the entry points' keyword) names the
+falls back to the reference with a warning. The caches `[N, page_size, Hkv * D]` are
+handed to the kernel as `[N, page_size, Hkv, D]` (`head_view`: a free reshape of XLA:CPU's
+row-major arrays, aliased in place all the same). `target` (the entry points' keyword) names the
 kernel build to call (`BUILD_TARGETS`; None: the process's). The CPU backend loads this module
 (`jaxserve.backends.cpu`); without it, "auto" on the CPU is the pure-JAX reference.
 """
@@ -23,7 +25,11 @@ import numpy as np
 
 from jaxserve.backends.cpu import kernels
 from jaxserve.pallas_kernels.kv_quant import is_quantized
-from jaxserve.pallas_kernels.ragged_paged_attention.metadata import AttentionMetadata
+from jaxserve.pallas_kernels.ragged_paged_attention.metadata import (
+    AttentionMetadata,
+    head_view,
+    num_kv_heads,
+)
 from jaxserve.pallas_kernels.ragged_paged_attention.ops import register_impl
 
 TARGET = "jaxserve_ragged_paged_attention"
@@ -59,9 +65,10 @@ def ragged_paged_attention_cpu(
 ) -> jax.Array:
     """The op on the native CPU kernel. Same arguments and result as the reference."""
     supports(q, k_cache, target)
+    d = q.shape[-1]
     out = jax.ffi.ffi_call(kernels.ffi_target(TARGET, target),
                            jax.ShapeDtypeStruct(q.shape, jnp.float32))(
-        q.astype(jnp.float32), k_cache, v_cache, *_metadata(md),
+        q.astype(jnp.float32), head_view(k_cache, d), head_view(v_cache, d), *_metadata(md),
         **_attrs(sm_scale, sliding_window, soft_cap))
     return out.astype(q.dtype)
 
@@ -85,16 +92,18 @@ def write_kv_and_attend_cpu(
     scatter converts the whole array). k, v: [T, Hkv, D], cast to the caches' dtype.
     """
     supports(q, k_cache, target)
-    out, k_cache, v_cache = jax.ffi.ffi_call(
+    shape = k_cache.shape
+    k_heads, v_heads = head_view(k_cache, q.shape[-1]), head_view(v_cache, q.shape[-1])
+    out, k_heads, v_heads = jax.ffi.ffi_call(
         kernels.ffi_target(FUSED_TARGET, target),
         (jax.ShapeDtypeStruct(q.shape, jnp.float32),
-         jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
-         jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)),
+         jax.ShapeDtypeStruct(k_heads.shape, k_cache.dtype),
+         jax.ShapeDtypeStruct(v_heads.shape, v_cache.dtype)),
         input_output_aliases={3: 1, 4: 2},
-    )(q.astype(jnp.float32), k.astype(k_cache.dtype), v.astype(v_cache.dtype), k_cache, v_cache,
+    )(q.astype(jnp.float32), k.astype(k_cache.dtype), v.astype(v_cache.dtype), k_heads, v_heads,
       *_metadata(md), md.slot_mapping.astype(jnp.int32),
       **_attrs(sm_scale, sliding_window, soft_cap))
-    return out.astype(q.dtype), k_cache, v_cache
+    return out.astype(q.dtype), k_heads.reshape(shape), v_heads.reshape(shape)
 
 
 def rope_write_kv_and_attend_cpu(
@@ -122,20 +131,23 @@ def rope_write_kv_and_attend_cpu(
         raise ValueError("rope_write_kv_and_attend writes float caches; quantized pages take "
                          "write_kv_and_attend_cpu")
     T = qkv.shape[0]
-    hkv, d = k_cache.shape[2], k_cache.shape[3]
+    d = 2 * cos.shape[-1]  # the rotary tables are half a head wide
+    hkv = num_kv_heads(k_cache, d)
     if qkv.shape[1] != (num_heads + 2 * hkv) * d or cos.shape != (T, d // 2) or sin.shape != cos.shape:
         raise ValueError(f"rope_write_kv_and_attend: qkv {qkv.shape}, cos {cos.shape} do not fit "
                          f"{num_heads} + 2 x {hkv} heads of {d}")
-    out, k_cache, v_cache = jax.ffi.ffi_call(
+    shape = k_cache.shape
+    k_heads, v_heads = head_view(k_cache, d), head_view(v_cache, d)
+    out, k_heads, v_heads = jax.ffi.ffi_call(
         kernels.ffi_target(ROPE_TARGET, target),
         (jax.ShapeDtypeStruct((T, num_heads, d), jnp.float32),
-         jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
-         jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)),
+         jax.ShapeDtypeStruct(k_heads.shape, k_cache.dtype),
+         jax.ShapeDtypeStruct(v_heads.shape, v_cache.dtype)),
         input_output_aliases={3: 1, 4: 2},
     )(qkv.astype(jnp.float32).reshape(T, num_heads + 2 * hkv, d), cos.astype(jnp.float32),
-      sin.astype(jnp.float32), k_cache, v_cache, *_metadata(md), md.slot_mapping.astype(jnp.int32),
+      sin.astype(jnp.float32), k_heads, v_heads, *_metadata(md), md.slot_mapping.astype(jnp.int32),
       **_attrs(sm_scale, sliding_window, soft_cap))
-    return out, k_cache, v_cache
+    return out, k_heads.reshape(shape), v_heads.reshape(shape)
 
 
 def _metadata(md: AttentionMetadata) -> tuple[jax.Array, ...]:
