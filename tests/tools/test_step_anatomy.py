@@ -190,14 +190,6 @@ def test_the_parser_finds_the_steps_kernels_and_parts(target):
 # a test turns red the moment its violation is gone and its mark must go too.
 VIOLATIONS = {
     (
-        "copy",
-        "v6e:1x1",
-    ): "12 cache-sized copies in a v6e:1x1 decode step: each layer's K and V caches "
-    "copied out of the entry's layout for XLA's write, reshaped to [pages, page, "
-    "Hkv*D] for the Pallas kernel (a relayout under the TPU's tiling) and copied back; "
-    "6.4 GB of the step's 6.4 GB with a 1 GiB cache (Llama-3-8B on v6e: 4 reshapes "
-    "of 2.1 GB a decode step)",
-    (
         "sampler",
         "cpu",
         "_heavy",
