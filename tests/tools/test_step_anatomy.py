@@ -197,6 +197,18 @@ VIOLATIONS = {
     "penalties or logprobs takes (full-vocabulary passes)",
     (
         "sampler",
+        "v6e:1x1",
+        "",
+    ): "sampler 7.0 % of a v6e:1x1 decode step's bytes on the plain path (hidden until the KV "
+    "cache's relayouts, which dominated the step, were gone)",
+    (
+        "sampler",
+        "v6e:1x1",
+        "_heavy",
+    ): "sampler 89 % of a v6e:1x1 decode step's bytes on the branches a row with penalties "
+    "or logprobs takes (full-vocabulary passes; hidden until the cache's relayouts were gone)",
+    (
+        "sampler",
         "h100:1x1",
         "_heavy",
     ): "sampler 39 % of an h100:1x1 decode step's bytes on the branches a "

@@ -10,9 +10,9 @@ Semantics are the reference's (`reference.py`), sliding window and soft cap incl
 float32 or bfloat16 (computed in float32), the caches float32 or bfloat16, or fp8 (e4m3) or int8
 pages, widened to float32 as they are read. How the library is
 built and loaded: `__init__.py`; without a C++ compiler, `supports()` raises and `impl="auto"`
-falls back to the reference with a warning. The caches `[N, page_size, Hkv * D]` are
-handed to the kernel as `[N, page_size, Hkv, D]` (`head_view`: a free reshape of XLA:CPU's
-row-major arrays, aliased in place all the same). `target` (the entry points' keyword) names the
+falls back to the reference with a warning. The caches are `[N, page_size, Hkv * D]`, as
+stored (the kernel takes D from q; a reshape around the aliased custom call would make XLA:CPU
+copy the caches). `target` (the entry points' keyword) names the
 kernel build to call (`BUILD_TARGETS`; None: the process's). The CPU backend loads this module
 (`jaxserve.backends.cpu`); without it, "auto" on the CPU is the pure-JAX reference.
 """
@@ -27,7 +27,6 @@ from jaxserve.backends.cpu import kernels
 from jaxserve.pallas_kernels.kv_quant import is_quantized
 from jaxserve.pallas_kernels.ragged_paged_attention.metadata import (
     AttentionMetadata,
-    head_view,
     num_kv_heads,
 )
 from jaxserve.pallas_kernels.ragged_paged_attention.ops import register_impl
@@ -65,10 +64,9 @@ def ragged_paged_attention_cpu(
 ) -> jax.Array:
     """The op on the native CPU kernel. Same arguments and result as the reference."""
     supports(q, k_cache, target)
-    d = q.shape[-1]
     out = jax.ffi.ffi_call(kernels.ffi_target(TARGET, target),
                            jax.ShapeDtypeStruct(q.shape, jnp.float32))(
-        q.astype(jnp.float32), head_view(k_cache, d), head_view(v_cache, d), *_metadata(md),
+        q.astype(jnp.float32), k_cache, v_cache, *_metadata(md),
         **_attrs(sm_scale, sliding_window, soft_cap))
     return out.astype(q.dtype)
 
@@ -92,18 +90,17 @@ def write_kv_and_attend_cpu(
     scatter converts the whole array). k, v: [T, Hkv, D], cast to the caches' dtype.
     """
     supports(q, k_cache, target)
-    shape = k_cache.shape
-    k_heads, v_heads = head_view(k_cache, q.shape[-1]), head_view(v_cache, q.shape[-1])
-    out, k_heads, v_heads = jax.ffi.ffi_call(
+    num_kv_heads(k_cache, q.shape[-1])  # rows of whole heads, else ValueError
+    out, k_cache, v_cache = jax.ffi.ffi_call(
         kernels.ffi_target(FUSED_TARGET, target),
         (jax.ShapeDtypeStruct(q.shape, jnp.float32),
-         jax.ShapeDtypeStruct(k_heads.shape, k_cache.dtype),
-         jax.ShapeDtypeStruct(v_heads.shape, v_cache.dtype)),
+         jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+         jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)),
         input_output_aliases={3: 1, 4: 2},
-    )(q.astype(jnp.float32), k.astype(k_cache.dtype), v.astype(v_cache.dtype), k_heads, v_heads,
+    )(q.astype(jnp.float32), k.astype(k_cache.dtype), v.astype(v_cache.dtype), k_cache, v_cache,
       *_metadata(md), md.slot_mapping.astype(jnp.int32),
       **_attrs(sm_scale, sliding_window, soft_cap))
-    return out.astype(q.dtype), k_heads.reshape(shape), v_heads.reshape(shape)
+    return out.astype(q.dtype), k_cache, v_cache
 
 
 def rope_write_kv_and_attend_cpu(
@@ -136,18 +133,16 @@ def rope_write_kv_and_attend_cpu(
     if qkv.shape[1] != (num_heads + 2 * hkv) * d or cos.shape != (T, d // 2) or sin.shape != cos.shape:
         raise ValueError(f"rope_write_kv_and_attend: qkv {qkv.shape}, cos {cos.shape} do not fit "
                          f"{num_heads} + 2 x {hkv} heads of {d}")
-    shape = k_cache.shape
-    k_heads, v_heads = head_view(k_cache, d), head_view(v_cache, d)
-    out, k_heads, v_heads = jax.ffi.ffi_call(
+    out, k_cache, v_cache = jax.ffi.ffi_call(
         kernels.ffi_target(ROPE_TARGET, target),
         (jax.ShapeDtypeStruct((T, num_heads, d), jnp.float32),
-         jax.ShapeDtypeStruct(k_heads.shape, k_cache.dtype),
-         jax.ShapeDtypeStruct(v_heads.shape, v_cache.dtype)),
+         jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+         jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)),
         input_output_aliases={3: 1, 4: 2},
     )(qkv.astype(jnp.float32).reshape(T, num_heads + 2 * hkv, d), cos.astype(jnp.float32),
-      sin.astype(jnp.float32), k_heads, v_heads, *_metadata(md), md.slot_mapping.astype(jnp.int32),
+      sin.astype(jnp.float32), k_cache, v_cache, *_metadata(md), md.slot_mapping.astype(jnp.int32),
       **_attrs(sm_scale, sliding_window, soft_cap))
-    return out, k_heads.reshape(shape), v_heads.reshape(shape)
+    return out, k_cache, v_cache
 
 
 def _metadata(md: AttentionMetadata) -> tuple[jax.Array, ...]:
