@@ -52,7 +52,10 @@ FINAL_SOFT_CAP = "final_soft_cap"  # logits soft-capped (Gemma 2)
 MOE = "moe"  # a routed mixture of experts in place of (some layers') MLP
 INT8_WEIGHTS = "int8_weights"  # weight-only int8 matmul weights with per-channel scales
 
-# Logical axes of each layer's k and v: [pages, page_size, kv_heads, head_dim].
+# Logical axes of each layer's k and v viewed per head, [pages, page_size, kv_heads, head_dim].
+# The arrays are stored [pages, page_size, kv_heads * head_dim] (one token's heads in one
+# lane-dense row: ragged_paged_attention/metadata.py), split as the merge of these axes' specs
+# (`sharding.merge_minor_dims`, runner/kv_cache.py).
 KV_CACHE_AXES = ("pages", None, "kv_heads", "head_dim")
 
 
@@ -61,8 +64,8 @@ KV_CACHE_AXES = ("pages", None, "kv_heads", "head_dim")
 class KVCache:
     """One K and one V array per layer (separate arrays, so each is updated in place)."""
 
-    k: tuple[jax.Array, ...]  # L x [N, page_size, Hkv, D]
-    v: tuple[jax.Array, ...]  # L x [N, page_size, Hkv, D]
+    k: tuple[jax.Array, ...]  # L x [N, page_size, Hkv * D]
+    v: tuple[jax.Array, ...]  # L x [N, page_size, Hkv * D]
 
     @property
     def num_layers(self) -> int:

@@ -293,6 +293,17 @@ def without_axes(spec: PartitionSpec, axes: frozenset[str]) -> PartitionSpec:
     return PartitionSpec(*out)
 
 
+def merge_minor_dims(spec: PartitionSpec) -> PartitionSpec:
+    """The spec of an array whose last two dimensions are merged into one (row-major, `[.., A, B]`
+    as `[.., A * B]`) from the spec of the unmerged view: the merged dimension is split by A's
+    mesh axes, then B's, which places every element on the devices the unmerged spec does.
+    `spec`: one entry for every dimension of the unmerged view."""
+    entries = list(spec)
+    merged = _axes_tuple(entries[-2]) + _axes_tuple(entries[-1])
+    return PartitionSpec(*entries[:-2],
+                         None if not merged else merged[0] if len(merged) == 1 else merged)
+
+
 def mesh_axes_size(mesh: Mesh, axes: MeshAxes) -> int:
     """How many ways `axes` (a spec entry) split a dimension on `mesh`."""
     return math.prod(mesh.shape[a] for a in _axes_tuple(axes))

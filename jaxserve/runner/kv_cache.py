@@ -6,16 +6,37 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 
 from jaxserve.models.arch_config import ArchConfig
 from jaxserve.models.interface import KV_CACHE_AXES, KVCache
-from jaxserve.models.sharding import DEFAULT_RULES, Rules, logical_to_spec, mesh_axes_size, named_sharding
+from jaxserve.models.sharding import (
+    DEFAULT_RULES,
+    Rules,
+    logical_to_spec,
+    merge_minor_dims,
+    mesh_axes_size,
+)
 
 
 def kv_cache_shape(cfg: ArchConfig, num_pages: int, page_size: int) -> tuple[int, ...]:
-    """The shape of one layer's K (or V) array."""
+    """The shape of one layer's K (or V) array: `[N, page_size, Hkv * D]`, a token's KV heads in
+    one row (the layout every attention implementation reads and the KV write writes:
+    `ragged_paged_attention/metadata.py`)."""
+    return (num_pages, page_size, cfg.num_kv_heads * cfg.head_dim)
+
+
+def kv_head_shape(cfg: ArchConfig, num_pages: int, page_size: int) -> tuple[int, ...]:
+    """The per-head view of one layer's array, `[N, page_size, Hkv, D]`: the shape
+    `KV_CACHE_AXES` name (how the rules split the cache is decided on heads)."""
     return (num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+
+
+def kv_cache_spec(cfg: ArchConfig, page_size: int, mesh: Mesh, rules: Rules | None = None):
+    """The PartitionSpec of one layer's array: the rules' split of the per-head view, its heads
+    and head_dim merged into the row (a head split stays whole heads on each device)."""
+    return merge_minor_dims(logical_to_spec(KV_CACHE_AXES, kv_head_shape(cfg, 1, page_size), mesh,
+                                            _rules(rules)))
 
 
 def bytes_per_page(cfg: ArchConfig, page_size: int, dtype, mesh: Mesh | None = None,
@@ -24,7 +45,7 @@ def bytes_per_page(cfg: ArchConfig, page_size: int, dtype, mesh: Mesh | None = N
     split as the rules say), or in all (no mesh)."""
     heads = cfg.num_kv_heads
     if mesh is not None:
-        spec = logical_to_spec(KV_CACHE_AXES, kv_cache_shape(cfg, 1, page_size), mesh, _rules(rules))
+        spec = logical_to_spec(KV_CACHE_AXES, kv_head_shape(cfg, 1, page_size), mesh, _rules(rules))
         heads //= mesh_axes_size(mesh, spec[2])
     return 2 * cfg.num_layers * page_size * heads * cfg.head_dim * jnp.dtype(dtype).itemsize
 
@@ -46,7 +67,7 @@ def _rules(rules: Rules | None) -> Rules:
 
 
 def kv_cache_sharding(cfg: ArchConfig, num_pages: int, page_size: int, mesh: Mesh, rules: Rules | None = None):
-    return named_sharding(KV_CACHE_AXES, kv_cache_shape(cfg, num_pages, page_size), mesh, _rules(rules))
+    return NamedSharding(mesh, kv_cache_spec(cfg, page_size, mesh, rules))
 
 
 def abstract_kv_cache(cfg: ArchConfig, num_pages: int, page_size: int, dtype, mesh: Mesh,

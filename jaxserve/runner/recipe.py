@@ -271,13 +271,13 @@ def target_attention(requested: str, platform: str, cfg, mesh, rules, page_size:
     from jaxserve.models.interface import KV_CACHE_AXES
     from jaxserve.pallas_kernels.kv_quant import attention_dtype
     from jaxserve.pallas_kernels.ragged_paged_attention.ops import auto_candidates, resolve_impl, supports_check
-    from jaxserve.runner.kv_cache import kv_cache_shape
+    from jaxserve.runner.kv_cache import kv_head_shape
 
     if devices is None and hasattr(mesh, "devices"):
         devices = list(mesh.devices.flat)
     candidates = (auto_candidates(platform, devices) if requested == "auto"
                   else (resolve_impl(requested, platform),))
-    spec = ax.logical_to_spec(KV_CACHE_AXES, kv_cache_shape(cfg, 1, page_size), mesh, rules)
+    spec = ax.logical_to_spec(KV_CACHE_AXES, kv_head_shape(cfg, 1, page_size), mesh, rules)
     split = ax.mesh_axes_size(mesh, spec[2])
     notes = []
     for impl in candidates:
@@ -286,17 +286,17 @@ def target_attention(requested: str, platform: str, cfg, mesh, rules, page_size:
             return impl, "; ".join(notes) or None
         try:
             check(jax.ShapeDtypeStruct((1, cfg.num_heads // split, cfg.head_dim), attention_dtype(kv_dtype, dtype)),
-                  jax.ShapeDtypeStruct((1, page_size, cfg.num_kv_heads // split, cfg.head_dim), kv_dtype))
+                  jax.ShapeDtypeStruct((1, page_size, cfg.num_kv_heads // split * cfg.head_dim), kv_dtype))
         except ValueError as e:
             notes.append(f"{impl} kernel unsupported: {e}")
             continue
         return impl, "; ".join(notes) or None
     return "reference", "; ".join(notes)
-    spec = ax.logical_to_spec(KV_CACHE_AXES, kv_cache_shape(cfg, 1, page_size), mesh, rules)
+    spec = ax.logical_to_spec(KV_CACHE_AXES, kv_head_shape(cfg, 1, page_size), mesh, rules)
     split = ax.mesh_axes_size(mesh, spec[2])
     try:
         check(jax.ShapeDtypeStruct((1, cfg.num_heads // split, cfg.head_dim), attention_dtype(kv_dtype, dtype)),
-              jax.ShapeDtypeStruct((1, page_size, cfg.num_kv_heads // split, cfg.head_dim), kv_dtype))
+              jax.ShapeDtypeStruct((1, page_size, cfg.num_kv_heads // split * cfg.head_dim), kv_dtype))
     except ValueError as e:
         return "reference", f"{impl} kernel unsupported: {e}"
     return impl, None

@@ -46,24 +46,27 @@ class AttentionSpec:
 
 def attention_specs(k_shape, cache_shape, mesh: Mesh, rules: ax.Rules,
                     manual: frozenset[str] = frozenset()) -> tuple[P, P]:
-    """(spec of q, k and v [T, H, D], spec of a cache [N, page_size, Hkv, D]) for the
+    """(spec of q, k and v [T, H, D], spec of a cache [N, page_size, Hkv * D]) for the
     attention `shard_map`, from the rules, leaving out the mesh axes already `manual` (the
     data-parallel step's "data": there the cache is the rank's own pages). Query heads follow
-    the KV heads' split (a query head group stays with its KV head)."""
+    the KV heads' split (a query head group stays with its KV head); the cache's rows are split
+    as its per-head view's heads (`KV_CACHE_AXES`), so each device holds whole heads."""
+    _, hkv, d = k_shape
     heads = ax.without_axes(ax.logical_to_spec(KV_AXES, k_shape, mesh, rules), manual)
-    cache = ax.without_axes(ax.logical_to_spec(KV_CACHE_AXES, cache_shape, mesh, rules), manual)
+    per_head = (cache_shape[0], cache_shape[1], hkv, d)
+    cache = ax.without_axes(ax.logical_to_spec(KV_CACHE_AXES, per_head, mesh, rules), manual)
     if cache[0] is not None or cache[3] is not None or heads[2] is not None:
         raise ValueError(f"attention cannot run with the KV cache split as {cache}: pages and "
                          "head_dim must stay whole on each device (see sharding.check_servable)")
     assert cache[2] == heads[1], (cache, heads)
-    return heads, cache
+    return heads, ax.merge_minor_dims(cache)
 
 
 def paged_attention(
     q: jax.Array,  # [T, Hq, D]
     k: jax.Array,  # [T, Hkv, D]
     v: jax.Array,  # [T, Hkv, D]
-    k_cache: jax.Array,  # [N, page_size, Hkv, D], this layer's
+    k_cache: jax.Array,  # [N, page_size, Hkv * D], this layer's
     v_cache: jax.Array,
     md: AttentionMetadata,
     spec: AttentionSpec,

@@ -5,15 +5,15 @@ Implementations are looked up by name in a registry (`pallas_kernels/registry.py
 arguments as `write_kv` (k_cache, v_cache, k, v, slot_mapping).
 
 The reference is one XLA scatter of T rows of `Hkv * D` elements into the donated per-layer
-cache. Where XLA updates it in place (tests/pallas_kernels/test_kv_write.py checks the HLO has
-no cache copy) it moves exactly the new bytes, which is all a kernel could do: "gpu" (and
-"gpu-interpret") are the reference, and so is "tpu" for 16- and 32-bit caches and for one-byte
-caches whose rows XLA:TPU lays out major (Hkv >= 4). For one-byte caches whose page rows XLA:TPU
-packs four to a 32-bit word (Hkv < 4, D a multiple of 128, pages of a multiple of 32), XLA's
-scatter rewrites the whole layer array: "tpu" is then the Pallas write kernel
-(`kv_cache_update/tpu.py`), which touches only the quads of rows it writes; "tpu-interpret"
-runs that kernel in Pallas interpret mode (any backend). (With D = 64 XLA:TPU puts the pages in
-the lanes, and its scatter rewrites the layer array whatever the dtype; no row DMA reaches a
+cache `[N, page_size, Hkv * D]`. Where XLA updates it in place (tests/pallas_kernels/
+test_kv_write.py checks the HLO has no cache copy) it moves exactly the new bytes, which is all
+a kernel could do: "gpu" (and "gpu-interpret") are the reference, and so is "tpu" for 16- and
+32-bit caches. For one-byte caches, whose page rows XLA:TPU packs four to a 32-bit word
+(`Hkv * D` a multiple of 128, pages of a multiple of 32), XLA's scatter rewrites the whole layer
+array: "tpu" is then the Pallas write kernel (`kv_cache_update/tpu.py`), which touches only the
+quads of rows it writes; "tpu-interpret" runs that kernel in Pallas interpret mode (any
+backend). (Where `Hkv * D` is not a multiple of 128, e.g. 3 heads of 64, XLA:TPU puts the pages
+in the lanes, and its scatter rewrites the layer array whatever the dtype; no row DMA reaches a
 token there: the reference stays.) The attention op passes its own
 implementation's name (`impl_for_attention`), so that a step compiled for TPUs on another host
 (`shard-plan`) writes with the TPU kernel too.
@@ -84,7 +84,7 @@ def write_kv(
     *,
     impl: str = "auto",
 ) -> tuple[jax.Array, jax.Array]:
-    """Write `k`, `v` ([T, Hkv, D]) into one layer's caches ([N, page_size, Hkv, D]).
+    """Write `k`, `v` ([T, Hkv, D]) into one layer's caches ([N, page_size, Hkv * D]).
 
     Token t goes to `slot_mapping[t] = page * page_size + offset`. Returns the updated
     `(k_cache, v_cache)`; the update is in place when the caches are donated (or are a loop

@@ -1,20 +1,18 @@
 """Pallas TPU write of new K/V rows into a one-byte (fp8, int8) paged cache, in place.
 
-Why a kernel. XLA:TPU's default layout for a one-byte cache `[N, ps, Hkv, D]` with Hkv < 4 and
-D a multiple of 128 is {3,1,2,0}: physically `[N, Hkv, ps, D]`, each KV head's page whole
-(32, 128) tiles in which four rows share each 32-bit word. XLA's scatter of token rows into
-that layout is not in place: it copies the layer array to another tiling, scatters and copies
-it back (the write of 64 rows into a v6e layer cache of 4,097 pages of 32 rows of 2 x 128
-bytes: 202 MB accessed); its gathers from the cache do the same. (With Hkv >= 4 the layout is
-{3,2,1,0}, a row a whole tile, and XLA's scatter is in place; so it is for 16- and 32-bit
-caches with D a multiple of 128.)
+Why a kernel. XLA:TPU lays out a one-byte cache `[N, ps, Hkv * D]` (`Hkv * D` a multiple of
+128) with a page's rows in the tiled second-minor dimension: whole (32, 128) tiles in which
+four rows share each 32-bit word. XLA's scatter of token rows into that layout is not in place:
+it copies the layer array to another tiling, scatters and copies it back (the write of 64 rows
+into a v6e layer cache of 4,097 pages of 32 rows of 1,024 bytes: 270 MB accessed). (A 16-bit
+cache packs two rows a word, and there XLA's scatter is in place; so it is for 32-bit caches.)
 
-View. The kernel takes the cache as `[N, Hkv, ps, D]`, a transpose that is a bitcast of that
-layout, aliased input to output. One token's row of a head is not addressable by a DMA; four
-rows are (a quad: rows 4i..4i+3 of a page, one packed sublane row; Mosaic accepts DMAs of
-4-aligned 4-row slices of an 8-bit array, not of single rows, and vector loads of whole
-(32, 128) tiles only). So the write works on quads, listed by `quad_plan.plan_tasks` (XLA, on
-T-element arrays): a task is the rows one run of consecutive slots writes in one quad.
+View. The kernel takes the cache as `[N, 1, ps, Hkv * D]` (a bitcast), aliased input to
+output. One token's row is not addressable by a DMA; four rows are (a quad: rows 4i..4i+3 of a
+page, one packed sublane row; Mosaic accepts DMAs of 4-aligned 4-row slices of an 8-bit array,
+not of single rows, and vector loads of whole (32, 128) tiles only). So the write works on
+quads, listed by `quad_plan.plan_tasks` (XLA, on T-element arrays): a task is the rows one run
+of consecutive slots writes in one quad.
 
 Kernel. Grid over blocks of `quads_per_block` tasks. Per block: a whole task (all four rows
 new) is one DMA from the shifted copy of the new rows (`quad_plan.shifted_rows`: there the
@@ -26,9 +24,10 @@ serial tasks run last, one at a time (read, merge, write, wait), in the last gri
 cache is touched only through these DMAs: the bytes moved are the touched quads (read and
 written, or only written when whole) and the new rows, never the layer array.
 
-Shapes it takes (`supports`): a one-byte cache with that layout (`rows_are_second_minor`) and
-pages of a multiple of 32 rows (whole tiles per page, as the attention kernel needs for
-one-byte pages). The ops module sends the others to the reference scatter.
+Shapes it takes (`supports`): a one-byte cache with lane-dense rows (`Hkv * D` a multiple of
+128: `rows_are_second_minor`) and pages of a multiple of 32 rows (whole tiles per page, as the
+attention kernel needs for one-byte pages). The ops module sends the others to the reference
+scatter.
 """
 
 from __future__ import annotations
@@ -50,21 +49,20 @@ from jaxserve.pallas_kernels.kv_cache_update.quad_plan import (
 
 
 def rows_are_second_minor(k_cache) -> bool:
-    """Whether XLA:TPU's default layout of the one-byte cache `k_cache` ([N, ps, Hkv, D]) puts
-    the page's rows in the tiled second-minor dimension ({3,1,2,0}), as it does (v5e, v6e) for
-    Hkv < 4 with D a multiple of 128. Hkv >= 4 gives {3,2,1,0} (a row a tile, XLA's scatter in
-    place); D = 64 gives {0,3,2,1} (the pages in the lanes: no row DMA reaches a token)."""
-    _, _, hkv, d = k_cache.shape
-    return jnp.dtype(k_cache.dtype).itemsize == 1 and hkv < 4 and d % 128 == 0
+    """Whether XLA:TPU's default layout of the one-byte cache `k_cache` ([N, ps, Hkv * D]) puts
+    the page's rows in the tiled second-minor dimension, four to a word ({2,1,0}), as it does
+    when the rows are whole lane tiles (`Hkv * D` a multiple of 128). Other widths put the pages
+    in the lanes ({0,2,1}): no row DMA reaches a token there."""
+    return jnp.dtype(k_cache.dtype).itemsize == 1 and k_cache.shape[2] % 128 == 0
 
 
 def supports(k_cache) -> None:
-    """Raise ValueError when the kernel cannot write into `k_cache` ([N, ps, Hkv, D]) in place."""
-    _, ps, hkv, d = k_cache.shape
+    """Raise ValueError when the kernel cannot write into `k_cache` ([N, ps, Hkv * D]) in place."""
+    _, ps, width = k_cache.shape
     if not rows_are_second_minor(k_cache):
         raise ValueError(
-            f"the tpu write kernel is for one-byte caches laid out with the page's rows "
-            f"second-minor (Hkv < 4, D a multiple of 128); got {k_cache.dtype} Hkv={hkv} D={d}")
+            f"the tpu write kernel is for one-byte caches with lane-dense rows (Hkv * D a "
+            f"multiple of 128); got {k_cache.dtype} rows of {width}")
     if ps % 32:
         raise ValueError(f"the tpu write kernel needs page_size to be a multiple of 32 for "
                          f"one-byte caches (whole (32, 128) tiles per page); got {ps}")
@@ -73,10 +71,10 @@ def supports(k_cache) -> None:
 def _kernel(
     quads_ref, info_ref, count_ref, serial_ref, serial_count_ref,  # scalar prefetch (SMEM)
     row_mask_ref,  # VMEM block [R, 1] int32: the rows the block's tasks write
-    k_new, v_new,  # HBM [4, Hkv, rows, D]: the shifted copies of the new rows
-    k_in, v_in,  # the caches, HBM [N, Hkv, ps, D] (aliased to the outputs)
+    k_new, v_new,  # HBM [4, 1, rows, Hkv * D]: the shifted copies of the new rows
+    k_in, v_in,  # the caches, HBM [N, 1, ps, Hkv * D] (aliased to the outputs)
     k_out, v_out,  # the same buffers
-    k_old, v_old, k_add, v_add,  # VMEM [Hkv, R, D]: quads read from the cache; their new rows
+    k_old, v_old, k_add, v_add,  # VMEM [1, R, Hkv * D]: quads read from the cache; their new rows
     sem,  # DMA semaphores [2]: reads, writes
     *, quads_per_block, quads_per_page, num_blocks,
 ):
@@ -173,12 +171,14 @@ def write_kv_tpu(
     """`write_kv_reference`'s semantics for the caches `supports` takes, by DMA into the
     aliased caches. `interpret=True` runs the kernel in TPU interpret mode (any backend)."""
     supports(k_cache)
-    n, ps, hkv, d = k_cache.shape
+    n, ps, width = k_cache.shape
     t = slot_mapping.shape[0]
     dtype = k_cache.dtype
     tasks = plan_tasks(slot_mapping, n * ps)
     rows = pl.cdiv(t + 2 * ROWS_PER_WORD, 32) * 32  # whole (32, 128) tiles
-    k_new, v_new = (shifted_rows(x.astype(dtype), rows) for x in (k, v))
+    # The kernel's view: one "head" of whole rows (all KV heads of a token, lane-dense).
+    hkv, d = 1, width
+    k_new, v_new = (shifted_rows(x.astype(dtype).reshape(t, hkv, d), rows) for x in (k, v))
 
     qb = min(quads_per_block, pl.cdiv(t, 8) * 8)  # a multiple of 8: whole tiles of quads
     blocks = pl.cdiv(t, qb)
@@ -197,8 +197,8 @@ def write_kv_tpu(
     quad_bytes = hkv * ROWS_PER_WORD * d * jnp.dtype(dtype).itemsize
     # At most: each of the T tasks reads a cache quad and a new quad and writes one, K and V.
     bytes_moved = 2 * 3 * t * quad_bytes + row_mask.size * 4 + 5 * 4 * t
-    # The caches as [N, Hkv, ps, D]: a bitcast of XLA's {3,1,2,0} layout.
-    k_view, v_view = (x.transpose(0, 2, 1, 3) for x in (k_cache, v_cache))
+    # The caches as [N, 1, ps, Hkv * D]: a bitcast.
+    k_view, v_view = (x.reshape(n, hkv, ps, d) for x in (k_cache, v_cache))
     buf = pltpu.VMEM((hkv, r, d), dtype)
     k_pages, v_pages = pl.pallas_call(
         kernel,
@@ -219,4 +219,4 @@ def write_kv_tpu(
         name="write_kv_tpu",
     )(quads, info, tasks.count, serial, tasks.serial_count, row_mask, k_new, v_new,
       k_view, v_view)
-    return k_pages.transpose(0, 2, 1, 3), v_pages.transpose(0, 2, 1, 3)
+    return k_pages.reshape(n, ps, width), v_pages.reshape(n, ps, width)

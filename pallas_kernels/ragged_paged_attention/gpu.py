@@ -47,7 +47,10 @@ from jax.experimental.pallas import triton as plgpu
 
 from jaxserve.pallas_kernels.kv_quant import upcast
 from jaxserve.pallas_kernels.ragged_paged_attention import blocks
-from jaxserve.pallas_kernels.ragged_paged_attention.metadata import AttentionMetadata
+from jaxserve.pallas_kernels.ragged_paged_attention.metadata import (
+    AttentionMetadata,
+    num_kv_heads,
+)
 
 _F32 = jnp.float32
 _I32 = jnp.int32
@@ -170,7 +173,8 @@ def ragged_paged_attention_gpu(
     `num_stages`. `interpret=True` runs the kernel with the Pallas interpreter (any backend).
     """
     T, Hq, D = q.shape
-    N, ps, Hkv, _ = k_cache.shape
+    N, ps, _ = k_cache.shape
+    Hkv = num_kv_heads(k_cache, D)
     R, P = md.block_tables.shape
     G = Hq // Hkv
     supports(q, k_cache)
@@ -194,7 +198,7 @@ def ragged_paged_attention_gpu(
     blk_req, blk_idx, NB = blocks.plan_blocks(md, Bq)
     tokens = blocks.block_tokens(md, blk_req, blk_idx, Bq)
     q_blk = blocks.gather_queries(q, tokens, Hkv, Gp)  # [NB, Hkv, M, D]
-    k_rows = k_cache.reshape(N * ps, Hkv, D)  # free: contiguous
+    k_rows = k_cache.reshape(N * ps, Hkv, D)  # free: row-major
     v_rows = v_cache.reshape(N * ps, Hkv, D)
 
     kernel = functools.partial(

@@ -17,7 +17,8 @@ Two kernels share one body, and a call runs both over the ragged batch:
   every program of this grid exits at once (no copy, no store).
 
 The body: the keys a program reads arrive by TMA, one copy per page and K/V
-(`k_cache[page, :, h, :]` is a strided `[page_size, D]` box: Hopper's TMA has no gather) into
+(the cache `[N, page_size, Hkv * D]` viewed per head, a free reshape: `[page, :, h, :]` is a
+strided `[page_size, D]` box: Hopper's TMA has no gather) into
 shared memory laid out for wgmma (8-row tiles, 128-byte swizzle), `slots` chunks deep (the
 pipeline: chunks c + 1 .. c + slots - 1 are in flight while chunk c is computed; a chunk's
 page copies arrive on one barrier; copies past the program's last chunk are not issued, and a
@@ -55,7 +56,11 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxserve.pallas_kernels.kv_quant import is_quantized
 from jaxserve.pallas_kernels.ragged_paged_attention import blocks, gpu_blocks
-from jaxserve.pallas_kernels.ragged_paged_attention.metadata import AttentionMetadata
+from jaxserve.pallas_kernels.ragged_paged_attention.metadata import (
+    AttentionMetadata,
+    head_view,
+    num_kv_heads,
+)
 
 _F32 = jnp.float32
 _I32 = jnp.int32
@@ -101,7 +106,8 @@ def shared_memory_bytes(head_dim: int, page_size: int, *, cache_itemsize: int = 
 
 def supports(q: jax.Array, k_cache: jax.Array) -> None:
     """Raise ValueError when the kernel cannot take these shapes."""
-    D, ps, Hkv = q.shape[-1], k_cache.shape[1], k_cache.shape[2]
+    D, ps = q.shape[-1], k_cache.shape[1]
+    Hkv = num_kv_heads(k_cache, D)
     G = q.shape[-2] // Hkv if q.ndim == 3 and q.shape[-2] % Hkv == 0 else 1
     cache = jnp.dtype(k_cache.dtype)
     one_byte = is_quantized(cache)
@@ -371,10 +377,12 @@ def ragged_paged_attention_gpu_mosaic(
     tests). `chunk_pages` (the op's knob for the reference) is ignored: a chunk is
     `chunk_keys` keys."""
     T, Hq, D = q.shape
-    N, ps, Hkv, _ = k_cache.shape
+    N, ps, _ = k_cache.shape
+    Hkv = num_kv_heads(k_cache, D)
     R, P = md.block_tables.shape
     G = Hq // Hkv
     supports(q, k_cache)
+    k_cache, v_cache = head_view(k_cache, D), head_view(v_cache, D)  # free: row-major
     tb = gpu_blocks.lookup(D, jnp.dtype(k_cache.dtype).itemsize)
     C, K = chunk_size(ps, chunk_keys or tb.chunk_keys)
     dtype = q.dtype if is_quantized(k_cache.dtype) else k_cache.dtype

@@ -36,7 +36,10 @@ import jax.numpy as jnp
 
 from jaxserve.pallas_kernels.kv_cache_update.ops import impl_for_attention, write_kv
 from jaxserve.pallas_kernels.kv_quant import is_quantized
-from jaxserve.pallas_kernels.ragged_paged_attention.metadata import AttentionMetadata
+from jaxserve.pallas_kernels.ragged_paged_attention.metadata import (
+    AttentionMetadata,
+    num_kv_heads,
+)
 from jaxserve.pallas_kernels.ragged_paged_attention.reference import (
     ragged_paged_attention_reference,
 )
@@ -131,7 +134,7 @@ def auto_for_dtypes(backend: str | None, devices, cache_dtype, model_dtype, *,
 
     candidates = auto_candidates(backend, devices)
     q = jax.ShapeDtypeStruct((1, 1, head_dim), attention_dtype(cache_dtype, model_dtype))
-    cache = jax.ShapeDtypeStruct((1, page_size, 1, head_dim), cache_dtype)
+    cache = jax.ShapeDtypeStruct((1, page_size, head_dim), cache_dtype)
     for name in candidates:
         try:
             if name in _SUPPORTS:
@@ -160,16 +163,13 @@ def validate_inputs(q, k_cache, v_cache, md: AttentionMetadata, *, sliding_windo
     """Static shape / dtype checks of the op's arguments; raises ValueError with the reason."""
     if getattr(q, "ndim", None) != 3:
         raise ValueError(f"q must be [T, Hq, D]; got shape {getattr(q, 'shape', None)}")
-    if getattr(k_cache, "ndim", None) != 4 or getattr(v_cache, "shape", None) != k_cache.shape:
+    if getattr(k_cache, "ndim", None) != 3 or getattr(v_cache, "shape", None) != k_cache.shape:
         raise ValueError(
-            f"k_cache/v_cache must both be [N, page_size, Hkv, D] (one layer); got "
+            f"k_cache/v_cache must both be [N, page_size, Hkv * D] (one layer); got "
             f"{getattr(k_cache, 'shape', None)} and {getattr(v_cache, 'shape', None)}"
         )
     T, Hq, D = q.shape
-    _, _, Hkv, Dk = k_cache.shape
-    if Dk != D:
-        raise ValueError(f"head dim mismatch: q {q.shape} has D={D}, the cache {k_cache.shape} "
-                         f"has D={Dk}")
+    Hkv = num_kv_heads(k_cache, D)
     if Hq % Hkv:
         raise ValueError(f"Hq={Hq} (q {q.shape}) must be a multiple of Hkv={Hkv} (cache "
                          f"{k_cache.shape})")
@@ -281,7 +281,8 @@ def ragged_paged_attention(
     """Attention of a flat ragged batch of queries over one layer's paged KV cache.
 
     q: [T, Hq, D] (Hq a multiple of Hkv; query head h reads KV head h // (Hq // Hkv)).
-    k_cache, v_cache: [N, page_size, Hkv, D], this layer's cache, already holding this step's
+    k_cache, v_cache: [N, page_size, Hkv * D], this layer's cache (`metadata.py`: the one
+    layout every implementation reads and writes), already holding this step's
     K/V (`write_kv`); fp8 or int8 pages are read as they are, their scales folded into q and
     the output by the caller (`kv_quant.py`). Returns [T, Hq, D] in q.dtype; padding tokens get
     zeros.

@@ -25,7 +25,8 @@ nothing of size [T, max_context] is ever built. Each row keeps an online-softmax
 max, sum, accumulator); parts are merged by log-sum-exp. Every live token takes one path:
 
 - decode path, requests with exactly one query this step: one row per request. Each iteration
-  gathers `chunk_pages` pages of every such request ([R, chunk, Hkv, D]) and contracts them with
+  gathers `chunk_pages` pages of every such request ([R, chunk, page_size, Hkv * D], viewed as
+  [R, chunk * page_size, Hkv, D]: a reshape of the gathered pages only) and contracts them with
   the request's query. Trip count: the max over those requests of the chunks their
   (window-limited) context spans. The default chunk is 128 keys: on XLA:CPU the cost is in the
   gather and the K/V transposes feeding the two products, not in the loop, and a long chunk
@@ -56,7 +57,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxserve.pallas_kernels.kv_quant import upcast
-from jaxserve.pallas_kernels.ragged_paged_attention.metadata import AttentionMetadata
+from jaxserve.pallas_kernels.ragged_paged_attention.metadata import (
+    AttentionMetadata,
+    num_kv_heads,
+)
 
 # Keys per loop iteration when chunk_pages is not given (CPU-tuned defaults, see
 # benchmarks/attention_reference_bench.py), and queries per prefill work item.
@@ -117,7 +121,7 @@ def ragged_paged_attention_reference(
 ) -> jax.Array:
     """Ragged paged attention over one layer's paged cache. See the module docstring.
 
-    q: [T, Hq, D]; k_cache, v_cache: [N, page_size, Hkv, D] (one layer); returns [T, Hq, D] in
+    q: [T, Hq, D]; k_cache, v_cache: [N, page_size, Hkv * D] (one layer); returns [T, Hq, D] in
     q.dtype (zeros for padding tokens). Tuning knobs, none
     of which changes the result beyond float rounding: `chunk_pages`, pages read per key-loop
     iteration (default: CPU-tuned per path); `query_block`, queries per prefill work item
@@ -125,14 +129,13 @@ def ragged_paged_attention_reference(
     off, see the module docstring).
     """
     T, Hq, D = q.shape
-    if k_cache.ndim != 4 or v_cache.shape != k_cache.shape:
+    if v_cache.shape != k_cache.shape:
         raise ValueError(
-            f"k_cache/v_cache must both be [N, page_size, Hkv, D] (one layer); got "
+            f"k_cache/v_cache must both be [N, page_size, Hkv * D] (one layer); got "
             f"{k_cache.shape} and {v_cache.shape}"
         )
-    _, ps, Hkv, Dk = k_cache.shape
-    if Dk != D:
-        raise ValueError(f"head dim mismatch: q has D={D}, the cache has D={Dk}")
+    Hkv = num_kv_heads(k_cache, D)  # the cache's pages are cut into heads once gathered
+    ps = k_cache.shape[1]
     if Hq % Hkv:
         raise ValueError(f"Hq={Hq} must be a multiple of Hkv={Hkv}")
     if md.num_tokens != T:
@@ -175,8 +178,8 @@ def ragged_paged_attention_reference(
         tok_live = t_idx < qsl[md.num_seqs]
         tok_pos = kv_len[tok_req] - (qsl[tok_req + 1] - t_idx)
         slots = md.slot_mapping.astype(_I32)
-        k_new = upcast(k_cache[slots // ps, slots % ps], q.dtype)  # [T, Hkv, D]: one gather
-        v_new = upcast(v_cache[slots // ps, slots % ps], q.dtype)
+        k_new = upcast(k_cache[slots // ps, slots % ps].reshape(T, Hkv, D), q.dtype)  # one gather
+        v_new = upcast(v_cache[slots // ps, slots % ps].reshape(T, Hkv, D), q.dtype)
         mask = (
             (tok_req[:, None] == tok_req[None, :])
             & (t_idx[None, :] <= t_idx[:, None])

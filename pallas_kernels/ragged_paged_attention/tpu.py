@@ -13,9 +13,10 @@ Queries come in block layout `[NB, Hkv, Bq * G, D]` (one VMEM block per grid ste
 normal BlockSpec: its last two dims are whole, so any Bq * G is legal); outputs leave the same
 way and `blocks.scatter_outputs` puts them back in token order.
 
-K/V streaming. The layer's caches stay in HBM (`memory_space=ANY`), viewed as `[N, ps, Hkv * D]`
-(a free reshape, so a page is ONE contiguous DMA of `ps * Hkv * D` elements, all KV heads at
-once, lane-dense). A KV block is `chunk_pages` pages (`block_k = chunk_pages * ps`
+K/V streaming. The layer's caches stay in HBM (`memory_space=ANY`) in the layout they are
+stored in, `[N, ps, Hkv * D]` (`metadata.py`): XLA:TPU tiles a page's rows and lanes in whole
+(8, 128) tiles, so a page is ONE contiguous DMA of `ps * Hkv * D` elements, all KV heads at
+once, lane-dense, and the kernel's operand is the cache as the write left it (no relayout). A KV block is `chunk_pages` pages (`block_k = chunk_pages * ps`
 keys). The kernel visits only the keys the query block can see (sliding-window start of its
 first query .. its last query) and double-buffers: before computing on KV block c it starts the
 DMAs of block c + 1 into the other VMEM slot (`pltpu.make_async_copy`, one DMA semaphore per
@@ -42,7 +43,9 @@ crosses grid steps, so megacore chips may split it).
 
 Device requirements not checked by interpret mode (see `validate_tpu_shapes`): page_size must
 be a multiple of the sublane tiling (8 for 32-bit, 16 for bfloat16, 32 for fp8 and int8) so
-each page DMA lands on whole VMEM tiles, and `Hkv * D` a multiple of 128. Head dim 64 with an
+each page DMA lands on whole VMEM tiles, and `Hkv * D` a multiple of 128 (XLA:TPU lays out a
+cache whose rows are not whole lane tiles with the pages in the lanes, `{0,2,1}`: no page is
+contiguous there). Head dim 64 with an
 odd KV head index uses a lane-offset-64 slice of the page buffer (Mosaic handles it with a lane
 shift; only exercised in interpret mode so far).
 """
@@ -59,7 +62,10 @@ from jax.experimental.pallas import tpu as pltpu
 
 from jaxserve.pallas_kernels.kv_quant import upcast
 from jaxserve.pallas_kernels.ragged_paged_attention import blocks
-from jaxserve.pallas_kernels.ragged_paged_attention.metadata import AttentionMetadata
+from jaxserve.pallas_kernels.ragged_paged_attention.metadata import (
+    AttentionMetadata,
+    num_kv_heads,
+)
 
 _F32 = jnp.float32
 _I32 = jnp.int32
@@ -81,8 +87,8 @@ def validate_tpu_shapes(page_size: int, num_kv_heads: int, head_dim: int, dtype)
 
 def supports(q: jax.Array, k_cache: jax.Array) -> None:
     """Raise ValueError when the kernel cannot take these shapes."""
-    _, ps, hkv, d = k_cache.shape
-    validate_tpu_shapes(ps, hkv, d, k_cache.dtype)
+    d = q.shape[-1]
+    validate_tpu_shapes(k_cache.shape[1], num_kv_heads(k_cache, d), d, k_cache.dtype)
 
 
 def default_chunk_pages(page_size: int, num_kv_heads: int, head_dim: int) -> int:
@@ -227,7 +233,8 @@ def ragged_paged_attention_tpu(
     simulated).
     """
     T, Hq, D = q.shape
-    N, ps, Hkv, _ = k_cache.shape
+    ps = k_cache.shape[1]
+    Hkv = num_kv_heads(k_cache, D)
     R, P = md.block_tables.shape
     G = Hq // Hkv
     validate_tpu_shapes(ps, Hkv, D, k_cache.dtype)
@@ -239,9 +246,6 @@ def ragged_paged_attention_tpu(
     blk_req, blk_idx, NB = blocks.plan_blocks(md, Bq)
     tokens = blocks.block_tokens(md, blk_req, blk_idx, Bq)
     q_blk = blocks.gather_queries(q, tokens, Hkv, G)  # [NB, Hkv, M, D]
-    k_pages = k_cache.reshape(N, ps, Hkv * D)  # free: contiguous
-    v_pages = v_cache.reshape(N, ps, Hkv * D)
-
     kernel = functools.partial(
         _kernel, block_q=Bq, group=G, page_size=ps, pages_per_req=P, chunk_pages=C,
         sm_scale=float(sm_scale), sliding_window=sliding_window,
@@ -273,6 +277,6 @@ def ragged_paged_attention_tpu(
         name="ragged_paged_attention_tpu",
     )(
         blk_req, blk_idx, md.query_start_loc.astype(_I32), md.kv_lens.astype(_I32),
-        md.block_tables.astype(_I32).reshape(R * P), q_blk, k_pages, v_pages,
+        md.block_tables.astype(_I32).reshape(R * P), q_blk, k_cache, v_cache,
     )
     return blocks.scatter_outputs(o_blk, tokens, T, Hq)

@@ -250,8 +250,9 @@ def test_fused_write_and_attend_matches_the_two_ops(dtype, target):
     fused_jit = jax.jit(fused, donate_argnums=(3, 4))
     hlo = fused_jit.lower(q, k, v, kc, vc, md).compile().as_text()
     assert native.ffi_target(cpu.FUSED_TARGET, target) in hlo
-    shape = f"{'bf16' if dtype == jnp.bfloat16 else 'f32'}[{kc.shape[0]},8,2,64]"
-    assert cache_copies(hlo, shape) == []
+    name = 'bf16' if dtype == jnp.bfloat16 else 'f32'
+    for shape in (f"{name}[{kc.shape[0]},8,128]", f"{name}[{kc.shape[0]},8,2,64]"):  # and per head
+        assert cache_copies(hlo, shape) == []
     got = fused_jit(q, k, v, kc, vc, md)
     np.testing.assert_array_equal(np.asarray(got[1], np.float32)[1:],
                                   np.asarray(want[1], np.float32)[1:])  # page 0: padding writes
@@ -297,7 +298,7 @@ def test_rope_write_and_attend_matches_the_composed_ops(dtype, target):
         if impl == "cpu" and target != native.selected_target():
             f = jax.jit(kernel_of(target))
         else:
-            f = jax.jit(lambda qkv, rope, kc, vc, md: attention_qkv(qkv, rope, kc, vc, md, spec, hq))
+            f = jax.jit(lambda qkv, rope, kc, vc, md: attention_qkv(qkv, rope, kc, vc, md, spec, hq, d))
         return f, f(qkv, rope, kc, vc, md)
 
     fused, got = run("cpu")

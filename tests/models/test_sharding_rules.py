@@ -73,13 +73,17 @@ def test_attention_specs_follow_the_rules():
     """The attention shard_map's specs come from the rules table: changing kv_heads there
     changes them (no hard-coded mesh axis)."""
     mesh = make_mesh(2, 4)
-    k, cache = (16, 8, 64), (32, 16, 8, 64)
-    assert attention_specs(k, cache, mesh, load_rules("tp")) == (P(None, "model", None), P(None, None, "model", None))
+    k, cache = (16, 8, 64), (32, 16, 8 * 64)  # the cache's rows: its 8 heads of 64
+    assert attention_specs(k, cache, mesh, load_rules("tp")) == (P(None, "model", None), P(None, None, "model"))
     assert attention_specs(k, cache, mesh, load_rules({"kv_heads": "data"})) == (
-        P(None, "data", None), P(None, None, "data", None))
-    assert attention_specs(k, cache, mesh, load_rules("tp-kv-replicated")) == (P(None, None, None), P(None, None, None, None))
+        P(None, "data", None), P(None, None, "data"))
+    assert attention_specs(k, cache, mesh, load_rules("tp-kv-replicated")) == (P(None, None, None), P(None, None, None))
     assert attention_specs(k, cache, mesh, load_rules({"kv_heads": ["data", "model"]})) == (
-        P(None, ("data", "model"), None), P(None, None, ("data", "model"), None))
+        P(None, ("data", "model"), None), P(None, None, ("data", "model")))
+    # Split by heads, not by the row's width: 2 KV heads on a 4-way axis stay whole (replicated),
+    # though the row (128) would divide.
+    assert attention_specs((16, 2, 64), (32, 16, 128), mesh, load_rules("tp")) == (
+        P(None, None, None), P(None, None, None))
     with pytest.raises(ValueError, match="pages and head_dim must stay whole"):
         attention_specs(k, cache, mesh, load_rules("attn-dp"))
 

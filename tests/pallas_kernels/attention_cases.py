@@ -30,7 +30,7 @@ def make_case(
 ):
     """A random ragged batch. reqs: list of (cached_context_len, query_len) per live request.
 
-    The caches `kc`, `vc` are one layer's, [N, page_size, hkv, d]. Pages are shuffled and
+    The caches `kc`, `vc` are one layer's, [N, page_size, hkv * d]. Pages are shuffled and
     non-contiguous; everything (null page included) is random. Padding requests fill up to
     r_pad, padding tokens up to t_pad (they write the null page).
     """
@@ -62,7 +62,7 @@ def make_case(
             slots[t] = bt[r, pos // ps] * ps + pos % ps
             t += 1
     slots[t:] = np.arange(T - t) % ps  # padding tokens write the null page
-    shape = (N, ps, hkv, d)
+    shape = (N, ps, hkv * d)
     kc = rng.standard_normal(shape, np.float32)
     vc = rng.standard_normal(shape, np.float32)
     q = rng.standard_normal((T, hq, d), np.float32)
@@ -82,9 +82,10 @@ def naive_attention(case, *, sm_scale, sliding_window=None, soft_cap=None):
     """Dense float64 attention: materialise each request's K/V from its block table."""
     q = np.asarray(case["q"], np.float64)
     T, hq, d = q.shape
-    kc = np.asarray(case["kc"], np.float64)  # [N, page_size, Hkv, D]
-    vc = np.asarray(case["vc"], np.float64)
-    hkv = kc.shape[2]
+    n_pages, page_size, width = np.shape(case["kc"])
+    hkv = width // d
+    kc = np.asarray(case["kc"], np.float64).reshape(n_pages, page_size, hkv, d)
+    vc = np.asarray(case["vc"], np.float64).reshape(n_pages, page_size, hkv, d)
     g = hq // hkv
     ps, bt, qsl = case["ps"], case["bt"], case["qsl"]
     out = np.zeros((T, hq, d))

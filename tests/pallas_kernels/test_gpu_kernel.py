@@ -108,15 +108,15 @@ def test_validation_errors():
     q, kc, vc = (jnp.asarray(case[k]) for k in ("q", "kc", "vc"))
     md = case["md"]
     call = functools.partial(ragged_paged_attention, sm_scale=0.1, impl="gpu-interpret")
-    with pytest.raises(ValueError, match="head dim mismatch"):
-        call(q[..., :32], kc, vc, md)
+    with pytest.raises(ValueError, match="not whole heads"):
+        call(q[..., :48], kc, vc, md)
     with pytest.raises(ValueError, match="multiple of Hkv"):
         call(q[:, :3], kc, vc, md)
     with pytest.raises(ValueError, match=r"\[T, Hq, D\]"):
         call(q[0], kc, vc, md)
     with pytest.raises(ValueError, match="one dtype"):
         call(q.astype(jnp.bfloat16), kc, vc, md)
-    with pytest.raises(ValueError, match=r"\[N, page_size, Hkv, D\]"):  # a layer-stacked cache
+    with pytest.raises(ValueError, match=r"\[N, page_size, Hkv \* D\]"):  # a layer-stacked cache
         call(q, kc[None], vc[None], md)
     with pytest.raises(ValueError, match="slot_mapping"):
         call(q[:3], kc, vc, md)

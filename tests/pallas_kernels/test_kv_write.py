@@ -14,7 +14,7 @@ from jaxserve.pallas_kernels import AttentionMetadata, ragged_paged_attention, w
 from jaxserve.pallas_kernels.kv_cache_update import ops as kv_ops
 
 L, N, PS, HKV, D = 4, 9, 8, 2, 16
-CACHE_SHAPE = f"f32[{N},{PS},{HKV},{D}]"  # one layer's cache in HLO text
+CACHE_SHAPE = f"f32[{N},{PS},{HKV * D}]"  # one layer's cache in HLO text
 
 
 def cache_copies(hlo: str, cache_shape: str) -> list[str]:
@@ -24,8 +24,8 @@ def cache_copies(hlo: str, cache_shape: str) -> list[str]:
 
 
 def random_cache(rng, dtype=np.float32):
-    """One layer's (k_cache, v_cache), each [N, PS, HKV, D]."""
-    shape = (N, PS, HKV, D)
+    """One layer's (k_cache, v_cache), each [N, PS, HKV * D]."""
+    shape = (N, PS, HKV * D)
     return (rng.standard_normal(shape).astype(dtype), rng.standard_normal(shape).astype(dtype))
 
 
@@ -39,8 +39,8 @@ def naive_write(kc, vc, k, v, slots):
     kc, vc = kc.copy(), vc.copy()
     for t, s in enumerate(slots):
         if 0 <= s < N * PS:
-            kc[s // PS, s % PS] = k[t]
-            vc[s // PS, s % PS] = v[t]
+            kc[s // PS, s % PS] = k[t].reshape(-1)  # a token's row: its heads in turn
+            vc[s // PS, s % PS] = v[t].reshape(-1)
     return kc, vc
 
 
@@ -188,7 +188,7 @@ def test_dispatch_and_shape_errors():
                 write_kv(kc, vc, k, k, slots, impl=impl)
     with pytest.raises(ValueError, match="unknown impl"):
         write_kv(kc, vc, k, k, slots, impl="nope")
-    with pytest.raises(ValueError, match=r"\[N, page_size, Hkv, D\]"):  # a layer-stacked cache
+    with pytest.raises(ValueError, match=r"\[N, page_size, Hkv \* D\]"):  # a layer-stacked cache
         write_kv(kc[None], vc[None], k, k, slots)
     with pytest.raises(ValueError, match=r"\[T=2"):
         write_kv(kc, vc, k[:, :1], k, slots)
@@ -196,7 +196,7 @@ def test_dispatch_and_shape_errors():
 
 # ------------------------------------------------- the TPU kernel for one-byte caches (tpu.py)
 ONE_BYTE = [jnp.int8, jnp.float8_e4m3fn]
-QN, QPS, QHKV, QD = 4, 32, 2, 128  # Hkv < 4, D = 128, pages of 32: the kernel's layout
+QN, QPS, QHKV, QD = 4, 32, 2, 128  # rows of 2 x 128 bytes, pages of 32: the kernel's layout
 # A run inside a page (37..41: part of a quad, a whole quad, part of one), a run across pages
 # (62..67), a lone token, tokens of one quad from different runs (113, 112: serial), slots out
 # of range (dropped), padding tokens wrapping around the null page (slots shared).
@@ -216,7 +216,7 @@ def test_tpu_kernel_writes_one_byte_caches_like_the_reference(dtype, kernel_devi
         fn = kv_ops._REGISTRY.impls[impl]
         assert getattr(fn, "func", fn) is kv_ops._write_kv_tpu
     rng = np.random.default_rng(5)
-    shape = (QN, QPS, QHKV, QD)
+    shape = (QN, QPS, QHKV * QD)
     as_bits = lambda x: np.asarray(jax.lax.bitcast_convert_type(x, jnp.int8))  # noqa: E731
     kc, vc = (jnp.asarray(rng.integers(-100, 100, shape), dtype) for _ in range(2))
     slots = np.asarray(Q_SLOTS, np.int32)
@@ -235,7 +235,8 @@ def test_tpu_kernel_writes_one_byte_caches_like_the_reference(dtype, kernel_devi
             elif len(writers) == 1:
                 np.testing.assert_array_equal(row, w[s // QPS, s % QPS], err_msg=f"slot {s}")
             else:
-                assert any(np.array_equal(row, new[t]) for t in writers), f"shared slot {s}"
+                assert any(np.array_equal(row, new[t].reshape(-1)) for t in writers), \
+                    f"shared slot {s}"
 
 
 def test_tpu_kernel_writes_in_place_when_compiled_for_v6e():
@@ -254,7 +255,7 @@ def test_tpu_kernel_writes_in_place_when_compiled_for_v6e():
     n, t, dtype = 4097, 8, jnp.float8_e4m3fn
     sd = lambda shape, dt=dtype: jax.ShapeDtypeStruct(  # noqa: E731
         shape, dt, sharding=SingleDeviceSharding(devices[0]))
-    cache = sd((n, QPS, QHKV, QD))
+    cache = sd((n, QPS, QHKV * QD))
     compiled = jax.jit(lambda *a: write_kv(*a, impl="tpu"), donate_argnums=(0, 1)).lower(
         cache, cache, sd((t, QHKV, QD)), sd((t, QHKV, QD)), sd((t,), jnp.int32)).compile()
     hlo = compiled.as_text()

@@ -16,6 +16,7 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 from jaxserve.pallas_kernels import kv_quant
+from jaxserve.pallas_kernels.ragged_paged_attention.metadata import head_view
 from jaxserve.pallas_kernels.ragged_paged_attention.ops import (
     ragged_paged_attention,
     write_kv_and_attend,
@@ -30,10 +31,20 @@ SCALES = {INT8: ((0.036, 0.05), (0.04, 0.03)), FP8: ((0.5, 2.0), (1.0, 0.25))}
 STATIC = ("sm_scale", "sliding_window", "soft_cap", "impl", "k_scale", "v_scale")
 
 
+def quantize_pages(cache, scale, dtype, d: int):
+    """A cache [N, page_size, Hkv * D] quantized head by head (`kv_quant.quantize` takes
+    [..., Hkv, D]), in the cache's layout."""
+    return kv_quant.quantize(head_view(jnp.asarray(cache), d), scale, dtype).reshape(cache.shape)
+
+
+def dequantize_pages(cache, scale, d: int):
+    return np.asarray(kv_quant.dequantize(head_view(cache, d), scale)).reshape(cache.shape)
+
+
 def quantized_attention(q, kq, vq, md, *, impl, k_scale, v_scale, sm_scale, sliding_window=None,
                         soft_cap=None):
     """The model's composition (models/layers/attention.py): scales folded into q and out."""
-    hkv = kq.shape[2]
+    hkv = kq.shape[2] // q.shape[-1]
     out = ragged_paged_attention(kv_quant.scale_query(q, k_scale, hkv, q.dtype), kq, vq, md,
                                  sm_scale=sm_scale, sliding_window=sliding_window,
                                  soft_cap=soft_cap, impl=impl)
@@ -51,11 +62,11 @@ def check_quantized(impl: str, dtype, cfg: dict, n: int, seed: int, atol: float,
     for kind, case in random_batches(cfg, n, seed):
         if kind not in kinds:
             continue
-        kq = kv_quant.quantize(jnp.asarray(case["kc"]), ks, dtype)
-        vq = kv_quant.quantize(jnp.asarray(case["vc"]), vs, dtype)
+        kq = quantize_pages(case["kc"], ks, dtype, cfg["d"])
+        vq = quantize_pages(case["vc"], vs, dtype, cfg["d"])
         assert kq.dtype == dtype and kq.nbytes == case["kc"].size  # one byte a value
-        deq = dict(case, kc=np.asarray(kv_quant.dequantize(kq, ks)),
-                   vc=np.asarray(kv_quant.dequantize(vq, vs)))
+        deq = dict(case, kc=dequantize_pages(kq, ks, cfg["d"]),
+                   vc=dequantize_pages(vq, vs, cfg["d"]))
         out = attn_jit(jnp.asarray(case["q"]), kq, vq, case["md"], impl=impl, k_scale=ks,
                        v_scale=vs, sm_scale=sm_scale, **static)
         assert_close_to_naive(out, deq, atol=atol, sm_scale=sm_scale,
@@ -134,8 +145,8 @@ def test_write_then_attend_quantizes_on_write(impl):
         need_cpu_target("native")
     case = make_case([(5, 3), (0, 9)], page_size=32, hq=4, hkv=2, d=64, r_pad=4, t_pad=16)
     ks, vs = SCALES[INT8]
-    kq0 = kv_quant.quantize(jnp.asarray(case["kc"]), ks, INT8)
-    vq0 = kv_quant.quantize(jnp.asarray(case["vc"]), vs, INT8)
+    kq0 = quantize_pages(case["kc"], ks, INT8, 64)
+    vq0 = quantize_pages(case["vc"], vs, INT8, 64)
     rng = np.random.default_rng(0)
     k_new = rng.standard_normal((16, 2, 64), np.float32)
     v_new = rng.standard_normal((16, 2, 64), np.float32)
@@ -152,9 +163,8 @@ def test_write_then_attend_quantizes_on_write(impl):
     slots = np.asarray(case["md"].slot_mapping)[:12]  # the live tokens' slots
     page, off = slots // 32, slots % 32
     np.testing.assert_array_equal(np.asarray(kq)[page, off],
-                                  np.asarray(kv_quant.quantize(k_new[:12], ks, INT8)))
-    deq = dict(case, kc=np.asarray(kv_quant.dequantize(kq, ks)),
-               vc=np.asarray(kv_quant.dequantize(vq, vs)))
+                                  np.asarray(kv_quant.quantize(k_new[:12], ks, INT8)).reshape(12, -1))
+    deq = dict(case, kc=dequantize_pages(kq, ks, 64), vc=dequantize_pages(vq, vs, 64))
     assert_close_to_naive(out, deq, atol=1e-5, sm_scale=0.125)
 
 
@@ -163,7 +173,7 @@ def test_kernels_that_cannot_read_them_fall_back(caplog):
     kernel it is then runs the reference, saying so."""
     from jaxserve.pallas_kernels.ragged_paged_attention import gpu_mosaic, ops
 
-    kq = jnp.zeros((4, 32, 2, 64), FP8)
+    kq = jnp.zeros((4, 32, 2 * 64), FP8)
     q = jnp.zeros((8, 4, 64), jnp.float32)
     gpu_mosaic.supports(q.astype(jnp.bfloat16), kq)
     with pytest.raises(ValueError, match="16-bit|bfloat16 or float16 queries"):

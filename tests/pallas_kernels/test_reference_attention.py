@@ -211,8 +211,8 @@ def test_per_layer_caches_with_write_kv():
     slots = np.asarray(md.slot_mapping)[:n_live]
     for i in range(L):
         kc_w, vc_w = kcs[i].copy(), vcs[i].copy()
-        kc_w[slots // 16, slots % 16] = ks[i, :n_live]
-        vc_w[slots // 16, slots % 16] = vs[i, :n_live]
+        kc_w[slots // 16, slots % 16] = ks[i, :n_live].reshape(n_live, -1)
+        vc_w[slots // 16, slots % 16] = vs[i, :n_live].reshape(n_live, -1)
         # Live pages must match exactly (the null page holds arbitrary padding writes).
         np.testing.assert_array_equal(np.asarray(kc_out[i])[1:], kc_w[1:])
         np.testing.assert_array_equal(np.asarray(vc_out[i])[1:], vc_w[1:])

@@ -21,7 +21,7 @@ from jaxserve.models import interface as features
 from jaxserve.models.layers.linear import PackedWeight
 from jaxserve.backends.cpu.kernels.matmul import packed_matmul
 from jaxserve.pallas_kernels.kv_quant import is_quantized, quantize, scale_output, scale_query
-from jaxserve.pallas_kernels.ragged_paged_attention.metadata import AttentionMetadata
+from jaxserve.pallas_kernels.ragged_paged_attention.metadata import AttentionMetadata, num_kv_heads
 from jaxserve.pallas_kernels.ragged_paged_attention.ops import fused_rope_kernel, write_kv_and_attend
 from jaxserve.models.layers.rotary import apply_rotary
 
@@ -52,7 +52,7 @@ def fused_layer(model, p, h, rope, k_cache, v_cache, md: AttentionMetadata):
     with jax.named_scope("attention"):
         qkv = dense_fused(h, p["wqkv"], norm=p["input_norm"], eps=eps, live=live)
         attn, k_cache, v_cache = attention_qkv(qkv, rope, k_cache, v_cache, md, model.attn_spec,
-                                               cfg.num_heads)
+                                               cfg.num_heads, cfg.head_dim)
         h = dense_fused(attn.reshape(T, -1), p["wo"], residual=h, live=live)
     with jax.named_scope("mlp"):
         act = dense_fused(h, p["w_gate_up"], norm=p["post_norm"], eps=eps, glu=True, live=live)
@@ -60,12 +60,13 @@ def fused_layer(model, p, h, rope, k_cache, v_cache, md: AttentionMetadata):
     return h, k_cache, v_cache
 
 
-def attention_qkv(qkv, rope, k_cache, v_cache, md, spec, num_heads: int):
+def attention_qkv(qkv, rope, k_cache, v_cache, md, spec, num_heads: int, head_dim: int):
     """Rotary on q and k, write K/V, attend (one device): one kernel call where the attention
     kernel takes the whole block (the CPU kernel), else the composed ops. qkv: [T, (Hq + 2 Hkv)
     * D] float32. Returns (out [T, Hq, D], k_cache, v_cache)."""
     T = qkv.shape[0]
-    hkv, d = k_cache.shape[2], k_cache.shape[3]
+    d = head_dim
+    hkv = num_kv_heads(k_cache, d)
     x = qkv.reshape(T, num_heads + 2 * hkv, d)
     q, k, v = x[:, :num_heads], x[:, num_heads:num_heads + hkv], x[:, num_heads + hkv:]
     kernel = None if is_quantized(k_cache.dtype) else fused_rope_kernel(spec.impl, q, k_cache)

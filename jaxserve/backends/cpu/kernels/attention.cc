@@ -264,7 +264,8 @@ ffi::Error attend(const float* q, ffi::Span<const int64_t> qd, const void* k_cac
                   ffi::Buffer<ffi::S32>& query_start_loc, ffi::Buffer<ffi::S32>& num_seqs,
                   float* out, float sm_scale, int32_t sliding_window, float soft_cap) {
   const auto btd = block_tables.dimensions();
-  if (qd.size() != 3 || kd.size() != 4 || btd.size() != 2) {
+  // q [T, Hq, D]; the caches [N, page_size, Hkv * D] (a token's KV heads in one row).
+  if (qd.size() != 3 || kd.size() != 3 || btd.size() != 2 || qd[2] <= 0 || kd[2] % qd[2] != 0) {
     return ffi::Error::InvalidArgument("ragged_paged_attention: bad ranks");
   }
   if (!attention_dtype(et)) {
@@ -281,8 +282,8 @@ ffi::Error attend(const float* q, ffi::Span<const int64_t> qd, const void* k_cac
   p.out = out;
   p.pages_per_row = btd[1];
   p.page_size = kd[1];
-  p.hkv = kd[2];
-  p.d = kd[3];
+  p.d = qd[2];
+  p.hkv = kd[2] / qd[2];
   p.hq = qd[1];
   p.g = p.hq / p.hkv;
   p.sm_scale = sm_scale;
@@ -350,11 +351,11 @@ ffi::Error WriteKvAndAttendImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
   const auto kd = k_cache->dimensions();
   if (k.element_type() != et || v.element_type() != et || v_cache->element_type() != et ||
       k_cache_in.untyped_data() != k_cache->untyped_data() ||
-      v_cache_in.untyped_data() != v_cache->untyped_data() || kd.size() != 4) {
+      v_cache_in.untyped_data() != v_cache->untyped_data() || kd.size() != 3) {
     return ffi::Error::InvalidArgument(
         "write_kv_and_attend: k, v and the (aliased) caches must share one dtype");
   }
-  const int64_t row = kd[2] * kd[3] * static_cast<int64_t>(ffi::ByteWidth(et));
+  const int64_t row = kd[2] * static_cast<int64_t>(ffi::ByteWidth(et));
   const int64_t slots = kd[0] * kd[1];
   const int64_t T = slot_mapping.dimensions()[0];
   char* kc = static_cast<char*>(k_cache->untyped_data());
@@ -394,7 +395,7 @@ ffi::Error RopeWriteKvAndAttendImpl(ffi::Buffer<ffi::F32> qkv, ffi::Buffer<ffi::
   const auto kd = k_cache->dimensions();
   const auto xd = qkv.dimensions();
   const auto od = out->dimensions();
-  if (kd.size() != 4 || xd.size() != 3 || od.size() != 3 || v_cache->element_type() != et ||
+  if (kd.size() != 3 || xd.size() != 3 || od.size() != 3 || v_cache->element_type() != et ||
       k_cache_in.untyped_data() != k_cache->untyped_data() ||
       v_cache_in.untyped_data() != v_cache->untyped_data()) {
     return ffi::Error::InvalidArgument(
@@ -403,8 +404,8 @@ ffi::Error RopeWriteKvAndAttendImpl(ffi::Buffer<ffi::F32> qkv, ffi::Buffer<ffi::
   if (et != ffi::DataType::F32 && et != ffi::DataType::BF16) {
     return ffi::Error::InvalidArgument("rope_write_kv_and_attend: caches must be f32 or bf16");
   }
-  const int64_t T = xd[0], hkv = kd[2], d = kd[3], hq = od[1], half = d / 2;
-  if (xd[1] != hq + 2 * hkv || xd[2] != d || od[0] != T || od[2] != d || d % 2 != 0 ||
+  const int64_t T = xd[0], d = xd[2], hkv = d > 0 ? kd[2] / d : 0, hq = od[1], half = d / 2;
+  if (d <= 0 || kd[2] != hkv * d || xd[1] != hq + 2 * hkv || xd[2] != d || od[0] != T || od[2] != d || d % 2 != 0 ||
       cos.element_count() != static_cast<size_t>(T * half) ||
       sin.element_count() != static_cast<size_t>(T * half) ||
       slot_mapping.element_count() != static_cast<size_t>(T)) {

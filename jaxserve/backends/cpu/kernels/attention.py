@@ -10,7 +10,9 @@ Semantics are the reference's (`reference.py`), sliding window and soft cap incl
 float32 or bfloat16 (computed in float32), the caches float32 or bfloat16, or fp8 (e4m3) or int8
 pages, widened to float32 as they are read. How the library is
 built and loaded: `__init__.py`; without a C++ compiler, `supports()` raises and `impl="auto"`
-falls back to the reference with a warning. `target` (the entry points' keyword) names the
+falls back to the reference with a warning. The caches are `[N, page_size, Hkv * D]`, as
+stored (the kernel takes D from q; a reshape around the aliased custom call would make XLA:CPU
+copy the caches). `target` (the entry points' keyword) names the
 kernel build to call (`BUILD_TARGETS`; None: the process's). The CPU backend loads this module
 (`jaxserve.backends.cpu`); without it, "auto" on the CPU is the pure-JAX reference.
 """
@@ -23,7 +25,10 @@ import numpy as np
 
 from jaxserve.backends.cpu import kernels
 from jaxserve.pallas_kernels.kv_quant import is_quantized
-from jaxserve.pallas_kernels.ragged_paged_attention.metadata import AttentionMetadata
+from jaxserve.pallas_kernels.ragged_paged_attention.metadata import (
+    AttentionMetadata,
+    num_kv_heads,
+)
 from jaxserve.pallas_kernels.ragged_paged_attention.ops import register_impl
 
 TARGET = "jaxserve_ragged_paged_attention"
@@ -85,6 +90,7 @@ def write_kv_and_attend_cpu(
     scatter converts the whole array). k, v: [T, Hkv, D], cast to the caches' dtype.
     """
     supports(q, k_cache, target)
+    num_kv_heads(k_cache, q.shape[-1])  # rows of whole heads, else ValueError
     out, k_cache, v_cache = jax.ffi.ffi_call(
         kernels.ffi_target(FUSED_TARGET, target),
         (jax.ShapeDtypeStruct(q.shape, jnp.float32),
@@ -122,7 +128,8 @@ def rope_write_kv_and_attend_cpu(
         raise ValueError("rope_write_kv_and_attend writes float caches; quantized pages take "
                          "write_kv_and_attend_cpu")
     T = qkv.shape[0]
-    hkv, d = k_cache.shape[2], k_cache.shape[3]
+    d = 2 * cos.shape[-1]  # the rotary tables are half a head wide
+    hkv = num_kv_heads(k_cache, d)
     if qkv.shape[1] != (num_heads + 2 * hkv) * d or cos.shape != (T, d // 2) or sin.shape != cos.shape:
         raise ValueError(f"rope_write_kv_and_attend: qkv {qkv.shape}, cos {cos.shape} do not fit "
                          f"{num_heads} + 2 x {hkv} heads of {d}")
