@@ -14,19 +14,20 @@ from jaxserve.models.sharding import DEFAULT_RULES, Rules, logical_to_spec, mesh
 
 
 def kv_cache_shape(cfg: ArchConfig, num_pages: int, page_size: int) -> tuple[int, ...]:
-    """The shape of one layer's K (or V) array."""
-    return (num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+    """The shape of one layer's K (or V) array (the same for every layer: see
+    `ArchConfig.kv_cache_heads` for models whose layers differ)."""
+    return (num_pages, page_size, cfg.kv_cache_heads, cfg.kv_cache_head_dim)
 
 
 def bytes_per_page(cfg: ArchConfig, page_size: int, dtype, mesh: Mesh | None = None,
                    rules: Rules | None = None) -> int:
     """Bytes of K and V for one page across all layers: on one device of `mesh` (the KV heads
     split as the rules say), or in all (no mesh)."""
-    heads = cfg.num_kv_heads
+    heads = cfg.kv_cache_heads
     if mesh is not None:
         spec = logical_to_spec(KV_CACHE_AXES, kv_cache_shape(cfg, 1, page_size), mesh, _rules(rules))
         heads //= mesh_axes_size(mesh, spec[2])
-    return 2 * cfg.num_layers * page_size * heads * cfg.head_dim * jnp.dtype(dtype).itemsize
+    return 2 * cfg.num_kv_cache_layers * page_size * heads * cfg.kv_cache_head_dim * jnp.dtype(dtype).itemsize
 
 
 def num_pages_for_budget(cfg: ArchConfig, page_size: int, dtype, budget_bytes: int, mesh: Mesh | None = None,
@@ -55,7 +56,7 @@ def abstract_kv_cache(cfg: ArchConfig, num_pages: int, page_size: int, dtype, me
     shape = kv_cache_shape(cfg, num_pages, page_size)
     one = jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=kv_cache_sharding(cfg, num_pages, page_size,
                                                                                    mesh, rules))
-    L = cfg.num_layers
+    L = cfg.num_kv_cache_layers
     return KVCache(k=(one,) * L, v=(one,) * L)
 
 
@@ -70,5 +71,5 @@ def allocate_kv_cache(cfg: ArchConfig, num_pages: int, page_size: int, dtype, me
     `zeros`: the compiled function making one (`zeros_compiler`; compiled here when not given)."""
     if zeros is None:
         zeros = zeros_compiler(abstract_kv_cache(cfg, num_pages, page_size, dtype, mesh, rules).k[0])()
-    L = cfg.num_layers
+    L = cfg.num_kv_cache_layers
     return KVCache(k=tuple(zeros() for _ in range(L)), v=tuple(zeros() for _ in range(L)))
