@@ -216,7 +216,8 @@ class ArchConfig:
         max_pos = int(hf.get("max_position_embeddings", 2048))
         if num_heads % num_kv:
             raise ValueError(f"num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads ({num_kv}).")
-        act_name = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
+        act_name = (hf.get("hidden_activation") or hf.get("hidden_act")
+                    or ("gelu_pytorch_tanh" if arch in _GEMMA else "silu"))  # transformers' defaults
         act = _ACTIVATIONS.get(act_name)
         allowed = ("gelu_tanh", "gelu") if arch in _GEMMA else ("silu",)
         if act not in allowed:

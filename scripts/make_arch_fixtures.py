@@ -80,11 +80,13 @@ CASES: dict[str, dict] = {
     "qwen3_moe": dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], tie_word_embeddings=False,
                       num_hidden_layers=3, head_dim=16, moe_intermediate_size=32, num_experts=8,
                       num_experts_per_tok=2, norm_topk_prob=False, mlp_only_layers=[1], rope_theta=1000000.0),
-    # Gemma 4 (E2B's shape): per-layer input embeddings, wider heads in the full-attention layers
-    # (proportional RoPE rotating a quarter of them), the last two layers reading the KV of the
-    # last earlier layer of their type, with double-wide MLPs
+    # Gemma 4 with every attention feature (E2B's shape, plus 31B's full-attention heads): per-layer
+    # input embeddings, wider heads in the full-attention layers (proportional RoPE rotating a
+    # quarter of them), one KV head there whose values are its keys, the last two layers reading
+    # the KV of the last earlier layer of their type, with double-wide MLPs
     "gemma4": dict(model_type="gemma4_text", architectures=["Gemma4ForCausalLM"], tie_word_embeddings=True,
-                   num_hidden_layers=6, head_dim=16, global_head_dim=32, sliding_window=4,
+                   num_hidden_layers=6, head_dim=32, global_head_dim=64, num_global_key_value_heads=1,
+                   attention_k_eq_v=True, sliding_window=4,
                    layer_types=["sliding_attention", "sliding_attention", "full_attention",
                                 "sliding_attention", "sliding_attention", "full_attention"],
                    rope_parameters=dict(
@@ -97,7 +99,7 @@ CASES: dict[str, dict] = {
     # Gemma 4 MoE (26B-A4B's shape): a dense MLP and 8 routed experts side by side in every
     # layer; full-attention layers with one wider KV head whose values are its keys
     "gemma4_moe": dict(model_type="gemma4_text", architectures=["Gemma4ForCausalLM"], tie_word_embeddings=True,
-                       num_hidden_layers=4, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+                       num_hidden_layers=4, head_dim=32, global_head_dim=64, num_global_key_value_heads=1,
                        attention_k_eq_v=True, sliding_window=4,
                        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
                        rope_parameters=dict(
@@ -111,7 +113,7 @@ CASES: dict[str, dict] = {
 # MoE fixtures: router biases that make routing uneven (added along each layer's mean router
 # input, so expert 0 takes many tokens and expert 7 few), and the per-expert counts recorded.
 ROUTER_BIAS = [2.5, 1.5, 0.5, 0.0, 0.0, -0.5, -1.5, -3.0]
-GEMMA4_BIAS = 0.08  # Gemma 4's routers see normed, scaled-down inputs: a gentler push
+GEMMA4_BIAS = 0.12  # Gemma 4's routers see normed, scaled-down inputs: a gentler push
 # Hub checkpoints store MoE experts one tensor each; transformers 5 saves them stacked. The
 # fixture of each family is written in the hub layout (the loader reads both).
 HUB_EXPERT_NAMES = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
@@ -120,6 +122,11 @@ HUB_EXPERT_NAMES = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
 STACKED_MOE = ("gemma4_moe",)
 # Parameters (and buffers) that multiply rather than add: drawn near one like the norms.
 NEAR_ONE = ("norm", "router.scale", "per_expert_scale", "layer_scalar")
+
+# Cases whose expected files also hold transformers' greedy continuation of each sequence
+# (`generate`, through its KV cache) and each step's top-1 / top-2 log-prob margin.
+GREEDY = ("gemma4", "gemma4_moe")
+GREEDY_TOKENS = 8
 
 # Two token sequences of different lengths (the test feeds them as one ragged batch).
 SEQUENCES = [[1, 17, 45, 3, 99, 100, 7, 7, 64, 12, 120, 5, 33], [1, 8, 9, 127, 44, 2, 60]]
@@ -159,6 +166,12 @@ def main(names: list[str]) -> None:
                 logits = model(input_ids=ids).logits[0].float().numpy()
                 expected[f"logits_{i}"] = np.ascontiguousarray(logits)
                 expected[f"tokens_{i}"] = np.asarray(seq, dtype=np.int32)
+                if name in GREEDY:  # transformers' own greedy continuation (with its KV cache)
+                    out = model.generate(ids, max_new_tokens=GREEDY_TOKENS, do_sample=False, min_new_tokens=GREEDY_TOKENS,
+                                         output_scores=True, return_dict_in_generate=True)
+                    expected[f"greedy_{i}"] = out.sequences[0, len(seq):].numpy().astype(np.int32)
+                    top2 = torch.stack([torch.topk(torch.log_softmax(s[0].float(), -1), 2).values for s in out.scores])
+                    expected[f"greedy_margin_{i}"] = (top2[:, 0] - top2[:, 1]).numpy()
         save_file(expected, str(out_dir / "expected.safetensors"))
         cfg = json.loads((out_dir / "config.json").read_text())
         print(name, cfg["architectures"], {k: v.shape for k, v in expected.items()})
