@@ -145,6 +145,9 @@ class Gemma4DecoderLayer(nnx.Module):
 class Gemma4ForCausalLM(Gemma2ForCausalLM):
     layer_class = Gemma4DecoderLayer
     supports_lora = False  # the adapters' targets assume one head shape for every layer
+    # A quantized cache's scales are per layer and KV head: they would need mapping onto the
+    # KV-sharing layers' source arrays and the repeated heads (runner/kv_scales.py)
+    supports_quantized_kv_cache = False
 
     def __init__(self, config: ArchConfig, *, moe_impl: str = "ragged", **kw):
         super().__init__(config, moe_impl=moe_impl, **kw)

@@ -7,6 +7,7 @@ PyTorch implementations; this test needs no torch.
 from __future__ import annotations
 
 import json
+import pathlib
 
 import jax.numpy as jnp
 import numpy as np
@@ -54,6 +55,12 @@ def test_unknown_architecture_lists_every_served_one(data_dir):
         get_model_class("DeepseekV3ForCausalLM")
     listed = str(e.value).split("Supported architectures: ")[1].rstrip(".").split(", ")
     assert set(listed) == served and len(listed) == len(served)
+
+
+def test_readme_names_every_served_architecture():
+    readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
+    models = readme.split("## Models and checkpoints")[1].split("\n## ")[0]
+    assert [a for a in supported_architectures() if f"`{a}`" not in models] == []
 
 
 @pytest.mark.parametrize("name", MOE_CASES)

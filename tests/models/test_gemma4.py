@@ -80,6 +80,18 @@ def test_tensor_parallel_chunked_prefill_and_decode_match_transformers(data_dir,
     _assert_logits([np.concatenate(o) for o in out], expected)
 
 
+def test_lora_and_quantized_kv_caches_are_refused_by_name(data_dir):
+    from jaxserve.runner.kv_scales import prepare_kv_scales
+
+    from jaxserve.models.gemma4 import Gemma4ForCausalLM
+
+    cfg, _, _ = load_fixture(data_dir, "gemma4")
+    model = Gemma4ForCausalLM(cfg, dtype=jnp.float32, rngs=None)  # zeros: no weights needed
+    assert not model.supports_lora
+    with pytest.raises(ValueError, match="float8_e4m3fn KV cache is not supported for Gemma4ForCausalLM"):
+        prepare_kv_scales(model, jnp.float8_e4m3fn, None, lambda: [])
+
+
 # ------------------------------------------------------------------ config.json
 
 
