@@ -1,9 +1,10 @@
-"""Gemma 4 (text) on its two fixtures (tests/data/arch/gemma4: E2B's shape, per-layer inputs
-and KV-sharing layers, with 31B's k = v full-attention heads; gemma4_moe: 26B-A4B's shape,
-experts beside the MLP): transformers' float32 logits through each paged-attention kernel (the
-reference, the TPU and GPU kernels in interpret mode, the CPU kernel), and through chunked
-prefill and decode steps tensor-parallel over 2 simulated devices; and how config.json is
-read."""
+"""Gemma 4 (text) on the fixture with every attention feature (tests/data/arch/gemma4: E2B's
+shape, per-layer inputs and KV-sharing layers, with 31B's k = v full-attention heads):
+transformers' float32 logits through each paged-attention kernel (the reference, the TPU and
+GPU kernels in interpret mode, the CPU kernel), and through chunked prefill and decode steps
+tensor-parallel over 2 simulated devices; how config.json is read (also gemma4_moe: 26B-A4B's
+shape) and what is refused. Both fixtures' logits: test_arch_parity; served: tests/server/
+test_gemma4_serve.py."""
 
 from __future__ import annotations
 
@@ -22,9 +23,6 @@ from jaxserve.parallel.mesh import make_mesh
 from tests.models.model_utils import PagedRunner
 from tests.models.test_arch_parity import load_fixture
 
-CASES = ["gemma4", "gemma4_moe"]
-
-
 def _seqs(expected) -> list[list[int]]:
     return [expected["tokens_0"].tolist(), expected["tokens_1"].tolist()]
 
@@ -35,34 +33,32 @@ def _assert_logits(out, expected) -> None:
 
 
 # Each kernel on the fixture with every attention feature (gemma4: zero-padded narrow heads,
-# a repeated KV head, k = v, the KV-sharing layers' read-only attention); the MoE fixture's
-# attention is the same code, run here on the CPU kernel and in test_arch_parity on "auto".
-KERNELS = [("gemma4", "reference"), ("gemma4", "tpu-interpret"), ("gemma4", "gpu-interpret"),
-           ("gemma4", "cpu"), ("gemma4_moe", "cpu")]
+# a repeated KV head, k = v, the KV-sharing layers' read-only attention). The MoE fixture's
+# attention is the same code: test_arch_parity and test_sharding_rules run it on "auto", the
+# serving tests (tests/server/test_gemma4_serve.py) through decode steps.
 
 
-@pytest.mark.parametrize("name, impl", KERNELS)
-def test_each_attention_kernel_matches_transformers(data_dir, name, impl):
+@pytest.mark.parametrize("impl", ["reference", "tpu-interpret", "gpu-interpret", "cpu"])
+def test_each_attention_kernel_matches_transformers(data_dir, impl):
     """Both prompts in one step (page size 8: the TPU kernel's float32 tile) give transformers'
     logits with each kernel."""
-    cfg, tensors, expected = load_fixture(data_dir, name)
-    model = create_model(cfg, dtype=jnp.float32, get_tensor=tensors.__getitem__, attention_impl=impl,
-                         moe_impl="tiled")
+    cfg, tensors, expected = load_fixture(data_dir, "gemma4")
+    model = create_model(cfg, dtype=jnp.float32, get_tensor=tensors.__getitem__, attention_impl=impl)
     runner = PagedRunner(model, page_size=8, num_pages=8)
     seqs = _seqs(expected)
     _assert_logits(runner.step([(0, seqs[0], 0), (1, seqs[1], 0)], num_tokens=32, num_reqs=4,
                                pages_per_req=4), expected)
 
 
-@pytest.mark.parametrize("name", CASES)
-def test_tensor_parallel_chunked_prefill_and_decode_match_transformers(data_dir, name):
-    """Over 2 of the simulated devices (heads, MLPs, the experts' MLPs and the KV cache's heads
-    split): the first sequence in chunks of 5, then token by token while the second prefills in
-    chunks of 3 beside it. The sliding layers' windows and the KV-sharing layers' reads of
-    their source layers' pages span earlier steps; the logits stay transformers'."""
-    cfg, tensors, expected = load_fixture(data_dir, name)
+def test_tensor_parallel_chunked_prefill_and_decode_match_transformers(data_dir):
+    """Over 2 of the simulated devices (heads, MLPs and the KV cache's heads split; every
+    preset on both fixtures: test_sharding_rules): the first sequence in chunks of 5, then
+    token by token while the second prefills in chunks of 3 beside it. The sliding layers'
+    windows and the KV-sharing layers' reads of their source layers' pages span earlier
+    steps; the logits stay transformers'."""
+    cfg, tensors, expected = load_fixture(data_dir, "gemma4")
     mesh = make_mesh(1, 2)
-    model = create_model(cfg, dtype=jnp.float32, get_tensor=tensors.__getitem__, mesh=mesh, moe_impl="ragged")
+    model = create_model(cfg, dtype=jnp.float32, get_tensor=tensors.__getitem__, mesh=mesh)
     for layer in model.layers:
         assert layer.wq[...].sharding.spec == P(None, "model", None)
         assert layer.w_up[...].sharding.spec == P(None, "model")
