@@ -13,7 +13,8 @@ from typing import Any
 from jaxserve.models.weight_format import WeightFormat
 from jaxserve.models.quant_checkpoint import parse_quantization_config
 
-_SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope", "proportional")
+_SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope",
+                         "proportional")
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
@@ -217,7 +218,7 @@ class ArchConfig:
         if num_heads % num_kv:
             raise ValueError(f"num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads ({num_kv}).")
         act_name = (hf.get("hidden_activation") or hf.get("hidden_act")
-                    or ("gelu_pytorch_tanh" if arch in _GEMMA else "silu"))  # transformers' defaults
+                    or ("gelu_pytorch_tanh" if arch in _GEMMA else "silu"))  # as transformers
         act = _ACTIVATIONS.get(act_name)
         allowed = ("gelu_tanh", "gelu") if arch in _GEMMA else ("silu",)
         if act not in allowed:
@@ -266,7 +267,8 @@ class ArchConfig:
             qkv_bias=arch == "Qwen2ForCausalLM" or attn_bias,
             o_bias=attn_bias,
             mlp_bias=bool(hf.get("mlp_bias", False)),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", GEMMA4),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM",
+                             GEMMA4),
             sliding_window=int(sliding) if sliding else None,
             layer_types=layer_types,
             hidden_act=act,
@@ -350,21 +352,22 @@ def _gemma4_fields(hf: dict[str, Any], layer_types: tuple[str, ...], num_layers:
                    head_dim: int) -> dict[str, Any]:
     """Gemma 4's fields, with transformers' defaults for the keys config.json leaves out."""
     if hf.get("use_bidirectional_attention") == "all":
-        raise ValueError("Gemma4ForCausalLM with use_bidirectional_attention='all' (an encoder) is not "
-                         "supported: jaxserve serves causal decoders")
+        raise ValueError("Gemma4ForCausalLM with use_bidirectional_attention='all' (an encoder) "
+                         "is not supported: jaxserve serves causal decoders")
     global_dim, global_kv = _gemma4_global_heads(hf, layer_types, num_layers)
     if global_kv is not None and num_kv % global_kv and global_kv % num_kv:
-        raise ValueError(f"Gemma4ForCausalLM: the full-attention layers' {global_kv} KV heads and the "
-                         f"others' {num_kv} must divide one another (the cache holds the most of them)")
+        raise ValueError(f"Gemma4ForCausalLM: the full-attention layers' {global_kv} KV heads "
+                         f"and the others' {num_kv} must divide one another (the cache holds "
+                         "the most of them)")
     shared = int(hf.get("num_kv_shared_layers") or 0)
     if shared:
         first = num_layers - shared
         kinds = set(layer_types) if layer_types else {FULL_ATTENTION}
         if first <= 0 or set(layer_types[:first] if layer_types else kinds) != kinds:
-            raise ValueError(f"Gemma4ForCausalLM: num_kv_shared_layers={shared} leaves no earlier layer of "
-                             "each attention type to read the KV of")
+            raise ValueError(f"Gemma4ForCausalLM: num_kv_shared_layers={shared} leaves no "
+                             "earlier layer of each attention type to read the KV of")
     return dict(
-        query_pre_attn_scalar=1.0,  # Gemma 4 scales attention scores by 1 (its q/k norms set the scale)
+        query_pre_attn_scalar=1.0,  # scores scaled by 1: the q/k norms set their size
         final_logit_softcapping=_opt_float(hf.get("final_logit_softcapping")),
         attn_logit_softcapping=None,
         global_head_dim=global_dim if global_dim != head_dim else None,
@@ -386,13 +389,16 @@ def _gemma4_global_heads(hf: dict[str, Any], layer_types: tuple[str, ...], num_l
     if isinstance(per_layer, dict):
         overrides = {int(k): v or {} for k, v in per_layer.items() if str(k).isdigit()}
         if set(overrides) - set(full):
-            raise ValueError("Gemma4ForCausalLM: per_layer_config overrides sliding-window layers "
-                             f"{sorted(set(overrides) - set(full))}; only the full-attention layers may differ")
+            raise ValueError("Gemma4ForCausalLM: per_layer_config overrides sliding-window "
+                             f"layers {sorted(set(overrides) - set(full))}; only the "
+                             "full-attention layers may differ")
         found = {(o.get("head_dim"), o.get("num_key_value_heads")) for o in overrides.values()}
         found |= {(None, None)} if set(full) - set(overrides) else set()
-        if len(found) > 1 or set(k for o in overrides.values() for k in o) - {"head_dim", "num_key_value_heads"}:
-            raise ValueError(f"Gemma4ForCausalLM: per_layer_config {per_layer} is not supported (the "
-                             "full-attention layers must share one head_dim and KV head count)")
+        keys = {k for o in overrides.values() for k in o}
+        if len(found) > 1 or keys - {"head_dim", "num_key_value_heads"}:
+            raise ValueError(f"Gemma4ForCausalLM: per_layer_config {per_layer} is not supported "
+                             "(the full-attention layers must share one head_dim and KV head "
+                             "count)")
         dim, kv = found.pop()
         return int(dim or hf.get("head_dim") or 256), (None if kv is None else int(kv))
     dim = int(hf.get("global_head_dim", 512))
@@ -413,7 +419,8 @@ def _parse_moe(arch: str, hf: dict[str, Any], num_layers: int) -> dict[str, Any]
                     moe_intermediate_size=int(hf["moe_intermediate_size"]),
                     norm_topk_prob=bool(hf.get("norm_topk_prob", False)), moe_layers=layers)
     if arch == GEMMA4 and hf.get("enable_moe_block"):  # experts beside the dense MLP, every layer
-        return dict(num_experts=int(hf["num_experts"]), num_experts_per_tok=int(hf["top_k_experts"]),
+        return dict(num_experts=int(hf["num_experts"]),
+                    num_experts_per_tok=int(hf["top_k_experts"]),
                     moe_intermediate_size=int(hf["moe_intermediate_size"]), norm_topk_prob=True)
     return {}
 
@@ -450,8 +457,9 @@ def _rope_from_dict(arch: str, d: dict[str, Any], hf: dict[str, Any], max_pos: i
     if rope_type == "default":
         return theta, RopeScaling()
     if rope_type == "proportional":
-        return theta, RopeScaling(rope_type=rope_type, factor=float(d.get("factor", 1.0) or 1.0),
-                                  partial_rotary_factor=float(d.get("partial_rotary_factor", 1.0) or 1.0))
+        return theta, RopeScaling(
+            rope_type=rope_type, factor=float(d.get("factor", 1.0) or 1.0),
+            partial_rotary_factor=float(d.get("partial_rotary_factor", 1.0) or 1.0))
     # Phi-3 keeps the pretraining length at the top level, and it has priority there.
     original = hf.get("original_max_position_embeddings") or d.get("original_max_position_embeddings")
     original = int(original if original is not None else max_pos)  # transformers' default

@@ -46,7 +46,13 @@ from jaxserve.models.arch_config import ArchConfig
 from jaxserve.models.gemma import Gemma2ForCausalLM, gemma_features
 from jaxserve.models.interface import AttentionMetadata, KVCache
 from jaxserve.models.layers.attention import paged_attention, paged_attention_read
-from jaxserve.models.layers.linear import dense, dense_group, embedding_lookup, module_weights, param_weight
+from jaxserve.models.layers.linear import (
+    dense,
+    dense_group,
+    embedding_lookup,
+    module_weights,
+    param_weight,
+)
 from jaxserve.models.layers.moe import EXPERT_SPECS, moe_mlp
 from jaxserve.models.layers.moe import check_impl as check_moe_impl
 from jaxserve.models.layers.norm import rms_norm
@@ -66,11 +72,13 @@ def gemma4_features(cfg: ArchConfig, quantization: str | None) -> frozenset[str]
     out = set(gemma_features(cfg, quantization)) - {features.ONE_PLUS_W_NORM}
     out |= {features.RMS_NORM, features.V_NORM, features.LAYER_SCALAR}
     dims = {(cfg.layer_head_dim(i), cfg.layer_kv_heads(i)) for i in range(cfg.num_layers)}
-    for flag, name in ((len(dims) > 1, features.PER_LAYER_HEAD_DIMS),
-                       (cfg.global_k_eq_v, features.K_EQ_V),
-                       (cfg.per_layer_input_size > 0, features.PER_LAYER_INPUTS),
-                       (cfg.num_kv_shared_layers > 0, features.KV_SHARED_LAYERS),
-                       (cfg.num_experts > 0, features.MOE)):
+    for flag, name in (
+        (len(dims) > 1, features.PER_LAYER_HEAD_DIMS),
+        (cfg.global_k_eq_v, features.K_EQ_V),
+        (cfg.per_layer_input_size > 0, features.PER_LAYER_INPUTS),
+        (cfg.num_kv_shared_layers > 0, features.KV_SHARED_LAYERS),
+        (cfg.num_experts > 0, features.MOE),
+    ):
         if flag:
             out.add(name)
     return frozenset(out)
@@ -80,8 +88,19 @@ class Gemma4DecoderLayer(nnx.Module):
     """One Gemma 4 layer's weights (`wk`, `wv`, `k_norm` only where it projects its own keys
     and values), its attention spec, RoPE table and which layer's KV it reads."""
 
-    def __init__(self, cfg: ArchConfig, i: int, dtype, rngs: nnx.Rngs | None, *, attn_spec, rope,
-                 quantization: str | None, mesh, rules):
+    def __init__(
+        self,
+        cfg: ArchConfig,
+        i: int,
+        dtype,
+        rngs: nnx.Rngs | None,
+        *,
+        attn_spec,
+        rope,
+        quantization: str | None,
+        mesh,
+        rules,
+    ):
         self.attn_spec = attn_spec
         self.rope = rope
         self.kv_source = cfg.kv_source(i)
@@ -90,12 +109,28 @@ class Gemma4DecoderLayer(nnx.Module):
         self.head_dim = D = cfg.layer_head_dim(i)
         self.is_moe = cfg.is_moe_layer(i)
         self.expert_axis = self.mlp_axis = None
-        E, F, Hq, Hkv = cfg.hidden_size, cfg.layer_intermediate_size(i), cfg.num_heads, cfg.layer_kv_heads(i)
+        E, F, Hq, Hkv = (
+            cfg.hidden_size,
+            cfg.layer_intermediate_size(i),
+            cfg.num_heads,
+            cfg.layer_kv_heads(i),
+        )
         s = 0.02 * 2
         p = lambda shape, axes, **kw: _param(rngs, shape, axes, dtype, s, **kw)  # noqa: E731
         fmt = weight_format(cfg, quantization)
-        w = lambda name, shape, axes: add_weight(self, name, rngs, shape, axes, dtype, s,  # noqa: E731
-                                                 LAYER_SPECS[name], quantization, cfg.int8_block_size, fmt)
+        w = lambda name, shape, axes: add_weight(
+            self,
+            name,
+            rngs,
+            shape,
+            axes,
+            dtype,
+            s,  # noqa: E731
+            LAYER_SPECS[name],
+            quantization,
+            cfg.int8_block_size,
+            fmt,
+        )
         for name in ("input_norm", "post_attn_norm", "post_norm", "post_mlp_norm"):
             setattr(self, name, p((E,), (ax.EMBED,), ones=True))
         self.layer_scalar = p((1,), (None,), ones=True)
@@ -132,10 +167,23 @@ class Gemma4DecoderLayer(nnx.Module):
                 setattr(self, name, p((E,), (ax.EMBED,), ones=True))
             up_axes, down_axes = (ax.EXPERT, ax.EMBED, ax.MLP), (ax.EXPERT, ax.MLP, ax.EMBED)
             q = quantization
-            for name, shape, axes in (("x_gate", (X, E, Fx), up_axes), ("x_up", (X, E, Fx), up_axes),
-                                      ("x_down", (X, Fx, E), down_axes)):
-                add_weight(self, name, rngs, shape, axes, dtype, 0.04, EXPERT_SPECS["w" + name[1:]], q,
-                           cfg.int8_block_size)
+            for name, shape, axes in (
+                ("x_gate", (X, E, Fx), up_axes),
+                ("x_up", (X, E, Fx), up_axes),
+                ("x_down", (X, Fx, E), down_axes),
+            ):
+                add_weight(
+                    self,
+                    name,
+                    rngs,
+                    shape,
+                    axes,
+                    dtype,
+                    0.04,
+                    EXPERT_SPECS["w" + name[1:]],
+                    q,
+                    cfg.int8_block_size,
+                )
             if mesh is not None:  # as MoeDecoderLayer: the mesh axes the experts split over
                 spec = logical_to_spec(up_axes, (X, E, Fx), mesh, rules)
                 split = [a if a is not None and mesh_axes_size(mesh, a) > 1 else None for a in spec]
@@ -155,7 +203,9 @@ class Gemma4ForCausalLM(Gemma2ForCausalLM):
         cfg, rngs, dtype = config, kw.get("rngs"), kw.get("dtype", jnp.float32)
         L, P, E = cfg.num_layers, cfg.per_layer_input_size, cfg.hidden_size
         if P:
-            self.ple_embed = _param(rngs, (cfg.per_layer_vocab_size, L * P), (ax.VOCAB, None), dtype, 0.5)
+            self.ple_embed = _param(
+                rngs, (cfg.per_layer_vocab_size, L * P), (ax.VOCAB, None), dtype, 0.5
+            )
             self.ple_model_proj = _param(rngs, (E, L, P), (ax.EMBED, None, None), dtype, 0.05)
             self.ple_model_norm = _param(rngs, (P,), (None,), dtype, 0.0, ones=True)
 
@@ -164,15 +214,31 @@ class Gemma4ForCausalLM(Gemma2ForCausalLM):
         return gemma4_features(cfg, quantization)
 
     def make_layer(self, cfg, i, dtype, rngs, spec, quantization, mesh, rules):
-        return Gemma4DecoderLayer(cfg, i, dtype, rngs, attn_spec=spec, rope=layer_rope_spec(cfg, i),
-                                  quantization=quantization, mesh=mesh, rules=rules)
+        return Gemma4DecoderLayer(
+            cfg,
+            i,
+            dtype,
+            rngs,
+            attn_spec=spec,
+            rope=layer_rope_spec(cfg, i),
+            quantization=quantization,
+            mesh=mesh,
+            rules=rules,
+        )
 
     def norm(self, x: jax.Array, w: jax.Array | None) -> jax.Array:
         return rms_norm(x, w, self.config.rms_norm_eps)
 
     # ------------------------------------------------------------------ forward
-    def __call__(self, input_ids: jax.Array, positions: jax.Array, kv_cache: KVCache,
-                 md: AttentionMetadata, layer_impl=None, lora=None) -> tuple[jax.Array, KVCache]:
+    def __call__(
+        self,
+        input_ids: jax.Array,
+        positions: jax.Array,
+        kv_cache: KVCache,
+        md: AttentionMetadata,
+        layer_impl=None,
+        lora=None,
+    ) -> tuple[jax.Array, KVCache]:
         """As LlamaForCausalLM's, with the per-layer inputs computed once from the tokens and
         each layer reading (and, unless it shares another's, writing) its KV cache arrays."""
         if layer_impl is not None or lora is not None:
@@ -187,8 +253,15 @@ class Gemma4ForCausalLM(Gemma2ForCausalLM):
                 p = module_weights(layer)
                 c = layer.kv_source
                 h, k_caches[c], v_caches[c] = self._layer(
-                    layer, p, h, ropes[layer.rope], k_caches[c], v_caches[c], md,
-                    None if ple is None else ple[:, i])
+                    layer,
+                    p,
+                    h,
+                    ropes[layer.rope],
+                    k_caches[c],
+                    v_caches[c],
+                    md,
+                    None if ple is None else ple[:, i],
+                )
         with jax.named_scope("final_norm"):
             h = self.norm(h, self.final_norm[...])
         return h, KVCache(k=tuple(k_caches), v=tuple(v_caches))
@@ -200,24 +273,34 @@ class Gemma4ForCausalLM(Gemma2ForCausalLM):
         cfg = self.config
         L, P = cfg.num_layers, cfg.per_layer_input_size
         scale = np.float32(np.asarray(P**0.5, np.dtype(self.dtype)))
-        tokens = embedding_lookup(param_weight(self, "ple_embed"), input_ids).reshape(-1, L, P) * scale
-        proj = dense(PLE_SPECS["ple_model_proj"], h, self.ple_model_proj[...]) * np.float32(cfg.hidden_size**-0.5)
+        tokens = (
+            embedding_lookup(param_weight(self, "ple_embed"), input_ids).reshape(-1, L, P) * scale
+        )
+        proj = dense(PLE_SPECS["ple_model_proj"], h, self.ple_model_proj[...]) * np.float32(
+            cfg.hidden_size**-0.5
+        )
         proj = self.norm(proj, self.ple_model_norm[...])
         return (proj + tokens) * np.float32(2.0**-0.5)
 
     def _layer(self, layer, p, h, rope, k_cache, v_cache, md, ple=None):
         with jax.named_scope("attention"):
-            attn, k_cache, v_cache = self.attention(layer, p, self.norm(h, p["input_norm"]), rope,
-                                                    k_cache, v_cache, md)
+            attn, k_cache, v_cache = self.attention(
+                layer, p, self.norm(h, p["input_norm"]), rope, k_cache, v_cache, md
+            )
             h = h + self.norm(attn, p["post_attn_norm"])
         with jax.named_scope("mlp"):
             y = self.mlp(layer, p, self.norm(h, p["post_norm"]))
             if layer.is_moe:
-                y = self.norm(y, p["post_mlp_norm_1"]) + self.norm(self.experts(layer, p, h), p["post_moe_norm"])
+                y = self.norm(y, p["post_mlp_norm_1"]) + self.norm(
+                    self.experts(layer, p, h), p["post_moe_norm"]
+                )
             h = h + self.norm(y, p["post_mlp_norm"])
         if ple is not None:
             with jax.named_scope("per_layer_input"):
-                g = jax.nn.gelu(dense(PLE_SPECS["ple_gate"], h, p["ple_gate"]), approximate=True) * ple
+                g = (
+                    jax.nn.gelu(dense(PLE_SPECS["ple_gate"], h, p["ple_gate"]), approximate=True)
+                    * ple
+                )
                 h = h + self.norm(dense(PLE_SPECS["ple_proj"], g, p["ple_proj"]), p["ple_norm"])
         return h * p["layer_scalar"].astype(jnp.float32), k_cache, v_cache
 
@@ -238,8 +321,9 @@ class Gemma4ForCausalLM(Gemma2ForCausalLM):
         q = apply_rotary(self.norm(q, p["q_norm"]), *rope)
         q = _pad_dim(q, Dc).astype(attention_dtype(k_cache.dtype, self.dtype))
         if layer.shares_kv:  # the source layer's cache (this layer's spec: the same window)
-            attn = paged_attention_read(q, k_cache, v_cache, md, layer.attn_spec, self.mesh,
-                                        dict(self.rules))
+            attn = paged_attention_read(
+                q, k_cache, v_cache, md, layer.attn_spec, self.mesh, dict(self.rules)
+            )
         else:
             if cfg.qkv_bias:
                 k = k + p["bk"]
@@ -247,8 +331,9 @@ class Gemma4ForCausalLM(Gemma2ForCausalLM):
             k = apply_rotary(self.norm(k, p["k_norm"]), *rope)
             v = self.norm(v, None)
             k, v = (_pad_dim(_repeat_heads(y, Hc), Dc) for y in (k, v))
-            attn, k_cache, v_cache = paged_attention(q, k, v, k_cache, v_cache, md, layer.attn_spec,
-                                                     self.mesh, dict(self.rules))
+            attn, k_cache, v_cache = paged_attention(
+                q, k, v, k_cache, v_cache, md, layer.attn_spec, self.mesh, dict(self.rules)
+            )
         attn = attn[..., :D]  # [T, Hq, D]
         o = dense(LAYER_SPECS["wo"], attn, p["wo"])
         if cfg.o_bias:
@@ -258,13 +343,28 @@ class Gemma4ForCausalLM(Gemma2ForCausalLM):
     def experts(self, layer, p, h):
         """The routed experts on the residual h [T, E] -> [T, E] float32."""
         cfg = self.config
-        r = self.norm(h, None) * p["router_scale"].astype(jnp.float32) * np.float32(cfg.hidden_size**-0.5)
+        r = (
+            self.norm(h, None)
+            * p["router_scale"].astype(jnp.float32)
+            * np.float32(cfg.hidden_size**-0.5)
+        )
         logits = dense(ROUTER_SPEC, r, p["router"])  # [T, X]
         mesh = self.mesh if self.mesh is not None and self.mesh.size > 1 else None
-        return moe_mlp(self.norm(h, p["pre_moe_norm"]), logits, p["x_gate"], p["x_up"], p["x_down"],
-                       top_k=cfg.num_experts_per_tok, normalize=True, impl=self.moe_impl, mesh=mesh,
-                       expert_axis=layer.expert_axis, mlp_axis=layer.mlp_axis,
-                       expert_scale=p["expert_scale"], act=cfg.hidden_act)
+        return moe_mlp(
+            self.norm(h, p["pre_moe_norm"]),
+            logits,
+            p["x_gate"],
+            p["x_up"],
+            p["x_down"],
+            top_k=cfg.num_experts_per_tok,
+            normalize=True,
+            impl=self.moe_impl,
+            mesh=mesh,
+            expert_axis=layer.expert_axis,
+            mlp_axis=layer.mlp_axis,
+            expert_scale=p["expert_scale"],
+            act=cfg.hidden_act,
+        )
 
     # ------------------------------------------------------------------ weights
     @classmethod
@@ -296,20 +396,26 @@ def gemma4_weight_map(cfg: ArchConfig) -> dict[str, Callable[[TensorGetter], np.
         m["lm_head"] = get("lm_head.weight", lambda w: w.T)
     if P:
         m["ple_embed"] = get("model.embed_tokens_per_layer.weight")
-        m["ple_model_proj"] = get("model.per_layer_model_projection.weight", lambda w: w.T.reshape(E, L, P))
+        m["ple_model_proj"] = get(
+            "model.per_layer_model_projection.weight", lambda w: w.T.reshape(E, L, P)
+        )
         m["ple_model_norm"] = get("model.per_layer_projection_norm.weight")
     for i in range(L):
         pre, ours = f"model.layers.{i}.", f"layers.{i}."
         D, Hkv = cfg.layer_head_dim(i), cfg.layer_kv_heads(i)
         names = {
-            "input_norm": "input_layernorm.weight", "post_attn_norm": "post_attention_layernorm.weight",
-            "post_norm": "pre_feedforward_layernorm.weight", "post_mlp_norm": "post_feedforward_layernorm.weight",
-            "layer_scalar": "layer_scalar", "q_norm": "self_attn.q_norm.weight",
+            "input_norm": "input_layernorm.weight",
+            "post_attn_norm": "post_attention_layernorm.weight",
+            "post_norm": "pre_feedforward_layernorm.weight",
+            "post_mlp_norm": "post_feedforward_layernorm.weight",
+            "layer_scalar": "layer_scalar",
+            "q_norm": "self_attn.q_norm.weight",
         }
         convert = {
             "wq": ("self_attn.q_proj.weight", lambda w, H=Hq, D=D: w.T.reshape(E, H, D)),
             "wo": ("self_attn.o_proj.weight", lambda w, D=D: w.T.reshape(Hq, D, E)),
-            "w_gate": ("mlp.gate_proj.weight", lambda w: w.T), "w_up": ("mlp.up_proj.weight", lambda w: w.T),
+            "w_gate": ("mlp.gate_proj.weight", lambda w: w.T),
+            "w_up": ("mlp.up_proj.weight", lambda w: w.T),
             "w_down": ("mlp.down_proj.weight", lambda w: w.T),
         }
         if cfg.qkv_bias:
@@ -322,7 +428,10 @@ def gemma4_weight_map(cfg: ArchConfig) -> dict[str, Callable[[TensorGetter], np.
             if cfg.qkv_bias:
                 convert["bk"] = ("self_attn.k_proj.bias", lambda b, H=Hkv, D=D: b.reshape(H, D))
             if not cfg.layer_k_eq_v(i):
-                convert["wv"] = ("self_attn.v_proj.weight", lambda w, H=Hkv, D=D: w.T.reshape(E, H, D))
+                convert["wv"] = (
+                    "self_attn.v_proj.weight",
+                    lambda w, H=Hkv, D=D: w.T.reshape(E, H, D),
+                )
                 if cfg.qkv_bias:
                     convert["bv"] = ("self_attn.v_proj.bias", lambda b, H=Hkv, D=D: b.reshape(H, D))
         if P:
@@ -331,15 +440,24 @@ def gemma4_weight_map(cfg: ArchConfig) -> dict[str, Callable[[TensorGetter], np.
             convert["ple_proj"] = ("per_layer_projection.weight", lambda w: w.T)
         if cfg.is_moe_layer(i):
             F = cfg.moe_intermediate_size
-            names.update(post_mlp_norm_1="post_feedforward_layernorm_1.weight",
-                         pre_moe_norm="pre_feedforward_layernorm_2.weight",
-                         post_moe_norm="post_feedforward_layernorm_2.weight",
-                         router_scale="router.scale", expert_scale="router.per_expert_scale")
+            names.update(
+                post_mlp_norm_1="post_feedforward_layernorm_1.weight",
+                pre_moe_norm="pre_feedforward_layernorm_2.weight",
+                post_moe_norm="post_feedforward_layernorm_2.weight",
+                router_scale="router.scale",
+                expert_scale="router.per_expert_scale",
+            )
             convert.update(
                 router=("router.proj.weight", lambda w: w.T),  # [X, E] -> [E, X]
-                x_gate=("experts.gate_up_proj", lambda w, F=F: np.swapaxes(w[:, :F], 1, 2)),  # [X, E, F]
+                x_gate=(
+                    "experts.gate_up_proj",
+                    lambda w, F=F: np.swapaxes(w[:, :F], 1, 2),
+                ),  # [X, E, F]
                 x_up=("experts.gate_up_proj", lambda w, F=F: np.swapaxes(w[:, F:], 1, 2)),
-                x_down=("experts.down_proj", lambda w: np.swapaxes(w, 1, 2)),  # [X, E, F] -> [X, F, E]
+                x_down=(
+                    "experts.down_proj",
+                    lambda w: np.swapaxes(w, 1, 2),
+                ),  # [X, E, F] -> [X, F, E]
             )
         for k, v in names.items():
             m[ours + k] = get(pre + v)

@@ -56,7 +56,8 @@ LAYER_SCALAR = "layer_scalar"  # each layer's output times a learned scalar (Gem
 # cache holds the largest, narrower ones padded (models/gemma4.py)
 PER_LAYER_HEAD_DIMS = "per_layer_head_dims"
 K_EQ_V = "k_eq_v"  # values are the keys' projection (no v projection) in some layers (Gemma 4)
-PER_LAYER_INPUTS = "per_layer_inputs"  # a per-layer token embedding gating each layer's output (Gemma 4)
+# a per-layer token embedding, gated into each layer's output (Gemma 4)
+PER_LAYER_INPUTS = "per_layer_inputs"
 KV_SHARED_LAYERS = "kv_shared_layers"  # layers reading an earlier layer's KV cache (Gemma 4)
 INT8_WEIGHTS = "int8_weights"  # weight-only int8 matmul weights with per-channel scales
 

@@ -27,7 +27,8 @@ def bytes_per_page(cfg: ArchConfig, page_size: int, dtype, mesh: Mesh | None = N
     if mesh is not None:
         spec = logical_to_spec(KV_CACHE_AXES, kv_cache_shape(cfg, 1, page_size), mesh, _rules(rules))
         heads //= mesh_axes_size(mesh, spec[2])
-    return 2 * cfg.num_kv_cache_layers * page_size * heads * cfg.kv_cache_head_dim * jnp.dtype(dtype).itemsize
+    itemsize = jnp.dtype(dtype).itemsize
+    return 2 * cfg.num_kv_cache_layers * page_size * heads * cfg.kv_cache_head_dim * itemsize
 
 
 def num_pages_for_budget(cfg: ArchConfig, page_size: int, dtype, budget_bytes: int, mesh: Mesh | None = None,

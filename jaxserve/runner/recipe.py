@@ -278,8 +278,8 @@ def target_attention(requested: str, platform: str, cfg, mesh, rules, page_size:
         try:
             check(jax.ShapeDtypeStruct((1, cfg.num_heads // split, cfg.kv_cache_head_dim),
                                        attention_dtype(kv_dtype, dtype)),
-                  jax.ShapeDtypeStruct((1, page_size, cfg.kv_cache_heads // split, cfg.kv_cache_head_dim),
-                                       kv_dtype))
+                  jax.ShapeDtypeStruct((1, page_size, cfg.kv_cache_heads // split,
+                                        cfg.kv_cache_head_dim), kv_dtype))
         except ValueError as e:
             notes.append(f"{impl} kernel unsupported: {e}")
             continue
@@ -290,8 +290,8 @@ def target_attention(requested: str, platform: str, cfg, mesh, rules, page_size:
     try:
         check(jax.ShapeDtypeStruct((1, cfg.num_heads // split, cfg.kv_cache_head_dim),
                                    attention_dtype(kv_dtype, dtype)),
-              jax.ShapeDtypeStruct((1, page_size, cfg.kv_cache_heads // split, cfg.kv_cache_head_dim),
-                                   kv_dtype))
+              jax.ShapeDtypeStruct((1, page_size, cfg.kv_cache_heads // split,
+                                    cfg.kv_cache_head_dim), kv_dtype))
     except ValueError as e:
         return "reference", f"{impl} kernel unsupported: {e}"
     return impl, None

@@ -24,7 +24,10 @@ from jaxserve.models import sharding as ax
 from jaxserve.models.interface import KV_CACHE_AXES
 from jaxserve.pallas_kernels.kv_quant import is_quantized, quantize, scale_output, scale_query
 from jaxserve.pallas_kernels.ragged_paged_attention.metadata import AttentionMetadata
-from jaxserve.pallas_kernels.ragged_paged_attention.ops import ragged_paged_attention, write_kv_and_attend
+from jaxserve.pallas_kernels.ragged_paged_attention.ops import (
+    ragged_paged_attention,
+    write_kv_and_attend,
+)
 
 # Logical axes of a step's k and v: [tokens, kv_heads, head_dim].
 KV_AXES = (None, ax.KV_HEADS, ax.HEAD_DIM)

@@ -113,7 +113,8 @@ def _act(gate: jax.Array, up: jax.Array, act: str = "silu") -> jax.Array:
     return ACTIVATIONS[act](gate) * up
 
 
-def experts_dense(x, weights, ids, w_gate, w_up, w_down, expert_offset=0, act: str = "silu") -> jax.Array:
+def experts_dense(x, weights, ids, w_gate, w_up, w_down, expert_offset=0,
+                  act: str = "silu") -> jax.Array:
     """Every local expert on every token. x [T, E]; weights, ids [T, k]; w_gate/w_up
     [Xl, E, F], w_down [Xl, F, E] (the experts expert_offset .. + Xl) -> [T, E] float32.
     `act`: the gate's activation (one of ACTIVATIONS)."""
@@ -202,7 +203,8 @@ def _tiled_mlp(xs, sizes, w_gate, w_up, w_down, tile: int | None, act: str = "si
         mask = (row >= starts[g]) & (row < ends[g]) & live  # [B]
         gate = jnp.dot(x_t, _weight(w_gate, g).astype(f32))
         up = jnp.dot(x_t, _weight(w_up, g).astype(f32))
-        y = jnp.dot(_act(gate, up, act).astype(xs.dtype).astype(f32), _weight(w_down, g).astype(f32))
+        y = jnp.dot(_act(gate, up, act).astype(xs.dtype).astype(f32),
+                    _weight(w_down, g).astype(f32))
         cur = jax.lax.dynamic_slice_in_dim(out, r0, B)
         return jax.lax.dynamic_update_slice_in_dim(out, cur + jnp.where(mask[:, None], y, 0.0), r0, 0)
 
@@ -232,8 +234,8 @@ def moe_mlp(x, router_logits, w_gate, w_up, w_down, *, top_k: int, normalize: bo
         if impl == "dense":
             y = experts_dense(x, weights, ids, w_gate, w_up, w_down, offset, act)
         else:
-            y = experts_grouped(x, weights, ids, w_gate, w_up, w_down, impl=impl, expert_offset=offset,
-                                act=act)
+            y = experts_grouped(x, weights, ids, w_gate, w_up, w_down, impl=impl,
+                                expert_offset=offset, act=act)
         axes = tuple(a for a in (expert_axis, mlp_axis) if a is not None)
         return jax.lax.psum(y, axes) if axes else y
 

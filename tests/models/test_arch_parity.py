@@ -50,7 +50,8 @@ def test_logits_match_transformers(data_dir, name):
 
 def test_unknown_architecture_lists_every_served_one(data_dir):
     """The refusal names every architecture the fixtures show served (not a hand-kept list)."""
-    served = {json.loads((data_dir / "arch" / c / "config.json").read_text())["architectures"][0] for c in CASES}
+    served = {json.loads((data_dir / "arch" / c / "config.json").read_text())["architectures"][0]
+              for c in CASES}
     with pytest.raises(ValueError, match="'DeepseekV3ForCausalLM' is not supported") as e:
         get_model_class("DeepseekV3ForCausalLM")
     listed = str(e.value).split("Supported architectures: ")[1].rstrip(".").split(", ")

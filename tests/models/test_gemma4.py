@@ -23,6 +23,7 @@ from jaxserve.parallel.mesh import make_mesh
 from tests.models.model_utils import PagedRunner
 from tests.models.test_arch_parity import load_fixture
 
+
 def _seqs(expected) -> list[list[int]]:
     return [expected["tokens_0"].tolist(), expected["tokens_1"].tolist()]
 
@@ -43,11 +44,15 @@ def test_each_attention_kernel_matches_transformers(data_dir, impl):
     """Both prompts in one step (page size 8: the TPU kernel's float32 tile) give transformers'
     logits with each kernel."""
     cfg, tensors, expected = load_fixture(data_dir, "gemma4")
-    model = create_model(cfg, dtype=jnp.float32, get_tensor=tensors.__getitem__, attention_impl=impl)
+    model = create_model(
+        cfg, dtype=jnp.float32, get_tensor=tensors.__getitem__, attention_impl=impl
+    )
     runner = PagedRunner(model, page_size=8, num_pages=8)
     seqs = _seqs(expected)
-    _assert_logits(runner.step([(0, seqs[0], 0), (1, seqs[1], 0)], num_tokens=32, num_reqs=4,
-                               pages_per_req=4), expected)
+    _assert_logits(
+        runner.step([(0, seqs[0], 0), (1, seqs[1], 0)], num_tokens=32, num_reqs=4, pages_per_req=4),
+        expected,
+    )
 
 
 def test_tensor_parallel_chunked_prefill_and_decode_match_transformers(data_dir):
@@ -67,11 +72,18 @@ def test_tensor_parallel_chunked_prefill_and_decode_match_transformers(data_dir)
     assert runner.kv.k[0].sharding.spec[2] == "model"
     a, b = _seqs(expected)
     out = [[], []]
-    plan = [[(0, 0, 5)], [(0, 5, 10)], [(0, 10, 11), (1, 0, 3)], [(0, 11, 12), (1, 3, 6)],
-            [(0, 12, 13), (1, 6, 7)]]
+    plan = [
+        [(0, 0, 5)],
+        [(0, 5, 10)],
+        [(0, 10, 11), (1, 0, 3)],
+        [(0, 11, 12), (1, 3, 6)],
+        [(0, 12, 13), (1, 6, 7)],
+    ]
     for step in plan:
         chunks = [(s, (a, b)[s][lo:hi], lo) for s, lo, hi in step]
-        for (s, _, _), logits in zip(chunks, runner.step(chunks, num_tokens=16, num_reqs=4, pages_per_req=4)):
+        for (s, _, _), logits in zip(
+            chunks, runner.step(chunks, num_tokens=16, num_reqs=4, pages_per_req=4)
+        ):
             out[s].append(logits)
     _assert_logits([np.concatenate(o) for o in out], expected)
 
@@ -84,7 +96,9 @@ def test_lora_and_quantized_kv_caches_are_refused_by_name(data_dir):
     cfg, _, _ = load_fixture(data_dir, "gemma4")
     model = Gemma4ForCausalLM(cfg, dtype=jnp.float32, rngs=None)  # zeros: no weights needed
     assert not model.supports_lora
-    with pytest.raises(ValueError, match="float8_e4m3fn KV cache is not supported for Gemma4ForCausalLM"):
+    with pytest.raises(
+        ValueError, match="float8_e4m3fn KV cache is not supported for Gemma4ForCausalLM"
+    ):
         prepare_kv_scales(model, jnp.float8_e4m3fn, None, lambda: [])
 
 
@@ -108,8 +122,16 @@ def test_fixture_configs_read_as_transformers_builds_them(data_dir):
     assert all(moe.is_moe_layer(i) for i in range(4)) and moe.per_layer_input_size == 0
 
 
-HUB = dict(architectures=["Gemma4ForCausalLM"], vocab_size=128, hidden_size=64, intermediate_size=96,
-           num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+HUB = dict(
+    architectures=["Gemma4ForCausalLM"],
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+)
 
 
 def test_hub_style_keys_and_transformers_defaults():
@@ -117,13 +139,24 @@ def test_hub_style_keys_and_transformers_defaults():
     transformers assumes for keys left out: 5 sliding layers per full one, the last one full,
     window 512, proportional RoPE on a quarter of the full layers' 512-wide heads, per-layer
     inputs of 256."""
-    cfg = ArchConfig.from_hf({**HUB, "global_head_dim": 64, "num_global_key_value_heads": 1,
-                              "attention_k_eq_v": True, "layer_types": ["sliding_attention"] * 6})
+    cfg = ArchConfig.from_hf(
+        {
+            **HUB,
+            "global_head_dim": 64,
+            "num_global_key_value_heads": 1,
+            "attention_k_eq_v": True,
+            "layer_types": ["sliding_attention"] * 6,
+        }
+    )
     assert cfg.layer_types[-1] == "full_attention" and cfg.layer_head_dim(5) == 64
     assert cfg.layer_kv_heads(5) == 1 and cfg.layer_k_eq_v(5) and not cfg.layer_k_eq_v(0)
     plain = ArchConfig.from_hf(HUB)
     assert plain.layer_types == ("sliding_attention",) * 5 + ("full_attention",)
-    assert (plain.sliding_window, plain.global_head_dim, plain.per_layer_input_size) == (512, 512, 256)
+    assert (plain.sliding_window, plain.global_head_dim, plain.per_layer_input_size) == (
+        512,
+        512,
+        256,
+    )
     assert plain.global_kv_heads is None and plain.final_logit_softcapping is None
     spec = layer_rope_spec(plain, 5)
     assert spec.rotary_dim == 512 and spec.theta == 1e6
@@ -134,13 +167,23 @@ def test_hub_style_keys_and_transformers_defaults():
     assert layer_rope_spec(plain, 0).theta == 1e4 and layer_rope_spec(plain, 0).rotary_dim == 16
 
 
-@pytest.mark.parametrize("extra, message", [
-    ({"use_bidirectional_attention": "all"}, "bidirectional"),
-    ({"num_kv_shared_layers": 6}, "no earlier layer"),
-    ({"per_layer_config": {"0": {"head_dim": 32}}}, "sliding-window layers"),
-    ({"attention_k_eq_v": True, "num_key_value_heads": 3, "num_attention_heads": 6,
-      "num_global_key_value_heads": 2}, "divide one another"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ({"use_bidirectional_attention": "all"}, "bidirectional"),
+        ({"num_kv_shared_layers": 6}, "no earlier layer"),
+        ({"per_layer_config": {"0": {"head_dim": 32}}}, "sliding-window layers"),
+        (
+            {
+                "attention_k_eq_v": True,
+                "num_key_value_heads": 3,
+                "num_attention_heads": 6,
+                "num_global_key_value_heads": 2,
+            },
+            "divide one another",
+        ),
+    ],
+)
 def test_configs_it_cannot_serve_are_refused_by_name(extra, message):
     with pytest.raises(ValueError, match=message):
         ArchConfig.from_hf({**HUB, **extra})

@@ -31,19 +31,40 @@ def served(request, data_dir, tmp_path_factory, compile_cache_dir):
 
     name = request.param
     model = write_model_dir(tmp_path_factory.mktemp(name), name)
-    parts = build_engine(EngineConfig.from_kwargs(
-        model=str(model), dtype="float32", max_num_seqs=8, max_num_batched_tokens=32, token_buckets=(32,),
-        request_buckets=(8,), max_model_len=32, num_pages=16, page_size=8,
-        compilation_cache_dir=compile_cache_dir, show_progress=False))
+    parts = build_engine(
+        EngineConfig.from_kwargs(
+            model=str(model),
+            dtype="float32",
+            max_num_seqs=8,
+            max_num_batched_tokens=32,
+            token_buckets=(32,),
+            request_buckets=(8,),
+            max_model_len=32,
+            num_pages=16,
+            page_size=8,
+            compilation_cache_dir=compile_cache_dir,
+            show_progress=False,
+        )
+    )
     app = build_app(AsyncEngineClient.in_thread(parts), app_config(served_model_name=(name,)))
     with TestClient(app) as client:
         yield name, load_file(str(data_dir / "arch" / name / "expected.safetensors")), client
 
 
 def _complete(client, name, prompt) -> list[dict]:
-    r = client.post("/v1/completions", json={
-        "model": name, "prompt": prompt, "max_tokens": GREEDY_TOKENS, "temperature": 0, "ignore_eos": True,
-        "logprobs": 1, "prompt_logprobs": 0, "return_token_ids": True})
+    r = client.post(
+        "/v1/completions",
+        json={
+            "model": name,
+            "prompt": prompt,
+            "max_tokens": GREEDY_TOKENS,
+            "temperature": 0,
+            "ignore_eos": True,
+            "logprobs": 1,
+            "prompt_logprobs": 0,
+            "return_token_ids": True,
+        },
+    )
     assert r.status_code == 200, r.text
     return sorted(r.json()["choices"], key=lambda c: c["index"])
 
@@ -63,22 +84,32 @@ def test_prompt_logprobs_and_greedy_tokens_match_transformers(served):
         plp = choice["prompt_logprobs"]
         assert plp[0] is None and len(plp) == len(ids)
         for j in range(1, len(ids)):
-            assert plp[j][str(ids[j])]["logprob"] == pytest.approx(want[j - 1, ids[j]], abs=1e-4), (i, j)
+            assert plp[j][str(ids[j])]["logprob"] == pytest.approx(want[j - 1, ids[j]], abs=1e-4), (
+                i,
+                j,
+            )
         assert choice["token_ids"] == expected[f"greedy_{i}"].tolist(), i
         assert choice["finish_reason"] == "length"
     # one at a time: the same tokens and log-probs as beside the other prompt
     for ids, choice in zip(prompts, together):
         (alone,) = _complete(client, name, [ids])
         assert alone["token_ids"] == choice["token_ids"]
-        np.testing.assert_allclose(alone["logprobs"]["token_logprobs"], choice["logprobs"]["token_logprobs"],
-                                   atol=1e-5)
+        np.testing.assert_allclose(
+            alone["logprobs"]["token_logprobs"], choice["logprobs"]["token_logprobs"], atol=1e-5
+        )
 
 
 def test_chat_completion_answers(served):
     name, _, client = served
-    r = client.post("/v1/chat/completions", json={
-        "model": name, "max_tokens": 4, "temperature": 0,
-        "messages": [{"role": "user", "content": "w5 w6 w7 w8 w9 w10"}]})
+    r = client.post(
+        "/v1/chat/completions",
+        json={
+            "model": name,
+            "max_tokens": 4,
+            "temperature": 0,
+            "messages": [{"role": "user", "content": "w5 w6 w7 w8 w9 w10"}],
+        },
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["choices"][0]["message"]["role"] == "assistant"
@@ -90,7 +121,9 @@ def test_an_unserved_architecture_is_refused_with_every_served_one(tmp_path, cap
 
     model = write_model_dir(tmp_path / "m")
     config = json.loads((model / "config.json").read_text())
-    (model / "config.json").write_text(json.dumps({**config, "architectures": ["DeepseekV3ForCausalLM"]}))
+    (model / "config.json").write_text(
+        json.dumps({**config, "architectures": ["DeepseekV3ForCausalLM"]})
+    )
     assert main(["serve", str(model)]) != 0
     err = capsys.readouterr().err
     assert "'DeepseekV3ForCausalLM' is not supported" in err and "Traceback" not in err
