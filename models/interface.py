@@ -68,7 +68,9 @@ KV_CACHE_AXES = ("pages", None, "kv_heads", "head_dim")
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    """One K and one V array per layer (separate arrays, so each is updated in place)."""
+    """One K and one V array per layer (separate arrays, so each is updated in place); a model
+    whose last layers read an earlier layer's KV (Gemma 4) has arrays for the others only
+    (`ArchConfig.num_kv_cache_layers`)."""
 
     k: tuple[jax.Array, ...]  # L x [N, page_size, Hkv, D]
     v: tuple[jax.Array, ...]  # L x [N, page_size, Hkv, D]
