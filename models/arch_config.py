@@ -13,13 +13,15 @@ from typing import Any
 from jaxserve.models.weight_format import WeightFormat
 from jaxserve.models.quant_checkpoint import parse_quantization_config
 
-_SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
+_SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope",
+                         "proportional")
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 
 # Families whose decoder is Llama's (with flags); the others have their own model files.
-_GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+_GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma4ForCausalLM")
+GEMMA4 = "Gemma4ForCausalLM"
 _MOE = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
 # Families whose HF config sets `tie_word_embeddings` by default when config.json omits it.
 _TIED_BY_DEFAULT = _GEMMA
@@ -49,6 +51,9 @@ class RopeScaling:
     # longrope: per-frequency divisors for sequences within / beyond the original length
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
+    # proportional (Gemma 4): the rotated fraction of the head; the other frequencies are zero
+    # (those dims pass through), and the exponents divide by the whole head dim
+    partial_rotary_factor: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +97,19 @@ class ArchConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
     moe_layers: tuple[bool, ...] = ()  # per layer: routed experts (True) or the dense MLP
+    # Gemma 4: the full-attention layers' own head dim and KV heads (None: as the others'), their
+    # values being their keys' projection (`attention_k_eq_v`); per-layer input embeddings of
+    # this width per layer (0: none) from a table of this many tokens; the last
+    # `num_kv_shared_layers` layers read the KV of the last earlier layer of their type instead
+    # of projecting their own, with MLPs twice as wide when `double_wide_mlp`; a dense MLP
+    # beside the routed experts in each MoE layer.
+    global_head_dim: int | None = None
+    global_kv_heads: int | None = None
+    global_k_eq_v: bool = False
+    per_layer_input_size: int = 0
+    per_layer_vocab_size: int = 0
+    num_kv_shared_layers: int = 0
+    double_wide_mlp: bool = False
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     # The checkpoint's storage, not the architecture: its matmul weights are int8 with one scale
@@ -125,6 +143,56 @@ class ArchConfig:
             return self.local_rope_theta, self.local_rope_scaling or RopeScaling()
         return self.rope_theta, self.rope_scaling
 
+    def layer_is_global(self, i: int) -> bool:
+        """Whether layer i attends over the whole context (not a sliding-window layer)."""
+        return not self.layer_types or self.layer_types[i] != SLIDING_ATTENTION
+
+    def layer_head_dim(self, i: int) -> int:
+        if self.global_head_dim is not None and self.layer_is_global(i):
+            return self.global_head_dim
+        return self.head_dim
+
+    def layer_kv_heads(self, i: int) -> int:
+        if self.global_kv_heads is not None and self.layer_is_global(i):
+            return self.global_kv_heads
+        return self.num_kv_heads
+
+    def layer_k_eq_v(self, i: int) -> bool:
+        """Whether layer i's values are its keys' projection (no value projection)."""
+        return self.global_k_eq_v and self.layer_is_global(i)
+
+    def kv_source(self, i: int) -> int:
+        """The layer whose keys and values layer i attends over: itself, or for the last
+        `num_kv_shared_layers` layers the last earlier layer of the same type (window)."""
+        first_shared = self.num_layers - self.num_kv_shared_layers
+        if i < first_shared:
+            return i
+        same = [j for j in range(first_shared) if self.layer_window(j) == self.layer_window(i)]
+        return same[-1]
+
+    @property
+    def num_kv_cache_layers(self) -> int:
+        """Layers with KV arrays of their own in the paged cache: all but the sharing ones,
+        which come last (so layer i's arrays are the cache's `kv_source(i)`-th)."""
+        return self.num_layers - self.num_kv_shared_layers
+
+    @property
+    def kv_cache_heads(self) -> int:
+        """KV heads of each layer's cache array: the most of any layer (a layer with fewer
+        repeats each head: query head groups read the same values)."""
+        return max(self.layer_kv_heads(i) for i in range(self.num_layers))
+
+    @property
+    def kv_cache_head_dim(self) -> int:
+        """Head dim of each layer's cache array: the widest layer's (narrower heads are
+        zero-padded, which changes no score and no output value)."""
+        return max(self.layer_head_dim(i) for i in range(self.num_layers))
+
+    def layer_intermediate_size(self, i: int) -> int:
+        if self.double_wide_mlp and self.kv_source(i) != i:
+            return 2 * self.intermediate_size
+        return self.intermediate_size
+
     def is_moe_layer(self, i: int) -> bool:
         if not self.num_experts:
             return False
@@ -137,7 +205,8 @@ class ArchConfig:
             raise ValueError("config.json has no 'architectures' entry; cannot pick a model class.")
         arch = archs[0]
         block, weight_format = _stored_quantization(hf)
-        if weight_format is not None and arch in _MOE:
+        moe = arch in _MOE or (arch == GEMMA4 and bool(hf.get("enable_moe_block")))
+        if weight_format is not None and moe:
             raise ValueError(f"{weight_format.describe()} checkpoints of mixture-of-experts models "
                              f"({arch}) are not supported yet; use the float checkpoint")
         num_heads = int(hf["num_attention_heads"])
@@ -148,7 +217,8 @@ class ArchConfig:
         max_pos = int(hf.get("max_position_embeddings", 2048))
         if num_heads % num_kv:
             raise ValueError(f"num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads ({num_kv}).")
-        act_name = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
+        act_name = (hf.get("hidden_activation") or hf.get("hidden_act")
+                    or ("gelu_pytorch_tanh" if arch in _GEMMA else "silu"))  # as transformers
         act = _ACTIVATIONS.get(act_name)
         allowed = ("gelu_tanh", "gelu") if arch in _GEMMA else ("silu",)
         if act not in allowed:
@@ -163,8 +233,12 @@ class ArchConfig:
         params = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else {}
         flat_params = params if not _nested(params) else params.get(FULL_ATTENTION) or {}
         partial = float(flat_params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) or 1.0)
+        if arch == GEMMA4:
+            partial = 1.0  # proportional RoPE rotates its fraction itself (RopeScaling)
         gemma = {}
-        if arch in _GEMMA:
+        if arch == GEMMA4:
+            gemma = _gemma4_fields(hf, layer_types, num_layers, num_kv, head_dim)
+        elif arch in _GEMMA:
             gemma = dict(
                 query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)),
                 final_logit_softcapping=_opt_float(hf.get("final_logit_softcapping", 30.0 if arch == _GEMMA[0] else None)),
@@ -193,7 +267,8 @@ class ArchConfig:
             qkv_bias=arch == "Qwen2ForCausalLM" or attn_bias,
             o_bias=attn_bias,
             mlp_bias=bool(hf.get("mlp_bias", False)),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM",
+                             GEMMA4),
             sliding_window=int(sliding) if sliding else None,
             layer_types=layer_types,
             hidden_act=act,
@@ -234,7 +309,7 @@ def _nested(params: dict) -> bool:
 
 def _parse_layers(arch: str, hf: dict[str, Any], num_layers: int) -> tuple[int | None, tuple[str, ...]]:
     """(the sliding window, per-layer types) as transformers derives them for `arch`."""
-    window = hf.get("sliding_window")
+    window = hf.get("sliding_window", 512 if arch == GEMMA4 else None)
     types = tuple(hf.get("layer_types") or ())
     if types and len(types) != num_layers:
         raise ValueError(f"layer_types lists {len(types)} layers, num_hidden_layers is {num_layers}")
@@ -254,6 +329,8 @@ def _parse_layers(arch: str, hf: dict[str, Any], num_layers: int) -> tuple[int |
         if not types:
             period = 2 if arch == "Gemma2ForCausalLM" else int(hf.get("sliding_window_pattern", 6))
             types = tuple(SLIDING_ATTENTION if (i + 1) % period else FULL_ATTENTION for i in range(num_layers))
+        if arch == GEMMA4:  # transformers makes the last layer a full-attention one
+            types = types[:-1] + (FULL_ATTENTION,)
     elif arch in ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM"):
         types = ()  # the window (if any) applies to every layer
     else:
@@ -271,6 +348,64 @@ def _parse_layers(arch: str, hf: dict[str, Any], num_layers: int) -> tuple[int |
     return window, types
 
 
+def _gemma4_fields(hf: dict[str, Any], layer_types: tuple[str, ...], num_layers: int, num_kv: int,
+                   head_dim: int) -> dict[str, Any]:
+    """Gemma 4's fields, with transformers' defaults for the keys config.json leaves out."""
+    if hf.get("use_bidirectional_attention") == "all":
+        raise ValueError("Gemma4ForCausalLM with use_bidirectional_attention='all' (an encoder) "
+                         "is not supported: jaxserve serves causal decoders")
+    global_dim, global_kv = _gemma4_global_heads(hf, layer_types, num_layers)
+    if global_kv is not None and num_kv % global_kv and global_kv % num_kv:
+        raise ValueError(f"Gemma4ForCausalLM: the full-attention layers' {global_kv} KV heads "
+                         f"and the others' {num_kv} must divide one another (the cache holds "
+                         "the most of them)")
+    shared = int(hf.get("num_kv_shared_layers") or 0)
+    if shared:
+        first = num_layers - shared
+        kinds = set(layer_types) if layer_types else {FULL_ATTENTION}
+        if first <= 0 or set(layer_types[:first] if layer_types else kinds) != kinds:
+            raise ValueError(f"Gemma4ForCausalLM: num_kv_shared_layers={shared} leaves no "
+                             "earlier layer of each attention type to read the KV of")
+    return dict(
+        query_pre_attn_scalar=1.0,  # scores scaled by 1: the q/k norms set their size
+        final_logit_softcapping=_opt_float(hf.get("final_logit_softcapping")),
+        attn_logit_softcapping=None,
+        global_head_dim=global_dim if global_dim != head_dim else None,
+        global_kv_heads=global_kv if global_kv not in (None, num_kv) else None,
+        global_k_eq_v=bool(hf.get("attention_k_eq_v", False)),
+        per_layer_input_size=int(hf.get("hidden_size_per_layer_input", 256) or 0),
+        per_layer_vocab_size=int(hf.get("vocab_size_per_layer_input", 262_144) or 0),
+        num_kv_shared_layers=shared,
+        double_wide_mlp=bool(hf.get("use_double_wide_mlp", False)),
+    )
+
+
+def _gemma4_global_heads(hf: dict[str, Any], layer_types: tuple[str, ...], num_layers: int
+                         ) -> tuple[int, int | None]:
+    """(head dim, KV heads or None) of Gemma 4's full-attention layers: from `per_layer_config`
+    (transformers 5.25's config.json) or `global_head_dim` / `num_global_key_value_heads`."""
+    full = [i for i in range(num_layers) if not layer_types or layer_types[i] == FULL_ATTENTION]
+    per_layer = hf.get("per_layer_config")
+    if isinstance(per_layer, dict):
+        overrides = {int(k): v or {} for k, v in per_layer.items() if str(k).isdigit()}
+        if set(overrides) - set(full):
+            raise ValueError("Gemma4ForCausalLM: per_layer_config overrides sliding-window "
+                             f"layers {sorted(set(overrides) - set(full))}; only the "
+                             "full-attention layers may differ")
+        found = {(o.get("head_dim"), o.get("num_key_value_heads")) for o in overrides.values()}
+        found |= {(None, None)} if set(full) - set(overrides) else set()
+        keys = {k for o in overrides.values() for k in o}
+        if len(found) > 1 or keys - {"head_dim", "num_key_value_heads"}:
+            raise ValueError(f"Gemma4ForCausalLM: per_layer_config {per_layer} is not supported "
+                             "(the full-attention layers must share one head_dim and KV head "
+                             "count)")
+        dim, kv = found.pop()
+        return int(dim or hf.get("head_dim") or 256), (None if kv is None else int(kv))
+    dim = int(hf.get("global_head_dim", 512))
+    kv = hf.get("num_global_key_value_heads") if hf.get("attention_k_eq_v", True) else None
+    return dim, (None if kv is None else int(kv))
+
+
 def _parse_moe(arch: str, hf: dict[str, Any], num_layers: int) -> dict[str, Any]:
     if arch == "MixtralForCausalLM":
         return dict(num_experts=int(hf["num_local_experts"]), num_experts_per_tok=int(hf["num_experts_per_tok"]),
@@ -283,6 +418,10 @@ def _parse_moe(arch: str, hf: dict[str, Any], num_layers: int) -> dict[str, Any]
         return dict(num_experts=n, num_experts_per_tok=int(hf["num_experts_per_tok"]),
                     moe_intermediate_size=int(hf["moe_intermediate_size"]),
                     norm_topk_prob=bool(hf.get("norm_topk_prob", False)), moe_layers=layers)
+    if arch == GEMMA4 and hf.get("enable_moe_block"):  # experts beside the dense MLP, every layer
+        return dict(num_experts=int(hf["num_experts"]),
+                    num_experts_per_tok=int(hf["top_k_experts"]),
+                    moe_intermediate_size=int(hf["moe_intermediate_size"]), norm_topk_prob=True)
     return {}
 
 
@@ -291,6 +430,10 @@ def _parse_rope(arch: str, hf: dict[str, Any], max_pos: int
     """((theta, scaling) of the full-attention layers, that of the sliding layers or None)."""
     params = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling") or {}
+    if arch == GEMMA4 and not params:  # transformers' defaults
+        params = {SLIDING_ATTENTION: dict(rope_type="default", rope_theta=10_000.0),
+                  FULL_ATTENTION: dict(rope_type="proportional", partial_rotary_factor=0.25,
+                                       rope_theta=1_000_000.0)}
     if _nested(params):  # transformers 5: one dict per layer type
         full = {**scaling, **(params.get(FULL_ATTENTION) or {})}
         local = params.get(SLIDING_ATTENTION)
@@ -313,6 +456,10 @@ def _rope_from_dict(arch: str, d: dict[str, Any], hf: dict[str, Any], max_pos: i
         raise ValueError(f"rope type {rope_type!r} is not supported; supported: {_SUPPORTED_ROPE_TYPES}.")
     if rope_type == "default":
         return theta, RopeScaling()
+    if rope_type == "proportional":
+        return theta, RopeScaling(
+            rope_type=rope_type, factor=float(d.get("factor", 1.0) or 1.0),
+            partial_rotary_factor=float(d.get("partial_rotary_factor", 1.0) or 1.0))
     # Phi-3 keeps the pretraining length at the top level, and it has priority there.
     original = hf.get("original_max_position_embeddings") or d.get("original_max_position_embeddings")
     original = int(original if original is not None else max_pos)  # transformers' default

@@ -49,7 +49,16 @@ GELU_TANH_GLU = "gelu_tanh_glu"  # MLP: down(gelu_tanh(gate(x)) * up(x)) (Gemma)
 EMBED_SCALE = "embed_scale"  # embeddings multiplied by sqrt(hidden) (Gemma)
 ATTN_SOFT_CAP = "attn_soft_cap"  # attention scores soft-capped: c * tanh(s / c) (Gemma 2)
 FINAL_SOFT_CAP = "final_soft_cap"  # logits soft-capped (Gemma 2)
-MOE = "moe"  # a routed mixture of experts in place of (some layers') MLP
+MOE = "moe"  # a routed mixture of experts in place of (some layers') MLP (Gemma 4: beside it)
+V_NORM = "v_norm"  # RMSNorm (no scale) of v per head (Gemma 4)
+LAYER_SCALAR = "layer_scalar"  # each layer's output times a learned scalar (Gemma 4)
+# Layers whose heads differ in width or KV head count (Gemma 4's full-attention layers): the
+# cache holds the largest, narrower ones padded (models/gemma4.py)
+PER_LAYER_HEAD_DIMS = "per_layer_head_dims"
+K_EQ_V = "k_eq_v"  # values are the keys' projection (no v projection) in some layers (Gemma 4)
+# a per-layer token embedding, gated into each layer's output (Gemma 4)
+PER_LAYER_INPUTS = "per_layer_inputs"
+KV_SHARED_LAYERS = "kv_shared_layers"  # layers reading an earlier layer's KV cache (Gemma 4)
 INT8_WEIGHTS = "int8_weights"  # weight-only int8 matmul weights with per-channel scales
 
 # Logical axes of each layer's k and v viewed per head, [pages, page_size, kv_heads, head_dim].
@@ -62,7 +71,9 @@ KV_CACHE_AXES = ("pages", None, "kv_heads", "head_dim")
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    """One K and one V array per layer (separate arrays, so each is updated in place)."""
+    """One K and one V array per layer (separate arrays, so each is updated in place); a model
+    whose last layers read an earlier layer's KV (Gemma 4) has arrays for the others only
+    (`ArchConfig.num_kv_cache_layers`)."""
 
     k: tuple[jax.Array, ...]  # L x [N, page_size, Hkv * D]
     v: tuple[jax.Array, ...]  # L x [N, page_size, Hkv * D]

@@ -12,6 +12,7 @@ _REGISTRY: dict[str, tuple[str, str]] = {
     "Phi3ForCausalLM": ("jaxserve.models.phi3", "Phi3ForCausalLM"),
     "Gemma2ForCausalLM": ("jaxserve.models.gemma", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("jaxserve.models.gemma", "Gemma3ForCausalLM"),
+    "Gemma4ForCausalLM": ("jaxserve.models.gemma4", "Gemma4ForCausalLM"),
     "MixtralForCausalLM": ("jaxserve.models.moe", "MixtralForCausalLM"),
     "Qwen3MoeForCausalLM": ("jaxserve.models.moe", "Qwen3MoeForCausalLM"),
 }

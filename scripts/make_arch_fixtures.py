@@ -6,12 +6,13 @@ a few fixed token sequences (expected.safetensors). The test suite compares jaxs
 with these files and needs no torch.
 
     pip install torch==2.13.0 'transformers>=5.20,<6' safetensors
-    python scripts/make_arch_fixtures.py
+    python scripts/make_arch_fixtures.py [case ...]   # all cases, or the ones named
 """
 
 from __future__ import annotations
 
 import json
+import sys
 import zlib
 import pathlib
 
@@ -79,22 +80,63 @@ CASES: dict[str, dict] = {
     "qwen3_moe": dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], tie_word_embeddings=False,
                       num_hidden_layers=3, head_dim=16, moe_intermediate_size=32, num_experts=8,
                       num_experts_per_tok=2, norm_topk_prob=False, mlp_only_layers=[1], rope_theta=1000000.0),
+    # Gemma 4 with every attention feature (E2B's shape, plus 31B's full-attention heads): per-layer
+    # input embeddings, wider heads in the full-attention layers (proportional RoPE rotating a
+    # quarter of them), one KV head there whose values are its keys, the last two layers reading
+    # the KV of the last earlier layer of their type, with double-wide MLPs
+    "gemma4": dict(model_type="gemma4_text", architectures=["Gemma4ForCausalLM"], tie_word_embeddings=True,
+                   num_hidden_layers=6, head_dim=32, global_head_dim=64, num_global_key_value_heads=1,
+                   attention_k_eq_v=True, sliding_window=4,
+                   layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                                "sliding_attention", "sliding_attention", "full_attention"],
+                   rope_parameters=dict(
+                       sliding_attention=dict(rope_type="default", rope_theta=10000.0),
+                       full_attention=dict(rope_type="proportional", partial_rotary_factor=0.25,
+                                           rope_theta=1000000.0)),
+                   hidden_size_per_layer_input=8, vocab_size_per_layer_input=128, num_kv_shared_layers=2,
+                   use_double_wide_mlp=True, final_logit_softcapping=3.0,
+                   hidden_activation="gelu_pytorch_tanh"),
+    # Gemma 4 MoE (26B-A4B's shape): a dense MLP and 8 routed experts side by side in every
+    # layer; full-attention layers with one wider KV head whose values are its keys
+    "gemma4_moe": dict(model_type="gemma4_text", architectures=["Gemma4ForCausalLM"], tie_word_embeddings=True,
+                       num_hidden_layers=4, head_dim=32, global_head_dim=64, num_global_key_value_heads=1,
+                       attention_k_eq_v=True, sliding_window=4,
+                       layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+                       rope_parameters=dict(
+                           sliding_attention=dict(rope_type="default", rope_theta=10000.0),
+                           full_attention=dict(rope_type="proportional", partial_rotary_factor=0.25,
+                                               rope_theta=1000000.0)),
+                       hidden_size_per_layer_input=0, enable_moe_block=True, num_experts=8, top_k_experts=2,
+                       moe_intermediate_size=32, final_logit_softcapping=30.0,
+                       hidden_activation="gelu_pytorch_tanh"),
 }
 # MoE fixtures: router biases that make routing uneven (added along each layer's mean router
 # input, so expert 0 takes many tokens and expert 7 few), and the per-expert counts recorded.
 ROUTER_BIAS = [2.5, 1.5, 0.5, 0.0, 0.0, -0.5, -1.5, -3.0]
+GEMMA4_BIAS = 0.12  # Gemma 4's routers see normed, scaled-down inputs: a gentler push
 # Hub checkpoints store MoE experts one tensor each; transformers 5 saves them stacked. The
 # fixture of each family is written in the hub layout (the loader reads both).
 HUB_EXPERT_NAMES = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
                     "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
+# Gemma 4's checkpoints keep the stacked experts (`experts.gate_up_proj`, `experts.down_proj`).
+STACKED_MOE = ("gemma4_moe",)
+# Parameters (and buffers) that multiply rather than add: drawn near one like the norms.
+NEAR_ONE = ("norm", "router.scale", "per_expert_scale", "layer_scalar")
+
+# Cases whose expected files also hold transformers' greedy continuation of each sequence
+# (`generate`, through its KV cache) and each step's top-1 / top-2 log-prob margin.
+GREEDY = ("gemma4", "gemma4_moe")
+GREEDY_TOKENS = 8
 
 # Two token sequences of different lengths (the test feeds them as one ragged batch).
 SEQUENCES = [[1, 17, 45, 3, 99, 100, 7, 7, 64, 12, 120, 5, 33], [1, 8, 9, 127, 44, 2, 60]]
 
 
-def main() -> None:
+def main(names: list[str]) -> None:
     torch.manual_seed(0)
     for name, extra in CASES.items():
+        if names and name not in names:
+            continue
         cfg_dict = {**BASE, **extra}
         model_type = cfg_dict.pop("model_type")
         config = AutoConfig.for_model(model_type, **cfg_dict)
@@ -102,14 +144,16 @@ def main() -> None:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
         gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
         with torch.no_grad():
-            for pname, p in model.named_parameters():
-                if "norm" in pname:
+            scalars = [(n, b) for n, b in model.named_buffers() if n.endswith("layer_scalar")]
+            for pname, p in [*model.named_parameters(), *scalars]:
+                if any(k in pname for k in NEAR_ONE):
                     p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
                 else:
                     p.copy_(0.08 * torch.randn(p.shape, generator=gen))
         out_dir = OUT / name
         out_dir.mkdir(parents=True, exist_ok=True)
-        counts = skew_routers(model) if name in HUB_EXPERT_NAMES else None
+        counts = (skew_routers(model) if name in HUB_EXPERT_NAMES
+                  else skew_gemma4_routers(model) if name in STACKED_MOE else None)
         model.save_pretrained(out_dir, safe_serialization=True)
         if name in HUB_EXPERT_NAMES:
             to_hub_expert_layout(out_dir / "model.safetensors", *HUB_EXPERT_NAMES[name])
@@ -122,6 +166,12 @@ def main() -> None:
                 logits = model(input_ids=ids).logits[0].float().numpy()
                 expected[f"logits_{i}"] = np.ascontiguousarray(logits)
                 expected[f"tokens_{i}"] = np.asarray(seq, dtype=np.int32)
+                if name in GREEDY:  # transformers' own greedy continuation (with its KV cache)
+                    out = model.generate(ids, max_new_tokens=GREEDY_TOKENS, do_sample=False, min_new_tokens=GREEDY_TOKENS,
+                                         output_scores=True, return_dict_in_generate=True)
+                    expected[f"greedy_{i}"] = out.sequences[0, len(seq):].numpy().astype(np.int32)
+                    top2 = torch.stack([torch.topk(torch.log_softmax(s[0].float(), -1), 2).values for s in out.scores])
+                    expected[f"greedy_margin_{i}"] = (top2[:, 0] - top2[:, 1]).numpy()
         save_file(expected, str(out_dir / "expected.safetensors"))
         cfg = json.loads((out_dir / "config.json").read_text())
         print(name, cfg["architectures"], {k: v.shape for k, v in expected.items()})
@@ -167,6 +217,40 @@ def skew_routers(model) -> np.ndarray:
     return counts
 
 
+def gemma4_router_inputs(model):
+    """Per layer, Gemma 4's router projection inputs and chosen experts: {layer: [(x, ids)]}."""
+    seen, hooks = {}, []
+    for i, layer in enumerate(model.model.layers):
+        hooks.append(layer.router.proj.register_forward_hook(
+            lambda mod, args, out, i=i: seen.setdefault(i, []).append([args[0].reshape(-1, args[0].shape[-1])])))
+        hooks.append(layer.router.register_forward_hook(
+            lambda mod, args, out, i=i: seen[i][-1].append(out[2])))
+    with torch.no_grad():
+        for seq in SEQUENCES:
+            model(input_ids=torch.tensor([seq]))
+    for h in hooks:
+        h.remove()
+    return seen
+
+
+def skew_gemma4_routers(model) -> np.ndarray:
+    """`skew_routers` for Gemma 4's routers (a projection after their own norm and scale)."""
+    bias = torch.tensor(ROUTER_BIAS) * GEMMA4_BIAS
+    for i, layer in enumerate(model.model.layers):
+        x = torch.cat([a for a, _ in gemma4_router_inputs(model)[i]])
+        mean = x.mean(0)
+        with torch.no_grad():
+            layer.router.proj.weight += bias[:, None] * mean[None, :] / mean.dot(mean)
+    seen = gemma4_router_inputs(model)
+    n = model.config.num_experts
+    counts = np.zeros((len(seen), n), np.int32)
+    for row, i in enumerate(sorted(seen)):
+        ids = torch.cat([b for _, b in seen[i]]).reshape(-1).numpy()
+        counts[row] = np.bincount(ids, minlength=n)
+    print("tokens per expert:", counts.tolist())
+    return counts
+
+
 def to_hub_expert_layout(path: pathlib.Path, block: str, names: tuple[str, str, str]) -> None:
     """Rewrite transformers 5's stacked experts (`experts.gate_up_proj` [X, 2F, E],
     `experts.down_proj` [X, E, F]) into the hub's per-expert [out, in] tensors."""
@@ -193,4 +277,4 @@ def to_hub_expert_layout(path: pathlib.Path, block: str, names: tuple[str, str, 
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

@@ -22,14 +22,15 @@ from jaxserve.models.sharding import (
 def kv_cache_shape(cfg: ArchConfig, num_pages: int, page_size: int) -> tuple[int, ...]:
     """The shape of one layer's K (or V) array: `[N, page_size, Hkv * D]`, a token's KV heads in
     one row (the layout every attention implementation reads and the KV write writes:
-    `ragged_paged_attention/metadata.py`)."""
-    return (num_pages, page_size, cfg.num_kv_heads * cfg.head_dim)
+    `ragged_paged_attention/metadata.py`); the same for every layer (see
+    `ArchConfig.kv_cache_heads` for models whose layers differ)."""
+    return (num_pages, page_size, cfg.kv_cache_heads * cfg.kv_cache_head_dim)
 
 
 def kv_head_shape(cfg: ArchConfig, num_pages: int, page_size: int) -> tuple[int, ...]:
     """The per-head view of one layer's array, `[N, page_size, Hkv, D]`: the shape
     `KV_CACHE_AXES` name (how the rules split the cache is decided on heads)."""
-    return (num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+    return (num_pages, page_size, cfg.kv_cache_heads, cfg.kv_cache_head_dim)
 
 
 def kv_cache_spec(cfg: ArchConfig, page_size: int, mesh: Mesh, rules: Rules | None = None):
@@ -43,11 +44,12 @@ def bytes_per_page(cfg: ArchConfig, page_size: int, dtype, mesh: Mesh | None = N
                    rules: Rules | None = None) -> int:
     """Bytes of K and V for one page across all layers: on one device of `mesh` (the KV heads
     split as the rules say), or in all (no mesh)."""
-    heads = cfg.num_kv_heads
+    heads = cfg.kv_cache_heads
     if mesh is not None:
         spec = logical_to_spec(KV_CACHE_AXES, kv_head_shape(cfg, 1, page_size), mesh, _rules(rules))
         heads //= mesh_axes_size(mesh, spec[2])
-    return 2 * cfg.num_layers * page_size * heads * cfg.head_dim * jnp.dtype(dtype).itemsize
+    itemsize = jnp.dtype(dtype).itemsize
+    return 2 * cfg.num_kv_cache_layers * page_size * heads * cfg.kv_cache_head_dim * itemsize
 
 
 def num_pages_for_budget(cfg: ArchConfig, page_size: int, dtype, budget_bytes: int, mesh: Mesh | None = None,
@@ -76,7 +78,7 @@ def abstract_kv_cache(cfg: ArchConfig, num_pages: int, page_size: int, dtype, me
     shape = kv_cache_shape(cfg, num_pages, page_size)
     one = jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=kv_cache_sharding(cfg, num_pages, page_size,
                                                                                    mesh, rules))
-    L = cfg.num_layers
+    L = cfg.num_kv_cache_layers
     return KVCache(k=(one,) * L, v=(one,) * L)
 
 
@@ -91,5 +93,5 @@ def allocate_kv_cache(cfg: ArchConfig, num_pages: int, page_size: int, dtype, me
     `zeros`: the compiled function making one (`zeros_compiler`; compiled here when not given)."""
     if zeros is None:
         zeros = zeros_compiler(abstract_kv_cache(cfg, num_pages, page_size, dtype, mesh, rules).k[0])()
-    L = cfg.num_layers
+    L = cfg.num_kv_cache_layers
     return KVCache(k=tuple(zeros() for _ in range(L)), v=tuple(zeros() for _ in range(L)))

@@ -191,6 +191,9 @@ def prepare_kv_scales(model, kv_dtype, ckpt, tokenize) -> None:
     """Resolve and set the scales of a quantized cache (nothing for a float one), and log them."""
     if not is_quantized(kv_dtype):
         return
+    if not getattr(model, "supports_quantized_kv_cache", True):
+        raise ValueError(f"a {jnp.dtype(kv_dtype).name} KV cache is not supported for "
+                         f"{model.config.architecture}; use --kv-cache-dtype auto")
     scales, source = resolve_kv_scales(kv_dtype, ckpt, model, tokenize)
     set_kv_scales(model, scales)
     if scales is None:

@@ -285,18 +285,12 @@ def target_attention(requested: str, platform: str, cfg, mesh, rules, page_size:
         if check is None:
             return impl, "; ".join(notes) or None
         try:
-            check(jax.ShapeDtypeStruct((1, cfg.num_heads // split, cfg.head_dim), attention_dtype(kv_dtype, dtype)),
-                  jax.ShapeDtypeStruct((1, page_size, cfg.num_kv_heads // split * cfg.head_dim), kv_dtype))
+            check(jax.ShapeDtypeStruct((1, cfg.num_heads // split, cfg.kv_cache_head_dim),
+                                       attention_dtype(kv_dtype, dtype)),
+                  jax.ShapeDtypeStruct((1, page_size, cfg.kv_cache_heads // split
+                                        * cfg.kv_cache_head_dim), kv_dtype))
         except ValueError as e:
             notes.append(f"{impl} kernel unsupported: {e}")
             continue
         return impl, "; ".join(notes) or None
     return "reference", "; ".join(notes)
-    spec = ax.logical_to_spec(KV_CACHE_AXES, kv_head_shape(cfg, 1, page_size), mesh, rules)
-    split = ax.mesh_axes_size(mesh, spec[2])
-    try:
-        check(jax.ShapeDtypeStruct((1, cfg.num_heads // split, cfg.head_dim), attention_dtype(kv_dtype, dtype)),
-              jax.ShapeDtypeStruct((1, page_size, cfg.num_kv_heads // split * cfg.head_dim), kv_dtype))
-    except ValueError as e:
-        return "reference", f"{impl} kernel unsupported: {e}"
-    return impl, None

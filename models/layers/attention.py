@@ -23,8 +23,11 @@ from jax.sharding import Mesh, PartitionSpec as P
 from jaxserve.models import sharding as ax
 from jaxserve.models.interface import KV_CACHE_AXES
 from jaxserve.pallas_kernels.kv_quant import is_quantized, quantize, scale_output, scale_query
-from jaxserve.pallas_kernels.ragged_paged_attention.metadata import AttentionMetadata
-from jaxserve.pallas_kernels.ragged_paged_attention.ops import write_kv_and_attend
+from jaxserve.pallas_kernels.ragged_paged_attention.metadata import AttentionMetadata, num_kv_heads
+from jaxserve.pallas_kernels.ragged_paged_attention.ops import (
+    ragged_paged_attention,
+    write_kv_and_attend,
+)
 
 # Logical axes of a step's k and v: [tokens, kv_heads, head_dim].
 KV_AXES = (None, ax.KV_HEADS, ax.HEAD_DIM)
@@ -84,6 +87,40 @@ def paged_attention(
         k, v = k.astype(k_cache.dtype), v.astype(k_cache.dtype)
     out, k_cache, v_cache = _attend(q, k, v, k_cache, v_cache, md, spec, mesh, rules)
     return (scale_output(out, spec.v_scale, hkv) if quantized else out), k_cache, v_cache
+
+
+def paged_attention_read(
+    q: jax.Array,  # [T, Hq, D]
+    k_cache: jax.Array,  # [N, page_size, Hkv * D], another layer's, holding this step's K/V
+    v_cache: jax.Array,
+    md: AttentionMetadata,
+    spec: AttentionSpec,
+    mesh: Mesh | None,
+    rules: ax.Rules = ax.DEFAULT_RULES,
+) -> jax.Array:
+    """Attention over a cache this layer does not write: a layer reading the keys and values an
+    earlier layer of the step wrote (Gemma 4's KV-sharing layers). `spec` carries the scales
+    of that layer's cache. Returns out [T, Hq, D]."""
+    hkv = num_kv_heads(k_cache, q.shape[2])
+    quantized = is_quantized(k_cache.dtype)
+    if quantized:
+        q = scale_query(q, spec.k_scale, hkv, q.dtype)
+
+    def local(q, k_cache, v_cache, md):
+        return ragged_paged_attention(q, k_cache, v_cache, md, sm_scale=spec.sm_scale,
+                                      sliding_window=spec.sliding_window, soft_cap=spec.soft_cap,
+                                      impl=spec.impl)
+
+    if mesh is None or mesh.size == 1:
+        out = local(q, k_cache, v_cache, md)
+    else:
+        mesh, manual = ax.context_mesh(mesh)
+        shape = (q.shape[0], hkv, q.shape[2])
+        heads, cache = attention_specs(shape, k_cache.shape, mesh, rules, manual)
+        out = jax.shard_map(local, mesh=mesh,
+                            in_specs=(heads, cache, cache, jax.tree.map(lambda _: P(), md)),
+                            out_specs=heads, check_vma=False)(q, k_cache, v_cache, md)
+    return scale_output(out, spec.v_scale, hkv) if quantized else out
 
 
 def _attend(q, k, v, k_cache, v_cache, md, spec: AttentionSpec, mesh: Mesh | None, rules):

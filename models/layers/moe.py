@@ -47,14 +47,17 @@ MOE_IMPLS = ("ragged", "tiled", "dense", "tiled-or-dense")
 EXPERT_SPECS = {"w_gate": "te,xef->txf", "w_up": "te,xef->txf", "w_down": "txf,xfe->txe"}
 
 
-def route(logits: jax.Array, top_k: int, normalize: bool) -> tuple[jax.Array, jax.Array]:
+def route(logits: jax.Array, top_k: int, normalize: bool, expert_scale: jax.Array | None = None
+          ) -> tuple[jax.Array, jax.Array]:
     """logits [T, X] -> (weights [T, k] float32, expert ids [T, k] int32): softmax over all
     experts, the k largest, renormalized to sum to one when `normalize` (Mixtral; Qwen3-MoE's
-    norm_topk_prob)."""
+    norm_topk_prob), then times each chosen expert's `expert_scale` [X] when given (Gemma 4)."""
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     weights, ids = jax.lax.top_k(probs, top_k)
     if normalize:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    if expert_scale is not None:
+        weights = weights * expert_scale.astype(jnp.float32)[ids]
     return weights, ids.astype(jnp.int32)
 
 
@@ -101,13 +104,20 @@ def _dtype(w):
     return jnp.dtype(w.compute_dtype) if isinstance(w, QuantizedWeight) else w.dtype
 
 
-def _act(gate: jax.Array, up: jax.Array) -> jax.Array:
-    return jax.nn.silu(gate) * up
+# The experts' gate activations: act(gate) * up.
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+               "gelu": lambda x: jax.nn.gelu(x, approximate=False)}
 
 
-def experts_dense(x, weights, ids, w_gate, w_up, w_down, expert_offset=0) -> jax.Array:
+def _act(gate: jax.Array, up: jax.Array, act: str = "silu") -> jax.Array:
+    return ACTIVATIONS[act](gate) * up
+
+
+def experts_dense(x, weights, ids, w_gate, w_up, w_down, expert_offset=0,
+                  act: str = "silu") -> jax.Array:
     """Every local expert on every token. x [T, E]; weights, ids [T, k]; w_gate/w_up
-    [Xl, E, F], w_down [Xl, F, E] (the experts expert_offset .. + Xl) -> [T, E] float32."""
+    [Xl, E, F], w_down [Xl, F, E] (the experts expert_offset .. + Xl) -> [T, E] float32.
+    `act`: the gate's activation (one of ACTIVATIONS)."""
     T = x.shape[0]
     Xl = w_gate.shape[0]
     local = ids - expert_offset
@@ -118,7 +128,8 @@ def experts_dense(x, weights, ids, w_gate, w_up, w_down, expert_offset=0) -> jax
     # expert-major layouts: XLA:CPU has no bfloat16 batched dot with the batch dim in the middle
     gate = jnp.einsum("te,xef->xtf", xc, _weight(w_gate), preferred_element_type=jnp.float32)
     up = jnp.einsum("te,xef->xtf", xc, _weight(w_up), preferred_element_type=jnp.float32)
-    y = jnp.einsum("xtf,xfe->xte", _act(gate, up).astype(dt), _weight(w_down), preferred_element_type=jnp.float32)
+    y = jnp.einsum("xtf,xfe->xte", _act(gate, up, act).astype(dt), _weight(w_down),
+                   preferred_element_type=jnp.float32)
     return jnp.einsum("xte,tx->te", y, combine[:, :Xl])
 
 
@@ -132,7 +143,7 @@ def _sort(ids: jax.Array, Xl: int, expert_offset):
 
 
 def experts_grouped(x, weights, ids, w_gate, w_up, w_down, *, impl: str, expert_offset=0,
-                    tile: int | None = None) -> jax.Array:
+                    tile: int | None = None, act: str = "silu") -> jax.Array:
     """The local experts on the tokens routed to them only (impl "ragged" or "tiled"); same
     arguments and result as `experts_dense`."""
     T, k = ids.shape
@@ -146,9 +157,9 @@ def experts_grouped(x, weights, ids, w_gate, w_up, w_down, *, impl: str, expert_
         def gmm(a, w):
             return jax.lax.ragged_dot(a.astype(dt), _weight(w), sizes, preferred_element_type=jnp.float32)
 
-        y = gmm(_act(gmm(xs, w_gate), gmm(xs, w_up)), w_down)  # [M, E]
+        y = gmm(_act(gmm(xs, w_gate), gmm(xs, w_up), act), w_down)  # [M, E]
     elif impl == "tiled":
-        y = _tiled_mlp(xs, sizes, w_gate, w_up, w_down, tile)
+        y = _tiled_mlp(xs, sizes, w_gate, w_up, w_down, tile, act)
     else:
         raise ValueError(f"not a grouped moe impl: {impl!r}")
     rows = jnp.arange(M) < jnp.sum(sizes)  # rows of local experts (the rest sort last)
@@ -162,7 +173,7 @@ def tile_rows(num_rows: int, num_groups: int) -> int:
     return int(min(128, max(8, 1 << (per_group - 1).bit_length())))
 
 
-def _tiled_mlp(xs, sizes, w_gate, w_up, w_down, tile: int | None) -> jax.Array:
+def _tiled_mlp(xs, sizes, w_gate, w_up, w_down, tile: int | None, act: str = "silu") -> jax.Array:
     """The expert MLP of each group of sorted rows xs [M, E] (groups of `sizes`), one
     (tile, expert) pair at a time -> [M, E] float32 (zero past the groups)."""
     M, E = xs.shape
@@ -192,7 +203,8 @@ def _tiled_mlp(xs, sizes, w_gate, w_up, w_down, tile: int | None) -> jax.Array:
         mask = (row >= starts[g]) & (row < ends[g]) & live  # [B]
         gate = jnp.dot(x_t, _weight(w_gate, g).astype(f32))
         up = jnp.dot(x_t, _weight(w_up, g).astype(f32))
-        y = jnp.dot(_act(gate, up).astype(xs.dtype).astype(f32), _weight(w_down, g).astype(f32))
+        y = jnp.dot(_act(gate, up, act).astype(xs.dtype).astype(f32),
+                    _weight(w_down, g).astype(f32))
         cur = jax.lax.dynamic_slice_in_dim(out, r0, B)
         return jax.lax.dynamic_update_slice_in_dim(out, cur + jnp.where(mask[:, None], y, 0.0), r0, 0)
 
@@ -201,11 +213,12 @@ def _tiled_mlp(xs, sizes, w_gate, w_up, w_down, tile: int | None) -> jax.Array:
 
 
 def moe_mlp(x, router_logits, w_gate, w_up, w_down, *, top_k: int, normalize: bool, impl: str,
-            mesh: Mesh | None, expert_axis: str | None, mlp_axis: str | None) -> jax.Array:
+            mesh: Mesh | None, expert_axis: str | None, mlp_axis: str | None,
+            expert_scale: jax.Array | None = None, act: str = "silu") -> jax.Array:
     """The MoE block on x [T, E] (normed) -> [T, E] float32. `expert_axis` / `mlp_axis`: the
     mesh axes the stacked weights' expert and intermediate dims are sharded over (None:
-    not sharded)."""
-    weights, ids = route(router_logits, top_k, normalize)
+    not sharded). `expert_scale`, `act`: see `route` and `experts_dense`."""
+    weights, ids = route(router_logits, top_k, normalize, expert_scale)
     float32_experts = not isinstance(w_gate, QuantizedWeight) and w_gate.dtype == jnp.float32
     impl = step_impl(impl, num_tokens=x.shape[0], num_experts=w_gate.shape[0], top_k=top_k,
                      float32_experts=float32_experts)
@@ -219,9 +232,10 @@ def moe_mlp(x, router_logits, w_gate, w_up, w_down, *, top_k: int, normalize: bo
         if expert_axis is not None:
             offset = jax.lax.axis_index(expert_axis) * _num(w_gate)
         if impl == "dense":
-            y = experts_dense(x, weights, ids, w_gate, w_up, w_down, offset)
+            y = experts_dense(x, weights, ids, w_gate, w_up, w_down, offset, act)
         else:
-            y = experts_grouped(x, weights, ids, w_gate, w_up, w_down, impl=impl, expert_offset=offset)
+            y = experts_grouped(x, weights, ids, w_gate, w_up, w_down, impl=impl,
+                                expert_offset=offset, act=act)
         axes = tuple(a for a in (expert_axis, mlp_axis) if a is not None)
         return jax.lax.psum(y, axes) if axes else y
 

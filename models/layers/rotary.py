@@ -1,5 +1,7 @@
 """Rotary position embeddings (HF "rotate_half" layout) and the RoPE scalings transformers
-applies to the families here: linear, llama3, yarn, dynamic (NTK) and longrope.
+applies to the families here: linear, llama3, yarn, dynamic (NTK), longrope and proportional
+(Gemma 4's full-attention layers: the whole head's pairs, the first fraction of them with
+the usual frequencies, the others with frequency zero, i.e. passed through).
 
 Static recipes (default, linear, llama3, yarn) are one table of inverse frequencies, a
 compile-time constant. Two recipes depend on the length of the sequence, as transformers
@@ -45,7 +47,8 @@ class RopeSpec:
 
 def layer_rope_spec(cfg: ArchConfig, i: int) -> RopeSpec:
     theta, scaling = cfg.layer_rope(i)
-    return RopeSpec(theta, scaling, cfg.rotary_dim, cfg.max_position_embeddings, cfg.rope_freq_factors)
+    rotary_dim = int(cfg.layer_head_dim(i) * cfg.partial_rotary_factor)
+    return RopeSpec(theta, scaling, rotary_dim, cfg.max_position_embeddings, cfg.rope_freq_factors)
 
 
 def _base_inv_freq(theta: float | np.ndarray, dim: int) -> np.ndarray:
@@ -74,6 +77,10 @@ def inverse_frequencies(cfg_or_spec: ArchConfig | RopeSpec, long: bool = False) 
         inv_freq = np.where(medium, smoothed, scaled).astype(np.float32)
     elif rs.rope_type == "yarn":
         inv_freq = _yarn_inv_freq(spec)
+    elif rs.rope_type == "proportional":  # the first fraction rotates; zero frequencies after it
+        angles = int(rs.partial_rotary_factor * dim // 2)
+        inv_freq = np.concatenate([inv_freq[:angles], np.zeros(dim // 2 - angles, np.float32)])
+        inv_freq = (inv_freq / np.float32(rs.factor)).astype(np.float32)
     elif rs.rope_type == "longrope":
         factors = rs.long_factor if long else rs.short_factor
         if len(factors) != dim // 2:

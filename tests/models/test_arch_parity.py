@@ -7,6 +7,7 @@ PyTorch implementations; this test needs no torch.
 from __future__ import annotations
 
 import json
+import pathlib
 
 import jax.numpy as jnp
 import numpy as np
@@ -19,7 +20,8 @@ from jaxserve.models.weights import create_model
 from tests.models.model_utils import PagedRunner
 
 CASES = ["llama", "llama_tied", "qwen2", "qwen3", "mistral", "qwen2_sliding", "llama_dynamic", "phi3", "gemma2",
-         "gemma3", "mixtral", "qwen3_moe"]
+         "gemma3", "gemma4", "gemma4_moe", "mixtral", "qwen3_moe"]
+MOE_CASES = ["mixtral", "qwen3_moe", "gemma4_moe"]
 
 
 def load_fixture(data_dir, name):
@@ -46,12 +48,23 @@ def test_logits_match_transformers(data_dir, name):
         np.testing.assert_allclose(out[i], expected[f"logits_{i}"], atol=1e-4, rtol=0)
 
 
-def test_unknown_architecture_lists_supported():
-    with pytest.raises(ValueError, match="LlamaForCausalLM.*Qwen2ForCausalLM"):
-        get_model_class("GPTNeoXForCausalLM")
+def test_unknown_architecture_lists_every_served_one(data_dir):
+    """The refusal names every architecture the fixtures show served (not a hand-kept list)."""
+    served = {json.loads((data_dir / "arch" / c / "config.json").read_text())["architectures"][0]
+              for c in CASES}
+    with pytest.raises(ValueError, match="'DeepseekV3ForCausalLM' is not supported") as e:
+        get_model_class("DeepseekV3ForCausalLM")
+    listed = str(e.value).split("Supported architectures: ")[1].rstrip(".").split(", ")
+    assert set(listed) == served and len(listed) == len(served)
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+def test_readme_names_every_served_architecture():
+    readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
+    models = readme.split("## Models and checkpoints")[1].split("\n## ")[0]
+    assert [a for a in supported_architectures() if f"`{a}`" not in models] == []
+
+
+@pytest.mark.parametrize("name", MOE_CASES)
 def test_moe_fixtures_route_unevenly(data_dir, name):
     """The MoE fixtures' routers are skewed: some experts get many tokens, some none."""
     _, _, expected = load_fixture(data_dir, name)
@@ -61,7 +74,7 @@ def test_moe_fixtures_route_unevenly(data_dir, name):
 
 
 @pytest.mark.parametrize("impl", ["dense", "ragged", "tiled"])
-@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("name", MOE_CASES)
 def test_moe_implementations_match_transformers(data_dir, name, impl):
     """Each MoE implementation (every expert on every token; jax.lax.ragged_dot; the CPU's
     tiled grouped products) gives transformers' logits."""
