@@ -1,6 +1,6 @@
 """Tensor parallelism through the served engine: `LLM(tensor_parallel_size=N)` on N of the 8
-simulated CPU devices gives the single-device engine's greedy tokens and log-probs, for each
-architecture fixture and for the default model in float32, with nothing compiled after warm-up."""
+simulated CPU devices gives the single-device engine's greedy tokens and log-probs, for a Llama
+fixture and for the default model in float32, with nothing compiled after warm-up."""
 
 from __future__ import annotations
 
@@ -11,9 +11,11 @@ import pytest
 from jaxserve import LLM, SamplingParams
 from tests.model_dirs import write_model_dir
 
-# (fixture, the tensor-parallel sizes it runs at): 2 splits the fixtures' 2 KV heads, 4 replicates
-# them (once here; the default model's 3 KV heads are replicated at 4 below).
-FIXTURES = [("llama", (1, 2, 4)), ("qwen2", (1, 2)), ("qwen3", (1, 2)), ("mistral", (1, 2))]
+# (fixture, the tensor-parallel sizes it runs at): 2 splits the fixture's 2 KV heads, 4 replicates
+# them (the default model's 3 KV heads are replicated at 4 below). One architecture through the
+# engine: every fixture's sharded model under every rules preset is compared with the unsharded
+# one in tests/models/test_sharding_rules.py.
+FIXTURES = [("llama", (1, 2, 4))]
 OPTIONS = dict(dtype="float32", token_buckets=(16,), request_buckets=(8,), show_progress=False)
 
 
