@@ -48,8 +48,8 @@ def interleaved_medians_ms(cases, iters: int) -> list[float]:
 
 
 def paged_batch(reqs, rng, t_pad=None):
-    """(ctx, q_len) per request -> q, one layer's caches [N, PS, HKV, D], metadata; pages
-    shuffled."""
+    """(ctx, q_len) per request -> q, one layer's caches [N, PS, HKV * D] (the server's layout),
+    metadata; pages shuffled."""
     kv = [c + n for c, n in reqs]
     need = [math.ceil(x / PS) for x in kv]
     R, P = len(reqs), max(need)
@@ -68,8 +68,8 @@ def paged_batch(reqs, rng, t_pad=None):
         for pos in range(c, c + n):
             slots[t] = bt[r, pos // PS] * PS + pos % PS
             t += 1
-    kc = jnp.asarray(rng.standard_normal((N, PS, HKV, D), np.float32))
-    vc = jnp.asarray(rng.standard_normal((N, PS, HKV, D), np.float32))
+    kc = jnp.asarray(rng.standard_normal((N, PS, HKV * D), np.float32))
+    vc = jnp.asarray(rng.standard_normal((N, PS, HKV * D), np.float32))
     q = jnp.asarray(rng.standard_normal((T, HQ, D), np.float32))
     md = AttentionMetadata(
         block_tables=jnp.asarray(bt),
@@ -160,8 +160,8 @@ def main():
         jnp.pad(md2.block_tables, ((0, 0), (0, md.block_tables.shape[1] - 8))),
         md2.kv_lens, md2.query_start_loc, md2.num_seqs, md2.slot_mapping,
     )
-    kc2 = jnp.pad(kc2, ((0, kc.shape[0] - kc2.shape[0]), (0, 0), (0, 0), (0, 0)))
-    vc2 = jnp.pad(vc2, ((0, vc.shape[0] - vc2.shape[0]), (0, 0), (0, 0), (0, 0)))
+    kc2 = jnp.pad(kc2, ((0, kc.shape[0] - kc2.shape[0]), (0, 0), (0, 0)))
+    vc2 = jnp.pad(vc2, ((0, vc.shape[0] - vc2.shape[0]), (0, 0), (0, 0)))
     base = "dense decode 32x128"
     cases.append((base, None, dense_decode, (q2, kd[:, :128], vd[:, :128]), None))
     for cp, f in fns.items():

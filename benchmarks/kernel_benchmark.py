@@ -64,7 +64,7 @@ def measure_bandwidth_gbs(nbytes: int, iters: int) -> float:
 
 def paged_batch(reqs, *, hq, hkv, d, ps, dtype, t_pad, r_pad, pages_per_req, seed=0):
     """(ctx, q_len) per request -> (q, k_cache, v_cache, md) with shuffled pages, one layer's
-    caches [N, page_size, Hkv, D]."""
+    caches [N, page_size, Hkv * D] (the layout the server stores)."""
     rng = np.random.default_rng(seed)
     need = [math.ceil((c + n) / ps) for c, n in reqs]
     num_pages = 1 + sum(need)
@@ -87,7 +87,7 @@ def paged_batch(reqs, *, hq, hkv, d, ps, dtype, t_pad, r_pad, pages_per_req, see
     )
     key = jax.random.PRNGKey(seed)
     k1, k2, k3 = jax.random.split(key, 3)
-    shape = (num_pages, ps, hkv, d)
+    shape = (num_pages, ps, hkv * d)
     kc = jax.random.normal(k1, shape, dtype)
     vc = jax.random.normal(k2, shape, dtype)
     q = jax.random.normal(k3, (t_pad, hq, d), dtype)
@@ -103,8 +103,10 @@ def jax_gpu_paged_attention_case(q, kc, vc, md, reqs, ps, sm_scale):
     from jax.experimental.pallas.ops.gpu import paged_attention as jpa
 
     R = len(reqs)
-    k_pages = jnp.transpose(kc, (2, 0, 1, 3))  # [Hkv, N, ps, D]
-    v_pages = jnp.transpose(vc, (2, 0, 1, 3))
+    d = q.shape[-1]
+    per_head = (kc.shape[0], ps, kc.shape[2] // d, d)
+    k_pages = jnp.transpose(kc.reshape(per_head), (2, 0, 1, 3))  # [Hkv, N, ps, D]
+    v_pages = jnp.transpose(vc.reshape(per_head), (2, 0, 1, 3))
     bt = md.block_tables[:R]
     lengths = md.kv_lens[:R]
     pps = bt.shape[1]
@@ -139,7 +141,7 @@ def sweep_cases(q, kc, vc, md, sm_scale, *, small: bool, interpret: bool):
 
     R, P = md.block_tables.shape
     table = gpu_blocks.lookup(q.shape[-1], jnp.dtype(kc.dtype).itemsize)
-    splits = gpu_blocks.decode_splits(table, R, kc.shape[2], P * kc.shape[1])
+    splits = gpu_blocks.decode_splits(table, R, kc.shape[2] // q.shape[-1], P * kc.shape[1])
     for knobs in sweep_variants(table, splits, small):
         blocks = {"decode_slots": table.decode_slots, "chunk_keys": table.chunk_keys,
                   "kv_splits": splits, **knobs, "table": not knobs}

@@ -72,20 +72,20 @@ def _words_write(k_cache, v_cache, k, v, slot_mapping):
     import jax.numpy as jnp
     from jax import lax
 
-    n, ps, hkv, d = k_cache.shape
+    n, ps, row = k_cache.shape  # [N, page_size, Hkv * D]
 
     def one(cache, new):
         words = lax.bitcast_convert_type(
-            cache.reshape(n, ps // 4, 4, hkv * d).transpose(0, 1, 3, 2), jnp.uint32)
+            cache.reshape(n, ps // 4, 4, row).transpose(0, 1, 3, 2), jnp.uint32)
         s = slot_mapping
         page, group, byte = s // ps, (s % ps) // 4, (s % 4).astype(jnp.uint32)
         old = words[page, group]
-        b = lax.bitcast_convert_type(new.astype(cache.dtype).reshape(-1, hkv * d), jnp.uint8)
+        b = lax.bitcast_convert_type(new.astype(cache.dtype).reshape(-1, row), jnp.uint8)
         sh = (8 * byte)[:, None]
         upd = (old & ~(jnp.uint32(0xFF) << sh)) | (b.astype(jnp.uint32) << sh)
         words = words.at[page, group].set(upd, mode="drop")
         back = lax.bitcast_convert_type(words, cache.dtype)  # [n, ps/4, hd, 4]
-        return back.transpose(0, 1, 3, 2).reshape(n, ps, hkv, d)
+        return back.transpose(0, 1, 3, 2).reshape(n, ps, row)
 
     return one(k_cache, k), one(v_cache, v)
 
@@ -108,7 +108,7 @@ def single_layer(topology: str, pages: int, page_size: int, tokens: list[int], h
             impls = ["reference"] + (["tpu", "words"] if dtype.itemsize == 1 else [])
             for t in tokens:
                 for impl in impls:
-                    shape = (pages, page_size, hkv, 128)
+                    shape = (pages, page_size, hkv * 128)  # the server's cache layout
 
                     def sd(s, dt=dtype):
                         return jax.ShapeDtypeStruct(s, dt, sharding=sharding)

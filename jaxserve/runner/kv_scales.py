@@ -140,7 +140,9 @@ def measure_kv_scales(model, token_ids: list[int], kv_dtype, page_size: int = 16
     @jax.jit
     def amax(state, kv, inputs):
         _, kv = nnx.merge(graphdef, state)(inputs.input_ids, inputs.positions, kv, inputs.md)
-        per_head = lambda c: jnp.max(jnp.abs(c), axis=(0, 1, 3))  # noqa: E731 - [Hkv]
+        def per_head(c):  # [N, page_size, Hkv * D] -> [Hkv]
+            return jnp.max(jnp.abs(c.reshape(*c.shape[:2], cfg.kv_cache_heads, -1)), axis=(0, 1, 3))
+
         return [per_head(c) for c in kv.k], [per_head(c) for c in kv.v]
 
     ks, vs = jax.device_get(amax(state, kv, jax.tree.map(jnp.asarray, inputs)))
