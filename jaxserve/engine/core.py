@@ -70,11 +70,16 @@ class HostTimes:
 
 class EngineCore:
     def __init__(self, scheduler: StepScheduler, runner: StepRunner, *,
-                 async_scheduling: bool = True, proposer: NgramProposer | None = None):
+                 async_scheduling: bool = True, proposer: NgramProposer | None = None,
+                 num_decode_steps: int = 1):
+        """num_decode_steps: multi-step decode's K (the runner compiled decode blocks of K
+        steps; 1: none)."""
         self.scheduler = scheduler
         self.runner = runner
         self.proposer = proposer
         self.async_scheduling = async_scheduling
+        self.num_decode_steps = num_decode_steps
+        self.num_blocks = 0  # decode blocks run
         self._may_draft: set[str] = set()  # requests the proposer drafts for
         self._in_flight: tuple[ScheduledStep, Any] | None = None
         self.times = HostTimes()
@@ -118,7 +123,11 @@ class EngineCore:
             done, self._in_flight = self._in_flight, None
             return self._collect(done, [])
         c0 = cpu()
-        so = self.scheduler.schedule()
+        so = self._schedule_block() if self.num_decode_steps > 1 and not constrained else None
+        if so is None:
+            so = self.scheduler.schedule()
+        else:
+            self.num_blocks += 1
         if self._release_finished or self._release_preempted:
             so = self._with_releases(so)
         c1 = cg = cpu()
@@ -142,6 +151,16 @@ class EngineCore:
         else:
             done = (so, launched) if launched is not None else None
         return self._collect(done, failed)
+
+    def _schedule_block(self):
+        """A decode block of `num_decode_steps` steps (Scheduler.schedule_block), or None for an
+        ordinary step: while structured output runs (the next bitmask needs each token on the
+        host; the caller checks) or a request that may draft runs (drafts need the last token
+        on the host), and whenever the scheduler refuses (admissions, prefill chunks, drafts
+        already proposed, too few free blocks, nothing that would decode more than one token)."""
+        if self._may_draft:
+            return None
+        return self.scheduler.schedule_block(self.num_decode_steps)
 
     def _may_draft_now(self) -> bool:
         """Whether a step now could feed drafts: a request that may draft runs and the step has
