@@ -123,7 +123,7 @@ class EngineCore:
             done, self._in_flight = self._in_flight, None
             return self._collect(done, [])
         c0 = cpu()
-        so = self._schedule_block() if self.num_decode_steps > 1 and not constrained else None
+        so = self._schedule_block(constrained)
         if so is None:
             so = self.scheduler.schedule()
         else:
@@ -152,13 +152,14 @@ class EngineCore:
             done = (so, launched) if launched is not None else None
         return self._collect(done, failed)
 
-    def _schedule_block(self):
+    def _schedule_block(self, constrained: bool):
         """A decode block of `num_decode_steps` steps (Scheduler.schedule_block), or None for an
-        ordinary step: while structured output runs (the next bitmask needs each token on the
-        host; the caller checks) or a request that may draft runs (drafts need the last token
-        on the host), and whenever the scheduler refuses (admissions, prefill chunks, drafts
-        already proposed, too few free blocks, nothing that would decode more than one token)."""
-        if self._may_draft:
+        ordinary step: without blocks (K = 1), while a request follows a grammar (`constrained`:
+        its next bitmask needs each token on the host) or a request that may draft runs (drafts
+        need the last token on the host), and whenever the scheduler refuses (admissions,
+        prefill chunks, drafts already proposed, too few free blocks, nothing that would decode
+        more than one token)."""
+        if self.num_decode_steps == 1 or constrained or self._may_draft:
             return None
         return self.scheduler.schedule_block(self.num_decode_steps)
 
