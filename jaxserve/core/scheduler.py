@@ -28,6 +28,13 @@ update_from_output() of step t: a request whose last token is still pending is s
 feed it (`PENDING` in its token ids) unless that token may be its last (max_tokens or
 max_model_len reached). A request finished by a token that arrives late has had one more step
 computed for nothing; its output is dropped. Nothing is resumed while a token of it is pending.
+
+Multi-step decode: `schedule_block(K)` plans a decode block instead of a step when every
+running request only decodes and nothing waits that could be admitted: each row feeds its last
+token and decodes up to K tokens on the device (as many placeholders; their KV slots allocated
+ahead), and `update_from_output` takes them in order up to the first stop. It returns None,
+changing nothing, whenever the block would not be exact (see its doc); the engine core then
+calls schedule().
 """
 
 from __future__ import annotations

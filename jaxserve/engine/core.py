@@ -26,6 +26,11 @@ launches nothing), then each step is schedule -> grammar bitmask -> prepare -> l
 collect -> update. The tokens are the same either way (a row's random draw depends on its
 seed and position only); the grammar state is the StructuredOutputManager's.
 
+Multi-step decode (`num_decode_steps` K > 1): while every running request only decodes, a
+step is a decode block (Scheduler.schedule_block: K decode steps in one device call), overlapped
+like any step; structured output and requests that may draft keep single steps, since both
+need each token on the host (`_schedule_block`).
+
 Speculative decoding (`proposer`): after each step the proposer drafts the next tokens of every
 request that may draft (jaxserve/spec_decode/), from its tokens so far; the scheduler feeds
 them in the next step. Drafts need the last token on the host, so while a request that may

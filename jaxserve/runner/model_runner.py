@@ -18,7 +18,10 @@ device still computes step t:
 `prepare` reads the step's `StepBatch` (the scheduler's snapshot: typed rows, no `Request`) and
 the runner's per-slot host state, and packs it through runner/step_packing.py; `launch` needs
 only the plan (a multi-host follower runs it on a plan received from the leader); `collect`
-needs only the launched step. Everything the steps are a function of is the runner's
+needs only the launched step. A batch the scheduler planned as a decode block (multi-step
+decode, `StepBatch.num_steps` > 1) runs the block of its request bucket instead
+(runner/decode_block.py), and `collect` reads back each row's tokens of its steps.
+Everything the steps are a function of is the runner's
 `StepRecipe` (runner/recipe.py), from which the compile workers, the memory probes and
 shard-plan build the same programs.
 """
