@@ -281,6 +281,10 @@ class ModelRunner:
         """The compiled step of `bucket` (its memory analysis, its HLO)."""
         return self._compiled[bucket]
 
+    def decode_block(self, R: int) -> jax.stages.Compiled:
+        """The compiled decode block of R rows (multi-step decode)."""
+        return self._blocks[R]
+
     @property
     def num_buckets(self) -> int:
         return len(self._compiled)
