@@ -330,7 +330,7 @@ class Scheduler:
         rows: list[tuple[Request, int]] = []
         need = 0
         for req in self.running:
-            n = self._num_new_tokens(req, cfg.max_num_batched_tokens)
+            n = self._num_new_tokens(req, cfg.max_model_len)  # all it has to feed, whatever the budget
             if n == 0:  # its pending token may be its last
                 continue
             if n != 1 or req.spec_token_ids:

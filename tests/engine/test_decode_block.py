@@ -35,8 +35,10 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def options(compile_cache_dir):
+    # A KV cache of 10 pages of 16 tokens: 8 requests of ~45 tokens preempt one another.
     return dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=64, token_buckets=(16, 64),
-                request_buckets=(8,), compilation_cache_dir=compile_cache_dir, show_progress=False)
+                request_buckets=(8,), max_model_len=64, num_pages=11, compilation_cache_dir=compile_cache_dir,
+                show_progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -119,8 +121,11 @@ def test_eos_stop_tokens_and_max_tokens_inside_a_block(multi, single):
     assert [len(o.token_ids) for o in got] == [1, first + 1, 6, 9]
     assert [(o.finish_reason, o.stop_reason) for o in got] == [(o.finish_reason, o.stop_reason) for o in want]
     assert got[1].finish_reason == "stop" and got[1].stop_reason == stop_at and got[0].finish_reason == "length"
-    # The context's end inside a block: max_model_len caps the row's steps.
-    assert multi.engine.core.scheduler.config.max_model_len >= 64
+    # The context's end inside a block: max_model_len (64) caps the row's steps.
+    long = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
+    got, want = outputs(multi, [PROMPTS[1]], long), outputs(single, [PROMPTS[1]], long)
+    assert got[0].token_ids == want[0].token_ids and len(got[0].token_ids) == 64 - 3
+    assert got[0].finish_reason == want[0].finish_reason == "length"
 
 
 def test_stop_strings_end_a_request_inside_a_block(multi, single):
@@ -188,6 +193,18 @@ def test_requests_that_may_draft_or_follow_a_grammar_run_single_steps():
     assert core._schedule_block(True) is None
     out = core._schedule_block(False)
     assert out is not None and out.num_steps == K and out.scheduled[0].num_steps == K
+
+
+def test_preemption_between_blocks(multi, single):
+    """More requests than the KV cache holds: a block that does not fit is refused and the
+    ordinary step that follows preempts, as with single steps; the greedy tokens are the same."""
+    stats = lambda llm: llm.engine.scheduler.make_stats().num_preemptions  # noqa: E731
+    before, blocks_before = stats(multi), blocks(multi)
+    prompts = [[5 + i, 6, 7 + i, 8] for i in range(8)]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    assert tokens(multi, prompts, params) == tokens(single, prompts, params)
+    assert stats(multi) > before and blocks(multi) > blocks_before
+    assert multi.engine.scheduler.kv.get_num_free_blocks() == multi.engine.scheduler.kv.num_blocks - 1
 
 
 def test_nothing_compiles_after_warm_up(multi, single):
