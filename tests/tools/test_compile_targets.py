@@ -52,4 +52,6 @@ def test_compiled_for_a_chip_this_host_does_not_have(model_config, tmp_path, top
     assert manifest["material"]["platform"] == manifest["platform"] == platform
     assert plugin in manifest["material"]["versions"]
     assert manifest["buckets"] == [[16, 8]] and manifest["recipe"]["num_pages"] > 0
-    assert len(list(out.glob("*.jexe"))) == len(manifest["entries"]) == 4, manifest["entries"]  # one step, three helpers
+    # one step, its decode block (TPU/GPU's default multi-step decode: 4 steps), three helpers
+    assert len(list(out.glob("*.jexe"))) == len(manifest["entries"]) == 5, manifest["entries"]
+    assert "decode-8x4" in manifest["entries"]
