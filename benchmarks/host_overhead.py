@@ -2,8 +2,9 @@
 
 1. Null model (default): the real engine core (scheduler, runner, sampler, output processor)
    over a model whose compiled step costs almost nothing (one layer of nothing, a 32-token
-   vocabulary, a fixed greedy token), with R = 32, 256 and 1,024 requests all decoding. Prints
-   host milliseconds per step (the thread's CPU time, so that other load on the machine counts
+   vocabulary, a fixed greedy token), with R = 1, 8, 64 and 256 requests all decoding, for each
+   multi-step decode K (`--decode-steps`, default 1 2 4 8: K decode steps per device call,
+   runner/decode_block.py). Prints host milliseconds per token and per engine step (the thread's CPU time, so that other load on the machine counts
    less): schedule, prepare (packing the numpy inputs), launch (the JAX dispatch; XLA:CPU runs
    the null model's tiny program inline, so this includes its execution), update (scheduler
    update and engine outputs), and the frontend's output processing (detokenizing) separately,
@@ -12,7 +13,8 @@
    decode step (the same compiled step replayed back to back on fixed inputs) against the
    engine's end-to-end step time, with overlapped steps on and off.
 
-    .venv/bin/python benchmarks/host_overhead.py [--requests 32 256 1024] [--real]
+    .venv/bin/python benchmarks/host_overhead.py [--requests 1 8 64 256] [--decode-steps 1 2 4 8]
+        [--no-overlap-off] [--real]
 
 One JSON line per configuration goes to benchmarks/results/host_overhead.jsonl.
 """
@@ -34,9 +36,10 @@ from results_log import append_results
 HERE = pathlib.Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "host_overhead.jsonl"
 PARTS = ("schedule", "prepare", "launch", "update")
+MAX_LEN = 1024  # the null model's context: room for --steps blocks of 8 tokens
 
 
-def null_parts(num_requests: int, async_scheduling: bool):
+def null_parts(num_requests: int, async_scheduling: bool, decode_steps: int = 1):
     """EngineParts over the null model, sized for `num_requests` decoding at once."""
     import jax.numpy as jnp
     from flax import nnx
@@ -77,7 +80,7 @@ def null_parts(num_requests: int, async_scheduling: bool):
             return hidden + self.bias[...][None, :]
 
     R = num_requests
-    max_len, page = 256, 16
+    max_len, page = MAX_LEN, 16
     sc = SchedulerConfig(max_num_seqs=R, max_num_batched_tokens=max(R, 64), max_model_len=max_len,
                          async_scheduling=async_scheduling)
     pages = R * (max_len // page) + 1
@@ -89,10 +92,10 @@ def null_parts(num_requests: int, async_scheduling: bool):
     recipe = StepRecipe(arch={}, platform=backend.platform, plan=dataclasses.asdict(plan), attention_impl="auto",
                         rules=dict(DEFAULT_RULES), mesh_shape=(1, 1), target={}, num_pages=pages, page_size=page,
                         max_model_len=max_len, sampler_config=sampler, token_buckets=(max(R, 64),),
-                        request_buckets=(R,))
+                        request_buckets=(R,), num_decode_steps=decode_steps)
     runner = ModelRunner(NullModel(), recipe, backend=backend, mesh=single_device_mesh(), show_progress=False)
     core = EngineCore(Scheduler(sc, KVCacheManager(page, pages, True, max_len)), runner,
-                      async_scheduling=async_scheduling)
+                      async_scheduling=async_scheduling, num_decode_steps=decode_steps)
     info = ModelInfo("null", V, max_len, None, (), sampler, {})
     parts = EngineParts(_null_tokenizer(V), info, core)
     gc.collect()
@@ -108,14 +111,14 @@ def _null_tokenizer(vocab: int):
     return Tokenizer.from_pretrained(resolve_model(None))
 
 
-def measure_null(num_requests: int, steps: int, async_scheduling: bool) -> dict:
+def measure_null(num_requests: int, steps: int, async_scheduling: bool, decode_steps: int = 1) -> dict:
     from jaxserve.engine.core import HostTimes
     from jaxserve.engine.llm_engine import LLMEngine
     from jaxserve.outputs import OutputKind
     from jaxserve.sampling_params import SamplingParams
 
-    engine = LLMEngine(null_parts(num_requests, async_scheduling))
-    params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    engine = LLMEngine(null_parts(num_requests, async_scheduling, decode_steps))
+    params = SamplingParams(max_tokens=MAX_LEN - 64, temperature=0.0, ignore_eos=True)
     for i in range(num_requests):
         engine.add_request(f"r{i}", [17 + i % 14, 20, 21, 22], params, output_kind=OutputKind.DELTA)
     running = engine.scheduler.running
@@ -123,20 +126,28 @@ def measure_null(num_requests: int, steps: int, async_scheduling: bool) -> dict:
         engine.step()  # until everyone is admitted and decoding
     core, op = engine.core, engine.output_processor
     core.times = HostTimes()
-    frontend = []
+    frontend, tokens, blocks = [], 0, core.num_blocks
     t0 = time.perf_counter()
     for _ in range(steps):
         outs = core.step()
+        tokens += sum(len(o.new_token_ids) for o in outs)
         t = time.thread_time()
         op.process(outs)
         frontend.append(time.thread_time() - t)
     wall = time.perf_counter() - t0
     times = core.times
+    if any(r.is_finished for r in engine.scheduler.running) or len(engine.scheduler.running) < num_requests:
+        raise RuntimeError("a request finished while measuring: raise MAX_LEN or lower --steps")
     per_step = {k: 1e3 * getattr(times, k) / times.steps for k in (*PARTS, "collect")}
     host = sum(per_step[k] for k in PARTS)
-    return {"requests": num_requests, "async_scheduling": async_scheduling, "steps": steps,
+    per_token = 1e3 * sum(getattr(times, k) for k in PARTS) / tokens
+    return {"requests": num_requests, "async_scheduling": async_scheduling, "decode_steps": decode_steps,
+            "steps": steps, "blocks": core.num_blocks - blocks, "tokens": tokens,
             "host_ms": host, **{f"{k}_ms": v for k, v in per_step.items()},
-            "frontend_output_ms": 1e3 * statistics.fmean(frontend), "wall_step_ms": 1e3 * wall / steps}
+            "host_ms_per_token": per_token, "host_us_per_token": 1e3 * per_token,
+            "frontend_output_ms": 1e3 * statistics.fmean(frontend),
+            "frontend_us_per_token": 1e6 * sum(frontend) / tokens,
+            "wall_step_ms": 1e3 * wall / steps, "wall_us_per_token": 1e6 * wall / tokens}
 
 
 def measure_real(num_requests: int, steps: int) -> list[dict]:
@@ -181,8 +192,11 @@ def measure_real(num_requests: int, steps: int) -> list[dict]:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--requests", type=int, nargs="+", default=[32, 256, 1024])
-    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--requests", type=int, nargs="+", default=[1, 8, 64, 256])
+    p.add_argument("--decode-steps", type=int, nargs="+", default=[1, 2, 4, 8],
+                   help="multi-step decode's K values to measure (decode steps per device call)")
+    p.add_argument("--steps", type=int, default=50, help="engine steps measured (a block is one)")
+    p.add_argument("--no-overlap-off", action="store_true", help="measure overlapped steps only")
     p.add_argument("--real", action="store_true", help="also time the default model at 32 requests")
     p.add_argument("--results", default=str(RESULTS), help="JSONL file to append to ('' = none)")
     args = p.parse_args(argv)
@@ -191,15 +205,17 @@ def main(argv=None) -> None:
 
     env = environment()
     rows = []
-    print(f"{'requests':>8} {'overlap':>7} {'host ms':>8} {'schedule':>8} {'prepare':>8} {'launch':>7} "
-          f"{'update':>7} {'frontend':>8}")
+    print(f"{'requests':>8} {'K':>2} {'overlap':>7} {'host us/tok':>11} {'wall us/tok':>11} {'host ms':>8} "
+          f"{'schedule':>8} {'prepare':>8} {'launch':>7} {'update':>7} {'frontend':>8}")
     for R in args.requests:
-        for overlap in (True, False):
-            r = measure_null(R, args.steps, overlap)
-            rows.append({"benchmark": "host_overhead", "kind": "null_model", **r})
-            print(f"{R:>8} {'on' if overlap else 'off':>7} {r['host_ms']:8.2f} {r['schedule_ms']:8.2f} "
-                  f"{r['prepare_ms']:8.2f} {r['launch_ms']:7.2f} {r['update_ms']:7.2f} "
-                  f"{r['frontend_output_ms']:8.2f}", flush=True)
+        for K in args.decode_steps:
+            for overlap in (True,) if args.no_overlap_off else (True, False):
+                r = measure_null(R, args.steps, overlap, K)
+                rows.append({"benchmark": "host_overhead", "kind": "null_model", **r})
+                print(f"{R:>8} {K:>2} {'on' if overlap else 'off':>7} {r['host_us_per_token']:11.1f} "
+                      f"{r['wall_us_per_token']:11.1f} {r['host_ms']:8.2f} {r['schedule_ms']:8.2f} "
+                      f"{r['prepare_ms']:8.2f} {r['launch_ms']:7.2f} {r['update_ms']:7.2f} "
+                      f"{r['frontend_output_ms']:8.2f}", flush=True)
     if args.real:
         rows += [{"benchmark": "host_overhead", "kind": "real_model", **r} for r in measure_real(32, args.steps)]
     stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")

@@ -56,6 +56,9 @@ def per_process(default: Any = None, **cli: Any) -> Any:
     return option(default, metadata=PER_PROCESS, **cli)
 
 
+# Multi-step decode: the most decode steps one device call runs (--num-decode-steps).
+MAX_DECODE_STEPS = 8
+
 # A request's context when neither the user nor a smaller model limit sets it.
 DEFAULT_MAX_MODEL_LEN = 2048
 
@@ -106,11 +109,19 @@ class SchedulerConfig:
     The leader's scheduler's."""
     async_scheduling: bool = per_process(True)
     """Overlap host and device: plan and launch step t+1 while step t runs (the engine core)."""
+    num_decode_steps: int | None = None
+    """Multi-step decode (vLLM's former --num-scheduler-steps): while every running request
+    decodes, run up to this many decode steps in one device call (sampling, stop tokens and
+    lengths on the device; the host catches up after). 1 to 8; outputs are those of single
+    steps. Default: the backend's (1 on a CPU, 4 on TPU/GPU; docs/performance.md). One
+    data-parallel rank and one process only."""
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
+        if self.num_decode_steps is not None and not 1 <= self.num_decode_steps <= MAX_DECODE_STEPS:
+            raise ValueError(f"num_decode_steps must be in [1, {MAX_DECODE_STEPS}], got {self.num_decode_steps}.")
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}.")
         if (not self.enable_chunked_prefill and self.max_num_batched_tokens is not None

@@ -181,6 +181,7 @@ SLOW_MODULES = (
     "tests/pallas_kernels/test_kv_write.py",
     "tests/engine/test_backend_layer.py",
     "tests/engine/test_embeddings.py",
+    "tests/engine/test_decode_block.py",
     "tests/engine/test_config.py",
     "tests/engine/test_compile_ahead.py",
 )

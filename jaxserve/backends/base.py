@@ -289,6 +289,9 @@ class Backend:
     sizes_kv_from_programs = True
     # The context length when none is given: the model's own (None: no cap). The CPU caps it.
     default_max_model_len: int | None = None
+    # Decode steps per device call when --num-decode-steps is not given (multi-step decode;
+    # the null model's host overhead per token, docs/performance.md). The CPU's is 1.
+    default_num_decode_steps: int = 4
 
     def kv_cache_budget(self, cc: CacheConfig) -> int:
         """Bytes of KV cache per device before anything is compiled (where the programs do not

@@ -65,3 +65,11 @@ class BucketGrid:
                 raise RuntimeError(f"no compiled bucket holds {num_tokens} tokens / {num_reqs} requests")
             t = self.token_buckets[i]
         return t, r
+
+    def pick_requests(self, num_reqs: int) -> int:
+        """The smallest request bucket holding `num_reqs` rows (a decode block's R). Raises if
+        none does (a bug)."""
+        j = bisect.bisect_left(self.request_buckets, num_reqs)
+        if j == len(self.request_buckets):
+            raise RuntimeError(f"no request bucket holds {num_reqs} requests")
+        return self.request_buckets[j]

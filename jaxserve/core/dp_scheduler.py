@@ -149,6 +149,10 @@ class DataParallelScheduler:
         return all([s.reset_prefix_cache() for s in self.ranks])
 
     # ------------------------------------------------------------------ one step
+    def schedule_block(self, num_steps: int, /) -> None:
+        """No decode blocks with data parallelism (the plan gives K = 1): a block is one rank's."""
+        return None
+
     def schedule(self) -> DataParallelOutput:
         ranks = tuple(s.schedule() for s in self.ranks)
         return DataParallelOutput(ranks, frozenset().union(*(so.finished_request_ids for so in ranks)),

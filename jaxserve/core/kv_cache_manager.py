@@ -138,10 +138,12 @@ class KVCacheManager:
         num_new_tokens: int,
         new_computed_blocks: list[KVCacheBlock] | None = None,
         num_draft_tokens: int = 0,
+        num_lookahead_tokens: int = 0,
     ) -> list[int] | None:
         """Make room for `num_new_tokens` more tokens after the request's computed ones, the
         last `num_draft_tokens` of them speculative drafts (never registered in the prefix
-        cache: only blocks of known tokens are).
+        cache: only blocks of known tokens are), or the last `num_lookahead_tokens` of them
+        tokens not sampled yet (a decode block's later steps, which the device feeds back).
 
         `new_computed_blocks` (a prefix-cache hit from `get_computed_blocks`) may only be given
         when the request holds no blocks yet, i.e. at admission; the tokens they cover come
@@ -164,7 +166,8 @@ class KVCacheManager:
         assert not hits or not req_blocks, "prefix hits are only taken at admission"
         num_computed = request.num_computed_tokens + len(hits) * self.block_size
         num_total = num_computed + num_new_tokens  # tokens with KV after this step
-        assert num_total <= request.num_tokens + request.num_output_placeholders + num_draft_tokens, (
+        assert num_total <= (request.num_tokens + request.num_output_placeholders + num_draft_tokens
+                             + num_lookahead_tokens), (
             num_total, request.num_tokens)
         if self.max_model_len is not None:
             assert num_total <= self.max_model_len, (num_total, self.max_model_len)
@@ -190,6 +193,12 @@ class KVCacheManager:
         if self.enable_caching:
             self._cache_full_blocks(request, req_blocks, num_total)
         return [b.block_id for b in new_blocks]
+
+    def num_new_blocks(self, request: Request, num_new_tokens: int) -> int:
+        """Blocks `allocate_slots(request, num_new_tokens)` would take from the free queue (a
+        running request's: no prefix hits)."""
+        num_total = request.num_computed_tokens + num_new_tokens
+        return max(0, cdiv(num_total, self.block_size) - len(self._req_to_blocks.get(request.request_id, ())))
 
     def free(self, request: Request) -> None:
         """Release the request's blocks (no-op when it holds none). Its tail blocks are

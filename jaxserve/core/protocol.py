@@ -71,6 +71,9 @@ class StepScheduler(Protocol):
 
     def schedule(self) -> ScheduledStep: ...
 
+    # A decode block of up to num_steps steps, or None for an ordinary step (multi-step decode).
+    def schedule_block(self, num_steps: int, /) -> ScheduledStep | None: ...
+
     def update_from_output(self, scheduler_output: ScheduledStep, sampled_token_ids: dict[str, list[int]], /
                            ) -> list[tuple[Request, int]]: ...
 

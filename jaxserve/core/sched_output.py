@@ -73,11 +73,15 @@ class ScheduledRequest:
     # tokens yet); the step samples at each of them too and keeps the confirmed ones.
     num_draft_tokens: int = 0
     new: NewRequestData | None = None  # set when is_new: what the runner keeps of the request
+    # Multi-step decode (a decode block, runner/decode_block.py): the row feeds its one token
+    # and decodes up to num_steps tokens on the device, each fed back as the next input; its
+    # KV grows by num_steps positions (allocated before the block). 1: an ordinary row.
+    num_steps: int = 1
 
     @property
     def end_pos(self) -> int:
         """One past the last fed position: the request's num_computed_tokens after the step."""
-        return self.start_pos + self.num_scheduled_tokens
+        return self.start_pos + self.num_scheduled_tokens + self.num_steps - 1
 
     @property
     def draft_token_ids(self) -> tuple[int, ...]:
@@ -97,6 +101,9 @@ class StepBatch:
     preempted_request_ids: tuple[str, ...]
     # LoRA adapters given a device slot this step: (slot, LoRARequest), written before it runs.
     adapter_loads: tuple[tuple[int, LoRARequest], ...] = ()
+    # Multi-step decode: the step is a decode block of this many steps (every row feeds one
+    # token; each decodes its own num_steps <= it); 1: an ordinary step.
+    num_steps: int = 1
 
     @property
     def rows(self) -> Iterator[ScheduledRequest]:
@@ -126,6 +133,7 @@ class SchedulerOutput:
     # The scheduler's own Request of each row, in row order: for update_from_output,
     # discard_step and the engine core (outputs, grammars); the runner gets `batch()`.
     requests: tuple[Request, ...] = ()
+    num_steps: int = 1  # a decode block of this many steps (Scheduler.schedule_block); 1: a step
 
     @property
     def is_empty(self) -> bool:
@@ -138,4 +146,5 @@ class SchedulerOutput:
 
     def batch(self) -> StepBatch:
         """The step as the runner takes it."""
-        return StepBatch((self.scheduled,), self.finished_request_ids, self.preempted_request_ids, self.lora_loads)
+        return StepBatch((self.scheduled,), self.finished_request_ids, self.preempted_request_ids, self.lora_loads,
+                         self.num_steps)

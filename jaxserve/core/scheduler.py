@@ -28,6 +28,13 @@ update_from_output() of step t: a request whose last token is still pending is s
 feed it (`PENDING` in its token ids) unless that token may be its last (max_tokens or
 max_model_len reached). A request finished by a token that arrives late has had one more step
 computed for nothing; its output is dropped. Nothing is resumed while a token of it is pending.
+
+Multi-step decode: `schedule_block(K)` plans a decode block instead of a step when every
+running request only decodes and nothing waits that could be admitted: each row feeds its last
+token and decodes up to K tokens on the device (as many placeholders; their KV slots allocated
+ahead), and `update_from_output` takes them in order up to the first stop. It returns None,
+changing nothing, whenever the block would not be exact (see its doc); the engine core then
+calls schedule().
 """
 
 from __future__ import annotations
@@ -191,7 +198,7 @@ class Scheduler:
         preempted = []
         for s, req in zip(scheduler_output.scheduled, scheduler_output.requests):
             if s.sample:
-                req.num_output_placeholders -= 1
+                req.num_output_placeholders -= s.num_steps
             if req.status == RequestStatus.RUNNING:
                 self.running.remove(req)
                 self._preempt(req)
@@ -303,6 +310,59 @@ class Scheduler:
             requests=tuple(requests),
         )
 
+    def schedule_block(self, num_steps: int) -> SchedulerOutput | None:
+        """A decode block (multi-step decode, runner/decode_block.py): every running request
+        that has a token to feed decodes up to `num_steps` tokens in one dispatch, each fed back
+        on the device. Returns None, having changed nothing, unless the block is exact and
+        worth it:
+        - no waiting request could be admitted now (it would wait for the whole block);
+        - every such request feeds just its last token: no prefill chunk (a prompt's, or a
+          resumed request's recompute), no drafts;
+        - one of them may decode more than one token (the length limits below);
+        - the token budget holds a row per request, and the free blocks hold all their tokens
+          (a block never preempts: the ordinary step that follows a refusal does).
+        Each row decodes min(num_steps, what max_tokens and max_model_len leave after its
+        pending tokens) tokens; their KV slots are allocated now. EOS and stop tokens end a
+        row on the device, and `update_from_output` trims what follows them."""
+        cfg = self.config
+        if self.waiting and len(self.running) < cfg.max_num_seqs:
+            return None
+        rows: list[tuple[Request, int]] = []
+        need = 0
+        for req in self.running:
+            n = self._num_new_tokens(req, cfg.max_model_len)  # all it has to feed, whatever the budget
+            if n == 0:  # its pending token may be its last
+                continue
+            if n != 1 or req.spec_token_ids:
+                return None
+            k = self._block_steps(req, num_steps)
+            need += self.kv.num_new_blocks(req, k)
+            rows.append((req, k))
+        if (not rows or max(k for _, k in rows) < 2 or len(rows) > cfg.max_num_batched_tokens
+                or need > self.kv.get_num_free_blocks()):
+            return None
+        scheduled = []
+        for req, k in rows:
+            new_blocks = self.kv.allocate_slots(req, k, num_lookahead_tokens=k - 1)
+            assert new_blocks is not None, "the free blocks were counted"
+            scheduled.append(self._advance(req, 1, new_blocks, is_new=False, resumed=False, num_steps=k))
+        finished_ids = frozenset(self._finished_ids)
+        self._finished_ids.clear()
+        return SchedulerOutput(scheduled=tuple(scheduled), total_num_scheduled_tokens=len(scheduled),
+                               finished_request_ids=finished_ids, preempted_request_ids=(),
+                               lora_loads=self.adapters.take_loads(), requests=tuple(req for req, _ in rows),
+                               num_steps=num_steps)
+
+    def _block_steps(self, req: Request, num_steps: int) -> int:
+        """The tokens a decode block may sample for `req`: up to `num_steps`, within max_tokens
+        and max_model_len after its pending tokens (>= 1 when it has a token to feed)."""
+        pending = req.num_output_placeholders
+        k = min(num_steps, self.config.max_model_len - req.num_tokens - pending)
+        max_tokens = req.sampling_params.max_tokens
+        if max_tokens is not None:
+            k = min(k, max_tokens - req.num_output_tokens - pending)
+        return k
+
     def update_from_output(
         self, scheduler_output: SchedulerOutput, sampled_token_ids: dict[str, list[int]]
     ) -> list[tuple[Request, int]]:
@@ -319,7 +379,7 @@ class Scheduler:
         for s, req in zip(scheduler_output.scheduled, scheduler_output.requests):
             if not s.sample:
                 continue
-            req.num_output_placeholders -= 1
+            req.num_output_placeholders -= s.num_steps
             if req.status >= RequestStatus.FINISHED_STOPPED:
                 continue
             tokens = sampled_token_ids.get(req.request_id)
@@ -390,8 +450,9 @@ class Scheduler:
         return max(k, 0)
 
     def _advance(self, req: Request, n: int, block_ids: list[int], *, is_new: bool,
-                 resumed: bool, num_drafts: int = 0) -> ScheduledRequest:
-        """Describe one scheduled request and count its tokens (and drafts) as computed."""
+                 resumed: bool, num_drafts: int = 0, num_steps: int = 1) -> ScheduledRequest:
+        """Describe one scheduled request and count its tokens (and drafts, or a decode
+        block's later steps) as computed."""
         start = req.num_computed_tokens
         end = start + n
         known = len(req.prompt_token_ids) + len(req.output_token_ids)
@@ -403,13 +464,13 @@ class Scheduler:
             tokens = (*req.get_token_ids(start, known), *(PENDING,) * (end - known))
         sample = end == known + req.num_output_placeholders
         if sample:
-            req.num_output_placeholders += 1
+            req.num_output_placeholders += num_steps
         if num_drafts:
             tokens += tuple(req.spec_token_ids[:num_drafts])
         req.spec_token_ids = []  # used (or outdated once this step's tokens arrive)
-        req.num_computed_tokens = end + num_drafts
+        req.num_computed_tokens = end + num_drafts + num_steps - 1
         return ScheduledRequest(req.request_id, tokens, start, n + num_drafts, tuple(block_ids), sample, is_new,
-                                resumed, num_drafts, NewRequestData.of(req) if is_new else None)
+                                resumed, num_drafts, NewRequestData.of(req) if is_new else None, num_steps)
 
     def _preempt(self, req: Request) -> None:
         logger.debug("Preempting %s (%d tokens) by recompute", req.request_id, req.num_tokens)

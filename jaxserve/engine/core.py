@@ -26,6 +26,11 @@ launches nothing), then each step is schedule -> grammar bitmask -> prepare -> l
 collect -> update. The tokens are the same either way (a row's random draw depends on its
 seed and position only); the grammar state is the StructuredOutputManager's.
 
+Multi-step decode (`num_decode_steps` K > 1): while every running request only decodes, a
+step is a decode block (Scheduler.schedule_block: K decode steps in one device call), overlapped
+like any step; structured output and requests that may draft keep single steps, since both
+need each token on the host (`_schedule_block`).
+
 Speculative decoding (`proposer`): after each step the proposer drafts the next tokens of every
 request that may draft (jaxserve/spec_decode/), from its tokens so far; the scheduler feeds
 them in the next step. Drafts need the last token on the host, so while a request that may
@@ -70,11 +75,16 @@ class HostTimes:
 
 class EngineCore:
     def __init__(self, scheduler: StepScheduler, runner: StepRunner, *,
-                 async_scheduling: bool = True, proposer: NgramProposer | None = None):
+                 async_scheduling: bool = True, proposer: NgramProposer | None = None,
+                 num_decode_steps: int = 1):
+        """num_decode_steps: multi-step decode's K (the runner compiled decode blocks of K
+        steps; 1: none)."""
         self.scheduler = scheduler
         self.runner = runner
         self.proposer = proposer
         self.async_scheduling = async_scheduling
+        self.num_decode_steps = num_decode_steps
+        self.num_blocks = 0  # decode blocks run
         self._may_draft: set[str] = set()  # requests the proposer drafts for
         self._in_flight: tuple[ScheduledStep, Any] | None = None
         self.times = HostTimes()
@@ -118,7 +128,11 @@ class EngineCore:
             done, self._in_flight = self._in_flight, None
             return self._collect(done, [])
         c0 = cpu()
-        so = self.scheduler.schedule()
+        so = self._schedule_block(constrained)
+        if so is None:
+            so = self.scheduler.schedule()
+        else:
+            self.num_blocks += 1
         if self._release_finished or self._release_preempted:
             so = self._with_releases(so)
         c1 = cg = cpu()
@@ -142,6 +156,17 @@ class EngineCore:
         else:
             done = (so, launched) if launched is not None else None
         return self._collect(done, failed)
+
+    def _schedule_block(self, constrained: bool):
+        """A decode block of `num_decode_steps` steps (Scheduler.schedule_block), or None for an
+        ordinary step: without blocks (K = 1), while a request follows a grammar (`constrained`:
+        its next bitmask needs each token on the host) or a request that may draft runs (drafts
+        need the last token on the host), and whenever the scheduler refuses (admissions,
+        prefill chunks, drafts already proposed, too few free blocks, nothing that would decode
+        more than one token)."""
+        if self.num_decode_steps == 1 or constrained or self._may_draft:
+            return None
+        return self.scheduler.schedule_block(self.num_decode_steps)
 
     def _may_draft_now(self) -> bool:
         """Whether a step now could feed drafts: a request that may draft runs and the step has

@@ -141,14 +141,22 @@ def fit_max_model_len(max_model_len: int, rank_pages: int, page_size: int, *, gi
 
 
 def confirm_memory(budget: MemoryBudget, runner: ModelRunner) -> None:
-    """Checks the served largest step against the budget, from its own memory analysis (the
-    KV cache it takes is the real one): a step that would not fit the device is refused."""
+    """Checks the served largest step (and the largest decode block, with multi-step decode)
+    against the budget, from its own memory analysis (the KV cache it takes is the real one):
+    a step that would not fit the device is refused."""
     largest = max(runner.grid.shapes())
-    served = StepMemory.of(runner.executable(largest), largest, weights=budget.step.weights,
-                           kv=bytes_on_device([*runner.kv.k, *runner.kv.v]))
+    kv = bytes_on_device([*runner.kv.k, *runner.kv.v])
+    served = StepMemory.of(runner.executable(largest), largest, weights=budget.step.weights, kv=kv)
+    if runner.block_layouts:
+        R = max(runner.block_layouts)
+        block = StepMemory.of(runner.decode_block(R), (R, R), weights=budget.step.weights, kv=kv)
+        if block.peak > served.peak:
+            logger.info("the decode block of %d rows needs more than the largest step: %.2f GiB", R,
+                        block.peak / 2**30)
+            served = block
     need = served.peak + budget.other_code + budget.other_in_use
     logger.info("largest step %dx%d with its KV cache (%.2f GiB): %.2f GiB of the %.2f GiB allowed per device",
-                *largest, served.kv / 2**30, need / 2**30, budget.usable / 2**30)
+                *served.bucket, served.kv / 2**30, need / 2**30, budget.usable / 2**30)
     if need > budget.device_memory:
         raise InsufficientMemoryError(f"the largest step needs {need / 2**30:.2f} GiB per device, more than the "
                                       f"device's {budget.device_memory / 2**30:.2f} GiB ({budget.describe()})")

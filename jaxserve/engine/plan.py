@@ -53,6 +53,8 @@ the engine plan: every "auto" is resolved once at start (jaxserve/engine/plan.py
   buckets         tokens x2 from 16 to the budget (x4 above 1024 on TPU/GPU); requests x4 from 8
   kv cache        TPU/GPU: what the largest compiled step leaves of each device; a CPU: 1 GiB
                   (JAXSERVE_CPU_KVCACHE_SPACE); --kv-cache-memory: that
+  decode steps    multi-step decode: 4 decode steps per device call on TPU/GPU, 1 on a CPU; 1
+                  with data parallelism, several processes or the pooling runner
   engine core     serve: a thread on a CPU, a process of its own on TPU/GPU; offline: the caller's
   compile workers TPU: one per 4 host cores, at most 8; elsewhere 1 (in the engine's process)"""
 
@@ -98,6 +100,7 @@ class EnginePlan:
     compile_workers: int
     engine_core: str  # "thread", "process" (serve) or "caller" (offline: the caller's thread)
     reasons: Mapping[str, str]
+    num_decode_steps: int = 1  # multi-step decode's K (runner/decode_block.py)
 
     @property
     def max_model_len(self) -> int:
@@ -125,7 +128,8 @@ class EnginePlan:
                 ("weights", self.weights), ("max_model_len", sc.max_model_len),
                 ("max_num_batched_tokens", sc.max_num_batched_tokens),
                 ("token_buckets", ",".join(map(str, self.grid.token_buckets))),
-                ("request_buckets", ",".join(map(str, self.grid.request_buckets))), ("kv_cache", kv),
+                ("request_buckets", ",".join(map(str, self.grid.request_buckets))),
+                ("num_decode_steps", self.num_decode_steps), ("kv_cache", kv),
                 ("engine_core", self.engine_core), ("compile_workers", self.compile_workers)]
 
     @property
@@ -152,7 +156,8 @@ class EnginePlan:
             max_model_len=max_model_len, sampler_config=self.sampler, quantization=self.config.model.quantization,
             kv_scales=kv_scales, max_loras=lora.max_loras if lora else 0, max_lora_rank=lora.max_lora_rank if lora else 0,
             num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
-            token_buckets=self.grid.token_buckets, request_buckets=self.grid.request_buckets)
+            token_buckets=self.grid.token_buckets, request_buckets=self.grid.request_buckets,
+            num_decode_steps=self.num_decode_steps)
 
 
 def plan_engine(config: EngineConfig, model: ModelFiles, backend: Backend, devices: DeviceSet, *,
@@ -192,9 +197,10 @@ def plan_engine(config: EngineConfig, model: ModelFiles, backend: Backend, devic
     target = backend.compile_target(devices.flat(), devices.processes) or {}
     workers = _compile_workers(config, backend, devices, target, pooling, len(grid.shapes()), reasons)
     core, reasons["engine_core"] = engine_core or ("caller", "offline: the core runs on the caller's thread")
+    decode_steps = _decode_steps(config, backend, pooling, D > 1 or multi_process, reasons)
     return EnginePlan(config, model, arch, mc.served_model_name or (mc.model or DEFAULT_MODEL_NAME), pooling,
                       backend.platform, (D, M), multi_process, rules, device, attention, scheduler, grid, kv_sizing,
-                      kv_budget, sampler, target, workers, core, reasons)
+                      kv_budget, sampler, target, workers, core, reasons, decode_steps)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -263,6 +269,26 @@ def _steps(config: EngineConfig, arch: ArchConfig, backend: Backend, pooling: bo
         + (", and max_model_len (a prompt is never split)" if pooling else ""))
     reasons["request_buckets"] = "given" if comp.request_buckets else "auto: x4 from 8 to max_num_seqs"
     return sc, grid
+
+
+def _decode_steps(config: EngineConfig, backend: Backend, pooling: bool, several: bool,
+                  reasons: dict[str, str]) -> int:
+    """Multi-step decode's K: given, else the backend's; 1 where blocks do not run (pooling,
+    several data-parallel ranks or processes: a block is one rank's, launched in one process)."""
+    given = config.scheduler.num_decode_steps
+    if pooling:
+        reasons["num_decode_steps"] = "the pooling runner decodes nothing"
+        return 1
+    if several:
+        if given is not None and given > 1:
+            raise ValueError("--num-decode-steps above 1 runs on one process without data parallelism")
+        reasons["num_decode_steps"] = "data parallelism or several processes: one step per call"
+        return 1
+    if given is not None:
+        reasons["num_decode_steps"] = "given"
+        return given
+    reasons["num_decode_steps"] = f"auto: {backend.platform}'s default"
+    return backend.default_num_decode_steps
 
 
 def _sampler(config: EngineConfig, arch: ArchConfig, sc: SchedulerConfig, device: DevicePlan) -> SamplerConfig:

@@ -244,7 +244,8 @@ def _assemble(plan: EnginePlan, start: _Start, runner: ModelRunner, kv: KVSize, 
     spec = plan.speculative
     proposer = (NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
                 if spec is not None else None)
-    core = EngineCore(scheduler, step_runner, async_scheduling=sc.async_scheduling, proposer=proposer)
+    core = EngineCore(scheduler, step_runner, async_scheduling=sc.async_scheduling, proposer=proposer,
+                      num_decode_steps=runner.num_decode_steps)
     tokenizer, info = _model_info(plan, start, timer, sc, scheduler.cache_tokens)
     if info.reasoning_parser is not None:
         # Structured output applies after the reasoning: the manager needs the end marker's id.

@@ -18,7 +18,10 @@ device still computes step t:
 `prepare` reads the step's `StepBatch` (the scheduler's snapshot: typed rows, no `Request`) and
 the runner's per-slot host state, and packs it through runner/step_packing.py; `launch` needs
 only the plan (a multi-host follower runs it on a plan received from the leader); `collect`
-needs only the launched step. Everything the steps are a function of is the runner's
+needs only the launched step. A batch the scheduler planned as a decode block (multi-step
+decode, `StepBatch.num_steps` > 1) runs the block of its request bucket instead
+(runner/decode_block.py), and `collect` reads back each row's tokens of its steps.
+Everything the steps are a function of is the runner's
 `StepRecipe` (runner/recipe.py), from which the compile workers, the memory probes and
 shard-plan build the same programs.
 """
@@ -85,13 +88,17 @@ class StepPlan:
     lora_writes: list[tuple[int, list[np.ndarray]]] = dataclasses.field(default_factory=list)
     # Speculative decoding: request id -> its drafts (it samples on len + 1 rows)
     drafts: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    # Multi-step decode: a decode block of K steps (bucket (R, R)); each sampling row's own
+    # steps (the tokens collect reads back for it)
+    num_steps: int = 1
+    row_steps: list[int] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(slots=True)
 class LaunchedStep:
     plan: StepPlan
-    out: SamplerOutput
-    plp: PromptLogprobs
+    out: SamplerOutput  # [R] rows; a decode block's: [K, R]
+    plp: PromptLogprobs | None  # None: a decode block
 
 
 class ModelRunner:
@@ -148,6 +155,9 @@ class ModelRunner:
         self._host_params: list[np.ndarray] | None = None  # the weights while asleep
         self._compiled: dict[tuple[int, int], jax.stages.Compiled] = {}
         self.layouts: dict[tuple[int, int], BufferLayout] = {}
+        self.num_decode_steps = recipe.num_decode_steps  # K of the decode blocks (1: none)
+        self._blocks: dict[int, jax.stages.Compiled] = {}  # R -> the decode block of R rows
+        self.block_layouts: dict[int, BufferLayout] = {}
         t0 = time.perf_counter()
         with self.counter.active(), timer.phase("executables"):
             self._compile_all(show_progress)
@@ -170,7 +180,8 @@ class ModelRunner:
 
     def _reset_slots(self) -> None:
         """Per-slot host state: which request holds each sampling slot, its block table, ..."""
-        self.slots = SlotTable(self.max_num_seqs, self.dp, self.pages_per_req, self.sampler_config.max_logprobs)
+        self.slots = SlotTable(self.max_num_seqs, self.dp, self.pages_per_req, self.sampler_config.max_logprobs,
+                               self.sampler_config.max_stop_ids)
 
     @property
     def slot_of(self) -> dict[str, int]:
@@ -202,6 +213,13 @@ class ModelRunner:
             if scope.compiled != compiled_before:
                 logger.info("compiled step %dx%d in %.1fs: %d of %d steps ready, %d left", T, R,
                             time.perf_counter() - t0, i + 1, len(shapes), len(shapes) - i - 1)
+        for R in self.recipe.block_buckets():
+            self.block_layouts[R] = self.program.block_layout(R)
+            t0, compiled_before = time.perf_counter(), scope.compiled
+            self._blocks[R] = self.program.block_executable(scope, R, params, kv, sstate)
+            if scope.compiled != compiled_before:
+                logger.info("compiled decode block %dx%d in %.1fs", R, self.num_decode_steps,
+                            time.perf_counter() - t0)
         self._write_rows = self.program.slot_rows_writer(scope, sstate)
         self.program.compile_lora_writer(scope)
         self.executables_loaded, self.executables_compiled = scope.loaded, scope.compiled
@@ -263,6 +281,10 @@ class ModelRunner:
         """The compiled step of `bucket` (its memory analysis, its HLO)."""
         return self._compiled[bucket]
 
+    def decode_block(self, R: int) -> jax.stages.Compiled:
+        """The compiled decode block of R rows (multi-step decode)."""
+        return self._blocks[R]
+
     @property
     def num_buckets(self) -> int:
         return len(self._compiled)
@@ -280,6 +302,8 @@ class ModelRunner:
         if batch.is_empty:
             return None
         lora_writes = self._lora_writes(batch) if batch.adapter_loads else []
+        if batch.num_steps > 1:
+            return self._prepare_block(batch, lora_writes)
         ranks = [rank_rows(rows, r, self.slots, self.builder) for r, rows in enumerate(batch.ranks)]
         T, R = self.grid.pick(max(x.num_tokens for x in ranks), max(x.num_sample_rows for x in ranks))
         masks = [None] * len(ranks)
@@ -291,6 +315,24 @@ class ModelRunner:
                  for r, (x, m) in enumerate(zip(ranks, masks))]
         drafts = {s.request_id: s.draft_token_ids for x in ranks if x.num_drafts for s in x.rows if s.num_draft_tokens}
         return self._plan((T, R), packs, lora_writes, drafts)
+
+    def _prepare_block(self, batch: StepBatch, lora_writes) -> StepPlan:
+        """A decode block's plan (Scheduler.schedule_block): one row per request, each feeding
+        one token; the block of the smallest request bucket holding them."""
+        if batch.num_steps != self.num_decode_steps or len(batch.ranks) != 1:
+            raise RuntimeError(f"a decode block of {batch.num_steps} steps over {len(batch.ranks)} ranks; the "
+                               f"runner compiled blocks of {self.num_decode_steps} steps, one rank")
+        (rows,) = batch.ranks
+        r = rank_rows(rows, 0, self.slots, self.builder)
+        if r.num_tokens != len(rows) or r.num_drafts:
+            raise RuntimeError("a decode block's rows feed one token each")
+        R = self.grid.pick_requests(len(rows))
+        p = pack_rank(r, R, R, rank=0, table=self.slots, builder=self.builder, layout=self.block_layouts[R],
+                      page_size=self.page_size, lora=self.lora is not None, num_steps=batch.num_steps)
+        plan = self._plan((R, R), [p], lora_writes, {})
+        plan.num_steps = batch.num_steps
+        plan.row_steps = [rows[i].num_steps for i in p.sample_rows.tolist()]
+        return plan
 
     def _plan(self, bucket: tuple[int, int], packs: list[PackedRank], lora_writes, drafts) -> StepPlan:
         """The ranks' packed inputs as one step: [D, ...] buffers, rows and tokens offset by rank."""
@@ -332,6 +374,10 @@ class ModelRunner:
                 n = self.num_weights
                 for slot, values in plan.lora_writes:
                     self.params[n:] = self.lora.write(self.params[n:], slot, values)
+            if plan.num_steps > 1:
+                self.kv, self.sstate, out = self._blocks[plan.bucket[1]](self.params, self.kv, self.sstate,
+                                                                         *plan.buffers)
+                return LaunchedStep(plan, out, None)
             self.kv, self.sstate, out, plp = self._compiled[plan.bucket](self.params, self.kv, self.sstate,
                                                                          *plan.buffers)
         return LaunchedStep(plan, out, plp)
@@ -339,6 +385,8 @@ class ModelRunner:
     def collect(self, step: LaunchedStep) -> RunnerOutput:
         """The step's sampled tokens (and log-probs) on the host; waits for the device."""
         plan, out, plp = step.plan, step.out, step.plp
+        if plan.num_steps > 1:
+            return self._collect_block(plan, out)
         token_ids = np.asarray(out.token_ids)  # the one device->host transfer of a plain step
         if not plan.drafts:
             sampled = {rid: [t] for rid, t in zip(plan.sample_ids, token_ids[plan.sample_rows].tolist())}
@@ -362,6 +410,20 @@ class ModelRunner:
                 prompt_lps[rid] = (first, [SampleLogprobs(float(p_lp[t]), int(p_rank[t]), p_ids[t, :k].tolist(),
                                                           p_top[t, :k].tolist()) for t in range(lo, lo + count)])
         return RunnerOutput(sampled, logprobs, prompt_lps)
+
+    def _collect_block(self, plan: StepPlan, out: SamplerOutput) -> RunnerOutput:
+        """A decode block's tokens: each row's first `row_steps` of its K (the scheduler trims
+        what follows a stop token), with their log-probs when asked."""
+        token_ids = np.asarray(out.token_ids).T  # [R, K]: the one transfer, with log-probs when asked
+        sampled = {rid: token_ids[row, :k].tolist()
+                   for rid, row, k in zip(plan.sample_ids, plan.sample_rows.tolist(), plan.row_steps)}
+        logprobs = {}
+        if plan.logprob_rows:
+            lp, rank, ids, top = jax.device_get((out.logprobs, out.rank, out.topk_ids, out.topk_logprobs))
+            for row, rid, k in plan.logprob_rows:
+                logprobs[rid] = [SampleLogprobs(float(lp[j, row]), int(rank[j, row]), ids[j, row, :k].tolist(),
+                                                top[j, row, :k].tolist()) for j in range(len(sampled[rid]))]
+        return RunnerOutput(sampled, logprobs, {})
 
     def execute(self, batch: StepBatch) -> RunnerOutput:
         """prepare, launch and collect one step."""

@@ -18,7 +18,8 @@ are a function of that both hosts compute alike (`target_material`):
   platform to open (the compiling host sets JAX_PLATFORMS=cpu);
 - the step's recipe (runner/recipe.py), field by field (the model's config.json, the device
   plan and the sampler's sizes entry by entry), less its bucket grid (each step is one entry: a
-  bucket not in the directory is compiled) and the compile workers' target.
+  bucket not in the directory is compiled), its decode blocks' K (each block is an entry named
+  with its K) and the compile workers' target.
 
 The directory is an executable cache (the same files, checksums and argument checks) plus
 `manifest.json`, which holds these parts. A runner given the directory compares its own parts
@@ -59,7 +60,7 @@ _FLAG_VARIABLES = ("XLA_FLAGS", "LIBTPU_INIT_ARGS")
 # JAX options that name where to run, not what to compile, or change nothing compiled.
 _CONFIG_IGNORED = ("platform", "visible_devices", "cache", "log", "explain", "dump", "traceback", "pprint",
                    "source_url", "timeout", "transfer_guard", "thread_guard", "tracer_error")
-_RECIPE_IGNORED = ("target", "token_buckets", "request_buckets")
+_RECIPE_IGNORED = ("target", "token_buckets", "request_buckets", "num_decode_steps")
 _SHORT = 400  # parts longer than this are kept as their hash
 
 

@@ -27,6 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxserve.backends.base import Backend, DevicePlan
 from jaxserve.compiled_step.buckets import BucketGrid
 from jaxserve.config import LoRAConfig, jax_dtype
+from jaxserve.runner.decode_block import DecodeBlock, block_layout
 from jaxserve.runner.kv_cache import abstract_kv_cache, zeros_compiler
 from jaxserve.runner.lora_weights import LoRAWeights
 from jaxserve.runner.step_buffers import BufferLayout
@@ -70,6 +71,9 @@ class StepRecipe:
     num_speculative_tokens: int = 0
     token_buckets: tuple[int, ...] = ()  # the grid the runner compiles (T, R pairs with R <= T)
     request_buckets: tuple[int, ...] = ()
+    # Multi-step decode (runner/decode_block.py): K > 1 adds one decode block of K steps per
+    # request bucket; 1: none.
+    num_decode_steps: int = 1
 
     def pages_per_req(self) -> int:
         return -(-self.max_model_len // self.page_size)
@@ -92,13 +96,17 @@ class StepRecipe:
     def grid(self) -> BucketGrid:
         return BucketGrid(tuple(self.token_buckets), tuple(self.request_buckets))
 
+    def block_buckets(self) -> tuple[int, ...]:
+        """The request buckets of the decode blocks (none when K is 1)."""
+        return tuple(self.request_buckets) if self.num_decode_steps > 1 else ()
+
     def with_pages(self, num_pages: int) -> StepRecipe:
         return dataclasses.replace(self, num_pages=num_pages)
 
     def program_key(self) -> StepRecipe:
-        """The recipe without its grid: what one bucket's program is a function of (with the
+        """The recipe without its grid (nor its decode blocks' K): what one bucket's program is a function of (with the
         bucket's name, the executable cache's key of a memory probe)."""
-        return dataclasses.replace(self, token_buckets=(), request_buckets=())
+        return dataclasses.replace(self, token_buckets=(), request_buckets=(), num_decode_steps=1)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -147,6 +155,36 @@ class StepProgram:
         """The step of `bucket` over these arguments (abstract or real)."""
         lower, buffers = self.lower(bucket, params, kv, sstate)
         return scope.get(self.step_name(bucket), (params, kv, sstate, *buffers), lambda: lower().compile())
+
+    @staticmethod
+    def block_name(R: int, K: int) -> str:
+        return f"decode-{R}x{K}"
+
+    def block_layout(self, R: int) -> BufferLayout:
+        """How a decode block of R rows packs its inputs (runner/decode_block.py)."""
+        r = self.recipe
+        return block_layout(R, r.num_decode_steps, pages_per_req=r.pages_per_req(), page_size=r.page_size,
+                            sampler_config=r.sampler_config, lora=self.lora is not None)
+
+    def block_executable(self, scope, R: int, params, kv, sstate) -> jax.stages.Compiled:
+        """The decode block of R rows and the recipe's K steps over these arguments (one
+        data-parallel rank: the plan gives K = 1 with several)."""
+        r = self.recipe
+        if r.data_parallel_size > 1:
+            raise ValueError("multi-step decode runs without data parallelism")
+        layout = self.block_layout(R)
+        fn = DecodeBlock(self.function, r.num_decode_steps, r.page_size)
+        lower = functools.partial(fn.lower, layout, params, kv, sstate, self.replicated)
+        device = self.mesh.devices.flat[0]
+        if device.platform != jax.default_backend():
+            plain = lower
+
+            def lower():
+                with jax.default_device(device):
+                    return plain()
+
+        return scope.get(self.block_name(R, r.num_decode_steps), (params, kv, sstate, *layout.abstract(self.replicated)),
+                         lambda: lower().compile())
 
     def kv_zeros(self, scope) -> jax.stages.Compiled:
         """The executable making one zeroed layer array of the KV cache."""

@@ -59,19 +59,8 @@ class StepFunction:
     lora_treedef: Any = None
 
     def __call__(self, params, kv, sstate, inputs: ModelInputs, meta: SamplingMetadata, tok: TokenInfo):
-        input_ids = resolve_pending_tokens(sstate, inputs.input_ids, tok.slots)
-        sstate = update_state_from_tokens(sstate, tok.slots, input_ids, tok.is_prompt, tok.valid, meta.reset_slots)
-        lora = None
-        if self.lora_treedef is not None:
-            n = len(params) - self.lora_treedef.num_leaves
-            lora = LoRABatch.of(jax.tree.unflatten(self.lora_treedef, params[n:]), tok.lora_slots)
-            params = params[:n]
-        model = nnx.merge(self.graphdef, jax.tree.unflatten(self.params_treedef, params))
-        hidden, kv = model(input_ids, inputs.positions, kv, inputs.md, self.layer_impl,
-                           lora=lora)  # [T, E]
-        logits = model.compute_logits(hidden[inputs.logits_indices])  # [R, V]
-        out = sample(logits, meta, sstate, self.sampler_config)
-        sstate = record_sampled_tokens(sstate, out.token_ids, tok.sample_slots)
+        model, lora = self.model_of(params, tok)
+        kv, sstate, out, hidden = self.sample_step(model, lora, kv, sstate, inputs, meta, tok)
         k = self.sampler_config.max_logprobs
         T = hidden.shape[0]
         wants = tok.next_prompt_token >= 0
@@ -87,6 +76,27 @@ class StepFunction:
 
         plp = batch_cond(jnp.any(wants), with_prompt_lp, without)
         return kv, sstate, out, plp
+
+    def model_of(self, params, tok: TokenInfo):
+        """(the model over the flat weight list, the step's LoRA batch or None)."""
+        lora = None
+        if self.lora_treedef is not None:
+            n = len(params) - self.lora_treedef.num_leaves
+            lora = LoRABatch.of(jax.tree.unflatten(self.lora_treedef, params[n:]), tok.lora_slots)
+            params = params[:n]
+        return nnx.merge(self.graphdef, jax.tree.unflatten(self.params_treedef, params)), lora
+
+    def sample_step(self, model, lora, kv, sstate, inputs: ModelInputs, meta: SamplingMetadata, tok: TokenInfo):
+        """One forward and draw: resolve pending tokens -> fold the inputs into the sampling
+        state -> model (KV written) -> logits at each row's token -> sample -> keep each row's
+        token in its slot. Returns (kv, sstate, SamplerOutput, hidden [T, E])."""
+        input_ids = resolve_pending_tokens(sstate, inputs.input_ids, tok.slots)
+        sstate = update_state_from_tokens(sstate, tok.slots, input_ids, tok.is_prompt, tok.valid, meta.reset_slots)
+        hidden, kv = model(input_ids, inputs.positions, kv, inputs.md, self.layer_impl, lora=lora)  # [T, E]
+        logits = model.compute_logits(hidden[inputs.logits_indices])  # [R, V]
+        out = sample(logits, meta, sstate, self.sampler_config)
+        sstate = record_sampled_tokens(sstate, out.token_ids, tok.sample_slots)
+        return kv, sstate, out, hidden
 
     def packed(self, layout: BufferLayout, params, kv, sstate, *buffers):
         return self(params, kv, sstate, *layout.unpack(buffers))

@@ -16,6 +16,7 @@ step reads:
     prompt_logprobs    the next prompt token of each token whose prompt log-prob is wanted
     adapter_slots      each token's LoRA adapter slot (the step's only LoRA input)
     rank_metadata      the sampler's rows, in the rank's own slot range
+    block_inputs       a decode block's steps, stops and random numbers (multi-step decode)
 
 A feature that changes what the step reads adds a helper here (and a field to the step's
 inputs), not an index into the others. Everything is vectorized over the rows except the rows
@@ -31,6 +32,7 @@ import numpy as np
 
 from jaxserve.core.sched_output import ScheduledRequest
 from jaxserve.request import RequestFailedError
+from jaxserve.runner.decode_block import BlockInputs
 from jaxserve.runner.step_buffers import BufferLayout
 from jaxserve.runner.step_inputs import ModelInputs, TokenInfo, pack_rows
 from jaxserve.sampling.metadata import SamplingMetadata, SamplingMetadataBuilder
@@ -61,7 +63,8 @@ class SlotTable:
     request: the scheduler's `Request` is never read). Each data-parallel rank has its own
     range of slots: [r * per, (r + 1) * per)."""
 
-    def __init__(self, max_num_seqs: int, data_parallel_size: int, pages_per_req: int, max_logprobs: int):
+    def __init__(self, max_num_seqs: int, data_parallel_size: int, pages_per_req: int, max_logprobs: int,
+                 max_stop_ids: int = 16):
         S, D = max_num_seqs, data_parallel_size
         self.per = S // D
         self.max_logprobs = max_logprobs
@@ -74,6 +77,10 @@ class SlotTable:
         self.prompt_logprob_k = np.full(S, NO_LOGPROBS, np.int64)
         self.prompt_ids: list[np.ndarray | None] = [None] * S  # kept only for prompt log-probs
         self.adapter_slot = np.zeros(S, np.int32)  # the LoRA slot of each slot's request (0: none)
+        # Multi-step decode's stops on the device: EOS (unless ignore_eos), then the stop token
+        # ids, at most max_stop_ids (-1: none); and min_tokens (runner/decode_block.py).
+        self.stop_tokens = np.full((S, max_stop_ids), -1, np.int32)
+        self.min_tokens = np.zeros(S, np.int32)
 
     def width(self, requested: int | None) -> int:
         """The top-k width of a request's `logprobs` / `prompt_logprobs` (-1: all, capped)."""
@@ -105,6 +112,11 @@ class SlotTable:
         self.prompt_ids[slot] = (np.asarray(new.prompt_token_ids, np.int32)
                                  if p.prompt_logprobs is not None else None)
         self.adapter_slot[slot] = new.adapter_slot
+        stops = [] if new.eos_token_id is None or p.ignore_eos else [new.eos_token_id]
+        stops = list(dict.fromkeys([*stops, *(p.stop_token_ids or ())]))[: self.stop_tokens.shape[1]]
+        self.stop_tokens[slot] = -1
+        self.stop_tokens[slot, : len(stops)] = stops
+        self.min_tokens[slot] = p.min_tokens
         return slot
 
     def extend(self, slot: int, block_ids: tuple[int, ...]) -> None:
@@ -289,9 +301,10 @@ class PackedRank:
 
 def pack_rank(r: RankRows, T: int, R: int, *, rank: int, table: SlotTable, builder: SamplingMetadataBuilder,
               layout: BufferLayout, page_size: int, lora: bool,
-              token_bitmask: np.ndarray | None = None) -> PackedRank:
+              token_bitmask: np.ndarray | None = None, num_steps: int = 1) -> PackedRank:
     """One rank's rows packed into a (T, R) bucket. Slots are the rank's own in the step (it
-    sees its range of the sampling state)."""
+    sees its range of the sampling state). `num_steps` > 1: a decode block of that many steps
+    (T = R, one token per row), its `BlockInputs` packed after the step's."""
     per, offset = table.per, rank * table.per
     rows = sample_rows(r)
     inputs = logits_indices(pack_rows(r.tokens, r.starts, r.lens, table.block_table[r.slots], num_tokens=T,
@@ -306,8 +319,27 @@ def pack_rank(r: RankRows, T: int, R: int, *, rank: int, table: SlotTable, build
     tok = TokenInfo(slots=slots - offset, is_prompt=valid & (inputs.positions < table.prompt_len[slots]),
                     valid=valid, next_prompt_token=next_prompt, sample_slots=sample_slots,
                     lora_slots=adapter_slots(r, table, T, lora))
-    meta = rank_metadata(builder, row_slots, output_positions(r, rows, table), R, token_bitmask, rows, offset,
-                         per, len(table.prompt_len))
+    out_pos = output_positions(r, rows, table)
+    meta = rank_metadata(builder, row_slots, out_pos, R, token_bitmask, rows, offset, per, len(table.prompt_len))
     sample_ids = [r.rows[i].request_id for i in rows.request[sampling].tolist()]
-    return PackedRank(layout.pack((inputs, meta, tok)), sample_ids, sampling, logprob_rows(r, rows, table),
-                      prompt_rows)
+    tree = (inputs, meta, tok) if num_steps == 1 else (inputs, meta, tok,
+                                                       block_inputs(r, table, builder, out_pos, R, num_steps))
+    return PackedRank(layout.pack(tree), sample_ids, sampling, logprob_rows(r, rows, table), prompt_rows)
+
+
+def block_inputs(r: RankRows, table: SlotTable, builder: SamplingMetadataBuilder, out_pos: np.ndarray, R: int,
+                 K: int) -> BlockInputs:
+    """A decode block's own inputs (runner/decode_block.py): each row's steps (its
+    ScheduledRequest's `num_steps`), stop tokens, min_tokens, first output position, and the
+    random numbers of its K draws."""
+    n = len(r.rows)
+    steps = np.zeros(R, np.int32)
+    steps[:n] = [s.num_steps for s in r.rows]
+    stops = np.full((R, table.stop_tokens.shape[1]), -1, np.int32)
+    stops[:n] = table.stop_tokens[r.slots]
+    min_tokens = np.zeros(R, np.int32)
+    min_tokens[:n] = table.min_tokens[r.slots]
+    first = np.zeros(R, np.int32)
+    first[:n] = out_pos
+    return BlockInputs(steps=steps, stop_tokens=stops, min_tokens=min_tokens, output_pos=first,
+                       uniforms=builder.uniforms_ahead(r.slots, out_pos, R, K))

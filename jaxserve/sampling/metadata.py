@@ -176,6 +176,18 @@ class SamplingMetadataBuilder:
         return out
 
     # ------------------------------------------------------------------ per step
+    def uniforms_ahead(self, slots: np.ndarray, output_lens: np.ndarray, num_rows: int,
+                       num_steps: int) -> np.ndarray:
+        """[num_steps, num_rows] the random numbers of rows that sample num_steps tokens in a
+        row (multi-step decode): step j of row i draws `row_uniforms(seed, output_lens[i] + j)`,
+        what a single step at that output position draws. Padding rows: zeros."""
+        n = len(slots)
+        out = np.zeros((num_steps, num_rows), np.float32)
+        if n:
+            ahead = np.asarray(output_lens, np.int64)[None, :] + np.arange(num_steps)[:, None]
+            out[:, :n] = row_uniforms(np.broadcast_to(self._seed[np.asarray(slots)], ahead.shape), ahead)
+        return out
+
     def build(
         self,
         slots: Sequence[int] | np.ndarray,

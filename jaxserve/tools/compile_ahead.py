@@ -134,6 +134,9 @@ def compile_for_target(config, target: dict, out: str | os.PathLike[str]) -> dic
     for bucket in shapes:
         timed(program.step_name(bucket), lambda b=bucket: program.step_executable(
             scope, b, abstract.params, abstract.kv, abstract.sstate))
+    for R in recipe.block_buckets():  # multi-step decode's blocks (runner/decode_block.py)
+        timed(program.block_name(R, recipe.num_decode_steps), lambda r=R: program.block_executable(
+            scope, r, abstract.params, abstract.kv, abstract.sstate))
     timed("write-slot-rows", lambda: program.slot_rows_writer(scope, abstract.sstate))
     if program.lora is not None:
         timed("lora-write-slot", lambda: program.compile_lora_writer(scope))

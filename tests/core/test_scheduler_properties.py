@@ -8,7 +8,9 @@ output. Each run is compared with the outputs the same model gives when run on e
 alone, so preemption, chunking and prefix caching must not change any token. Every workload
 runs twice: with plain steps, and overlapped (vLLM v1's async scheduling: step t+1 is
 scheduled and run before step t's tokens reach the scheduler; the fake model reads a pending
-token from what the request sampled last, as the device does).
+token from what the request sampled last, as the device does); and twice more with decode
+blocks of 4 steps (multi-step decode: `schedule_block` first, the fake model decoding each
+block row's steps and stopping it on its stop tokens as the device does).
 """
 
 from __future__ import annotations
@@ -45,6 +47,11 @@ class FakeRunner:
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.bs = block_size
+        self.requests: dict[str, object] = {}  # NewRequestData of each admitted request
+        # Requests a block stopped (a stop token): the host finishes them when the block's
+        # tokens arrive; rows scheduled for them meanwhile (overlapped) compute garbage.
+        self.stopped: set[str] = set()
+        self.num_block_stops = 0  # rows a block stopped before their last step
         self.cache: list[list[tuple[int, int] | None]] = [
             [None] * block_size for _ in range(num_blocks)
         ]
@@ -65,9 +72,16 @@ class FakeRunner:
     def execute(self, out: SchedulerOutput) -> dict[str, list[int]]:
         for rid in (*out.finished_request_ids, *out.preempted_request_ids):
             self.tables.pop(rid, None)
+            self.stopped.discard(rid)
         written: set[tuple[int, int]] = set()
+        if out.num_steps > 1:
+            return self._block(out)
         for x in out.scheduled:
+            if x.request_id in self.stopped:  # finished by a block in flight: output dropped
+                self.tables[x.request_id] += x.new_block_ids
+                continue
             if x.is_new:
+                self.requests[x.request_id] = x.new
                 self.tables[x.request_id] = list(x.new_block_ids)
             else:
                 self.tables[x.request_id] += x.new_block_ids
@@ -84,10 +98,43 @@ class FakeRunner:
                 self.cache[slot[0]][slot[1]] = (pos, state)
         sampled = {}
         for x in out.scheduled:
-            if x.sample:
+            if x.request_id in self.stopped:
+                sampled[x.request_id] = [VOCAB + 7]
+            elif x.sample:
                 tok = sample(self._read(tuple(self.tables[x.request_id]), x.end_pos - 1))
                 sampled[x.request_id] = [tok]
                 self.last[x.request_id] = tok
+        return sampled
+
+    def _block(self, out: SchedulerOutput) -> dict[str, list[int]]:
+        """A decode block: each row feeds its token, samples, feeds the sample, ... for its
+        steps, stopping after a stop token (EOS unless ignore_eos, a stop token id, once
+        min_tokens allow); the tokens it returns after a stop are garbage (the host trims)."""
+        sampled = {}
+        for x in out.scheduled:
+            assert not x.is_new and x.num_scheduled_tokens == 1 and x.sample
+            self.tables[x.request_id] += x.new_block_ids
+            if x.request_id in self.stopped:
+                sampled[x.request_id] = [VOCAB + 7] * x.num_steps
+                continue
+            table, new = tuple(self.tables[x.request_id]), self.requests[x.request_id]
+            p = new.sampling_params
+            stops = set(p.stop_token_ids or ()) | (set() if p.ignore_eos else {EOS})
+            tok = x.token_ids[0] if x.token_ids[0] != PENDING else self.last[x.request_id]
+            state = self._read(table, x.start_pos - 1) if x.start_pos else 0
+            toks: list[int] = []
+            for j in range(x.num_steps):
+                pos = x.start_pos + j
+                state = mix(state, tok, pos)
+                self.cache[table[pos // self.bs]][pos % self.bs] = (pos, state)
+                tok = sample(state)
+                toks.append(tok)
+                if tok in stops and pos + 2 - new.num_prompt_tokens >= p.min_tokens:
+                    self.stopped.add(x.request_id)
+                    self.num_block_stops += j + 1 < x.num_steps
+                    break
+            self.last[x.request_id] = tok
+            sampled[x.request_id] = toks + [VOCAB + 7] * (x.num_steps - len(toks))
         return sampled
 
 
@@ -115,7 +162,7 @@ def reference(req: Request, max_model_len: int) -> tuple[list[int], RequestStatu
 
 
 # ---------------------------------------------------------------------- invariants
-def check_state(s: Scheduler) -> None:
+def check_state(s: Scheduler, num_steps: int = 1) -> None:
     kv, pool, cfg = s.kv, s.kv.pool, s.config
     running_ids = {r.request_id for r in s.running}
     assert set(kv._req_to_blocks) == running_ids, "only running requests hold blocks"
@@ -127,7 +174,7 @@ def check_state(s: Scheduler) -> None:
         assert r.status == S.RUNNING
         assert 0 not in ids and len(set(ids)) == len(ids)
         assert r.num_computed_tokens <= r.num_tokens + r.num_output_placeholders
-        assert r.num_tokens <= cfg.max_model_len and 0 <= r.num_output_placeholders <= 2
+        assert r.num_tokens <= cfg.max_model_len and 0 <= r.num_output_placeholders <= 2 * num_steps
         assert len(ids) * kv.block_size >= r.num_computed_tokens
         for i in ids:
             holders[i] += 1
@@ -156,13 +203,17 @@ def check_output(s: Scheduler, out: SchedulerOutput, runner: FakeRunner) -> None
         assert s.requests[x.request_id] is r and x.num_scheduled_tokens == len(x.token_ids) > 0
         # the runner's side of a row is a snapshot: no Request in it
         assert x.new is None if not x.is_new else x.new.prompt_token_ids == tuple(r.prompt_token_ids)
-        pending = r.num_output_placeholders - x.sample  # tokens in flight before this step
-        assert r.num_computed_tokens == x.end_pos <= r.num_tokens + pending
-        known = r.get_token_ids(x.start_pos, x.end_pos)
+        # tokens in flight before this step (a block row adds its steps)
+        pending = r.num_output_placeholders - (x.num_steps if x.sample else 0)
+        fed_end = x.start_pos + x.num_scheduled_tokens
+        assert r.num_computed_tokens == x.end_pos == fed_end + x.num_steps - 1
+        assert fed_end <= r.num_tokens + pending and x.end_pos <= cfg.max_model_len
+        assert x.num_steps == 1 or x.num_steps <= out.num_steps and x.num_scheduled_tokens == 1
+        known = r.get_token_ids(x.start_pos, fed_end)
         assert list(x.token_ids) == known + [PENDING] * (x.num_scheduled_tokens - len(known))
         assert runner.tables[x.request_id] == s.kv.get_block_ids(x.request_id)
         assert len(runner.tables[x.request_id]) * bs >= x.end_pos
-        assert x.sample == (x.end_pos == r.num_tokens + pending)
+        assert x.sample == (fed_end == r.num_tokens + pending)
         if x.is_new:
             assert not pending and x.start_pos == r.num_computed_tokens - x.num_scheduled_tokens
             if not cfg.enable_chunked_prefill:
@@ -178,6 +229,8 @@ class Coverage:
     prefix_hits: int = 0
     chunks: int = 0
     pending: int = 0  # tokens fed before they reached the scheduler (overlapped steps)
+    blocks: int = 0  # decode blocks (multi-step decode)
+    block_stops: int = 0  # block rows stopped by a stop token before their last step
     aborted: dict[str, int] = field(default_factory=dict)
 
 
@@ -218,7 +271,7 @@ def make_workload(rng: random.Random):
     return Scheduler(cfg, kv), arrivals
 
 
-def run_workload(seed: int, overlap: bool = False) -> Coverage:
+def run_workload(seed: int, overlap: bool = False, num_steps: int = 1) -> Coverage:
     rng = random.Random(seed)
     s, arrivals = make_workload(rng)
     runner = FakeRunner(s.kv.num_blocks, s.kv.block_size)
@@ -243,8 +296,12 @@ def run_workload(seed: int, overlap: bool = False) -> Coverage:
         for r in arrivals.get(step, []):
             s.add_request(r)
         maybe_abort(p_abort)
-        out = s.schedule()
-        check_state(s)
+        out = s.schedule_block(num_steps) if num_steps > 1 else None
+        if out is None:
+            out = s.schedule()
+        else:
+            cov.blocks += 1
+        check_state(s, num_steps)
         sampled = runner.execute(out)
         check_output(s, out, runner)
         assert out.scheduled or in_flight or not s.has_unfinished_requests(), "no progress"
@@ -258,7 +315,7 @@ def run_workload(seed: int, overlap: bool = False) -> Coverage:
             updated = s.update_from_output(out, sampled)
             finished = [r for r, _ in updated if r.is_finished]
             assert all(r.request_id not in s.requests for r in finished)
-        check_state(s)
+        check_state(s, num_steps)
         if s.running and rng.random() < p_abort / 4:  # the output processor saw a stop string
             victim = rng.choice(s.running)
             s.finish_requests([victim.request_id], S.FINISHED_STOPPED)
@@ -278,6 +335,7 @@ def run_workload(seed: int, overlap: bool = False) -> Coverage:
             got = (r.output_token_ids, r.status, r.stop_reason)
             assert got == (expected, status, stop_reason), rid
     cov.steps = step
+    cov.block_stops = runner.num_block_stops
     cov.prefix_hits = s.make_stats().prefix_cache_hits
     assert s.make_stats().num_preemptions == cov.preemptions
     return cov
@@ -287,6 +345,22 @@ def run_workload(seed: int, overlap: bool = False) -> Coverage:
 @pytest.mark.parametrize("seed", range(300))
 def test_random_workload(seed: int, overlap: bool) -> None:
     run_workload(seed, overlap)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlapped"])
+@pytest.mark.parametrize("seed", range(100))
+def test_random_workload_with_decode_blocks(seed: int, overlap: bool) -> None:
+    run_workload(seed, overlap, num_steps=4)
+
+
+def test_decode_blocks_run_in_the_random_workloads() -> None:
+    blocks = preemptions = stops = 0
+    for seed in range(40):
+        cov = run_workload(seed, overlap=seed % 2 == 1, num_steps=4)
+        blocks += cov.blocks
+        preemptions += cov.preemptions
+        stops += cov.block_stops
+    assert blocks > 100 and preemptions > 20 and stops > 5, (blocks, preemptions, stops)
 
 
 def test_random_workloads_cover_the_interesting_cases() -> None:

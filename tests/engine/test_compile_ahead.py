@@ -17,10 +17,11 @@ from jaxserve.runner import prebuilt
 from jaxserve.server.cli import main as cli
 from tests.model_dirs import write_model_dir
 
+# With multi-step decode's blocks of 2 steps: the directory holds the decode block too.
 OPTIONS = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=16, token_buckets=(8, 16),
-               request_buckets=(8,), show_progress=False, enable_compilation_cache=False)
+               request_buckets=(8,), show_progress=False, enable_compilation_cache=False, num_decode_steps=2)
 FLAGS = ["--dtype", "float32", "--max-num-seqs", "8", "--max-num-batched-tokens", "16", "--token-buckets", "8", "16",
-         "--request-buckets", "8"]
+         "--request-buckets", "8", "--num-decode-steps", "2"]
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16, 17, 18, 19]]
 PREBUILT_LOG = "jaxserve.runner.prebuilt"
 
@@ -54,7 +55,8 @@ def _messages(caplog) -> list[str]:
 def test_served_from_the_directory_nothing_compiles_and_the_tokens_are_the_same(model_dir, cpu_dir, caplog):
     manifest = prebuilt.read_manifest(cpu_dir)
     assert manifest["topology"] == "cpu" and manifest["buckets"] == [[8, 8], [16, 8]]
-    assert manifest["entries"] == ["kv-zeros", "sampling-state", "step-8x8", "step-16x8", "write-slot-rows"]
+    assert manifest["entries"] == ["kv-zeros", "sampling-state", "step-8x8", "step-16x8", "decode-8x2",
+                                   "write-slot-rows"]
     files = sorted((p.name, p.stat().st_mtime_ns) for p in cpu_dir.iterdir())
 
     # An engine whose recipe differs (the sampler's top-logprobs width): named, compiled as today.
@@ -73,7 +75,9 @@ def test_served_from_the_directory_nothing_compiles_and_the_tokens_are_the_same(
     runner = loaded.engine.core.runner
     assert (runner.executables_loaded, runner.executables_compiled) == (len(manifest["entries"]), 0)
     assert runner.counter.num_compiles == 0  # nothing traced or compiled at start
+    blocks = loaded.engine.core.num_blocks
     assert _outputs(loaded) == expected
+    assert loaded.engine.core.num_blocks > blocks  # the decode block loaded from the directory ran
     assert runner.counter.recompiles == 0
     assert sorted((p.name, p.stat().st_mtime_ns) for p in cpu_dir.iterdir()) == files  # read, never written
 
@@ -100,7 +104,9 @@ def test_a_changed_version_or_recipe_is_named_and_nothing_is_loaded(cpu_dir, cap
 def test_the_material_is_the_recipe_field_by_field_without_its_grid(cpu_dir):
     from jaxserve.runner.recipe import StepRecipe
 
-    names = {f.name for f in dataclasses.fields(StepRecipe)} - {"target", "token_buckets", "request_buckets"}
+    # Without the grid nor the decode blocks' K: each step and block is an entry of its own name.
+    names = {f.name for f in dataclasses.fields(StepRecipe)} - {"target", "token_buckets", "request_buckets",
+                                                               "num_decode_steps"}
     material = prebuilt.read_manifest(cpu_dir)["material"]
     assert {k.split(".")[1] for k in material if k.startswith("recipe.")} == names
     assert material["recipe.arch.num_hidden_layers"] == "2" and material["recipe.plan.dtype"] == "'float32'"

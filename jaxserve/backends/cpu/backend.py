@@ -148,6 +148,9 @@ class CpuBackend(Backend):
     # A fixed KV budget, and the context capped (a CPU serves short contexts).
     sizes_kv_from_programs = False
     default_max_model_len = DEFAULT_MAX_MODEL_LEN
+    # A CPU step of a real model lasts far longer than its host work: blocks of decode steps
+    # would only delay the requests that arrive meanwhile (docs/performance.md).
+    default_num_decode_steps = 1
 
     def compile_target(self, devices, processes: int | None = None) -> dict | None:
         """This host's CPU devices (one process)."""
