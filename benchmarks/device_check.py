@@ -67,11 +67,12 @@ from results_log import append_results
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from jaxserve.tools.chips import chip_of_device_kind  # noqa: E402  (no JAX: the steps own the device)
+# No JAX in this process: the steps' processes own the device.
+from jaxserve.tools.chips import chip_of_device_kind  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
-STEPS = ["device_rates", "step_throughput", "profile", "served_run", "kernel_benchmark", "kernel_tests",
-         "golden_parity"]
+STEPS = ["device_rates", "step_throughput", "profile", "served_run", "kernel_benchmark",
+         "kernel_tests", "golden_parity"]
 PY = sys.executable
 TINY_LLAMA = {
     "architectures": ["LlamaForCausalLM"],
@@ -169,7 +170,11 @@ class Check:
         out.mkdir(parents=True, exist_ok=True)
         if self.staged:
             for f in self.out.iterdir():
-                shutil.move(str(f), out / f.name)
+                if f.suffix == ".jsonl" and (out / f.name).exists():  # earlier runs' lines stay
+                    with open(out / f.name, "a") as dest:
+                        dest.write(f.read_text())
+                else:
+                    shutil.move(str(f), out / f.name)
             shutil.rmtree(self.out, ignore_errors=True)
         self.out, self.staged = out, False
 
@@ -198,7 +203,8 @@ class Check:
         """Record `step` as skipped when less than `need` seconds of the budget are left."""
         if self.left() >= need:
             return False
-        self.record(step, "skipped", 0.0, reason=f"over the overall budget ({self.left():.0f} s left)")
+        self.record(step, "skipped", 0.0,
+                    reason=f"over the overall budget ({self.left():.0f} s left)")
         return True
 
     def start(self, step: str, cmd: list[str], log_name: str | None = None):
@@ -289,7 +295,7 @@ def step_device_rates(c: Check) -> None:
     before = line_count(out)
     rc, text = c.run("device_rates", cmd)
     rec = (lines_from(out, before) or [{}])[-1]
-    keys = ("copy_gb_per_s", "matmul_tflops", "matmuls", "chip", "hbm_gb_per_s", "peak_bf16_tflops",
+    keys = ("copy_gb_per_s", "copy_single_call_gb_per_s", "matmul_tflops", "matmuls", "chip", "hbm_gb_per_s", "peak_bf16_tflops",
             "copy_frac_of_hbm", "matmul_frac_of_peak")
     c.info["copy_gb_per_s"] = rec.get("copy_gb_per_s")
     c.finish("device_rates", rc, text, **{k: rec[k] for k in keys if k in rec})
@@ -336,7 +342,7 @@ def step_throughput(c: Check, devices: int) -> None:
     hbm = c.info.get("hbm_gb_per_s")
     copy = c.info.get("copy_gb_per_s")
     decode_buckets = set(_pairs(s.decode))
-    cells, prefill, weights_s, profiles = [], None, None, {}
+    cells, prefill, weights_s, profiles, profile_errors = [], None, None, {}, {}
     for r in rows:
         m = r.get("measure") or {}
         bucket = tuple(r.get("bucket", ()))
@@ -361,27 +367,34 @@ def step_throughput(c: Check, devices: int) -> None:
             cells.append(cell)
             if m.get("profile"):
                 profiles[seqs] = m["profile"]
+            if m.get("profile_error"):
+                profile_errors[seqs] = m["profile_error"]
         elif r.get("error") or (r.get("memory") or {}).get("compiler"):
-            cells.append({"bucket": r.get("bucket"), "error": r.get("error") or r["memory"]["compiler"]})
+            cells.append({"bucket": r.get("bucket"),
+                          "error": r.get("error") or r["memory"]["compiler"]})
     c.info["profiles"] = None if c.last_seconds is None else profiles  # None: the step did not run
+    c.info["profile_errors"] = profile_errors
     c.info["decode_ms"] = {cell["seqs"]: cell["decode_ms"] for cell in cells if "seqs" in cell}
     c.finish("step_throughput", rc, text, model="tiny-llama" if c.rehearse else model,
              dtype="bfloat16", context=s.context, cells=cells, prefill=prefill, weights_s=weights_s,
-             chip=c.info.get("chip"), hbm_gb_per_s=hbm, copy_gb_per_s=copy)
+             chip=c.info.get("chip"), hbm_gb_per_s=hbm, copy_gb_per_s=copy,
+             **({"profile_errors": profile_errors} if profile_errors else {}))
 
 
 def step_profile(c: Check) -> None:
     profiles = c.info.get("profiles")
     if profiles is None:
-        c.record("profile", "skipped", 0.0, reason="step_throughput did not run, and made no traces")
+        c.record("profile", "skipped", 0.0,
+                 reason="step_throughput did not run, and made no traces")
         return
     if not profiles:
-        c.record("profile", "failed", 0.0, reason="step_throughput made no traces (see its record)")
+        c.record("profile", "failed", 0.0, reason="step_throughput made no traces (see its record)",
+                 profile_errors=c.info.get("profile_errors"))
         return
     jsonl, md = c.out / "profile_kernels.jsonl", c.out / "profile_kernels.md"
     labels = {seqs: f"decode_{seqs}" for seqs in profiles}
-    cmd = [PY, "benchmarks/trace_kernels.py", "--json", str(jsonl), "--markdown", str(md), "--top", "25",
-           *(f"{labels[seqs]}={path}" for seqs, path in sorted(profiles.items()))]
+    cmd = [PY, "benchmarks/trace_kernels.py", "--json", str(jsonl), "--markdown", str(md),
+           "--top", "25", *(f"{labels[seqs]}={path}" for seqs, path in sorted(profiles.items()))]
     before = line_count(jsonl)
     rc, text = c.run("profile", cmd)
     tables = lines_from(jsonl, before)
@@ -395,9 +408,10 @@ def step_profile(c: Check) -> None:
         decode_ms = c.info.get("decode_ms", {}).get(seqs)
         summary.append({
             "seqs": seqs, "source": t["source"], "kernel_events": t["kernel_events"],
-            "distinct_kernels": t["distinct_kernels"], "kernel_us": t["kernel_us"], "span_us": t["span_us"],
-            "decode_ms": decode_ms, "trace": kept,
-            "top": [{k: r[k] for k in ("kernel", "count", "total_us", "share")} for r in t["rows"][:8]],
+            "distinct_kernels": t["distinct_kernels"], "kernel_us": t["kernel_us"],
+            "span_us": t["span_us"], "decode_ms": decode_ms, "trace": kept,
+            "top": [{k: r[k] for k in ("kernel", "count", "total_us", "share")}
+                    for r in t["rows"][:8]],
         })
     c.finish("profile", rc, text, traces=summary)
 
@@ -457,15 +471,17 @@ def step_served_run(c: Check) -> None:
            "--compilation-cache-dir", str(cache), "--uvicorn-log-level", "warning"]
     t0 = time.monotonic()
     server, log = c.start(step, cmd)
-    fields: dict = {"concurrency": list(s.concurrency), "input_len": s.input_len, "output_len": s.output_len}
+    fields: dict = {"concurrency": list(s.concurrency), "input_len": s.input_len,
+                    "output_len": s.output_len}
     status = "failed"
     try:
         if not _wait_healthy(port, server, until):
-            raise RuntimeError("the server did not become healthy in time"
-                               if server.poll() is None else f"the server exited with {server.returncode}")
+            raise RuntimeError("the server did not become healthy in time" if server.poll() is None
+                               else f"the server exited with {server.returncode}")
         fields["startup_s"] = round(time.monotonic() - t0, 1)
         fields["request"] = _chat(port, max(5.0, until - time.monotonic()))
-        client_cmd = [PY, "benchmarks/serving_benchmark.py", "--base-url", f"http://127.0.0.1:{port}",
+        client_cmd = [PY, "benchmarks/serving_benchmark.py",
+                      "--base-url", f"http://127.0.0.1:{port}",
                       "--concurrency", *map(str, s.concurrency), "--input-len", str(s.input_len),
                       "--output-len", str(s.output_len), "--num-prompts", str(s.num_prompts),
                       "--prompts-per-stream", str(s.prompts_per_stream), "--warmup", str(s.warmup),
@@ -489,7 +505,8 @@ def step_served_run(c: Check) -> None:
         if rc is None:
             status = "timeout"
         elif rc != 0 or len(runs) != len(s.concurrency) or any(r["failed"] for r in fields["runs"]):
-            fields["client_tail"] = (c.out / f"{step}_client.log").read_text(errors="replace")[-1500:]
+            client_log_text = (c.out / f"{step}_client.log").read_text(errors="replace")
+            fields["client_tail"] = client_log_text[-1500:]
         else:
             status = "ok"
     except Exception as e:  # the record says what went wrong; the check goes on
@@ -520,17 +537,21 @@ def step_kernel_benchmark(c: Check, backend: str) -> None:
 
 def step_kernel_tests(c: Check, backend: str) -> None:
     tests = {
-        "gpu": ["tests/pallas_kernels/test_gpu_kernel.py", "tests/pallas_kernels/test_gpu_mosaic_kernel.py"],
+        "gpu": ["tests/pallas_kernels/test_gpu_kernel.py",
+                "tests/pallas_kernels/test_gpu_mosaic_kernel.py"],
         "tpu": ["tests/pallas_kernels/test_tpu_kernel.py"],
     }.get(backend)
-    cmd = [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={c.out / 'kernel_tests.xml'}"]
+    cmd = [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+           f"--junitxml={c.out / 'kernel_tests.xml'}"]
     if c.rehearse or tests is None:  # one quick interpret-mode test of each GPU kernel's file
-        cmd += ["tests/pallas_kernels/test_gpu_kernel.py", "tests/pallas_kernels/test_gpu_mosaic_kernel.py",
+        cmd += ["tests/pallas_kernels/test_gpu_kernel.py",
+                "tests/pallas_kernels/test_gpu_mosaic_kernel.py",
                 "-k", "lowers_to_triton and float32 or sliding_window_soft_cap_splits"]
     else:
         cmd += [*tests, "--kernel-device"]
     rc, text = c.run("kernel_tests", cmd)
-    summary = next((ln for ln in reversed(text.splitlines()) if " passed" in ln or " failed" in ln), "")
+    summary = next((ln for ln in reversed(text.splitlines())
+                    if " passed" in ln or " failed" in ln), "")
     c.finish("kernel_tests", rc, text, summary=summary.strip("= "))
 
 
@@ -563,16 +584,19 @@ def pack(out: pathlib.Path, name: str) -> pathlib.Path:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rehearse", action="store_true", help="the same steps on the CPU at tiny sizes")
+    p.add_argument("--rehearse", action="store_true",
+                   help="the same steps on the CPU at tiny sizes")
     p.add_argument("--out", default=None,
-                   help="the results' directory (default: benchmarks/results/device_check_<chip>/, the "
-                        "chip env finds; with --rehearse benchmarks/results/device_check_rehearsal/)")
-    p.add_argument("--budget", type=float, default=540.0, help="seconds for all steps (default 540)")
+                   help="the results' directory (default: benchmarks/results/device_check_<chip>/, "
+                        "the chip env finds; with --rehearse "
+                        "benchmarks/results/device_check_rehearsal/)")
+    p.add_argument("--budget", type=float, default=540.0,
+                   help="seconds for all steps (default 540)")
     p.add_argument("--steps", nargs="+", choices=STEPS, default=STEPS,
                    help="the steps to run (env always runs first); default: all")
     p.add_argument("--buckets", default=None,
-                   help=f"step_throughput's decode buckets on the device (tokens x sequences; default "
-                        f"{DEVICE.decode})")
+                   help=f"step_throughput's decode buckets on the device (tokens x sequences; "
+                        f"default {DEVICE.decode})")
     p.add_argument("--prefill-tokens", type=int, default=None,
                    help=f"step_throughput's prefill cell on the device (default {DEVICE.prefill})")
     p.add_argument("--pack", action="store_true",

@@ -4,7 +4,9 @@ often, for how long, and each one's share of the step's kernel time.
 The input is the trace as Chrome trace events, the JSON that `jax.profiler.stop_trace` writes
 next to its xplane (`<host>.trace.json.gz`, or `perfetto_trace.json.gz` with
 `create_perfetto_trace=True`), found under the directory given (the newest one), or the file
-itself. The kernels are the complete events ("ph": "X") of the first of these that the trace
+itself; where a profiler wrote the xplane alone (`<host>.xplane.pb`), its planes, lines and
+events are read through `jax.profiler.ProfileData` as the same events (a plane a process, a
+line a thread, an event's stats its args). The kernels are the complete events ("ph": "X") of the first of these that the trace
 has:
 
   device streams  on a device's process ("/device:GPU:0"), its threads named "Stream ..."
@@ -50,14 +52,34 @@ def find_trace(path: str | pathlib.Path) -> pathlib.Path:
     path = pathlib.Path(path)
     if path.is_file():
         return path
-    for pattern in ("*.trace.json.gz", "perfetto_trace.json.gz", "*.trace.json"):
+    for pattern in ("*.trace.json.gz", "perfetto_trace.json.gz", "*.trace.json", "*.xplane.pb"):
         found = sorted(path.rglob(pattern), key=lambda p: p.stat().st_mtime)
         if found:
             return found[-1]
-    raise FileNotFoundError(f"no trace (*.trace.json.gz, perfetto_trace.json.gz) under {path}")
+    raise FileNotFoundError(f"no trace (*.trace.json.gz, perfetto_trace.json.gz, *.xplane.pb) "
+                            f"under {path}")
+
+
+def xplane_events(path: pathlib.Path) -> list[dict]:
+    """The events of an xplane file as Chrome trace events (needs JAX)."""
+    from jax.profiler import ProfileData
+
+    events = []
+    for pid, plane in enumerate(ProfileData.from_file(str(path)).planes, 1):
+        events.append({"ph": "M", "pid": pid, "name": "process_name", "args": {"name": plane.name}})
+        for tid, line in enumerate(plane.lines, 1):
+            events.append({"ph": "M", "pid": pid, "tid": tid, "name": "thread_name",
+                           "args": {"name": line.name}})
+            for e in line.events:
+                events.append({"ph": "X", "pid": pid, "tid": tid, "name": e.name,
+                               "ts": e.start_ns / 1e3, "dur": e.duration_ns / 1e3,
+                               "args": {k: v for k, v in e.stats}})
+    return events
 
 
 def load_events(path: pathlib.Path) -> list[dict]:
+    if path.name.endswith(".xplane.pb"):
+        return xplane_events(path)
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt") as f:
         data = json.load(f)

@@ -87,8 +87,9 @@ def random_params(model, params: list, seed: int = 0) -> list[jax.Array]:
     order of `nnx.split(model)`'s state leaves, as the step takes them) made on the devices."""
     names = [_leaf_name(p) for p, _ in jax.tree_util.tree_leaves_with_path(nnx.split(model)[1])]
     assert len(names) == len(params), (len(names), len(params))
-    return [_maker(_fill(name, a.dtype), tuple(a.shape), a.dtype, a.sharding)(np.uint32(seed), np.int32(i))
-            for i, (name, a) in enumerate(zip(names, params))]
+    makers = [_maker(_fill(name, a.dtype), tuple(a.shape), a.dtype, a.sharding)
+              for name, a in zip(names, params)]
+    return [make(np.uint32(seed), np.int32(i)) for i, make in enumerate(makers)]
 
 
 def _buffers(layout, sampler_config, page_size, pages_per_req, T, R, lens, starts, vocab):
@@ -116,7 +117,8 @@ def _buffers(layout, sampler_config, page_size, pages_per_req, T, R, lens, start
     return layout.pack((inputs, meta, tok)), next_page
 
 
-def held_arrays(abstract, cfg, mesh, rules, plan, num_pages: int, page_size: int) -> tuple[list, object, float | None]:
+def held_arrays(abstract, cfg, mesh, rules, plan, num_pages: int,
+                page_size: int) -> tuple[list, object, float | None]:
     """(weights, KV cache, seconds spent making them or None when kept from the last bucket) for
     the step of `abstract` (compile_pool.AbstractStep): the arrays of the last bucket when they
     were made for the same weights, cache and mesh, else new ones (the old ones freed first)."""
@@ -134,15 +136,41 @@ def held_arrays(abstract, cfg, mesh, rules, plan, num_pages: int, page_size: int
     return params, kv, time.perf_counter() - t0
 
 
-def measure_step(settings, cfg, mesh, rules, plan, compiled, abstract, sampler_config, num_pages, pages_per_req,
-                 bucket) -> dict:
+def _traced_step(out: dict, profile_dir: str, bucket, compiled, params, kv, sstate, buffers):
+    """One more decode step under `jax.profiler` (host events and the device's kernels; no
+    Python frames, no HLO protos), its trace in `<profile_dir>/decode_<T>x<R>/`; a profiler
+    that fails is recorded (`profile_error`), the step's timings stay."""
+    where = pathlib.Path(profile_dir) / f"decode_{bucket[0]}x{bucket[1]}"
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = 0
+    options.enable_hlo_proto = False
+    try:
+        jax.profiler.start_trace(str(where), profiler_options=options)
+    except Exception as e:  # e.g. no CUPTI: the measurement is still worth having
+        out["profile_error"] = f"{type(e).__name__}: {e}"[:500]
+        return kv, sstate
+    try:
+        kv, sstate, res, _ = compiled(params, kv, sstate, *buffers)
+        jax.block_until_ready(res.token_ids)
+    finally:
+        try:
+            jax.profiler.stop_trace()
+            out["profile"] = str(where)
+        except Exception as e:
+            out["profile_error"] = f"{type(e).__name__}: {e}"[:500]
+    return kv, sstate
+
+
+def measure_step(settings, cfg, mesh, rules, plan, compiled, abstract, sampler_config, num_pages,
+                 pages_per_req, bucket) -> dict:
     T, R = bucket
     ps = settings.page_size
     layout = abstract.program.layout(T, R)
     params, kv, made_s = held_arrays(abstract, cfg, mesh, rules, plan, num_pages, ps)
     _HELD.pop("kv")  # donated to the steps below; put back once they returned it
     D = mesh.shape["data"]  # with data parallelism every rank runs the same synthetic rows
-    sstate = jax.device_put(init_sampling_state(sampler_config), NamedSharding(mesh, P("data") if D > 1 else P()))
+    sstate = jax.device_put(init_sampling_state(sampler_config),
+                            NamedSharding(mesh, P("data") if D > 1 else P()))
     rank_pages = num_pages // D
     # A rank's rows name its own slots and pages (the sentinel slot is the rank's slot count).
     rank_config = dataclasses.replace(sampler_config, max_num_seqs=sampler_config.max_num_seqs // D)
@@ -155,7 +183,8 @@ def measure_step(settings, cfg, mesh, rules, plan, compiled, abstract, sampler_c
     profile = settings.profile_dir is not None and (
         settings.profile_buckets is None or [T, R] in [list(b) for b in settings.profile_buckets])
     for name, (lens, starts) in cases.items():
-        buffers, used = _buffers(layout, rank_config, ps, pages_per_req, T, R, lens, starts, cfg.vocab_size)
+        buffers, used = _buffers(layout, rank_config, ps, pages_per_req, T, R, lens, starts,
+                                 cfg.vocab_size)
         if used > rank_pages:
             out[f"{name}_ms"] = None
             continue
@@ -169,15 +198,9 @@ def measure_step(settings, cfg, mesh, rules, plan, compiled, abstract, sampler_c
             if i:
                 times.append(time.perf_counter() - t0)
         out[f"{name}_ms"] = round(1000 * statistics.median(times), 2)
-        if name == "decode" and profile:  # one more decode step, traced
-            where = pathlib.Path(settings.profile_dir) / f"decode_{T}x{R}"
-            jax.profiler.start_trace(str(where), create_perfetto_trace=True)
-            try:
-                kv, sstate, res, _ = compiled(params, kv, sstate, *buffers)
-                jax.block_until_ready(res.token_ids)
-            finally:
-                jax.profiler.stop_trace()
-            out["profile"] = str(where)
+        if name == "decode" and profile:
+            kv, sstate = _traced_step(out, settings.profile_dir, bucket, compiled, params, kv, sstate,
+                                      buffers)
     _HELD["kv"] = kv
     out["steps"] = settings.steps
     return out

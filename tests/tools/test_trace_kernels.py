@@ -38,11 +38,12 @@ GEMM = "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_cublas"
 def gpu_trace() -> dict:
     """A GPU's layout: kernels on the device's stream threads; the derived "XLA Ops" line and
     the host's thunk events span the same time and must not be counted again."""
-    events = [_meta(1, "/device:GPU:0"), _meta(1, "Stream #13(Compute)", 13), _meta(1, "XLA Ops", 99),
-              _meta(700, "/host:CPU"), _meta(700, "python", 5)]
+    events = [_meta(1, "/device:GPU:0"), _meta(1, "Stream #13(Compute)", 13),
+              _meta(1, "XLA Ops", 99), _meta(700, "/host:CPU"), _meta(700, "python", 5)]
     ts = 100.0
     for layer in range(2):
-        for name, op, dur in ((f"loop_multiply_fusion_{3 * layer}", f"multiply_fusion.{3 * layer}", 2.0),
+        for name, op, dur in ((f"loop_multiply_fusion_{3 * layer}",
+                               f"multiply_fusion.{3 * layer}", 2.0),
                               (GEMM, f"dot.{layer}", 10.0),
                               (f"ragged_paged_attention_{layer}", f"custom-call.{layer}", 6.0)):
             events.append(_x(1, 13, name, ts, dur, op))
@@ -55,7 +56,8 @@ def gpu_trace() -> dict:
 def tpu_trace() -> dict:
     events = [_meta(2, "/device:TPU:0"), _meta(2, "XLA Ops", 3), _meta(2, "XLA Modules", 4),
               _x(2, 4, "jit_step(123)", 0.0, 30.0), _x(2, 3, "fusion.1", 0.0, 10.0, "fusion.1"),
-              _x(2, 3, "fusion.2", 12.0, 8.0, "fusion.2"), _x(2, 3, "convolution.7", 20.0, 9.0, "convolution.7")]
+              _x(2, 3, "fusion.2", 12.0, 8.0, "fusion.2"),
+              _x(2, 3, "convolution.7", 20.0, 9.0, "convolution.7")]
     return {"traceEvents": events}
 
 
@@ -114,7 +116,8 @@ def test_the_command_writes_lines_and_tables(tmp_path, capsys):
     assert trace_kernels.main(argv) == 0
     lines = [json.loads(x) for x in out.read_text().splitlines()]
     assert [x["label"] for x in lines] == ["decode_1", "decode_8"]
-    assert all(x["commit"] and x["host"] and x["versions"] for x in lines)  # results_log's provenance
+    # each line with results_log's provenance
+    assert all(x["commit"] and x["host"] and x["versions"] for x in lines)
     text = md.read_text()
     assert "### decode_1" in text and f"| `{GEMM}` | 2 | 20.0 |" in text
     assert "| (33 others) |" in text  # the CPU table's kernels past the top 2, summed
@@ -125,3 +128,17 @@ def test_the_command_writes_lines_and_tables(tmp_path, capsys):
         trace_kernels.main([f"x={empty}"])
     nothing = _write(tmp_path, "nothing", {"traceEvents": [_meta(700, "/host:CPU")]})
     assert trace_kernels.main([f"x={nothing}"]) == 1  # a trace without kernels fails the command
+
+
+def test_the_xplane_reads_as_its_trace_json():
+    """A step with a conditional and a three-pass loop, its trace kept both ways by the
+    profiler: the same table from the xplane (through jax.profiler.ProfileData) as from the
+    JSON; the conditional's and the loop's thunks, which span their bodies', are not rows."""
+    data = ROOT / "tests" / "data" / "traces"
+    from_json = trace_kernels.summarize(data / "cpu_cond_loop.trace.json.gz", "json")
+    from_xplane = trace_kernels.summarize(data / "cpu_cond_loop.xplane.pb", "xplane")
+    assert from_json["rows"] == from_xplane["rows"]
+    assert from_json["kernel_us"] == pytest.approx(from_xplane["kernel_us"])
+    rows = {r["kernel"]: r for r in from_json["rows"]}
+    assert rows["sine_add_fusion"]["count"] == 3  # the loop's body, once a pass
+    assert not [k for k in rows if k.startswith(("while", "cond", "conditional"))]
