@@ -295,8 +295,8 @@ def step_device_rates(c: Check) -> None:
     before = line_count(out)
     rc, text = c.run("device_rates", cmd)
     rec = (lines_from(out, before) or [{}])[-1]
-    keys = ("copy_gb_per_s", "copy_single_call_gb_per_s", "matmul_tflops", "matmuls", "chip", "hbm_gb_per_s", "peak_bf16_tflops",
-            "copy_frac_of_hbm", "matmul_frac_of_peak")
+    keys = ("copy_gb_per_s", "copy_single_call_gb_per_s", "matmul_tflops", "matmuls", "chip",
+            "hbm_gb_per_s", "peak_bf16_tflops", "copy_frac_of_hbm", "matmul_frac_of_peak")
     c.info["copy_gb_per_s"] = rec.get("copy_gb_per_s")
     c.finish("device_rates", rc, text, **{k: rec[k] for k in keys if k in rec})
 
@@ -337,8 +337,11 @@ def step_throughput(c: Check, devices: int) -> None:
         cmd += ["--kv-cache-memory", s.kv_memory]
     rc, text = c.run("step_throughput", cmd)
     rows = lines_from(plan_json, 0)
-    if rows:  # shard-plan's lines, each with its provenance
-        append_results(out, rows)
+    kept = [{**r, "measure": {**r["measure"],
+                              "profile": pathlib.Path(r["measure"]["profile"]).name}}
+            if (r.get("measure") or {}).get("profile") else r for r in rows]
+    if kept:  # shard-plan's lines (its traces named by their directory), each with its provenance
+        append_results(out, kept)
     hbm = c.info.get("hbm_gb_per_s")
     copy = c.info.get("copy_gb_per_s")
     decode_buckets = set(_pairs(s.decode))
@@ -630,8 +633,9 @@ def main() -> int:
         for name in STEPS:
             if name in args.steps:
                 steps[name]()
+        out = c.out.resolve()
         c.record("done", "ok" if not c.failed else f"{c.failed} failed", time.monotonic() - t0,
-                 out=str(c.out))
+                 out=str(out.relative_to(ROOT) if out.is_relative_to(ROOT) else out))
     finally:
         shutil.rmtree(c.scratch, ignore_errors=True)
     if args.pack:
