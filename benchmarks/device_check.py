@@ -161,7 +161,8 @@ class Check:
         else:  # the device's own platform, whatever the caller's shell had
             self.env.pop("JAX_PLATFORMS", None)
         self.failed = 0
-        self.last_seconds = 0.0
+        self.last_seconds: float | None = 0.0
+        self.last_limit = 0.0
         self.info: dict = {}  # what the steps found that later steps read
         self.scratch = pathlib.Path(tempfile.mkdtemp(prefix="device_check_scratch_"))
 
@@ -241,8 +242,9 @@ class Check:
             return None, ""
         t0 = time.monotonic()
         proc, log = self.start(step, cmd)
+        self.last_limit = min(LIMITS[step], self.left())
         try:
-            rc = proc.wait(timeout=min(LIMITS[step], self.left()))
+            rc = proc.wait(timeout=self.last_limit)
         except subprocess.TimeoutExpired:
             rc = None
         finally:
@@ -254,6 +256,8 @@ class Check:
         if self.last_seconds is None:  # skipped: already recorded
             return
         status = "ok" if rc == 0 else "timeout" if rc is None else f"failed (rc {rc})"
+        if rc is None:  # its own limit, or what the budget had left
+            fields["limit_s"] = round(self.last_limit)
         if rc != 0:
             fields["tail"] = text[-1500:]
         self.record(step, status, self.last_seconds, **fields)
@@ -358,7 +362,7 @@ def step_throughput(c: Check, devices: int) -> None:
             seqs = m["decode_requests"]
             moved = decode_bytes(r)
             gbs = moved / m["decode_ms"] * 1e-6
-            cell = {"seqs": seqs, "decode_ms": m["decode_ms"],
+            cell = {"seqs": seqs, "context": m["context"], "decode_ms": m["decode_ms"],
                     "tok_per_s": round(seqs * 1e3 / m["decode_ms"], 1),
                     "prefill_ms": m.get("prefill_ms"), "prefill_tokens": bucket[0],
                     "attention": r.get("attention_impl"), "bytes_moved": moved,
@@ -429,6 +433,13 @@ def _keep_trace(run_dir: pathlib.Path, dest: pathlib.Path) -> str | None:
     except (FileNotFoundError, OSError):
         return None
     return dest.name
+
+
+def _shown(path: pathlib.Path) -> str:
+    """`path` as a step's command line names it: relative to the repository (the steps' working
+    directory) when inside it, so that logs name no machine's paths."""
+    path = path.resolve()
+    return str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path)
 
 
 def _free_port() -> int:
@@ -523,7 +534,7 @@ def step_served_run(c: Check) -> None:
 
 def step_kernel_benchmark(c: Check, backend: str) -> None:
     out = c.out / "kernels.jsonl"
-    cmd = [PY, "benchmarks/kernel_benchmark.py", "--out", str(out)]
+    cmd = [PY, "benchmarks/kernel_benchmark.py", "--out", _shown(out)]
     if c.rehearse or backend == "cpu":  # the sweep's one variant in the interpreter
         cmd += ["--small", "--iters", "1", "--impls", "gpu-interpret", "--sweep"]
     elif backend == "gpu":  # the sweep: the Mosaic GPU kernel's block sizes (gpu_blocks.py)
@@ -633,9 +644,8 @@ def main() -> int:
         for name in STEPS:
             if name in args.steps:
                 steps[name]()
-        out = c.out.resolve()
         c.record("done", "ok" if not c.failed else f"{c.failed} failed", time.monotonic() - t0,
-                 out=str(out.relative_to(ROOT) if out.is_relative_to(ROOT) else out))
+                 out=_shown(c.out))
     finally:
         shutil.rmtree(c.scratch, ignore_errors=True)
     if args.pack:

@@ -23,8 +23,9 @@ layers' instances of one fusion are one row, as a cuBLAS gemm or an attention ke
 their launched name, are. A row gives its count, total and mean microseconds, its share of
 the kernels' total, and up to three of the HLO ops it ran for (the events' `hlo_op`). Besides
 the rows: the number of kernel events, their total time (`kernel_us`) and the span from the
-first kernel's start to the last one's end (`span_us`; what the span has beyond the total is
-the device idle between kernels, or kernels overlapping), and where the kernels were found.
+first kernel's start to the last one's end (`span_us`; the span less the total is the time the
+device sat idle between kernels, less where kernels overlapped, as a CPU's threads do), and
+where the kernels were found.
 
     python benchmarks/trace_kernels.py decode_1=DIR_OR_FILE decode_64=DIR_OR_FILE \
         [--json profile_kernels.jsonl] [--markdown profile_kernels.md] [--top 25]
