@@ -30,8 +30,9 @@ where the kernels were found.
     python benchmarks/trace_kernels.py decode_1=DIR_OR_FILE decode_64=DIR_OR_FILE \
         [--json profile_kernels.jsonl] [--markdown profile_kernels.md] [--top 25]
 
-One JSON line per trace (its label, the totals and every row) is appended to --json; the
-markdown has a table per trace (its --top kernels, the rest summed in one row).
+One JSON line per trace (its label, the totals and every row; or the error that left it without
+a table) is appended to --json; the markdown has a table per trace (its --top kernels, the rest
+summed in one row). The command fails when a trace gave no kernels.
 """
 
 from __future__ import annotations
@@ -182,6 +183,9 @@ def summarize(path: str | pathlib.Path, label: str) -> dict:
 def markdown(tables: list[dict], top: int) -> str:
     out = []
     for t in tables:
+        if t.get("error"):
+            out += [f"### {t['label']}", "", f"no table: {t['error']}", ""]
+            continue
         out += [f"### {t['label']}", "",
                 f"{t['kernel_events']} kernel events, {t['distinct_kernels']} distinct, "
                 f"{t['kernel_us']:.1f} µs of kernels over a span of {t['span_us']:.1f} µs "
@@ -214,7 +218,11 @@ def main(argv: list[str] | None = None) -> int:
         label, sep, path = item.partition("=")
         if not sep:
             label, path = pathlib.Path(item).name, item
-        tables.append(summarize(path, label))
+        try:
+            tables.append(summarize(path, label))
+        except (FileNotFoundError, ValueError, KeyError) as e:  # the other traces still count
+            tables.append({"label": label, "error": f"{type(e).__name__}: {e}", "kernel_events": 0,
+                           "rows": []})
     if args.json:
         append_results(args.json, tables)
     text = markdown(tables, args.top)

@@ -125,7 +125,12 @@ def test_the_command_writes_lines_and_tables(tmp_path, capsys):
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(FileNotFoundError, match="no trace"):
-        trace_kernels.main([f"x={empty}"])
+        trace_kernels.find_trace(empty)
+    # a directory without a trace: its line says so, the other trace's table is still made
+    assert trace_kernels.main([f"none={empty}", f"gpu={gpu}", "--json", str(out)]) == 1
+    none, made = [json.loads(x) for x in out.read_text().splitlines()][-2:]
+    assert "no trace" in none["error"] and made["kernel_events"] == 6
+    assert "no table: FileNotFoundError" in capsys.readouterr().out
     nothing = _write(tmp_path, "nothing", {"traceEvents": [_meta(700, "/host:CPU")]})
     assert trace_kernels.main([f"x={nothing}"]) == 1  # a trace without kernels fails the command
 
