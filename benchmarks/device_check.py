@@ -411,7 +411,8 @@ def step_profile(c: Check) -> None:
         t = by_label.get(labels[seqs])
         kept = _keep_trace(pathlib.Path(path), c.out / f"profile_decode_{seqs}.trace.json.gz")
         if t is None or t.get("error"):
-            summary.append({"seqs": seqs, "error": (t or {}).get("error", "no table"), "trace": kept})
+            error = (t or {}).get("error", "no table")
+            summary.append({"seqs": seqs, "error": error, "trace": kept})
             continue
         decode_ms = c.info.get("decode_ms", {}).get(seqs)
         summary.append({

@@ -6,8 +6,8 @@ next to its xplane (`<host>.trace.json.gz`, or `perfetto_trace.json.gz` with
 `create_perfetto_trace=True`), found under the directory given (the newest one), or the file
 itself; where a profiler wrote the xplane alone (`<host>.xplane.pb`), its planes, lines and
 events are read through `jax.profiler.ProfileData` as the same events (a plane a process, a
-line a thread, an event's stats its args). The kernels are the complete events ("ph": "X") of the first of these that the trace
-has:
+line a thread, an event's stats its args). The kernels are the complete events ("ph": "X")
+of the first of these that the trace has:
 
   device streams  on a device's process ("/device:GPU:0"), its threads named "Stream ..."
                   (a GPU: every CUDA kernel and copy, named as launched: a fusion, a cuBLAS
