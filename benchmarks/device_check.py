@@ -1,41 +1,64 @@
-"""The device check: everything worth knowing on the day a GPU (or TPU) is lent, in at most ten
-minutes, run by benchmarks/device_check.sh. Each step runs as its own process under a time
-limit, its output in `<out>/<step>.log`, and adds one JSON line to `<out>/device_check.jsonl`
-(the step, its status, seconds, and what it measured); a step past the overall budget is
-skipped, never cut short silently.
+"""The device check: everything worth knowing on the day a GPU (or TPU) is lent, in one call of
+~9 minutes (540 s of steps), run by benchmarks/device_check.sh. Each step runs as its own
+process under a time limit, its output in `<out>/<step>.log`, and adds one JSON line to
+`<out>/device_check.jsonl` (the step, its status, seconds, and what it measured); a step that
+the overall budget leaves no time for is recorded as skipped, a step past its limit as a
+timeout: nothing is cut short silently. The steps, the most valuable first:
 
-1. env: backend, devices, versions.
-2. kernel_tests: the attention kernel tests compiled and run on the device (`pytest
+1. env: backend, devices, device kind, versions. The chip it names decides the default out
+   directory, `benchmarks/results/device_check_<chip>/` (h100, h200, v5e, ...; the device kind
+   when the chip is not in jaxserve/tools/chips.py).
+2. device_rates: the card's measured copy bandwidth and bfloat16 matmul rate, next to its
+   published ones (benchmarks/device_rates.py); ~15 s, first because the grid's cells are
+   read against its bandwidth.
+3. step_throughput: a Llama-3-8B-shaped model in bfloat16 on random weights, made on the
+   devices in seconds (jaxserve/tools/plan_measure.py), over every local device (tensor
+   parallel): its compiled step timed at 1/8/64/256 decoding sequences at a 1,024-token context
+   and a 2,048-token prefill (`jaxserve shard-plan llama3-8b --real --measure`). Each cell: tok/s
+   = sequences / decode step time, and the bytes the step moves (the weights it reads: all but
+   the embedding table, of which it gathers rows; the KV cache read at the context; the new
+   rows written) over its time, as a fraction of the chip's published HBM bandwidth and of the
+   copy bandwidth step 2 measured. One decode step at 1 and at 64 sequences runs once more
+   under `jax.profiler`.
+4. profile: those two traces reduced to a per-kernel table (benchmarks/trace_kernels.py:
+   kernel, count, total µs, share) in `profile_kernels.jsonl` and `profile_kernels.md`, the
+   traces kept beside them (`profile_decode_<seqs>.trace.json.gz`).
+5. served_run: `jaxserve serve` with the default model, one chat completion, then the
+   project's streaming client (benchmarks/serving_benchmark.py) at 1, 16 and 64 concurrent
+   requests of random 1,024-token prompts and 128 new tokens: output tok/s, TTFT and ITL
+   (p50, p99) at each.
+6. kernel_benchmark: the attention kernels' GB/s against the copy bandwidth and, on a GPU,
+   against JAX's shipped Pallas paged_attention, with the sweep of the Mosaic GPU kernel's
+   block sizes (benchmarks/kernel_benchmark.py).
+7. kernel_tests: the attention kernel tests compiled and run on the device (`pytest
    --kernel-device`: the Triton and Mosaic GPU kernels on a GPU, the Mosaic kernel on a TPU).
-3. kernel_benchmark: the kernels' GB/s against the device's copy bandwidth (the roofline) and,
-   on a GPU, against JAX's shipped Pallas paged_attention (benchmarks/kernel_benchmark.py);
-   with the sweep of the Mosaic GPU kernel's block sizes around its per-chip table's.
-4. golden_parity: the default model's greedy completions in float32 against transformers'
+8. golden_parity: the default model's greedy completions in float32 against transformers'
    golden data, attention on the device's kernel (benchmarks/golden_parity.py).
-5. step_throughput: a Llama-3-8B-shaped model on random weights over every local device
-   (tensor parallel), its compiled step timed at 1/8/64/256 decoding sequences and a prefill
-   (`jaxserve shard-plan --real --measure`); tok/s = sequences / decode step time.
-6. served_request: `jaxserve serve` with the default model, one chat completion over HTTP.
 
-`--rehearse` runs the same steps on the CPU at tiny sizes (one interpret-mode test per kernel,
-the kernel benchmark's small scenarios, a 2-layer model at one bucket, one golden case of 4
-tokens, steps of 16 tokens), so that the script itself is known to work before any
-device time is spent; tests/tools/test_device_check.py runs it.
+`--rehearse` runs the same steps on the CPU at tiny sizes (a 2-layer model at 8 sequences and a
+32-token prefill, one profiled step, the served run at 1 and 2 requests of 16 tokens in and 4
+out, the kernel benchmark's small scenarios, one interpret-mode test per kernel, one golden
+case of 4 tokens), so that the script itself is known to work before any device time is spent;
+tests/tools/test_device_check.py runs it. Its default out directory is
+`benchmarks/results/device_check_rehearsal/`.
 
-    python benchmarks/device_check.py [--rehearse] [--out DIR] [--budget SECONDS]
+    python benchmarks/device_check.py [--rehearse] [--out DIR] [--budget SECONDS] [--pack]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import pathlib
+import re
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 import urllib.request
@@ -43,7 +66,13 @@ import urllib.request
 from results_log import append_results
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-STEPS = ["kernel_tests", "kernel_benchmark", "golden_parity", "step_throughput", "served_request"]
+sys.path.insert(0, str(ROOT))
+# No JAX in this process: the steps' processes own the device.
+from jaxserve.tools.chips import chip_of_device_kind  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results"
+STEPS = ["device_rates", "step_throughput", "profile", "served_run", "kernel_benchmark",
+         "kernel_tests", "golden_parity"]
 PY = sys.executable
 TINY_LLAMA = {
     "architectures": ["LlamaForCausalLM"],
@@ -59,17 +88,99 @@ TINY_LLAMA = {
 }
 
 
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    """What the steps run at: on the device, or in the CPU rehearsal."""
+
+    decode: str  # step_throughput's decode buckets (tokens x sequences)
+    prefill: int  # the prefill cell's tokens (bucket prefill x 1)
+    profile: str  # the decode buckets traced
+    context: int  # decode context
+    max_model_len: int
+    max_num_seqs: int
+    kv_memory: str | None  # shard-plan --kv-cache-memory (None: max_num_seqs x max_model_len)
+    steps: int  # timed steps per cell
+    serve: tuple[str, ...]  # `jaxserve serve`'s size flags for the served run
+    concurrency: tuple[int, ...]
+    input_len: int
+    output_len: int
+    prompts_per_stream: int  # prompts at concurrency c: c x this, at most num_prompts
+    num_prompts: int
+    warmup: int
+
+
+DEVICE = Sizes(
+    decode="16x1,16x8,64x64,256x256", prefill=2048, profile="16x1,64x64", context=1024,
+    # 256 sequences of 1,024 tokens and a 2,048-token prompt: 17,408 pages of 2 MiB (34 GiB)
+    # beside 15 GiB of weights, within an H100's 80 GB.
+    max_model_len=2048, max_num_seqs=256, kv_memory="34GiB", steps=5,
+    serve=("--max-num-seqs", "64", "--max-model-len", "1280", "--max-num-batched-tokens", "2048",
+           "--token-buckets", "64", "2048", "--request-buckets", "8", "64"),
+    concurrency=(1, 16, 64), input_len=1024, output_len=128, prompts_per_stream=4, num_prompts=128,
+    warmup=2,
+)
+REHEARSAL = Sizes(
+    decode="16x8", prefill=32, profile="16x8", context=64, max_model_len=128, max_num_seqs=8,
+    kv_memory=None, steps=3,
+    serve=("--max-num-seqs", "8", "--max-model-len", "1024", "--max-num-batched-tokens", "16",
+           "--token-buckets", "16", "--request-buckets", "8"),
+    concurrency=(1, 2), input_len=16, output_len=4, prompts_per_stream=1, num_prompts=2, warmup=0,
+)
+LIMITS = {  # seconds each step may take at most (the overall budget caps them too)
+    "env": 90, "device_rates": 60, "step_throughput": 240, "profile": 45, "served_run": 180,
+    "kernel_benchmark": 90, "kernel_tests": 100, "golden_parity": 90,
+}
+
+
+def lines_from(path: pathlib.Path, start: int) -> list[dict]:
+    """The JSON lines of `path` from line `start` on (a results file may hold earlier runs')."""
+    if not path.exists():
+        return []
+    return [json.loads(x) for x in path.read_text().splitlines()[start:]]
+
+
+def line_count(path: pathlib.Path) -> int:
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def _pairs(text: str) -> list[tuple[int, int]]:
+    return [(int(t), int(r)) for t, r in re.findall(r"(\d+)x(\d+)", text)]
+
+
 class Check:
-    def __init__(self, out: pathlib.Path, rehearse: bool, budget: float,
-                 buckets: str = "16x1,16x8,64x64,256x256"):
-        self.out, self.rehearse, self.deadline = out, rehearse, time.monotonic() + budget
-        self.buckets = buckets  # step_throughput's (tokens x sequences) on the device
+    def __init__(self, out: pathlib.Path | None, rehearse: bool, budget: float, sizes: Sizes):
+        # Until env has named the chip, logs go to a staging directory (`settle` moves them).
+        self.out = out or pathlib.Path(tempfile.mkdtemp(prefix="device_check_"))
+        self.staged = out is None
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.rehearse, self.sizes = rehearse, sizes
+        self.deadline = time.monotonic() + budget
         self.env = dict(os.environ)
         if rehearse:
             self.env["JAX_PLATFORMS"] = "cpu"
         else:  # the device's own platform, whatever the caller's shell had
             self.env.pop("JAX_PLATFORMS", None)
         self.failed = 0
+        self.last_seconds: float | None = 0.0
+        self.last_limit = 0.0
+        self.info: dict = {}  # what the steps found that later steps read
+        self.scratch = pathlib.Path(tempfile.mkdtemp(prefix="device_check_scratch_"))
+
+    def settle(self, out: pathlib.Path) -> None:
+        """Move the staged logs to `out`, the results' directory from now on."""
+        out.mkdir(parents=True, exist_ok=True)
+        if self.staged:
+            for f in self.out.iterdir():
+                if f.suffix == ".jsonl" and (out / f.name).exists():  # earlier runs' lines stay
+                    with open(out / f.name, "a") as dest:
+                        dest.write(f.read_text())
+                else:
+                    shutil.move(str(f), out / f.name)
+            shutil.rmtree(self.out, ignore_errors=True)
+        self.out, self.staged = out, False
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
 
     def record(self, step: str, status: str, seconds: float, **fields) -> None:
         rec = {
@@ -89,41 +200,79 @@ class Check:
         )
         self.failed += status not in ("ok", "skipped")
 
-    def run(self, step: str, limit: float, cmd: list[str]) -> tuple[int | None, str]:
-        """Run `cmd` within min(limit, what is left of the budget); (rc or None on timeout, log)."""
-        left = self.deadline - time.monotonic()
-        if left < 10:
-            self.record(step, "skipped", 0.0, reason="over the overall budget")
-            return None, ""
-        log = self.out / f"{step}.log"
-        t0 = time.monotonic()
-        with open(log, "w") as f:
-            # A session of its own: on a timeout the step's whole process group goes (shard-plan's
-            # worker process held the device's memory after its parent was killed, and the next
-            # step ran out of it).
-            proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=f, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+    def skip_if_late(self, step: str, need: float = 10.0) -> bool:
+        """Record `step` as skipped when less than `need` seconds of the budget are left."""
+        if self.left() >= need:
+            return False
+        self.record(step, "skipped", 0.0,
+                    reason=f"over the overall budget ({self.left():.0f} s left)")
+        return True
+
+    def start(self, step: str, cmd: list[str], log_name: str | None = None):
+        """(the process of `cmd`, its log file `<log_name or step>.log`), started."""
+        log = open(self.out / f"{log_name or step}.log", "w")
+        # A session of its own: on a timeout the step's whole process group goes (shard-plan's
+        # worker process held the device's memory after its parent was killed, and the next
+        # step ran out of it).
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        return proc, log
+
+    @staticmethod
+    def stop(proc: subprocess.Popen, log, grace: float = 0.0) -> None:
+        """End `proc`'s process group (SIGTERM and `grace` seconds first when given)."""
+        if grace and proc.poll() is None:
             try:
-                rc = proc.wait(timeout=min(limit, left))
-            except subprocess.TimeoutExpired:
-                rc = None
-            finally:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)  # the step's leftovers, if any
-                except ProcessLookupError:
-                    pass
-                proc.wait()
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait(timeout=grace)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                pass
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # the step's leftovers, if any
+        except ProcessLookupError:
+            pass
+        proc.wait()
+        log.close()
+
+    def run(self, step: str, cmd: list[str]) -> tuple[int | None, str]:
+        """Run `cmd` within min(its limit, what is left of the budget); (rc, or None on a timeout
+        or a skip, and the log). A skip is recorded here; `finish` records the rest."""
+        if self.skip_if_late(step):
+            self.last_seconds = None
+            return None, ""
+        t0 = time.monotonic()
+        proc, log = self.start(step, cmd)
+        self.last_limit = min(LIMITS[step], self.left())
+        try:
+            rc = proc.wait(timeout=self.last_limit)
+        except subprocess.TimeoutExpired:
+            rc = None
+        finally:
+            self.stop(proc, log)
         self.last_seconds = time.monotonic() - t0
-        return rc, log.read_text(errors="replace")
+        return rc, (self.out / f"{step}.log").read_text(errors="replace")
 
     def finish(self, step: str, rc: int | None, text: str, **fields) -> None:
+        if self.last_seconds is None:  # skipped: already recorded
+            return
         status = "ok" if rc == 0 else "timeout" if rc is None else f"failed (rc {rc})"
+        if rc is None:  # its own limit, or what the budget had left
+            fields["limit_s"] = round(self.last_limit)
         if rc != 0:
             fields["tail"] = text[-1500:]
         self.record(step, status, self.last_seconds, **fields)
 
 
-def step_env(c: Check) -> str:
+def out_dir_name(kind: str, rehearse: bool) -> str:
+    """`device_check_<chip>`: the chip's name in chips.py, else the device kind made a name."""
+    if rehearse:
+        return "device_check_rehearsal"
+    chip = chip_of_device_kind(kind)
+    name = chip.name if chip else re.sub(r"[^a-z0-9]+", "_", kind.lower()).strip("_") or "unknown"
+    return f"device_check_{name}"
+
+
+def step_env(c: Check) -> dict:
     code = (
         "import jax, json, importlib.metadata as m; d = jax.devices(); "
         "print(json.dumps({'backend': jax.default_backend(), 'devices': len(d), "
@@ -131,152 +280,168 @@ def step_env(c: Check) -> str:
         "'compute_capability': getattr(d[0], 'compute_capability', None), "
         "'jax': jax.__version__, 'jaxlib': m.version('jaxlib')}))"
     )
-    rc, text = c.run("env", 120, [PY, "-c", code])
+    rc, text = c.run("env", [PY, "-c", code])
     info = {}
     for line in text.splitlines():
         if line.startswith("{"):
             info = json.loads(line)
-    c.finish("env", rc, text, **info)
-    return info.get("backend", "cpu")
+    chip = chip_of_device_kind(info.get("kind", ""))
+    if chip is not None:
+        info.update(chip=chip.name, hbm_gb_per_s=chip.hbm_bandwidth / 1e9)
+    return {"rc": rc, "text": text, **info}
 
 
-def step_kernel_tests(c: Check, backend: str) -> None:
-    tests = {
-        "gpu": [
-            "tests/pallas_kernels/test_gpu_kernel.py",
-            "tests/pallas_kernels/test_gpu_mosaic_kernel.py",
-        ],
-        "tpu": ["tests/pallas_kernels/test_tpu_kernel.py"],
-    }.get(backend)
-    cmd = [
-        PY,
-        "-m",
-        "pytest",
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        f"--junitxml={c.out / 'kernel_tests.xml'}",
-    ]
-    if c.rehearse or tests is None:  # one quick interpret-mode test of each GPU kernel's file
-        cmd += [
-            "tests/pallas_kernels/test_gpu_kernel.py",
-            "tests/pallas_kernels/test_gpu_mosaic_kernel.py",
-            "-k",
-            "lowers_to_triton and float32 or sliding_window_soft_cap_splits",
-        ]
-    else:
-        cmd += [*tests, "--kernel-device"]
-    rc, text = c.run("kernel_tests", 150, cmd)
-    summary = next(
-        (ln for ln in reversed(text.splitlines()) if " passed" in ln or " failed" in ln), ""
-    )
-    c.finish("kernel_tests", rc, text, summary=summary.strip("= "))
-
-
-def step_kernel_benchmark(c: Check, backend: str) -> None:
-    out = c.out / "kernels.jsonl"
-    cmd = [PY, "benchmarks/kernel_benchmark.py", "--out", str(out)]
-    if c.rehearse or backend == "cpu":  # the sweep's one variant in the interpreter
-        cmd += ["--small", "--iters", "1", "--impls", "gpu-interpret", "--sweep"]
-    elif backend == "gpu":  # the sweep: the Mosaic GPU kernel's block sizes (gpu_blocks.py)
-        cmd += ["--impls", "reference", "gpu", "gpu-mosaic", "jax-gpu-paged", "--sweep"]
-    rc, text = c.run("kernel_benchmark", 180, cmd)
-    rows = [json.loads(x) for x in out.read_text().splitlines()] if out.exists() else []
-    c.finish(
-        "kernel_benchmark",
-        rc,
-        text,
-        results=[
-            {k: r[k] for k in ("scenario", "impl", "ms_median", "gb_per_s", "frac_of_copy_bw",
-                               "blocks") if k in r}
-            for r in rows
-        ],
-    )
-
-
-def step_golden(c: Check) -> None:
-    out = c.out / "golden_parity.jsonl"
-    cmd = [PY, "benchmarks/golden_parity.py", "--out", str(out)]
+def step_device_rates(c: Check) -> None:
+    out = c.out / "device_rates.jsonl"
+    cmd = [PY, "benchmarks/device_rates.py", "--out", str(out)]
     if c.rehearse:
-        cmd += ["--cases", "1", "--max-tokens", "4", "--token-budget", "16"]
-    rc, text = c.run("golden_parity", 120, cmd)
-    rec = json.loads(out.read_text().splitlines()[-1]) if out.exists() else {}
-    c.finish(
-        "golden_parity",
-        rc,
-        text,
-        ok=rec.get("ok"),
-        attention=rec.get("attention"),
-        cases=[f"{x['name']}: {x['status']}" for x in rec.get("cases", [])],
-    )
+        cmd.append("--small")
+    before = line_count(out)
+    rc, text = c.run("device_rates", cmd)
+    rec = (lines_from(out, before) or [{}])[-1]
+    keys = ("copy_gb_per_s", "copy_single_call_gb_per_s", "matmul_tflops", "matmuls", "chip",
+            "hbm_gb_per_s", "peak_bf16_tflops", "copy_frac_of_hbm", "matmul_frac_of_peak")
+    c.info["copy_gb_per_s"] = rec.get("copy_gb_per_s")
+    c.finish("device_rates", rc, text, **{k: rec[k] for k in keys if k in rec})
+
+
+def decode_bytes(r: dict) -> int:
+    """The bytes one decode step of shard-plan record `r` moves on a device: the weights it
+    reads (all but the embedding table, of which it gathers rows; a tied table is the LM head
+    and read whole), each sequence's KV cache at the context, and the new rows written."""
+    params = r["params"]
+    groups = params.get("groups", {})
+    weights = params["per_device"]
+    if "lm_head" in groups:
+        weights -= groups.get("embed", {}).get("per_device", 0)
+    kv = r["kv"]
+    per_token = kv["bytes_per_page_per_device"] / kv["page_size"]
+    m = r["measure"]
+    rows = m["decode_requests"] / max(1, r.get("data_parallel", 1))  # each rank's own rows
+    return int(weights + rows * (m["context"] + 1) * per_token)
 
 
 def step_throughput(c: Check, devices: int) -> None:
+    s = c.sizes
     out = c.out / "step_throughput.jsonl"
-    plan_json = pathlib.Path(tempfile.mkdtemp()) / "plan.jsonl"  # shard-plan writes it
+    plan_json = c.scratch / "plan.jsonl"  # shard-plan writes it
+    profile_dir = c.scratch / "profiles"
     if c.rehearse:
-        tmp = pathlib.Path(tempfile.mkdtemp())
-        (tmp / "config.json").write_text(json.dumps(TINY_LLAMA))
-        model, buckets, ctx, max_len, seqs = str(tmp / "config.json"), "16x8", 64, 128, 8
-    else:  # 256 sequences of 1,152 tokens: 36 GiB of KV cache + 15 GiB of weights over the devices
-        model, buckets, ctx, max_len, seqs = "llama3-8b", c.buckets, 1024, 1152, 256
-    cmd = [
-        PY,
-        "-m",
-        "jaxserve.server.cli",
-        "shard-plan",
-        model,
-        "--real",
-        "--mesh",
-        f"1x{devices}",
-        "--buckets",
-        buckets,
-        "--measure",
-        "--steps",
-        "3" if c.rehearse else "5",
-        "--context",
-        str(ctx),
-        "--max-model-len",
-        str(max_len),
-        "--max-num-seqs",
-        str(seqs),
-        "--json",
-        str(plan_json),
-    ]
-    rc, text = c.run("step_throughput", 200, cmd)
-    if c.rehearse:
-        shutil.rmtree(tmp, ignore_errors=True)
-    rows = [json.loads(x) for x in plan_json.read_text().splitlines()] if plan_json.exists() else []
-    shutil.rmtree(plan_json.parent, ignore_errors=True)
-    if rows:  # shard-plan's lines, each with its provenance
-        append_results(out, rows)
-    cells = []
+        (c.scratch / "config.json").write_text(json.dumps(TINY_LLAMA))
+        model = str(c.scratch / "config.json")
+    else:
+        model = "llama3-8b"
+    buckets = f"{s.decode},{s.prefill}x1"
+    cmd = [PY, "-m", "jaxserve.server.cli", "shard-plan", model, "--real", "--mesh", f"1x{devices}",
+           "--buckets", buckets, "--measure", "--steps", str(s.steps), "--context", str(s.context),
+           "--max-model-len", str(s.max_model_len), "--max-num-seqs", str(s.max_num_seqs),
+           "--dtype", "bfloat16", "--profile", str(profile_dir), "--profile-buckets", s.profile,
+           "--json", str(plan_json)]
+    if s.kv_memory:
+        cmd += ["--kv-cache-memory", s.kv_memory]
+    rc, text = c.run("step_throughput", cmd)
+    rows = lines_from(plan_json, 0)
+    kept = [{**r, "measure": {**r["measure"],
+                              "profile": pathlib.Path(r["measure"]["profile"]).name}}
+            if (r.get("measure") or {}).get("profile") else r for r in rows]
+    if kept:  # shard-plan's lines (its traces named by their directory), each with its provenance
+        append_results(out, kept)
+    hbm = c.info.get("hbm_gb_per_s")
+    copy = c.info.get("copy_gb_per_s")
+    decode_buckets = set(_pairs(s.decode))
+    cells, prefill, weights_s, profiles, profile_errors = [], None, None, {}, {}
     for r in rows:
         m = r.get("measure") or {}
-        if m.get("decode_ms"):
-            seqs_ = r["bucket"][1]
-            cells.append(
-                {
-                    "seqs": seqs_,
-                    "decode_ms": m["decode_ms"],
-                    "tok_per_s": round(seqs_ * 1e3 / m["decode_ms"], 1),
-                    "prefill_ms": m.get("prefill_ms"),
-                    "prefill_tokens": r["bucket"][0],
-                    "attention": r.get("attention_impl"),
-                }
-            )
+        bucket = tuple(r.get("bucket", ()))
+        if m.get("weights_s") is not None:
+            weights_s = m["weights_s"]
+        if bucket == (s.prefill, 1) and m.get("prefill_ms"):
+            prefill = {"tokens": s.prefill, "prefill_ms": m["prefill_ms"],
+                       "tok_per_s": round(s.prefill * 1e3 / m["prefill_ms"], 1)}
+        elif bucket in decode_buckets and m.get("decode_ms"):
+            seqs = m["decode_requests"]
+            moved = decode_bytes(r)
+            gbs = moved / m["decode_ms"] * 1e-6
+            cell = {"seqs": seqs, "context": m["context"], "decode_ms": m["decode_ms"],
+                    "tok_per_s": round(seqs * 1e3 / m["decode_ms"], 1),
+                    "prefill_ms": m.get("prefill_ms"), "prefill_tokens": bucket[0],
+                    "attention": r.get("attention_impl"), "bytes_moved": moved,
+                    "gb_per_s": round(gbs, 1)}
+            if hbm:
+                cell["hbm_frac"] = round(gbs / hbm, 4)
+            if copy:
+                cell["copy_frac"] = round(gbs / copy, 4)
+            cells.append(cell)
+            if m.get("profile"):
+                profiles[seqs] = m["profile"]
+            if m.get("profile_error"):
+                profile_errors[seqs] = m["profile_error"]
         elif r.get("error") or (r.get("memory") or {}).get("compiler"):
-            cells.append(
-                {"bucket": r.get("bucket"), "error": r.get("error") or r["memory"]["compiler"]}
-            )
-    c.finish(
-        "step_throughput",
-        rc,
-        text,
-        model=model if not c.rehearse else "tiny-llama",
-        context=ctx,
-        cells=cells,
-    )
+            cells.append({"bucket": r.get("bucket"),
+                          "error": r.get("error") or r["memory"]["compiler"]})
+    c.info["profiles"] = None if c.last_seconds is None else profiles  # None: the step did not run
+    c.info["profile_errors"] = profile_errors
+    c.info["decode_ms"] = {cell["seqs"]: cell["decode_ms"] for cell in cells if "seqs" in cell}
+    c.finish("step_throughput", rc, text, model="tiny-llama" if c.rehearse else model,
+             dtype="bfloat16", context=s.context, cells=cells, prefill=prefill, weights_s=weights_s,
+             chip=c.info.get("chip"), hbm_gb_per_s=hbm, copy_gb_per_s=copy,
+             **({"profile_errors": profile_errors} if profile_errors else {}))
+
+
+def step_profile(c: Check) -> None:
+    profiles = c.info.get("profiles")
+    if profiles is None:
+        c.record("profile", "skipped", 0.0,
+                 reason="step_throughput did not run, and made no traces")
+        return
+    if not profiles:
+        c.record("profile", "failed", 0.0, reason="step_throughput made no traces (see its record)",
+                 profile_errors=c.info.get("profile_errors"))
+        return
+    jsonl, md = c.out / "profile_kernels.jsonl", c.out / "profile_kernels.md"
+    labels = {seqs: f"decode_{seqs}" for seqs in profiles}
+    cmd = [PY, "benchmarks/trace_kernels.py", "--json", str(jsonl), "--markdown", str(md),
+           "--top", "25", *(f"{labels[seqs]}={path}" for seqs, path in sorted(profiles.items()))]
+    before = line_count(jsonl)
+    rc, text = c.run("profile", cmd)
+    tables = lines_from(jsonl, before)
+    by_label = {t["label"]: t for t in tables}
+    summary = []
+    for seqs, path in sorted(profiles.items()):
+        t = by_label.get(labels[seqs])
+        kept = _keep_trace(pathlib.Path(path), c.out / f"profile_decode_{seqs}.trace.json.gz")
+        if t is None or t.get("error"):
+            error = (t or {}).get("error", "no table")
+            summary.append({"seqs": seqs, "error": error, "trace": kept})
+            continue
+        decode_ms = c.info.get("decode_ms", {}).get(seqs)
+        summary.append({
+            "seqs": seqs, "source": t["source"], "kernel_events": t["kernel_events"],
+            "distinct_kernels": t["distinct_kernels"], "kernel_us": t["kernel_us"],
+            "span_us": t["span_us"], "decode_ms": decode_ms, "trace": kept,
+            "top": [{k: r[k] for k in ("kernel", "count", "total_us", "share")}
+                    for r in t["rows"][:8]],
+        })
+    c.finish("profile", rc, text, traces=summary)
+
+
+def _keep_trace(run_dir: pathlib.Path, dest: pathlib.Path) -> str | None:
+    """Copy the trace under `run_dir` (the one trace_kernels.py reads) to `dest`."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from trace_kernels import find_trace
+
+    try:
+        shutil.copyfile(find_trace(run_dir), dest)
+    except (FileNotFoundError, OSError):
+        return None
+    return dest.name
+
+
+def _shown(path: pathlib.Path) -> str:
+    """`path` as a step's command line names it: relative to the repository (the steps' working
+    directory) when inside it, so that logs name no machine's paths."""
+    path = path.resolve()
+    return str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path)
 
 
 def _free_port() -> int:
@@ -285,125 +450,209 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def step_served_request(c: Check) -> None:
-    step, left = "served_request", c.deadline - time.monotonic()
-    if left < 30:
-        c.record(step, "skipped", 0.0, reason="over the overall budget")
+def _wait_healthy(port: int, server: subprocess.Popen, until: float) -> bool:
+    while time.monotonic() < until and server.poll() is None:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    return True
+        except OSError:
+            time.sleep(0.5)
+    return False
+
+
+def _chat(port: int, timeout: float) -> dict:
+    body = json.dumps({"messages": [{"role": "user", "content": "What is the capital of France?"}],
+                       "max_tokens": 16, "temperature": 0}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    t1 = time.monotonic()
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        reply = json.loads(r.read())
+        return {"http": r.status, "latency_s": round(time.monotonic() - t1, 2),
+                "text": reply["choices"][0]["message"]["content"], "usage": reply.get("usage")}
+
+
+def step_served_run(c: Check) -> None:
+    step = "served_run"
+    if c.skip_if_late(step, 30):
         return
-    port, cache = _free_port(), tempfile.mkdtemp()  # the server's compiled steps, removed after
-    budget = ["16"] if c.rehearse else ["16", "256"]  # token buckets (the last is the budget)
-    cmd = [
-        PY,
-        "-m",
-        "jaxserve.server.cli",
-        "serve",
-        "--port",
-        str(port),
-        "--max-num-seqs",
-        "8",
-        "--max-model-len",
-        "1024",
-        "--max-num-batched-tokens",
-        budget[-1],
-        "--token-buckets",
-        *budget,
-        "--request-buckets",
-        "8",
-        "--compilation-cache-dir",
-        cache,
-        "--uvicorn-log-level",
-        "warning",
-    ]
+    s = c.sizes
+    until = time.monotonic() + min(LIMITS[step], c.left())
+    port = _free_port()
+    cache = c.scratch / "serve_cache"  # the server's compiled steps, removed with the scratch
+    results = c.out / "served_run.jsonl"
+    before = line_count(results)
+    cmd = [PY, "-m", "jaxserve.server.cli", "serve", "--port", str(port), *s.serve,
+           "--compilation-cache-dir", str(cache), "--uvicorn-log-level", "warning"]
     t0 = time.monotonic()
-    log = open(c.out / f"{step}.log", "w")
-    server = subprocess.Popen(
-        cmd, cwd=ROOT, env=c.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-    )
-    fields: dict = {}
+    server, log = c.start(step, cmd)
+    fields: dict = {"concurrency": list(s.concurrency), "input_len": s.input_len,
+                    "output_len": s.output_len}
     status = "failed"
     try:
-        limit = min(150.0, left)
-        while time.monotonic() - t0 < limit and server.poll() is None:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                time.sleep(0.5)
+        if not _wait_healthy(port, server, until):
+            raise RuntimeError("the server did not become healthy in time" if server.poll() is None
+                               else f"the server exited with {server.returncode}")
         fields["startup_s"] = round(time.monotonic() - t0, 1)
-        body = json.dumps(
-            {
-                "messages": [{"role": "user", "content": "What is the capital of France?"}],
-                "max_tokens": 16,
-                "temperature": 0,
-            }
-        ).encode()
-        req = urllib.request.Request(
-            f"http://127.0.0.1:{port}/v1/chat/completions",
-            data=body,
-            headers={"Content-Type": "application/json"},
-        )
-        t1 = time.monotonic()
-        with urllib.request.urlopen(req, timeout=max(5.0, limit - (t1 - t0))) as r:
-            reply = json.loads(r.read())
-            fields.update(
-                http=r.status,
-                latency_s=round(time.monotonic() - t1, 2),
-                text=reply["choices"][0]["message"]["content"],
-                usage=reply.get("usage"),
-            )
-        status = "ok"
+        fields["request"] = _chat(port, max(5.0, until - time.monotonic()))
+        client_cmd = [PY, "benchmarks/serving_benchmark.py",
+                      "--base-url", f"http://127.0.0.1:{port}",
+                      "--concurrency", *map(str, s.concurrency), "--input-len", str(s.input_len),
+                      "--output-len", str(s.output_len), "--num-prompts", str(s.num_prompts),
+                      "--prompts-per-stream", str(s.prompts_per_stream), "--warmup", str(s.warmup),
+                      "--results", str(results), "--tag", "device_check"]
+        client, client_log = c.start(step, client_cmd, log_name=f"{step}_client")
+        try:
+            rc = client.wait(timeout=max(1.0, until - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            rc = None
+        finally:
+            c.stop(client, client_log)
+        runs = lines_from(results, before)
+        fields["runs"] = [
+            {"concurrency": r["config"]["concurrency"], "prompts": r["config"]["num_prompts"],
+             "completed": r["completed"], "failed": r["failed"],
+             "output_tok_per_s": round(r["output_throughput"], 1),
+             "ttft_ms": {k: round(r["ttft_ms"][k], 1) for k in ("p50", "p99")},
+             "itl_ms": {k: round(r["itl_ms"][k], 2) for k in ("p50", "p99")}}
+            for r in runs
+        ]
+        if rc is None:
+            status = "timeout"
+        elif rc != 0 or len(runs) != len(s.concurrency) or any(r["failed"] for r in fields["runs"]):
+            client_log_text = (c.out / f"{step}_client.log").read_text(errors="replace")
+            fields["client_tail"] = client_log_text[-1500:]
+        else:
+            status = "ok"
     except Exception as e:  # the record says what went wrong; the check goes on
         fields["error"] = f"{type(e).__name__}: {e}"[:500]
     finally:
-        if server.poll() is None:
-            os.killpg(server.pid, signal.SIGTERM)
-            try:
-                server.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(server.pid, signal.SIGKILL)
-                server.wait()
-        log.close()
-        shutil.rmtree(cache, ignore_errors=True)
+        c.stop(server, log, grace=20)
     if status != "ok":
         fields["tail"] = (c.out / f"{step}.log").read_text(errors="replace")[-1500:]
     c.record(step, status, time.monotonic() - t0, **fields)
 
 
+def step_kernel_benchmark(c: Check, backend: str) -> None:
+    out = c.out / "kernels.jsonl"
+    cmd = [PY, "benchmarks/kernel_benchmark.py", "--out", _shown(out)]
+    if c.rehearse or backend == "cpu":  # the sweep's one variant in the interpreter
+        cmd += ["--small", "--iters", "1", "--impls", "gpu-interpret", "--sweep"]
+    elif backend == "gpu":  # the sweep: the Mosaic GPU kernel's block sizes (gpu_blocks.py)
+        cmd += ["--impls", "reference", "gpu", "gpu-mosaic", "jax-gpu-paged", "--sweep"]
+    before = line_count(out)
+    rc, text = c.run("kernel_benchmark", cmd)
+    rows = lines_from(out, before)
+    c.finish("kernel_benchmark", rc, text, results=[
+        {k: r[k] for k in ("scenario", "impl", "ms_median", "gb_per_s", "frac_of_copy_bw", "blocks")
+         if k in r}
+        for r in rows
+    ])
+
+
+def step_kernel_tests(c: Check, backend: str) -> None:
+    tests = {
+        "gpu": ["tests/pallas_kernels/test_gpu_kernel.py",
+                "tests/pallas_kernels/test_gpu_mosaic_kernel.py"],
+        "tpu": ["tests/pallas_kernels/test_tpu_kernel.py"],
+    }.get(backend)
+    cmd = [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+           f"--junitxml={c.out / 'kernel_tests.xml'}"]
+    if c.rehearse or tests is None:  # one quick interpret-mode test of each GPU kernel's file
+        cmd += ["tests/pallas_kernels/test_gpu_kernel.py",
+                "tests/pallas_kernels/test_gpu_mosaic_kernel.py",
+                "-k", "lowers_to_triton and float32 or sliding_window_soft_cap_splits"]
+    else:
+        cmd += [*tests, "--kernel-device"]
+    rc, text = c.run("kernel_tests", cmd)
+    summary = next((ln for ln in reversed(text.splitlines())
+                    if " passed" in ln or " failed" in ln), "")
+    c.finish("kernel_tests", rc, text, summary=summary.strip("= "))
+
+
+def step_golden(c: Check) -> None:
+    out = c.out / "golden_parity.jsonl"
+    cmd = [PY, "benchmarks/golden_parity.py", "--out", str(out)]
+    if c.rehearse:
+        cmd += ["--cases", "1", "--max-tokens", "4", "--token-budget", "16"]
+    before = line_count(out)
+    rc, text = c.run("golden_parity", cmd)
+    rec = (lines_from(out, before) or [{}])[-1]
+    c.finish("golden_parity", rc, text, ok=rec.get("ok"), attention=rec.get("attention"),
+             cases=[f"{x['name']}: {x['status']}" for x in rec.get("cases", [])])
+
+
+def pack(out: pathlib.Path, name: str) -> pathlib.Path:
+    """Leave `out` as two files: device_check.jsonl and `<name>.tar.gz` holding every result and
+    log under `<name>/` (one file to carry off a lent machine, to unpack in
+    benchmarks/results/)."""
+    archive = out / f"{name}.tar.gz"
+    files = sorted(p for p in out.iterdir() if p.is_file() and p != archive)
+    with tarfile.open(archive, "w:gz") as tar:
+        for p in files:
+            tar.add(p, arcname=f"{name}/{p.name}")
+    for p in files:
+        if p.name != "device_check.jsonl":
+            p.unlink()
+    return archive
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument(
-        "--rehearse", action="store_true", help="the same steps on the CPU at tiny sizes"
-    )
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "device_check"))
-    p.add_argument(
-        "--budget", type=float, default=570.0, help="seconds for all steps (default 570)"
-    )
+    p.add_argument("--rehearse", action="store_true",
+                   help="the same steps on the CPU at tiny sizes")
+    p.add_argument("--out", default=None,
+                   help="the results' directory (default: benchmarks/results/device_check_<chip>/, "
+                        "the chip env finds; with --rehearse "
+                        "benchmarks/results/device_check_rehearsal/)")
+    p.add_argument("--budget", type=float, default=540.0,
+                   help="seconds for all steps (default 540)")
     p.add_argument("--steps", nargs="+", choices=STEPS, default=STEPS,
                    help="the steps to run (env always runs first); default: all")
-    p.add_argument("--buckets", default="16x1,16x8,64x64,256x256",
-                   help="step_throughput's buckets on the device (tokens x sequences)")
+    p.add_argument("--buckets", default=None,
+                   help=f"step_throughput's decode buckets on the device (tokens x sequences; "
+                        f"default {DEVICE.decode})")
+    p.add_argument("--prefill-tokens", type=int, default=None,
+                   help=f"step_throughput's prefill cell on the device (default {DEVICE.prefill})")
+    p.add_argument("--pack", action="store_true",
+                   help="at the end, pack the results into <out>/device_check_<chip>.tar.gz beside "
+                        "device_check.jsonl")
     args = p.parse_args()
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    c = Check(out, args.rehearse, args.budget, args.buckets)
+    sizes = REHEARSAL if args.rehearse else DEVICE
+    if not args.rehearse and (args.buckets or args.prefill_tokens):
+        sizes = dataclasses.replace(sizes, decode=args.buckets or sizes.decode,
+                                    prefill=args.prefill_tokens or sizes.prefill)
+    c = Check(pathlib.Path(args.out) if args.out else None, args.rehearse, args.budget, sizes)
     t0 = time.monotonic()
-    backend = step_env(c)
-    devices = 1
-    env_line = [json.loads(x) for x in (out / "device_check.jsonl").read_text().splitlines()][-1]
-    if not args.rehearse:
-        devices = int(env_line.get("devices", 1))
-    steps = {
-        "kernel_tests": lambda: step_kernel_tests(c, backend),
-        "kernel_benchmark": lambda: step_kernel_benchmark(c, backend),
-        "golden_parity": lambda: step_golden(c),
-        "step_throughput": lambda: step_throughput(c, devices),
-        "served_request": lambda: step_served_request(c),
-    }
-    for name in STEPS:
-        if name in args.steps:
-            steps[name]()
-    c.record("done", "ok" if not c.failed else f"{c.failed} failed", time.monotonic() - t0)
+    try:
+        env = step_env(c)
+        rc, text = env.pop("rc"), env.pop("text")
+        name = out_dir_name(env.get("kind", ""), args.rehearse)
+        c.settle(pathlib.Path(args.out) if args.out else RESULTS / name)
+        c.finish("env", rc, text, **env)
+        c.info.update(env)
+        backend = env.get("backend", "cpu")
+        devices = 1 if args.rehearse else int(env.get("devices", 1))
+        steps = {
+            "device_rates": lambda: step_device_rates(c),
+            "step_throughput": lambda: step_throughput(c, devices),
+            "profile": lambda: step_profile(c),
+            "served_run": lambda: step_served_run(c),
+            "kernel_benchmark": lambda: step_kernel_benchmark(c, backend),
+            "kernel_tests": lambda: step_kernel_tests(c, backend),
+            "golden_parity": lambda: step_golden(c),
+        }
+        for name in STEPS:
+            if name in args.steps:
+                steps[name]()
+        c.record("done", "ok" if not c.failed else f"{c.failed} failed", time.monotonic() - t0,
+                 out=_shown(c.out))
+    finally:
+        shutil.rmtree(c.scratch, ignore_errors=True)
+    if args.pack:
+        name = out_dir_name(c.info.get("kind", ""), args.rehearse)
+        print(f"[device_check] packed into {pack(c.out, name)}", flush=True)
     return 1 if c.failed else 0
 
 

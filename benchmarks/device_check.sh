@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
-# The one prepared check for the day a GPU (or TPU) is lent, within ~10 minutes (570 s of steps):
-# kernel tests on the device, kernel GB/s against the copy-bandwidth roofline and JAX's shipped
-# kernel, golden parity of the default model, step throughput of a Llama-3-8B-shaped model on
-# random weights at 1/8/64/256 sequences, one served request. One JSON line per step in
-# <out>/device_check.jsonl, each step's output in <out>/<step>.log (benchmarks/device_check.py
-# says what each step runs).
+# The one prepared check for the day a GPU (or TPU) is lent, in one call of ~9 minutes (540 s of
+# steps): the device's copy bandwidth and bfloat16 matmul rate, Llama-3-8B bfloat16 step
+# throughput on random weights made on the device at 1/8/64/256 sequences and a 2,048-token
+# prefill (each cell's bytes against the HBM and copy bandwidths), a per-kernel profile of one
+# decode step at 1 and 64 sequences, a served run (1/16/64 concurrent streams, 1,024 tokens in,
+# 128 out), the kernel benchmark, the kernel tests on the device and golden parity. One JSON
+# line per step in <out>/device_check.jsonl, each step's output in <out>/<step>.log
+# (benchmarks/device_check.py says what each step runs).
 #
-#   bash benchmarks/device_check.sh              # on the device; results in $OUT, else benchmarks/results/device_check
+#   bash benchmarks/device_check.sh              # on the device; results in benchmarks/results/device_check_<chip>/
+#   OUT=/some/dir bash benchmarks/device_check.sh  # results in $OUT, packed: device_check.jsonl + one .tar.gz
 #   bash benchmarks/device_check.sh --rehearse   # the same steps on this CPU at tiny sizes
 #   PYTHON=/path/to/python bash benchmarks/device_check.sh
 set -uo pipefail
@@ -14,5 +17,5 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 [ -x "$PY" ] || PY=python3
 ARGS=("$@")
-if [ -n "${OUT:-}" ]; then ARGS+=(--out "$OUT"); fi
+if [ -n "${OUT:-}" ]; then ARGS+=(--out "$OUT" --pack); fi
 exec "$PY" benchmarks/device_check.py "${ARGS[@]}"

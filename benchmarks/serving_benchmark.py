@@ -315,14 +315,17 @@ async def amain(args: argparse.Namespace) -> None:
     runs = []
     sha = _git_sha()
     for label, conc, rate in plans:
-        m = await run_once(args, prompts, lens, concurrency=conc, rate=rate)
+        n = len(prompts)  # --prompts-per-stream K: a fixed concurrency c runs c x K of them
+        if conc and args.prompts_per_stream:
+            n = min(n, conc * args.prompts_per_stream)
+        m = await run_once(args, prompts[:n], lens[:n], concurrency=conc, rate=rate)
         m["label"] = label
         print_run(label, m)
         runs.append(m)
         record = {
             "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "git_sha": sha,
-            "config": {"base_url": args.base_url, "model": args.model, "num_prompts": len(prompts),
+            "config": {"base_url": args.base_url, "model": args.model, "num_prompts": n,
                        "input_len": args.input_len, "input_len_exact": exact, "output_len": args.output_len,
                        "concurrency": conc, "request_rate": rate, "tag": args.tag},
             **m,
@@ -370,9 +373,9 @@ def main(argv: list[str] | None = None) -> None:
     c.add_argument("--max-model-len", type=int, default=1024, help="both servers'")
     c.add_argument("--prefix-caching", choices=["off", "on"], default="off", help="on both servers")
     c.add_argument("--rounds", type=int, default=1, help="jaxserve, vLLM, jaxserve, vLLM, ... R times each")
-    c.add_argument("--prompts-per-stream", type=int, default=0,
+    p.add_argument("--prompts-per-stream", type=int, default=0,
                    help="at concurrency c, the first min(--num-prompts, c x K) prompts (0: all at every c); "
-                        "keeps c = 1 short while c = 32 still gets every prompt")
+                        "keeps c = 1 short while c = 32 still gets every prompt (alone and with --compare-vllm)")
     c.add_argument("--gguf", default=None, help="GGUF vLLM's transformers directory is built from (default: "
                                                 "the default model's)")
     args = p.parse_args(argv)

@@ -80,6 +80,20 @@ HBM_BY_DEVICE_KIND = {c.device_kind: c.hbm_bytes for c in CHIPS.values()} | {
 }
 
 
+def chip_of_device_kind(kind: str) -> Chip | None:
+    """The chip of a device that reports `kind` (`device.device_kind`): the table's entry of
+    that kind, else the GPU whose name the kind holds as a word ("NVIDIA H200" is the h200),
+    except boards of other memory and figures under the same name (H100 PCIe, H100 NVL);
+    None for any other device."""
+    for chip in CHIPS.values():
+        if chip.device_kind == kind:
+            return chip
+    words = set(re.split(r"[^a-z0-9]+", kind.lower()))
+    if words & {"pcie", "nvl"}:
+        return None
+    return next((c for c in CHIPS.values() if c.platform == "gpu" and c.name in words), None)
+
+
 def parse_target(text: str) -> dict:
     """`v5e:2x4` -> {"kind": "tpu", "topology": "v5e:2x4"}; `h100:1x8` -> {"kind": "gpu",
     "chip": "h100", "hosts": 1, "gpus_per_host": 8, "topology": "h100:1x8"}; else ValueError."""

@@ -70,6 +70,9 @@ class PlanSettings:
     # The FP8 / int4 weights' products: None, what the target's backend resolves (the TPU
     # product kernel where attention runs the TPU kernel); "xla" or a kernel's name to choose.
     quant_matmul_impl: str | None = None
+    # --measure --profile: trace one decode step of each bucket (or of these [T, R]) here.
+    profile_dir: str | None = None
+    profile_buckets: list | None = None
 
 
 def param_group(path: str, ndim: int) -> str:
@@ -205,8 +208,8 @@ def plan_one(settings: PlanSettings, mesh: Mesh, rules_spec: str, bucket: tuple[
     if settings.measure:
         from jaxserve.tools.plan_measure import measure_step
 
-        rec["measure"] = measure_step(settings, cfg, mesh, rules, plan, compiled, abstract.program.layout(T, R),
-                                      recipe.sampler_config, num_pages, pages_per_req, bucket)
+        rec["measure"] = measure_step(settings, cfg, mesh, rules, plan, compiled, abstract, recipe.sampler_config,
+                                      num_pages, pages_per_req, bucket)
     return rec
 
 

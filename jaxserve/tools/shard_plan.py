@@ -2,7 +2,7 @@
 
     jaxserve shard-plan [MODEL] --mesh 1x8,2x4|auto --rules tp,tp-kv-replicated \
         --buckets 16x8,512x32 --max-model-len 8192 [--kv-cache-memory 16GiB] \
-        [--devices 8 | --topology v5e:2x4,h100:1x8 | --real] [--measure] \
+        [--devices 8 | --topology v5e:2x4,h100:1x8 | --real] [--measure [--profile DIR]] \
         [--json plan.jsonl] [--markdown plan.md] [--plot plan.png]
 
 MODEL is an HF directory, a config.json, a GGUF file, a Hugging Face Hub name (its config.json
@@ -99,6 +99,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--measure", action="store_true", help="time decode and prefill steps on random weights")
     p.add_argument("--steps", type=int, default=5, help="timed steps per measurement (median)")
     p.add_argument("--context", type=int, default=None, help="decode context for --measure (default 1024)")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="with --measure: trace one more decode step of each bucket with jax.profiler, into "
+                        "DIR/decode_<T>x<R>/ (benchmarks/trace_kernels.py makes a per-kernel table of it)")
+    p.add_argument("--profile-buckets", default=None, type=lambda t: _pairs(t, "buckets"),
+                   help="the buckets --profile traces (default: every bucket)")
     p.add_argument("--json", dest="json_out", default=None, help="append one JSON line per configuration here")
     p.add_argument("--markdown", default=None, help="write a markdown report here")
     p.add_argument("--plot", default=None, help="write a PNG plot here (needs matplotlib: the bench extra)")
@@ -197,6 +202,8 @@ def run_worker(job: dict, on_record) -> int:
 
 def build_jobs(args, arch: dict) -> list[dict]:
     buckets = sorted(set(args.buckets))
+    if args.profile is not None and not args.measure:
+        raise ValueError("--profile traces the measured steps: add --measure")
     for T, R in buckets:
         if R > T:
             raise ValueError(f"bucket {T}x{R}: a step has at least one token per request (R <= T)")
@@ -224,6 +231,8 @@ def build_jobs(args, arch: dict) -> list[dict]:
                     attention_impl=engine.model.attention_impl, quantization=engine.model.quantization,
                     device_memory=args.device_memory, measure=args.measure, steps=args.steps,
                     context=args.context, max_logprobs=engine.max_logprobs,
+                    profile_dir=None if args.profile is None else str(pathlib.Path(args.profile).resolve()),
+                    profile_buckets=None if args.profile_buckets is None else [list(b) for b in args.profile_buckets],
                     max_loras=engine.lora.max_loras if engine.lora.enable_lora else 0,
                     max_lora_rank=engine.lora.max_lora_rank)
     jobs = []

@@ -1,7 +1,9 @@
-"""benchmarks/device_check.sh --rehearse: every step of the device check (kernel tests,
-kernel benchmark, golden parity, step throughput, a served request) runs on this CPU at tiny
-sizes and records what it measured, so that the day a GPU or TPU is lent no device time goes
-to debugging the script."""
+"""benchmarks/device_check.sh --rehearse: every step of the device check (the device's rates,
+step throughput with its prefill cell and bandwidth fractions, the profiled decode step, a
+served run, the kernel benchmark, kernel tests, golden parity) runs on this CPU at tiny sizes
+and records what it measured, so that the day a GPU or TPU is lent no device time goes to
+debugging the script; a budget too short for a step records it as skipped; the results'
+directory is named by the chip; the packed results hold every file."""
 
 from __future__ import annotations
 
@@ -10,68 +12,143 @@ import os
 import pathlib
 import subprocess
 import sys
+import tarfile
 
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import device_check  # noqa: E402
+
 STEPS = (
     "env",
-    "kernel_tests",
-    "kernel_benchmark",
-    "golden_parity",
+    "device_rates",
     "step_throughput",
-    "served_request",
+    "profile",
+    "served_run",
+    "kernel_benchmark",
+    "kernel_tests",
+    "golden_parity",
     "done",
 )
 
 
-@pytest.mark.slow
-def test_device_check_rehearsal(tmp_path):
+def _run(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
     env = {**os.environ, "PYTHON": sys.executable}
     env.pop("OUT", None)
     proc = subprocess.run(
-        [
-            "bash",
-            str(ROOT / "benchmarks" / "device_check.sh"),
-            "--rehearse",
-            "--out",
-            str(tmp_path),
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=False,
+        ["bash", str(ROOT / "benchmarks" / "device_check.sh"), *args, "--out", str(tmp_path)],
+        env=env, capture_output=True, text=True, timeout=900, check=False,
     )
     records = [json.loads(x) for x in (tmp_path / "device_check.jsonl").read_text().splitlines()]
-    steps = {r["step"]: r for r in records}
+    return proc, {r["step"]: r for r in records}
+
+
+def _tiny_decode_bytes(seqs: int, context: int) -> int:
+    """What one decode step of the rehearsal's 2-layer bfloat16 model moves: every weight but
+    the embedding table (untied: the LM head is its own), the KV rows at the context, the new
+    rows."""
+    c = device_check.TINY_LLAMA
+    e, f, hq, hkv, d = (c["hidden_size"], c["intermediate_size"], c["num_attention_heads"],
+                        c["num_key_value_heads"], c["head_dim"])
+    layer = e * hq * d * 2 + e * hkv * d * 2 + 3 * e * f + 2 * e
+    weights = c["num_hidden_layers"] * layer + e + e * c["vocab_size"]  # + final norm, LM head
+    kv_per_token = 2 * c["num_hidden_layers"] * hkv * d * 2
+    return 2 * weights + seqs * (context + 1) * kv_per_token
+
+
+@pytest.mark.slow
+def test_device_check_rehearsal(tmp_path):
+    proc, steps = _run(tmp_path, "--rehearse")
     assert tuple(steps) == STEPS, proc.stdout[-3000:]
     bad = {name: r.get("tail", r) for name, r in steps.items() if r["status"] != "ok"}
     assert proc.returncode == 0 and not bad, bad
-    assert all(r["rehearse"] for r in records)
-    assert steps["env"]["backend"] == "cpu"
-    assert (
-        "passed" in steps["kernel_tests"]["summary"]
-        and "failed" not in steps["kernel_tests"]["summary"]
-    )
+    assert all(r["rehearse"] for r in steps.values())
+    assert steps["env"]["backend"] == "cpu" and "chip" not in steps["env"]
+    rates = steps["device_rates"]
+    assert rates["copy_gb_per_s"] > 0 and rates["matmul_tflops"] > 0
+    assert [m["n"] for m in rates["matmuls"]] == [256]
+
+    through = steps["step_throughput"]
+    (cell,) = through["cells"]
+    assert through["context"] == 64 and through["dtype"] == "bfloat16"
+    assert cell["seqs"] == 8 and cell["context"] == 64
+    assert cell["tok_per_s"] > 0 and cell["prefill_ms"] > 0
+    assert cell["bytes_moved"] == _tiny_decode_bytes(8, 64)
+    achieved = cell["bytes_moved"] / cell["decode_ms"] * 1e-6
+    assert cell["gb_per_s"] == pytest.approx(achieved, abs=0.06)
+    assert cell["copy_frac"] == pytest.approx(cell["gb_per_s"] / rates["copy_gb_per_s"], abs=2e-3)
+    assert "hbm_frac" not in cell  # a CPU has no published HBM figure
+    assert through["prefill"]["tokens"] == 32 and through["prefill"]["prefill_ms"] > 0
+    assert through["weights_s"] > 0  # made once, for both buckets
+
+    (trace,) = steps["profile"]["traces"]
+    assert trace["seqs"] == 8 and trace["source"] == "host XLA ops" and trace["kernel_events"] > 20
+    assert trace["top"][0]["share"] > 0 and trace["decode_ms"] == cell["decode_ms"]
+    assert (tmp_path / trace["trace"]).stat().st_size > 0
+    assert "### decode_8" in (tmp_path / "profile_kernels.md").read_text()
+
+    served = steps["served_run"]
+    assert served["request"]["http"] == 200 and served["request"]["text"].strip()
+    runs = [(r["concurrency"], r["prompts"], r["completed"], r["failed"]) for r in served["runs"]]
+    assert runs == [(1, 1, 1, 0), (2, 2, 2, 0)]
+    assert all(r["output_tok_per_s"] > 0 and r["ttft_ms"]["p50"] > 0 and r["itl_ms"]["p99"] > 0
+               for r in served["runs"])
+
     results = steps["kernel_benchmark"]["results"]
     assert {r["impl"] for r in results} == {"gpu-interpret", "gpu-mosaic-interpret"}
     (swept,) = [r for r in results if "blocks" in r]  # the block-size sweep's one rehearsal
     assert swept["scenario"] == "decode" and swept["blocks"]["decode_slots"] == 2
-    assert all(
-        r["gb_per_s"] > 0 and 0 < r["frac_of_copy_bw"] for r in steps["kernel_benchmark"]["results"]
-    )
+    assert all(r["gb_per_s"] > 0 and 0 < r["frac_of_copy_bw"] for r in results)
+    summary = steps["kernel_tests"]["summary"]
+    assert "passed" in summary and "failed" not in summary
     assert steps["golden_parity"]["ok"] is True and steps["golden_parity"]["cases"] == [
         "chat_capital: exact"
     ]
-    (cell,) = steps["step_throughput"]["cells"]
-    assert cell["seqs"] == 8 and cell["tok_per_s"] > 0 and cell["prefill_ms"] > 0
-    served = steps["served_request"]
-    assert (
-        served["http"] == 200
-        and served["usage"]["completion_tokens"] > 0
-        and served["text"].strip()
-    )
-    for step in STEPS[1:-1]:  # each step's own output is kept, and nothing else is left behind
+    for step in STEPS[:-1]:  # each step's own output is kept, and nothing else is left behind
         assert (tmp_path / f"{step}.log").stat().st_size > 0
     assert not [p for p in tmp_path.iterdir() if p.is_dir()]
+
+
+def test_a_budget_too_short_skips_every_step_on_record(tmp_path):
+    proc, steps = _run(tmp_path, "--rehearse", "--budget", "0")
+    assert tuple(steps) == STEPS and proc.returncode == 0, proc.stdout[-2000:]
+    for name in STEPS[:-1]:
+        assert steps[name]["status"] == "skipped" and steps[name]["reason"], steps[name]
+    assert "did not run" in steps["profile"]["reason"]
+    assert steps["done"]["status"] == "ok"
+
+
+def test_the_results_directory_is_named_by_the_chip():
+    name = device_check.out_dir_name
+    assert name("NVIDIA H200", False) == "device_check_h200"
+    assert name("NVIDIA H100 80GB HBM3", False) == "device_check_h100"
+    assert name("TPU v5 lite", False) == "device_check_v5e"
+    assert name("NVIDIA A100-SXM4-80GB", False) == "device_check_nvidia_a100_sxm4_80gb"
+    # not the SXM board's figures
+    assert name("NVIDIA H100 PCIe", False) == "device_check_nvidia_h100_pcie"
+    assert name("cpu", True) == "device_check_rehearsal"
+
+
+def test_a_tied_embedding_is_read_whole():
+    """The bytes of a decode step: an untied embedding table is gathered (not counted), a tied
+    one is the LM head (counted); each data-parallel rank's own rows."""
+    rec = {"params": {"per_device": 1000, "groups": {"embed": {"per_device": 300},
+                                                     "lm_head": {"per_device": 300}}},
+           "kv": {"bytes_per_page_per_device": 160, "page_size": 16},
+           "measure": {"decode_requests": 4, "context": 9}, "data_parallel": 2}
+    assert device_check.decode_bytes(rec) == 700 + 2 * 10 * 10
+    del rec["params"]["groups"]["lm_head"]
+    assert device_check.decode_bytes(rec) == 1000 + 2 * 10 * 10
+
+
+def test_packing_leaves_the_summary_and_one_archive(tmp_path):
+    for name in ("device_check.jsonl", "env.log", "step_throughput.jsonl"):
+        (tmp_path / name).write_text(name)
+    archive = device_check.pack(tmp_path, "device_check_h100")
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == ["device_check.jsonl", "device_check_h100.tar.gz"]
+    names = ("device_check.jsonl", "env.log", "step_throughput.jsonl")
+    with tarfile.open(archive) as tar:
+        assert sorted(tar.getnames()) == [f"device_check_h100/{n}" for n in names]
+        assert tar.extractfile("device_check_h100/env.log").read() == b"env.log"

@@ -147,6 +147,8 @@ def test_bad_arguments_are_refused(capsys):
         assert says in capsys.readouterr().err
     assert main(["shard-plan", "smollm2-135m", "--topology", "h200:1x8", "--measure"]) == 2
     assert "a topology only compiles" in capsys.readouterr().err
+    assert main(["shard-plan", "smollm2-135m", "--devices", "2", "--profile", "traces"]) == 2
+    assert "add --measure" in capsys.readouterr().err
 
 
 def test_gpu_topologies_are_hosts_of_gpus():
