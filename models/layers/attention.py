@@ -8,6 +8,10 @@ its own heads (the query heads of a KV group sit on the same device because quer
 KV head h // (Hq // Hkv)); otherwise attention runs replicated. On a multi-device mesh the
 kernel always runs inside the `shard_map` (Mosaic kernels must), replicated specs included.
 
+Attention sinks (gpt-oss: one learned logit per query head, a layer's weight, so an array
+argument and not an `AttentionSpec` setting): `sinks=` [Hq] float32 goes to the op as it is,
+and inside the `shard_map` it is split like the query heads (`P(<q's head axes>)`).
+
 Quantized caches (fp8, int8; `pallas_kernels/kv_quant.py`): this step's K and V are quantized
 with the layer's scales, and the scales folded into q and the output, here, outside the
 `shard_map` (on the whole heads: XLA splits these element-wise ops like the heads).
@@ -75,9 +79,11 @@ def paged_attention(
     spec: AttentionSpec,
     mesh: Mesh | None,
     rules: ax.Rules = ax.DEFAULT_RULES,
+    sinks: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """q in the dtype attention computes in (the cache's, or the model's for a quantized
-    cache); k, v are cast (or quantized) to the cache's. Returns (out [T, Hq, D], caches)."""
+    cache); k, v are cast (or quantized) to the cache's; `sinks`: the layer's [Hq]
+    attention-sink logits, or None. Returns (out [T, Hq, D], caches)."""
     hkv = k.shape[1]
     quantized = is_quantized(k_cache.dtype)
     if quantized:
@@ -85,7 +91,7 @@ def paged_attention(
         k, v = quantize(k, spec.k_scale, k_cache.dtype), quantize(v, spec.v_scale, k_cache.dtype)
     else:
         k, v = k.astype(k_cache.dtype), v.astype(k_cache.dtype)
-    out, k_cache, v_cache = _attend(q, k, v, k_cache, v_cache, md, spec, mesh, rules)
+    out, k_cache, v_cache = _attend(q, k, v, k_cache, v_cache, md, spec, mesh, rules, sinks)
     return (scale_output(out, spec.v_scale, hkv) if quantized else out), k_cache, v_cache
 
 
@@ -97,51 +103,62 @@ def paged_attention_read(
     spec: AttentionSpec,
     mesh: Mesh | None,
     rules: ax.Rules = ax.DEFAULT_RULES,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Attention over a cache this layer does not write: a layer reading the keys and values an
     earlier layer of the step wrote (Gemma 4's KV-sharing layers). `spec` carries the scales
-    of that layer's cache. Returns out [T, Hq, D]."""
+    of that layer's cache; `sinks`: this layer's [Hq] attention-sink logits, or None. Returns
+    out [T, Hq, D]."""
     hkv = num_kv_heads(k_cache, q.shape[2])
     quantized = is_quantized(k_cache.dtype)
     if quantized:
         q = scale_query(q, spec.k_scale, hkv, q.dtype)
 
-    def local(q, k_cache, v_cache, md):
+    def local(q, k_cache, v_cache, md, sinks):
         return ragged_paged_attention(q, k_cache, v_cache, md, sm_scale=spec.sm_scale,
                                       sliding_window=spec.sliding_window, soft_cap=spec.soft_cap,
-                                      impl=spec.impl)
+                                      impl=spec.impl, sinks=sinks)
 
     if mesh is None or mesh.size == 1:
-        out = local(q, k_cache, v_cache, md)
+        out = local(q, k_cache, v_cache, md, sinks)
     else:
         mesh, manual = ax.context_mesh(mesh)
         shape = (q.shape[0], hkv, q.shape[2])
         heads, cache = attention_specs(shape, k_cache.shape, mesh, rules, manual)
         out = jax.shard_map(local, mesh=mesh,
-                            in_specs=(heads, cache, cache, jax.tree.map(lambda _: P(), md)),
-                            out_specs=heads, check_vma=False)(q, k_cache, v_cache, md)
+                            in_specs=(heads, cache, cache, jax.tree.map(lambda _: P(), md),
+                                      _sinks_spec(heads, sinks)),
+                            out_specs=heads, check_vma=False)(q, k_cache, v_cache, md, sinks)
     return scale_output(out, spec.v_scale, hkv) if quantized else out
 
 
-def _attend(q, k, v, k_cache, v_cache, md, spec: AttentionSpec, mesh: Mesh | None, rules):
-    def local(q, k, v, k_cache, v_cache, md):
+def _sinks_spec(heads: P, sinks) -> P | None:
+    """The `shard_map` spec of a layer's sinks [Hq]: split as q's heads ([T, H, D] spec
+    `heads`); None (no operand) without sinks."""
+    return None if sinks is None else P(heads[1])
+
+
+def _attend(q, k, v, k_cache, v_cache, md, spec: AttentionSpec, mesh: Mesh | None, rules,
+            sinks=None):
+    def local(q, k, v, k_cache, v_cache, md, sinks):
         return write_kv_and_attend(
             q, k, v, k_cache, v_cache, md,
             sm_scale=spec.sm_scale,
             sliding_window=spec.sliding_window,
             soft_cap=spec.soft_cap,
             impl=spec.impl,
+            sinks=sinks,
         )
 
     if mesh is None or mesh.size == 1:
-        return local(q, k, v, k_cache, v_cache, md)
+        return local(q, k, v, k_cache, v_cache, md, sinks)
     mesh, manual = ax.context_mesh(mesh)  # inside the data-parallel step "data" is manual
     heads, cache = attention_specs(k.shape, k_cache.shape, mesh, rules, manual)
     md_spec = jax.tree.map(lambda _: P(), md)
     return jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=(heads, heads, heads, cache, cache, md_spec),
+        in_specs=(heads, heads, heads, cache, cache, md_spec, _sinks_spec(heads, sinks)),
         out_specs=(heads, cache, cache),
         check_vma=False,
-    )(q, k, v, k_cache, v_cache, md)
+    )(q, k, v, k_cache, v_cache, md, sinks)

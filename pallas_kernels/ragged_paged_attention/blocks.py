@@ -28,6 +28,7 @@ import jax.numpy as jnp
 
 from jaxserve.pallas_kernels.ragged_paged_attention.metadata import AttentionMetadata
 
+_F32 = jnp.float32
 _I32 = jnp.int32
 
 
@@ -102,15 +103,32 @@ def gather_queries(q: jax.Array, tokens: jax.Array, num_kv_heads: int, group_pad
     return qb.transpose(0, 2, 1, 3, 4).reshape(NB, num_kv_heads, Bq * group_pad, D)
 
 
-def merge_splits(o_part: jax.Array, lse: jax.Array) -> jax.Array:
+def row_sinks(sinks: jax.Array, num_kv_heads: int, group_pad: int, block_q: int) -> jax.Array:
+    """[Hq] attention-sink logits -> [Hkv, Bq * Gp], the sink of every row of a KV head's
+    block (row i is group head i % Gp); padded heads get -inf (no sink: their rows are
+    dropped)."""
+    G = sinks.shape[0] // num_kv_heads
+    rows = sinks.astype(_F32).reshape(num_kv_heads, 1, G)
+    if group_pad > G:
+        rows = jnp.pad(rows, ((0, 0), (0, 0), (0, group_pad - G)), constant_values=-jnp.inf)
+    return jnp.tile(rows, (1, block_q, 1)).reshape(num_kv_heads, block_q * group_pad)
+
+
+def merge_splits(o_part: jax.Array, lse: jax.Array, sinks: jax.Array | None = None) -> jax.Array:
     """Merge the KV splits of a split-K kernel by log-sum-exp: o_part [S, NB, Hkv, M, D]
     (each split's normalised output), lse [S, NB, Hkv, M] (-inf for an empty split) ->
-    [NB, Hkv, M, D]."""
-    if o_part.shape[0] == 1:
+    [NB, Hkv, M, D]. `sinks`, [Hkv, M] (`row_sinks`): attention sinks, each row's one more
+    split of log-sum-exp `sink` and output zero (it joins the denominator only)."""
+    if o_part.shape[0] == 1 and sinks is None:
         return o_part[0]
     mx = lse.max(axis=0)
-    w = jnp.exp(lse - jnp.where(mx == -jnp.inf, 0.0, mx)[None])  # 0 for empty splits
+    if sinks is not None:
+        mx = jnp.maximum(mx, sinks)
+    base = jnp.where(mx == -jnp.inf, 0.0, mx)
+    w = jnp.exp(lse - base[None])  # 0 for empty splits
     den = w.sum(axis=0)
+    if sinks is not None:
+        den = den + jnp.exp(sinks - base)
     return (w[..., None] * o_part).sum(axis=0) / jnp.where(den > 0, den, 1.0)[..., None]
 
 

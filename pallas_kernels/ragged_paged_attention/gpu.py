@@ -22,6 +22,10 @@ over long contexts then uses S programs per request and KV head); each split wri
 normalised partial output and log-sum-exp, and a small JAX combine merges them (one pass over
 `S * NB * Hq * D` floats, tiny next to the K/V bytes).
 
+Attention sinks (optional, [Hq] logits) join the combine, not the kernel: a row's sink is one
+more split of log-sum-exp `sink` and output zero (`blocks.merge_splits`), so the Triton kernel
+is the same with and without them.
+
 GQA: the `G = Hq / Hkv` query heads of a KV head are rows of the same program, so K/V are read
 once per KV head. Triton needs power-of-two block shapes and `tl.dot` operands of at least 16:
 `G` is padded to a power of two (`Gp`, padded heads are zero queries whose output is dropped),
@@ -164,8 +168,10 @@ def ragged_paged_attention_gpu(
     num_warps: int = 4,
     num_stages: int = 2,
     interpret: bool = False,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
-    """The op (see `ops.ragged_paged_attention`) as a Pallas Triton kernel.
+    """The op (see `ops.ragged_paged_attention`) as a Pallas Triton kernel; `sinks`: [Hq]
+    attention-sink logits, or None.
 
     Tuning: `chunk_pages` (pages per key chunk; block_k = chunk_pages * page_size, a power of
     two >= 16), `queries_per_block` (Bq, a power of two; default from the bucket's T/R ratio),
@@ -230,6 +236,7 @@ def ragged_paged_attention_gpu(
         blk_req, blk_idx, md.query_start_loc.astype(_I32), md.kv_lens.astype(_I32),
         md.block_tables.astype(_I32), q_blk, k_rows, v_rows,
     )
-    o_blk = blocks.merge_splits(o_part, lse)
+    o_blk = blocks.merge_splits(
+        o_part, lse, None if sinks is None else blocks.row_sinks(sinks, Hkv, Gp, Bq)[None])
     return blocks.scatter_outputs(o_blk.astype(q.dtype), tokens, T, Hq)
 

@@ -38,7 +38,9 @@ accumulator of a 64-row tile alone takes D / 2), so `supports` refuses them and 
 the Triton kernel. Block sizes (chunk keys, pipeline depth, split target) come from the
 per-chip table in `gpu_blocks.py`, and shared memory must fit a Hopper block's 227 KiB.
 
-The splits are combined by log-sum-exp (`blocks.merge_splits`). `interpret=True` runs the
+The splits are combined by log-sum-exp (`blocks.merge_splits`), where attention sinks join
+(one more split per row, of output zero: the kernels are the same with or without them).
+`interpret=True` runs the
 kernels in Pallas's Mosaic GPU interpreter (CPU) with `jnp` products where the wgmmas are (the
 interpreter takes no transposed or register operands): copies, barriers, the page walk, the
 masks, the widening and the softmax are the kernels' own.
@@ -367,9 +369,12 @@ def ragged_paged_attention_gpu_mosaic(
     prefill_slots: int | None = None,
     chunk_keys: int | None = None,
     interpret: bool = False,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """The op (see `ops.ragged_paged_attention`) as two Pallas Mosaic GPU kernels (decode
-    rows, and query blocks of the requests with several queries).
+    rows, and query blocks of the requests with several queries). `sinks`: [Hq]
+    attention-sink logits, or None; they join the splits' combine (`blocks.merge_splits`), the
+    kernels are the same with and without them.
 
     Block sizes default to the chip's entry of `gpu_blocks` (the table); `kv_splits` (the
     decode grid's S), `prefill_splits` (1 when T > 4 R, else 4), `decode_slots`,
@@ -410,7 +415,9 @@ def ragged_paged_attention_gpu_mosaic(
     o_dec, lse_dec = _call(kernel, "ragged_paged_attention_gpu_mosaic_decode",
                            (S, R, Hkv, Mq, D), (R, Hkv, S),
                            (qsl, kvl, bt, q_dec, k_cache, v_cache), interpret)
-    o_dec = blocks.merge_splits(o_dec, lse_dec)[:, :, :G].reshape(R, Hq, D)
+    o_dec = blocks.merge_splits(
+        o_dec, lse_dec, None if sinks is None else blocks.row_sinks(sinks, Hkv, Mq, 1)[None]
+    )[:, :, :G].reshape(R, Hq, D)
     dest = jnp.where(q_len == 1, tok, T)  # other requests' rows: dropped
     out = jnp.zeros((T, Hq, D), q.dtype).at[dest].set(o_dec.astype(q.dtype), mode="drop")
     if T < 2:  # no request can have several queries
@@ -440,5 +447,7 @@ def ragged_paged_attention_gpu_mosaic(
     o_pf, lse_pf = _call(kernel, "ragged_paged_attention_gpu_mosaic_prefill",
                          (S_pf, nb_max, Hkv, ROWS, D), (nb_max, Hkv, S_pf),
                          (blk_req, blk_idx, qsl, kvl, bt, q_blk, k_cache, v_cache), interpret)
-    o_pf = blocks.merge_splits(o_pf, lse_pf).astype(q.dtype)
+    o_pf = blocks.merge_splits(
+        o_pf, lse_pf, None if sinks is None else blocks.row_sinks(sinks, Hkv, Gp, Bq)[None]
+    ).astype(q.dtype)
     return blocks.scatter_outputs(o_pf, tokens, T, Hq, out=out)

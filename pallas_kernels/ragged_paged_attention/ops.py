@@ -7,7 +7,9 @@ fused layer).
 Implementations are looked up by name in a registry (`pallas_kernels/registry.py`). A kernel registers itself with
 `register_impl("tpu", fn)` (or "gpu", or any new name); `fn` must accept the same arguments as
 `ragged_paged_attention_reference`: `(q, k_cache, v_cache, md, *, sm_scale,
-sliding_window, soft_cap, chunk_pages)` (a kernel may ignore `chunk_pages`). `impl="auto"` picks
+sliding_window, soft_cap, chunk_pages)` (a kernel may ignore `chunk_pages`), plus `sinks=`
+([Hq] float32 attention-sink logits, an array) when it takes attention sinks: the op passes
+`sinks` only when it is not None, so a kernel without them runs as before. `impl="auto"` picks
 the kernel registered under the name of JAX's default backend (on a GPU, by compute capability:
 `auto_candidates`), and falls back to the pure-JAX reference (the CPU default) when there is
 none, or when no candidate kernel can take these shapes (e.g. a head dim that is not a power
@@ -159,7 +161,7 @@ def _is_int(dtype) -> bool:
 
 
 def validate_inputs(q, k_cache, v_cache, md: AttentionMetadata, *, sliding_window=None,
-                    soft_cap=None, chunk_pages=None) -> None:
+                    soft_cap=None, chunk_pages=None, sinks=None) -> None:
     """Static shape / dtype checks of the op's arguments; raises ValueError with the reason."""
     if getattr(q, "ndim", None) != 3:
         raise ValueError(f"q must be [T, Hq, D]; got shape {getattr(q, 'shape', None)}")
@@ -202,6 +204,11 @@ def validate_inputs(q, k_cache, v_cache, md: AttentionMetadata, *, sliding_windo
         raise ValueError(f"soft_cap must be > 0, got {soft_cap}")
     if chunk_pages is not None and chunk_pages < 1:
         raise ValueError(f"chunk_pages must be >= 1, got {chunk_pages}")
+    if sinks is not None and (getattr(sinks, "shape", None) != (Hq,)
+                              or not jnp.issubdtype(sinks.dtype, jnp.floating)):
+        raise ValueError(f"sinks must be a floating [Hq={Hq}] array (one logit per query head); "
+                         f"got {getattr(sinks, 'shape', None)} "
+                         f"{getattr(sinks, 'dtype', type(sinks).__name__)}")
 
 
 def dispatch_name(impl: str, q, k_cache, *, interpret: bool = False,
@@ -240,19 +247,23 @@ def write_kv_and_attend(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     impl: str = "auto",
+    sinks: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`write_kv(k_cache, v_cache, k, v, md.slot_mapping)` then `ragged_paged_attention`;
     returns (out, k_cache, v_cache). One fused call where the implementation has one (the CPU
     kernel, which writes in place), else the two ops."""
-    validate_inputs(q, k_cache, v_cache, md, sliding_window=sliding_window, soft_cap=soft_cap)
+    validate_inputs(q, k_cache, v_cache, md, sliding_window=sliding_window, soft_cap=soft_cap,
+                    sinks=sinks)
     name = dispatch_name(impl, q, k_cache)
     if name in _FUSED_WRITE:
         return _FUSED_WRITE[name](q, k, v, k_cache, v_cache, md, sm_scale=sm_scale,
-                                  sliding_window=sliding_window, soft_cap=soft_cap)
+                                  sliding_window=sliding_window, soft_cap=soft_cap,
+                                  **_sinks_arg(sinks))
     k_cache, v_cache = write_kv(k_cache, v_cache, k, v, md.slot_mapping,
                                 impl=impl_for_attention(name))
     out = ragged_paged_attention(q, k_cache, v_cache, md, sm_scale=sm_scale,
-                                 sliding_window=sliding_window, soft_cap=soft_cap, impl=impl)
+                                 sliding_window=sliding_window, soft_cap=soft_cap, impl=impl,
+                                 sinks=sinks)
     return out, k_cache, v_cache
 
 
@@ -277,6 +288,7 @@ def ragged_paged_attention(
     impl: str = "auto",
     chunk_pages: int | None = None,
     interpret: bool = False,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Attention of a flat ragged batch of queries over one layer's paged KV cache.
 
@@ -288,12 +300,14 @@ def ragged_paged_attention(
     zeros.
     `sliding_window=W`: a token sees itself and the W - 1 previous positions (HF convention).
     `soft_cap`: scores = soft_cap * tanh(scores / soft_cap) after scaling.
+    `sinks`: [Hq] float32 attention-sink logits (gpt-oss), an array like the weights, or None:
+    head h's sink joins the softmax's denominator and has no value (`reference.py`).
     Exact semantics: `reference.py`. `impl`: "auto" | "reference" | "tpu" | "gpu" |
     "tpu-interpret" | "gpu-interpret"; `interpret=True` runs a kernel impl in interpret mode.
     Kernels need q and float caches to share one dtype. Raises ValueError on bad shapes/dtypes.
     """
     validate_inputs(q, k_cache, v_cache, md, sliding_window=sliding_window,
-                    soft_cap=soft_cap, chunk_pages=chunk_pages)
+                    soft_cap=soft_cap, chunk_pages=chunk_pages, sinks=sinks)
     name = dispatch_name(impl, q, k_cache, interpret=interpret)
     if name not in ("reference", "cpu") and q.dtype != k_cache.dtype and not is_quantized(
             k_cache.dtype):
@@ -308,7 +322,14 @@ def ragged_paged_attention(
         sliding_window=sliding_window,
         soft_cap=soft_cap,
         chunk_pages=chunk_pages,
+        **_sinks_arg(sinks),
     )
+
+
+def _sinks_arg(sinks) -> dict:
+    """The `sinks=` keyword an implementation gets: none at all without sinks (its call, and
+    so its compiled code, is what it was before sinks existed), else the logits in float32."""
+    return {} if sinks is None else {"sinks": sinks.astype(jnp.float32)}
 
 
 def _register_kernels() -> None:

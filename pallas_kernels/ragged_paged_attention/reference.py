@@ -7,6 +7,14 @@ request r at sequence position p, with scaled scores `s_j = sm_scale * <q_t, k_j
     out_t = sum_j softmax(s)_j * v_j   over positions j of request r with  j <= p
                                        and, when `sliding_window = W` is set,  j > p - W.
 
+With `sinks` (one float32 logit per query head, [Hq]: gpt-oss's attention sinks), head h's
+sink joins the softmax's denominator and contributes no value:
+
+    out_t = sum_j exp(s_j - m) v_j / (exp(sinks[h] - m) + sum_j exp(s_j - m)),
+
+the same for sliding-window and full layers (HF transformers' `GptOssAttention`). Here every
+row's online-softmax state starts as (m, l, acc) = (sinks[h], 1, 0) instead of (-inf, 0, 0).
+
 The window follows the HF transformers / Mistral convention (`sliding_window_overlay` in
 `transformers.masking_utils`: `kv_idx > q_idx - sliding_window`): a window of W lets a token
 see itself and the W - 1 tokens before it. Query head h reads KV head `h // (Hq // Hkv)`.
@@ -102,6 +110,18 @@ def _online_update(m, l, acc, s, mask, v, pv_spec):
     return m_new, l_new, alpha[..., None] * acc + pv
 
 
+def _initial_state(sinks, shape, hkv: int, group: int, *, head_axis: int):
+    """The (m, l) an online-softmax row starts from, of `shape` with the KV head at
+    `head_axis` and the group head last: (-inf, 0), or (sink, 1) with attention sinks (the sink
+    is then one more score, of value zero)."""
+    if sinks is None:
+        return jnp.full(shape, -jnp.inf, _F32), jnp.zeros(shape, _F32)
+    view = [1] * len(shape)
+    view[head_axis], view[-1] = hkv, group
+    m = jnp.broadcast_to(sinks.astype(_F32).reshape(view), shape)
+    return m, jnp.ones(shape, _F32)
+
+
 def _finish(l, acc):
     return acc / jnp.where(l > 0, l, 1.0)[..., None]
 
@@ -118,6 +138,7 @@ def ragged_paged_attention_reference(
     chunk_pages: int | None = None,
     query_block: int | None = None,
     dense_step: bool = False,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Ragged paged attention over one layer's paged cache. See the module docstring.
 
@@ -126,7 +147,7 @@ def ragged_paged_attention_reference(
     of which changes the result beyond float rounding: `chunk_pages`, pages read per key-loop
     iteration (default: CPU-tuned per path); `query_block`, queries per prefill work item
     (default 32); `dense_step`, attend this step's own tokens as one dense [T, T] block (default
-    off, see the module docstring).
+    off, see the module docstring). `sinks`: [Hq] attention-sink logits, or None.
     """
     T, Hq, D = q.shape
     if v_cache.shape != k_cache.shape:
@@ -167,8 +188,7 @@ def ragged_paged_attention_reference(
     in_page = jnp.arange(ps, dtype=_I32)
 
     # ---------------- dense_step: this step's tokens as one dense [T, T] block ----------------
-    m = jnp.full((Hkv, T, G), -jnp.inf, _F32)
-    l = jnp.zeros((Hkv, T, G), _F32)
+    m, l = _initial_state(sinks, (Hkv, T, G), Hkv, G, head_axis=0)
     acc = jnp.zeros((Hkv, T, G, D), _F32)
     if dense_step:
         t_idx = jnp.arange(T, dtype=_I32)
@@ -282,7 +302,7 @@ def ragged_paged_attention_reference(
     if dense_step:  # continue from this step's own keys, already attended above
         init = tuple(jnp.swapaxes(x[:, tok], 0, 1) for x in (m, l, acc))  # [R, Hkv, ...]
     else:
-        init = (jnp.full((R, Hkv, G), -jnp.inf, _F32), jnp.zeros((R, Hkv, G), _F32),
+        init = (*_initial_state(sinks, (R, Hkv, G), Hkv, G, head_axis=1),
                 jnp.zeros((R, Hkv, G, D), _F32))
     _, dl, dacc = lax.fori_loop(0, n_iter, decode_chunk, init)
 

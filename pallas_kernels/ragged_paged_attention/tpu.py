@@ -35,6 +35,11 @@ dtype for the second matmul (bfloat16 MXU path for bfloat16 caches). fp8 and int
 (`kv_quant.py`) are DMA'd as they are (half a bfloat16 page's bytes) and converted to q's dtype
 in VMEM, per KV block, before the products.
 
+Attention sinks (optional, [Hq] logits): a VMEM input of every row's sink, `[Hkv, M, 1]` (row
+i of head h is query head h * G + i % G), the same block for every grid step; each row's
+online softmax then starts from (m, l) = (sink, 1) instead of (-inf, 0), and the sink is one
+more score of value zero. Without sinks the kernel has no such input and is unchanged.
+
 Block sizes. `queries_per_block` (Bq) defaults from the bucket's T/R ratio, up to 128 rows per
 head (`blocks.default_block_q`); `chunk_pages` defaults to ~128 keys per KV block when
 `Hkv * D <= 1024`, fewer for wider pages (VMEM per buffer: 2 slots x 2 (K, V) x block_k x
@@ -101,17 +106,16 @@ def _kernel(
     blk_req_ref, blk_idx_ref, qsl_ref, kvl_ref, bt_ref,
     # blocked inputs / HBM refs
     q_ref,  # VMEM [Hkv, M, D]
-    k_hbm, v_hbm,  # HBM [N, ps, Hkv * D]
-    # outputs
-    o_ref,  # VMEM [Hkv, M, D]
-    # scratch
-    k_buf, v_buf,  # VMEM [2, block_k, Hkv * D]
-    sem,  # DMA semaphores [2]
-    m_ref, l_ref,  # VMEM [Hkv, M, 1] f32
-    acc_ref,  # VMEM [Hkv, M, D] f32
-    *, block_q, group, page_size, pages_per_req, chunk_pages, sm_scale, sliding_window,
-    soft_cap,
+    *refs,  # (sinks VMEM [Hkv, M, 1] f32, when has_sinks), then:
+    # k_hbm, v_hbm: HBM [N, ps, Hkv * D]
+    # outputs: o_ref, VMEM [Hkv, M, D]
+    # scratch: k_buf, v_buf, VMEM [2, block_k, Hkv * D]; sem, DMA semaphores [2];
+    #          m_ref, l_ref, VMEM [Hkv, M, 1] f32; acc_ref, VMEM [Hkv, M, D] f32
+    block_q, group, page_size, pages_per_req, chunk_pages, sm_scale, sliding_window,
+    soft_cap, has_sinks,
 ):
+    sinks_ref, refs = (refs[0], refs[1:]) if has_sinks else (None, refs)
+    k_hbm, v_hbm, o_ref, k_buf, v_buf, sem, m_ref, l_ref, acc_ref = refs
     b = pl.program_id(0)
     Hkv, M, D = q_ref.shape
     ps, C, P = page_size, chunk_pages, pages_per_req
@@ -157,8 +161,12 @@ def _kernel(
                 ck.wait()
                 cv.wait()
 
-    m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, _F32)
-    l_ref[...] = jnp.zeros(l_ref.shape, _F32)
+    if has_sinks:  # the sink is one more score, of value zero
+        m_ref[...] = sinks_ref[...]
+        l_ref[...] = jnp.ones(l_ref.shape, _F32)
+    else:
+        m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, _F32)
+        l_ref[...] = jnp.zeros(l_ref.shape, _F32)
     acc_ref[...] = jnp.zeros(acc_ref.shape, _F32)
 
     @pl.when(n_blocks > 0)
@@ -225,8 +233,10 @@ def ragged_paged_attention_tpu(
     queries_per_block: int | None = None,
     vmem_limit_bytes: int | None = None,
     interpret: bool = False,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
-    """The op (see `ops.ragged_paged_attention`) as a Pallas Mosaic TPU kernel.
+    """The op (see `ops.ragged_paged_attention`) as a Pallas Mosaic TPU kernel; `sinks`:
+    [Hq] attention-sink logits, or None.
 
     Tuning: `chunk_pages` (pages per KV block), `queries_per_block` (Bq), `vmem_limit_bytes`.
     `interpret=True` runs it in TPU interpret mode (any backend; DMAs and semaphores are
@@ -249,13 +259,19 @@ def ragged_paged_attention_tpu(
     kernel = functools.partial(
         _kernel, block_q=Bq, group=G, page_size=ps, pages_per_req=P, chunk_pages=C,
         sm_scale=float(sm_scale), sliding_window=sliding_window,
-        soft_cap=None if soft_cap is None else float(soft_cap),
+        soft_cap=None if soft_cap is None else float(soft_cap), has_sinks=sinks is not None,
     )
     q_spec = pl.BlockSpec((None, Hkv, M, D), lambda b, *_: (b, 0, 0, 0))
+    sink_specs, sink_args = [], []
+    if sinks is not None:  # every row's sink: row i of head h is query head h * G + i % G
+        rows = jnp.tile(sinks.astype(_F32).reshape(Hkv, 1, G), (1, Bq, 1)).reshape(Hkv, M, 1)
+        sink_specs = [pl.BlockSpec((Hkv, M, 1), lambda b, *_: (0, 0, 0))]
+        sink_args = [rows]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=5,
         grid=(NB,),
-        in_specs=[q_spec, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
+        in_specs=[q_spec, *sink_specs, pl.BlockSpec(memory_space=pl.ANY),
+                  pl.BlockSpec(memory_space=pl.ANY)],
         out_specs=q_spec,
         scratch_shapes=[
             pltpu.VMEM((2, K, Hkv * D), k_cache.dtype),
@@ -277,6 +293,6 @@ def ragged_paged_attention_tpu(
         name="ragged_paged_attention_tpu",
     )(
         blk_req, blk_idx, md.query_start_loc.astype(_I32), md.kv_lens.astype(_I32),
-        md.block_tables.astype(_I32).reshape(R * P), q_blk, k_cache, v_cache,
+        md.block_tables.astype(_I32).reshape(R * P), q_blk, *sink_args, k_cache, v_cache,
     )
     return blocks.scatter_outputs(o_blk, tokens, T, Hq)

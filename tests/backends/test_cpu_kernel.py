@@ -20,7 +20,7 @@ from jaxserve.pallas_kernels import ragged_paged_attention
 from jaxserve.backends.cpu import kernels as native
 from jaxserve.backends.cpu.kernels import attention as cpu
 from jaxserve.pallas_kernels.ragged_paged_attention import ops as attn_ops
-from tests.pallas_kernels.attention_cases import assert_close_to_naive, make_case
+from tests.pallas_kernels.attention_cases import assert_close_to_naive, make_case, random_sinks
 from tests.pallas_kernels.kernel_checks import (
     CPU_TARGETS,
     check_random_batches,
@@ -69,6 +69,50 @@ def test_random_ragged_batches(name, target_attn):
 def test_sliding_window_and_soft_cap(window, cap, target_attn):
     check_random_batches(target_attn, CONFIGS["gqa3-d64-p16-f32"], n=3,
                          seed0=11 + (window or 0), sliding_window=window, soft_cap=cap)
+
+
+@pytest.mark.parametrize("window", [None, 7])
+def test_sinks(window, target_attn):
+    # Attention sinks (gpt-oss), with a sliding window and without: GQA 3, each row's softmax
+    # starting from its query head's sink.
+    cfg = CONFIGS["gqa3-d64-p16-f32"]
+    check_random_batches(target_attn, cfg, n=3, seed0=51 + (window or 0),
+                         sinks=random_sinks(cfg["hq"], seed=8), sliding_window=window)
+
+
+def test_fused_entry_points_take_sinks():
+    """The fused write + attend and rotary + write + attend entry points with attention sinks
+    (their optional last argument) equal the composed ops on the reference."""
+    from jaxserve.models.layers.rotary import apply_rotary, rotary_tables
+    from jaxserve.pallas_kernels import write_kv_and_attend
+
+    hq, hkv, d = 6, 2, 64
+    case = make_case([(31, 33), (15, 1), (0, 17)], page_size=8, hq=hq, hkv=hkv, d=d, r_pad=4,
+                     t_pad=56, seed=10)
+    rng = np.random.default_rng(2)
+    T = case["q"].shape[0]
+    qkv = jnp.asarray(rng.standard_normal((T, (hq + 2 * hkv) * d)), jnp.float32)
+    rope = rotary_tables(jnp.asarray(rng.integers(0, 2000, size=T), jnp.int32),
+                         jnp.asarray(10000.0 ** -(np.arange(0, d, 2) / d), jnp.float32))
+    kc, vc, md = jnp.asarray(case["kc"]), jnp.asarray(case["vc"]), case["md"]
+    sinks = jnp.asarray(random_sinks(hq, seed=9))
+    x = qkv.reshape(T, hq + 2 * hkv, d)
+    q, k, v = apply_rotary(x[:, :hq], *rope), apply_rotary(x[:, hq:hq + hkv], *rope), x[:, hq + hkv:]
+
+    def composed(impl):
+        return jax.jit(lambda *a: write_kv_and_attend(*a, sm_scale=0.125, sliding_window=9,
+                                                      impl=impl, sinks=sinks))(q, k, v, kc, vc, md)
+
+    want = composed("reference")
+    got = composed("cpu")  # the fused write + attend entry point
+    cos, sin = (t.reshape(T, d // 2) for t in rope)
+    got_rope = jax.jit(lambda *a: cpu.rope_write_kv_and_attend_cpu(
+        *a, num_heads=hq, sm_scale=0.125, sliding_window=9, sinks=sinks))(qkv, cos, sin, kc, vc, md)
+    for out in (got[0], got_rope[0]):
+        np.testing.assert_allclose(np.asarray(out), np.asarray(want[0]), atol=1e-5, rtol=0)
+    no_sinks = jax.jit(lambda *a: write_kv_and_attend(*a, sm_scale=0.125, sliding_window=9,
+                                                      impl="cpu"))(q, k, v, kc, vc, md)
+    assert np.abs(np.asarray(no_sinks[0]) - np.asarray(want[0])).max() > 0.1  # they matter
 
 
 def test_query_lengths_1_to_64_and_long_context(target_attn):

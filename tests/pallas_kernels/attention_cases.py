@@ -78,8 +78,10 @@ def make_case(
     return dict(q=q, kc=kc, vc=vc, md=md, reqs=reqs, ps=ps, bt=bt, qsl=qsl)
 
 
-def naive_attention(case, *, sm_scale, sliding_window=None, soft_cap=None):
-    """Dense float64 attention: materialise each request's K/V from its block table."""
+def naive_attention(case, *, sm_scale, sliding_window=None, soft_cap=None, sinks=None):
+    """Dense float64 attention: materialise each request's K/V from its block table. `sinks`
+    ([Hq]): one more logit per head in each softmax, with no value (HF's gpt-oss eager
+    attention: the sink column is concatenated to the scores, softmaxed, then dropped)."""
     q = np.asarray(case["q"], np.float64)
     T, hq, d = q.shape
     n_pages, page_size, width = np.shape(case["kc"])
@@ -105,9 +107,14 @@ def naive_attention(case, *, sm_scale, sliding_window=None, soft_cap=None):
         if sliding_window is not None:
             mask &= pos[None, :] > qpos[:, None] - sliding_window
         s = np.where(mask[None], s, -np.inf)
+        if sinks is not None:
+            sink = np.broadcast_to(np.asarray(sinks, np.float64)[:, None, None], (hq, n, 1))
+            s = np.concatenate([s, sink], axis=-1)
         s = s - s.max(-1, keepdims=True)
         p = np.exp(s)
         p /= p.sum(-1, keepdims=True)
+        if sinks is not None:
+            p = p[..., :-1]  # the sink has no value
         out[qsl[r] : qsl[r] + n] = np.einsum("hqk,khd->qhd", p, V)
     return out
 
@@ -152,11 +159,19 @@ def random_reqs(rng, kind, *, page_size, max_tokens, max_reqs, max_kv, max_q=64)
     return reqs
 
 
-def assert_close_to_naive(out, case, *, atol, sm_scale, sliding_window=None, soft_cap=None):
+def random_sinks(hq, seed=0):
+    """[Hq] float32 sink logits spread so that some heads' sinks dominate their scores, some
+    are comparable and some negligible (scores here are O(1), up to ~5)."""
+    rng = np.random.default_rng(seed)
+    return (rng.uniform(-4.0, 6.0, hq)).astype(np.float32)
+
+
+def assert_close_to_naive(out, case, *, atol, sm_scale, sliding_window=None, soft_cap=None,
+                          sinks=None):
     assert out.shape == case["q"].shape and out.dtype == case["q"].dtype
     got = np.asarray(out, np.float64)
     want = naive_attention(case, sm_scale=sm_scale, sliding_window=sliding_window,
-                           soft_cap=soft_cap)
+                           soft_cap=soft_cap, sinks=sinks)
     assert np.all(np.isfinite(got))
     err = np.abs(got - want).max()
     assert err <= atol, f"max abs err {err} > {atol} for reqs {case['reqs']}"

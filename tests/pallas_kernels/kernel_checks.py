@@ -57,16 +57,19 @@ def random_batches(cfg: dict, n: int, seed0: int):
         )
 
 
-def check_random_batches(attn, cfg: dict, n: int, seed0: int, **static):
-    """attn(q, kc, vc, md, sm_scale=..., **static) on n random batches; returns errors."""
+def check_random_batches(attn, cfg: dict, n: int, seed0: int, sinks=None, **static):
+    """attn(q, kc, vc, md, sm_scale=..., **static) on n random batches (with `sinks=` when
+    given: [Hq] attention-sink logits); returns errors."""
     errs = []
     sm_scale = 1.0 / math.sqrt(cfg["d"])
+    extra = {} if sinks is None else {"sinks": jnp.asarray(sinks)}
     for _, case in random_batches(cfg, n, seed0):
         out = attn(jnp.asarray(case["q"]), jnp.asarray(case["kc"]), jnp.asarray(case["vc"]),
-                   case["md"], sm_scale=sm_scale, **static)
+                   case["md"], sm_scale=sm_scale, **static, **extra)
         errs.append(assert_close_to_naive(
             out, case, atol=TOL[cfg["dtype"]], sm_scale=sm_scale,
-            sliding_window=static.get("sliding_window"), soft_cap=static.get("soft_cap")))
+            sliding_window=static.get("sliding_window"), soft_cap=static.get("soft_cap"),
+            sinks=sinks))
     return errs
 
 

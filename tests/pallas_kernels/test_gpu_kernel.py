@@ -18,7 +18,7 @@ import pytest
 from jaxserve.pallas_kernels import ragged_paged_attention
 from jaxserve.pallas_kernels.ragged_paged_attention import ops as attn_ops
 from jaxserve.pallas_kernels.ragged_paged_attention.gpu import ragged_paged_attention_gpu
-from tests.pallas_kernels.attention_cases import assert_close_to_naive, make_case
+from tests.pallas_kernels.attention_cases import assert_close_to_naive, make_case, random_sinks
 from tests.pallas_kernels.kernel_checks import (
     check_random_batches,
     query_length_sweep_cases,
@@ -65,6 +65,17 @@ def test_sliding_window_soft_cap_and_splits(impl):
         attn = functools.partial(kernel_jit, kv_splits=splits, chunk_pages=1, interpret=interp)
         check_random_batches(attn, cfg, n=3, seed0=7 + (window or 0), sliding_window=window,
                              soft_cap=cap)
+
+
+@pytest.mark.parametrize("window,splits", [(7, 3), (None, 1)], ids=["w7-3-splits", "full-1-split"])
+def test_sinks(window, splits, impl):
+    # Attention sinks (gpt-oss) join the splits' combine: several splits and one, with a
+    # sliding window and without; GQA 3 padded to 4 heads (the padded head has no sink).
+    cfg = CONFIGS["gqa3-d64-p16-f32"]
+    attn = functools.partial(kernel_jit, kv_splits=splits, chunk_pages=1,
+                             interpret=impl == "gpu-interpret")
+    check_random_batches(attn, cfg, n=2, seed0=31, sinks=random_sinks(cfg["hq"], seed=6),
+                         sliding_window=window)
 
 
 def test_query_lengths_1_to_64(impl):

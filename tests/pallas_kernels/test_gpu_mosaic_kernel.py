@@ -23,7 +23,7 @@ from jaxserve.pallas_kernels import ragged_paged_attention
 from jaxserve.pallas_kernels.ragged_paged_attention import gpu_blocks, gpu_mosaic
 from jaxserve.pallas_kernels.ragged_paged_attention import ops as attn_ops
 
-from tests.pallas_kernels.attention_cases import assert_close_to_naive, make_case
+from tests.pallas_kernels.attention_cases import assert_close_to_naive, make_case, random_sinks
 from tests.pallas_kernels.kernel_checks import check_random_batches, tiny_llama_run
 
 STATIC = ("sm_scale", "sliding_window", "soft_cap", "impl", "chunk_pages", "interpret")
@@ -90,6 +90,16 @@ def test_sliding_window_soft_cap_splits_and_small_pages(impl):
     cfg = dict(hq=3, hkv=1, d=64, page_size=8, dtype=jnp.bfloat16)
     attn = functools.partial(kernel_jit, kv_splits=3, interpret=impl.endswith("interpret"))
     check_random_batches(attn, cfg, n=1, seed0=11, sliding_window=7, soft_cap=2.0)
+
+
+def test_sinks_with_sliding_window(impl):
+    """Attention sinks (gpt-oss) join both kernels' split combines: decode rows in 3 splits,
+    prefill blocks in one (the combine still folds the sink in), GQA 3 padded (no sink on the
+    padded rows), a sliding window."""
+    cfg = dict(hq=3, hkv=1, d=64, page_size=8, dtype=jnp.bfloat16)
+    attn = functools.partial(kernel_jit, kv_splits=3, interpret=impl.endswith("interpret"))
+    check_random_batches(attn, cfg, n=2, seed0=41, sinks=random_sinks(3, seed=7),
+                         sliding_window=7)
 
 
 def test_interpret_mapping_and_refusals():

@@ -15,7 +15,7 @@ from jaxserve.pallas_kernels.ragged_paged_attention import ops as attn_ops
 from jaxserve.pallas_kernels.ragged_paged_attention.reference import (
     ragged_paged_attention_reference,
 )
-from tests.pallas_kernels.attention_cases import make_case, naive_attention
+from tests.pallas_kernels.attention_cases import make_case, naive_attention, random_sinks
 
 STATIC = ("sm_scale", "sliding_window", "soft_cap", "impl", "chunk_pages")
 attn_jit = jax.jit(ragged_paged_attention, static_argnames=STATIC)
@@ -29,12 +29,15 @@ ref_jit = jax.jit(
 
 
 def check(case, *, atol=1e-5, sliding_window=None, soft_cap=None, chunk_pages=None, sm_scale=None,
-          **ref_knobs):
+          sinks=None, **ref_knobs):
     """Compare with the naive attention; ref_knobs (query_block, dense_step) call the reference
-    implementation directly, otherwise the public op is called."""
+    implementation directly, otherwise the public op is called. `sinks` ([Hq]) is passed as an
+    array (traced) when given."""
     d = case["q"].shape[-1]
     sm_scale = sm_scale or 1.0 / math.sqrt(d)
-    fn, extra = (ref_jit, ref_knobs) if ref_knobs else (attn_jit, {})
+    fn, extra = (ref_jit, dict(ref_knobs)) if ref_knobs else (attn_jit, {})
+    if sinks is not None:
+        extra["sinks"] = jnp.asarray(sinks)
     out = fn(
         jnp.asarray(case["q"]),
         jnp.asarray(case["kc"]),
@@ -49,7 +52,7 @@ def check(case, *, atol=1e-5, sliding_window=None, soft_cap=None, chunk_pages=No
     assert out.shape == case["q"].shape and out.dtype == case["q"].dtype
     got = np.asarray(out, np.float64)
     want = naive_attention(
-        case, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap
+        case, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks
     )
     assert np.all(np.isfinite(got))
     np.testing.assert_allclose(got, want, atol=atol, rtol=0)
@@ -144,6 +147,47 @@ def test_bfloat16():
     case = make_case(reqs, hq=6, hkv=2, r_pad=4, t_pad=64, dtype=jnp.bfloat16, seed=5)
     # (One compile: the window and the cap are exercised too, with a cap that bites.)
     check(case, atol=2e-2, sliding_window=10, soft_cap=3.0, sm_scale=0.5)
+
+
+# Attention sinks (gpt-oss): a decode request, a fresh prefill, chunked prefills crossing pages,
+# with and without a sliding window, on every path of the reference (several query blocks and
+# key chunks; this step's keys as a dense block).
+SINK_REQS = [(0, 21), (30, 1), (15, 1), (17, 12), (64, 3), (2, 2), (49, 1)]
+
+
+@pytest.mark.parametrize(
+    "window,knobs",
+    [(None, {}), (7, dict(chunk_pages=1, query_block=6)), (16, dict(dense_step=True))],
+    ids=["full", "w7-small-chunks", "w16-dense-step"],
+)
+def test_sinks(window, knobs):
+    case = make_case(SINK_REQS, hq=6, hkv=2, page_size=8, r_pad=8, t_pad=48, seed=21)
+    sinks = random_sinks(6, seed=3)
+    got = check(case, sliding_window=window, sinks=sinks, **knobs)
+    # The sinks matter here (the test would catch an implementation that dropped them).
+    plain = naive_attention(case, sm_scale=0.125, sliding_window=window)
+    assert np.abs(got - plain).max() > 0.1
+
+
+def test_sinks_are_an_input_not_a_constant():
+    # One executable for every sink value; a sink of -inf is no sink at all; a huge sink drains
+    # the attention to zero (the probabilities go to the sink, which has no value).
+    case = make_case(SINK_REQS, hq=6, hkv=2, page_size=8, r_pad=8, t_pad=48, seed=22)
+    check(case, sinks=random_sinks(6, seed=4))
+    size = attn_jit._cache_size()
+    got = check(case, sinks=np.full(6, -np.inf, np.float32))
+    np.testing.assert_allclose(got, naive_attention(case, sm_scale=0.125), atol=1e-5, rtol=0)
+    got = check(case, sinks=np.array([40.0, 0.0, 0.0, 0.0, 0.0, 40.0], np.float32))
+    assert np.abs(got[:, [0, 5]]).max() < 1e-9 and np.abs(got[:, 1:5]).max() > 0.1
+    assert attn_jit._cache_size() == size, "a new sink value recompiled the op"
+
+
+def test_sinks_validation():
+    case = make_case([(3, 2)], r_pad=2, t_pad=4, seed=4)
+    args = (jnp.asarray(case["q"]), jnp.asarray(case["kc"]), jnp.asarray(case["vc"]), case["md"])
+    for bad in (jnp.zeros(3), jnp.zeros((4, 1)), jnp.zeros(4, jnp.int32)):
+        with pytest.raises(ValueError, match="sinks must be a floating"):
+            ragged_paged_attention(*args, sm_scale=0.1, sinks=bad, impl="reference")
 
 
 def test_all_padding_batch():

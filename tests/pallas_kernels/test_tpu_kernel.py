@@ -19,7 +19,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jaxserve.pallas_kernels import ragged_paged_attention
 from jaxserve.pallas_kernels.ragged_paged_attention import ops as attn_ops
 from jaxserve.pallas_kernels.ragged_paged_attention.tpu import ragged_paged_attention_tpu
-from tests.pallas_kernels.attention_cases import assert_close_to_naive, make_case
+from tests.pallas_kernels.attention_cases import assert_close_to_naive, make_case, random_sinks
 from tests.pallas_kernels.kernel_checks import (
     check_random_batches,
     query_length_sweep_cases,
@@ -69,6 +69,16 @@ def test_sliding_window_soft_cap_small_blocks(tpu_mode):
     check_random_batches(attn, cfg, n=2, seed0=17, sliding_window=9, soft_cap=2.0)
 
 
+@pytest.mark.parametrize("window", [None, 9])
+def test_sinks(window, tpu_mode):
+    # Attention sinks (gpt-oss), with a sliding window and without, GQA 3 (each row's sink is
+    # its query head's); small blocks: several query blocks per request and KV blocks per row.
+    cfg = CONFIGS["gqa3-d64-p16-f32"]
+    attn = functools.partial(kernel_jit, chunk_pages=1, queries_per_block=4)
+    check_random_batches(attn, cfg, n=2, seed0=23, sinks=random_sinks(cfg["hq"], seed=5),
+                         sliding_window=window)
+
+
 def test_query_lengths_1_to_64(tpu_mode):
     cfg = CONFIGS["gqa1-d64-p8-f32"]
     for case in query_length_sweep_cases(cfg, seed=6):
@@ -105,15 +115,19 @@ def v5e_target():
         tpu_info.registry.pop(kind, None)
 
 
-@pytest.mark.parametrize("dtype,d,hkv", [(jnp.float32, 64, 2), (jnp.bfloat16, 128, 2)])
-def test_lowers_to_mosaic(dtype, d, hkv, v5e_target):
-    """Pallas -> Mosaic MLIR (scalar prefetch, DMAs, semaphores) for a TPU target, on any host.
-    Mosaic's own layout passes run only when a TPU compiles the kernel."""
+@pytest.mark.parametrize("dtype,d,hkv,sinks", [(jnp.float32, 64, 2, False),
+                                               (jnp.bfloat16, 128, 2, False),
+                                               (jnp.bfloat16, 128, 2, True)])
+def test_lowers_to_mosaic(dtype, d, hkv, sinks, v5e_target):
+    """Pallas -> Mosaic MLIR (scalar prefetch, DMAs, semaphores) for a TPU target, on any host,
+    with attention sinks too. Mosaic's own layout passes run only when a TPU compiles the
+    kernel."""
     case = make_case([(20, 1), (0, 12)], page_size=16, hq=4 * hkv, hkv=hkv, d=d, r_pad=4,
                      t_pad=16)
     args = [jnp.asarray(case[k], dtype) for k in ("q", "kc", "vc")] + [case["md"]]
-    lowered = kernel_jit.trace(*args, sm_scale=0.1, sliding_window=8, soft_cap=5.0).lower(
-        lowering_platforms=("tpu",))
+    extra = dict(sinks=jnp.zeros(4 * hkv, jnp.float32)) if sinks else {}
+    lowered = kernel_jit.trace(*args, sm_scale=0.1, sliding_window=8, soft_cap=5.0,
+                               **extra).lower(lowering_platforms=("tpu",))
     assert "tpu_custom_call" in lowered.as_text()
 
 

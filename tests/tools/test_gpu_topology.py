@@ -55,14 +55,15 @@ def _devices(chip: str):
 
 
 def _kernel_program(devices, impl: str, *, page_size: int = 16, head_dim: int = 128,
-                    cache_dtype=jnp.bfloat16, **knobs):
-    """Attention kernel `impl` in a shard_map over KV heads on 4 GPUs, compiled for them."""
+                    cache_dtype=jnp.bfloat16, sinks: bool = False, **knobs):
+    """Attention kernel `impl` in a shard_map over KV heads on 4 GPUs, compiled for them
+    (`sinks`: with attention sinks, [Hq] split like the query heads)."""
     from jaxserve.pallas_kernels import AttentionMetadata, ragged_paged_attention
     from jaxserve.pallas_kernels.ragged_paged_attention import gpu
 
     mesh = Mesh(np.array(devices[:4]).reshape(1, 4), ("data", "model"))
     T, R, Hq, Hkv, D, N, Pg = 64, 8, 16, 8, head_dim, 256, 16
-    heads, cache = P(None, "model", None), P(None, None, "model", None)
+    heads, cache = P(None, "model", None), P(None, None, "model")  # cache [N, ps, Hkv * D]
 
     def sd(shape, dtype, spec=None):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec or P()))
@@ -75,28 +76,30 @@ def _kernel_program(devices, impl: str, *, page_size: int = 16, head_dim: int = 
         slot_mapping=sd((T,), jnp.int32),
     )
 
-    def local(q, kc, vc, md):
+    def local(q, kc, vc, md, *sink):
         if knobs:  # the Triton kernel's own knobs
             return gpu.ragged_paged_attention_gpu(q, kc, vc, md, sm_scale=0.1, **knobs)
         return ragged_paged_attention(
-            q, kc, vc, md, sm_scale=0.1, sliding_window=128, soft_cap=30.0, impl=impl
+            q, kc, vc, md, sm_scale=0.1, sliding_window=128, soft_cap=30.0, impl=impl,
+            sinks=sink[0] if sink else None,
         )
 
-    def f(q, kc, vc, md):
+    def f(q, kc, vc, md, *sink):
         return jax.shard_map(
             local,
             mesh=mesh,
-            in_specs=(heads, cache, cache, jax.tree.map(lambda _: P(), md)),
+            in_specs=(heads, cache, cache, jax.tree.map(lambda _: P(), md),
+                      *((P("model"),) if sinks else ())),
             out_specs=heads,
             check_vma=False,
-        )(q, kc, vc, md)
+        )(q, kc, vc, md, *sink)
 
     args = (
         sd((T, Hq, D), jnp.bfloat16, heads),
-        sd((N, page_size, Hkv, D), cache_dtype, cache),
-        sd((N, page_size, Hkv, D), cache_dtype, cache),
+        sd((N, page_size, Hkv * D), cache_dtype, cache),
+        sd((N, page_size, Hkv * D), cache_dtype, cache),
         md,
-    )
+    ) + ((sd((Hq,), jnp.float32, P("model")),) if sinks else ())
     return jax.jit(f).lower(*args).compile()
 
 
@@ -113,6 +116,20 @@ def test_attention_kernels_compile_for_gpu(chip, impl):
         (KERNEL_TARGETS[impl], name) for name in KERNEL_NAMES[impl]
     ], kernels
     assert compiled.memory_analysis().argument_size_in_bytes > 0
+
+
+@pytest.mark.parametrize("impl", list(KERNEL_TARGETS))
+def test_attention_kernels_compile_for_h100_with_sinks(impl):
+    """Attention sinks (gpt-oss; [Hq] split like the query heads) join the splits' combine:
+    the same GPU kernels compile for H100, with the sliding window."""
+    from jaxserve.tools import hlo_ops
+
+    devices, _, _ = _devices("h100")
+    compiled = _kernel_program(devices, impl, sinks=True)
+    _, kernels = hlo_ops.parse(compiled.as_text())
+    assert sorted((k.target, k.name) for k in kernels) == [
+        (KERNEL_TARGETS[impl], name) for name in KERNEL_NAMES[impl]
+    ], kernels
 
 
 @pytest.mark.parametrize("impl", list(KERNEL_TARGETS))

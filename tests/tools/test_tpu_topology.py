@@ -31,28 +31,35 @@ def _devices(topology: str):
     return target_devices({"kind": "tpu", "topology": topology})
 
 
-def _kernel_program(devices, *, page_size: int, cache_dtype=jnp.bfloat16):
-    """The TPU kernel in a shard_map over KV heads on a 4-chip mesh, lowered for the chips."""
+def _kernel_program(devices, *, page_size: int, cache_dtype=jnp.bfloat16, sinks: bool = False):
+    """The TPU kernel in a shard_map over KV heads on a 4-chip mesh, lowered for the chips
+    (`sinks`: with attention sinks, [Hq] split like the query heads)."""
     from jaxserve.pallas_kernels import AttentionMetadata
     from jaxserve.pallas_kernels.ragged_paged_attention import tpu
 
     mesh = Mesh(np.array(devices[:4]).reshape(1, 4), ("data", "model"))
     T, R, Hq, Hkv, D, N, Pg = 64, 8, 16, 8, 128, 256, 16
-    heads, cache = P(None, "model", None), P(None, None, "model", None)
+    heads, cache = P(None, "model", None), P(None, None, "model")  # cache [N, ps, Hkv * D]
     sd = lambda shape, dtype, spec=P(): jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))  # noqa: E731
     md = AttentionMetadata(block_tables=sd((R, Pg), jnp.int32), kv_lens=sd((R,), jnp.int32),
                            query_start_loc=sd((R + 1,), jnp.int32), num_seqs=sd((), jnp.int32),
                            slot_mapping=sd((T,), jnp.int32))
 
-    def local(q, kc, vc, md):
-        return tpu.ragged_paged_attention_tpu(q, kc, vc, md, sm_scale=0.1, sliding_window=128, soft_cap=30.0)
+    def local(q, kc, vc, md, *sink):
+        return tpu.ragged_paged_attention_tpu(q, kc, vc, md, sm_scale=0.1, sliding_window=128, soft_cap=30.0,
+                                              sinks=sink[0] if sink else None)
 
-    def f(q, kc, vc, md):
-        return jax.shard_map(local, mesh=mesh, in_specs=(heads, cache, cache, jax.tree.map(lambda _: P(), md)),
-                             out_specs=heads, check_vma=False)(q, kc, vc, md)
+    sink_specs = (P("model"),) if sinks else ()
 
-    args = (sd((T, Hq, D), jnp.bfloat16, heads), sd((N, page_size, Hkv, D), cache_dtype, cache),
-            sd((N, page_size, Hkv, D), cache_dtype, cache), md)
+    def f(q, kc, vc, md, *sink):
+        return jax.shard_map(local, mesh=mesh,
+                             in_specs=(heads, cache, cache, jax.tree.map(lambda _: P(), md), *sink_specs),
+                             out_specs=heads, check_vma=False)(q, kc, vc, md, *sink)
+
+    args = (sd((T, Hq, D), jnp.bfloat16, heads), sd((N, page_size, Hkv * D), cache_dtype, cache),
+            sd((N, page_size, Hkv * D), cache_dtype, cache), md)
+    if sinks:
+        args += (sd((Hq,), jnp.float32, P("model")),)
     return jax.jit(f).lower(*args).compile()
 
 
@@ -63,6 +70,14 @@ def test_attention_kernel_compiles_for_tpu(topology):
     compiled = _kernel_program(devices, page_size=16)
     assert "tpu_custom_call" in compiled.as_text()
     assert compiled.memory_analysis().argument_size_in_bytes > 0
+
+
+def test_attention_kernel_compiles_for_v6e_with_sinks():
+    """Attention sinks (gpt-oss: a [Hq] input split like the query heads, each row's softmax
+    starting from its head's sink): Mosaic compiles the kernel for v6e, sliding window included."""
+    devices, _, _ = _devices("v6e:2x2")
+    compiled = _kernel_program(devices, page_size=16, sinks=True)
+    assert "tpu_custom_call" in compiled.as_text()
 
 
 def test_attention_kernel_compiles_for_v6e_with_fp8_pages():

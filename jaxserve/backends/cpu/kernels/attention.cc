@@ -5,6 +5,10 @@
 // p = kv_lens[r] - (query_start_loc[r + 1] - t) and attends to positions j <= p of its request
 // (and j > p - W with a sliding window W), read from the paged cache through the block table.
 // Query head h reads KV head h / G (G = Hq / Hkv). Padding tokens output zeros.
+// Attention sinks (optional, gpt-oss): a last argument sinks [Hq] float32 (the handlers take
+// it as a remaining argument, so a call without it is unchanged); head h's sink is one more
+// score with no value, joining the softmax's denominator: each row's online softmax starts from
+// (max, sum) = (sinks[h], 1) instead of (-inf, 0).
 //
 // Work items are (request, block of up to kQueryBlock consecutive queries), spread over the
 // cores (parallel.h). An item takes its KV heads one after another: for each, it holds the G
@@ -85,6 +89,7 @@ struct Problem {
   const int32_t* block_tables;  // [R, pages_per_row]
   const int32_t* kv_lens;       // [R]
   const int32_t* query_start_loc;  // [R + 1]
+  const float* sinks;    // [Hq] attention-sink logits, or nullptr
   float* out;            // [T, Hq, D]
   int64_t pages_per_row, page_size, hq, hkv, d, g;
   float sm_scale, soft_cap;  // soft_cap <= 0: none
@@ -132,8 +137,13 @@ void run_item(const Problem& p, const WorkItem& w, std::vector<float>& scratch) 
     }
   }
   std::fill(acc, acc + rows * D, 0.0f);
-  std::fill(m, m + rows, kNegInf);
-  std::fill(l, l + rows, 0.0f);
+  if (p.sinks != nullptr) {  // the sink is one more score, of value zero
+    for (int i = 0; i < rows; ++i) m[i] = p.sinks[w.h * G + i % G];
+    std::fill(l, l + rows, 1.0f);
+  } else {
+    std::fill(m, m + rows, kNegInf);
+    std::fill(l, l + rows, 0.0f);
+  }
 
   const int32_t lo = p.window > 0 ? std::max(0, pos[0] - p.window + 1) : 0;
   const int32_t hi = pos[nt - 1] + 1;
@@ -262,7 +272,8 @@ ffi::Error attend(const float* q, ffi::Span<const int64_t> qd, const void* k_cac
                   const void* v_cache, ffi::Span<const int64_t> kd, ffi::DataType et,
                   ffi::Buffer<ffi::S32>& block_tables, ffi::Buffer<ffi::S32>& kv_lens,
                   ffi::Buffer<ffi::S32>& query_start_loc, ffi::Buffer<ffi::S32>& num_seqs,
-                  float* out, float sm_scale, int32_t sliding_window, float soft_cap) {
+                  float* out, float sm_scale, int32_t sliding_window, float soft_cap,
+                  const ffi::RemainingArgs& extra) {
   const auto btd = block_tables.dimensions();
   // q [T, Hq, D]; the caches [N, page_size, Hkv * D] (a token's KV heads in one row).
   if (qd.size() != 3 || kd.size() != 3 || btd.size() != 2 || qd[2] <= 0 || kd[2] % qd[2] != 0) {
@@ -273,6 +284,15 @@ ffi::Error attend(const float* q, ffi::Span<const int64_t> qd, const void* k_cac
         "ragged_paged_attention: caches must be f32, bf16, f8e4m3fn or s8");
   }
   Problem p;
+  p.sinks = nullptr;
+  if (!extra.empty()) {  // sinks [Hq]
+    auto sinks = extra.get<ffi::Buffer<ffi::F32>>(0);
+    if (extra.size() != 1 || !sinks.has_value() ||
+        sinks->element_count() != static_cast<size_t>(qd[1])) {
+      return ffi::Error::InvalidArgument("ragged_paged_attention: sinks must be f32 [Hq]");
+    }
+    p.sinks = sinks->typed_data();
+  }
   p.q = q;
   p.k_cache = k_cache;
   p.v_cache = v_cache;
@@ -323,6 +343,7 @@ ffi::Error RaggedPagedAttentionImpl(ffi::Buffer<ffi::F32> q,
                                     ffi::Buffer<ffi::S32> kv_lens,
                                     ffi::Buffer<ffi::S32> query_start_loc,
                                     ffi::Buffer<ffi::S32> num_seqs,
+                                    ffi::RemainingArgs extra,
                                     ffi::ResultBuffer<ffi::F32> out, float sm_scale,
                                     int32_t sliding_window, float soft_cap) {
   if (k_cache.element_type() != v_cache.element_type()) {
@@ -331,7 +352,7 @@ ffi::Error RaggedPagedAttentionImpl(ffi::Buffer<ffi::F32> q,
   return attend(q.typed_data(), q.dimensions(), k_cache.untyped_data(),
                 v_cache.untyped_data(), k_cache.dimensions(),
                 k_cache.element_type(), block_tables, kv_lens, query_start_loc, num_seqs,
-                out->typed_data(), sm_scale, sliding_window, soft_cap);
+                out->typed_data(), sm_scale, sliding_window, soft_cap, extra);
 }
 
 // Writes this step's K/V rows (k, v: [T, Hkv, D] in the caches' dtype) at `slot_mapping` into
@@ -343,6 +364,7 @@ ffi::Error WriteKvAndAttendImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
                                 ffi::Buffer<ffi::S32> query_start_loc,
                                 ffi::Buffer<ffi::S32> num_seqs,
                                 ffi::Buffer<ffi::S32> slot_mapping,
+                                ffi::RemainingArgs extra,
                                 ffi::ResultBuffer<ffi::F32> out,
                                 ffi::Result<ffi::AnyBuffer> k_cache,
                                 ffi::Result<ffi::AnyBuffer> v_cache, float sm_scale,
@@ -372,7 +394,7 @@ ffi::Error WriteKvAndAttendImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
   }
   return attend(q.typed_data(), q.dimensions(), kc, vc, kd, et, block_tables, kv_lens,
                 query_start_loc, num_seqs,
-                out->typed_data(), sm_scale, sliding_window, soft_cap);
+                out->typed_data(), sm_scale, sliding_window, soft_cap, extra);
 }
 
 // The whole attention block of a decoder layer after the q/k/v product: qkv [T, Hq + 2 Hkv, D]
@@ -387,6 +409,7 @@ ffi::Error RopeWriteKvAndAttendImpl(ffi::Buffer<ffi::F32> qkv, ffi::Buffer<ffi::
                                     ffi::Buffer<ffi::S32> query_start_loc,
                                     ffi::Buffer<ffi::S32> num_seqs,
                                     ffi::Buffer<ffi::S32> slot_mapping,
+                                    ffi::RemainingArgs extra,
                                     ffi::ResultBuffer<ffi::F32> out,
                                     ffi::Result<ffi::AnyBuffer> k_cache,
                                     ffi::Result<ffi::AnyBuffer> v_cache, float sm_scale,
@@ -457,7 +480,7 @@ ffi::Error RopeWriteKvAndAttendImpl(ffi::Buffer<ffi::F32> qkv, ffi::Buffer<ffi::
     }
   }
   return attend(q_buf.data(), od, kc, vc, kd, et, block_tables, kv_lens, query_start_loc,
-                num_seqs, out->typed_data(), sm_scale, sliding_window, soft_cap);
+                num_seqs, out->typed_data(), sm_scale, sliding_window, soft_cap, extra);
 }
 
 }  // namespace
@@ -471,6 +494,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRaggedPagedAttention, RaggedPagedAttention
                                   .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens
                                   .Arg<ffi::Buffer<ffi::S32>>()  // query_start_loc
                                   .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs
+                                  .RemainingArgs()               // sinks [Hq] f32, optional
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out
                                   .Attr<float>("sm_scale")
                                   .Attr<int32_t>("sliding_window")
@@ -488,6 +512,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveWriteKvAndAttend, WriteKvAndAttendImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // query_start_loc
                                   .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs
                                   .Arg<ffi::Buffer<ffi::S32>>()  // slot_mapping
+                                  .RemainingArgs()               // sinks [Hq] f32, optional
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out
                                   .Ret<ffi::AnyBuffer>()         // k_cache
                                   .Ret<ffi::AnyBuffer>()         // v_cache
@@ -507,6 +532,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRopeWriteKvAndAttend, RopeWriteKvAndAttend
                                   .Arg<ffi::Buffer<ffi::S32>>()  // query_start_loc
                                   .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs
                                   .Arg<ffi::Buffer<ffi::S32>>()  // slot_mapping
+                                  .RemainingArgs()               // sinks [Hq] f32, optional
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out [T, Hq, D]
                                   .Ret<ffi::AnyBuffer>()         // k_cache
                                   .Ret<ffi::AnyBuffer>()         // v_cache

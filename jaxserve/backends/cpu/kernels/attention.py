@@ -6,7 +6,8 @@ small batched products (about 150 ms of a 250 ms SmolLM2 step at 32 requests). T
 reads each key and value row once per (request, KV head, block of up to 16 queries) straight
 from the paged cache, keeps an online softmax per row in float32 with AVX-512 or AVX2 inner loops
 (portable loops elsewhere), and spreads its work items over the cores (`parallel.h`).
-Semantics are the reference's (`reference.py`), sliding window and soft cap included; q may be
+Semantics are the reference's (`reference.py`), sliding window, soft cap and attention sinks
+(`sinks=`, [Hq] float32: the kernel's optional last argument, absent without sinks) included; q may be
 float32 or bfloat16 (computed in float32), the caches float32 or bfloat16, or fp8 (e4m3) or int8
 pages, widened to float32 as they are read. How the library is
 built and loaded: `__init__.py`; without a C++ compiler, `supports()` raises and `impl="auto"`
@@ -61,12 +62,13 @@ def ragged_paged_attention_cpu(
     soft_cap: float | None = None,
     chunk_pages: int | None = None,  # noqa: ARG001 - the kernel picks its own chunking
     target: str | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """The op on the native CPU kernel. Same arguments and result as the reference."""
     supports(q, k_cache, target)
     out = jax.ffi.ffi_call(kernels.ffi_target(TARGET, target),
                            jax.ShapeDtypeStruct(q.shape, jnp.float32))(
-        q.astype(jnp.float32), k_cache, v_cache, *_metadata(md),
+        q.astype(jnp.float32), k_cache, v_cache, *_metadata(md), *_sinks(sinks),
         **_attrs(sm_scale, sliding_window, soft_cap))
     return out.astype(q.dtype)
 
@@ -83,6 +85,7 @@ def write_kv_and_attend_cpu(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     target: str | None = None,
+    sinks: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`write_kv` then the op, in one kernel call that updates the caches in place (aliased).
 
@@ -98,7 +101,7 @@ def write_kv_and_attend_cpu(
          jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)),
         input_output_aliases={3: 1, 4: 2},
     )(q.astype(jnp.float32), k.astype(k_cache.dtype), v.astype(v_cache.dtype), k_cache, v_cache,
-      *_metadata(md), md.slot_mapping.astype(jnp.int32),
+      *_metadata(md), md.slot_mapping.astype(jnp.int32), *_sinks(sinks),
       **_attrs(sm_scale, sliding_window, soft_cap))
     return out.astype(q.dtype), k_cache, v_cache
 
@@ -116,6 +119,7 @@ def rope_write_kv_and_attend_cpu(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     target: str | None = None,
+    sinks: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """A decoder layer's attention after its fused q/k/v product, in one kernel call.
 
@@ -141,7 +145,7 @@ def rope_write_kv_and_attend_cpu(
         input_output_aliases={3: 1, 4: 2},
     )(qkv.astype(jnp.float32).reshape(T, num_heads + 2 * hkv, d), cos.astype(jnp.float32),
       sin.astype(jnp.float32), k_cache, v_cache, *_metadata(md), md.slot_mapping.astype(jnp.int32),
-      **_attrs(sm_scale, sliding_window, soft_cap))
+      *_sinks(sinks), **_attrs(sm_scale, sliding_window, soft_cap))
     return out, k_cache, v_cache
 
 
@@ -149,6 +153,11 @@ def _metadata(md: AttentionMetadata) -> tuple[jax.Array, ...]:
     i32 = lambda x: x.astype(jnp.int32)  # noqa: E731
     return (i32(md.block_tables), i32(md.kv_lens), i32(md.query_start_loc),
             i32(md.num_seqs).reshape(()))
+
+
+def _sinks(sinks) -> tuple[jax.Array, ...]:
+    """The kernel's optional last argument: (sinks [Hq] float32,), or nothing at all."""
+    return () if sinks is None else (sinks.astype(jnp.float32),)
 
 
 def _attrs(sm_scale, sliding_window, soft_cap) -> dict:
