@@ -103,11 +103,11 @@ def test_sinks_with_sliding_window(impl):
 
 
 def test_interpret_mapping_and_refusals():
-    q, k = jnp.zeros((4, 4, 64), jnp.bfloat16), jnp.zeros((8, 16, 1, 64), jnp.bfloat16)
+    q, k = jnp.zeros((4, 4, 64), jnp.bfloat16), jnp.zeros((8, 16, 64), jnp.bfloat16)
     assert attn_ops.dispatch_name("gpu-mosaic", q, k, interpret=True) == "gpu-mosaic-interpret"
     with pytest.raises(ValueError, match=r"head dims \(64, 128\).*D=256"):  # it would spill
         gpu_mosaic.supports(
-            jnp.zeros((1, 4, 256), jnp.bfloat16), jnp.zeros((2, 16, 1, 256), jnp.bfloat16)
+            jnp.zeros((1, 4, 256), jnp.bfloat16), jnp.zeros((2, 16, 256), jnp.bfloat16)
         )
     with pytest.raises(ValueError, match="bfloat16, float16, fp8 or int8"):
         gpu_mosaic.supports(q.astype(jnp.float32), k.astype(jnp.float32))
@@ -148,7 +148,7 @@ def test_auto_takes_mosaic_gpu_on_hopper_and_triton_elsewhere(monkeypatch, caplo
     assert attn_ops.resolve_impl("auto", "gpu", _gpus("9.0")) == "gpu-mosaic"
     assert attn_ops.resolve_impl("gpu", "gpu", _gpus("9.0")) == "gpu"
     hopper = dict(backend="gpu", devices=_gpus("9.0"))
-    q, k = jnp.zeros((4, 8, 128), jnp.bfloat16), jnp.zeros((8, 16, 2, 128), jnp.bfloat16)
+    q, k = jnp.zeros((4, 8, 128), jnp.bfloat16), jnp.zeros((8, 16, 2 * 128), jnp.bfloat16)
     fp8 = k.astype(jnp.float8_e4m3fn)
     assert attn_ops.dispatch_name("auto", q, k, **hopper) == "gpu-mosaic"
     assert attn_ops.dispatch_name("auto", q, fp8, **hopper) == "gpu-mosaic"
@@ -156,7 +156,7 @@ def test_auto_takes_mosaic_gpu_on_hopper_and_triton_elsewhere(monkeypatch, caplo
     with caplog.at_level(logging.WARNING):
         f32 = attn_ops.dispatch_name("auto", q.astype(jnp.float32), k.astype(jnp.float32),
                                      **hopper)
-        odd = attn_ops.dispatch_name("auto", q[..., :96], k[..., :96], **hopper)
+        odd = attn_ops.dispatch_name("auto", q[..., :96], k[..., :2 * 96], **hopper)
     assert (f32, odd) == ("gpu", "reference")
     text = caplog.text
     assert "gpu-mosaic kernel unsupported here" in text and "; using gpu" in text

@@ -265,6 +265,9 @@ def test_per_layer_caches_with_write_kv():
 
 
 def test_dispatch():
+    # The CPU backend registers its kernel when it is loaded (the op's layer is below it).
+    import jaxserve.backends.cpu.kernels.attention  # noqa: F401
+
     assert attn_ops.resolve_impl("reference") == "reference"
     # On the CPU "auto" names the native kernel (which falls back to the reference when it
     # cannot be built; tests/pallas_kernels/test_cpu_kernel.py).

@@ -167,13 +167,13 @@ def test_the_compilers_refuse_broken_kernel_configurations():
     assert does_not_fit_record(refused.value, memory) is None
     with pytest.raises(ValueError, match=r"head dims \(64, 128\)"):
         _kernel_program(devices, "gpu-mosaic", head_dim=512)
-    cache = jax.ShapeDtypeStruct((4, 16, 2, 96), jnp.bfloat16)
+    cache = jax.ShapeDtypeStruct((4, 16, 2 * 96), jnp.bfloat16)
     with pytest.raises(ValueError, match="power-of-two head dim"):
         gpu.supports(jax.ShapeDtypeStruct((1, 4, 96), jnp.bfloat16), cache)
     with pytest.raises(ValueError, match="bfloat16, float16, fp8 or int8"):
         gpu_mosaic.supports(
             jax.ShapeDtypeStruct((1, 4, 128), jnp.float32),
-            jax.ShapeDtypeStruct((4, 16, 2, 128), jnp.float32),
+            jax.ShapeDtypeStruct((4, 16, 2 * 128), jnp.float32),
         )
 
 
