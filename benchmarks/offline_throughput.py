@@ -270,6 +270,7 @@ def main(argv=None) -> None:
     if args.devices:
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                    f" --xla_force_host_platform_device_count={args.devices}").strip()
+    import jaxserve  # noqa: F401 - before jax: pins JAX to the CPU on a host without accelerators
     import jax
 
     from jaxserve.entrypoints.llm import LLM
