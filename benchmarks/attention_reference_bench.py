@@ -20,6 +20,7 @@ import os
 import platform
 import time
 
+import jaxserve  # noqa: F401 - before jax: pins JAX to the CPU on a host without accelerators
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -27,6 +27,7 @@ import json
 import os
 import time
 
+import jaxserve  # noqa: F401 - before jax: pins JAX to the CPU on a host without accelerators
 import jax
 import jax.numpy as jnp
 

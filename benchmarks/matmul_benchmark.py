@@ -41,6 +41,7 @@ import platform
 import threading
 import time
 
+import jaxserve  # noqa: F401 - before jax: pins JAX to the CPU on a host without accelerators
 import jax
 import jax.numpy as jnp
 import ml_dtypes
