@@ -10,6 +10,15 @@ AWQ and GPTQ one scale and one zero per group of `in_block` inputs and output ch
 int4 values (0..15, unsigned as AWQ and GPTQ store them) are packed two to a byte along the
 weight's last contracted dim (element 2i in the low nibble, 2i + 1 in the high one), so a
 device holds half a byte per weight; `unpack_int4` undoes it inside the compiled product.
+
+MXFP4 (the OCP Microscaling format, as gpt-oss stores its MoE experts): 4-bit e2m1 codes
+(sign, two exponent bits, one mantissa bit: +-{0, 0.5, 1, 1.5, 2, 3, 4, 6}) packed two to a
+byte in the same nibble order as int4, and one e8m0 scale per block of `MXFP4_BLOCK` (32)
+consecutive values along the contracted dim: a uint8 exponent e meaning 2^(e - 127), 255 NaN.
+A weight is w = e2m1(code) * 2^(e - 127); no zeros. `decode_mxfp4` reads a checkpoint's
+tensors as stored; `mxfp4_device_layout` lays them out as a `QuantizedWeight` keeps them
+(codes and exponents stay uint8 on the device; `decode_e2m1` and `scale_by_e8m0` convert them
+inside the compiled product).
 """
 
 from __future__ import annotations
@@ -23,6 +32,13 @@ from jaxserve.models.weight_format import FP8_DTYPE, WeightFormat
 
 FP8_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)  # 448
 INT4_MAX = 15
+
+# MXFP4: values sharing one e8m0 scale, and the e2m1 value of each 4-bit code (bit 3 the sign).
+MXFP4_BLOCK = 32
+E8M0_BIAS = 127
+E8M0_NAN = 255
+E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                        -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
 
 
 # Values per group of `--quantization int4` (AWQ's usual 128 when it tiles the contracted dims).
@@ -73,6 +89,7 @@ def unpack_int4(packed, axis: int):
         p = np.moveaxis(packed, axis, -1)
         both = np.stack([p & 15, p >> 4], axis=-1)
         return np.moveaxis(both.reshape(*p.shape[:-1], p.shape[-1] * 2), -1, axis)
+    axis %= packed.ndim
     doubled = jnp.repeat(packed, 2, axis=axis)
     shift = (jax.lax.broadcasted_iota(jnp.uint8, doubled.shape, axis) % 2) * 4
     return (doubled >> shift) & 15
@@ -127,3 +144,73 @@ def quantize_int4_blocks(w32, split: list[int]):
     q = xp.clip(xp.round(blocks / safe) + zero, 0, INT4_MAX).astype(xp.uint8)
     grid = split[0::2]
     return q.reshape(w32.shape), scale.reshape(grid), zero.astype(xp.float32).reshape(grid)
+
+
+def decode_e2m1(codes):
+    """e2m1 codes (uint8 0..15; numpy or jax) -> their float32 values (E2M1_VALUES). On jax
+    arrays the value's float32 bits are built from the code's fields, elementwise (no table
+    gather), so XLA fuses the decoding into the product's operand."""
+    if isinstance(codes, np.ndarray):
+        return E2M1_VALUES[codes & 15]
+    c = codes.astype(jnp.uint32) & 15
+    sign = (c >> 3) << 31
+    exp = (c >> 1) & 3
+    man = c & 1
+    # exponent field 0: 0 or 0.5 (0x3F000000); else 2^(exp - 1) * (1 + man / 2)
+    normal = ((exp + 126) << 23) | (man << 22)
+    magnitude = jnp.where(exp == 0, man * jnp.uint32(0x3F000000), normal)
+    return jax.lax.bitcast_convert_type(sign | magnitude, jnp.float32)
+
+
+def scale_by_e8m0(values, exponents):
+    """float32 `values` times 2^(e - 127) for e8m0 exponents (uint8, broadcast against them;
+    numpy or jax), NaN where e is 255: exact wherever the result is a float32 (inf past its
+    range). On jax arrays the power of two is built from its bits (e << 23) and e = 0 takes
+    2^-126 times a halved value, since the devices flush the subnormal 2^-127 (and any
+    subnormal result: XLA:CPU, TPUs and GPUs alike) to zero."""
+    if isinstance(values, np.ndarray):
+        e = np.asarray(exponents).astype(np.int32)
+        with np.errstate(over="ignore", invalid="ignore"):  # inf past float32; 255: NaN below
+            w = values * np.ldexp(np.float32(1.0), e - E8M0_BIAS).astype(np.float32)
+        return np.where(e == E8M0_NAN, np.float32(np.nan), w).astype(np.float32)
+    e = exponents.astype(jnp.uint32)
+    power = jax.lax.bitcast_convert_type(jnp.maximum(e, 1) << 23, jnp.float32)
+    w = (values * jnp.where(e == 0, jnp.float32(0.5), jnp.float32(1.0))) * power
+    return jnp.where(e == E8M0_NAN, jnp.float32(jnp.nan), w)
+
+
+def decode_mxfp4(blocks, scales, dtype=np.float32):
+    """A checkpoint's MXFP4 tensor pair -> its float weights [..., rows, in] in `dtype` (numpy
+    or jax). `blocks`: uint8 [..., rows, in / 32, 16], each byte two e2m1 codes (value 2i in
+    the low nibble, 2i + 1 in the high one); `scales`: uint8 [..., rows, in / 32], one e8m0
+    exponent per block. gpt-oss stores its experts so: `mlp.experts.gate_up_proj_blocks`
+    [experts, 2 * intermediate, hidden / 32, 16] with `gate_up_proj_scales` [experts,
+    2 * intermediate, hidden / 32] (rows: gate and up interleaved, gate the even rows), and
+    `down_proj_blocks` [experts, hidden, intermediate / 32, 16] with `down_proj_scales`; rows
+    are output channels, as in a Linear weight (transformers transposes the result to [experts,
+    in, out]). Every value is exact in float32 (an e2m1 value times a power of two) except
+    beyond float32's range (inf) and, on jax arrays, below its normal range (zero)."""
+    _check_mxfp4(blocks, scales)
+    codes = unpack_int4(blocks, axis=-1)  # [..., rows, in / 32, 32]
+    w = scale_by_e8m0(decode_e2m1(codes), scales[..., None])
+    return w.reshape(*blocks.shape[:-2], -1).astype(dtype)
+
+
+def mxfp4_device_layout(blocks, scales):
+    """A checkpoint's MXFP4 pair (`decode_mxfp4`'s layout) -> (codes uint8 [..., in / 2, rows],
+    exponents uint8 [..., in / 32, rows]): the [..., in, out] weight a stacked expert's
+    `dense` spec contracts over its second-last dim ("te,xef->txf"), packed along that dim
+    (`packed_axis` -2, as int4 weights are) with one scale per block of 32 of it; the values
+    of a `QuantizedWeight` with `mxfp4` set."""
+    xp = np if isinstance(blocks, np.ndarray) else jnp
+    _check_mxfp4(blocks, scales)
+    packed = blocks.reshape(*blocks.shape[:-2], -1)  # [..., rows, in / 2]
+    return (xp.swapaxes(packed, -1, -2).astype(xp.uint8),
+            xp.swapaxes(scales, -1, -2).astype(xp.uint8))
+
+
+def _check_mxfp4(blocks, scales) -> None:
+    if blocks.ndim < 3 or blocks.shape[-1] != MXFP4_BLOCK // 2 or blocks.shape[:-1] != scales.shape:
+        raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} "
+                         f"do not pair: blocks are [..., rows, in / 32, 16], scales "
+                         f"[..., rows, in / 32]")

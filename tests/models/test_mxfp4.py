@@ -1,0 +1,109 @@
+"""MXFP4 weights (gpt-oss's experts): the decoder against a table-driven reference written from
+the OCP Microscaling spec, over every code in both nibbles and every e8m0 exponent; the packed
+device weight's product against the decoded weights' product; the experts of the MoE layer
+kept as MXFP4 against the dense MoE on the decoded weights."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.models.layers.quant import decode_mxfp4, mxfp4_device_layout
+
+# OCP MX spec v1.0: FP4 E2M1 magnitudes by code 0..7 (code 8..15: the same, negative) and the
+# E8M0 scale 2^(e - 127) with 255 NaN; written out here, independent of the decoder's table.
+SPEC_E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+
+
+def spec_value(code: int, exponent: int) -> float:
+    magnitude = SPEC_E2M1[code & 7]
+    value = -magnitude if code & 8 else magnitude
+    if exponent == 255:
+        return float("nan")
+    return value * 2.0 ** (exponent - 127)  # exact in float64
+
+
+def spec_decode(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """[..., rows, in / 32, 16] bytes (value 2i: low nibble, 2i + 1: high) -> float32 [..., rows,
+    in], one value at a time (float64, then rounded once to float32: inf past its range)."""
+    out = np.empty(blocks.shape[:-1] + (32,), np.float64)
+    for idx in np.ndindex(blocks.shape):
+        byte, e = int(blocks[idx]), int(scales[idx[:-1]])
+        out[idx[:-1] + (2 * idx[-1],)] = spec_value(byte & 15, e)
+        out[idx[:-1] + (2 * idx[-1] + 1,)] = spec_value(byte >> 4, e)
+    with np.errstate(over="ignore"):
+        return out.astype(np.float32).reshape(*blocks.shape[:-2], -1)
+
+
+def every_code_and_exponent():
+    """Blocks [256, 2, 16] and scales [256, 2]: row e's first block has exponent e, its second
+    (e + 101) % 256; each block holds all 16 codes in the low nibbles and all 16 in the high
+    ones (in different pairings)."""
+    j = np.arange(16)
+    first = j | (((7 * j + 3) % 16) << 4)
+    second = ((5 * j + 1) % 16) | (j << 4)
+    blocks = np.broadcast_to(np.stack([first, second]), (256, 2, 16)).astype(np.uint8)
+    e = np.arange(256)
+    scales = np.stack([e, (e + 101) % 256], axis=1).astype(np.uint8)
+    return blocks, scales
+
+
+def assert_bits_equal(got: np.ndarray, want: np.ndarray) -> None:
+    """Equal bit for bit (the sign of zero included); NaN where NaN (any payload)."""
+    assert got.dtype == want.dtype == np.float32 and got.shape == want.shape
+    nan = np.isnan(want)
+    np.testing.assert_array_equal(np.isnan(got), nan)
+    np.testing.assert_array_equal(got.view(np.uint32)[~nan], want.view(np.uint32)[~nan])
+
+
+def flushed(want: np.ndarray) -> np.ndarray:
+    """`want` with subnormals flushed to (signed) zero, as the devices compute."""
+    tiny = np.finfo(np.float32).tiny
+    sub = (want != 0) & (np.abs(want) < tiny)
+    return np.where(sub, np.copysign(np.float32(0), want), want).astype(np.float32)
+
+
+def test_numpy_decoder_is_the_spec_bit_for_bit():
+    blocks, scales = every_code_and_exponent()
+    want = spec_decode(blocks, scales)
+    assert want.shape == (256, 64)
+    # the table covers the corners: NaN, inf past float32's range, subnormals, signed zeros
+    assert np.isnan(want).any() and np.isinf(want).any() and (np.signbit(want) & (want == 0)).any()
+    assert ((want != 0) & (np.abs(want) < np.finfo(np.float32).tiny)).any()
+    assert_bits_equal(decode_mxfp4(blocks, scales), want)
+
+
+def test_jax_decoder_is_the_spec_bit_for_bit():
+    """Jitted, on jax arrays: bit-exact except subnormals, which the device flushes to zero."""
+    blocks, scales = every_code_and_exponent()
+    want = spec_decode(blocks, scales)
+    got = np.asarray(jax.jit(decode_mxfp4)(jnp.asarray(blocks), jnp.asarray(scales)))
+    assert_bits_equal(got, flushed(want))
+    # gpt-oss's scales sit far inside the normal range: there nothing is flushed
+    normal = (scales >= 2).all(axis=1)
+    assert_bits_equal(got[normal], want[normal])
+
+
+def test_decoder_layouts_and_dtypes():
+    """A stacked tensor [experts, rows, in / 32, 16] decodes to [experts, rows, in] (row r's
+    block b holds inputs 32b .. 32b + 31); bfloat16 holds every value of the normal range
+    exactly; mismatched blocks and scales are refused."""
+    rng = np.random.default_rng(0)
+    blocks = rng.integers(0, 256, (3, 5, 2, 16), dtype=np.uint8)
+    scales = rng.integers(118, 134, (3, 5, 2), dtype=np.uint8)
+    want = spec_decode(blocks, scales)
+    assert want.shape == (3, 5, 64)
+    assert_bits_equal(decode_mxfp4(blocks, scales), want)
+    got = jax.jit(lambda b, s: decode_mxfp4(b, s, jnp.bfloat16))(jnp.asarray(blocks), jnp.asarray(scales))
+    assert got.dtype == jnp.bfloat16
+    assert_bits_equal(np.asarray(got.astype(jnp.float32)), want)
+    q, e = mxfp4_device_layout(blocks, scales)
+    assert q.shape == (3, 32, 5) and e.shape == (3, 2, 5) and q.dtype == e.dtype == np.uint8
+    np.testing.assert_array_equal(q[1, 7, 4], blocks[1, 4, 0, 7])
+    np.testing.assert_array_equal(e[2, 1, 3], scales[2, 3, 1])
+    with pytest.raises(ValueError, match="do not pair"):
+        decode_mxfp4(blocks, scales[..., :1])
+    with pytest.raises(ValueError, match="do not pair"):
+        decode_mxfp4(blocks[..., :8], scales)
