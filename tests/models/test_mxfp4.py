@@ -10,6 +10,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from flax import nnx
+from jaxserve.models.layers.linear import (
+    SCALE_SUFFIX,
+    QuantizedParam,
+    QuantizedWeight,
+    dense,
+    mxfp4_weight,
+    param_weight,
+)
 from jaxserve.models.layers.quant import decode_mxfp4, mxfp4_device_layout
 
 # OCP MX spec v1.0: FP4 E2M1 magnitudes by code 0..7 (code 8..15: the same, negative) and the
@@ -107,3 +116,56 @@ def test_decoder_layouts_and_dtypes():
         decode_mxfp4(blocks, scales[..., :1])
     with pytest.raises(ValueError, match="do not pair"):
         decode_mxfp4(blocks[..., :8], scales)
+
+
+def checkpoint_pair(rng, lead, rows, inputs, exponents=(119, 128)):
+    """Random `*_blocks` [*lead, rows, inputs / 32, 16] and `*_scales` as a checkpoint holds."""
+    blocks = rng.integers(0, 256, (*lead, rows, inputs // 32, 16), dtype=np.uint8)
+    scales = rng.integers(*exponents, (*lead, rows, inputs // 32), dtype=np.uint8)
+    return blocks, scales
+
+
+def device_weight(blocks, scales, compute_dtype="float32"):
+    """(the packed device weight [*lead, in, out], its decoded float32 weights)."""
+    q, e = mxfp4_device_layout(blocks, scales)
+    w = mxfp4_weight(jnp.asarray(q), jnp.asarray(e), compute_dtype)
+    return w, np.swapaxes(decode_mxfp4(blocks, scales), -1, -2)
+
+
+def test_packed_weight_product_equals_the_decoded_weights_product():
+    """A [K, N] and a stacked [X, K, N] MXFP4 weight keep their uint8 bytes (4.25 bits a
+    weight); `dense` on them equals the product on the decoded float32 weights exactly (and
+    in bfloat16, the decoded weights cast to bfloat16: every value is exact there)."""
+    rng = np.random.default_rng(1)
+    w, w32 = device_weight(*checkpoint_pair(rng, (), 48, 96))
+    assert w.shape == (96, 48) and w.q.shape == (48, 48) and w.scale.shape == (3, 48)
+    assert w.q.dtype == w.scale.dtype == jnp.uint8 and w.packed_axis == 0 and w.mxfp4
+    np.testing.assert_array_equal(np.asarray(jax.jit(QuantizedWeight.dequantize)(w)), w32)
+    x = jnp.asarray(rng.standard_normal((5, 96)), jnp.float32)
+    got = jax.jit(lambda x, w: dense("te,ef->tf", x, w))(x, w)
+    want = jnp.einsum("te,ef->tf", x, jnp.asarray(w32), preferred_element_type=jnp.float32)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+    wb, wb32 = device_weight(*checkpoint_pair(rng, (3,), 32, 64), compute_dtype="bfloat16")
+    assert wb.shape == (3, 64, 32) and wb.packed_axis == 1
+    xs = jnp.asarray(rng.standard_normal((7, 64)), jnp.float32)
+    got = jax.jit(lambda x, w: dense("te,xef->txf", x, w))(xs, wb)
+    want = jnp.einsum("te,xef->txf", xs.astype(jnp.bfloat16), jnp.asarray(wb32, jnp.bfloat16),
+                      preferred_element_type=jnp.float32)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    with pytest.raises(ValueError, match="do not match"):
+        mxfp4_weight(wb.q, wb.scale[:, :1])
+
+
+def test_a_module_parameter_reads_back_as_an_mxfp4_weight():
+    """A `QuantizedParam` with metadata `mxfp4` and its uint8 exponents as the scale parameter
+    (what a loader places) reads back, through `param_weight`, as the same packed weight."""
+    rng = np.random.default_rng(2)
+    w, w32 = device_weight(*checkpoint_pair(rng, (2,), 16, 32))
+    module = nnx.Module()
+    module.w_down = QuantizedParam(w.q, spec="txf,xfe->txe", compute_dtype="float32",
+                                   packed_axis=1, mxfp4=True)
+    setattr(module, "w_down" + SCALE_SUFFIX, nnx.Param(w.scale))
+    got = param_weight(module, "w_down")
+    assert isinstance(got, QuantizedWeight) and got.mxfp4 and got.packed_axis == 1
+    np.testing.assert_array_equal(np.asarray(jax.jit(QuantizedWeight.dequantize)(got)), w32)
