@@ -19,7 +19,9 @@ from jaxserve.models.layers.linear import (
     mxfp4_weight,
     param_weight,
 )
+from jaxserve.models.layers.moe import experts_dense, experts_grouped, moe_mlp, route
 from jaxserve.models.layers.quant import decode_mxfp4, mxfp4_device_layout
+from jaxserve.parallel.mesh import make_mesh
 
 # OCP MX spec v1.0: FP4 E2M1 magnitudes by code 0..7 (code 8..15: the same, negative) and the
 # E8M0 scale 2^(e - 127) with 255 NaN; written out here, independent of the decoder's table.
@@ -169,3 +171,50 @@ def test_a_module_parameter_reads_back_as_an_mxfp4_weight():
     got = param_weight(module, "w_down")
     assert isinstance(got, QuantizedWeight) and got.mxfp4 and got.packed_axis == 1
     np.testing.assert_array_equal(np.asarray(jax.jit(QuantizedWeight.dequantize)(got)), w32)
+
+
+def moe_problem(seed, T=19, E=64, F=64, X=8, k=2):
+    """Tokens, routing and the experts as gpt-oss stores them (gate and up [X, F, E / 32, 16],
+    down [X, E, F / 32, 16]): (x, weights, ids, packed weights, decoded float32 weights)."""
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((T, E)), jnp.float32)
+    logits = jnp.asarray(rng.standard_normal((T, X)), jnp.float32)
+    weights, ids = route(logits, k, normalize=True)
+    pairs = [checkpoint_pair(rng, (X,), F, E, (118, 124)), checkpoint_pair(rng, (X,), F, E, (118, 124)),
+             checkpoint_pair(rng, (X,), E, F, (118, 124))]
+    packed, decoded = zip(*(device_weight(*p) for p in pairs))
+    return x, weights, ids, packed, [jnp.asarray(d) for d in decoded], logits
+
+
+def test_moe_experts_as_mxfp4_equal_the_dense_moe_on_the_decoded_weights():
+    """gate, up and down kept as MXFP4: the dense form equals the dense MoE on the decoded
+    weights exactly; the grouped forms (ragged, tiled: one expert's bytes decoded per pair)
+    agree with it to float32 rounding."""
+    x, weights, ids, packed, decoded, _ = moe_problem(0)
+    assert packed[0].q.shape == (8, 32, 64) and packed[2].scale.shape == (8, 2, 64)
+    dense_both = jax.jit(lambda *a: (experts_dense(*a[:3], *a[3:6]), experts_dense(*a[:3], *a[6:])))
+    got, want = (np.asarray(y) for y in dense_both(x, weights, ids, *packed, *decoded))
+    assert np.abs(want).max() > 0.05
+    np.testing.assert_array_equal(got, want)
+    grouped = jax.jit(lambda *a: [experts_grouped(*a, impl=impl) for impl in ("ragged", "tiled")])
+    for got in grouped(x, weights, ids, *packed):
+        np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=1e-5)
+
+
+def test_sharded_mxfp4_moe_equals_one_device():
+    """8 simulated devices: the packed experts split over their expert dim (one each), or
+    each expert's intermediate dim split (the exponents' blocks with it: F / 32 = 8 blocks);
+    the MoE block equals the unsharded one on the decoded weights."""
+    assert len(jax.devices()) >= 8
+    x, _, _, packed, decoded, logits = moe_problem(1, F=256)
+    mesh = make_mesh(1, 8)
+    run = dict(top_k=2, normalize=True, impl="dense")
+    want = jax.jit(lambda x, logits, *w: moe_mlp(x, logits, *w, mesh=None, expert_axis=None,
+                                                 mlp_axis=None, **run))(x, logits, *decoded)
+
+    def both(x, logits, *w):
+        return [moe_mlp(x, logits, *w, mesh=mesh, expert_axis=e, mlp_axis=m, **run)
+                for e, m in (("model", None), (None, "model"))]
+
+    for got in jax.jit(both)(x, logits, *packed):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=1e-5)
