@@ -521,8 +521,8 @@ def prepare_quantized_products(model: nnx.Module, impl: str) -> int:
     through the quantized product kernel `impl` (`pallas_kernels/quant_matmul`), recording the
     mesh and specs they are placed with (the model's `mesh` and `rules`); the backend calls
     this when its plan names a kernel. A weight whose split the scales' blocks do not follow
-    keeps XLA's product, as do MXFP4 weights (the kernel reads int4 and FP8). Returns how many
-    weights were marked."""
+    keeps XLA's product. Returns how many weights were marked (MXFP4 ones too: the kernel
+    decodes their codes as it converts int4's)."""
     mesh = getattr(model, "mesh", None)
     mesh = mesh if mesh is not None and mesh.size > 1 else None
     rules = dict(getattr(model, "rules", ())) or ax.DEFAULT_RULES
@@ -533,7 +533,6 @@ def prepare_quantized_products(model: nnx.Module, impl: str) -> int:
         nc = len(parse_spec(spec)[3])
         if (jnp.dtype(value.dtype) not in (FP8, jnp.dtype(jnp.uint8))
                 or jnp.dtype(meta.get("compute_dtype", "float32")) in (FP8, INT8)
-                or meta.get("mxfp4")
                 or not product_form(spec) or packed_axis not in (None, nc - 1)):
             continue
         specs = None
@@ -575,7 +574,7 @@ def _dense_kernel(spec: str, x: jax.Array, w: QuantizedWeight) -> jax.Array:
                          _rows_of_groups(scale, nc, out_shape),
                          _rows_of_groups(zero[0], nc, out_shape) if zero else None,
                          packed=w.packed_axis is not None, compute_dtype=w.compute_dtype,
-                         impl=product.impl)
+                         impl=product.impl, mxfp4=w.mxfp4)
         y = y.reshape(*lead, *out_shape)
         return jax.lax.psum(y, split) if split else y
 

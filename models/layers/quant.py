@@ -17,8 +17,8 @@ byte in the same nibble order as int4, and one e8m0 scale per block of `MXFP4_BL
 consecutive values along the contracted dim: a uint8 exponent e meaning 2^(e - 127), 255 NaN.
 A weight is w = e2m1(code) * 2^(e - 127); no zeros. `decode_mxfp4` reads a checkpoint's
 tensors as stored; `mxfp4_device_layout` lays them out as a `QuantizedWeight` keeps them
-(codes and exponents stay uint8 on the device; `decode_e2m1` and `scale_by_e8m0` convert them
-inside the compiled product).
+(codes and exponents stay uint8 on the device; `decode_e2m1` and `scale_by_e8m0`, defined with
+the kernels in `pallas_kernels/mxfp4.py`, convert them inside the compiled product).
 """
 
 from __future__ import annotations
@@ -29,16 +29,11 @@ import ml_dtypes
 import numpy as np
 
 from jaxserve.models.weight_format import FP8_DTYPE, WeightFormat
+from jaxserve.pallas_kernels.mxfp4 import MXFP4_BLOCK, decode_e2m1, scale_by_e8m0
+
 
 FP8_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)  # 448
 INT4_MAX = 15
-
-# MXFP4: values sharing one e8m0 scale, and the e2m1 value of each 4-bit code (bit 3 the sign).
-MXFP4_BLOCK = 32
-E8M0_BIAS = 127
-E8M0_NAN = 255
-E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
-                        -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
 
 
 # Values per group of `--quantization int4` (AWQ's usual 128 when it tiles the contracted dims).
@@ -144,39 +139,6 @@ def quantize_int4_blocks(w32, split: list[int]):
     q = xp.clip(xp.round(blocks / safe) + zero, 0, INT4_MAX).astype(xp.uint8)
     grid = split[0::2]
     return q.reshape(w32.shape), scale.reshape(grid), zero.astype(xp.float32).reshape(grid)
-
-
-def decode_e2m1(codes):
-    """e2m1 codes (uint8 0..15; numpy or jax) -> their float32 values (E2M1_VALUES). On jax
-    arrays the value's float32 bits are built from the code's fields, elementwise (no table
-    gather), so XLA fuses the decoding into the product's operand."""
-    if isinstance(codes, np.ndarray):
-        return E2M1_VALUES[codes & 15]
-    c = codes.astype(jnp.uint32) & 15
-    sign = (c >> 3) << 31
-    exp = (c >> 1) & 3
-    man = c & 1
-    # exponent field 0: 0 or 0.5 (0x3F000000); else 2^(exp - 1) * (1 + man / 2)
-    normal = ((exp + 126) << 23) | (man << 22)
-    magnitude = jnp.where(exp == 0, man * jnp.uint32(0x3F000000), normal)
-    return jax.lax.bitcast_convert_type(sign | magnitude, jnp.float32)
-
-
-def scale_by_e8m0(values, exponents):
-    """float32 `values` times 2^(e - 127) for e8m0 exponents (uint8, broadcast against them;
-    numpy or jax), NaN where e is 255: exact wherever the result is a float32 (inf past its
-    range). On jax arrays the power of two is built from its bits (e << 23) and e = 0 takes
-    2^-126 times a halved value, since the devices flush the subnormal 2^-127 (and any
-    subnormal result: XLA:CPU, TPUs and GPUs alike) to zero."""
-    if isinstance(values, np.ndarray):
-        e = np.asarray(exponents).astype(np.int32)
-        with np.errstate(over="ignore", invalid="ignore"):  # inf past float32; 255: NaN below
-            w = values * np.ldexp(np.float32(1.0), e - E8M0_BIAS).astype(np.float32)
-        return np.where(e == E8M0_NAN, np.float32(np.nan), w).astype(np.float32)
-    e = exponents.astype(jnp.uint32)
-    power = jax.lax.bitcast_convert_type(jnp.maximum(e, 1) << 23, jnp.float32)
-    w = (values * jnp.where(e == 0, jnp.float32(0.5), jnp.float32(1.0))) * power
-    return jnp.where(e == E8M0_NAN, jnp.float32(jnp.nan), w)
 
 
 def decode_mxfp4(blocks, scales, dtype=np.float32):

@@ -1,7 +1,8 @@
 """MXFP4 weights (gpt-oss's experts): the decoder against a table-driven reference written from
 the OCP Microscaling spec, over every code in both nibbles and every e8m0 exponent; the packed
 device weight's product against the decoded weights' product; the experts of the MoE layer
-kept as MXFP4 against the dense MoE on the decoded weights."""
+kept as MXFP4 against the dense MoE on the decoded weights; the quantized product's Pallas
+kernel (TPU interpreter) on MXFP4 operands against the reference."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from flax import nnx
 from jaxserve.models.layers.linear import (
     SCALE_SUFFIX,
     QuantizedParam,
+    QuantizedProduct,
     QuantizedWeight,
     dense,
     mxfp4_weight,
@@ -21,6 +23,7 @@ from jaxserve.models.layers.linear import (
 )
 from jaxserve.models.layers.moe import experts_dense, experts_grouped, moe_mlp, route
 from jaxserve.models.layers.quant import decode_mxfp4, mxfp4_device_layout
+from jaxserve.pallas_kernels.quant_matmul import ops, tpu
 from jaxserve.parallel.mesh import make_mesh
 
 # OCP MX spec v1.0: FP4 E2M1 magnitudes by code 0..7 (code 8..15: the same, negative) and the
@@ -218,3 +221,34 @@ def test_sharded_mxfp4_moe_equals_one_device():
 
     for got in jax.jit(both)(x, logits, *packed):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("M,blocks", [
+    (8, dict(block_n=128)),  # decode rows: group sums, 2 N blocks
+    (20, dict(block_m=8, block_k=256, mode=tpu.DEQUANTIZE)),  # tiles dequantized, 3 x 2 blocks
+])
+def test_quant_matmul_kernel_takes_mxfp4(M, blocks):
+    """The Pallas kernel (interpreted) on packed codes and uint8 exponents equals the reference
+    (the decoded weights' dot) and a float64 product of the decoded weights; `dense` on a weight
+    marked with the kernel takes it (the product's plumbing: exponents as [G, N] rows)."""
+    rng = np.random.default_rng(M)
+    w, w32 = device_weight(*checkpoint_pair(rng, (), 256, 512, (118, 124)))
+    x = jnp.asarray(rng.standard_normal((M, 512)), jnp.float32)
+    exact = np.asarray(x, np.float64) @ w32.astype(np.float64)
+    args = (x, w.q, w.scale)
+    run = jax.jit(lambda *a: ops.quant_matmul(*a, packed=True, compute_dtype=jnp.float32,
+                                              impl="reference", mxfp4=True))
+    want = np.asarray(run(*args))
+    got = np.asarray(jax.jit(lambda *a: tpu.quant_matmul_tpu(
+        *a, packed=True, compute_dtype=jnp.float32, interpret=True, mxfp4=True, **blocks))(*args))
+    scale = np.abs(exact).max()
+    np.testing.assert_allclose(want, exact, atol=1e-5 * scale, rtol=0)
+    np.testing.assert_allclose(got, want, atol=1e-5 * scale, rtol=0)
+    if M == 8:
+        assert tpu.tiling(M, 512, 256, 16, True, False, **blocks).mode == tpu.GROUP_SUMS
+        marked = QuantizedWeight(w.q, w.scale, "float32", packed_axis=0, mxfp4=True,
+                                 product=QuantizedProduct("tpu-interpret"))
+        got = jax.jit(lambda x, w: dense("te,ef->tf", x, w))(x, marked)
+        np.testing.assert_allclose(np.asarray(got), want, atol=1e-5 * scale, rtol=0)
+        with pytest.raises(ValueError, match="MXFP4 operands"):
+            ops.quant_matmul(*args[:2], w.scale.astype(jnp.float32), packed=True, mxfp4=True)
