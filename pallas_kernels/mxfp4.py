@@ -1,8 +1,8 @@
 """MXFP4's primitives (the OCP Microscaling FP4 format: gpt-oss's MoE experts), numpy or JAX:
 e2m1 codes to their values and e8m0 exponents to their powers of two. They sit with the
 kernels, the lowest layer, so that the quantized product's reference and its Pallas kernel
-decode as the model layers do (`models/layers/quant.py` re-exports them with the checkpoint
-layouts).
+decode as the model layers do (`models/layers/quant.py` builds the checkpoint layouts on
+them).
 
 An e2m1 code is 4 bits: a sign (bit 3), two exponent bits and one mantissa bit, the values
 +-{0, 0.5, 1, 1.5, 2, 3, 4, 6}; an e8m0 exponent e is a uint8 meaning 2^(e - 127), 255 NaN;

@@ -52,7 +52,7 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxserve.models import sharding as ax
-from jaxserve.models.layers.quant import decode_e2m1, scale_by_e8m0, unpack_int4
+from jaxserve.models.layers.quant import MXFP4_BLOCK, decode_e2m1, scale_by_e8m0, unpack_int4
 from jaxserve.pallas_kernels.quant_matmul.ops import quant_matmul
 
 
@@ -163,9 +163,10 @@ def mxfp4_weight(codes: jax.Array, exponents: jax.Array,
     [..., K / 2, N] and e8m0 exponents uint8 [..., K / 32, N]: `quant.mxfp4_device_layout`'s
     result for a checkpoint's `*_blocks` / `*_scales` pair."""
     if codes.dtype != jnp.uint8 or exponents.dtype != jnp.uint8:
-        raise ValueError(f"MXFP4 codes and exponents are uint8; got {codes.dtype}, {exponents.dtype}")
+        raise ValueError(f"MXFP4 codes and exponents are uint8; got {codes.dtype}, "
+                         f"{exponents.dtype}")
     K = codes.shape[-2] * 2
-    if exponents.shape != (*codes.shape[:-2], K // 32, codes.shape[-1]) or K % 32:
+    if exponents.shape != (*codes.shape[:-2], K // MXFP4_BLOCK, codes.shape[-1]) or K % MXFP4_BLOCK:
         raise ValueError(f"MXFP4 exponents {tuple(exponents.shape)} do not match codes "
                          f"{tuple(codes.shape)}: one per 32 values along the second-last dim")
     return QuantizedWeight(codes, exponents, compute_dtype, packed_axis=codes.ndim - 2,

@@ -151,7 +151,9 @@ def decode_mxfp4(blocks, scales, dtype=np.float32):
     `down_proj_blocks` [experts, hidden, intermediate / 32, 16] with `down_proj_scales`; rows
     are output channels, as in a Linear weight (transformers transposes the result to [experts,
     in, out]). Every value is exact in float32 (an e2m1 value times a power of two) except
-    beyond float32's range (inf) and, on jax arrays, below its normal range (zero)."""
+    beyond float32's range (inf) and, on jax arrays, below its normal range (zero). Exponent
+    255 is NaN as the OCP spec says (transformers' `convert_moe_packed_tensors` ldexps by 128
+    there: inf, or 0 for a zero code)."""
     _check_mxfp4(blocks, scales)
     codes = unpack_int4(blocks, axis=-1)  # [..., rows, in / 32, 32]
     w = scale_by_e8m0(decode_e2m1(codes), scales[..., None])

@@ -110,7 +110,8 @@ def test_decoder_layouts_and_dtypes():
     want = spec_decode(blocks, scales)
     assert want.shape == (3, 5, 64)
     assert_bits_equal(decode_mxfp4(blocks, scales), want)
-    got = jax.jit(lambda b, s: decode_mxfp4(b, s, jnp.bfloat16))(jnp.asarray(blocks), jnp.asarray(scales))
+    to_bfloat16 = jax.jit(lambda b, s: decode_mxfp4(b, s, jnp.bfloat16))
+    got = to_bfloat16(jnp.asarray(blocks), jnp.asarray(scales))
     assert got.dtype == jnp.bfloat16
     assert_bits_equal(np.asarray(got.astype(jnp.float32)), want)
     q, e = mxfp4_device_layout(blocks, scales)
@@ -183,8 +184,8 @@ def moe_problem(seed, T=19, E=64, F=64, X=8, k=2):
     x = jnp.asarray(rng.standard_normal((T, E)), jnp.float32)
     logits = jnp.asarray(rng.standard_normal((T, X)), jnp.float32)
     weights, ids = route(logits, k, normalize=True)
-    pairs = [checkpoint_pair(rng, (X,), F, E, (118, 124)), checkpoint_pair(rng, (X,), F, E, (118, 124)),
-             checkpoint_pair(rng, (X,), E, F, (118, 124))]
+    pairs = [checkpoint_pair(rng, (X,), rows, inputs, (118, 124))
+             for rows, inputs in ((F, E), (F, E), (E, F))]
     packed, decoded = zip(*(device_weight(*p) for p in pairs))
     return x, weights, ids, packed, [jnp.asarray(d) for d in decoded], logits
 
