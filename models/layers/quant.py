@@ -178,3 +178,30 @@ def _check_mxfp4(blocks, scales) -> None:
         raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} "
                          f"do not pair: blocks are [..., rows, in / 32, 16], scales "
                          f"[..., rows, in / 32]")
+
+
+# e2m1 magnitudes' rounding boundaries (code k + 1 from the k-th on), and whether a value on
+# one rounds up: ties go to the even code (0.75 -> 1.0, 1.75 -> 2, 3.5 -> 4; 2.5 -> 2, 5 -> 4).
+_E2M1_BOUNDS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False),
+                (3.5, True), (5.0, False))
+
+
+def quantize_mxfp4(w32):
+    """float32 weights [..., rows, in] (numpy or jax) -> MXFP4 in a checkpoint's layout
+    (`decode_mxfp4`'s: blocks uint8 [..., rows, in / 32, 16], scales uint8 [..., rows,
+    in / 32]), as the OCP spec quantizes: each block's exponent is floor(log2(amax)) - 2 (the
+    largest e2m1 exponent), each value divided by it (exactly) and rounded to the nearest e2m1
+    value, ties to even, magnitudes past 6 to 6. For weights made at random (tests, models
+    created without a checkpoint); finite inputs only."""
+    xp = np if isinstance(w32, np.ndarray) else jnp
+    if w32.shape[-1] % MXFP4_BLOCK:
+        raise ValueError(f"MXFP4 needs the last dim in blocks of {MXFP4_BLOCK}; got {w32.shape}")
+    blocks = w32.astype(xp.float32).reshape(*w32.shape[:-1], -1, MXFP4_BLOCK)
+    amax = xp.max(xp.abs(blocks), axis=-1)
+    _, exp2 = xp.frexp(amax)  # amax = m * 2^exp2, m in [0.5, 1): floor(log2(amax)) = exp2 - 1
+    e = xp.where(amax > 0, xp.clip(exp2.astype(xp.int32) - 1 - 2 + 127, 0, 254), 127)
+    scaled = scale_by_e8m0(blocks, (254 - e).astype(xp.uint8)[..., None])  # / 2^(e - 127)
+    mag = xp.abs(scaled)
+    code = sum(((mag >= b) if up else (mag > b)).astype(xp.uint8) for b, up in _E2M1_BOUNDS)
+    code = code | xp.where(xp.signbit(scaled), 8, 0).astype(xp.uint8)  # -0 stays -0
+    return pack_int4(code, axis=code.ndim - 1), e.astype(xp.uint8)

@@ -2,7 +2,8 @@
 the OCP Microscaling spec, over every code in both nibbles and every e8m0 exponent; the packed
 device weight's product against the decoded weights' product; the experts of the MoE layer
 kept as MXFP4 against the dense MoE on the decoded weights; the quantized product's Pallas
-kernel (TPU interpreter) on MXFP4 operands against the reference."""
+kernel (TPU interpreter) on MXFP4 operands against the reference; the quantizer (floats to
+MXFP4) against a brute-force nearest value."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from jaxserve.models.layers.linear import (
     param_weight,
 )
 from jaxserve.models.layers.moe import experts_dense, experts_grouped, moe_mlp, route
-from jaxserve.models.layers.quant import decode_mxfp4, mxfp4_device_layout
+from jaxserve.models.layers.quant import decode_mxfp4, mxfp4_device_layout, quantize_mxfp4
 from jaxserve.pallas_kernels.quant_matmul import ops, tpu
 from jaxserve.parallel.mesh import make_mesh
 
@@ -253,3 +254,38 @@ def test_quant_matmul_kernel_takes_mxfp4(M, blocks):
         np.testing.assert_allclose(np.asarray(got), want, atol=1e-5 * scale, rtol=0)
         with pytest.raises(ValueError, match="MXFP4 operands"):
             ops.quant_matmul(*args[:2], w.scale.astype(jnp.float32), packed=True, mxfp4=True)
+
+
+def test_quantizer_rounds_to_the_nearest_value_and_keeps_decoded_weights():
+    """`quantize_mxfp4` (numpy and jax alike): each block's exponent floor(log2(amax)) - 2,
+    each value the nearest of the block's 16 (brute force over the spec's table, past 6:
+    6); decoded MXFP4 weights quantize back to the same values."""
+    rng = np.random.default_rng(5)
+    spread = np.exp(rng.uniform(-6, 3, (4, 6, 1)))  # rows of very different magnitudes
+    w = (rng.standard_normal((4, 6, 128)) * spread).astype(np.float32)
+    blocks, scales = quantize_mxfp4(w)
+    assert blocks.shape == (4, 6, 4, 16) and scales.shape == (4, 6, 4)
+    jb, js = jax.jit(quantize_mxfp4)(jnp.asarray(w))
+    np.testing.assert_array_equal(np.asarray(jb), blocks)
+    np.testing.assert_array_equal(np.asarray(js), scales)
+    amax = np.abs(w.reshape(4, 6, 4, 32)).max(-1)
+    np.testing.assert_array_equal(scales.astype(int) - 127, np.floor(np.log2(amax)).astype(int) - 2)
+    unit = 2.0 ** (scales.astype(np.float64) - 127)[..., None]
+    x = w.reshape(4, 6, 4, 32) / unit
+    table = np.array(SPEC_E2M1)
+    nearest = table[np.abs(np.abs(x)[..., None] - table).argmin(-1)] * np.sign(x)
+    np.testing.assert_array_equal(decode_mxfp4(blocks, scales).reshape(x.shape), nearest * unit)
+
+    d = decode_mxfp4(*checkpoint_pair(rng, (3,), 8, 64))
+    assert_bits_equal(decode_mxfp4(*quantize_mxfp4(d)), d)
+
+
+def test_quantizer_rounds_ties_to_even():
+    """Halfway values go to the even code (OCP's round to nearest even), in numpy and jax."""
+    ties = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.75, -5.0, 6.0], np.float32)
+    w = np.zeros((1, 32), np.float32)
+    w[0, :10] = ties
+    want = np.array([0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, -1.0, -4.0, 6.0], np.float32)
+    for got in (decode_mxfp4(*quantize_mxfp4(w)),
+                np.asarray(decode_mxfp4(*jax.jit(quantize_mxfp4)(jnp.asarray(w))))):
+        np.testing.assert_array_equal(got[0, :10], want)
