@@ -30,6 +30,13 @@ to HBM at full width); a backend whose plan has a quantized product kernel
 marks these weights with it (`prepare_quantized_products`, a `QuantizedProduct` in the
 weight's metadata) and `dense` then calls the kernel on every shard of the weight, inside a
 `shard_map` over the mesh the weight is placed on.
+
+MXFP4 (gpt-oss's experts; `layers/quant.py`): the same type with `mxfp4` set holds e2m1 codes
+packed two to a byte (uint8, `packed_axis` the last contracted dim) and their e8m0 exponents
+as the scales (uint8, one per 32 contracted values); the product decodes them in the step
+(exactly: each weight is an e2m1 value times a power of two) and multiplies in the compute
+dtype, so the device holds 4.25 bits per weight. `mxfp4_weight` builds one from a checkpoint's
+`*_blocks` / `*_scales` pair.
 """
 
 from __future__ import annotations
@@ -45,7 +52,7 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxserve.models import sharding as ax
-from jaxserve.models.layers.quant import unpack_int4
+from jaxserve.models.layers.quant import MXFP4_BLOCK, decode_e2m1, scale_by_e8m0, unpack_int4
 from jaxserve.pallas_kernels.quant_matmul.ops import quant_matmul
 
 
@@ -113,6 +120,8 @@ class QuantizedWeight:
     product: QuantizedProduct | None = dataclasses.field(metadata=dict(static=True), default=None)
     perm: jax.Array | None = None  # act-order: the stored rows' inputs (flat contracted index)
     input_scale: jax.Array | None = None  # a static activation scale ([1]; 0: per token)
+    # MXFP4: q holds e2m1 codes (packed as int4), scale uint8 e8m0 exponents (2^(e - 127)).
+    mxfp4: bool = dataclasses.field(metadata=dict(static=True), default=False)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -128,11 +137,40 @@ class QuantizedWeight:
             m == 1 or m == n for n, m in zip(self.q.shape, self.scale.shape))
 
     def values(self) -> jax.Array:
-        """The quantized values unpacked (int4: 0..15 as uint8), in the weight's shape."""
+        """The quantized values unpacked (int4, MXFP4's codes: 0..15 as uint8), in the
+        weight's shape."""
         return self.q if self.packed_axis is None else unpack_int4(self.q, self.packed_axis)
 
     def dequantize(self, dtype=None) -> jax.Array:
-        return dequantize(self.values(), self.scale, dtype or self.compute_dtype, self.zero)
+        dtype = dtype or self.compute_dtype
+        if self.mxfp4:
+            return dequantize_mxfp4(self.values(), self.scale, dtype)
+        return dequantize(self.values(), self.scale, dtype, self.zero)
+
+    def expert(self, g) -> QuantizedWeight:
+        """Entry `g` of the leading dim (a stacked expert weight's expert g)."""
+        def take(a):
+            return None if a is None else a[g]
+
+        axis = None if self.packed_axis is None else self.packed_axis - 1
+        return dataclasses.replace(self, q=self.q[g], scale=self.scale[g], zero=take(self.zero),
+                                   perm=take(self.perm), packed_axis=axis)
+
+
+def mxfp4_weight(codes: jax.Array, exponents: jax.Array,
+                 compute_dtype: str = "bfloat16") -> QuantizedWeight:
+    """An MXFP4 weight [..., K, N] (contracted over K) from packed e2m1 codes uint8
+    [..., K / 2, N] and e8m0 exponents uint8 [..., K / 32, N]: `quant.mxfp4_device_layout`'s
+    result for a checkpoint's `*_blocks` / `*_scales` pair."""
+    if codes.dtype != jnp.uint8 or exponents.dtype != jnp.uint8:
+        raise ValueError(f"MXFP4 codes and exponents are uint8; got {codes.dtype}, "
+                         f"{exponents.dtype}")
+    K = codes.shape[-2] * 2
+    if exponents.shape != (*codes.shape[:-2], K // MXFP4_BLOCK, codes.shape[-1]) or K % MXFP4_BLOCK:
+        raise ValueError(f"MXFP4 exponents {tuple(exponents.shape)} do not match codes "
+                         f"{tuple(codes.shape)}: one per 32 values along the second-last dim")
+    return QuantizedWeight(codes, exponents, compute_dtype, packed_axis=codes.ndim - 2,
+                           mxfp4=True)
 
 
 def weight_value(var: nnx.Variable) -> jax.Array | PackedWeight:
@@ -157,7 +195,8 @@ def param_weight(module: nnx.Module, name: str):
         meta = var.get_metadata()
         return QuantizedWeight(var[...], scale[...], meta.get("compute_dtype", "float32"),
                                aux[ZERO_SUFFIX], meta.get("packed_axis"), meta.get("product"),
-                               aux[PERM_SUFFIX], aux[INPUT_SCALE_SUFFIX])
+                               aux[PERM_SUFFIX], aux[INPUT_SCALE_SUFFIX],
+                               bool(meta.get("mxfp4", False)))
     return weight_value(var)
 
 
@@ -265,6 +304,18 @@ def dequantize(q: jax.Array, scale: jax.Array, dtype, zero: jax.Array | None = N
         w = w - zero.astype(jnp.float32).reshape(sshape)
     w = w * scale.astype(jnp.float32).reshape(sshape)
     return w.reshape(q.shape).astype(dtype)
+
+
+def dequantize_mxfp4(codes: jax.Array, exponents: jax.Array, dtype) -> jax.Array:
+    """e2m1 codes (unpacked, 0..15) times 2^(e - 127) of each code's block of the e8m0
+    exponents (same rank, blocks along the dims where they are fewer), in `dtype`; exact
+    (`quant.scale_by_e8m0`) before the cast."""
+    shape, eshape = [], []
+    for n, m in zip(codes.shape, exponents.shape):
+        shape += [m, n // m]
+        eshape += [m, 1]
+    w = scale_by_e8m0(decode_e2m1(codes.reshape(shape)), exponents.reshape(eshape))
+    return w.reshape(codes.shape).astype(dtype)
 
 
 def embedding_lookup(table, ids: jax.Array) -> jax.Array:
@@ -471,7 +522,8 @@ def prepare_quantized_products(model: nnx.Module, impl: str) -> int:
     through the quantized product kernel `impl` (`pallas_kernels/quant_matmul`), recording the
     mesh and specs they are placed with (the model's `mesh` and `rules`); the backend calls
     this when its plan names a kernel. A weight whose split the scales' blocks do not follow
-    keeps XLA's product. Returns how many weights were marked."""
+    keeps XLA's product. Returns how many weights were marked (MXFP4 ones too: the kernel
+    decodes their codes as it converts int4's)."""
     mesh = getattr(model, "mesh", None)
     mesh = mesh if mesh is not None and mesh.size > 1 else None
     rules = dict(getattr(model, "rules", ())) or ax.DEFAULT_RULES
@@ -523,7 +575,7 @@ def _dense_kernel(spec: str, x: jax.Array, w: QuantizedWeight) -> jax.Array:
                          _rows_of_groups(scale, nc, out_shape),
                          _rows_of_groups(zero[0], nc, out_shape) if zero else None,
                          packed=w.packed_axis is not None, compute_dtype=w.compute_dtype,
-                         impl=product.impl)
+                         impl=product.impl, mxfp4=w.mxfp4)
         y = y.reshape(*lead, *out_shape)
         return jax.lax.psum(y, split) if split else y
 

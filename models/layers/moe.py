@@ -19,6 +19,11 @@ group through its own expert's weights. Implementations of the grouped product (
   more than the dense form's extra products until those grow past `DENSE_MAX_EXTRA_ROWS`
   (tokens times the experts a token does not use).
 
+Stacked expert weights may be kept quantized (`QuantizedWeight`): int8 with a scale per expert
+and output channel, or MXFP4 (gpt-oss's experts: packed e2m1 codes and an e8m0 exponent per 32
+contracted values, `linear.mxfp4_weight`); each form dequantizes the experts it reads inside
+the step ("tiled": one expert per (tile, expert) pair), so the device holds the packed bytes.
+
 The model receives its implementation at construction (`moe_impl`); the engine's backend
 picks it (`DevicePlan.moe_impl`: "ragged" on TPU/GPU, "tiled-or-dense" on the CPU).
 
@@ -32,6 +37,7 @@ the intermediate dim and the down products' partial sums are added the same way.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -92,11 +98,10 @@ def step_impl(impl: str, num_tokens: int, num_experts: int, top_k: int,
 
 
 def _weight(w, g=None):
-    """The float weights of expert(s) of a stacked weight (int8 ones dequantized)."""
+    """The float weights of expert(s) of a stacked weight (quantized ones dequantized: int8,
+    MXFP4)."""
     if isinstance(w, QuantizedWeight):
-        if g is None:
-            return w.dequantize()
-        return QuantizedWeight(w.q[g], w.scale[g], w.compute_dtype).dequantize()
+        return (w if g is None else w.expert(g)).dequantize()
     return w if g is None else w[g]
 
 
@@ -245,8 +250,8 @@ def moe_mlp(x, router_logits, w_gate, w_up, w_down, *, top_k: int, normalize: bo
 
     def spec(w, s):
         if isinstance(w, QuantizedWeight):  # scales: size-1 contracted dim, replicated there
-            return QuantizedWeight(s, P(*(None if w.scale.shape[i] == 1 else a for i, a in enumerate(s))),
-                                   w.compute_dtype)
+            return dataclasses.replace(
+                w, q=s, scale=P(*(None if w.scale.shape[i] == 1 else a for i, a in enumerate(s))))
         return s
 
     return jax.shard_map(

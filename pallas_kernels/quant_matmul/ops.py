@@ -8,6 +8,9 @@ Operands, in a 2-D form every weight of a `dense` product maps onto (`models/lay
   scale  [G, N]   float32: one scale per group of K / G consecutive K indices and output column
                   (G = 1: one per output channel)
   zero   [G, N]   float32 zero points (int4), or None
+With `mxfp4=True` (gpt-oss's experts, `models/layers/quant.py`) q holds packed e2m1 codes (as
+int4 is packed) and scale the uint8 e8m0 exponents [G, N] (2^(e - 127), groups of 32); no
+zeros.
 Returns float32 [M, N] = x @ ((values - zero) * scale) with the dequantized weight rounded to
 `compute_dtype` (per-channel scales without zeros multiply the float32 result instead).
 
@@ -60,10 +63,15 @@ def dispatch_name(impl: str, rows: int, backend: str | None = None) -> str:
 
 
 def quant_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | None = None, *,
-                 packed: bool, compute_dtype=jnp.bfloat16, impl: str = "auto") -> jax.Array:
+                 packed: bool, compute_dtype=jnp.bfloat16, impl: str = "auto",
+                 mxfp4: bool = False) -> jax.Array:
     """x @ dequant(q, scale, zero) as float32 [M, N] (operands: the module docstring)."""
+    if mxfp4 and (not packed or zero is not None or scale.dtype != jnp.uint8):
+        raise ValueError("MXFP4 operands are packed codes and uint8 exponents, without zeros")
     name = dispatch_name(impl, x.shape[0])
-    return _REGISTRY.impls[name](x, q, scale, zero, packed=packed, compute_dtype=compute_dtype)
+    extra = {"mxfp4": True} if mxfp4 else {}
+    return _REGISTRY.impls[name](x, q, scale, zero, packed=packed, compute_dtype=compute_dtype,
+                                 **extra)
 
 
 def _register_kernels() -> None:

@@ -17,6 +17,11 @@ Operands (the op's 2-D form, `ops.quant_matmul`):
          [K, N] float8_e4m3fn (or int8)
   scale  [G, N] float32, a scale per group of g = K / G consecutive K indices and output column
   zero   [G, N] float32 or None (int4's zero points)
+  MXFP4 (`mxfp4=True`): q packed as int4, holding e2m1 codes; scale uint8 e8m0 exponents,
+         converted to float32 powers of two before the call (a [G, N] elementwise op; the
+         exponent 0, 2^-127, a subnormal, reads as 0 on the chip). In the tile each nibble
+         becomes its e2m1 value (selects on its fields, exact in bfloat16) where int4 converts
+         its integer; the scaling modes are int4's, without zeros.
 
 Nibbles without interleaving. A packed tile holds K's even indices in its low nibbles and the
 odd ones in its high nibbles. Rather than interleave the two [tk/2, tn] halves back into K
@@ -68,6 +73,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+
+from jaxserve.pallas_kernels.mxfp4 import scale_by_e8m0
 
 _F32 = jnp.float32
 LANES = 128
@@ -192,7 +199,18 @@ def _block_diagonal(x, groups: int, group_rows: int):
     return jnp.where(keep, xb, 0.0).reshape(groups * tm, kq)
 
 
-def _kernel(x_ref, q_ref, s_ref, *rest, packed: bool, has_zero: bool, t: Tiling, cdt):
+def _e2m1(codes):
+    """int32 e2m1 codes 0..15 -> float32 values (+-{0, 0.5, 1, 1.5, 2, 3, 4, 6}), with selects
+    and integer ops only (no table, no bitcast) inside the kernel."""
+    exp = (codes >> 1) & 3
+    half = (codes & 1).astype(_F32) * 0.5
+    power = jnp.where(exp == 3, 4.0, jnp.where(exp == 2, 2.0, 1.0)).astype(_F32)
+    magnitude = jnp.where(exp == 0, half, (1.0 + half) * power)
+    return jnp.where((codes & 8) != 0, -magnitude, magnitude)
+
+
+def _kernel(x_ref, q_ref, s_ref, *rest, packed: bool, has_zero: bool, t: Tiling, cdt,
+            mxfp4: bool = False):
     z_ref = rest[0] if has_zero else None
     o_ref = rest[-1]
     k = pl.program_id(2)
@@ -207,6 +225,8 @@ def _kernel(x_ref, q_ref, s_ref, *rest, packed: bool, has_zero: bool, t: Tiling,
     if packed:  # (x's even columns, low nibbles), (x's odd columns, high nibbles)
         p = q_ref[...].astype(jnp.int32)  # [tk / 2, tn], bytes 0..255
         halves = ((x_ref[0], p & 15), (x_ref[1], p >> 4))
+        if mxfp4:
+            halves = tuple((xh, _e2m1(qh)) for xh, qh in halves)
     else:
         halves = ((x_ref[...], q_ref[...]),)
     s = s_ref[...]
@@ -240,12 +260,16 @@ def quant_matmul_tpu(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Arr
                      *, packed: bool, compute_dtype=jnp.bfloat16, block_m: int | None = None,
                      block_n: int | None = None, block_k: int | None = None,
                      mode: str | None = None, vmem_limit_bytes: int | None = None,
-                     interpret: bool = False) -> jax.Array:
+                     interpret: bool = False, mxfp4: bool = False) -> jax.Array:
     """The op (see `ops.quant_matmul`) as a Pallas Mosaic TPU kernel: float32 [M, N].
 
     Tuning: `block_m`, `block_n`, `block_k` (tk in K indices), `mode` (see `tiling`),
     `vmem_limit_bytes`. `interpret=True` runs it in TPU interpret mode (any backend)."""
     cdt = jnp.dtype(compute_dtype)
+    if mxfp4:
+        if not packed or zero is not None:
+            raise ValueError("MXFP4 operands are packed codes and exponents, without zeros")
+        scale = scale_by_e8m0(jnp.ones(scale.shape, _F32), scale)
     M, K = x.shape
     N = q.shape[1]
     G = scale.shape[0]
@@ -277,7 +301,8 @@ def quant_matmul_tpu(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Arr
         operands.append(zero.astype(_F32))
     if not interpret:  # the kernel streams them (module docstring: HBM operands)
         operands[1:] = [pltpu.with_memory_space_constraint(a, pltpu.HBM) for a in operands[1:]]
-    kernel = functools.partial(_kernel, packed=packed, has_zero=zero is not None, t=t, cdt=cdt)
+    kernel = functools.partial(_kernel, packed=packed, has_zero=zero is not None, t=t, cdt=cdt,
+                               mxfp4=mxfp4)
     y = pl.pallas_call(
         kernel,
         grid=(Mp // tm, N // tn, K // tk),

@@ -205,3 +205,21 @@ def test_w8a8_int8_weights_multiply_in_int8_on_v6e():
     types = {m.group(1): m.group(2) for m in re.finditer(r"%([\w.-]+) = (\w+)\[", text)}
     products = re.findall(r"= (\w+)\[[^=]*? (?:convolution|dot)\(%([\w.-]+), %([\w.-]+)\)", text)
     assert [(out, types[a], types[b]) for out, a, b in products] == [("s32", "s8", "s8")]
+
+
+def test_mxfp4_product_kernel_compiles_for_v6e():
+    """Mosaic compiles the product kernel on MXFP4 operands (packed e2m1 codes decoded with
+    selects in the tile, uint8 exponents turned into float32 scales before the call), in both
+    of its grouped modes: one kernel call on the stored bytes."""
+    from jaxserve.pallas_kernels.quant_matmul import tpu
+
+    devices, _, _ = _devices("v6e:2x2")
+    mesh = Mesh(np.array(devices[:1]).reshape(1, 1), ("data", "model"))
+    sd = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P()))  # noqa: E731
+    for M, mode in ((8, tpu.GROUP_SUMS), (64, tpu.DEQUANTIZE)):
+        product = jax.jit(functools.partial(tpu.quant_matmul_tpu, packed=True, mxfp4=True,
+                                            compute_dtype=jnp.bfloat16, mode=mode))
+        text = product.lower(sd((M, 2048), jnp.bfloat16), sd((1024, 1024), jnp.uint8),
+                             sd((64, 1024), jnp.uint8)).compile().as_text()
+        calls = [line for line in text.splitlines() if 'custom_call_target="tpu_custom_call"' in line]
+        assert len(calls) == 1 and "u8[1024,1024]" in calls[0], mode
