@@ -27,17 +27,22 @@ timeout: nothing is cut short silently. The steps, the most valuable first:
    project's streaming client (benchmarks/serving_benchmark.py) at 1, 16 and 64 concurrent
    requests of random 1,024-token prompts and 128 new tokens: output tok/s, TTFT and ITL
    (p50, p99) at each.
-6. kernel_benchmark: the attention kernels' GB/s against the copy bandwidth and, on a GPU,
+6. prebuilt_serve: the served run's engine from executables compiled before the chip on a CPU
+   host (`--executables DIR`: `jaxserve compile --topology h100:1x1 --out DIR/h100` with the
+   served run's flags and `--kv-cache-memory 8GiB`, DIR carried to the device): time to healthy beside the served run's, the
+   executables loaded and compiled (none), the same greedy completion. Skipped without DIR.
+7. kernel_benchmark: the attention kernels' GB/s against the copy bandwidth and, on a GPU,
    against JAX's shipped Pallas paged_attention, with the sweep of the Mosaic GPU kernel's
    block sizes (benchmarks/kernel_benchmark.py).
-7. kernel_tests: the attention kernel tests compiled and run on the device (`pytest
+8. kernel_tests: the attention kernel tests compiled and run on the device (`pytest
    --kernel-device`: the Triton and Mosaic GPU kernels on a GPU, the Mosaic kernel on a TPU).
-8. golden_parity: the default model's greedy completions in float32 against transformers'
+9. golden_parity: the default model's greedy completions in float32 against transformers'
    golden data, attention on the device's kernel (benchmarks/golden_parity.py).
 
 `--rehearse` runs the same steps on the CPU at tiny sizes (a 2-layer model at 8 sequences and a
 32-token prefill, one profiled step, the served run at 1 and 2 requests of 16 tokens in and 4
-out, the kernel benchmark's small scenarios, one interpret-mode test per kernel, one golden
+out, the served engine's executables compiled for the CPU and served from, the kernel
+benchmark's small scenarios, one interpret-mode test per kernel, one golden
 case of 4 tokens), so that the script itself is known to work before any device time is spent;
 tests/tools/test_device_check.py runs it. Its default out directory is
 `benchmarks/results/device_check_rehearsal/`.
@@ -71,8 +76,8 @@ sys.path.insert(0, str(ROOT))
 from jaxserve.tools.chips import chip_of_device_kind  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
-STEPS = ["device_rates", "step_throughput", "profile", "served_run", "kernel_benchmark",
-         "kernel_tests", "golden_parity"]
+STEPS = ["device_rates", "step_throughput", "profile", "served_run", "prebuilt_serve",
+         "kernel_benchmark", "kernel_tests", "golden_parity"]
 PY = sys.executable
 TINY_LLAMA = {
     "architectures": ["LlamaForCausalLM"],
@@ -107,6 +112,9 @@ class Sizes:
     prompts_per_stream: int  # prompts at concurrency c: c x this, at most num_prompts
     num_prompts: int
     warmup: int
+    # prebuilt_serve's KV cache (compiling for an accelerator without it needs its size: the
+    # directory's compile and the serve from it give the same)
+    prebuilt_kv: str
 
 
 DEVICE = Sizes(
@@ -117,7 +125,7 @@ DEVICE = Sizes(
     serve=("--max-num-seqs", "64", "--max-model-len", "1280", "--max-num-batched-tokens", "2048",
            "--token-buckets", "64", "2048", "--request-buckets", "8", "64"),
     concurrency=(1, 16, 64), input_len=1024, output_len=128, prompts_per_stream=4, num_prompts=128,
-    warmup=2,
+    warmup=2, prebuilt_kv="8GiB",
 )
 REHEARSAL = Sizes(
     decode="16x8", prefill=32, profile="16x8", context=64, max_model_len=128, max_num_seqs=8,
@@ -125,9 +133,11 @@ REHEARSAL = Sizes(
     serve=("--max-num-seqs", "8", "--max-model-len", "1024", "--max-num-batched-tokens", "16",
            "--token-buckets", "16", "--request-buckets", "8"),
     concurrency=(1, 2), input_len=16, output_len=4, prompts_per_stream=1, num_prompts=2, warmup=0,
+    prebuilt_kv="64MiB",
 )
 LIMITS = {  # seconds each step may take at most (the overall budget caps them too)
     "env": 90, "device_rates": 60, "step_throughput": 240, "profile": 45, "served_run": 180,
+    "prebuilt_serve": 90,
     "kernel_benchmark": 90, "kernel_tests": 100, "golden_parity": 90,
 }
 
@@ -496,6 +506,7 @@ def step_served_run(c: Check) -> None:
                                else f"the server exited with {server.returncode}")
         fields["startup_s"] = round(time.monotonic() - t0, 1)
         fields["request"] = _chat(port, max(5.0, until - time.monotonic()))
+        c.info["served"] = {"startup_s": fields["startup_s"], "text": fields["request"].get("text")}
         client_cmd = [PY, "benchmarks/serving_benchmark.py",
                       "--base-url", f"http://127.0.0.1:{port}",
                       "--concurrency", *map(str, s.concurrency), "--input-len", str(s.input_len),
@@ -525,6 +536,78 @@ def step_served_run(c: Check) -> None:
             fields["client_tail"] = client_log_text[-1500:]
         else:
             status = "ok"
+    except Exception as e:  # the record says what went wrong; the check goes on
+        fields["error"] = f"{type(e).__name__}: {e}"[:500]
+    finally:
+        c.stop(server, log, grace=20)
+    if status != "ok":
+        fields["tail"] = (c.out / f"{step}.log").read_text(errors="replace")[-1500:]
+    c.record(step, status, time.monotonic() - t0, **fields)
+
+
+READY = re.compile(r"(\d+) executables loaded, (\d+) compiled")
+
+
+def step_prebuilt_serve(c: Check, executables: pathlib.Path | None) -> None:
+    """The served run's engine from executables compiled before the chip: `jaxserve serve
+    --executables DIR`, DIR written on a CPU host by `jaxserve compile --topology <chip>:1x1`
+    with the served run's flags (a directory of such directories, one per chip, is searched for
+    the chip env found). Time to healthy beside the served run's (which compiled), what the
+    engine loaded and compiled (its ready line), and the same greedy completion. The rehearsal
+    compiles its directory here, for the CPU, first."""
+    step = "prebuilt_serve"
+    if c.skip_if_late(step, 30):
+        return
+    s = c.sizes
+    t0 = time.monotonic()
+    until = t0 + min(LIMITS[step], c.left())
+    fields: dict = {}
+    if c.rehearse:
+        executables = c.scratch / "executables"
+        compile_cmd = [PY, "-m", "jaxserve.server.cli", "compile", "--topology", "cpu",
+                       "--out", str(executables), *s.serve, "--kv-cache-memory", s.prebuilt_kv,
+                       "--log-level", "warning"]
+        proc, log = c.start(step, compile_cmd, log_name=f"{step}_compile")
+        try:
+            rc = proc.wait(timeout=max(1.0, until - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            rc = None
+        finally:
+            c.stop(proc, log)
+        fields["compile_s"] = round(time.monotonic() - t0, 1)
+        if rc != 0:
+            text = (c.out / f"{step}_compile.log").read_text(errors="replace")
+            c.record(step, "failed", time.monotonic() - t0, tail=text[-1500:], **fields)
+            return
+    elif executables is None:
+        c.record(step, "skipped", 0.0, reason="no --executables directory (compile one on a CPU "
+                 "host: jaxserve compile --topology h100:1x1 --out DIR/h100 with the served run's "
+                 f"flags and --kv-cache-memory {s.prebuilt_kv})")
+        return
+    elif (executables / c.info.get("chip", "")).is_dir() and c.info.get("chip"):
+        executables = executables / c.info["chip"]
+    fields["executables"] = _shown(executables)
+    port = _free_port()
+    cmd = [PY, "-m", "jaxserve.server.cli", "serve", "--port", str(port), *s.serve,
+           "--kv-cache-memory", s.prebuilt_kv, "--executables", str(executables),
+           "--no-compilation-cache",
+           "--uvicorn-log-level", "warning"]
+    t1 = time.monotonic()
+    server, log = c.start(step, cmd)
+    status = "failed"
+    try:
+        if not _wait_healthy(port, server, until):
+            raise RuntimeError("the server did not become healthy in time" if server.poll() is None
+                               else f"the server exited with {server.returncode}")
+        fields["startup_s"] = round(time.monotonic() - t1, 1)
+        fields["request"] = _chat(port, max(5.0, until - time.monotonic()))
+        ready = READY.search((c.out / f"{step}.log").read_text(errors="replace"))
+        fields["loaded"], fields["compiled"] = (int(ready[1]), int(ready[2])) if ready else (None, None)
+        served = c.info.get("served") or {}
+        fields["served_run_startup_s"] = served.get("startup_s")
+        fields["same_text"] = served.get("text") == fields["request"].get("text") if served else None
+        ok = fields["loaded"] and fields["compiled"] == 0 and fields["same_text"] is not False
+        status = "ok" if ok else "failed"
     except Exception as e:  # the record says what went wrong; the check goes on
         fields["error"] = f"{type(e).__name__}: {e}"[:500]
     finally:
@@ -615,6 +698,10 @@ def main() -> int:
                         f"default {DEVICE.decode})")
     p.add_argument("--prefill-tokens", type=int, default=None,
                    help=f"step_throughput's prefill cell on the device (default {DEVICE.prefill})")
+    p.add_argument("--executables", type=pathlib.Path, default=None,
+                   help="prebuilt_serve's directory of executables compiled before the chip "
+                        "(`jaxserve compile --topology <chip>:1x1`), or a directory of them named "
+                        "by chip (h100/, h200/)")
     p.add_argument("--pack", action="store_true",
                    help="at the end, pack the results into <out>/device_check_<chip>.tar.gz beside "
                         "device_check.jsonl")
@@ -639,6 +726,7 @@ def main() -> int:
             "step_throughput": lambda: step_throughput(c, devices),
             "profile": lambda: step_profile(c),
             "served_run": lambda: step_served_run(c),
+            "prebuilt_serve": lambda: step_prebuilt_serve(c, args.executables),
             "kernel_benchmark": lambda: step_kernel_benchmark(c, backend),
             "kernel_tests": lambda: step_kernel_tests(c, backend),
             "golden_parity": lambda: step_golden(c),

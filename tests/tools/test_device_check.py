@@ -26,6 +26,7 @@ STEPS = (
     "step_throughput",
     "profile",
     "served_run",
+    "prebuilt_serve",
     "kernel_benchmark",
     "kernel_tests",
     "golden_parity",
@@ -94,6 +95,11 @@ def test_device_check_rehearsal(tmp_path):
     assert runs == [(1, 1, 1, 0), (2, 2, 2, 0)]
     assert all(r["output_tok_per_s"] > 0 and r["ttft_ms"]["p50"] > 0 and r["itl_ms"]["p99"] > 0
                for r in served["runs"])
+
+    prebuilt = steps["prebuilt_serve"]  # compiled here for the CPU, then served from
+    assert prebuilt["loaded"] > 0 and prebuilt["compiled"] == 0, prebuilt
+    assert prebuilt["same_text"] is True and prebuilt["startup_s"] > 0
+    assert prebuilt["served_run_startup_s"] == served["startup_s"]
 
     results = steps["kernel_benchmark"]["results"]
     assert {r["impl"] for r in results} == {"gpu-interpret", "gpu-mosaic-interpret"}
