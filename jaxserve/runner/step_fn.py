@@ -29,8 +29,7 @@ from jaxserve.runner.step_buffers import BufferLayout
 from jaxserve.runner.step_inputs import ModelInputs, TokenInfo, pack_rows
 from jaxserve.sampling.config import SamplerConfig
 from jaxserve.sampling.metadata import SamplingMetadata, SamplingMetadataBuilder
-from jaxserve.sampling.ops import batch_cond
-from jaxserve.sampling.sampler import prompt_logprobs, sample
+from jaxserve.sampling.sampler import prompt_logprobs, sample_with_extra
 from jaxserve.sampling.state import (
     init_sampling_state,
     record_sampled_tokens,
@@ -70,8 +69,6 @@ class StepFunction:
         hidden, kv = model(input_ids, inputs.positions, kv, inputs.md, self.layer_impl,
                            lora=lora)  # [T, E]
         logits = model.compute_logits(hidden[inputs.logits_indices])  # [R, V]
-        out = sample(logits, meta, sstate, self.sampler_config)
-        sstate = record_sampled_tokens(sstate, out.token_ids, tok.sample_slots)
         k = self.sampler_config.max_logprobs
         T = hidden.shape[0]
         wants = tok.next_prompt_token >= 0
@@ -85,7 +82,11 @@ class StepFunction:
             return PromptLogprobs(jnp.zeros((T,), jnp.float32), jnp.zeros((T, k), jnp.int32),
                                   jnp.zeros((T, k), jnp.float32), jnp.zeros((T,), jnp.int32))
 
-        plp = batch_cond(jnp.any(wants), with_prompt_lp, without)
+        # The prompt logprobs ride in the sampler's conditional of optional work (a GPU reads
+        # each conditional's predicate back: a plain step reads one).
+        out, plp = sample_with_extra(logits, meta, sstate, self.sampler_config,
+                                     (jnp.any(wants), with_prompt_lp, without))
+        sstate = record_sampled_tokens(sstate, out.token_ids, tok.sample_slots)
         return kv, sstate, out, plp
 
     def packed(self, layout: BufferLayout, params, kv, sstate, *buffers):
