@@ -294,12 +294,24 @@ def _sample_random(
     use_p = ~greedy & (meta.top_p < 1.0)
 
     # The candidates [R, K1]: values desc, ids (ties: lower id first). From the block maxima
-    # they cost a gather of K1 blocks, not a pass over the row, so every random batch takes
-    # them (no cond: its predicate would be read back by the host on a GPU).
+    # they cost a gather of K1 blocks, not a pass over the row, so on accelerators every
+    # random batch takes them (no cond: a GPU would read its predicate back to the host). On
+    # the CPU, whose top-k over the block maxima is slow, only batches with a row that uses
+    # them do.
     bc = ops.top_k_block(V, K1)
     if bmax is None:
         bmax = ops.block_max(x, bc)
-    c, ci = ops.top_k_exact(x, K1, block=bc, bmax=bmax)
+
+    def candidates():
+        return ops.top_k_exact(x, K1, block=bc, bmax=bmax)
+
+    def when_used():
+        return ops.batch_cond(
+            jnp.any(small_k | use_p), candidates,
+            lambda: (jnp.full((R, K1), NEG_INF, x.dtype), jnp.zeros((R, K1), jnp.int32)),
+        )
+
+    c, ci = jax.lax.platform_dependent(cpu=when_used, default=candidates)
     mx = c.max(axis=-1) if bmax is None else bmax.max(axis=-1)  # (a slice would defeat TopK)
     # min_p: p / p_max = exp((x - mx) / T) >= min_p  <=>  x >= mx + T * log(min_p)
     tau_minp = jnp.where(
