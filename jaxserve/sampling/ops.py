@@ -44,7 +44,9 @@ def block_max(x: jax.Array, b: int) -> jax.Array | None:
     return None if b == 1 else x.reshape(R, V // b, b).max(-1)
 
 
-def argmax_first(x: jax.Array, block: int | None = None, bmax: jax.Array | None = None) -> jax.Array:
+def argmax_first(
+    x: jax.Array, block: int | None = None, bmax: jax.Array | None = None
+) -> jax.Array:
     """[R, V] -> [R] int32: index of the first maximum (== jnp.argmax for non-NaN rows).
     `bmax`: block_max(x, block), when the caller has it (exact for any block width)."""
     R, V = x.shape
