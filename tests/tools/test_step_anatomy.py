@@ -253,11 +253,12 @@ def test_the_sampler_moves_at_most_5_percent_of_a_decode_step(target, path):
 
 
 @pytest.mark.skipif(not HAS_GPU, reason="JAX's CUDA plugin is not installed")
-def test_a_gpu_decode_step_reads_back_at_most_one_predicate():
-    """XLA:GPU reads a top-level conditional's predicate (and a data-dependent loop's, every
-    trip) back to the host before it launches the branch: a synchronisation inside the step.
-    The sampler's optional features, the logprobs and the prompt logprobs share one
-    conditional, and the sampling state's reset is a scatter there, not a loop."""
+def test_a_gpu_decode_step_has_one_top_level_conditional_and_no_loop():
+    """XLA:GPU reads a conditional's predicate (and a data-dependent loop's, every trip) back to
+    the host before it launches the branch: a synchronisation inside the step. The sampler's
+    optional features, the logprobs and the prompt logprobs share one top-level conditional
+    (the features' own are nested in its branch), and the sampling state's reset is a scatter
+    there, not a loop."""
     launches = decode_record("h100:1x1")["gpu_host_launches"]
     assert launches["conditionals"] <= 1, launches
     assert "kWhile" not in launches["outside"], launches
