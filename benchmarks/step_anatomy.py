@@ -782,11 +782,15 @@ def anatomy(text: str, geo: CacheGeometry, cache_params: list[int]) -> dict:
         f"cache argument {p} not aliased to an output" for p in unaliased
     ]
     out["kernel_labels"] = _top_kernels(plain.kernels)
+    out["sampler_kernels_heavy"] = _top_kernels(
+        [k for k in heavy.kernels if k.part == "sampler"], 24
+    )
     return out
 
 
 def _top_kernels(kernels: list[Kernel], n: int = 12) -> list[str]:
-    """The plain path's largest kernels by bytes, for the record."""
+    """The largest of `kernels` by bytes, for the record (the plain path's; the heavy path's
+    sampler kernels: `sampler_kernels_heavy`)."""
     top = sorted(kernels, key=lambda k: -k.bytes)[:n]
     return [f"{k.part}: {k.kind} {k.label} {k.bytes}" for k in top]
 
@@ -999,6 +1003,7 @@ def step_records(
                 "by_part": rec["by_part"],
                 "by_part_heavy": rec["by_part_heavy"],
                 "largest_kernels": rec["kernel_labels"],
+                "sampler_kernels_heavy": rec["sampler_kernels_heavy"],
                 "gpu_host_launches": thunks,
                 "cache_bytes_per_layer": elements * k0.dtype.itemsize,
                 "xla_cost_analysis": cost,

@@ -29,8 +29,7 @@ from jaxserve.runner.step_buffers import BufferLayout
 from jaxserve.runner.step_inputs import ModelInputs, TokenInfo, pack_rows
 from jaxserve.sampling.config import SamplerConfig
 from jaxserve.sampling.metadata import SamplingMetadata, SamplingMetadataBuilder
-from jaxserve.sampling.ops import batch_cond
-from jaxserve.sampling.sampler import prompt_logprobs, sample
+from jaxserve.sampling.sampler import prompt_logprobs, sample, sample_with_extra
 from jaxserve.sampling.state import (
     init_sampling_state,
     record_sampled_tokens,
@@ -60,7 +59,7 @@ class StepFunction:
 
     def __call__(self, params, kv, sstate, inputs: ModelInputs, meta: SamplingMetadata, tok: TokenInfo):
         model, lora = self.model_of(params, tok)
-        kv, sstate, out, hidden = self.sample_step(model, lora, kv, sstate, inputs, meta, tok)
+        kv, sstate, logits, hidden = self.forward(model, lora, kv, sstate, inputs, meta, tok)
         k = self.sampler_config.max_logprobs
         T = hidden.shape[0]
         wants = tok.next_prompt_token >= 0
@@ -74,7 +73,11 @@ class StepFunction:
             return PromptLogprobs(jnp.zeros((T,), jnp.float32), jnp.zeros((T, k), jnp.int32),
                                   jnp.zeros((T, k), jnp.float32), jnp.zeros((T,), jnp.int32))
 
-        plp = batch_cond(jnp.any(wants), with_prompt_lp, without)
+        # The prompt logprobs ride in the sampler's conditional of optional work (a GPU reads
+        # each conditional's predicate back: a plain step reads one).
+        out, plp = sample_with_extra(logits, meta, sstate, self.sampler_config,
+                                     (jnp.any(wants), with_prompt_lp, without))
+        sstate = record_sampled_tokens(sstate, out.token_ids, tok.sample_slots)
         return kv, sstate, out, plp
 
     def model_of(self, params, tok: TokenInfo):
@@ -86,14 +89,19 @@ class StepFunction:
             params = params[:n]
         return nnx.merge(self.graphdef, jax.tree.unflatten(self.params_treedef, params)), lora
 
-    def sample_step(self, model, lora, kv, sstate, inputs: ModelInputs, meta: SamplingMetadata, tok: TokenInfo):
-        """One forward and draw: resolve pending tokens -> fold the inputs into the sampling
-        state -> model (KV written) -> logits at each row's token -> sample -> keep each row's
-        token in its slot. Returns (kv, sstate, SamplerOutput, hidden [T, E])."""
+    def forward(self, model, lora, kv, sstate, inputs: ModelInputs, meta: SamplingMetadata, tok: TokenInfo):
+        """Resolve pending tokens -> fold the inputs into the sampling state -> model (KV
+        written) -> logits at each row's token. Returns (kv, sstate, logits [R, V], hidden
+        [T, E])."""
         input_ids = resolve_pending_tokens(sstate, inputs.input_ids, tok.slots)
         sstate = update_state_from_tokens(sstate, tok.slots, input_ids, tok.is_prompt, tok.valid, meta.reset_slots)
         hidden, kv = model(input_ids, inputs.positions, kv, inputs.md, self.layer_impl, lora=lora)  # [T, E]
-        logits = model.compute_logits(hidden[inputs.logits_indices])  # [R, V]
+        return kv, sstate, model.compute_logits(hidden[inputs.logits_indices]), hidden
+
+    def sample_step(self, model, lora, kv, sstate, inputs: ModelInputs, meta: SamplingMetadata, tok: TokenInfo):
+        """One forward and draw (a decode block's iteration): `forward` -> sample -> keep each
+        row's token in its slot. Returns (kv, sstate, SamplerOutput, hidden [T, E])."""
+        kv, sstate, logits, hidden = self.forward(model, lora, kv, sstate, inputs, meta, tok)
         out = sample(logits, meta, sstate, self.sampler_config)
         sstate = record_sampled_tokens(sstate, out.token_ids, tok.sample_slots)
         return kv, sstate, out, hidden

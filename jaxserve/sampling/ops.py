@@ -32,35 +32,53 @@ def block_size(V: int, target: int) -> int:
     return b if b >= 4 else 1
 
 
-def argmax_first(x: jax.Array) -> jax.Array:
-    """[R, V] -> [R] int32: index of the first maximum (== jnp.argmax for non-NaN rows)."""
+def top_k_block(V: int, k: int) -> int:
+    """The block width top_k_exact uses for k of V by default (1: none, lax.top_k runs)."""
+    return block_size(V, max(4, min(64, V // (4 * k))))
+
+
+def block_max(x: jax.Array, b: int) -> jax.Array | None:
+    """[R, V] -> [R, V // b] the maximum of each block of b (None when b == 1): one pass over x
+    that argmax_first, top_k_exact and the row max can share."""
     R, V = x.shape
-    b = block_size(V, 256)
+    return None if b == 1 else x.reshape(R, V // b, b).max(-1)
+
+
+def argmax_first(
+    x: jax.Array, block: int | None = None, bmax: jax.Array | None = None
+) -> jax.Array:
+    """[R, V] -> [R] int32: index of the first maximum (== jnp.argmax for non-NaN rows).
+    `bmax`: block_max(x, block), when the caller has it (exact for any block width)."""
+    R, V = x.shape
+    b = block if block is not None else block_size(V, 256)
     if b == 1:
         return jnp.argmax(x, axis=-1).astype(jnp.int32)
     xb = x.reshape(R, V // b, b)
-    bmax = xb.max(-1)  # [R, nb]
+    bmax = xb.max(-1) if bmax is None else bmax  # [R, nb]
     m = bmax.max(-1, keepdims=True)  # [R, 1]
     blk = jnp.argmax(bmax == m, axis=-1).astype(jnp.int32)  # [R] first block holding the max
     g = jnp.take_along_axis(xb, blk[:, None, None], axis=1)[:, 0]  # [R, b]
     return blk * b + jnp.argmax(g == m, axis=-1).astype(jnp.int32)
 
 
-def top_k_exact(x: jax.Array, k: int, block: int | None = None) -> tuple[jax.Array, jax.Array]:
+def top_k_exact(
+    x: jax.Array, k: int, block: int | None = None, bmax: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
     """[R, V] -> (values [R, k] descending, ids [R, k]); ties: lower id first (as lax.top_k).
 
     Two levels: the k blocks with the largest maxima (ties: lower block first) hold the top k
-    elements, so lax.top_k runs on [R, nb] and on the k gathered blocks, kept in id order."""
+    elements, so lax.top_k runs on [R, nb] and on the k gathered blocks, kept in id order.
+    `bmax`: block_max(x, block), when the caller has it (the pass over x is then shared)."""
     R, V = x.shape
     if k == 0:
         return jnp.zeros((R, 0), x.dtype), jnp.zeros((R, 0), jnp.int32)
-    b = block if block is not None else block_size(V, max(4, min(64, V // (4 * k))))
+    b = block if block is not None else top_k_block(V, k)
     if b == 1 or k > V // b or 2 * k * b > V:
         v, i = jax.lax.top_k(x, k)
         return v, i.astype(jnp.int32)
     nb = V // b
     xb = x.reshape(R, nb, b)
-    _, bi = jax.lax.top_k(xb.max(-1), k)  # [R, k] blocks with the largest maxima
+    _, bi = jax.lax.top_k(xb.max(-1) if bmax is None else bmax, k)  # [R, k] largest maxima
     bi = jnp.sort(bi.astype(jnp.int32), axis=-1)  # id order, so ties resolve to the lower id
     g = jnp.take_along_axis(xb, bi[:, :, None], axis=1).reshape(R, k * b)  # [R, k*b]
     v, j = jax.lax.top_k(g, k)
@@ -123,8 +141,7 @@ def inverse_cdf(w: jax.Array, t: jax.Array, scaled: bool = True) -> jax.Array:
 
 def boundary(
     x: jax.Array,  # [R, V] values
-    w: jax.Array | None,  # [R, V] weights >= 0, non-decreasing in x (None: all weigh 1)
-    w_of_values,  # f(values [R, n]) -> their weights (the same function that made w)
+    w_of_values,  # f(values [R, n]) -> their weights, >= 0 and non-decreasing in the value
     target: jax.Array,  # [R] > 0, at most the weight of {x >= lo}
     lo: jax.Array,  # [R] a value with weight(x >= lo) >= target
     active: jax.Array,  # [R] bool rows to solve (others return garbage)
@@ -136,7 +153,8 @@ def boundary(
     """Exact boundary of the order (value desc, id asc): the first element at which the
     cumulative weight reaches `target`. Returns (its value [R], its id [R]).
 
-    Shrinks a bracket [lo, hi) around the boundary (one pass over [R, V] per probe:
+    Shrinks a bracket [lo, hi) around the boundary (one pass over x per probe, the weights
+    computed from x where they are summed, so no [R, V] array of weights is read or written:
     interpolated probes, a halving every third step, and a snap onto the values inside when a
     probe made no progress) until it holds at most C elements (8-12 probes for nuclei of
     thousands of tokens, 4-6 for large tie groups), then extracts it exactly with top_k_exact.
@@ -149,10 +167,7 @@ def boundary(
     f32 = jnp.float32
 
     def stats(t):  # weight, and count of positive weights, of {x >= t}; t [R]
-        if w is None:
-            n = jnp.sum((x >= t[:, None]).astype(f32), axis=-1)
-            return n, n
-        y = jnp.where(x >= t[:, None], w, 0.0)  # weights are non-decreasing in x
+        y = jnp.where(x >= t[:, None], w_of_values(x), 0.0)  # weights are non-decreasing in x
         return jnp.sum(y, axis=-1), jnp.sum((y > 0).astype(f32), axis=-1)
 
     top = jnp.max(x, axis=-1)

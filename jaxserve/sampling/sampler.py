@@ -26,9 +26,16 @@ of the logits the sampler receives, so after step 0 (as in vLLM, where the bitma
 before the sampler) and before steps 1-7; rank = #{tokens with logit >= the sampled token's}
 (1-based).
 
-Every optional feature sits behind a lax.cond on a batch-wide flag (a scalar computed from the
-[R] parameter arrays), so a batch that does not use a feature does not pay for it, and both
-branches live in the same executable: no parameter mix ever recompiles.
+Optional work sits behind lax.conds on batch-wide flags (scalars computed from the [R]
+parameter arrays), so a batch that does not use a feature does not pay for it, and both
+branches live in the same executable: no parameter mix ever recompiles. Each conditional costs
+a GPU a synchronisation (XLA:GPU reads its predicate back to the host before it launches a
+branch), so the optional features (steps 0-3, the logprobs, and the caller's prompt logprobs:
+`sample_with_extra`) share one conditional, with each feature's own nested in its branch, and
+work that costs no pass over [R, V] takes no conditional: the greedy argmax and the top-K
+candidates come from the row's block maxima, one pass shared by the argmax, the candidates, the
+row max and the raw logprobs' top k. A plain batch (no optional feature) reads back that one
+predicate, and any_random's when it has random rows.
 """
 
 from __future__ import annotations
@@ -63,54 +70,105 @@ def sample(
 ) -> SamplerOutput:
     """logits [R, V] (any float dtype; computed in float32) -> SamplerOutput. `config` is
     static (close over it or use functools.partial); `state` is read only."""
+    return sample_with_extra(logits, meta, state, config)[0]
+
+
+def sample_with_extra(
+    logits: jax.Array,
+    meta: SamplingMetadata,
+    state: SamplingState,
+    config: SamplerConfig,
+    extra: tuple | None = None,
+):
+    """`sample`, and work of the caller's that only some batches need: `extra` = (flag, fn,
+    none_fn): fn() when the batch-wide `flag` is set, else none_fn() (same structure, zeros).
+    It joins the sampler's conditional of optional work (the step's prompt logprobs): a batch
+    that uses no optional feature takes one branch, whose predicate a GPU reads back once.
+    Returns (SamplerOutput, the extra's result or None)."""
     raw = logits.astype(jnp.float32)  # [R, V]
-    R, _ = raw.shape
+    R, V = raw.shape
     bitmask = meta.token_bitmask
     any_mask = jnp.any(bitmask != -1) if bitmask is not None else jnp.asarray(False)
     greedy = meta.temperature == 0.0  # [R]  (padding rows have temperature < 0: neither)
     random = meta.temperature > 0.0
-    any_greedy, any_random = jnp.any(greedy), jnp.any(random)
+    any_random = jnp.any(random)
+    # One block width for every reduction that picks elements of a row (the greedy argmax, the
+    # top-K candidates, the logprobs' top k): each of them is exact for any width, so the
+    # block maxima of a row are computed once and shared.
+    bc = ops.top_k_block(V, min(config.topk_candidates + 1, V))
 
-    def choose(x):  # steps 4-7 on the processed logits; returns tokens [R]
-        tok_greedy = ops.batch_cond(
-            any_greedy, lambda: ops.argmax_first(x), lambda: jnp.zeros((R,), jnp.int32)
-        )
+    def choose(x, bmax):  # steps 4-7 on the processed logits; returns tokens [R]
+        if bmax is not None:  # the JAX steps share the block maxima: the argmax is a gather
+            tok_greedy = ops.argmax_first(x, bc, bmax)
+        else:  # (the native kernel reads the row itself: a pass only when some row is greedy)
+            tok_greedy = ops.batch_cond(
+                jnp.any(greedy), lambda: ops.argmax_first(x), lambda: jnp.zeros((R,), jnp.int32)
+            )
         return ops.batch_cond(
             any_random,
-            lambda: jnp.where(random, _sample_random(x, meta, ~random, config), tok_greedy),
+            lambda: jnp.where(random, _sample_random(x, meta, ~random, config, bmax), tok_greedy),
             lambda: tok_greedy,
         )
 
-    def logprobs_after_step0():  # (the unmasked logits are not copied through a cond)
-        lps = functools.partial(_raw_logprobs, tok=tok, k=k, native=config.native)
-        if bitmask is None:
-            return lps(raw)
-        return ops.batch_cond(any_mask, lambda: lps(apply_token_bitmask(raw, bitmask)), lambda: lps(raw))
+    # The raw logits' block maxima: the plain path's argmax and the logprobs' top k read them.
+    raw_bmax = ops.block_max(raw, bc) if config.native is None else None
 
-    # Steps 0-3 only when some row uses them. `choose` sits inside both branches, so the
-    # untouched logits are never copied through a cond.
+    # Steps 0-3 and the logprobs only when some row uses them, under one conditional (each
+    # conditional costs a GPU a predicate read back by the host), the features' own
+    # conditionals nested in it. `choose` sits inside the branches, so the untouched logits
+    # are never copied through a cond.
     pen = (
         (meta.presence_penalty != 0.0)
         | (meta.frequency_penalty != 0.0)
         | (meta.repetition_penalty != 1.0)
     )
     use_rows, stops = jnp.any(meta.use_slot_rows), jnp.any(meta.stop_ids >= 0)
-    with jax.named_scope("sampler"):
-        tok = ops.batch_cond(
-            use_rows | stops | jnp.any(pen) | any_mask,
-            lambda: choose(_process(raw, meta, state, use_rows, jnp.any(pen), bitmask)),
-            lambda: choose(raw),
-        )
-    with jax.named_scope("sampler_logprobs"):
-        k = config.max_logprobs
 
-        def none():
-            z = jnp.zeros((R,), jnp.float32)
-            return (z, jnp.zeros((R, k), jnp.int32), jnp.zeros((R, k), jnp.float32),
-                    jnp.zeros((R,), jnp.int32))
+    def processed():
+        x = _process(raw, meta, state, use_rows, jnp.any(pen), bitmask)
+        return choose(x, ops.block_max(x, bc) if config.native is None else None)
 
-        lp, ids, top_lp, rank = ops.batch_cond(jnp.any(meta.logprobs >= 0), logprobs_after_step0, none)
-    return SamplerOutput(token_ids=tok, logprobs=lp, topk_ids=ids, topk_logprobs=top_lp, rank=rank)
+    k = config.max_logprobs
+
+    def no_logprobs():
+        z = jnp.zeros((R,), jnp.float32)
+        return (z, jnp.zeros((R, k), jnp.int32), jnp.zeros((R, k), jnp.float32),
+                jnp.zeros((R,), jnp.int32))
+
+    def with_features():  # some row uses steps 0-3, logprobs, or the caller's extra
+        with jax.named_scope("sampler"):
+            tok = ops.batch_cond(
+                use_rows | stops | jnp.any(pen) | any_mask, processed,
+                lambda: choose(raw, raw_bmax),
+            )
+        with jax.named_scope("sampler_logprobs"):
+            lps = functools.partial(_raw_logprobs, tok=tok, k=k, native=config.native, block=bc)
+
+            def logprobs():
+                # After step 0, as vLLM: a grammar's mask applies to the raw logprobs (then
+                # the masked row has block maxima of its own).
+                if bitmask is None:
+                    return lps(raw, bmax=raw_bmax)
+                return ops.batch_cond(
+                    any_mask, lambda: lps(apply_token_bitmask(raw, bitmask)),
+                    lambda: lps(raw, bmax=raw_bmax),
+                )
+
+            lp = ops.batch_cond(jnp.any(meta.logprobs >= 0), logprobs, no_logprobs)
+        ex = None if extra is None else ops.batch_cond(extra[0], extra[1], extra[2])
+        return tok, lp, ex
+
+    def plain():  # no row uses an optional feature: choose on the raw logits
+        with jax.named_scope("sampler"):
+            tok = choose(raw, raw_bmax)
+        return tok, no_logprobs(), None if extra is None else extra[2]()
+
+    uses = use_rows | stops | jnp.any(pen) | any_mask | jnp.any(meta.logprobs >= 0)
+    if extra is not None:
+        uses = uses | extra[0]
+    tok, (lp, ids, top_lp, rank), ex = ops.batch_cond(uses, with_features, plain)
+    out = SamplerOutput(token_ids=tok, logprobs=lp, topk_ids=ids, topk_logprobs=top_lp, rank=rank)
+    return out, ex
 
 
 def prompt_logprobs(
@@ -205,11 +263,13 @@ def _sample_random(
     meta: SamplingMetadata,
     greedy: jax.Array,
     config: SamplerConfig,
+    bmax: jax.Array | None = None,
     with_mask: bool = False,
 ):
     """Steps 5-7 for every row; `greedy` marks the rows whose result the caller discards
-    (greedy and padding rows). With `with_mask` (tests only) also returns the [R, V] set of
-    tokens each row may emit.
+    (greedy and padding rows). `bmax`: the block maxima of x (ops.block_max at the width
+    ops.top_k_block gives for K + 1 candidates), when the caller has them. With `with_mask`
+    (tests only) also returns the [R, V] set of tokens each row may emit.
 
     Works on x (not x / T): the order of the tokens is the same, thresholds are mapped into
     x's scale, and probabilities are exp((x - max) / T) — this saves passes over [R, V].
@@ -233,15 +293,26 @@ def _sample_random(
     small_k = use_k & (k <= K)
     use_p = ~greedy & (meta.top_p < 1.0)
 
-    def candidates():  # [R, K1] values desc, ids (ties: lower id first), row max
-        c, ci = ops.top_k_exact(x, K1, block=b)
-        return c, ci, c.max(axis=-1)  # (a reduction: a slice would defeat TopK)
+    # The candidates [R, K1]: values desc, ids (ties: lower id first). From the block maxima
+    # they cost a gather of K1 blocks, not a pass over the row, so on accelerators every
+    # random batch takes them (no cond: a GPU would read its predicate back to the host). On
+    # the CPU, whose top-k over the block maxima is slow, only batches with a row that uses
+    # them do.
+    bc = ops.top_k_block(V, K1)
+    if bmax is None:
+        bmax = ops.block_max(x, bc)
 
-    def no_candidates():
-        return (jnp.full((R, K1), NEG_INF, jnp.float32), jnp.zeros((R, K1), jnp.int32),
-                x.max(axis=-1))
+    def candidates():
+        return ops.top_k_exact(x, K1, block=bc, bmax=bmax)
 
-    c, ci, mx = ops.batch_cond(jnp.any(small_k | use_p), candidates, no_candidates)
+    def when_used():
+        return ops.batch_cond(
+            jnp.any(small_k | use_p), candidates,
+            lambda: (jnp.full((R, K1), NEG_INF, x.dtype), jnp.zeros((R, K1), jnp.int32)),
+        )
+
+    c, ci = jax.lax.platform_dependent(cpu=when_used, default=candidates)
+    mx = c.max(axis=-1) if bmax is None else bmax.max(axis=-1)  # (a slice would defeat TopK)
     # min_p: p / p_max = exp((x - mx) / T) >= min_p  <=>  x >= mx + T * log(min_p)
     tau_minp = jnp.where(
         ~greedy & (meta.min_p > 0), mx + temp * jnp.log(jnp.maximum(meta.min_p, 1e-38)), NEG_INF
@@ -256,21 +327,13 @@ def _sample_random(
     # exp((x - mx) / T) summed per block, masked by min_p only when some row uses it.
     full = ~greedy & ~small_k
 
-    def block_mass_of(masked: bool):
-        def f():
-            arg = (x - mx[:, None]) * inv_t  # [R, V]
-            if masked:
-                arg = jnp.where(x >= tau1[:, None], arg, NEG_INF)
-            return jnp.exp(arg).reshape(R, nb, b).sum(-1)  # [R, nb]
-
-        return f
+    def block_mass():  # [R, nb]; tau1 = -inf keeps every token (exp(-inf) = 0 either way)
+        t1, m1, it = _row_values(tau1, mx, inv_t)
+        arg = jnp.where(x >= t1[:, None], (x - m1[:, None]) * it, NEG_INF)  # [R, V]
+        return jnp.exp(arg).reshape(R, nb, b).sum(-1)
 
     block_mass = ops.batch_cond(
-        jnp.any(full),
-        lambda: ops.batch_cond(
-            jnp.any(full & (tau1 > NEG_INF)), block_mass_of(True), block_mass_of(False)
-        ),
-        lambda: jnp.zeros((R, nb), jnp.float32),
+        jnp.any(full), block_mass, lambda: jnp.zeros((R, nb), jnp.float32)
     )
 
     # top-p on the candidates: shortest prefix of (prob desc, id asc) with mass >= top_p.
@@ -333,7 +396,7 @@ def _sample_bisect(
     f32 = jnp.float32
 
     def kth_value():
-        return ops.boundary(x, None, lambda v: jnp.ones_like(v), jnp.maximum(k, 1).astype(f32),
+        return ops.boundary(x, lambda v: jnp.ones_like(v), jnp.maximum(k, 1).astype(f32),
                             jnp.min(x, axis=-1), use_k, C)[0]
 
     tau_k = ops.batch_cond(jnp.any(use_k), kth_value, lambda: jnp.full((R,), NEG_INF))
@@ -342,8 +405,9 @@ def _sample_bisect(
     def prob(v):  # unnormalised probability after min_p and top_k
         return jnp.where(v >= tau1[:, None], jnp.exp((v - mx[:, None]) * inv_t), 0.0)
 
-    p = prob(x)  # [R, V]
-    z = jnp.sum(p, axis=-1)
+    # (The probabilities are computed from x where they are summed: the program holds no
+    # [R, V] array of them, though XLA may keep one that two of the sums share.)
+    z = jnp.sum(prob(x), axis=-1)
     # Start the top-p bracket above the tail: the (at most V) tokens below
     # mx + T * (log((1 - top_p) * z / V) - 1) weigh at most (1 - top_p) * z / e in all (the max
     # weighs 1), so the nucleus boundary lies above (a factor e of margin for rounding).
@@ -351,18 +415,36 @@ def _sample_bisect(
     tail = mx + t * (jnp.log(jnp.maximum((1.0 - top_p) * z / V, 1e-38)) - 1.0)
     tau_p, ib = ops.batch_cond(
         jnp.any(use_p),
-        lambda: ops.boundary(x, p, prob, top_p * z, jnp.maximum(tau1, tail), use_p, C, upper,
+        lambda: ops.boundary(x, prob, top_p * z, jnp.maximum(tau1, tail), use_p, C, upper,
                              (mx, inv_t[:, 0])),
         lambda: (jnp.full((R,), NEG_INF), jnp.full((R,), V, jnp.int32)),
     )
+
+    def kept(v, ids):  # the kept tokens' probabilities; v, ids [R, n]
+        cut = (v > tau_p[:, None]) | ((v == tau_p[:, None]) & (ids <= ib[:, None]))
+        return jnp.where((v >= tau1[:, None]) & (~use_p[:, None] | cut), prob(v), 0.0)
+
     iota = jnp.arange(V, dtype=jnp.int32)[None, :]
-    cut = (x > tau_p[:, None]) | ((x == tau_p[:, None]) & (iota <= ib[:, None]))
-    keep = (x >= tau1[:, None]) & (~use_p[:, None] | cut)  # [R, V]
-    pf = jnp.where(keep, p, 0.0).reshape(R, nb, b)  # [R, nb, b]
-    tok = ops.inverse_cdf_blocks(
-        pf.sum(-1), lambda blk: jnp.take_along_axis(pf, blk[:, None, None], axis=1)[:, 0], u, b
-    )
-    return (tok, keep) if with_mask else tok
+    pf_blocks = kept(x, iota).reshape(R, nb, b).sum(-1)  # [R, nb]
+
+    def kept_block(blk):  # [R] -> [R, b]
+        g = jnp.take_along_axis(x.reshape(R, nb, b), blk[:, None, None], axis=1)[:, 0]
+        return kept(g, blk[:, None] * b + jnp.arange(b, dtype=jnp.int32)[None, :])
+
+    tok = ops.inverse_cdf_blocks(pf_blocks, kept_block, u, b)
+    if not with_mask:
+        return tok
+    keep = (x >= tau1[:, None]) & (~use_p[:, None] | (x > tau_p[:, None])
+                                   | ((x == tau_p[:, None]) & (iota <= ib[:, None])))
+    return tok, keep
+
+
+def _row_values(*values: jax.Array) -> tuple[jax.Array, ...]:
+    """Per-row values ([R]: a max, a threshold) that a pass over [R, V] reads, computed before
+    it: without the barrier XLA fuses their own reduction or gather into the pass's
+    elementwise part, which then cannot join the pass's reduction (it writes an [R, V] array
+    that the reduction reads back)."""
+    return tuple(jax.lax.optimization_barrier(values))
 
 
 def _sample_block(V: int) -> int:
@@ -370,23 +452,26 @@ def _sample_block(V: int) -> int:
     return V if b == 1 else b
 
 
-def _raw_logprobs(raw: jax.Array, tok: jax.Array, k: int, native: str | None = None):
-    """log_softmax of the raw logits at `tok`, its rank, and the top k."""
+def _raw_logprobs(raw: jax.Array, tok: jax.Array, k: int, native: str | None = None,
+                  block: int | None = None, bmax: jax.Array | None = None):
+    """log_softmax of the raw logits at `tok`, its rank, and the top k. Two passes over the
+    row: its block maxima (the top k's first level and the max; `bmax`: ops.block_max(raw,
+    block) when the caller has them), then the log-sum-exp's sum and the rank's count."""
     if native is not None:
         return native_impls.get(native).raw_logprobs(raw, tok, k)
     R, V = raw.shape
-    kk = max(k, 1)  # the top list also gives the max, and usually the rank
-    vals, ids = ops.top_k_exact(raw, kk)  # [R, kk]
-    m = vals.max(axis=-1)  # (a slice of the TopK output would turn it into a full sort)
-    lse = m + jnp.log(jnp.sum(jnp.exp(raw - m[:, None]), axis=-1))  # [R]
+    kk = max(k, 1)  # the top list also gives the max
+    if block is not None and bmax is None:
+        bmax = ops.block_max(raw, block)
+    vals, ids = ops.top_k_exact(raw, kk, block=block, bmax=bmax)  # [R, kk]
+    # (a reduction, not a slice of the TopK output, which would turn it into a full sort)
+    m = vals.max(axis=-1) if bmax is None else bmax.max(axis=-1)
     tv = jnp.take_along_axis(raw, tok[:, None], axis=1)[:, 0]
-    # rank = #{logit >= tv}: all of them are in the top list when tv > its smallest value.
-    in_list = tv > vals.min(axis=-1)
-    rank = ops.batch_cond(
-        jnp.all(in_list) | (kk == V),
-        lambda: jnp.sum(vals >= tv[:, None], axis=-1),
-        lambda: jnp.sum((raw >= tv[:, None]).astype(jnp.float32), axis=-1).astype(jnp.int32),
-    ).astype(jnp.int32)
+    m, tv = _row_values(m, tv)
+    # One pass over the row: the log-sum-exp's sum and the rank's count read the same logits
+    # (sibling reductions; rank = #{logit >= tv}, exact in int32).
+    lse = m + jnp.log(jnp.sum(jnp.exp(raw - m[:, None]), axis=-1))  # [R]
+    rank = jnp.sum((raw >= tv[:, None]).astype(jnp.int32), axis=-1)
     if k == 0:  # (slicing the TopK outputs would turn them into a full sort)
         ids, vals = jnp.zeros((R, 0), jnp.int32), jnp.zeros((R, 0), jnp.float32)
     return tv - lse, ids, vals - lse[:, None], rank

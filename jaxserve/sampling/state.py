@@ -133,11 +133,35 @@ def write_slot_rows(state: SamplingState, rows: SlotRowsWrite) -> SamplingState:
 
 
 def _reset(state: SamplingState, reset_slots: jax.Array) -> SamplingState:
-    """Clear the rows of `reset_slots` ([N], S = none) in place: a loop over the slots to clear
-    (none in most steps), one row write each. (A `lax.cond` around a whole-array update would
-    copy the [S, V] array in both branches and once more on the way out, every step.)"""
-    S, V = state.token_counts.shape
-    W = state.recent_outputs.shape[1]
+    """Clear the rows of `reset_slots` ([N], S = none) in place, without copying the state (a
+    `lax.cond` around a whole-array update would copy the [S, V] array in both branches and
+    once more on the way out, every step).
+
+    On a GPU: one scatter of zero rows (rows of S dropped). XLA:GPU runs a data-dependent loop
+    by reading its predicate back to the host each trip (a synchronisation inside the step);
+    the scatter writes only the rows it keeps (its zeros are a constant, nothing is read).
+    Elsewhere (TPUs, where a loop's predicate stays on the chip, and the CPU): a loop over the
+    slots to clear (none in most steps), one row write each."""
+    counts, recent = jax.lax.platform_dependent(
+        state.token_counts, state.recent_outputs, reset_slots,
+        cuda=_reset_by_scatter, rocm=_reset_by_scatter, default=_reset_by_loop,
+    )
+    return dataclasses.replace(state, token_counts=counts, recent_outputs=recent)
+
+
+def _reset_by_scatter(counts: jax.Array, recent: jax.Array, reset_slots: jax.Array):
+    """_reset's rows cleared by one scatter each (rows of S dropped)."""
+    (N,), V, W = reset_slots.shape, counts.shape[1], recent.shape[1]
+    return (
+        counts.at[reset_slots].set(jnp.zeros((N, V), counts.dtype), mode="drop"),
+        recent.at[reset_slots].set(jnp.full((N, W), -1, recent.dtype), mode="drop"),
+    )
+
+
+def _reset_by_loop(counts: jax.Array, recent: jax.Array, reset_slots: jax.Array):
+    """_reset's rows cleared by a loop over the slots to clear, one row write each."""
+    S, V = counts.shape
+    W = recent.shape[1]
     todo = jnp.sort(reset_slots)  # the slots to clear first, then the S's
     n = jnp.sum(todo < S)
 
@@ -149,8 +173,7 @@ def _reset(state: SamplingState, reset_slots: jax.Array) -> SamplingState:
             jax.lax.dynamic_update_slice(recent, jnp.full((1, W), -1, recent.dtype), (s, 0)),
         )
 
-    counts, recent = jax.lax.fori_loop(0, n, clear, (state.token_counts, state.recent_outputs))
-    return dataclasses.replace(state, token_counts=counts, recent_outputs=recent)
+    return jax.lax.fori_loop(0, n, clear, (counts, recent))
 
 
 def update_state_from_tokens(

@@ -1,5 +1,6 @@
-"""End-to-end `sample`: seeds, raw logprobs and ranks, prompt logprobs, zero recompiles. Every
-test runs on the JAX steps and on the CPU kernels (SamplerConfig.native)."""
+"""End-to-end `sample`: seeds, raw logprobs and ranks, prompt logprobs, the caller's extra
+work in the sampler's conditional, zero recompiles. Every test runs on the JAX steps and on the
+CPU kernels (SamplerConfig.native)."""
 
 from __future__ import annotations
 
@@ -156,3 +157,33 @@ def test_no_recompilation_across_parameter_mixes():
     assert f._cache_size() == 1
     assert update._cache_size() == 1
     assert write._cache_size() == 1
+
+
+@pytest.mark.parametrize("features", [False, True])
+def test_the_callers_extra_rides_in_the_samplers_conditional(features):
+    """sample_with_extra: the caller's work runs when its flag is set (else its zeros come back),
+    whether or not a row uses an optional feature, and never changes what is sampled."""
+    from jaxserve.sampling.sampler import sample_with_extra
+
+    rng = np.random.default_rng(5)
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, top_p=0.8, seed=3),
+              SamplingParams(temperature=0.7, top_k=4, seed=4)]
+    if features:
+        params[0] = SamplingParams(temperature=0.0, logprobs=2, presence_penalty=0.5)
+    reqs = [Req(p, s, prompt=[1, 2], outputs=[3, 3]) for s, p in enumerate(params)]
+    state, meta, _ = build(CFG, reqs, 8)
+    raw = _logits(rng, 8)
+    cfg = CFG
+
+    @jax.jit
+    def run(raw, meta, state, flag):
+        return sample_with_extra(raw, meta, state, cfg,
+                                 (flag, lambda: raw.sum(axis=-1), lambda: raw[:, 0] * 0.0))
+
+    want = jitted(CFG)[0](raw, meta, state)
+    for flag in (False, True):
+        out, extra = run(raw, meta, state, np.bool_(flag))
+        for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(want)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        expect = raw.sum(axis=-1) if flag else np.zeros(8, np.float32)
+        np.testing.assert_allclose(np.asarray(extra), expect, rtol=1e-5)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from scipy import stats
@@ -15,6 +16,7 @@ from jaxserve.sampling import (
     init_sampling_state,
     row_uniforms,
 )
+from jaxserve.sampling import state as state_mod
 from jaxserve.sampling.state import output_counts, prompt_mask
 from jaxserve.sampling_params import SamplingParams
 from tests.sampling.harness import Req, feed, jitted
@@ -79,6 +81,23 @@ def test_state_follows_chunked_prefill_decode_reset_and_recompute():
         state = feed(CFG, state, reqs, resets + [S] * (S - len(resets)), num_tokens=128)
         mirror.check(state)
     assert jitted(CFG)[1]._cache_size() == 1
+
+
+def test_reset_by_scatter_and_by_loop_clear_the_same_rows():
+    """_reset has one form per platform (a scatter on GPUs, a loop elsewhere): both clear
+    exactly the listed slots, whatever their order, repeats and the S's among them."""
+    rng = np.random.default_rng(1)
+    counts = jnp.asarray(rng.integers(0, 9, (S, V)), jnp.int32)
+    recent = jnp.asarray(rng.integers(0, V, (S, CFG.max_bad_word_len - 1)), jnp.int32)
+    for slots in ([S] * 4, [3, S, 0, S], [5, 1, 5, 2], [0, 1, 2, 3]):
+        slots = jnp.asarray(slots, jnp.int32)
+        by_scatter = jax.jit(state_mod._reset_by_scatter)(counts, recent, slots)
+        by_loop = jax.jit(state_mod._reset_by_loop)(counts, recent, slots)
+        cleared = np.isin(np.arange(S), np.asarray(slots))
+        for a, b, orig, fill in zip(by_scatter, by_loop, (counts, recent), (0, -1)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+            np.testing.assert_array_equal(np.asarray(a)[cleared], fill)
+            np.testing.assert_array_equal(np.asarray(a)[~cleared], np.asarray(orig)[~cleared])
 
 
 def test_builder_rows_padding_and_limits():
