@@ -33,11 +33,12 @@ def kv_head_shape(cfg: ArchConfig, num_pages: int, page_size: int) -> tuple[int,
     return (num_pages, page_size, cfg.kv_cache_heads, cfg.kv_cache_head_dim)
 
 
-def kv_cache_spec(cfg: ArchConfig, page_size: int, mesh: Mesh, rules: Rules | None = None):
-    """The PartitionSpec of one layer's array: the rules' split of the per-head view, its heads
-    and head_dim merged into the row (a head split stays whole heads on each device)."""
-    return merge_minor_dims(logical_to_spec(KV_CACHE_AXES, kv_head_shape(cfg, 1, page_size), mesh,
-                                            _rules(rules)))
+def kv_cache_spec(cfg: ArchConfig, num_pages: int, page_size: int, mesh: Mesh, rules: Rules | None = None):
+    """The PartitionSpec of one layer's array of `num_pages` pages: the rules' split of the
+    per-head view (the pages over "data" with data parallelism, when they divide), its heads and
+    head_dim merged into the row (a head split stays whole heads on each device)."""
+    return merge_minor_dims(logical_to_spec(KV_CACHE_AXES, kv_head_shape(cfg, num_pages, page_size),
+                                            mesh, _rules(rules)))
 
 
 def bytes_per_page(cfg: ArchConfig, page_size: int, dtype, mesh: Mesh | None = None,
@@ -69,7 +70,7 @@ def _rules(rules: Rules | None) -> Rules:
 
 
 def kv_cache_sharding(cfg: ArchConfig, num_pages: int, page_size: int, mesh: Mesh, rules: Rules | None = None):
-    return NamedSharding(mesh, kv_cache_spec(cfg, page_size, mesh, rules))
+    return NamedSharding(mesh, kv_cache_spec(cfg, num_pages, page_size, mesh, rules))
 
 
 def abstract_kv_cache(cfg: ArchConfig, num_pages: int, page_size: int, dtype, mesh: Mesh,

@@ -53,7 +53,7 @@ def test_predicted_bytes_equal_the_live_buffers(mesh_shape, rules):
     if rules == "tp":  # the compiled step runs (twice each: its outputs feed the next call)
         assert rec["measure"]["decode_ms"] > 0 and rec["measure"]["prefill_ms"] > 0
     if rules == "tp-kv-replicated":
-        assert rec["kv"]["spec"] == "P(None, None, None, None)"
+        assert rec["kv"]["spec"] == "P(None, None, None)"  # [pages, page_size, Hkv * D], whole
     if rules == "tp":  # 8 query heads over 8, 4 KV heads do not split 8 ways: reported
         assert any("kv_heads (4) over model=8" in r for r in rec["params"]["replicated"])
 
