@@ -39,7 +39,7 @@ _BRANCH = re.compile(r"^(?P<indent> *)(?P<kind>\w*branch\w*|body|condition):\s*$
 class Thunk:
     kind: str
     line: str
-    children: list["Thunk"] = dataclasses.field(default_factory=list)
+    children: list[Thunk] = dataclasses.field(default_factory=list)
 
 
 def parse(text: str) -> list[Thunk]:
