@@ -244,6 +244,17 @@ class Check:
         proc.wait()
         log.close()
 
+    def run_until(self, step: str, cmd: list[str], until: float, log_name: str) -> int | None:
+        """Run `cmd` (a helper process of `step`, its log `<log_name>.log`) until it ends or the
+        monotonic time `until`; its rc, None past `until`."""
+        proc, log = self.start(step, cmd, log_name=log_name)
+        try:
+            return proc.wait(timeout=max(1.0, until - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            return None
+        finally:
+            self.stop(proc, log)
+
     def run(self, step: str, cmd: list[str]) -> tuple[int | None, str]:
         """Run `cmd` within min(its limit, what is left of the budget); (rc, or None on a timeout
         or a skip, and the log). A skip is recorded here; `finish` records the rest."""
@@ -460,15 +471,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait_healthy(port: int, server: subprocess.Popen, until: float) -> bool:
+def _wait_healthy(port: int, server: subprocess.Popen, until: float) -> None:
+    """Return once the server on `port` answers /health; RuntimeError when it exits or `until`
+    (monotonic) passes first."""
     while time.monotonic() < until and server.poll() is None:
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
                 if r.status == 200:
-                    return True
+                    return
         except OSError:
             time.sleep(0.5)
-    return False
+    raise RuntimeError("the server did not become healthy in time" if server.poll() is None
+                       else f"the server exited with {server.returncode}")
 
 
 def _chat(port: int, timeout: float) -> dict:
@@ -501,9 +515,7 @@ def step_served_run(c: Check) -> None:
                     "output_len": s.output_len}
     status = "failed"
     try:
-        if not _wait_healthy(port, server, until):
-            raise RuntimeError("the server did not become healthy in time" if server.poll() is None
-                               else f"the server exited with {server.returncode}")
+        _wait_healthy(port, server, until)
         fields["startup_s"] = round(time.monotonic() - t0, 1)
         fields["request"] = _chat(port, max(5.0, until - time.monotonic()))
         c.info["served"] = {"startup_s": fields["startup_s"], "text": fields["request"].get("text")}
@@ -513,13 +525,7 @@ def step_served_run(c: Check) -> None:
                       "--output-len", str(s.output_len), "--num-prompts", str(s.num_prompts),
                       "--prompts-per-stream", str(s.prompts_per_stream), "--warmup", str(s.warmup),
                       "--results", str(results), "--tag", "device_check"]
-        client, client_log = c.start(step, client_cmd, log_name=f"{step}_client")
-        try:
-            rc = client.wait(timeout=max(1.0, until - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            rc = None
-        finally:
-            c.stop(client, client_log)
+        rc = c.run_until(step, client_cmd, until, f"{step}_client")
         runs = lines_from(results, before)
         fields["runs"] = [
             {"concurrency": r["config"]["concurrency"], "prompts": r["config"]["num_prompts"],
@@ -567,13 +573,7 @@ def step_prebuilt_serve(c: Check, executables: pathlib.Path | None) -> None:
         compile_cmd = [PY, "-m", "jaxserve.server.cli", "compile", "--topology", "cpu",
                        "--out", str(executables), *s.serve, "--kv-cache-memory", s.prebuilt_kv,
                        "--log-level", "warning"]
-        proc, log = c.start(step, compile_cmd, log_name=f"{step}_compile")
-        try:
-            rc = proc.wait(timeout=max(1.0, until - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            rc = None
-        finally:
-            c.stop(proc, log)
+        rc = c.run_until(step, compile_cmd, until, f"{step}_compile")
         fields["compile_s"] = round(time.monotonic() - t0, 1)
         if rc != 0:
             text = (c.out / f"{step}_compile.log").read_text(errors="replace")
@@ -596,9 +596,7 @@ def step_prebuilt_serve(c: Check, executables: pathlib.Path | None) -> None:
     server, log = c.start(step, cmd)
     status = "failed"
     try:
-        if not _wait_healthy(port, server, until):
-            raise RuntimeError("the server did not become healthy in time" if server.poll() is None
-                               else f"the server exited with {server.returncode}")
+        _wait_healthy(port, server, until)
         fields["startup_s"] = round(time.monotonic() - t1, 1)
         fields["request"] = _chat(port, max(5.0, until - time.monotonic()))
         ready = READY.search((c.out / f"{step}.log").read_text(errors="replace"))
