@@ -93,6 +93,12 @@ def test_the_weight_arena_aliases_xla_buffers_and_keeps_them_alive():
     assert first % HUGE_PAGE == 0 and anon_huge_bytes(first) >= last - first
 
 
+def device_buffers(arrays) -> dict[int, int]:
+    """Each buffer behind the arrays, by address: one per shard (other tests in this process
+    leave arrays split over several host devices alive)."""
+    return {s.data.unsafe_buffer_pointer(): s.data.nbytes for a in arrays for s in a.addressable_shards}
+
+
 @pytest.mark.skipif(not thp_enabled(), reason="no transparent huge pages on this system")
 def test_the_engine_puts_its_kv_cache_and_weights_on_huge_pages(small_engine_options):
     # Arrays alive before (other tests' engines in this process), held so that none is freed
@@ -109,8 +115,8 @@ def test_the_engine_puts_its_kv_cache_and_weights_on_huge_pages(small_engine_opt
     lo, hi = min(weights), max(weights)  # one arena: every weight in one huge-page mapping
     assert anon_huge_bytes(lo) >= hi - lo - HUGE_PAGE
     # XLA's own copies of the moved weights are gone: no weight is held twice.
-    held = {a.unsafe_buffer_pointer(): a.nbytes for a in jax.live_arrays()}
-    ours = {x.unsafe_buffer_pointer() for x in (*runner.params, *runner.kv.k, *runner.kv.v, *before)}
+    held = device_buffers(jax.live_arrays())
+    ours = set(device_buffers([*runner.params, *runner.kv.k, *runner.kv.v, *before]))
     weight_bytes = sum(x.nbytes for x in runner.params)
     assert sum(n for p, n in held.items() if p not in ours) < 0.1 * weight_bytes
     out = llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
