@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -165,11 +166,23 @@ def test_auto_picks_the_kernel_on_cpu():
 
 
 def test_library_is_cached(tmp_path, monkeypatch):
+    """The library goes to $XDG_CACHE_HOME with its checksum and is built once. (The compiler
+    is a stand-in writing the output file: the real build serves every other kernel test.)"""
+    builds = []
+
+    def compile_(cmd, **kw):
+        builds.append(cmd)
+        pathlib.Path(cmd[cmd.index("-o") + 1]).write_bytes(b"\x7fELF" + " ".join(cmd).encode())
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(native.subprocess, "run", compile_)
     first = native.library_path()
+    assert len(builds) == 1
     assert first.parent == tmp_path / "jaxserve" / "kernels" and first.exists()
     mtime = first.stat().st_mtime_ns
     assert native.library_path() == first and first.stat().st_mtime_ns == mtime  # not rebuilt
+    assert len(builds) == 1
     # the library and its checksum, no temporary files left
     assert sorted(p.name for p in first.parent.iterdir()) == [first.name, first.name + ".xxh3"]
 
