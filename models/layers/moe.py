@@ -19,6 +19,11 @@ group through its own expert's weights. Implementations of the grouped product (
   more than the dense form's extra products until those grow past `DENSE_MAX_EXTRA_ROWS`
   (tokens times the experts a token does not use).
 
+gpt-oss's experts (`models/gpt_oss.py`) add what the functions take as arguments: a router
+that soft-maxes over the k largest logits only (`route`'s `select_first`), biases on gate and
+up (per expert and channel) and on down (added after the experts' partial sums are added up,
+so once however the experts are split), and the clamped SwiGLU (`ClampedSwiGLU`, an `act`).
+
 Stacked expert weights may be kept quantized (`QuantizedWeight`): int8 with a scale per expert
 and output channel, or MXFP4 (gpt-oss's experts: packed e2m1 codes and an e8m0 exponent per 32
 contracted values, `linear.mxfp4_weight`); each form dequantizes the experts it reads inside
