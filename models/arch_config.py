@@ -306,8 +306,6 @@ def _mxfp4_experts(arch: str, hf: dict[str, Any]) -> bool:
     if arch != GPT_OSS:
         raise ValueError(f"MXFP4 checkpoints are supported for {GPT_OSS} (its experts); "
                          f"this one is {arch}")
-    if qc.get("dequantize"):
-        return False  # the checkpoint's experts are float (transformers dequantized them)
     return True
 
 

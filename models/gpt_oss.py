@@ -27,6 +27,8 @@ the serving layer's parsers).
 
 from __future__ import annotations
 
+import functools
+import logging
 from collections.abc import Callable
 
 import jax
@@ -54,6 +56,8 @@ from jaxserve.models.moe import ROUTER_SPEC
 from jaxserve.models.sharding import logical_to_spec, mesh_axes_size
 from jaxserve.pallas_kernels.mxfp4 import MXFP4_BLOCK
 
+logger = logging.getLogger(__name__)
+
 UP_AXES = (ax.EXPERT, ax.EMBED, ax.MLP)  # x_gate, x_up [X, E, F]
 DOWN_AXES = (ax.EXPERT, ax.MLP, ax.EMBED)  # x_down [X, F, E]
 EXPERTS = {"x_gate": "w_gate", "x_up": "w_up", "x_down": "w_down"}  # -> EXPERT_SPECS
@@ -67,20 +71,37 @@ def gpt_oss_features(cfg: ArchConfig, quantization: str | None) -> frozenset[str
 def mxfp4_kept(cfg: ArchConfig, quantization: str | None, mesh, rules) -> bool:
     """Whether the checkpoint's MXFP4 experts stay packed on the device: no `--quantization`,
     and every device's piece of each expert's contracted dim (hidden for gate and up,
-    intermediate for down) whole blocks of 32."""
-    if not cfg.mxfp4_experts or quantization is not None:
+    intermediate for down) whole blocks of 32. Otherwise they are decoded at load (logged)."""
+    if not cfg.mxfp4_experts:
         return False
+    reason = _mxfp4_unkept_reason(cfg, quantization, mesh, rules)
+    if reason is not None:
+        _log_upcast(reason)
+    return reason is None
+
+
+def _mxfp4_unkept_reason(cfg: ArchConfig, quantization: str | None, mesh, rules) -> str | None:
+    if quantization is not None:
+        return f"--quantization {quantization} quantizes the decoded weights"
     E, F, X = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
     if E % MXFP4_BLOCK or F % MXFP4_BLOCK:
-        return False
+        return f"hidden {E} or intermediate {F} is not a multiple of {MXFP4_BLOCK}"
     if mesh is None:
-        return True
+        return None
     for axes, shape in ((UP_AXES, (X, E, F)), (DOWN_AXES, (X, F, E))):
         spec = logical_to_spec(axes, shape, mesh, rules)
         n = 1 if spec[1] is None else mesh_axes_size(mesh, spec[1])
         if (shape[1] // MXFP4_BLOCK) % n:
-            return False
-    return True
+            return (f"{shape[1] // MXFP4_BLOCK} blocks of {MXFP4_BLOCK} of an expert's "
+                    f"contracted dim do not split over {n} devices (the expert-parallel "
+                    "sharding rules keep them whole)")
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _log_upcast(reason: str) -> None:  # once per reason (the model is built more than once)
+    logger.warning("the checkpoint's MXFP4 experts are decoded to the model dtype at load: %s",
+                   reason)
 
 
 class GptOssDecoderLayer(DecoderLayer):
