@@ -196,9 +196,10 @@ def experts_grouped(x, weights, ids, w_gate, w_up, w_down, *, impl: str, expert_
         def gmm(a, w):
             return jax.lax.ragged_dot(a.astype(dt), _weight(w), sizes, preferred_element_type=jnp.float32)
 
-        local = ids.reshape(-1)[order] - expert_offset  # each sorted row's expert
-        rows = jnp.clip(local, 0, Xl - 1)
-        gate, up = gmm(xs, w_gate) + _bias(b_gate, rows), gmm(xs, w_up) + _bias(b_up, rows)
+        # each sorted row's local expert (rows of other devices' experts, last, compute nothing)
+        row_expert = jnp.clip(ids.reshape(-1)[order] - expert_offset, 0, Xl - 1)
+        gate = gmm(xs, w_gate) + _bias(b_gate, row_expert)
+        up = gmm(xs, w_up) + _bias(b_up, row_expert)
         y = gmm(_act(gate, up, act), w_down)  # [M, E]
     elif impl == "tiled":
         y = _tiled_mlp(xs, sizes, w_gate, w_up, w_down, tile, act, b_gate, b_up)
