@@ -26,7 +26,7 @@ from jaxserve.models.gpt_oss import mxfp4_kept
 from jaxserve.models.layers.linear import QuantizedParam, module_weights
 from jaxserve.models.layers.quant import decode_mxfp4
 from jaxserve.models.layers.rotary import attention_factor, layer_rope_spec
-from jaxserve.models.sharding import DEFAULT_RULES
+from jaxserve.models.sharding import DEFAULT_RULES, EXPERT_PARALLEL_RULES
 from jaxserve.models.weights import create_model
 from jaxserve.parallel.mesh import make_mesh
 from tests.models.model_utils import PagedRunner
@@ -211,9 +211,11 @@ def test_hub_config_reads_as_transformers_builds_it():
     assert (spec.scaling.factor, spec.scaling.truncate) == (32.0, False)
     assert spec.scaling.original_max_position_embeddings == 4096
     assert attention_factor(spec) == pytest.approx(0.1 * np.log(32) + 1)
-    # an expert's contracted dims are 90 blocks of 32: kept packed over 2 devices, not 4
+    # an expert's contracted dims are 90 blocks of 32: kept packed over 2 devices, not 4;
+    # over 8 with the experts split whole (expert-parallel)
     assert mxfp4_kept(cfg, None, make_mesh(1, 2), dict(DEFAULT_RULES))
     assert not mxfp4_kept(cfg, None, make_mesh(1, 4), dict(DEFAULT_RULES))
+    assert mxfp4_kept(cfg, None, make_mesh(1, 8), dict(EXPERT_PARALLEL_RULES))
 
 
 def test_transformers_defaults_for_keys_left_out():
