@@ -22,7 +22,8 @@ SLIDING_ATTENTION = "sliding_attention"
 # Families whose decoder is Llama's (with flags); the others have their own model files.
 _GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma4ForCausalLM")
 GEMMA4 = "Gemma4ForCausalLM"
-_MOE = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
+GPT_OSS = "GptOssForCausalLM"
+_MOE = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", GPT_OSS)
 # Families whose HF config sets `tie_word_embeddings` by default when config.json omits it.
 _TIED_BY_DEFAULT = _GEMMA
 # Activation names -> ours ("silu", "gelu_tanh", "gelu").
@@ -110,6 +111,10 @@ class ArchConfig:
     per_layer_vocab_size: int = 0
     num_kv_shared_layers: int = 0
     double_wide_mlp: bool = False
+    # gpt-oss: the experts' clamped SwiGLU (gate clamped above at the limit, up to +-limit;
+    # gate * sigmoid(alpha * gate) * (up + 1)); None: the experts use `hidden_act`.
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     # The checkpoint's storage, not the architecture: its matmul weights are int8 with one scale
@@ -120,6 +125,9 @@ class ArchConfig:
     # The checkpoint's storage: a format of another tool's quantization_config (FP8, AWQ, GPTQ;
     # models/quant_checkpoint.py) that the decoder layers' matmul weights keep on the device.
     weight_format: WeightFormat | None = None
+    # The checkpoint's storage: the MoE experts' weights are MXFP4 (`*_blocks` / `*_scales`,
+    # quantization_config `mxfp4`: gpt-oss); the other weights are float.
+    mxfp4_experts: bool = False
 
     @property
     def q_per_kv(self) -> int:
@@ -204,7 +212,8 @@ class ArchConfig:
         if not archs:
             raise ValueError("config.json has no 'architectures' entry; cannot pick a model class.")
         arch = archs[0]
-        block, weight_format = _stored_quantization(hf)
+        mxfp4 = _mxfp4_experts(arch, hf)
+        block, weight_format = (None, None) if mxfp4 else _stored_quantization(hf)
         moe = arch in _MOE or (arch == GEMMA4 and bool(hf.get("enable_moe_block")))
         if weight_format is not None and moe:
             raise ValueError(f"{weight_format.describe()} checkpoints of mixture-of-experts models "
@@ -217,6 +226,8 @@ class ArchConfig:
         max_pos = int(hf.get("max_position_embeddings", 2048))
         if num_heads % num_kv:
             raise ValueError(f"num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads ({num_kv}).")
+        if arch == GPT_OSS:  # transformers' default (the config may leave it out)
+            head_dim = hf.get("head_dim") or 64
         act_name = (hf.get("hidden_activation") or hf.get("hidden_act")
                     or ("gelu_pytorch_tanh" if arch in _GEMMA else "silu"))  # as transformers
         act = _ACTIVATIONS.get(act_name)
@@ -226,8 +237,9 @@ class ArchConfig:
                              f"{', '.join(k for k, v in _ACTIVATIONS.items() if v in allowed)}).")
         sliding, layer_types = _parse_layers(arch, hf, num_layers)
         rope, local = _parse_rope(arch, hf, max_pos)
-        # Qwen2 always has q/k/v biases; the others follow `attention_bias` (all four).
-        attn_bias = bool(hf.get("attention_bias", False)) and arch != "Qwen2ForCausalLM"
+        # Qwen2 always has q/k/v biases; the others follow `attention_bias` (all four; gpt-oss's
+        # default: on).
+        attn_bias = bool(hf.get("attention_bias", arch == GPT_OSS)) and arch != "Qwen2ForCausalLM"
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         params = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else {}
@@ -236,7 +248,10 @@ class ArchConfig:
         if arch == GEMMA4:
             partial = 1.0  # proportional RoPE rotates its fraction itself (RopeScaling)
         gemma = {}
-        if arch == GEMMA4:
+        if arch == GPT_OSS:
+            gemma = dict(swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
+                         swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)))
+        elif arch == GEMMA4:
             gemma = _gemma4_fields(hf, layer_types, num_layers, num_kv, head_dim)
         elif arch in _GEMMA:
             gemma = dict(
@@ -278,7 +293,20 @@ class ArchConfig:
             bos_token_id=hf.get("bos_token_id"),
             int8_block_size=block,
             weight_format=weight_format,
+            mxfp4_experts=mxfp4,
         )
+
+
+def _mxfp4_experts(arch: str, hf: dict[str, Any]) -> bool:
+    """Whether the checkpoint stores its experts as MXFP4 (gpt-oss's `quant_method` "mxfp4",
+    the rest of the model float); refused for architectures whose checkpoints never do."""
+    qc = hf.get("quantization_config")
+    if not isinstance(qc, dict) or qc.get("quant_method") != "mxfp4":
+        return False
+    if arch != GPT_OSS:
+        raise ValueError(f"MXFP4 checkpoints are supported for {GPT_OSS} (its experts); "
+                         f"this one is {arch}")
+    return True
 
 
 def _stored_quantization(hf: dict[str, Any]) -> tuple[int | None, WeightFormat | None]:
@@ -309,7 +337,7 @@ def _nested(params: dict) -> bool:
 
 def _parse_layers(arch: str, hf: dict[str, Any], num_layers: int) -> tuple[int | None, tuple[str, ...]]:
     """(the sliding window, per-layer types) as transformers derives them for `arch`."""
-    window = hf.get("sliding_window", 512 if arch == GEMMA4 else None)
+    window = hf.get("sliding_window", 512 if arch == GEMMA4 else 128 if arch == GPT_OSS else None)
     types = tuple(hf.get("layer_types") or ())
     if types and len(types) != num_layers:
         raise ValueError(f"layer_types lists {len(types)} layers, num_hidden_layers is {num_layers}")
@@ -331,6 +359,9 @@ def _parse_layers(arch: str, hf: dict[str, Any], num_layers: int) -> tuple[int |
             types = tuple(SLIDING_ATTENTION if (i + 1) % period else FULL_ATTENTION for i in range(num_layers))
         if arch == GEMMA4:  # transformers makes the last layer a full-attention one
             types = types[:-1] + (FULL_ATTENTION,)
+    elif arch == GPT_OSS:  # transformers' default: sliding and full layers alternating
+        if not types:
+            types = tuple(SLIDING_ATTENTION if (i + 1) % 2 else FULL_ATTENTION for i in range(num_layers))
     elif arch in ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM"):
         types = ()  # the window (if any) applies to every layer
     else:
@@ -418,6 +449,11 @@ def _parse_moe(arch: str, hf: dict[str, Any], num_layers: int) -> dict[str, Any]
         return dict(num_experts=n, num_experts_per_tok=int(hf["num_experts_per_tok"]),
                     moe_intermediate_size=int(hf["moe_intermediate_size"]),
                     norm_topk_prob=bool(hf.get("norm_topk_prob", False)), moe_layers=layers)
+    if arch == GPT_OSS:  # top-k of the router's logits, softmax over them: normalised
+        return dict(num_experts=int(hf.get("num_local_experts", 128)),
+                    num_experts_per_tok=int(hf.get("num_experts_per_tok")
+                                            or hf.get("experts_per_token") or 4),
+                    moe_intermediate_size=int(hf["intermediate_size"]), norm_topk_prob=True)
     if arch == GEMMA4 and hf.get("enable_moe_block"):  # experts beside the dense MLP, every layer
         return dict(num_experts=int(hf["num_experts"]),
                     num_experts_per_tok=int(hf["top_k_experts"]),
@@ -434,6 +470,9 @@ def _parse_rope(arch: str, hf: dict[str, Any], max_pos: int
         params = {SLIDING_ATTENTION: dict(rope_type="default", rope_theta=10_000.0),
                   FULL_ATTENTION: dict(rope_type="proportional", partial_rotary_factor=0.25,
                                        rope_theta=1_000_000.0)}
+    if arch == GPT_OSS and not params and not scaling:  # transformers' default: yarn x32
+        params = dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                      original_max_position_embeddings=4096)
     if _nested(params):  # transformers 5: one dict per layer type
         full = {**scaling, **(params.get(FULL_ATTENTION) or {})}
         local = params.get(SLIDING_ATTENTION)
@@ -447,7 +486,7 @@ def _parse_rope(arch: str, hf: dict[str, Any], max_pos: int
 
 def _rope_from_dict(arch: str, d: dict[str, Any], hf: dict[str, Any], max_pos: int,
                     theta_key: str | None = "rope_theta") -> tuple[float, RopeScaling]:
-    default_theta = 1_000_000.0 if arch == "Gemma3ForCausalLM" else 10000.0
+    default_theta = {"Gemma3ForCausalLM": 1_000_000.0, GPT_OSS: 150_000.0}.get(arch, 10000.0)
     theta = float(d.get("rope_theta") or (hf.get(theta_key) if theta_key else None) or default_theta)
     rope_type = d.get("rope_type", d.get("type", "default")) or "default"
     if arch == "Phi3ForCausalLM" and rope_type in ("su", "yarn"):

@@ -60,6 +60,10 @@ K_EQ_V = "k_eq_v"  # values are the keys' projection (no v projection) in some l
 PER_LAYER_INPUTS = "per_layer_inputs"
 KV_SHARED_LAYERS = "kv_shared_layers"  # layers reading an earlier layer's KV cache (Gemma 4)
 INT8_WEIGHTS = "int8_weights"  # weight-only int8 matmul weights with per-channel scales
+ATTENTION_SINKS = "attention_sinks"  # a learned sink logit per query head in the softmax (gpt-oss)
+# MoE experts' activation: gate clamped above, up clamped both ways, gate * sigmoid(a gate) *
+# (up + 1) (gpt-oss)
+CLAMPED_SWIGLU = "clamped_swiglu"
 
 # Logical axes of each layer's k and v viewed per head, [pages, page_size, kv_heads, head_dim].
 # The arrays are stored [pages, page_size, kv_heads * head_dim] (one token's heads in one

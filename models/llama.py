@@ -343,6 +343,7 @@ class LlamaForCausalLM(nnx.Module):
         attn, k_cache, v_cache = paged_attention(
             q.astype(attention_dtype(k_cache.dtype, self.dtype)), k, v,
             k_cache, v_cache, md, layer.attn_spec, self.mesh, dict(self.rules),
+            sinks=p.get("sinks"),  # a layer's attention-sink logits [Hq] (gpt-oss), or None
         )  # attn: [T, Hq, D]
         o = dense(LAYER_SPECS["wo"], attn, p["wo"])  # [T, E]
         o = add_lora(p, "wo", LAYER_SPECS["wo"], attn, o)

@@ -19,6 +19,7 @@ from jax.sharding import Mesh
 from jaxserve.models.arch_config import ArchConfig
 from jaxserve.models.layers.linear import (
     INPUT_SCALE_SUFFIX,
+    MXFP4_PARTS,
     PERM_SUFFIX,
     QUANTIZATIONS,
     SCALE_SUFFIX,
@@ -116,7 +117,7 @@ def create_model(
     }
     pending: dict[str, tuple] = {}  # quantized weight -> (its parts, accesses left)
 
-    def host_tensor(key: str, get=get_float) -> np.ndarray:
+    def host_tensor(key: str, get=get_float):
         if key not in weight_map:
             raise ValueError(f"no checkpoint mapping for parameter {key!r} of {cfg.architecture}")
         return weight_map[key](get)
@@ -136,7 +137,11 @@ def create_model(
         spec = var.get_metadata()["spec"]
         uses = sum(key + suffix in abstract_vars for suffix in
                    (SCALE_SUFFIX, ZERO_SUFFIX, PERM_SUFFIX, INPUT_SCALE_SUFFIX))
-        if fmt is not None:
+        if var.get_metadata().get("mxfp4"):  # the checkpoint's MXFP4 codes and exponents
+            codes, exponents = host_tensor(key + MXFP4_PARTS, get_tensor)
+            _check_shape(key, codes.shape, var.get_value().shape)
+            parts = (codes, exponents, None, None, None)
+        elif fmt is not None:
             parts = format_weight(key, var)
         else:
             parts = None if block is None else stored_int8(key, spec)

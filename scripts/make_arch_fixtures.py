@@ -12,6 +12,7 @@ with these files and needs no torch.
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 import zlib
 import pathlib
@@ -109,6 +110,16 @@ CASES: dict[str, dict] = {
                        hidden_size_per_layer_input=0, enable_moe_block=True, num_experts=8, top_k_experts=2,
                        moe_intermediate_size=32, final_logit_softcapping=30.0,
                        hidden_activation="gelu_pytorch_tanh"),
+    # gpt-oss: q/k/v/o biases, a learned sink per head, sliding and full layers alternating
+    # (the window smaller than the sequences), yarn RoPE without truncation, top-2 of 8 experts
+    # with biases and the clamped SwiGLU (a small limit, so both clamps act); the router's own
+    # bias skews routing. Also written MXFP4-quantized (gpt_oss_mxfp4: `write_mxfp4_case`).
+    "gpt_oss": dict(model_type="gpt_oss", architectures=["GptOssForCausalLM"], tie_word_embeddings=False,
+                    intermediate_size=64, head_dim=64, num_local_experts=8, num_experts_per_tok=2,
+                    sliding_window=4, layer_types=["sliding_attention", "full_attention"], max_position_embeddings=64,
+                    rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=4.0, beta_fast=32.0,
+                                         beta_slow=1.0, truncate=False, original_max_position_embeddings=16),
+                    swiglu_limit=0.5, attention_bias=True),
 }
 # MoE fixtures: router biases that make routing uneven (added along each layer's mean router
 # input, so expert 0 takes many tokens and expert 7 few), and the per-expert counts recorded.
@@ -125,7 +136,7 @@ NEAR_ONE = ("norm", "router.scale", "per_expert_scale", "layer_scalar")
 
 # Cases whose expected files also hold transformers' greedy continuation of each sequence
 # (`generate`, through its KV cache) and each step's top-1 / top-2 log-prob margin.
-GREEDY = ("gemma4", "gemma4_moe")
+GREEDY = ("gemma4", "gemma4_moe", "gpt_oss")
 GREEDY_TOKENS = 8
 
 # Two token sequences of different lengths (the test feeds them as one ragged batch).
@@ -153,7 +164,8 @@ def main(names: list[str]) -> None:
         out_dir = OUT / name
         out_dir.mkdir(parents=True, exist_ok=True)
         counts = (skew_routers(model) if name in HUB_EXPERT_NAMES
-                  else skew_gemma4_routers(model) if name in STACKED_MOE else None)
+                  else skew_gemma4_routers(model) if name in STACKED_MOE
+                  else skew_gpt_oss_routers(model) if name == "gpt_oss" else None)
         model.save_pretrained(out_dir, safe_serialization=True)
         if name in HUB_EXPERT_NAMES:
             to_hub_expert_layout(out_dir / "model.safetensors", *HUB_EXPERT_NAMES[name])
@@ -175,6 +187,8 @@ def main(names: list[str]) -> None:
         save_file(expected, str(out_dir / "expected.safetensors"))
         cfg = json.loads((out_dir / "config.json").read_text())
         print(name, cfg["architectures"], {k: v.shape for k, v in expected.items()})
+        if name == "gpt_oss":
+            write_mxfp4_case(model, out_dir, OUT / "gpt_oss_mxfp4")
 
 
 def router_inputs(model):
@@ -249,6 +263,100 @@ def skew_gemma4_routers(model) -> np.ndarray:
         counts[row] = np.bincount(ids, minlength=n)
     print("tokens per expert:", counts.tolist())
     return counts
+
+
+GPT_OSS_BIAS = 0.25  # times ROUTER_BIAS: the routers' own bias
+
+
+def gpt_oss_routing(model) -> np.ndarray:
+    """The tokens each expert of each layer gets over all sequences, [layers, experts]."""
+    seen, hooks = {}, []
+    for i, layer in enumerate(model.model.layers):
+        hooks.append(layer.mlp.router.register_forward_hook(
+            lambda mod, args, out, i=i: seen.setdefault(i, []).append(out[2].reshape(-1))))
+    with torch.no_grad():
+        for seq in SEQUENCES:
+            model(input_ids=torch.tensor([seq]))
+    for h in hooks:
+        h.remove()
+    n = model.config.num_local_experts
+    return np.stack([np.bincount(torch.cat(seen[i]).numpy(), minlength=n) for i in sorted(seen)]
+                    ).astype(np.int32)
+
+
+def skew_gpt_oss_routers(model) -> np.ndarray:
+    """gpt-oss's routers have a bias: set it to skew routing towards low-numbered experts."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.router.bias.copy_(torch.tensor(ROUTER_BIAS) * GPT_OSS_BIAS)
+    counts = gpt_oss_routing(model)
+    print("tokens per expert:", counts.tolist())
+    return counts
+
+
+# e2m1 magnitudes (code 0..7) and the OCP rounding to them: nearest, ties to the even code.
+E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
+
+
+def quantize_mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """float32 [..., rows, in] -> (blocks uint8 [..., rows, in / 32, 16], scales uint8
+    [..., rows, in / 32]) as gpt-oss checkpoints store them: per 32 values the exponent
+    floor(log2(amax)) - 2 (e8m0, bias 127), each value rounded to the nearest e2m1 value."""
+    blocks = w.astype(np.float32).reshape(*w.shape[:-1], -1, 32)
+    amax = np.abs(blocks).max(-1)
+    e = np.where(amax > 0, np.floor(np.log2(np.maximum(amax, 1e-30))) - 2, 0).astype(np.int32)
+    scaled = blocks / np.ldexp(np.float32(1), e)[..., None]
+    mag = np.minimum(np.abs(scaled), 6.0)
+    dist = np.abs(mag[..., None] - E2M1)
+    code = np.argmin(dist + 1e-6 * (np.arange(8) % 2), axis=-1).astype(np.uint8)  # ties: even
+    code |= np.where(np.signbit(scaled), 8, 0).astype(np.uint8)
+    packed = code[..., 0::2] | (code[..., 1::2] << 4)
+    return packed.astype(np.uint8), (e + 127).astype(np.uint8)
+
+
+def write_mxfp4_case(model, float_dir: pathlib.Path, out_dir: pathlib.Path) -> None:
+    """The gpt_oss fixture with its experts quantized to MXFP4 in the hub's layout
+    (`mlp.experts.{gate_up,down}_proj_{blocks,scales}`, rows = output channels, quantization_config
+    mxfp4). Expected: transformers' own decoding of the blocks (`convert_moe_packed_tensors`, its
+    [experts, in, out] float32 weights of layer 0), the logits of the model running on the
+    decoded weights and its greedy continuations."""
+    from safetensors.numpy import load_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tensors = load_file(str(float_dir / "model.safetensors"))
+    expected = {}
+    for i, layer in enumerate(model.model.layers):
+        experts = layer.mlp.experts
+        for proj in ("gate_up_proj", "down_proj"):
+            w = getattr(experts, proj).detach().numpy()  # [X, in, out]
+            blocks, scales = quantize_mxfp4(np.ascontiguousarray(np.swapaxes(w, 1, 2)))
+            key = f"model.layers.{i}.mlp.experts.{proj}"
+            del tensors[key]
+            tensors[key + "_blocks"], tensors[key + "_scales"] = blocks, scales
+            decoded = convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales),
+                                                 dtype=torch.float32)
+            with torch.no_grad():
+                getattr(experts, proj).copy_(decoded)
+            if i == 0:
+                expected[f"decoded_{proj}"] = np.ascontiguousarray(decoded.numpy())
+    cfg = json.loads((float_dir / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    with torch.no_grad():
+        for i, seq in enumerate(SEQUENCES):
+            ids = torch.tensor([seq])
+            logits = model(input_ids=ids).logits[0].float().numpy()
+            expected[f"logits_{i}"] = np.ascontiguousarray(logits)
+            expected[f"tokens_{i}"] = np.asarray(seq, dtype=np.int32)
+            out = model.generate(ids, max_new_tokens=GREEDY_TOKENS, do_sample=False,
+                                 min_new_tokens=GREEDY_TOKENS)
+            expected[f"greedy_{i}"] = out[0, len(seq):].numpy().astype(np.int32)
+    save_file(expected, str(out_dir / "expected.safetensors"))
+    shutil.copy(float_dir / "generation_config.json", out_dir / "generation_config.json")
+    print("gpt_oss_mxfp4", {k: v.shape for k, v in expected.items()})
 
 
 def to_hub_expert_layout(path: pathlib.Path, block: str, names: tuple[str, str, str]) -> None:

@@ -105,6 +105,10 @@ PERM_SUFFIX = "_qperm"
 # A checkpoint's static activation scale (float32 [1]; 0 where the weight has none: per token).
 INPUT_SCALE_SUFFIX = "_qinput"
 AUX_SUFFIXES = (SCALE_SUFFIX, ZERO_SUFFIX, PERM_SUFFIX, INPUT_SCALE_SUFFIX)
+# A model's weight map holds, for an MXFP4 weight kept packed, the builder of its (codes,
+# exponents) under the weight's name + MXFP4_PARTS (the weight's own name: its float values,
+# for a model that upcasts them).
+MXFP4_PARTS = "#mxfp4"
 QUANTIZATIONS = ("int8", "fp8", "int4")
 
 

@@ -19,6 +19,11 @@ group through its own expert's weights. Implementations of the grouped product (
   more than the dense form's extra products until those grow past `DENSE_MAX_EXTRA_ROWS`
   (tokens times the experts a token does not use).
 
+gpt-oss's experts (`models/gpt_oss.py`) add what the functions take as arguments: a router
+that soft-maxes over the k largest logits only (`route`'s `select_first`), biases on gate and
+up (per expert and channel) and on down (added after the experts' partial sums are added up,
+so once however the experts are split), and the clamped SwiGLU (`ClampedSwiGLU`, an `act`).
+
 Stacked expert weights may be kept quantized (`QuantizedWeight`): int8 with a scale per expert
 and output channel, or MXFP4 (gpt-oss's experts: packed e2m1 codes and an e8m0 exponent per 32
 contracted values, `linear.mxfp4_weight`); each form dequantizes the experts it reads inside
@@ -53,11 +58,15 @@ MOE_IMPLS = ("ragged", "tiled", "dense", "tiled-or-dense")
 EXPERT_SPECS = {"w_gate": "te,xef->txf", "w_up": "te,xef->txf", "w_down": "txf,xfe->txe"}
 
 
-def route(logits: jax.Array, top_k: int, normalize: bool, expert_scale: jax.Array | None = None
-          ) -> tuple[jax.Array, jax.Array]:
+def route(logits: jax.Array, top_k: int, normalize: bool, expert_scale: jax.Array | None = None,
+          select_first: bool = False) -> tuple[jax.Array, jax.Array]:
     """logits [T, X] -> (weights [T, k] float32, expert ids [T, k] int32): softmax over all
     experts, the k largest, renormalized to sum to one when `normalize` (Mixtral; Qwen3-MoE's
-    norm_topk_prob), then times each chosen expert's `expert_scale` [X] when given (Gemma 4)."""
+    norm_topk_prob), then times each chosen expert's `expert_scale` [X] when given (Gemma 4).
+    `select_first` (gpt-oss): the k largest logits, then a softmax over those k."""
+    if select_first:
+        top, ids = jax.lax.top_k(logits.astype(jnp.float32), top_k)
+        return jax.nn.softmax(top, axis=-1), ids.astype(jnp.int32)
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     weights, ids = jax.lax.top_k(probs, top_k)
     if normalize:
@@ -114,15 +123,37 @@ ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approx
                "gelu": lambda x: jax.nn.gelu(x, approximate=False)}
 
 
-def _act(gate: jax.Array, up: jax.Array, act: str = "silu") -> jax.Array:
+@dataclasses.dataclass(frozen=True)
+class ClampedSwiGLU:
+    """gpt-oss's experts' activation of (gate, up): gate clamped to at most `limit`, up to
+    [-limit, limit]; gate * sigmoid(alpha * gate) * (up + 1)."""
+
+    limit: float
+    alpha: float
+
+    def __call__(self, gate: jax.Array, up: jax.Array) -> jax.Array:
+        gate = jnp.minimum(gate, self.limit)
+        up = jnp.clip(up, -self.limit, self.limit)
+        return gate * jax.nn.sigmoid(gate * self.alpha) * (up + 1)
+
+
+def _act(gate: jax.Array, up: jax.Array, act: str | ClampedSwiGLU = "silu") -> jax.Array:
+    if isinstance(act, ClampedSwiGLU):
+        return act(gate, up)
     return ACTIVATIONS[act](gate) * up
 
 
+def _bias(b, rows):
+    """The gate's or up's bias of each row's expert (b [Xl, F]; rows: expert ids), or 0."""
+    return 0.0 if b is None else b.astype(jnp.float32)[rows]
+
+
 def experts_dense(x, weights, ids, w_gate, w_up, w_down, expert_offset=0,
-                  act: str = "silu") -> jax.Array:
+                  act: str | ClampedSwiGLU = "silu", b_gate=None, b_up=None) -> jax.Array:
     """Every local expert on every token. x [T, E]; weights, ids [T, k]; w_gate/w_up
     [Xl, E, F], w_down [Xl, F, E] (the experts expert_offset .. + Xl) -> [T, E] float32.
-    `act`: the gate's activation (one of ACTIVATIONS)."""
+    `act`: the gate's activation (one of ACTIVATIONS, or a ClampedSwiGLU); `b_gate`, `b_up`:
+    the gate's and up's biases [Xl, F] (gpt-oss), or None."""
     T = x.shape[0]
     Xl = w_gate.shape[0]
     local = ids - expert_offset
@@ -133,6 +164,8 @@ def experts_dense(x, weights, ids, w_gate, w_up, w_down, expert_offset=0,
     # expert-major layouts: XLA:CPU has no bfloat16 batched dot with the batch dim in the middle
     gate = jnp.einsum("te,xef->xtf", xc, _weight(w_gate), preferred_element_type=jnp.float32)
     up = jnp.einsum("te,xef->xtf", xc, _weight(w_up), preferred_element_type=jnp.float32)
+    experts = jnp.arange(Xl)[:, None]  # [Xl, 1]: each row of gate's and up's experts
+    gate, up = gate + _bias(b_gate, experts), up + _bias(b_up, experts)
     y = jnp.einsum("xtf,xfe->xte", _act(gate, up, act).astype(dt), _weight(w_down),
                    preferred_element_type=jnp.float32)
     return jnp.einsum("xte,tx->te", y, combine[:, :Xl])
@@ -148,7 +181,8 @@ def _sort(ids: jax.Array, Xl: int, expert_offset):
 
 
 def experts_grouped(x, weights, ids, w_gate, w_up, w_down, *, impl: str, expert_offset=0,
-                    tile: int | None = None, act: str = "silu") -> jax.Array:
+                    tile: int | None = None, act: str | ClampedSwiGLU = "silu", b_gate=None,
+                    b_up=None) -> jax.Array:
     """The local experts on the tokens routed to them only (impl "ragged" or "tiled"); same
     arguments and result as `experts_dense`."""
     T, k = ids.shape
@@ -162,9 +196,13 @@ def experts_grouped(x, weights, ids, w_gate, w_up, w_down, *, impl: str, expert_
         def gmm(a, w):
             return jax.lax.ragged_dot(a.astype(dt), _weight(w), sizes, preferred_element_type=jnp.float32)
 
-        y = gmm(_act(gmm(xs, w_gate), gmm(xs, w_up), act), w_down)  # [M, E]
+        # each sorted row's local expert (rows of other devices' experts, last, compute nothing)
+        row_expert = jnp.clip(ids.reshape(-1)[order] - expert_offset, 0, Xl - 1)
+        gate = gmm(xs, w_gate) + _bias(b_gate, row_expert)
+        up = gmm(xs, w_up) + _bias(b_up, row_expert)
+        y = gmm(_act(gate, up, act), w_down)  # [M, E]
     elif impl == "tiled":
-        y = _tiled_mlp(xs, sizes, w_gate, w_up, w_down, tile, act)
+        y = _tiled_mlp(xs, sizes, w_gate, w_up, w_down, tile, act, b_gate, b_up)
     else:
         raise ValueError(f"not a grouped moe impl: {impl!r}")
     rows = jnp.arange(M) < jnp.sum(sizes)  # rows of local experts (the rest sort last)
@@ -178,7 +216,8 @@ def tile_rows(num_rows: int, num_groups: int) -> int:
     return int(min(128, max(8, 1 << (per_group - 1).bit_length())))
 
 
-def _tiled_mlp(xs, sizes, w_gate, w_up, w_down, tile: int | None, act: str = "silu") -> jax.Array:
+def _tiled_mlp(xs, sizes, w_gate, w_up, w_down, tile: int | None, act="silu", b_gate=None,
+               b_up=None) -> jax.Array:
     """The expert MLP of each group of sorted rows xs [M, E] (groups of `sizes`), one
     (tile, expert) pair at a time -> [M, E] float32 (zero past the groups)."""
     M, E = xs.shape
@@ -206,8 +245,8 @@ def _tiled_mlp(xs, sizes, w_gate, w_up, w_down, tile: int | None, act: str = "si
         x_t = jax.lax.dynamic_slice_in_dim(xs, r0, B).astype(f32)  # [B, E]
         row = r0 + jnp.arange(B)
         mask = (row >= starts[g]) & (row < ends[g]) & live  # [B]
-        gate = jnp.dot(x_t, _weight(w_gate, g).astype(f32))
-        up = jnp.dot(x_t, _weight(w_up, g).astype(f32))
+        gate = jnp.dot(x_t, _weight(w_gate, g).astype(f32)) + _bias(b_gate, g)
+        up = jnp.dot(x_t, _weight(w_up, g).astype(f32)) + _bias(b_up, g)
         y = jnp.dot(_act(gate, up, act).astype(xs.dtype).astype(f32),
                     _weight(w_down, g).astype(f32))
         cur = jax.lax.dynamic_slice_in_dim(out, r0, B)
@@ -219,11 +258,14 @@ def _tiled_mlp(xs, sizes, w_gate, w_up, w_down, tile: int | None, act: str = "si
 
 def moe_mlp(x, router_logits, w_gate, w_up, w_down, *, top_k: int, normalize: bool, impl: str,
             mesh: Mesh | None, expert_axis: str | None, mlp_axis: str | None,
-            expert_scale: jax.Array | None = None, act: str = "silu") -> jax.Array:
+            expert_scale: jax.Array | None = None, act: str | ClampedSwiGLU = "silu",
+            select_first: bool = False, b_gate=None, b_up=None, b_down=None) -> jax.Array:
     """The MoE block on x [T, E] (normed) -> [T, E] float32. `expert_axis` / `mlp_axis`: the
     mesh axes the stacked weights' expert and intermediate dims are sharded over (None:
-    not sharded). `expert_scale`, `act`: see `route` and `experts_dense`."""
-    weights, ids = route(router_logits, top_k, normalize, expert_scale)
+    not sharded). `expert_scale`, `select_first`: see `route`; `act`, `b_gate`, `b_up`: see
+    `experts_dense`; `b_down` [X, E]: the down products' biases, each chosen expert's added
+    with its routing weight (after the partial sums are added up: once, however sharded)."""
+    weights, ids = route(router_logits, top_k, normalize, expert_scale, select_first)
     float32_experts = not isinstance(w_gate, QuantizedWeight) and w_gate.dtype == jnp.float32
     impl = step_impl(impl, num_tokens=x.shape[0], num_experts=w_gate.shape[0], top_k=top_k,
                      float32_experts=float32_experts)
@@ -232,21 +274,32 @@ def moe_mlp(x, router_logits, w_gate, w_up, w_down, *, top_k: int, normalize: bo
         expert_axis = None if expert_axis in manual else expert_axis  # the weights are whole there
         mlp_axis = None if mlp_axis in manual else mlp_axis
 
-    def local(x, weights, ids, w_gate, w_up, w_down):
+    def local(x, weights, ids, w_gate, w_up, w_down, b_gate, b_up):
         offset = 0
         if expert_axis is not None:
             offset = jax.lax.axis_index(expert_axis) * _num(w_gate)
         if impl == "dense":
-            y = experts_dense(x, weights, ids, w_gate, w_up, w_down, offset, act)
+            y = experts_dense(x, weights, ids, w_gate, w_up, w_down, offset, act, b_gate, b_up)
         else:
             y = experts_grouped(x, weights, ids, w_gate, w_up, w_down, impl=impl,
-                                expert_offset=offset, act=act)
+                                expert_offset=offset, act=act, b_gate=b_gate, b_up=b_up)
         axes = tuple(a for a in (expert_axis, mlp_axis) if a is not None)
         return jax.lax.psum(y, axes) if axes else y
 
+    y = _sharded_experts(local, mesh, expert_axis, mlp_axis, x, weights, ids, w_gate, w_up,
+                         w_down, b_gate, b_up)
+    if b_down is not None:
+        y = y + jnp.einsum("tk,tke->te", weights, b_down.astype(jnp.float32)[ids])
+    return y
+
+
+def _sharded_experts(local, mesh, expert_axis, mlp_axis, x, weights, ids, w_gate, w_up, w_down,
+                     b_gate, b_up):
+    """`local` on every device's experts (a shard_map over `mesh` when the experts are split)."""
     if mesh is None or (expert_axis is None and mlp_axis is None):
-        return local(x, weights, ids, w_gate, w_up, w_down)
+        return local(x, weights, ids, w_gate, w_up, w_down, b_gate, b_up)
     up_spec, down_spec = P(expert_axis, None, mlp_axis), P(expert_axis, mlp_axis, None)
+    bias_spec = P(expert_axis, mlp_axis)
 
     def spec(w, s):
         if isinstance(w, QuantizedWeight):  # scales: size-1 contracted dim, replicated there
@@ -256,9 +309,10 @@ def moe_mlp(x, router_logits, w_gate, w_up, w_down, *, top_k: int, normalize: bo
 
     return jax.shard_map(
         local, mesh=mesh,
-        in_specs=(P(), P(), P(), spec(w_gate, up_spec), spec(w_up, up_spec), spec(w_down, down_spec)),
+        in_specs=(P(), P(), P(), spec(w_gate, up_spec), spec(w_up, up_spec), spec(w_down, down_spec),
+                  None if b_gate is None else bias_spec, None if b_up is None else bias_spec),
         out_specs=P(), check_vma=False,
-    )(x, weights, ids, w_gate, w_up, w_down)
+    )(x, weights, ids, w_gate, w_up, w_down, b_gate, b_up)
 
 
 def _num(w) -> int:

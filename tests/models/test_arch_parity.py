@@ -20,8 +20,8 @@ from jaxserve.models.weights import create_model
 from tests.models.model_utils import PagedRunner
 
 CASES = ["llama", "llama_tied", "qwen2", "qwen3", "mistral", "qwen2_sliding", "llama_dynamic", "phi3", "gemma2",
-         "gemma3", "gemma4", "gemma4_moe", "mixtral", "qwen3_moe"]
-MOE_CASES = ["mixtral", "qwen3_moe", "gemma4_moe"]
+         "gemma3", "gemma4", "gemma4_moe", "mixtral", "qwen3_moe", "gpt_oss"]
+MOE_CASES = ["mixtral", "qwen3_moe", "gemma4_moe", "gpt_oss"]
 
 
 def load_fixture(data_dir, name):

@@ -8,8 +8,9 @@ to 60-67 ms in alternating runs.
 
 It computes exactly the layer of a model whose layer features (models/interface.py) are a
 subset of `FEATURES`: pre-norm RMSNorm, rotary embedding, grouped-query attention (optionally
-within a sliding window) and a SiLU-gated MLP, with no biases and no q/k norms. The backend
-checks that before using it (`CpuBackend.layer_impl`).
+within a sliding window) and a SiLU-gated MLP, with no biases, no q/k norms and no attention
+sinks (a model with sinks declares `attention_sinks` and keeps its own layer, whose attention
+call passes them). The backend checks that before using it (`CpuBackend.layer_impl`).
 """
 
 from __future__ import annotations
