@@ -165,10 +165,45 @@ def test_answer_start_for_structured_output(gpt_oss):
     assert not gpt_oss.reasoning_ended(hf.encode(FINAL, add_special_tokens=False))
 
 
+def test_tools_and_calls_for_a_template_without_a_tools_section():
+    """The `openai` format's tools block is Harmony's functions namespace (the example of
+    Harmony's format guide), and earlier calls are written as the model writes them."""
+    from jaxserve.chat.tool_parsers import FunctionCallText
+
+    tools = [
+        {"type": "function", "function": {"name": "get_location",
+                                          "description": "Gets the location of the user."}},
+        {"type": "function", "function": {
+            "name": "get_current_weather",
+            "description": "Gets the current weather in the provided location.",
+            "parameters": {"type": "object", "required": ["location"], "properties": {
+                "location": {"type": "string",
+                             "description": "The city and state, e.g. San Francisco, CA"},
+                "format": {"type": "string", "enum": ["celsius", "fahrenheit"],
+                           "default": "celsius"}}}}},
+        {"type": "function", "function": {
+            "name": "get_multiple_weathers", "parameters": {"type": "object", "properties": {
+                "locations": {"type": "array", "items": {"type": "string"}}}}}},
+    ]
+    parser = get_tool_parser("openai")
+    assert parser.system_prompt(tools) == (
+        "# Tools\n\n## functions\n\nnamespace functions {\n\n"
+        "// Gets the location of the user.\ntype get_location = () => any;\n\n"
+        "// Gets the current weather in the provided location.\n"
+        "type get_current_weather = (_: {\n// The city and state, e.g. San Francisco, CA\n"
+        'location: string,\nformat?: "celsius" | "fahrenheit", // default: celsius\n}) => any;\n\n'
+        "type get_multiple_weathers = (_: {\nlocations?: string[],\n}) => any;\n\n"
+        "} // namespace functions")
+    written = parser.render_calls([FunctionCallText("get_weather", '{"city": "Paris"}')])
+    assert written == WEATHER + "<|call|>"
+    assert parser.extract(written)[1] == [FunctionCallText("get_weather", '{"city": "Paris"}')]
+
+
 # ---------------------------------------------------------------------------- the chat template
 # gpt-oss's chat template in miniature: the system message with the reasoning effort and the
 # knowledge cutoff, a developer message with the instructions and the functions in Harmony's
-# TypeScript-like namespace, earlier calls, tool results from `functions.NAME to=assistant`.
+# TypeScript-like namespace, earlier calls after their reasoning (which gpt-oss's template reads
+# as `thinking`), tool results from `functions.NAME to=assistant`.
 TEMPLATE = "".join([
     "{%- set effort = reasoning_effort if reasoning_effort is defined and reasoning_effort "
     "else 'medium' -%}",
@@ -191,8 +226,8 @@ TEMPLATE = "".join([
     "{%- for m in messages -%}",
     "{%- if m.role == 'user' -%}<|start|>user<|message|>{{ m.content }}<|end|>",
     "{%- elif m.role == 'assistant' and m.tool_calls -%}",
-    "{%- if m.reasoning_content -%}<|start|>assistant<|channel|>analysis<|message|>",
-    "{{ m.reasoning_content }}<|end|>{%- endif -%}",
+    "{%- if m.thinking -%}<|start|>assistant<|channel|>analysis<|message|>",
+    "{{ m.thinking }}<|end|>{%- endif -%}",
     "{%- for c in m.tool_calls -%}{%- set ns.fn = c.function.name -%}",
     "<|start|>assistant to=functions.{{ c.function.name }}<|channel|>commentary json<|message|>",
     "{{ c.function.arguments | tojson }}<|call|>{%- endfor -%}",
