@@ -7,11 +7,12 @@ serving a tiny model whose tokenizer has Harmony's special tokens through the re
 
 The tiny model's greedy output is known (the lookup-table weights of tests/model_dirs.py's
 reasoning model: the next token is a function of the last one). That memory of one token cannot
-write the same token twice, so the second message's header (`<|start|>assistant<|channel|>…`)
-is made of ordinary tokens whose text is the header, the first in two pieces that split
-`<|channel|>`; the first message's markers and the stop tokens are the real special tokens.
-After the analysis message's `<|end|>` the model answers on the final channel; a logit_bias
-against that branch makes it call `get_weather` instead."""
+write the same token twice, so the first message's header is one ordinary token whose text is
+the header, and `<|start|>assistant` after it two ordinary tokens that split `<|start|>`; the
+final channel's header (`<|channel|>final<|message|>`, which structured output waits for), the
+`<|end|>` and the stop tokens are the real special tokens. After the analysis message's
+`<|end|>` the model answers on the final channel; a logit_bias against that branch makes it call
+`get_weather` instead."""
 
 from __future__ import annotations
 
@@ -274,7 +275,7 @@ def _harmony_tokenizer():
     from transformers import PreTrainedTokenizerFast
 
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    vocab = {"<unk>": 0, "<s>": 1, "<|endoftext|>": 2, **{f"Ġw{i}": i for i in range(10, 100)}}
+    vocab = {"<unk>": 0, "<s>": 1, "<|endoftext|>": 2, **{f"Ġw{i}": i for i in range(10, 99)}}
     for i, text in PIECES.items():
         vocab["".join(t for t, _ in byte_level.pre_tokenize_str(text))] = i
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
@@ -297,15 +298,16 @@ def _harmony_tokenizer():
 MARKER_IDS = dict(zip(harmony.MARKERS, range(121, 128)))
 START, END, MESSAGE, CHANNEL, _, RETURN, CALL = MARKER_IDS.values()
 PIECES = {
-    3: "assistant", 4: "analysis", 9: "final",
-    5: "<|start|>assistant<|chan", 6: "nel|>final<|message|>",  # the final header, in two pieces
+    3: "assistant", 4: '"', 9: "final",
+    99: "<|channel|>analysis<|message|>",  # the first header
+    5: "<|sta", 6: "rt|>assistant",  # the second message's start, in two pieces
     7: ("<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json"
         "<|message|>"),
     8: '{"city": "Paris"}',
 }
 FINAL_BRANCH, CALL_BRANCH = 5, 7
 CHAINS = [  # (token chain, weight): greedy decoding follows the heaviest link out of a token
-    ([3, CHANNEL, 4, MESSAGE, 20, 21, END, FINAL_BRANCH, 6, 30, 31, RETURN], 0.25),
+    ([3, 99, 20, 21, END, FINAL_BRANCH, 6, CHANNEL, 9, MESSAGE, 30, 31, RETURN], 0.25),
     ([END, CALL_BRANCH, 8, CALL], 0.2),  # taken when the final branch is biased away
 ]
 REASONING, CONTENT = " w20 w21", " w30 w31"
@@ -402,13 +404,13 @@ def _stream(client, **kw):
 def test_served_analysis_and_final(client):
     r = _chat(client, extra_body={"reasoning_effort": "high", "return_token_ids": True})
     m = r.choices[0]
-    assert m.token_ids[:5] == [CHANNEL, 4, MESSAGE, 20, 21]  # the real markers, not pieces
+    assert m.token_ids[-6:] == [CHANNEL, 9, MESSAGE, 30, 31, RETURN]  # the real final header
     assert (m.message.reasoning_content, m.message.reasoning) == (REASONING, REASONING)
     assert (m.message.content, m.message.tool_calls, m.finish_reason) == (CONTENT, [], "stop")
     s = _stream(client)
     assert (s["reasoning"], s["content"], s["calls"], s["finish"]) == (REASONING, CONTENT, {},
                                                                      "stop")
-    assert not any("<|" in d or "|>" in d for d in s["deltas"])  # "<|chan" + "nel|>" held back
+    assert not any("<|" in d or "|>" in d for d in s["deltas"])  # "<|sta" + "rt|>" held back
 
 
 def test_served_tool_call(client):
@@ -426,8 +428,18 @@ def test_served_tool_call(client):
     assert (r.choices[0].message.content, r.choices[0].message.tool_calls) == (None, [])
 
 
+def test_served_structured_output_applies_to_the_final_channel(client):
+    """The constraint waits for the final channel's header: the reasoning is the model's own."""
+    choices = [" w40", "final"]  # (no shared first byte: this vocabulary has no lone space)
+    schema = {"type": "json_schema", "json_schema": {"name": "pick", "schema": {
+        "type": "string", "enum": choices}}}
+    m = _chat(client, response_format=schema).choices[0]
+    assert m.message.reasoning_content == REASONING and m.finish_reason == "stop"
+    assert json.loads(m.message.content) in choices
+
+
 def test_served_output_cut_in_the_reasoning(client):
-    m = _chat(client, max_tokens=4).choices[0]
+    m = _chat(client, max_tokens=2).choices[0]
     assert (m.message.reasoning_content, m.message.content, m.finish_reason) == (" w20", None,
                                                                                  "length")
 
