@@ -454,3 +454,12 @@ def test_served_responses_api(client):
                                 extra_body=CALL_BIAS)
     calls = [(i.name, i.arguments) for i in r.output if i.type == "function_call"]
     assert calls == [("get_weather", '{"city": "Paris"}')]
+    with client.responses.stream(model="tiny", input="w40", temperature=0,
+                                 max_output_tokens=32) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    deltas = {kind: "".join(e.delta for e in events if e.type == kind)
+              for kind in ("response.reasoning_text.delta", "response.output_text.delta")}
+    assert deltas == {"response.reasoning_text.delta": REASONING,
+                      "response.output_text.delta": CONTENT}
+    assert [i.type for i in final.output] == ["reasoning", "message"]
