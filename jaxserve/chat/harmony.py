@@ -14,10 +14,11 @@ engine stops there and the completion may or may not show them. The prompt ends 
 `<|start|>assistant<|channel|>final<|message|>…<|return|>`.
 
 The reading works on the decoded text (the markers are special tokens: the request keeps them
-with skip_special_tokens false), the same whole or in pieces (`final` false: a message still
-being written is open, and the end of its content that may be the start of a marker is held
-back). Text outside messages is dropped; a completion that starts with content rather than a
-header continues a final message the prompt opened.
+with skip_special_tokens false), the same whole (`parse_completion`; `final` false: a message
+still being written is open, and the end of its content that may be the start of a marker is
+held back) or streamed (`HarmonyStreamReader`, one pass over the text). Text outside messages
+is dropped; a completion that starts with content rather than a header continues a final
+message the prompt opened.
 """
 
 from __future__ import annotations
@@ -180,3 +181,100 @@ def answer_text(messages: list[HarmonyMessage], with_calls: bool) -> str:
             out.append(("\n" if after_text else "") + m.content)
             after_text = True
     return "".join(out)
+
+
+class HarmonyStreamReader:
+    """A completion read as it streams, in one pass: `feed(delta, final)` returns what the
+    delta adds to `reasoning_text` and to `answer_text` of the completion so far (what
+    `parse_completion` gives, read again, but without reading the text again: a long completion
+    costs its length once). Text that may begin a marker waits in the buffer."""
+
+    def __init__(self, with_calls: bool):
+        self.with_calls = with_calls
+        self._buf = ""
+        self._state = "start"  # start | header | body | between (after a message's end)
+        self._kind: str | None = None  # the open message's view: reasoning | answer | call | None
+        self._function: str | None = None
+        self._reasonings = 0  # analysis messages so far (one per line)
+        self._after_text = False  # the answer's last part is a visible message
+
+    def _open(self, header: tuple[str, str | None, str | None, str | None]) -> tuple[str, str]:
+        """A message's header is complete: what it adds to the views."""
+        m = HarmonyMessage(*header, content="", closed=False)
+        self._function = m.function
+        if m.function is not None:
+            self._kind = "call" if self.with_calls else None
+            if self.with_calls:
+                self._after_text = False
+                return "", render_call(m.function, "", closed=False)
+            return "", ""
+        if m.channel == "analysis":
+            self._kind = "reasoning"
+            self._reasonings += 1
+            return ("\n" if self._reasonings > 1 else ""), ""
+        if m.visible:
+            self._kind = "answer"
+            prefix = "\n" if self._after_text else ""
+            self._after_text = True
+            return "", prefix
+        self._kind = None
+        return "", ""
+
+    def _content(self, text: str) -> tuple[str, str]:
+        if self._kind == "reasoning":
+            return text, ""
+        if self._kind in ("answer", "call"):
+            return "", text
+        return "", ""
+
+    def feed(self, delta: str, final: bool = False) -> tuple[str, str]:
+        buf = self._buf + delta
+        reasoning, answer = [], []
+
+        def add(r: str, a: str) -> None:
+            reasoning.append(r)
+            answer.append(a)
+
+        while True:
+            if self._state == "start":
+                if _headerless(buf):
+                    self._state = "body"
+                    add(*self._open(("assistant", "final", None, None)))
+                    continue
+                s = buf.lstrip()
+                if not (s.startswith("<|") or s.startswith("to=")):
+                    break  # undecided (nothing yet, or the beginning of either)
+                self._state = "header"
+                continue
+            if self._state == "between":
+                s = buf.find(START)
+                if s < 0:
+                    buf = buf[len(buf) - held_marker(buf):]
+                    break
+                buf, self._state = buf[s + len(START):], "header"
+                continue
+            if self._state == "header":
+                body = buf.find(MESSAGE)
+                if body < 0:
+                    break
+                restart = buf.rfind(START, 0, body)
+                head = buf[restart + len(START) if restart >= 0 else 0:body]
+                buf, self._state = buf[body + len(MESSAGE):], "body"
+                add(*self._open(parse_header(head)))
+                continue
+            # body
+            ends = [(i, m) for m in ENDS if (i := buf.find(m)) >= 0]
+            if ends:
+                end, marker = min(ends)
+                add(*self._content(buf[:end]))
+                if self._kind == "call" and marker != START:
+                    add("", CALL)
+                buf = buf[end + len(marker):]
+                self._state = "header" if marker == START else "between"
+                continue
+            keep = 0 if final else held_marker(buf)
+            add(*self._content(buf[: len(buf) - keep]))
+            buf = buf[len(buf) - keep:]
+            break
+        self._buf = buf
+        return "".join(reasoning), "".join(answer)

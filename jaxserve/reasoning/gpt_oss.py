@@ -72,21 +72,10 @@ class GptOssReasoningParser(ReasoningParser):
 
 class HarmonyStream:
     """One choice's Harmony completion as it streams: `update(delta)` returns (reasoning delta,
-    answer delta); the completion so far is read again on each update, and what it adds to the
-    reasoning and the answer goes out, so the deltas add up to `extract` of the whole text."""
+    answer delta), which add up to `extract` of the whole text in any chunking."""
 
     def __init__(self, with_calls: bool):
-        self.with_calls = with_calls
-        self.text = ""
-        self._reasoning_sent = 0
-        self._answer_sent = 0
+        self._reader = harmony.HarmonyStreamReader(with_calls)
 
     def update(self, delta: str, final: bool = False) -> tuple[str, str]:
-        self.text += delta
-        messages = harmony.parse_completion(self.text, final)
-        reasoning = harmony.reasoning_text(messages)
-        answer = harmony.answer_text(messages, self.with_calls)
-        thought, self._reasoning_sent = reasoning[self._reasoning_sent:], max(
-            self._reasoning_sent, len(reasoning))
-        said, self._answer_sent = answer[self._answer_sent:], max(self._answer_sent, len(answer))
-        return thought, said
+        return self._reader.feed(delta, final)

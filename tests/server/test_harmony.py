@@ -137,6 +137,41 @@ def test_streamed_completions_equal_the_whole_in_every_chunking(gpt_oss, text, e
         assert not any("<|" in d or "|>" in d for d in deltas), deltas  # no marker leaks
 
 
+def _random_completion(rng) -> str:
+    """Harmony messages of every kind in a random order, with a random way of ending (or cut at
+    a random point), contents that hold marker-like text ("<", "<|x|>")."""
+    parts = ["", " to=functions.f"][rng.integers(2)] + "<|channel|>" + ["analysis", "final"][
+        rng.integers(2)]
+    headers = ["assistant<|channel|>analysis", "assistant<|channel|>final",
+               "assistant<|channel|>commentary", "assistant to=functions.get_weather"
+               "<|channel|>commentary json", "assistant<|channel|>commentary to=functions.g "
+               "<|constrain|>json", "functions.g to=assistant<|channel|>commentary",
+               "assistant to=browser.search<|channel|>analysis"]
+    contents = ["a b", "x < y", '{"k": [1, 2]}', "<|x|>", "", "\n", "{"]
+    text = parts + "<|message|>" + contents[rng.integers(len(contents))]
+    for _ in range(rng.integers(0, 5)):
+        text += ["<|end|>", "<|end|>\n", "<|call|>", ""][rng.integers(4)]
+        text += "<|start|>" + headers[rng.integers(len(headers))] + "<|message|>"
+        text += contents[rng.integers(len(contents))]
+    text += ["<|return|>", "<|call|>", "<|end|>", ""][rng.integers(4)]
+    return text[: rng.integers(len(text) + 1)] if rng.integers(3) == 0 else text
+
+
+def test_streams_of_random_completions_equal_their_whole_reading(gpt_oss):
+    import numpy as np
+
+    rng = np.random.default_rng(7)
+    for _ in range(300):
+        text = _random_completion(rng)
+        cuts = sorted(set(rng.integers(0, len(text) + 1, rng.integers(0, 8)).tolist()))
+        pieces = [text[a:b] for a, b in itertools.pairwise([0, *cuts, len(text)])]
+        for with_calls in (False, True):
+            stream = gpt_oss.streamer(with_calls)
+            out = [stream.update(p, final=i == len(pieces) - 1) for i, p in enumerate(pieces)]
+            whole = tuple(x or "" for x in gpt_oss.extract(text, with_calls))
+            assert ("".join(r for r, _ in out), "".join(a for _, a in out)) == whole, (text, cuts)
+
+
 def test_markers_split_over_deltas_are_held_back(gpt_oss):
     stream = gpt_oss.streamer()
     assert stream.update("<|channel|>analysis<|message|>Hm<|en") == ("Hm", "")
