@@ -385,6 +385,13 @@ def test_the_template_renders_harmony_with_tools_history_and_reasoning_effort():
     assert text == RENDERED
     plain = render_chat(tok, turns[1:2])
     assert "Reasoning: medium" in plain and "developer" not in plain
+    # a chat request's reasoning_effort reaches the template as vLLM passes it
+    from jaxserve.server.protocol_chat import ChatCompletionRequest
+    from jaxserve.server.serving_chat import template_kwargs
+
+    body = ChatCompletionRequest(model="tiny", messages=CONVERSATION[1:2], reasoning_effort="low")
+    assert "Reasoning: low\n" in render_chat(tok, turns[1:2],
+                                              chat_template_kwargs=template_kwargs(body))
     assert hf.encode(plain, add_special_tokens=False)[-2:] == [START, 3]  # "<|start|>assistant"
 
 
