@@ -60,14 +60,11 @@ class HarmonyMessage:
 
 
 def held_marker(text: str) -> int:
-    """How many characters at the end of `text` could be the beginning of a marker."""
+    """How many characters at the end of `text` could be the beginning of a marker (a marker has
+    one "<", its first character: only the last "<" can begin one)."""
     at = text.rfind("<", max(0, len(text) - max(map(len, MARKERS)) + 1))
-    while at >= 0:
-        tail = text[at:]
-        if any(m.startswith(tail) and m != tail for m in MARKERS):
-            return len(text) - at
-        at = text.find("<", at + 1)
-    return 0
+    tail = text[at:] if at >= 0 else ""
+    return len(tail) if tail and any(m.startswith(tail) and m != tail for m in MARKERS) else 0
 
 
 def parse_header(text: str) -> tuple[str, str | None, str | None, str | None]:
