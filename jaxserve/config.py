@@ -194,8 +194,9 @@ class ModelConfig:
     their own format, which a contradicting value here refuses)."""
     reasoning_parser: str | None = per_process(None, choices=REASONING_PARSER_NAMES)
     """The model's reasoning format (vLLM's --reasoning-parser): deepseek_r1 (DeepSeek-R1 and its
-    distills) or qwen3 (Qwen3). Chat completions then return the reasoning between <think> and
-    </think> as reasoning_content, apart from the content, and structured output and tool calls
+    distills), qwen3 (Qwen3) or gpt_oss (alias openai_gptoss: gpt-oss's Harmony channels).
+    Chat completions then return the reasoning (between <think> and </think>; Harmony's analysis
+    channel) as reasoning_content, apart from the content, and structured output and tool calls
     apply to the answer after it. Default: none (the reasoning stays in the content)."""
 
     def __post_init__(self) -> None:

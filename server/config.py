@@ -64,8 +64,9 @@ class ServerConfig:
     """Let the model decide when to call tools (tool_choice "auto"); needs --tool-call-parser."""
     tool_call_parser: str | None = option(None, choices=TOOL_PARSER_NAMES)
     """The model's tool-call format: hermes (Hermes, Qwen2.5/Qwen3 <tool_call> JSON), llama3_json
-    (Llama 3.x), mistral ([TOOL_CALLS]). Default: none (hermes renders tools for
-    tool_choice "required" or a named function)."""
+    (Llama 3.x), mistral ([TOOL_CALLS]), openai (gpt-oss's Harmony calls to functions.NAME; needs
+    --reasoning-parser gpt_oss). Default: none (hermes renders tools for tool_choice "required"
+    or a named function)."""
     disable_log_requests: bool = False
     """Do not log each request received."""
     uvicorn_log_level: Literal["debug", "info", "warning", "error", "critical", "trace"] | None = (

@@ -14,7 +14,10 @@ Reasoning (--reasoning-parser, vLLM's): each choice's output is split into `reas
 (the reasoning, up to the end marker) and `content` (the answer after it), streamed as
 `delta.reasoning_content` and `delta.content`; tool calls are parsed from the answer only. Where
 the prompt already closed reasoning (e.g. enable_thinking false) the whole output is content and
-reasoning_content is null. Without a parser the responses carry no reasoning key.
+reasoning_content is null. Without a parser the responses carry no reasoning key. gpt-oss's
+Harmony channels (`gpt_oss`): the analysis channel is the reasoning, the final channel the
+content, and under "auto" the parser keeps the calls to `functions.NAME` in the answer for the
+tool-call parser `openai` (jaxserve/reasoning/gpt_oss.py).
 """
 
 from __future__ import annotations
@@ -125,8 +128,10 @@ def chat_sampling(state: ServerState, body: ChatCompletionRequest) -> tuple[Tool
         params = with_defaults(body.to_sampling_params(), body, state.engine.info.sampling_defaults)
         if constraint is not None:
             params = params.clone(structured_outputs=constraint)
-        if tools.mode == "auto" and state.tool_parser.needs_special_tokens:
-            params = params.clone(skip_special_tokens=False)  # its markers are special tokens
+        reasoning = state.reasoning_parser
+        if ((tools.mode == "auto" and state.tool_parser.needs_special_tokens)
+                or (reasoning is not None and reasoning.needs_special_tokens)):
+            params = params.clone(skip_special_tokens=False)  # their markers are special tokens
     except ValueError as e:
         raise APIError(400, str(e)) from None
     return tools, params
@@ -239,7 +244,8 @@ class ChatHandler:
     # ------------------------------------------------------------------ whole responses
     def _final_message(self, ctx: _Ctx, ch: _Choice) -> tuple[ChatResponseMessage, str | None]:
         """The message and finish reason of a finished choice (reasoning, tool calls extracted)."""
-        reasoning, text = ctx.reasoning.extract(ch.text) if ctx.thinking else (None, ch.text)
+        reasoning, text = (ctx.reasoning.extract(ch.text, with_calls=ctx.tools.mode == "auto")
+                           if ctx.thinking else (None, ch.text))
         if text is None:  # all reasoning: no answer (cut short), no calls
             content, calls, finish = None, [], ch.finish_reason
         else:
@@ -293,7 +299,8 @@ class ChatHandler:
                 if ch is None:
                     ch = ctx.choices[o.index] = _Choice(
                         calls=ctx.tools.stream(self.state),
-                        reasoning=ctx.reasoning.streamer() if ctx.thinking else None)
+                        reasoning=(ctx.reasoning.streamer(with_calls=ctx.tools.mode == "auto")
+                                   if ctx.thinking else None))
                 ch.num_tokens += len(o.token_ids)
                 if not ch.role_sent:
                     # the first chunk goes out once the first token exists (TTFT is measured from it)

@@ -300,9 +300,7 @@ class ResponsesHandler:
         parser = self._reasoning_parser(ctx)
         if parser is None:
             return 0
-        ids = ctx.token_ids
-        end = ids.index(parser.end_token_id) if parser.end_token_id in ids else len(ids)
-        return sum(1 for t in ids[:end] if t != parser.start_token_id)
+        return parser.reasoning_tokens(ctx.token_ids)
 
     def _logprobs(self, ctx: _Ctx, o: Any) -> list[dict[str, Any]]:
         if not ctx.body.logprobs or o.logprobs is None:
@@ -353,7 +351,9 @@ class ResponsesHandler:
                 ctx.add(out, o)
                 logprobs += self._logprobs(ctx, o)
         parser = self._reasoning_parser(ctx)
-        reasoning, content = parser.extract(ctx.text) if parser is not None else (None, ctx.text)
+        with_calls = ctx.tools.mode == "auto"
+        reasoning, content = (parser.extract(ctx.text, with_calls) if parser is not None
+                              else (None, ctx.text))
         calls: list[FunctionCallText] = []
         if content is not None:  # (None: all reasoning, cut short; no answer, no calls)
             content, calls, _ = split_tool_calls(self.state, ctx.tools, content, ctx.finish_reason)
@@ -393,7 +393,7 @@ class ResponsesHandler:
         yield out.event("response.created", response=started)
         yield out.event("response.in_progress", response=started)
         parser = self._reasoning_parser(ctx)
-        reasoning = parser.streamer() if parser is not None else None
+        reasoning = parser.streamer(ctx.tools.mode == "auto") if parser is not None else None
         calls = ctx.tools.stream(self.state)
         content = ""  # the answer so far (after the reasoning): the tool-call stream reads it whole
         async for _, res in merge([queue], ctx.deadline):

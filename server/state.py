@@ -44,6 +44,11 @@ class ServerState:
         # with it. None: the reasoning (if any) stays in the content.
         name = engine.info.reasoning_parser
         self.reasoning_parser = get_reasoning_parser(name)(engine.tokenizer) if name else None
+        needs = self.tool_parser.reasoning_parser if self.tool_parser is not None else None
+        if needs is not None and not isinstance(self.reasoning_parser, get_reasoning_parser(needs)):
+            raise ValueError(f"--tool-call-parser {parser} reads the calls the reasoning parser "
+                             f"{needs!r} finds: start the server with --reasoning-parser {needs} "
+                             "too.")
         self.loras = LoRARegistry(engine)  # the LoRA adapters offered as models
         for entry in config.lora_modules or ():
             lora_name, sep, path = entry.partition("=")

@@ -75,9 +75,10 @@ def _arguments(call: Any) -> Any:
 
 
 def _reasoning(m: Any) -> dict[str, str]:
-    """A turn's reasoning (history) as templates read it: vLLM passes it under both names."""
+    """A turn's reasoning (history) as templates read it: vLLM passes it under both its names;
+    gpt-oss's template reads it as `thinking` (its analysis message), so that name too."""
     text = m.reasoning if m.reasoning is not None else m.reasoning_content
-    return {} if text is None else {"reasoning_content": text, "reasoning": text}
+    return {} if text is None else {"reasoning_content": text, "reasoning": text, "thinking": text}
 
 
 def conversation(messages: list[Any], tools: list[dict[str, Any]] | None, *,

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 from jaxserve.reasoning.base import ReasoningParser, ReasoningStream
 from jaxserve.reasoning.deepseek_r1 import DeepSeekR1ReasoningParser
+from jaxserve.reasoning.gpt_oss import GptOssReasoningParser
 from jaxserve.reasoning.qwen3 import Qwen3ReasoningParser
 
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
-    p.name: p for p in (DeepSeekR1ReasoningParser, Qwen3ReasoningParser)
+    name: p for p in (DeepSeekR1ReasoningParser, GptOssReasoningParser, Qwen3ReasoningParser)
+    for name in (p.name, *p.aliases)
 }
 # The names `--reasoning-parser` takes.
 REASONING_PARSER_NAMES = tuple(sorted(REASONING_PARSERS))

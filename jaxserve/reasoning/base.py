@@ -53,8 +53,11 @@ class ReasoningParser:
     """The reasoning format of one model family (a subclass per `--reasoning-parser` name)."""
 
     name: ClassVar[str] = ""
+    aliases: ClassVar[tuple[str, ...]] = ()  # other names it goes by (vLLM's, where they differ)
     start_marker: ClassVar[str] = "<think>"
     end_marker: ClassVar[str] = "</think>"
+    # Its markers are special tokens: requests keep them in the text (skip_special_tokens false).
+    needs_special_tokens: ClassVar[bool] = False
 
     def __init__(self, tokenizer: Any):
         """`tokenizer`: the engine's Tokenizer (jaxserve/engine/tokenizer.py) or an HF tokenizer.
@@ -71,8 +74,10 @@ class ReasoningParser:
         self.start_token_id: int = vocab[self.start_marker]
         self.end_token_id: int = vocab[self.end_marker]
 
-    def extract(self, text: str) -> tuple[str | None, str | None]:
-        """(reasoning, content) of a whole output; None where there is none."""
+    def extract(self, text: str, with_calls: bool = False) -> tuple[str | None, str | None]:
+        """(reasoning, content) of a whole output; None where there is none. `with_calls`: the
+        request's tool calls are parsed from the content (formats whose calls are apart from
+        the content, gpt_oss's, then keep them in it for the tool-call parser)."""
         end = text.find(self.end_marker)
         start = text.find(self.start_marker)
         if start >= 0 and (end < 0 or start < end):
@@ -84,9 +89,24 @@ class ReasoningParser:
             return (before + text) or None, None
         return (before + text[:end]) or None, text[end + len(self.end_marker):] or None
 
-    def streamer(self) -> ReasoningStream:
-        """A stream splitter for one choice."""
+    def streamer(self, with_calls: bool = False) -> ReasoningStream:
+        """A stream splitter for one choice (`with_calls` as for `extract`)."""
         return ReasoningStream(self.start_marker, self.end_marker)
+
+    def answer_start(self, ids: Sequence[int], start: int = 0) -> int | None:
+        """Where the answer starts among output token ids `ids` (one past the end marker), None
+        while still reasoning; searched from `start` (the ids before it were searched)."""
+        seq = ids if isinstance(ids, list) else list(ids)
+        try:
+            return seq.index(self.end_token_id, min(start, len(seq))) + 1
+        except ValueError:
+            return None
+
+    def reasoning_tokens(self, ids: Sequence[int]) -> int:
+        """How many of the output token ids `ids` are reasoning (markers not counted)."""
+        end = self.answer_start(ids)
+        body = ids[: len(ids) if end is None else end - 1]
+        return sum(1 for t in body if t != self.start_token_id)
 
     def reasoning_ended(self, prompt_token_ids: Sequence[int]) -> bool:
         """Whether the prompt already closed reasoning: its last marker token is the end marker

@@ -133,16 +133,15 @@ class StructuredOutputManager:
         return mask
 
     def _reasoning_ended(self, st: _State, out: list[int]) -> bool:
-        """Whether the reasoning parser's end marker is among the output tokens `out` (then
-        `st.start` is set: the answer starts after it); searched from where the last search
-        stopped."""
+        """Whether the answer has started among the output tokens `out` (the reasoning parser's
+        `answer_start`: after its end marker, or gpt-oss's final channel header; then `st.start`
+        is set); searched from where the last search stopped."""
         assert self.reasoning is not None
-        try:
-            at = out.index(self.reasoning.end_token_id, min(st.scanned, len(out)))
-        except ValueError:
+        at = self.reasoning.answer_start(out, st.scanned)
+        if at is None:
             st.scanned = len(out)
             return False
-        st.start = at + 1
+        st.start = at
         return True
 
     def _fill(self, live, mask: np.ndarray) -> None:

@@ -18,8 +18,9 @@ from jaxserve.reasoning import (
 )
 from tests.model_dirs import R1_TEMPLATE, reasoning_tokenizer, word_tokenizer
 
-NAMES = ["deepseek_r1", "qwen3"]
-UNKNOWN = "unknown reasoning parser 'r1'; available: deepseek_r1, qwen3"
+NAMES = ["deepseek_r1", "qwen3"]  # the <think> parsers (gpt_oss's Harmony: test_harmony.py)
+UNKNOWN = ("unknown reasoning parser 'r1'; available: deepseek_r1, gpt_oss, openai_gptoss, "
+           "qwen3")
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +34,8 @@ def parser(request, hf) -> ReasoningParser:
 
 
 def test_registry_names_and_unknown_names():
-    assert sorted(REASONING_PARSERS) == NAMES == list(REASONING_PARSER_NAMES)
+    assert sorted(REASONING_PARSERS) == sorted([*NAMES, "gpt_oss", "openai_gptoss"])
+    assert list(REASONING_PARSER_NAMES) == sorted(REASONING_PARSERS)
     for name in NAMES:
         cls = get_reasoning_parser(name)
         assert issubclass(cls, ReasoningParser) and cls.name == name

@@ -106,7 +106,7 @@ def test_required_and_named_outputs():
 def test_registry_and_cli_agree():
     from jaxserve.server.cli import TOOL_PARSER_NAMES
 
-    assert set(TOOL_PARSERS) == set(TOOL_PARSER_NAMES) == {"hermes", "llama3_json", "mistral"}
+    assert set(TOOL_PARSERS) == set(TOOL_PARSER_NAMES) == {"hermes", "llama3_json", "mistral", "openai"}
     with pytest.raises(ValueError, match="available"):
         get_tool_parser("nope")
 

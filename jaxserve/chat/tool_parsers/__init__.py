@@ -12,9 +12,10 @@ from jaxserve.chat.tool_parsers.base import (
 from jaxserve.chat.tool_parsers.hermes import HermesToolParser
 from jaxserve.chat.tool_parsers.llama3_json import Llama3JsonToolParser
 from jaxserve.chat.tool_parsers.mistral import MistralToolParser
+from jaxserve.chat.tool_parsers.openai import OpenAIToolParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
-    p.name: p for p in (HermesToolParser, Llama3JsonToolParser, MistralToolParser)
+    p.name: p for p in (HermesToolParser, Llama3JsonToolParser, MistralToolParser, OpenAIToolParser)
 }
 # What renders tools and earlier calls for a chat template without a tools section when no
 # parser is configured (tool_choice "required" or a named function).

@@ -60,6 +60,9 @@ class ToolParser:
     name: ClassVar[str] = ""
     # Its markers are special tokens: the request must keep them in the text.
     needs_special_tokens: ClassVar[bool] = False
+    # The reasoning parser whose answer it reads, where its calls live apart from the content
+    # (gpt-oss's Harmony channels); None: it reads any answer.
+    reasoning_parser: ClassVar[str | None] = None
 
     def regions(self, text: str, final: bool) -> Regions:
         raise NotImplementedError
