@@ -34,11 +34,26 @@ from tests.models.test_arch_parity import CASES
 SERVABLE = [name for name in RULE_PRESETS if name != "attn-dp"]
 # Gemma 4's dense fixture adds no sharding rule the others lack (its tensor-parallel run is in
 # tests/models/test_gemma4.py); its MoE fixture stays, for the MoE layer's expert-scale path.
-SHARDED_CASES = [name for name in CASES if name != "gemma4"]
-# gpt-oss runs one preset here: expert-parallel, where its experts' biases split with the
-# experts (its tensor-parallel run, the packed MXFP4 experts split, is in test_gpt_oss.py).
-PRESET_CASES = [(name, preset) for name in SHARDED_CASES for preset in SERVABLE
-                if name != "gpt_oss" or preset == "expert-parallel"]
+SHARDED_CASES = [name for name in CASES if name not in ("gemma4", "gpt_oss")]
+# Every architecture under "tp" (the served default); each other preset on the architectures
+# whose weights it splits differently: tied embeddings and soft-capped logits under the
+# replicated vocabulary, q/k norms and Gemma's layer pattern with the KV heads replicated,
+# biases, Phi-3's fused projections and the experts' scales under fsdp, every MoE under
+# expert-parallel (gpt-oss only there: its tensor-parallel run, the packed MXFP4 experts split,
+# is in test_gpt_oss.py).
+OTHER_PRESETS = {
+    "tp-replicate-vocab": ["llama_tied", "gemma2", "qwen3_moe"],
+    "tp-kv-replicated": ["llama", "qwen3", "gemma3", "mixtral"],
+    "fsdp": ["qwen2", "phi3", "mixtral", "gemma4_moe"],
+    "expert-parallel": ["mixtral", "qwen3_moe", "gemma4_moe", "gpt_oss"],
+}
+PRESET_CASES = [(name, "tp") for name in SHARDED_CASES] + [
+    (name, preset) for preset, names in OTHER_PRESETS.items() for name in names]
+
+
+def test_every_servable_preset_and_architecture_runs():
+    assert set(OTHER_PRESETS) | {"tp"} == set(SERVABLE)
+    assert {name for name, _ in PRESET_CASES} == set(CASES) - {"gemma4"}
 
 
 def test_presets_and_files(tmp_path):
