@@ -1,0 +1,75 @@
+"""Paged multi-head latent attention (pallas_kernels/mla_paged_attention) against a float64
+numpy oracle: this step's latent rows written into a cache of shuffled pages that already holds
+random context, then every query head scored against the rows (the roped part included) and
+the values read from their first value_dim columns; with each implementation it dispatches to
+(the reference; the TPU, GPU and CPU kernels, at a row width they take)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxserve.backends.cpu.kernels.attention  # noqa: F401 - registers the "cpu" kernel
+from jaxserve.pallas_kernels.mla_paged_attention.ops import mla_paged_attention, write_latent_and_attend
+from tests.pallas_kernels.attention_cases import make_case
+
+# (cached context, new queries) per request: decode rows, a prefill, a chunk after context
+REQS = [(0, 9), (21, 1), (5, 4), (40, 1), (16, 17)]
+VALUE_DIM, ROPE_DIM, HEADS, SCALE = 96, 32, 4, 0.11  # row width 128: every kernel takes it
+
+
+def _oracle(q, cache, case, value_dim=VALUE_DIM, scale=SCALE) -> np.ndarray:
+    """float64 absorbed MLA, position by position."""
+    ps, bt, qsl = case["ps"], case["bt"], case["qsl"]
+    out = np.zeros((*q.shape[:2], value_dim))
+    for r, (ctx, n) in enumerate(case["reqs"]):
+        rows = np.concatenate([cache[bt[r, i]] for i in range(-(-(ctx + n) // ps))])
+        rows = rows[: ctx + n].astype(np.float64)
+        for j in range(n):
+            t, pos = qsl[r] + j, ctx + j
+            s = scale * q[t].astype(np.float64) @ rows[: pos + 1].T  # [H, pos + 1]
+            p = np.exp(s - s.max(-1, keepdims=True))
+            p /= p.sum(-1, keepdims=True)
+            out[t] = p @ rows[: pos + 1, :value_dim]
+    return out
+
+
+@pytest.mark.parametrize("impl", ["reference", "tpu-interpret", "gpu-interpret", "cpu"])
+def test_write_and_attend_match_the_float64_oracle(impl):
+    case = make_case(REQS, page_size=8, hq=HEADS, hkv=1, d=VALUE_DIM + ROPE_DIM, t_pad=40,
+                     seed=3)
+    md, q = case["md"], case["q"]
+    latent = np.random.default_rng(4).standard_normal((q.shape[0], q.shape[2]), np.float32)
+    out, cache = write_latent_and_attend(jnp.asarray(q), jnp.asarray(latent),
+                                         jnp.asarray(case["kc"]), md, sm_scale=SCALE,
+                                         value_dim=VALUE_DIM, impl=impl)
+    cache = np.asarray(cache)
+    live = int(case["qsl"][len(REQS)])
+    written = np.asarray(md.slot_mapping)[:live]
+    np.testing.assert_array_equal(cache.reshape(-1, q.shape[2])[written], latent[:live])
+    expected = _oracle(q, cache, case)
+    assert out.shape == (q.shape[0], HEADS, VALUE_DIM)
+    np.testing.assert_allclose(np.asarray(out)[:live], expected[:live], atol=2e-5, rtol=1e-5)
+    assert not np.asarray(out)[live:].any()  # padding tokens: zeros
+
+
+def test_a_row_width_no_kernel_takes_runs_the_reference():
+    """DeepSeek V3's 576-wide rows (512 + 64): "auto" falls back to the reference."""
+    case = make_case([(3, 2)], page_size=8, hq=2, hkv=1, d=576, seed=5)
+    out = mla_paged_attention(jnp.asarray(case["q"]), jnp.asarray(case["kc"]), case["md"],
+                              sm_scale=0.05, value_dim=512)
+    expected = _oracle(case["q"], case["kc"], case, value_dim=512, scale=0.05)
+    np.testing.assert_allclose(np.asarray(out), expected, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(value_dim=128), "value_dim must be in"),
+    (dict(q_width=64), "q must be"),
+])
+def test_bad_shapes_are_refused(bad, message):
+    case = make_case([(0, 2)], page_size=8, hq=2, hkv=1, d=128)
+    q = jnp.asarray(case["q"])[..., : bad.get("q_width", 128)]
+    with pytest.raises(ValueError, match=message):
+        mla_paged_attention(q, jnp.asarray(case["kc"]), case["md"], sm_scale=1.0,
+                            value_dim=bad.get("value_dim", 96))
