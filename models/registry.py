@@ -15,6 +15,7 @@ _REGISTRY: dict[str, tuple[str, str]] = {
     "Gemma4ForCausalLM": ("jaxserve.models.gemma4", "Gemma4ForCausalLM"),
     "MixtralForCausalLM": ("jaxserve.models.moe", "MixtralForCausalLM"),
     "Qwen3MoeForCausalLM": ("jaxserve.models.moe", "Qwen3MoeForCausalLM"),
+    "DeepseekV3ForCausalLM": ("jaxserve.models.deepseek_v3", "DeepseekV3ForCausalLM"),
 }
 
 
