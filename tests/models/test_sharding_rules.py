@@ -34,7 +34,9 @@ from tests.models.test_arch_parity import CASES
 SERVABLE = [name for name in RULE_PRESETS if name != "attn-dp"]
 # Gemma 4's dense fixture adds no sharding rule the others lack (its tensor-parallel run is in
 # tests/models/test_gemma4.py); its MoE fixture stays, for the MoE layer's expert-scale path.
-SHARDED_CASES = [name for name in CASES if name != "gemma4"]
+# DeepSeek V3's fixtures (30 s each over every preset) run tensor-parallel in
+# tests/models/test_deepseek_v3.py.
+SHARDED_CASES = [name for name in CASES if name not in ("gemma4", "deepseek_v3", "deepseek_v3_lite")]
 
 
 def test_presets_and_files(tmp_path):
