@@ -194,3 +194,41 @@ def test_mtp_layer_weights_are_loaded_and_kept(data_dir):
     seq = expected["tokens_1"].tolist()
     (logits,) = runner.step([(0, seq, 0)], num_tokens=16, num_reqs=2, pages_per_req=4)
     np.testing.assert_allclose(logits, expected["logits_1"], atol=1e-4, rtol=0)
+
+
+# DeepSeek-V3's config.json on the hub (its quantization_config left out: the float conversion)
+V3_HUB = {
+    "architectures": ["DeepseekV3ForCausalLM"], "vocab_size": 129280, "hidden_size": 7168,
+    "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
+    "num_attention_heads": 128, "num_key_value_heads": 128, "n_shared_experts": 1,
+    "n_routed_experts": 256, "routed_scaling_factor": 2.5, "kv_lora_rank": 512,
+    "q_lora_rank": 1536, "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128,
+    "topk_method": "noaux_tc", "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8,
+    "first_k_dense_replace": 3, "norm_topk_prob": True, "scoring_func": "sigmoid",
+    "hidden_act": "silu", "max_position_embeddings": 163840, "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False, "rope_theta": 10000, "num_nextn_predict_layers": 1,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+                     "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                     "type": "yarn"},
+}
+
+
+def test_the_hub_config_builds_deepseek_v3s_671b_parameters():
+    """V3's config.json (abstract shapes only): 671.0B parameters in the model (DeepSeek's
+    published count) and 11.6B in the MTP layer (without its copies of the embedding and
+    head); 576-wide latent rows; the scale 192 ** -0.5 * (0.1 ln 40 + 1) ** 2."""
+    import math
+
+    import jax
+
+    from jaxserve.models.weights import abstract_model
+
+    cfg = ArchConfig.from_hf(V3_HUB)
+    _, state, _ = abstract_model(cfg, dtype=jnp.bfloat16)
+    sizes = [(jax.tree_util.keystr(p), math.prod(x.shape))
+             for p, x in jax.tree_util.tree_leaves_with_path(state)]
+    mtp = sum(n for p, n in sizes if "mtp" in p)
+    assert round((sum(n for _, n in sizes) - mtp) / 1e9, 1) == 671.0
+    assert round(mtp / 1e9, 1) == 11.6
+    assert (cfg.kv_cache_head_dim, cfg.num_mtp_layers, cfg.rope_interleave) == (576, 1, True)
+    assert softmax_scale(cfg) == pytest.approx(192**-0.5 * (0.1 * np.log(40) + 1) ** 2)
