@@ -11,8 +11,13 @@ head, the value being the rows' first `value_dim` columns, and every implementat
 `impl` names one of them ("auto", "reference", "tpu", "gpu", their "-interpret" variants,
 "cpu"), dispatched with its shape checks (a row width the TPU kernel's lanes or the GPU
 kernel's power-of-two dims cannot take runs the reference under "auto"; DeepSeek V3's 576 is
-such a width). There is no kernel of MLA's own yet: one would read each page once (here the
-kernels read it as keys and again as values) and sum only `value_dim` columns.
+such a width).
+
+On GPUs MLA has a kernel of its own (`gpu.py`, Pallas Triton): it reads each chunk of rows once,
+as the latent and the roped column slices, and sums only the `value_dim` value columns, at any
+row width whose two parts are powers of two (V3's 512 + 64). The GPU implementation names
+("gpu", "gpu-mosaic", "auto" on a GPU, and their "-interpret" variants) run it where it takes
+the shapes, the GQA kernels' dispatch otherwise. There is no TPU kernel of MLA's own yet.
 """
 
 from __future__ import annotations
@@ -23,9 +28,12 @@ from jax import lax
 from jaxserve.pallas_kernels.kv_cache_update.reference import scatter_indices
 from jaxserve.pallas_kernels.ragged_paged_attention.metadata import AttentionMetadata
 from jaxserve.pallas_kernels.ragged_paged_attention.ops import (
+    auto_candidates,
     dispatch_name,
     ragged_paged_attention,
 )
+
+_GPU_NAMES = ("gpu", "gpu-mosaic")
 
 _ROW_SCATTER = lax.ScatterDimensionNumbers(
     update_window_dims=(1,), inserted_window_dims=(0, 1), scatter_dims_to_operand_dims=(0, 1))
@@ -55,6 +63,27 @@ def write_latent(latent_cache: jax.Array, latent: jax.Array, slot_mapping: jax.A
                        unique_indices=False, mode=lax.GatherScatterMode.FILL_OR_DROP)
 
 
+def kernel_name(impl: str, q, latent_cache, value_dim: int, *, interpret: bool = False,
+                backend: str | None = None) -> str:
+    """What `impl` runs for these shapes: "mla-gpu" (or "mla-gpu-interpret"), MLA's own GPU
+    kernel, where a GPU implementation is asked for (or "auto" picks one) and it takes the
+    shapes; else the name the GQA op dispatches to (`dispatch_name`)."""
+    if impl == "auto":
+        gpu = any(c in _GPU_NAMES for c in auto_candidates(backend))
+    else:
+        gpu = impl.removesuffix("-interpret") in _GPU_NAMES
+        interpret = interpret or impl.endswith("-interpret")
+    if gpu:
+        from jaxserve.pallas_kernels.mla_paged_attention import gpu as mla_gpu
+
+        try:
+            mla_gpu.supports(q, latent_cache, value_dim)
+            return "mla-gpu-interpret" if interpret else "mla-gpu"
+        except ValueError:
+            pass
+    return dispatch_name(impl, q, latent_cache, interpret=interpret, backend=backend)
+
+
 def mla_paged_attention(
     q: jax.Array,
     latent_cache: jax.Array,
@@ -69,7 +98,13 @@ def mla_paged_attention(
     already holds this step's rows -> [T, H, value_dim] in q.dtype (semantics:
     `reference.py`)."""
     _check(q, latent_cache, value_dim)
-    if dispatch_name(impl, q, latent_cache, interpret=interpret) == "reference":
+    name = kernel_name(impl, q, latent_cache, value_dim, interpret=interpret)
+    if name.startswith("mla-gpu"):
+        from jaxserve.pallas_kernels.mla_paged_attention.gpu import mla_paged_attention_gpu
+
+        return mla_paged_attention_gpu(q, latent_cache, md, sm_scale=sm_scale,
+                                       value_dim=value_dim, interpret=name.endswith("interpret"))
+    if name == "reference":
         from jaxserve.pallas_kernels.mla_paged_attention.reference import (
             mla_paged_attention_reference,
         )

@@ -11,7 +11,11 @@ import numpy as np
 import pytest
 
 import jaxserve.backends.cpu.kernels.attention  # noqa: F401 - registers the "cpu" kernel
-from jaxserve.pallas_kernels.mla_paged_attention.ops import mla_paged_attention, write_latent_and_attend
+from jaxserve.pallas_kernels.mla_paged_attention.ops import (
+    kernel_name,
+    mla_paged_attention,
+    write_latent_and_attend,
+)
 from tests.pallas_kernels.attention_cases import make_case
 
 # (cached context, new queries) per request: decode rows, a prefill, a chunk after context
@@ -37,30 +41,54 @@ def _oracle(q, cache, case, value_dim=VALUE_DIM, scale=SCALE) -> np.ndarray:
 
 @pytest.mark.parametrize("impl", ["reference", "tpu-interpret", "gpu-interpret", "cpu"])
 def test_write_and_attend_match_the_float64_oracle(impl):
+    """Rows 96 + 32 wide: the GQA kernels' dispatch (MLA's GPU kernel needs powers of two)."""
     case = make_case(REQS, page_size=8, hq=HEADS, hkv=1, d=VALUE_DIM + ROPE_DIM, t_pad=40,
                      seed=3)
+    assert kernel_name(impl, case["q"], case["kc"], VALUE_DIM) == impl
+    _check_write_and_attend(case, impl, VALUE_DIM)
+
+
+@pytest.mark.parametrize("reqs, t_pad, heads", [
+    (REQS, 40, 4),  # prefill-shaped: one split, 4 queries x 4 heads a block
+    ([(21, 1), (40, 1), (3, 1), (0, 1)], 8, 32),  # decode: 4 key splits, 2 blocks of 16 heads
+])
+def test_mlas_gpu_kernel_matches_the_float64_oracle(reqs, t_pad, heads):
+    """MLA's own GPU kernel (interpret mode), rows 64 + 32 wide (not a power of two)."""
+    case = make_case(reqs, page_size=8, hq=heads, hkv=1, d=96, t_pad=t_pad, seed=7)
+    assert kernel_name("gpu-interpret", case["q"], case["kc"], 64) == "mla-gpu-interpret"
+    _check_write_and_attend(case, "gpu-interpret", 64)
+
+
+def _check_write_and_attend(case, impl, value_dim):
     md, q = case["md"], case["q"]
     latent = np.random.default_rng(4).standard_normal((q.shape[0], q.shape[2]), np.float32)
     out, cache = write_latent_and_attend(jnp.asarray(q), jnp.asarray(latent),
                                          jnp.asarray(case["kc"]), md, sm_scale=SCALE,
-                                         value_dim=VALUE_DIM, impl=impl)
+                                         value_dim=value_dim, impl=impl)
     cache = np.asarray(cache)
-    live = int(case["qsl"][len(REQS)])
+    live = int(case["qsl"][len(case["reqs"])])
     written = np.asarray(md.slot_mapping)[:live]
     np.testing.assert_array_equal(cache.reshape(-1, q.shape[2])[written], latent[:live])
-    expected = _oracle(q, cache, case)
-    assert out.shape == (q.shape[0], HEADS, VALUE_DIM)
+    expected = _oracle(q, cache, case, value_dim=value_dim)
+    assert out.shape == (*q.shape[:2], value_dim)
     np.testing.assert_allclose(np.asarray(out)[:live], expected[:live], atol=2e-5, rtol=1e-5)
     assert not np.asarray(out)[live:].any()  # padding tokens: zeros
 
 
-def test_a_row_width_no_kernel_takes_runs_the_reference():
-    """DeepSeek V3's 576-wide rows (512 + 64): "auto" falls back to the reference."""
+def test_deepseek_v3s_row_width():
+    """DeepSeek V3's 576-wide rows (512 + 64): the TPU kernel's lanes refuse them ("auto"
+    there runs the reference), the CPU kernel takes them, and on a GPU MLA's own kernel does;
+    each gives the oracle's output."""
     case = make_case([(3, 2)], page_size=8, hq=2, hkv=1, d=576, seed=5)
-    out = mla_paged_attention(jnp.asarray(case["q"]), jnp.asarray(case["kc"]), case["md"],
-                              sm_scale=0.05, value_dim=512)
-    expected = _oracle(case["q"], case["kc"], case, value_dim=512, scale=0.05)
-    np.testing.assert_allclose(np.asarray(out), expected, atol=2e-5, rtol=1e-5)
+    q, kc = case["q"], case["kc"]
+    assert kernel_name("auto", q, kc, 512, backend="tpu") == "reference"
+    assert kernel_name("auto", q, kc, 512, backend="cpu") == "cpu"
+    assert kernel_name("gpu-mosaic", q, kc, 512) == "mla-gpu"
+    expected = _oracle(q, kc, case, value_dim=512, scale=0.05)
+    for impl in ("reference", "cpu", "gpu-interpret"):
+        out = mla_paged_attention(jnp.asarray(q), jnp.asarray(kc), case["md"], sm_scale=0.05,
+                                  value_dim=512, impl=impl)
+        np.testing.assert_allclose(np.asarray(out), expected, atol=2e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("bad, message", [
