@@ -130,14 +130,25 @@ def test_config_and_the_latent_cache(data_dir):
     assert lite.q_lora_rank is None and not lite.rope_interleave and lite.n_group == 1
 
 
-def test_unservable_routing_is_refused_by_name(data_dir):
+def test_what_it_cannot_serve_is_refused_by_name(data_dir):
+    """Other routings, groups that do not split the experts, a quantized KV cache (the
+    latent rows have no per-head scales), quantized weights."""
     import json
+
+    from jaxserve.models.deepseek_v3 import DeepseekV3ForCausalLM
+    from jaxserve.runner.kv_scales import prepare_kv_scales
 
     raw = json.loads((data_dir / "arch" / "deepseek_v3" / "config.json").read_text())
     with pytest.raises(ValueError, match="scoring_func='softmax'"):
         ArchConfig.from_hf({**raw, "scoring_func": "softmax"})
     with pytest.raises(ValueError, match="n_group=3 equal groups"):
         ArchConfig.from_hf({**raw, "n_group": 3})
+    cfg = ArchConfig.from_hf(raw)
+    model = DeepseekV3ForCausalLM(cfg, dtype=jnp.float32, rngs=None)  # zeros: no weights needed
+    with pytest.raises(ValueError, match="KV cache is not supported for DeepseekV3ForCausalLM"):
+        prepare_kv_scales(model, jnp.float8_e4m3fn, None, lambda: [])
+    with pytest.raises(ValueError, match="float weights only"):
+        DeepseekV3ForCausalLM(cfg, dtype=jnp.float32, rngs=None, quantization="int8")
 
 
 def test_grouped_routing_chooses_with_the_bias_and_weighs_without_it():
