@@ -243,3 +243,10 @@ def test_the_hub_config_builds_deepseek_v3s_671b_parameters():
     assert round(mtp / 1e9, 1) == 11.6
     assert (cfg.kv_cache_head_dim, cfg.num_mtp_layers, cfg.rope_interleave) == (576, 1, True)
     assert softmax_scale(cfg) == pytest.approx(192**-0.5 * (0.1 * np.log(40) + 1) ** 2)
+    # what the engine plans for its attention: MLA's own GPU kernel; the reference on TPUs
+    from jaxserve.runner.recipe import target_attention
+
+    plan = lambda platform: target_attention("auto", platform, cfg, None, None, 16,  # noqa: E731
+                                             jnp.bfloat16, jnp.bfloat16)
+    assert plan("gpu") == ("gpu", None)
+    assert plan("tpu") == ("reference", "no tpu kernel takes 576-wide latent rows")
