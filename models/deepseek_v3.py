@@ -54,7 +54,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-
 from jaxserve.models import interface as features
 from jaxserve.models import sharding as ax
 from jaxserve.models.arch_config import ArchConfig
@@ -62,8 +61,8 @@ from jaxserve.models.interface import AttentionMetadata, KVCache
 from jaxserve.models.layers.attention import AttentionSpec
 from jaxserve.models.layers.linear import dense, module_weights
 from jaxserve.models.layers.mla import paged_mla_attention
-from jaxserve.models.layers.moe import moe_mlp
 from jaxserve.models.layers.moe import check_impl as check_moe_impl
+from jaxserve.models.layers.moe import moe_mlp
 from jaxserve.models.layers.rotary import apply_rotary, layer_rope_spec
 from jaxserve.models.llama import HEAD_SPECS, LlamaForCausalLM, TensorGetter, _param, rope_for_step
 from jaxserve.models.moe import ROUTER_SPEC
@@ -131,7 +130,7 @@ class DeepseekV3DecoderLayer(nnx.Module):
         Dn, Dr, Dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         Q = cfg.q_lora_rank
         s = 0.04
-        p = lambda shape, axes, **kw: _param(rngs, shape, axes, dtype, s, **kw)  # noqa: E731
+        p = lambda shape, axes, **kw: _param(rngs, shape, axes, dtype, s, **kw)
         self.input_norm = p((E,), (ax.EMBED,), ones=True)
         self.post_norm = p((E,), (ax.EMBED,), ones=True)
         if Q is None:
@@ -183,7 +182,7 @@ class DeepseekV3MtpLayer(nnx.Module):
     def __init__(self, cfg: ArchConfig, dtype, rngs: nnx.Rngs | None, *, attn_spec, rope, mesh,
                  rules):
         E = cfg.hidden_size
-        p = lambda shape, axes, **kw: _param(rngs, shape, axes, dtype, 0.04, **kw)  # noqa: E731
+        p = lambda shape, axes, **kw: _param(rngs, shape, axes, dtype, 0.04, **kw)
         self.enorm = p((E,), (ax.EMBED,), ones=True)
         self.hnorm = p((E,), (ax.EMBED,), ones=True)
         self.eh_proj = p((2 * E, E), (None, ax.EMBED))

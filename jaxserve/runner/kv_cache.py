@@ -45,14 +45,15 @@ def kv_cache_spec(cfg: ArchConfig, num_pages: int, page_size: int, mesh: Mesh, r
 
 def bytes_per_page(cfg: ArchConfig, page_size: int, dtype, mesh: Mesh | None = None,
                    rules: Rules | None = None) -> int:
-    """Bytes of K and V (MLA: the latent rows) for one page across all layers: on one device of `mesh` (the KV heads
-    split as the rules say), or in all (no mesh)."""
+    """Bytes of K and V (MLA: the latent rows) for one page across all layers: on one device
+    of `mesh` (the KV heads split as the rules say), or in all (no mesh)."""
     heads = cfg.kv_cache_heads
     if mesh is not None:
         spec = logical_to_spec(KV_CACHE_AXES, kv_head_shape(cfg, 1, page_size), mesh, _rules(rules))
         heads //= mesh_axes_size(mesh, spec[2])
     itemsize = jnp.dtype(dtype).itemsize
-    return cfg.kv_cache_arrays * cfg.num_kv_cache_layers * page_size * heads * cfg.kv_cache_head_dim * itemsize
+    return (cfg.kv_cache_arrays * cfg.num_kv_cache_layers * page_size * heads
+            * cfg.kv_cache_head_dim * itemsize)
 
 
 def num_pages_for_budget(cfg: ArchConfig, page_size: int, dtype, budget_bytes: int, mesh: Mesh | None = None,

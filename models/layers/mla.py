@@ -11,8 +11,8 @@ manual already and left out, as in layers/attention.py).
 from __future__ import annotations
 
 import jax
-from jax.sharding import Mesh, PartitionSpec as P
-
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 from jaxserve.models import sharding as ax
 from jaxserve.models.interface import KV_CACHE_AXES
 from jaxserve.models.layers.attention import AttentionSpec

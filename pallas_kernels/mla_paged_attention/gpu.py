@@ -27,7 +27,6 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-
 from jaxserve.pallas_kernels.kv_quant import upcast
 from jaxserve.pallas_kernels.ragged_paged_attention import blocks
 from jaxserve.pallas_kernels.ragged_paged_attention.metadata import AttentionMetadata

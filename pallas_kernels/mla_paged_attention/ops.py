@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import jax
 from jax import lax
-
 from jaxserve.pallas_kernels.kv_cache_update.reference import scatter_indices
 from jaxserve.pallas_kernels.ragged_paged_attention.metadata import AttentionMetadata
 from jaxserve.pallas_kernels.ragged_paged_attention.ops import (

@@ -24,7 +24,6 @@ value products in V3).
 from __future__ import annotations
 
 import jax
-
 from jaxserve.pallas_kernels.ragged_paged_attention.metadata import AttentionMetadata
 from jaxserve.pallas_kernels.ragged_paged_attention.reference import (
     ragged_paged_attention_reference,

@@ -16,10 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
-
 from jaxserve.models.arch_config import ArchConfig
 from jaxserve.models.deepseek_v3 import route_noaux_tc, softmax_scale
 from jaxserve.models.weights import create_model
+
 from jaxserve.parallel.mesh import make_mesh
 from jaxserve.runner.kv_cache import allocate_kv_cache, bytes_per_page, kv_cache_shape
 from tests.model_dirs import write_model_dir
@@ -74,8 +74,12 @@ def test_prompt_logprobs_and_greedy_tokens_match_transformers(llm):
     for ids, both in zip(prompts, together):
         (alone,) = _generate(engine, [ids])
         assert alone.outputs[0].token_ids == both.outputs[0].token_ids
-        lp = lambda o: [d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]  # noqa: E731
-        np.testing.assert_allclose(lp(alone), lp(both), atol=1e-5)
+        np.testing.assert_allclose(_token_logprobs(alone), _token_logprobs(both), atol=1e-5)
+
+
+def _token_logprobs(out) -> list[float]:
+    c = out.outputs[0]
+    return [d[t].logprob for d, t in zip(c.logprobs, c.token_ids)]
 
 
 def test_tensor_parallel_chunked_prefill_and_decode_match_transformers(data_dir):
@@ -136,6 +140,7 @@ def test_what_it_cannot_serve_is_refused_by_name(data_dir):
     import json
 
     from jaxserve.models.deepseek_v3 import DeepseekV3ForCausalLM
+
     from jaxserve.runner.kv_scales import prepare_kv_scales
 
     raw = json.loads((data_dir / "arch" / "deepseek_v3" / "config.json").read_text())
@@ -146,7 +151,7 @@ def test_what_it_cannot_serve_is_refused_by_name(data_dir):
     cfg = ArchConfig.from_hf(raw)
     model = DeepseekV3ForCausalLM(cfg, dtype=jnp.float32, rngs=None)  # zeros: no weights needed
     with pytest.raises(ValueError, match="KV cache is not supported for DeepseekV3ForCausalLM"):
-        prepare_kv_scales(model, jnp.float8_e4m3fn, None, lambda: [])
+        prepare_kv_scales(model, jnp.float8_e4m3fn, None, list)
     with pytest.raises(ValueError, match="float weights only"):
         DeepseekV3ForCausalLM(cfg, dtype=jnp.float32, rngs=None, quantization="int8")
 
@@ -231,7 +236,6 @@ def test_the_hub_config_builds_deepseek_v3s_671b_parameters():
     import math
 
     import jax
-
     from jaxserve.models.weights import abstract_model
 
     cfg = ArchConfig.from_hf(V3_HUB)
@@ -246,7 +250,7 @@ def test_the_hub_config_builds_deepseek_v3s_671b_parameters():
     # what the engine plans for its attention: MLA's own GPU kernel; the reference on TPUs
     from jaxserve.runner.recipe import target_attention
 
-    plan = lambda platform: target_attention("auto", platform, cfg, None, None, 16,  # noqa: E731
+    plan = lambda platform: target_attention("auto", platform, cfg, None, None, 16,
                                              jnp.bfloat16, jnp.bfloat16)
     assert plan("gpu") == ("gpu", None)
     assert plan("tpu") == ("reference", "no tpu kernel takes 576-wide latent rows")

@@ -36,7 +36,8 @@ SERVABLE = [name for name in RULE_PRESETS if name != "attn-dp"]
 # tests/models/test_gemma4.py); its MoE fixture stays, for the MoE layer's expert-scale path.
 # DeepSeek V3's fixtures (30 s each over every preset) run tensor-parallel in
 # tests/models/test_deepseek_v3.py.
-SHARDED_CASES = [name for name in CASES if name not in ("gemma4", "deepseek_v3", "deepseek_v3_lite")]
+SHARDED_CASES = [name for name in CASES
+                 if name not in ("gemma4", "deepseek_v3", "deepseek_v3_lite")]
 
 
 def test_presets_and_files(tmp_path):

@@ -9,13 +9,13 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-import jaxserve.backends.cpu.kernels.attention  # noqa: F401 - registers the "cpu" kernel
 from jaxserve.pallas_kernels.mla_paged_attention.ops import (
     kernel_name,
     mla_paged_attention,
     write_latent_and_attend,
 )
+
+import jaxserve.backends.cpu.kernels.attention  # noqa: F401 - registers the "cpu" kernel
 from tests.pallas_kernels.attention_cases import make_case
 
 # (cached context, new queries) per request: decode rows, a prefill, a chunk after context
@@ -92,8 +92,8 @@ def test_deepseek_v3s_row_width():
 
 
 @pytest.mark.parametrize("bad, message", [
-    (dict(value_dim=128), "value_dim must be in"),
-    (dict(q_width=64), "q must be"),
+    ({"value_dim": 128}, "value_dim must be in"),
+    ({"q_width": 64}, "q must be"),
 ])
 def test_bad_shapes_are_refused(bad, message):
     case = make_case([(0, 2)], page_size=8, hq=2, hkv=1, d=128)
