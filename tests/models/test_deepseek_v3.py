@@ -148,6 +148,10 @@ def test_what_it_cannot_serve_is_refused_by_name(data_dir):
         ArchConfig.from_hf({**raw, "scoring_func": "softmax"})
     with pytest.raises(ValueError, match="n_group=3 equal groups"):
         ArchConfig.from_hf({**raw, "n_group": 3})
+    fp8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+           "weight_block_size": [128, 128]}  # V3's hub checkpoint
+    with pytest.raises(ValueError, match="mixture-of-experts models .DeepseekV3ForCausalLM."):
+        ArchConfig.from_hf({**raw, "quantization_config": fp8})
     cfg = ArchConfig.from_hf(raw)
     model = DeepseekV3ForCausalLM(cfg, dtype=jnp.float32, rngs=None)  # zeros: no weights needed
     with pytest.raises(ValueError, match="KV cache is not supported for DeepseekV3ForCausalLM"):
