@@ -6,12 +6,13 @@ The cache: one array per layer, `[N, page_size, W]` with W = kv_lora_rank + qk_r
 one row per token (`reference.py`), the same layout as a GQA cache with one KV head of width W
 (`runner/kv_cache.py`: `ArchConfig.kv_cache_heads` is 1 and `kv_cache_head_dim` W for an MLA
 model, and there is no V array). So the attention is multi-query attention over that one
-head, the value being the rows' first `value_dim` columns, and every implementation of
-`ragged_paged_attention` computes it when handed the latent array as both caches:
-`impl` names one of them ("auto", "reference", "tpu", "gpu", their "-interpret" variants,
+head, the value being the rows' first `value_dim` columns: the reference is the GQA
+reference reading the values from the key rows (`reference.py`), and every other
+implementation of `ragged_paged_attention` computes it when handed the latent array as both
+caches: `impl` names one of them ("auto", "reference", "tpu", "gpu", their "-interpret" variants,
 "cpu"), dispatched with its shape checks (a row width the TPU kernel's lanes or the GPU
 kernel's power-of-two dims cannot take runs the reference under "auto"; DeepSeek V3's 576 is
-such a width).
+such a width for the TPU kernel).
 
 On GPUs MLA has a kernel of its own (`gpu.py`, Pallas Triton): it reads each chunk of rows once,
 as the latent and the roped column slices, and sums only the `value_dim` value columns, at any

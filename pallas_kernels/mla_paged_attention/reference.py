@@ -14,11 +14,9 @@ over the positions j the token sees (causal, as `ragged_paged_attention`'s conve
 `ragged_paged_attention/metadata.py`). The caller maps `out` through each head's value
 up-projection and the output projection.
 
-It is computed by the paged GQA reference with the latent array as both the key and the value
-cache (`ragged_paged_attention/reference.py`: chunked online softmax over the block table,
-traced trip counts), keeping the first `value_dim` columns of its output; the extra columns it
-sums (the roped part's) are the price of not duplicating that code (W / value_dim: 12.5% more
-value products in V3).
+It is the paged GQA reference with the values read from the keys' rows
+(`ragged_paged_attention/reference.py`'s `value_dim`: chunked online softmax over the block
+table, traced trip counts, each page gathered once and only `value_dim` value columns summed).
 """
 
 from __future__ import annotations
@@ -40,6 +38,5 @@ def mla_paged_attention_reference(
     chunk_pages: int | None = None,
 ) -> jax.Array:
     """[T, H, value_dim] in q.dtype; padding tokens get zeros."""
-    out = ragged_paged_attention_reference(q, latent_cache, latent_cache, md, sm_scale=sm_scale,
-                                           chunk_pages=chunk_pages)
-    return out[..., :value_dim]
+    return ragged_paged_attention_reference(q, latent_cache, latent_cache, md, sm_scale=sm_scale,
+                                            chunk_pages=chunk_pages, value_dim=value_dim)

@@ -101,3 +101,22 @@ def test_bad_shapes_are_refused(bad, message):
     with pytest.raises(ValueError, match=message):
         mla_paged_attention(q, jnp.asarray(case["kc"]), case["md"], sm_scale=1.0,
                             value_dim=bad.get("value_dim", 96))
+
+
+@pytest.mark.parametrize("dense_step", [False, True])
+def test_the_references_values_from_the_key_rows(dense_step):
+    """The GQA reference's `value_dim` (what MLA's reference runs): the values read from the
+    keys' first columns, on its chunked paths and with this step's keys as one dense block."""
+    from jaxserve.pallas_kernels.ragged_paged_attention.reference import (
+        ragged_paged_attention_reference,
+    )
+
+    case = make_case(REQS, page_size=8, hq=HEADS, hkv=1, d=VALUE_DIM + ROPE_DIM, t_pad=40,
+                     seed=9)
+    kc = jnp.asarray(case["kc"])
+    out = ragged_paged_attention_reference(jnp.asarray(case["q"]), kc, kc, case["md"],
+                                           sm_scale=SCALE, value_dim=VALUE_DIM,
+                                           dense_step=dense_step, chunk_pages=2)
+    live = int(case["qsl"][len(REQS)])
+    expected = _oracle(case["q"], case["kc"], case)
+    np.testing.assert_allclose(np.asarray(out)[:live], expected[:live], atol=2e-5, rtol=1e-5)
