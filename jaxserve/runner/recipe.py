@@ -298,7 +298,7 @@ def kv_scales_of(model) -> KVScales | None:
 def _mla_attention(requested: str, platform: str, cfg, page_size: int, q_dtype, kv_dtype
                    ) -> tuple[str, str | None]:
     """`target_attention` for a multi-head latent attention model (one latent row per token,
-    every query head reading it): on GPUs "gpu" when MLA's own kernel takes the shapes
+    every query head reading it): "gpu" or "tpu" when MLA's own kernel there takes the shapes
     (pallas_kernels/mla_paged_attention/ops.py), else what the GQA op's dispatch runs."""
     from jaxserve.pallas_kernels.mla_paged_attention.ops import kernel_name
 
@@ -306,8 +306,8 @@ def _mla_attention(requested: str, platform: str, cfg, page_size: int, q_dtype, 
     name = kernel_name(requested, jax.ShapeDtypeStruct((1, cfg.num_heads, width), q_dtype),
                        jax.ShapeDtypeStruct((1, page_size, width), kv_dtype), cfg.kv_lora_rank,
                        backend=platform)
-    if name.startswith("mla-gpu"):
-        return name.replace("mla-gpu", "gpu"), None
+    if name.startswith("mla-"):
+        return name.removeprefix("mla-"), None
     return name, (None if name != "reference" or requested != "auto"
                   else f"no {platform} kernel takes {width}-wide latent rows")
 

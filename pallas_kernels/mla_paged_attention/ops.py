@@ -18,10 +18,15 @@ On GPUs MLA has a kernel of its own (`gpu.py`, Pallas Triton): it reads each chu
 as the latent and the roped column slices, and sums only the `value_dim` value columns, at any
 row width whose two parts are powers of two (V3's 512 + 64). The GPU implementation names
 ("gpu", "gpu-mosaic", "auto" on a GPU, and their "-interpret" variants) run it where it takes
-the shapes, the GQA kernels' dispatch otherwise. There is no TPU kernel of MLA's own yet.
+the shapes, the GQA kernels' dispatch otherwise. On TPUs likewise (`tpu.py`, Pallas Mosaic:
+each page DMA'd once), by the name "tpu" for a latent width that is a multiple of 128; "auto"
+takes it only for lane-dense rows (a row width that is a multiple of 128, which V3's 576 is
+not: there "auto" runs the reference, see `tpu.py`).
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 from jax import lax
@@ -34,6 +39,7 @@ from jaxserve.pallas_kernels.ragged_paged_attention.ops import (
 )
 
 _GPU_NAMES = ("gpu", "gpu-mosaic")
+_TPU_NAMES = ("tpu",)
 
 _ROW_SCATTER = lax.ScatterDimensionNumbers(
     update_window_dims=(1,), inserted_window_dims=(0, 1), scatter_dims_to_operand_dims=(0, 1))
@@ -65,22 +71,28 @@ def write_latent(latent_cache: jax.Array, latent: jax.Array, slot_mapping: jax.A
 
 def kernel_name(impl: str, q, latent_cache, value_dim: int, *, interpret: bool = False,
                 backend: str | None = None) -> str:
-    """What `impl` runs for these shapes: "mla-gpu" (or "mla-gpu-interpret"), MLA's own GPU
-    kernel, where a GPU implementation is asked for (or "auto" picks one) and it takes the
-    shapes; else the name the GQA op dispatches to (`dispatch_name`)."""
-    if impl == "auto":
-        gpu = any(c in _GPU_NAMES for c in auto_candidates(backend))
-    else:
-        gpu = impl.removesuffix("-interpret") in _GPU_NAMES
-        interpret = interpret or impl.endswith("-interpret")
-    if gpu:
-        from jaxserve.pallas_kernels.mla_paged_attention import gpu as mla_gpu
+    """What `impl` runs for these shapes: "mla-gpu" or "mla-tpu" (their "-interpret"
+    variants in interpret mode), MLA's own kernels, where a GPU or TPU implementation is asked
+    for (or "auto" picks one) and the kernel takes the shapes; else the name the GQA op
+    dispatches to (`dispatch_name`)."""
+    from jaxserve.pallas_kernels.mla_paged_attention import gpu as mla_gpu
+    from jaxserve.pallas_kernels.mla_paged_attention import tpu as mla_tpu
 
-        try:
-            mla_gpu.supports(q, latent_cache, value_dim)
-            return "mla-gpu-interpret" if interpret else "mla-gpu"
-        except ValueError:
-            pass
+    auto = impl == "auto"
+    if auto:
+        names = set(auto_candidates(backend))
+    else:
+        names = {impl.removesuffix("-interpret")}
+        interpret = interpret or impl.endswith("-interpret")
+    for own, family, supports in (("mla-gpu", _GPU_NAMES, mla_gpu.supports),
+                                  ("mla-tpu", _TPU_NAMES, functools.partial(mla_tpu.supports,
+                                                                            auto=auto))):
+        if names & set(family):
+            try:
+                supports(q, latent_cache, value_dim)
+                return f"{own}-interpret" if interpret else own
+            except ValueError:
+                pass
     return dispatch_name(impl, q, latent_cache, interpret=interpret, backend=backend)
 
 
@@ -103,6 +115,11 @@ def mla_paged_attention(
         from jaxserve.pallas_kernels.mla_paged_attention.gpu import mla_paged_attention_gpu
 
         return mla_paged_attention_gpu(q, latent_cache, md, sm_scale=sm_scale,
+                                       value_dim=value_dim, interpret=name.endswith("interpret"))
+    if name.startswith("mla-tpu"):
+        from jaxserve.pallas_kernels.mla_paged_attention.tpu import mla_paged_attention_tpu
+
+        return mla_paged_attention_tpu(q, latent_cache, md, sm_scale=sm_scale,
                                        value_dim=value_dim, interpret=name.endswith("interpret"))
     if name == "reference":
         from jaxserve.pallas_kernels.mla_paged_attention.reference import (

@@ -59,6 +59,14 @@ def test_mlas_gpu_kernel_matches_the_float64_oracle(reqs, t_pad, heads):
     _check_write_and_attend(case, "gpu-interpret", 64)
 
 
+def test_mlas_tpu_kernel_matches_the_float64_oracle():
+    """MLA's own TPU kernel (interpret mode), rows 128 + 32 wide (not lane-dense)."""
+    case = make_case(REQS, page_size=8, hq=4, hkv=1, d=160, t_pad=40, seed=8)
+    assert kernel_name("tpu-interpret", case["q"], case["kc"], 128) == "mla-tpu-interpret"
+    assert kernel_name("auto", case["q"], case["kc"], 128, backend="tpu") == "reference"
+    _check_write_and_attend(case, "tpu-interpret", 128)
+
+
 def _check_write_and_attend(case, impl, value_dim):
     md, q = case["md"], case["q"]
     latent = np.random.default_rng(4).standard_normal((q.shape[0], q.shape[2]), np.float32)
@@ -76,16 +84,17 @@ def _check_write_and_attend(case, impl, value_dim):
 
 
 def test_deepseek_v3s_row_width():
-    """DeepSeek V3's 576-wide rows (512 + 64): the TPU kernel's lanes refuse them ("auto"
-    there runs the reference), the CPU kernel takes them, and on a GPU MLA's own kernel does;
-    each gives the oracle's output."""
+    """DeepSeek V3's 576-wide rows (512 + 64): not lane-dense, so "auto" on a TPU runs the
+    reference (MLA's TPU kernel by name); the CPU kernel takes them, and on a GPU MLA's own
+    kernel does; each gives the oracle's output."""
     case = make_case([(3, 2)], page_size=8, hq=2, hkv=1, d=576, seed=5)
     q, kc = case["q"], case["kc"]
     assert kernel_name("auto", q, kc, 512, backend="tpu") == "reference"
     assert kernel_name("auto", q, kc, 512, backend="cpu") == "cpu"
     assert kernel_name("gpu-mosaic", q, kc, 512) == "mla-gpu"
+    assert kernel_name("tpu", q, kc, 512) == "mla-tpu"
     expected = _oracle(q, kc, case, value_dim=512, scale=0.05)
-    for impl in ("reference", "cpu", "gpu-interpret"):
+    for impl in ("cpu", "gpu-interpret", "tpu-interpret"):
         out = mla_paged_attention(jnp.asarray(q), jnp.asarray(kc), case["md"], sm_scale=0.05,
                                   value_dim=512, impl=impl)
         np.testing.assert_allclose(np.asarray(out), expected, atol=2e-5, rtol=1e-5)
