@@ -76,8 +76,9 @@ MLA_SPECS = {
     "w_gate": "te,ef->tf", "w_up": "te,ef->tf", "w_down": "tf,fe->te",
     "s_gate": "te,ef->tf", "s_up": "te,ef->tf", "s_down": "tf,fe->te",
 }
-# The absorbed up-projections: each head's query into the latent space, and back to its value.
-ABSORB_SPECS = {"w_uk": "thd,hdc->thc", "w_uv": "thc,hcv->thv"}
+# The absorbed up-projections: each head's query into the latent space, and back to its value
+# (head-major: XLA:CPU has no bfloat16 batched dot whose batch dim is not the leading one).
+ABSORB_SPECS = {"w_uk": "htd,hdc->htc", "w_uv": "htc,hcv->htv"}
 
 
 def yarn_mscale(scale: float, m: float) -> float:
@@ -266,12 +267,12 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         latent = self.norm(kv[:, :C], p["kv_a_norm"])  # [T, C]
         k_rope = apply_rotary(kv[:, None, C:], *rope)[:, 0]  # [T, Dr]
         q_rope = apply_rotary(q[..., Dn:], *rope)  # [T, H, Dr]
-        q_latent = dense(ABSORB_SPECS["w_uk"], q[..., :Dn], p["w_uk"])  # [T, H, C]
+        q_latent = _per_head(ABSORB_SPECS["w_uk"], q[..., :Dn], p["w_uk"])  # [T, H, C]
         rows = jnp.concatenate([latent, k_rope], axis=-1)  # [T, C + Dr]
         q_rows = jnp.concatenate([q_latent, q_rope], axis=-1).astype(cache.dtype)
         out, cache = paged_mla_attention(q_rows, rows, cache, md, layer.attn_spec, C, self.mesh,
                                          dict(self.rules))  # [T, H, C]
-        v = dense(ABSORB_SPECS["w_uv"], out, p["w_uv"])  # [T, H, Dv]
+        v = _per_head(ABSORB_SPECS["w_uv"], out, p["w_uv"])  # [T, H, Dv]
         o = dense(MLA_SPECS["wo"], v, p["wo"])
         if "bo" in p:
             o = o + p["bo"]
@@ -298,6 +299,11 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
     @classmethod
     def hf_weight_map(cls, cfg: ArchConfig) -> dict[str, Callable[[TensorGetter], np.ndarray]]:
         return deepseek_v3_weight_map(cfg)
+
+
+def _per_head(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [T, H, a] through each head's own matrix w [H, a, b] -> [T, H, b] float32."""
+    return jnp.swapaxes(dense(spec, jnp.swapaxes(x, 0, 1), w), 0, 1)
 
 
 def _glu(p, x, prefix: str) -> jax.Array:

@@ -258,3 +258,15 @@ def test_the_hub_config_builds_deepseek_v3s_671b_parameters():
                                              jnp.bfloat16, jnp.bfloat16)
     assert plan("gpu") == ("gpu", None)
     assert plan("tpu") == ("reference", "no tpu kernel takes 576-wide latent rows")
+
+
+def test_bfloat16_weights_and_cache_run_on_the_cpu(data_dir):
+    """bfloat16 weights and latent cache (the per-head absorbed products head-major: XLA:CPU
+    has no bfloat16 batched dot with the batch dim in the middle): transformers' float32
+    logits within bfloat16's rounding."""
+    cfg, tensors, expected = load_fixture(data_dir, "deepseek_v3_lite")
+    model = create_model(cfg, dtype=jnp.bfloat16, get_tensor=tensors.__getitem__)
+    runner = PagedRunner(model, page_size=4, num_pages=16, dtype=jnp.bfloat16)
+    seq = expected["tokens_0"].tolist()
+    (logits,) = runner.step([(0, seq, 0)], num_tokens=16, num_reqs=2, pages_per_req=4)
+    np.testing.assert_allclose(logits, expected["logits_0"], atol=0.1, rtol=0)
