@@ -5,7 +5,7 @@ experts and group-limited routing.
 Attention (per layer; H heads, C = kv_lora_rank, Dn/Dr = qk_nope/qk_rope_head_dim, Dv =
 v_head_dim):
 
-- queries: x -> q_a_proj -> RMSNorm -> q_b_proj (or one q_proj when q_lora_rank is None),
+- queries: x -> q_a_proj -> RMSNorm (epsilon 1e-6, not the config's) -> q_b_proj (or one q_proj when q_lora_rank is None),
   [T, H, Dn + Dr], split into q_nope and q_rope;
 - keys and values come from one projection, kv_a_proj_with_mqa: x -> [C + Dr]; its first C
   columns RMS-normed are the latent c, the last Dr the key part k_rope shared by every head.
@@ -61,6 +61,7 @@ from jaxserve.models.interface import AttentionMetadata, KVCache
 from jaxserve.models.layers.attention import AttentionSpec
 from jaxserve.models.layers.linear import dense, module_weights
 from jaxserve.models.layers.mla import paged_mla_attention
+from jaxserve.models.layers.norm import rms_norm
 from jaxserve.models.layers.moe import check_impl as check_moe_impl
 from jaxserve.models.layers.moe import moe_mlp
 from jaxserve.models.layers.rotary import apply_rotary, layer_rope_spec
@@ -76,6 +77,9 @@ MLA_SPECS = {
     "w_gate": "te,ef->tf", "w_up": "te,ef->tf", "w_down": "tf,fe->te",
     "s_gate": "te,ef->tf", "s_up": "te,ef->tf", "s_down": "tf,fe->te",
 }
+# The epsilon of the RMSNorms inside attention (q_a_layernorm, kv_a_layernorm): transformers'
+# and DeepSeek's default, not the config's rms_norm_eps.
+LORA_NORM_EPS = 1e-6
 # The absorbed up-projections: each head's query into the latent space, and back to its value
 # (head-major: XLA:CPU has no bfloat16 batched dot whose batch dim is not the leading one).
 ABSORB_SPECS = {"w_uk": "htd,hdc->htc", "w_uv": "htc,hcv->htv"}
@@ -260,11 +264,11 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
             qa = dense(MLA_SPECS["wq_a"], x, p["wq_a"])
             if "bq_a" in p:
                 qa = qa + p["bq_a"]
-            q = dense(MLA_SPECS["wq_b"], self.norm(qa, p["q_a_norm"]), p["wq_b"])
+            q = dense(MLA_SPECS["wq_b"], rms_norm(qa, p["q_a_norm"], LORA_NORM_EPS), p["wq_b"])
         kv = dense(MLA_SPECS["wkv_a"], x, p["wkv_a"])  # [T, C + Dr]
         if "bkv_a" in p:
             kv = kv + p["bkv_a"]
-        latent = self.norm(kv[:, :C], p["kv_a_norm"])  # [T, C]
+        latent = rms_norm(kv[:, :C], p["kv_a_norm"], LORA_NORM_EPS)  # [T, C]
         k_rope = apply_rotary(kv[:, None, C:], *rope)[:, 0]  # [T, Dr]
         q_rope = apply_rotary(q[..., Dn:], *rope)  # [T, H, Dr]
         q_latent = _per_head(ABSORB_SPECS["w_uk"], q[..., :Dn], p["w_uk"])  # [T, H, C]
