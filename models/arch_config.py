@@ -23,7 +23,8 @@ SLIDING_ATTENTION = "sliding_attention"
 _GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma4ForCausalLM")
 GEMMA4 = "Gemma4ForCausalLM"
 GPT_OSS = "GptOssForCausalLM"
-_MOE = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", GPT_OSS)
+DEEPSEEK_V3 = "DeepseekV3ForCausalLM"
+_MOE = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", GPT_OSS, DEEPSEEK_V3)
 # Families whose HF config sets `tie_word_embeddings` by default when config.json omits it.
 _TIED_BY_DEFAULT = _GEMMA
 # Activation names -> ours ("silu", "gelu_tanh", "gelu").
@@ -115,6 +116,27 @@ class ArchConfig:
     # gate * sigmoid(alpha * gate) * (up + 1)); None: the experts use `hidden_act`.
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.702
+    # DeepSeek V2/V3 multi-head latent attention (MLA; models/deepseek_v3.py): queries through a
+    # rank-`q_lora_rank` bottleneck (None: one projection); keys and values from one latent of
+    # `kv_lora_rank` (0: not MLA) plus a shared roped key of `qk_rope_head_dim`, which is all
+    # the cache holds; each head's key is `qk_nope_head_dim` + `qk_rope_head_dim` wide, its
+    # value `v_head_dim`. `rope_interleave`: the checkpoint's rotary dims are in pairs.
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False
+    # DeepSeek V3's routing (`noaux_tc`): sigmoid scores, the experts in `n_group` groups of
+    # which the `topk_group` best (by the sum of each group's two best biased scores) are
+    # eligible, the chosen weights times `routed_scaling_factor`; `n_shared_experts` experts'
+    # width of an always-on MLP beside them; `num_mtp_layers` multi-token prediction layers
+    # stored after the decoder layers (loaded, not run by the forward pass).
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    n_shared_experts: int = 0
+    num_mtp_layers: int = 0
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     # The checkpoint's storage, not the architecture: its matmul weights are int8 with one scale
@@ -185,15 +207,30 @@ class ArchConfig:
         return self.num_layers - self.num_kv_shared_layers
 
     @property
+    def is_mla(self) -> bool:
+        """Whether attention is multi-head latent attention (the cache holds latent rows)."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def kv_cache_arrays(self) -> int:
+        """Cache arrays per layer: K and V, or (MLA) one array of latent rows."""
+        return 1 if self.is_mla else 2
+
+    @property
     def kv_cache_heads(self) -> int:
         """KV heads of each layer's cache array: the most of any layer (a layer with fewer
-        repeats each head: query head groups read the same values)."""
+        repeats each head: query head groups read the same values); MLA: one latent row."""
+        if self.is_mla:
+            return 1
         return max(self.layer_kv_heads(i) for i in range(self.num_layers))
 
     @property
     def kv_cache_head_dim(self) -> int:
         """Head dim of each layer's cache array: the widest layer's (narrower heads are
-        zero-padded, which changes no score and no output value)."""
+        zero-padded, which changes no score and no output value); MLA: the latent and the
+        roped shared key, side by side."""
+        if self.is_mla:
+            return self.kv_lora_rank + self.qk_rope_head_dim
         return max(self.layer_head_dim(i) for i in range(self.num_layers))
 
     def layer_intermediate_size(self, i: int) -> int:
@@ -251,6 +288,9 @@ class ArchConfig:
         if arch == GPT_OSS:
             gemma = dict(swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
                          swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)))
+        elif arch == DEEPSEEK_V3:
+            gemma = _deepseek_fields(hf)
+            head_dim = gemma["qk_rope_head_dim"]  # the rotated width (as transformers' config)
         elif arch == GEMMA4:
             gemma = _gemma4_fields(hf, layer_types, num_layers, num_kv, head_dim)
         elif arch in _GEMMA:
@@ -411,6 +451,34 @@ def _gemma4_fields(hf: dict[str, Any], layer_types: tuple[str, ...], num_layers:
     )
 
 
+def _deepseek_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """DeepSeek V3's MLA and routing fields, with transformers' defaults."""
+    q_rank = hf.get("q_lora_rank", 1536)
+    scoring = hf.get("scoring_func", "sigmoid")
+    topk = hf.get("topk_method", "noaux_tc")
+    if scoring != "sigmoid" or topk != "noaux_tc":
+        raise ValueError(f"DeepseekV3ForCausalLM with scoring_func={scoring!r}, topk_method="
+                         f"{topk!r} is not supported (only sigmoid scores, 'noaux_tc')")
+    n_group = int(hf.get("n_group") or 1)
+    experts = int(hf.get("n_routed_experts", 256))
+    if experts % n_group:
+        raise ValueError(f"DeepseekV3ForCausalLM: n_routed_experts={experts} must split into "
+                         f"n_group={n_group} equal groups")
+    return dict(
+        q_lora_rank=None if q_rank is None else int(q_rank),
+        kv_lora_rank=int(hf.get("kv_lora_rank", 512)),
+        qk_nope_head_dim=int(hf.get("qk_nope_head_dim", 128)),
+        qk_rope_head_dim=int(hf.get("qk_rope_head_dim", 64)),
+        v_head_dim=int(hf.get("v_head_dim", 128)),
+        rope_interleave=bool(hf.get("rope_interleave", True)),
+        n_group=n_group,
+        topk_group=int(hf.get("topk_group") or 1),
+        routed_scaling_factor=float(hf.get("routed_scaling_factor", 2.5)),
+        n_shared_experts=int(hf.get("n_shared_experts") or 0),
+        num_mtp_layers=int(hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers", 1)) or 0),
+    )
+
+
 def _gemma4_global_heads(hf: dict[str, Any], layer_types: tuple[str, ...], num_layers: int
                          ) -> tuple[int, int | None]:
     """(head dim, KV heads or None) of Gemma 4's full-attention layers: from `per_layer_config`
@@ -454,6 +522,13 @@ def _parse_moe(arch: str, hf: dict[str, Any], num_layers: int) -> dict[str, Any]
                     num_experts_per_tok=int(hf.get("num_experts_per_tok")
                                             or hf.get("experts_per_token") or 4),
                     moe_intermediate_size=int(hf["intermediate_size"]), norm_topk_prob=True)
+    if arch == DEEPSEEK_V3:  # dense MLPs in the first `first_k_dense_replace` layers
+        first_moe = int(hf.get("first_k_dense_replace") or 0)
+        return dict(num_experts=int(hf.get("n_routed_experts", 256)),
+                    num_experts_per_tok=int(hf.get("num_experts_per_tok") or 8),
+                    moe_intermediate_size=int(hf.get("moe_intermediate_size", 2048)),
+                    norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+                    moe_layers=tuple(i >= first_moe for i in range(num_layers)))
     if arch == GEMMA4 and hf.get("enable_moe_block"):  # experts beside the dense MLP, every layer
         return dict(num_experts=int(hf["num_experts"]),
                     num_experts_per_tok=int(hf["top_k_experts"]),

@@ -59,6 +59,8 @@ K_EQ_V = "k_eq_v"  # values are the keys' projection (no v projection) in some l
 # a per-layer token embedding, gated into each layer's output (Gemma 4)
 PER_LAYER_INPUTS = "per_layer_inputs"
 KV_SHARED_LAYERS = "kv_shared_layers"  # layers reading an earlier layer's KV cache (Gemma 4)
+# multi-head latent attention over a cache of latent rows (DeepSeek V2/V3: models/deepseek_v3.py)
+MLA = "mla"
 INT8_WEIGHTS = "int8_weights"  # weight-only int8 matmul weights with per-channel scales
 ATTENTION_SINKS = "attention_sinks"  # a learned sink logit per query head in the softmax (gpt-oss)
 # MoE experts' activation: gate clamped above, up clamped both ways, gate * sigmoid(a gate) *
@@ -77,10 +79,11 @@ KV_CACHE_AXES = ("pages", None, "kv_heads", "head_dim")
 class KVCache:
     """One K and one V array per layer (separate arrays, so each is updated in place); a model
     whose last layers read an earlier layer's KV (Gemma 4) has arrays for the others only
-    (`ArchConfig.num_kv_cache_layers`)."""
+    (`ArchConfig.num_kv_cache_layers`); a multi-head latent attention model (DeepSeek) has one
+    array of latent rows per layer in `k` and none in `v`."""
 
     k: tuple[jax.Array, ...]  # L x [N, page_size, Hkv * D]
-    v: tuple[jax.Array, ...]  # L x [N, page_size, Hkv * D]
+    v: tuple[jax.Array, ...]  # L x [N, page_size, Hkv * D], or () (MLA)
 
     @property
     def num_layers(self) -> int:

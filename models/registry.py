@@ -16,6 +16,7 @@ _REGISTRY: dict[str, tuple[str, str]] = {
     "MixtralForCausalLM": ("jaxserve.models.moe", "MixtralForCausalLM"),
     "Qwen3MoeForCausalLM": ("jaxserve.models.moe", "Qwen3MoeForCausalLM"),
     "GptOssForCausalLM": ("jaxserve.models.gpt_oss", "GptOssForCausalLM"),
+    "DeepseekV3ForCausalLM": ("jaxserve.models.deepseek_v3", "DeepseekV3ForCausalLM"),
 }
 
 

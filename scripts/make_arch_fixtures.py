@@ -120,6 +120,33 @@ CASES: dict[str, dict] = {
                     rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=4.0, beta_fast=32.0,
                                          beta_slow=1.0, truncate=False, original_max_position_embeddings=16),
                     swiglu_limit=0.5, attention_bias=True),
+    # DeepSeek V3 (MLA): queries through a low-rank bottleneck, a 32-wide latent beside a
+    # 16-wide shared roped key, interleaved RoPE with YaRN (mscale and mscale_all_dim both
+    # counting), one dense layer then 8 routed experts in 4 groups (2 eligible) and a shared
+    # one, random score-correction biases, the attention biases (q_a, kv_a, o); no MTP layer
+    "deepseek_v3": dict(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"],
+                        tie_word_embeddings=False, num_hidden_layers=3, num_key_value_heads=4,
+                        q_lora_rank=48, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16,
+                        v_head_dim=16, first_k_dense_replace=1, n_routed_experts=8, n_group=4,
+                        topk_group=2, num_experts_per_tok=2, n_shared_experts=1,
+                        moe_intermediate_size=32, routed_scaling_factor=2.5, norm_topk_prob=True,
+                        rope_interleave=True, num_nextn_predict_layers=0, attention_bias=True,
+                        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                                             original_max_position_embeddings=64, mscale=1.0,
+                                             mscale_all_dim=0.8, beta_fast=32.0, beta_slow=1.0)),
+    # DeepSeek-V2-Lite's shape on the V3 architecture: one query projection (q_lora_rank None),
+    # rotary dims not interleaved, ungrouped routing without renormalisation, two shared experts
+    "deepseek_v3_lite": dict(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"],
+                             tie_word_embeddings=False, num_hidden_layers=2, num_key_value_heads=4,
+                             q_lora_rank=None, kv_lora_rank=32, qk_rope_head_dim=16,
+                             qk_nope_head_dim=16, v_head_dim=16, first_k_dense_replace=1,
+                             n_routed_experts=8, n_group=1, topk_group=1, num_experts_per_tok=3,
+                             n_shared_experts=2, moe_intermediate_size=16,
+                             routed_scaling_factor=1.0, norm_topk_prob=False,
+                             rope_interleave=False, num_nextn_predict_layers=0,
+                             rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                                                  original_max_position_embeddings=64,
+                                                  mscale=0.707, mscale_all_dim=0.707)),
 }
 # MoE fixtures: router biases that make routing uneven (added along each layer's mean router
 # input, so expert 0 takes many tokens and expert 7 few), and the per-expert counts recorded.
@@ -136,7 +163,7 @@ NEAR_ONE = ("norm", "router.scale", "per_expert_scale", "layer_scalar")
 
 # Cases whose expected files also hold transformers' greedy continuation of each sequence
 # (`generate`, through its KV cache) and each step's top-1 / top-2 log-prob margin.
-GREEDY = ("gemma4", "gemma4_moe", "gpt_oss")
+GREEDY = ("gemma4", "gemma4_moe", "gpt_oss", "deepseek_v3", "deepseek_v3_lite")
 GREEDY_TOKENS = 8
 
 # Two token sequences of different lengths (the test feeds them as one ragged batch).
@@ -155,7 +182,8 @@ def main(names: list[str]) -> None:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
         gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
         with torch.no_grad():
-            scalars = [(n, b) for n, b in model.named_buffers() if n.endswith("layer_scalar")]
+            scalars = [(n, b) for n, b in model.named_buffers()
+                       if n.endswith(("layer_scalar", "e_score_correction_bias"))]
             for pname, p in [*model.named_parameters(), *scalars]:
                 if any(k in pname for k in NEAR_ONE):
                     p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))

@@ -175,6 +175,8 @@ SLOW_MODULES = (
     "tests/server/test_embeddings_server.py",
     "tests/engine/test_structured_output.py",
     "tests/server/test_cli.py",
+    "tests/pallas_kernels/test_mla_attention.py",
+    "tests/models/test_deepseek_v3.py",
     "tests/pallas_kernels/test_reference_attention.py",
     "tests/server/test_playground.py",
     "tests/engine/test_kv_cache_dtype.py",

@@ -23,7 +23,9 @@ def kv_cache_shape(cfg: ArchConfig, num_pages: int, page_size: int) -> tuple[int
     """The shape of one layer's K (or V) array: `[N, page_size, Hkv * D]`, a token's KV heads in
     one row (the layout every attention implementation reads and the KV write writes:
     `ragged_paged_attention/metadata.py`); the same for every layer (see
-    `ArchConfig.kv_cache_heads` for models whose layers differ)."""
+    `ArchConfig.kv_cache_heads` for models whose layers differ). An MLA model (DeepSeek) has
+    one such array per layer, its rows the latent rows (one "head" of `kv_cache_head_dim`),
+    and no V arrays (`ArchConfig.kv_cache_arrays`)."""
     return (num_pages, page_size, cfg.kv_cache_heads * cfg.kv_cache_head_dim)
 
 
@@ -43,14 +45,15 @@ def kv_cache_spec(cfg: ArchConfig, num_pages: int, page_size: int, mesh: Mesh, r
 
 def bytes_per_page(cfg: ArchConfig, page_size: int, dtype, mesh: Mesh | None = None,
                    rules: Rules | None = None) -> int:
-    """Bytes of K and V for one page across all layers: on one device of `mesh` (the KV heads
-    split as the rules say), or in all (no mesh)."""
+    """Bytes of K and V (MLA: the latent rows) for one page across all layers: on one device
+    of `mesh` (the KV heads split as the rules say), or in all (no mesh)."""
     heads = cfg.kv_cache_heads
     if mesh is not None:
         spec = logical_to_spec(KV_CACHE_AXES, kv_head_shape(cfg, 1, page_size), mesh, _rules(rules))
         heads //= mesh_axes_size(mesh, spec[2])
     itemsize = jnp.dtype(dtype).itemsize
-    return 2 * cfg.num_kv_cache_layers * page_size * heads * cfg.kv_cache_head_dim * itemsize
+    return (cfg.kv_cache_arrays * cfg.num_kv_cache_layers * page_size * heads
+            * cfg.kv_cache_head_dim * itemsize)
 
 
 def num_pages_for_budget(cfg: ArchConfig, page_size: int, dtype, budget_bytes: int, mesh: Mesh | None = None,
@@ -80,7 +83,7 @@ def abstract_kv_cache(cfg: ArchConfig, num_pages: int, page_size: int, dtype, me
     one = jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=kv_cache_sharding(cfg, num_pages, page_size,
                                                                                    mesh, rules))
     L = cfg.num_kv_cache_layers
-    return KVCache(k=(one,) * L, v=(one,) * L)
+    return KVCache(k=(one,) * L, v=(one,) * L if cfg.kv_cache_arrays == 2 else ())
 
 
 def zeros_compiler(one: jax.ShapeDtypeStruct) -> Callable[[], jax.stages.Compiled]:
@@ -90,9 +93,11 @@ def zeros_compiler(one: jax.ShapeDtypeStruct) -> Callable[[], jax.stages.Compile
 
 def allocate_kv_cache(cfg: ArchConfig, num_pages: int, page_size: int, dtype, mesh: Mesh,
                       rules: Rules | None = None, zeros: Callable[[], jax.Array] | None = None) -> KVCache:
-    """Zeroed K and V pages (one array each per layer), created directly in their sharding.
+    """Zeroed K and V pages (one array each per layer; MLA: K only), created directly in their
+    sharding.
     `zeros`: the compiled function making one (`zeros_compiler`; compiled here when not given)."""
     if zeros is None:
         zeros = zeros_compiler(abstract_kv_cache(cfg, num_pages, page_size, dtype, mesh, rules).k[0])()
     L = cfg.num_kv_cache_layers
-    return KVCache(k=tuple(zeros() for _ in range(L)), v=tuple(zeros() for _ in range(L)))
+    v = tuple(zeros() for _ in range(L)) if cfg.kv_cache_arrays == 2 else ()
+    return KVCache(k=tuple(zeros() for _ in range(L)), v=v)

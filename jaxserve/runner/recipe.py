@@ -295,6 +295,23 @@ def kv_scales_of(model) -> KVScales | None:
     return tuple((tuple(layer.attn_spec.k_scale), tuple(layer.attn_spec.v_scale)) for layer in model.layers)
 
 
+def _mla_attention(requested: str, platform: str, cfg, page_size: int, q_dtype, kv_dtype
+                   ) -> tuple[str, str | None]:
+    """`target_attention` for a multi-head latent attention model (one latent row per token,
+    every query head reading it): "gpu" or "tpu" when MLA's own kernel there takes the shapes
+    (pallas_kernels/mla_paged_attention/ops.py), else what the GQA op's dispatch runs."""
+    from jaxserve.pallas_kernels.mla_paged_attention.ops import kernel_name
+
+    width = cfg.kv_cache_head_dim
+    name = kernel_name(requested, jax.ShapeDtypeStruct((1, cfg.num_heads, width), q_dtype),
+                       jax.ShapeDtypeStruct((1, page_size, width), kv_dtype), cfg.kv_lora_rank,
+                       backend=platform)
+    if name.startswith("mla-"):
+        return name.removeprefix("mla-"), None
+    return name, (None if name != "reference" or requested != "auto"
+                  else f"no {platform} kernel takes {width}-wide latent rows")
+
+
 def target_attention(requested: str, platform: str, cfg, mesh, rules, page_size: int, kv_dtype,
                      dtype, devices=None) -> tuple[str, str | None]:
     """(implementation, why not the first kernel) that attention `requested` ("auto") takes on
@@ -313,6 +330,9 @@ def target_attention(requested: str, platform: str, cfg, mesh, rules, page_size:
 
     if devices is None and hasattr(mesh, "devices"):
         devices = list(mesh.devices.flat)
+    if cfg.is_mla:  # multi-head latent attention: its op's own dispatch
+        return _mla_attention(requested, platform, cfg, page_size, attention_dtype(kv_dtype, dtype),
+                              kv_dtype)
     candidates = (auto_candidates(platform, devices) if requested == "auto"
                   else (resolve_impl(requested, platform),))
     spec = ax.logical_to_spec(KV_CACHE_AXES, kv_head_shape(cfg, 1, page_size), mesh, rules)

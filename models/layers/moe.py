@@ -259,13 +259,17 @@ def _tiled_mlp(xs, sizes, w_gate, w_up, w_down, tile: int | None, act="silu", b_
 def moe_mlp(x, router_logits, w_gate, w_up, w_down, *, top_k: int, normalize: bool, impl: str,
             mesh: Mesh | None, expert_axis: str | None, mlp_axis: str | None,
             expert_scale: jax.Array | None = None, act: str | ClampedSwiGLU = "silu",
-            select_first: bool = False, b_gate=None, b_up=None, b_down=None) -> jax.Array:
+            select_first: bool = False, b_gate=None, b_up=None, b_down=None,
+            routing: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
     """The MoE block on x [T, E] (normed) -> [T, E] float32. `expert_axis` / `mlp_axis`: the
     mesh axes the stacked weights' expert and intermediate dims are sharded over (None:
     not sharded). `expert_scale`, `select_first`: see `route`; `act`, `b_gate`, `b_up`: see
     `experts_dense`; `b_down` [X, E]: the down products' biases, each chosen expert's added
-    with its routing weight (after the partial sums are added up: once, however sharded)."""
-    weights, ids = route(router_logits, top_k, normalize, expert_scale, select_first)
+    with its routing weight (after the partial sums are added up: once, however sharded).
+    `routing`: the (weights [T, k], ids [T, k]) of a model's own router (DeepSeek V3's grouped
+    routing), in place of `route` on `router_logits` (then unused)."""
+    weights, ids = (route(router_logits, top_k, normalize, expert_scale, select_first)
+                    if routing is None else routing)
     float32_experts = not isinstance(w_gate, QuantizedWeight) and w_gate.dtype == jnp.float32
     impl = step_impl(impl, num_tokens=x.shape[0], num_experts=w_gate.shape[0], top_k=top_k,
                      float32_experts=float32_experts)

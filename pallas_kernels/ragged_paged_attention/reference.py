@@ -139,6 +139,7 @@ def ragged_paged_attention_reference(
     query_block: int | None = None,
     dense_step: bool = False,
     sinks: jax.Array | None = None,
+    value_dim: int | None = None,
 ) -> jax.Array:
     """Ragged paged attention over one layer's paged cache. See the module docstring.
 
@@ -148,6 +149,9 @@ def ragged_paged_attention_reference(
     iteration (default: CPU-tuned per path); `query_block`, queries per prefill work item
     (default 32); `dense_step`, attend this step's own tokens as one dense [T, T] block (default
     off, see the module docstring). `sinks`: [Hq] attention-sink logits, or None.
+    `value_dim`: the values are the keys' first `value_dim` columns, read with them (multi-head
+    latent attention's rows: `mla_paged_attention/reference.py`; v_cache is not read), and the
+    result is [T, Hq, value_dim].
     """
     T, Hq, D = q.shape
     if v_cache.shape != k_cache.shape:
@@ -168,7 +172,12 @@ def ragged_paged_attention_reference(
     if query_block is not None and query_block < 1:
         raise ValueError(f"query_block must be >= 1, got {query_block}")
     G = Hq // Hkv
+    Dv = D if value_dim is None else value_dim
     R, P = md.block_tables.shape
+
+    def values(cache, pages, keys):  # the gathered pages' values, or the keys' first columns
+        return keys[..., :Dv] if value_dim is not None else upcast(cache[pages], q.dtype)
+
     W = sliding_window
     score = lambda s: _scores(s, sm_scale, soft_cap)  # noqa: E731
 
@@ -189,7 +198,7 @@ def ragged_paged_attention_reference(
 
     # ---------------- dense_step: this step's tokens as one dense [T, T] block ----------------
     m, l = _initial_state(sinks, (Hkv, T, G), Hkv, G, head_axis=0)
-    acc = jnp.zeros((Hkv, T, G, D), _F32)
+    acc = jnp.zeros((Hkv, T, G, Dv), _F32)
     if dense_step:
         t_idx = jnp.arange(T, dtype=_I32)
         # == metadata.token_request_index(md), as a compare-all count: jnp.searchsorted lowers
@@ -199,7 +208,8 @@ def ragged_paged_attention_reference(
         tok_pos = kv_len[tok_req] - (qsl[tok_req + 1] - t_idx)
         slots = md.slot_mapping.astype(_I32)
         k_new = upcast(k_cache[slots // ps, slots % ps].reshape(T, Hkv, D), q.dtype)  # one gather
-        v_new = upcast(v_cache[slots // ps, slots % ps].reshape(T, Hkv, D), q.dtype)
+        v_new = (k_new[..., :Dv] if value_dim is not None
+                 else upcast(v_cache[slots // ps, slots % ps].reshape(T, Hkv, D), q.dtype))
         mask = (
             (tok_req[:, None] == tok_req[None, :])
             & (t_idx[None, :] <= t_idx[:, None])
@@ -244,7 +254,7 @@ def ragged_paged_attention_reference(
             page_idx = start_page + c * C + chunk_off  # [C]
             pages = bt_r[jnp.minimum(page_idx, P - 1)]
             kc = upcast(k_cache[pages].reshape(C * ps, Hkv, D), q.dtype)
-            vc = upcast(v_cache[pages].reshape(C * ps, Hkv, D), q.dtype)
+            vc = values(v_cache, pages, kc).reshape(C * ps, Hkv, Dv)
             key_pos = (page_idx[:, None] * ps + in_page).reshape(C * ps)
             k_pos = key_pos[None, :]
             mask = (k_pos <= row_pos[:, None]) & (k_pos < end_r) & row_ok[:, None]
@@ -292,7 +302,7 @@ def ragged_paged_attention_reference(
             pages = jnp.take_along_axis(block_tables, jnp.minimum(page_idx, P - 1), axis=1)
             key_pos = (page_idx[:, :, None] * ps + in_page).reshape(R, C * ps)
         kc = upcast(k_cache[pages].reshape(R, C * ps, Hkv, D), q.dtype)
-        vc = upcast(v_cache[pages].reshape(R, C * ps, Hkv, D), q.dtype)
+        vc = values(v_cache, pages, kc).reshape(R, C * ps, Hkv, Dv)
         mask = key_pos < d_hi[:, None]  # d_hi is 0 for requests not on this path
         if W is not None:
             mask &= key_pos >= lo[:, None]
@@ -303,10 +313,10 @@ def ragged_paged_attention_reference(
         init = tuple(jnp.swapaxes(x[:, tok], 0, 1) for x in (m, l, acc))  # [R, Hkv, ...]
     else:
         init = (*_initial_state(sinks, (R, Hkv, G), Hkv, G, head_axis=1),
-                jnp.zeros((R, Hkv, G, D), _F32))
+                jnp.zeros((R, Hkv, G, Dv), _F32))
     _, dl, dacc = lax.fori_loop(0, n_iter, decode_chunk, init)
 
     out = _finish(l, acc)  # [Hkv, T, G, D]; padding tokens: acc == 0 -> exact zeros
-    out = out.transpose(1, 0, 2, 3).reshape(T, Hq, D)
+    out = out.transpose(1, 0, 2, 3).reshape(T, Hq, Dv)
     dest = jnp.where(is_single, tok, T)  # out of range: dropped
-    return out.at[dest].set(_finish(dl, dacc).reshape(R, Hq, D), mode="drop").astype(q.dtype)
+    return out.at[dest].set(_finish(dl, dacc).reshape(R, Hq, Dv), mode="drop").astype(q.dtype)

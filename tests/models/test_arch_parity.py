@@ -20,7 +20,8 @@ from jaxserve.models.weights import create_model
 from tests.models.model_utils import PagedRunner
 
 CASES = ["llama", "llama_tied", "qwen2", "qwen3", "mistral", "qwen2_sliding", "llama_dynamic", "phi3", "gemma2",
-         "gemma3", "gemma4", "gemma4_moe", "mixtral", "qwen3_moe", "gpt_oss"]
+         "gemma3", "gemma4", "gemma4_moe", "mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3",
+         "deepseek_v3_lite"]
 MOE_CASES = ["mixtral", "qwen3_moe", "gemma4_moe", "gpt_oss"]
 
 
@@ -52,8 +53,8 @@ def test_unknown_architecture_lists_every_served_one(data_dir):
     """The refusal names every architecture the fixtures show served (not a hand-kept list)."""
     served = {json.loads((data_dir / "arch" / c / "config.json").read_text())["architectures"][0]
               for c in CASES}
-    with pytest.raises(ValueError, match="'DeepseekV3ForCausalLM' is not supported") as e:
-        get_model_class("DeepseekV3ForCausalLM")
+    with pytest.raises(ValueError, match="'DeepseekV2ForCausalLM' is not supported") as e:
+        get_model_class("DeepseekV2ForCausalLM")
     listed = str(e.value).split("Supported architectures: ")[1].rstrip(".").split(", ")
     assert set(listed) == served and len(listed) == len(served)
 

@@ -34,7 +34,9 @@ from tests.models.test_arch_parity import CASES
 SERVABLE = [name for name in RULE_PRESETS if name != "attn-dp"]
 # Gemma 4's dense fixture adds no sharding rule the others lack (its tensor-parallel run is in
 # tests/models/test_gemma4.py); its MoE fixture stays, for the MoE layer's expert-scale path.
-SHARDED_CASES = [name for name in CASES if name not in ("gemma4", "gpt_oss")]
+# DeepSeek V3's fixtures run tensor-parallel in tests/models/test_deepseek_v3.py.
+SHARDED_CASES = [name for name in CASES
+                 if name not in ("gemma4", "gpt_oss", "deepseek_v3", "deepseek_v3_lite")]
 # Every architecture under "tp" (the served default); each other preset on the architectures
 # whose weights it splits differently: tied embeddings and soft-capped logits under the
 # replicated vocabulary, q/k norms and Gemma's layer pattern with the KV heads replicated,
@@ -53,7 +55,7 @@ PRESET_CASES = [(name, "tp") for name in SHARDED_CASES] + [
 
 def test_every_servable_preset_and_architecture_runs():
     assert set(OTHER_PRESETS) | {"tp"} == set(SERVABLE)
-    assert {name for name, _ in PRESET_CASES} == set(CASES) - {"gemma4"}
+    assert {name for name, _ in PRESET_CASES} == set(CASES) - {"gemma4", "deepseek_v3", "deepseek_v3_lite"}
 
 
 def test_presets_and_files(tmp_path):
