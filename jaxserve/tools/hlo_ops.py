@@ -83,7 +83,9 @@ def parse(hlo_text: str) -> tuple[int, list[Kernel]]:
             op_name = _OP_NAME.search(line)
             scopes = op_name.group(1).split("/") if op_name else []
             call = next((x for x in ("pallas_call", "mpmd_map") if x in scopes[1:]), None)
-            kernel = scopes[scopes.index(call) - 1] if call else name
+            # Other custom calls (XLA's own, ragged-dot's) by their op name less its ".N"
+            # instance suffix: one line a kind in a report, with its count.
+            kernel = scopes[scopes.index(call) - 1] if call else re.sub(r"\.\d+$", "", name)
             kernels.append(Kernel(target_name, kernel))
     return flops, kernels
 

@@ -42,8 +42,11 @@ from jaxserve.tools.hlo_collectives import parse_collectives, summarize
 
 logger = logging.getLogger(__name__)
 
-_ATTENTION = ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo", "q_norm", "k_norm")
-_MLP = ("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down")
+_ATTENTION = ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo", "q_norm", "k_norm", "sinks",
+              "wq_a", "wq_b", "wkv_a", "w_uk", "w_uv")  # the last five: MLA's
+_MLP = ("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down",
+        "s_gate", "s_up", "s_down")  # s_*: DeepSeek's shared experts, an always-on MLP
+_ROUTER = ("router", "router_bias", "e_bias")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,9 +85,12 @@ def param_group(path: str, ndim: int) -> str:
         return "embed"
     if path.startswith("lm_head"):
         return "lm_head"
+    if path.startswith("mtp"):  # multi-token prediction layers (kept for speculative decoding)
+        return "mtp"
     if leaf in _ATTENTION:
         return "attention"
-    if leaf == "router" or (leaf in _MLP and ndim == 3):
+    stacked_experts = leaf.startswith(("x_", "b_x_")) or (leaf in _MLP[:6] and ndim == 3)
+    if leaf in _ROUTER or stacked_experts:
         return "moe"
     if leaf in _MLP:
         return "mlp"

@@ -270,3 +270,24 @@ def test_bfloat16_weights_and_cache_run_on_the_cpu(data_dir):
     seq = expected["tokens_0"].tolist()
     (logits,) = runner.step([(0, seq, 0)], num_tokens=16, num_reqs=2, pages_per_req=4)
     np.testing.assert_allclose(logits, expected["logits_0"], atol=0.1, rtol=0)
+
+
+@pytest.mark.parametrize("impl", ["gpu-interpret", "cpu"])
+def test_each_attention_implementation_on_the_latent_cache(data_dir, impl):
+    """The fixture's logits through each attention implementation reading the latent pages
+    (the reference: test_arch_parity): MLA's own Triton kernel in interpret mode and the CPU
+    kernel; a chunked prefill then a decode step. (The TPU kernels take lane-dense rows only,
+    a multiple of 128 wide: V3's 576-wide rows through them, and MLA's own TPU kernel, are
+    checked against a float64 oracle in tests/pallas_kernels/test_mla_attention.py.)"""
+    import jaxserve.backends.cpu  # noqa: F401  (registers the "cpu" attention kernel)
+
+    cfg, tensors, expected = load_fixture(data_dir, "deepseek_v3")
+    model = create_model(cfg, dtype=jnp.float32, get_tensor=tensors.__getitem__,
+                         attention_impl=impl)
+    runner = PagedRunner(model, page_size=8, num_pages=16)
+    seq = expected["tokens_0"].tolist()
+    n = len(seq)
+    kw = dict(num_tokens=16, num_reqs=2, pages_per_req=8)
+    got = runner.step([(0, seq[: n - 5], 0)], **kw) + runner.step([(0, seq[n - 5: n - 1], n - 5)], **kw)
+    got += runner.step([(0, seq[n - 1:], n - 1)], **kw)
+    np.testing.assert_allclose(np.concatenate(got), expected["logits_0"][:n], atol=1e-4, rtol=0)

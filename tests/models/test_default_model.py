@@ -53,7 +53,7 @@ def test_teacher_forced_logprobs_match_golden(model, golden):
     assert worst_step < 1e-3, worst_step
 
 
-@pytest.mark.parametrize("page_size", [8, 16])
+@pytest.mark.parametrize("page_size", [16])  # the served default (both sizes: test_paged_consistency.py)
 def test_paged_consistency_real_model(model, golden, page_size):
     case = golden["cases"][0]
     seq = (case["prompt_token_ids"] + case["completion_token_ids"])[:48]

@@ -59,8 +59,10 @@ def run_modes(model, seqs, page_size, seed):
     return full_out, [np.concatenate(c) for c in chunk_out], [np.concatenate(d) for d in dec_out]
 
 
-@pytest.mark.parametrize("page_size", [8, 16])
-@pytest.mark.parametrize("config", [TINY, TINY_MIXED], ids=["llama", "sliding_global_mix"])
+# Each config at one page size (both sizes covered): the windowed layers at the smaller pages,
+# where their windows cross more page boundaries.
+@pytest.mark.parametrize("config, page_size", [(TINY, 16), (TINY_MIXED, 8)],
+                         ids=["llama-16", "sliding_global_mix-8"])
 def test_tiny_model_paged_consistency(page_size, config):
     cfg = ArchConfig.from_hf(config)
     model = create_model(cfg, dtype=jnp.float32, seed=3)

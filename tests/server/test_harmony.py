@@ -2,11 +2,13 @@
 reasoning parser `gpt_oss` and the tool-call parser `openai` on known completions, whole and
 streamed in every chunking (a marker split over deltas held back), a Harmony chat template in
 miniature rendered with tools, tool history and reasoning_effort; and end to end, the real engine
-serving a tiny model whose tokenizer has Harmony's special tokens through the real app with
-`--reasoning-parser gpt_oss --tool-call-parser openai`, read with the openai SDK.
+serving a tiny gpt-oss model (`GptOssForCausalLM`) whose tokenizer has Harmony's special tokens
+through the real app with `--reasoning-parser gpt_oss --tool-call-parser openai`, read with the
+openai SDK.
 
-The tiny model's greedy output is known (the lookup-table weights of tests/model_dirs.py's
-reasoning model: the next token is a function of the last one). That memory of one token cannot
+The tiny model's greedy output is known: the gpt_oss fixture's shapes with lookup-table weights
+(as tests/model_dirs.py's reasoning model: attention and experts add nothing to the residual
+stream, so the next token is a function of the last one). That memory of one token cannot
 write the same token twice, so the first message's header is one ordinary token whose text is
 the header, and `<|start|>assistant` after it two ordinary tokens that split `<|start|>`; the
 final channel's header (`<|channel|>final<|message|>`, which structured output waits for), the
@@ -352,7 +354,7 @@ def write_harmony_model_dir(dst):
     import numpy as np
     from safetensors.numpy import load_file, save_file
 
-    write_model_dir(dst, "qwen3", generation_config={"eos_token_id": [RETURN, CALL]})
+    write_model_dir(dst, "gpt_oss", generation_config={"eos_token_id": [RETURN, CALL]})
     tensors = load_file(dst / "model.safetensors")
     vocab, hidden = tensors["model.embed_tokens.weight"].shape
     embed = np.random.default_rng(0).standard_normal((vocab, hidden)).astype(np.float32)
@@ -361,7 +363,8 @@ def write_harmony_model_dir(dst):
         for token, nxt in itertools.pairwise(chain):
             head[nxt] += weight * embed[token]
     for name, t in tensors.items():
-        if name.endswith(("o_proj.weight", "down_proj.weight")):
+        if name.endswith(("o_proj.weight", "o_proj.bias", "experts.down_proj",
+                          "experts.down_proj_bias")):
             tensors[name] = np.zeros_like(t)
         elif name == "model.norm.weight":
             tensors[name] = np.ones_like(t)

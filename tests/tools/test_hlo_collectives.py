@@ -65,3 +65,43 @@ def test_textual_forms():
     assert (ops["cp"].bytes, ops["rs"].bytes, ops["rs"].group_size) == (16, 16, 2)
     assert ops["rs"].wire_bytes == 16
     assert shape_bytes("(bf16[2,3]{1,0}, (s8[4]{0}, pred[]))") == 12 + 4 + 1
+
+
+def test_custom_calls_outside_pallas_are_counted_by_kind():
+    """XLA's own custom calls (one per gather on TPUs) are one report line with their count,
+    not one line per instance; a Pallas kernel keeps its traced name."""
+    from jaxserve.tools import hlo_ops
+
+    hlo = "\n".join([
+        "ENTRY %main {",
+        '  %custom-call.1000 = s32[8]{0} custom-call(s32[8]{0} %p), custom_call_target="AssumeGatherIndicesInBound"',
+        '  %custom-call.1002 = s32[8]{0} custom-call(s32[8]{0} %q), custom_call_target="AssumeGatherIndicesInBound"',
+        '  %ragged-dot-none.12 = f32[8,4]{1,0} custom-call(f32[8,4]{1,0} %r), custom_call_target="tpu_custom_call"',
+        '  %custom-call.7 = f32[8]{0} custom-call(f32[8]{0} %s), custom_call_target="tpu_custom_call", '
+        'metadata={op_name="jit(step)/layer_0/ragged_paged_attention/pallas_call"}',
+        "}",
+    ])
+    _, kernels = hlo_ops.parse(hlo)
+    assert hlo_ops.kernel_counts(kernels) == {
+        "custom-call (AssumeGatherIndicesInBound)": 2,
+        "ragged-dot-none (tpu_custom_call)": 1,
+        "ragged_paged_attention (tpu_custom_call)": 1,
+    }
+
+
+def test_the_report_groups_the_2026_models_weights():
+    """gpt-oss's stacked experts and their biases, sinks, DeepSeek's MLA projections, shared
+    experts and MTP layer each land in their group, not in "other"."""
+    from jaxserve.tools.plan_compile import param_group
+
+    assert {p: param_group(p, n) for p, n in [
+        ("layers.3.x_gate", 3), ("layers.3.b_x_up", 2), ("layers.3.router_bias", 1),
+        ("layers.3.e_bias", 1), ("layers.3.sinks", 1), ("layers.2.w_uk", 3), ("layers.2.wkv_a", 2),
+        ("layers.2.s_gate", 2), ("mtp.block.x_up", 3), ("layers.0.w_gate", 2), ("layers.0.w_gate", 3),
+    ]} == {
+        "layers.3.x_gate": "moe", "layers.3.b_x_up": "moe", "layers.3.router_bias": "moe",
+        "layers.3.e_bias": "moe", "layers.3.sinks": "attention", "layers.2.w_uk": "attention",
+        "layers.2.wkv_a": "attention", "layers.2.s_gate": "mlp", "mtp.block.x_up": "mtp",
+        "layers.0.w_gate": "moe",
+    }
+    assert param_group("layers.0.w_gate", 2) == "mlp"
