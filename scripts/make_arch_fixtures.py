@@ -120,13 +120,13 @@ CASES: dict[str, dict] = {
                     rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=4.0, beta_fast=32.0,
                                          beta_slow=1.0, truncate=False, original_max_position_embeddings=16),
                     swiglu_limit=0.5, attention_bias=True),
-    # DeepSeek V3 (MLA): queries through a low-rank bottleneck, a 32-wide latent beside a
-    # 16-wide shared roped key, interleaved RoPE with YaRN (mscale and mscale_all_dim both
+    # DeepSeek V3 (MLA): queries through a low-rank bottleneck, a 112-wide latent beside a
+    # 16-wide shared roped key (cache rows of 128: lane-dense, as the TPU kernels take them), interleaved RoPE with YaRN (mscale and mscale_all_dim both
     # counting), one dense layer then 8 routed experts in 4 groups (2 eligible) and a shared
     # one, random score-correction biases, the attention biases (q_a, kv_a, o); no MTP layer
     "deepseek_v3": dict(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"],
                         tie_word_embeddings=False, num_hidden_layers=3, num_key_value_heads=4,
-                        q_lora_rank=48, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16,
+                        q_lora_rank=48, kv_lora_rank=112, qk_rope_head_dim=16, qk_nope_head_dim=16,
                         v_head_dim=16, first_k_dense_replace=1, n_routed_experts=8, n_group=4,
                         topk_group=2, num_experts_per_tok=2, n_shared_experts=1,
                         moe_intermediate_size=32, routed_scaling_factor=2.5, norm_topk_prob=True,

@@ -112,20 +112,20 @@ def test_tensor_parallel_chunked_prefill_and_decode_match_transformers(data_dir)
 
 
 def test_config_and_the_latent_cache(data_dir):
-    """config.json as transformers writes it; the cache: one array of 48-wide latent rows per
+    """config.json as transformers writes it; the cache: one array of 128-wide latent rows per
     layer (32 latent + 16 roped key), no V arrays; the scale with YaRN's mscale_all_dim."""
     cfg, _, _ = load_fixture(data_dir, "deepseek_v3")
     assert (cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
-            cfg.v_head_dim) == (48, 32, 16, 16, 16)
+            cfg.v_head_dim) == (48, 112, 16, 16, 16)
     assert cfg.rope_interleave and (cfg.n_group, cfg.topk_group, cfg.n_shared_experts) == (4, 2, 1)
     assert [cfg.is_moe_layer(i) for i in range(3)] == [False, True, True]
     assert cfg.routed_scaling_factor == 2.5 and cfg.num_mtp_layers == 0
     assert cfg.rope_scaling.rope_type == "yarn" and cfg.rope_scaling.mscale_all_dim == 0.8
     m = 0.1 * 0.8 * np.log(4.0) + 1.0
     assert softmax_scale(cfg) == pytest.approx(32**-0.5 * m * m)
-    assert (cfg.kv_cache_heads, cfg.kv_cache_head_dim, cfg.kv_cache_arrays) == (1, 48, 1)
-    assert kv_cache_shape(cfg, 5, 8) == (5, 8, 48)
-    assert bytes_per_page(cfg, 8, jnp.bfloat16) == 3 * 8 * 48 * 2  # layers x tokens x row
+    assert (cfg.kv_cache_heads, cfg.kv_cache_head_dim, cfg.kv_cache_arrays) == (1, 128, 1)
+    assert kv_cache_shape(cfg, 5, 8) == (5, 8, 128)
+    assert bytes_per_page(cfg, 8, jnp.bfloat16) == 3 * 8 * 128 * 2  # layers x tokens x row
     from jaxserve.models.sharding import single_device_mesh
 
     kv = allocate_kv_cache(cfg, 3, 8, jnp.float32, single_device_mesh())
@@ -203,7 +203,7 @@ def test_mtp_layer_weights_are_loaded_and_kept(data_dir):
     np.testing.assert_array_equal(mtp.enorm[...], extra["model.layers.3.enorm.weight"])
     np.testing.assert_array_equal(mtp.final_norm[...],
                                   extra["model.layers.3.shared_head.norm.weight"])
-    kv_b = extra["model.layers.3.self_attn.kv_b_proj.weight"].reshape(4, 32, 32)
+    kv_b = extra["model.layers.3.self_attn.kv_b_proj.weight"].reshape(4, 32, cfg.kv_lora_rank)
     np.testing.assert_array_equal(mtp.block.w_uk[...], kv_b[:, :16])
     np.testing.assert_array_equal(mtp.block.e_bias[...],
                                   extra["model.layers.3.mlp.gate.e_score_correction_bias"])
@@ -272,13 +272,13 @@ def test_bfloat16_weights_and_cache_run_on_the_cpu(data_dir):
     np.testing.assert_allclose(logits, expected["logits_0"], atol=0.1, rtol=0)
 
 
-@pytest.mark.parametrize("impl", ["gpu-interpret", "cpu"])
+@pytest.mark.parametrize("impl", ["gpu-interpret", "tpu-interpret", "cpu"])
 def test_each_attention_implementation_on_the_latent_cache(data_dir, impl):
     """The fixture's logits through each attention implementation reading the latent pages
-    (the reference: test_arch_parity): MLA's own Triton kernel in interpret mode and the CPU
-    kernel; a chunked prefill then a decode step. (The TPU kernels take lane-dense rows only,
-    a multiple of 128 wide: V3's 576-wide rows through them, and MLA's own TPU kernel, are
-    checked against a float64 oracle in tests/pallas_kernels/test_mla_attention.py.)"""
+    (the reference: test_arch_parity): MLA's own Triton kernel and the TPU kernel in interpret
+    mode (the fixture's rows are 128 wide, lane-dense), the CPU kernel; a chunked prefill then
+    a decode step. (V3's 576-wide rows through each kernel, MLA's own TPU kernel among them,
+    against a float64 oracle: tests/pallas_kernels/test_mla_attention.py.)"""
     import jaxserve.backends.cpu  # noqa: F401  (registers the "cpu" attention kernel)
 
     cfg, tensors, expected = load_fixture(data_dir, "deepseek_v3")
