@@ -71,7 +71,8 @@ def test_kv_budget_sizes_the_pages():
 
 
 def test_model_configs_without_weights(default_model_dir):
-    assert {"llama3-8b", "llama3-70b", "qwen3-32b", "smollm2-135m", "mixtral-8x7b"} <= set(ARCH_PRESETS)
+    assert {"llama3-8b", "llama3-70b", "qwen3-32b", "smollm2-135m", "mixtral-8x7b", "gpt-oss-120b",
+            "deepseek-v3-671b"} <= set(ARCH_PRESETS)
     for name in ARCH_PRESETS:
         ArchConfig.from_hf(model_config(name)[1])
     name, cfg = model_config(None)  # the bundled GGUF's metadata
