@@ -42,8 +42,12 @@ shared_head.norm and a full decoder layer). They are loaded and kept on the mode
 not run by the forward pass; their embedding and output head are the model's own (DeepSeek
 shares them; the copies a checkpoint stores are not read).
 
+A quantized KV cache (`--kv-cache-dtype fp8` or int8) holds the rows as one-byte pages with two
+scales per layer, the latent columns' and the roped ones' (models/layers/mla.py,
+runner/kv_scales.py).
+
 Not served: int8 / FP8 weights (V3's hub checkpoint is blockwise FP8: the float conversion
-loads), LoRA, a quantized KV cache, DeepSeek V2's own architecture (softmax routing).
+loads), LoRA, DeepSeek V2's own architecture (softmax routing).
 """
 
 from __future__ import annotations
@@ -68,6 +72,7 @@ from jaxserve.models.layers.rotary import apply_rotary, layer_rope_spec
 from jaxserve.models.llama import HEAD_SPECS, LlamaForCausalLM, TensorGetter, _param, rope_for_step
 from jaxserve.models.moe import ROUTER_SPEC
 from jaxserve.models.sharding import logical_to_spec, mesh_axes_size
+from jaxserve.pallas_kernels.kv_quant import attention_dtype
 
 # The `dense` spec of each decoder-layer product (the ones of a plain [in, out] matrix and of
 # the per-head q and o products are Llama's, so a backend's product kernel packs them).
@@ -201,7 +206,6 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
     product_specs = (MLA_SPECS, {}, HEAD_SPECS)
     layer_class = DeepseekV3DecoderLayer
     supports_lora = False  # the adapters' targets are Llama's projections
-    supports_quantized_kv_cache = False  # the latent rows have no per-head scales
 
     def __init__(self, config: ArchConfig, *, moe_impl: str = "ragged", **kw):
         if kw.get("quantization") is not None or config.weight_format is not None:
@@ -273,7 +277,8 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         q_rope = apply_rotary(q[..., Dn:], *rope)  # [T, H, Dr]
         q_latent = _per_head(ABSORB_SPECS["w_uk"], q[..., :Dn], p["w_uk"])  # [T, H, C]
         rows = jnp.concatenate([latent, k_rope], axis=-1)  # [T, C + Dr]
-        q_rows = jnp.concatenate([q_latent, q_rope], axis=-1).astype(cache.dtype)
+        q_rows = jnp.concatenate([q_latent, q_rope], axis=-1)
+        q_rows = q_rows.astype(attention_dtype(cache.dtype, q_rows.dtype))
         out, cache = paged_mla_attention(q_rows, rows, cache, md, layer.attn_spec, C, self.mesh,
                                          dict(self.rules))  # [T, H, C]
         v = _per_head(ABSORB_SPECS["w_uv"], out, p["w_uv"])  # [T, H, Dv]

@@ -52,9 +52,14 @@ def head_scales(scale: Scale, num_kv_heads: int) -> np.ndarray:
 
 def quantize(x: jax.Array, scale: Scale, dtype) -> jax.Array:
     """x: [T, Hkv, D] floats -> the page values of `dtype` (x / scale, rounded and clipped)."""
+    return quantize_scaled(x, jnp.asarray(head_scales(scale, x.shape[-2]))[:, None], dtype)
+
+
+def quantize_scaled(x: jax.Array, scale: jax.Array, dtype) -> jax.Array:
+    """x floats -> the page values of `dtype`: x / scale (float32, `scale` broadcast against x:
+    per KV head, or per column of a multi-head latent attention row), rounded and clipped."""
     dtype = jnp.dtype(dtype)
-    s = jnp.asarray(head_scales(scale, x.shape[-2]))[:, None]  # [Hkv, 1]
-    y = x.astype(jnp.float32) / s
+    y = x.astype(jnp.float32) / scale
     if dtype == INT8_DTYPE:
         y = jnp.round(y)
     lim = QUANT_MAX[dtype]

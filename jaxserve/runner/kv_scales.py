@@ -13,6 +13,12 @@ layer's `AttentionSpec` before the steps are compiled (they are constants of the
   largest value (int8 127, fp8 448). Values beyond it are clipped. fp8 is measured too, not
   1.0 as in vLLM: the default model's layer-0 values have a median of 0.017 and 40 % of them
   lie below e4m3's smallest normal (2^-6), where its precision falls.
+
+A multi-head latent attention model (DeepSeek V3: one latent row per token, no V array) has
+two scales per layer, `k` = (the latent columns', the roped columns'), measured apart (the
+latent is RMS-normed, the rope part is not), and `v` = (the latent's,): the value is the
+row's latent columns (models/layers/mla.py). A checkpoint's per-tensor `k_scale` serves both
+parts (vLLM's one scale for the latent cache).
 """
 
 from __future__ import annotations
@@ -143,6 +149,12 @@ def measure_kv_scales(model, token_ids: list[int], kv_dtype, page_size: int = 16
         def per_head(c):  # [N, page_size, Hkv * D] -> [Hkv]
             return jnp.max(jnp.abs(c.reshape(*c.shape[:2], cfg.kv_cache_heads, -1)), axis=(0, 1, 3))
 
+        def per_part(c):  # a latent cache [N, page_size, C + Dr] -> [latent's, rope's]
+            a = jnp.abs(c)
+            return jnp.stack([a[..., :cfg.kv_lora_rank].max(), a[..., cfg.kv_lora_rank:].max()])
+
+        if cfg.is_mla:
+            return [per_part(c) for c in kv.k], [per_part(c)[:1] for c in kv.k]
         return [per_head(c) for c in kv.k], [per_head(c) for c in kv.v]
 
     ks, vs = jax.device_get(amax(state, kv, jax.tree.map(jnp.asarray, inputs)))
@@ -153,6 +165,17 @@ def measure_kv_scales(model, token_ids: list[int], kv_dtype, page_size: int = 16
         return tuple(float(max(x, 1e-6) * factor) for x in np.asarray(a))
 
     return [(scale(k), scale(v)) for k, v in zip(ks, vs)]
+
+
+def latent_scales(scales: Scales) -> Scales:
+    """A checkpoint's scales (one k per layer) as a latent cache's: k for both parts, and as
+    the value's (the latent columns are the value)."""
+    out = []
+    for k, _ in scales:
+        if len(k) != 1:
+            raise ValueError(f"a latent cache takes one k_scale per layer; got {list(k)}")
+        out.append(((k[0], k[0]), (k[0],)))
+    return out
 
 
 def resolve_kv_scales(kv_dtype, ckpt, model, tokenize) -> tuple[Scales | None, str]:
@@ -170,6 +193,8 @@ def resolve_kv_scales(kv_dtype, ckpt, model, tokenize) -> tuple[Scales | None, s
             if scheme else "")
         if calibrated_for != kv_dtype:
             source += f", calibrated for {calibrated_for.name}"
+        if cfg.is_mla:
+            scales = latent_scales(scales)
         return for_cache_dtype(scales, calibrated_for, kv_dtype), source
     if kv_dtype in HEADROOM:
         # The text, then tokens spread over the whole vocabulary (rare tokens, other scripts).

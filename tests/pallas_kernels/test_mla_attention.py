@@ -129,3 +129,58 @@ def test_the_references_values_from_the_key_rows(dense_step):
     live = int(case["qsl"][len(REQS)])
     expected = _oracle(case["q"], case["kc"], case)
     np.testing.assert_allclose(np.asarray(out)[:live], expected[:live], atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("impl, width, value_dim, page_size, kernel", [
+    ("reference", 128, 96, 8, "reference"),
+    ("cpu", 128, 96, 8, "cpu"),
+    ("gpu-interpret", 96, 64, 8, "mla-gpu-interpret"),
+    ("tpu-interpret", 160, 128, 32, "mla-tpu-interpret"),  # one-byte pages: 32-row tiles
+])
+def test_fp8_pages_are_widened_by_every_implementation(impl, width, value_dim, page_size,
+                                                       kernel):
+    """float8_e4m3fn latent pages read by each implementation (float32 queries): the oracle's
+    output on the rows the pages hold, widened. (The GQA kernels widen one-byte pages handed
+    as any array: tests/pallas_kernels' quantized-cache cases.)"""
+    case = make_case([(9, 2)], page_size=page_size, hq=2, hkv=1, d=width, r_pad=1, seed=11)
+    q, pages = jnp.asarray(case["q"]), jnp.asarray(case["kc"]).astype(jnp.float8_e4m3fn)
+    assert kernel_name(impl, q, pages, value_dim) == kernel
+    out = mla_paged_attention(q, pages, case["md"], sm_scale=SCALE, value_dim=value_dim,
+                              impl=impl)
+    live = int(case["qsl"][len(case["reqs"])])
+    rows = np.asarray(pages.astype(jnp.float32))
+    expected = _oracle(case["q"], rows, case, value_dim=value_dim)
+    np.testing.assert_allclose(np.asarray(out)[:live], expected[:live], atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.int8])
+def test_the_layer_quantizes_the_rows_and_scales_q_and_out(dtype):
+    """models/layers/mla.py over a one-byte cache with a scale for the latent columns and one
+    for the rope columns: this step's rows are written as rows / their column's scale, rounded
+    to the dtype, and the output is the float64 oracle's on the dequantized rows (pages times
+    the column scales) for the unscaled q: the scales are exact outside the kernel."""
+    from jaxserve.models.layers.attention import AttentionSpec
+    from jaxserve.models.layers.mla import paged_mla_attention
+
+    s_latent, s_rope = 0.02, 0.05
+    case = make_case(REQS, page_size=8, hq=HEADS, hkv=1, d=VALUE_DIM + ROPE_DIM, t_pad=24,
+                     seed=12)
+    q = case["q"]
+    cols = np.where(np.arange(q.shape[2]) < VALUE_DIM, s_latent, s_rope).astype(np.float32)
+    pages = jnp.asarray(np.clip(np.round(case["kc"] * 4), -100, 100)).astype(dtype)  # context
+    latent = np.random.default_rng(13).standard_normal((q.shape[0], q.shape[2]), np.float32)
+    spec = AttentionSpec(sm_scale=SCALE, impl="cpu", k_scale=(s_latent, s_rope),
+                         v_scale=(s_latent,))
+    out, cache = paged_mla_attention(jnp.asarray(q), jnp.asarray(latent), pages, case["md"],
+                                     spec, VALUE_DIM, mesh=None)
+    assert cache.dtype == jnp.dtype(dtype)
+    live = int(case["qsl"][len(REQS)])
+    written = np.asarray(case["md"].slot_mapping)[:live]
+    stored = np.asarray(cache.astype(jnp.float32)).reshape(-1, q.shape[2])[written]
+    want = latent[:live] / cols
+    want = np.clip(np.round(want), -127, 127) if dtype == jnp.int8 else np.asarray(
+        jnp.asarray(want).astype(dtype).astype(jnp.float32))
+    np.testing.assert_array_equal(stored, want)
+    rows = np.asarray(cache.astype(jnp.float32)).astype(np.float64) * cols
+    expected = _oracle(q, rows, case)
+    np.testing.assert_allclose(np.asarray(out)[:live], expected[:live], atol=2e-5, rtol=1e-5)
