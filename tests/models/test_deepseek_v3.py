@@ -4,7 +4,8 @@ biases; deepseek_v3_lite: V2-Lite's shape, q_lora_rank None): through the engine
 latent cache, the CPU backend) the prompt log-probs are transformers' and the greedy tokens
 transformers' `generate`, the same in one batch and one at a time; tensor-parallel over 2
 simulated devices (heads split, the latent cache whole on each) chunked prefill and decode
-steps give transformers' logits; config.json, the cache's shape, the routing and the MTP
+steps give transformers' logits; an fp8 latent cache keeps transformers' greedy tokens with
+its prompt log-probs within fp8's drift; config.json, the cache's shape, the routing and the MTP
 layers' weights. Both fixtures' logits in one step: test_arch_parity; the attention op against
 a float64 oracle: tests/pallas_kernels/test_mla_attention.py."""
 

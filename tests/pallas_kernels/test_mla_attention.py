@@ -2,7 +2,8 @@
 numpy oracle: this step's latent rows written into a cache of shuffled pages that already holds
 random context, then every query head scored against the rows (the roped part included) and
 the values read from their first value_dim columns; with each implementation it dispatches to
-(the reference; the TPU, GPU and CPU kernels, at a row width they take)."""
+(the reference; the TPU, GPU and CPU kernels, at a row width they take); one-byte pages
+widened by each, and the layer's quantized write with its q and output scales."""
 
 from __future__ import annotations
 
