@@ -111,22 +111,26 @@ def reasoning_tokenizer(template: str = QWEN3_TEMPLATE):
     return fast
 
 
-def write_reasoning_model_dir(dst: pathlib.Path, style: str = "qwen3") -> pathlib.Path:
-    """The reasoning model's directory: `style` "qwen3" (enable_thinking false closes reasoning
-    in the prompt) or "deepseek_r1" (the prompt opens it), from the qwen3 fixture's shapes."""
+def make_lookup_table(dst: pathlib.Path, chains: list[tuple[list[int], float]],
+                      zeroed: tuple[str, ...] = ("o_proj.weight", "down_proj.weight")) -> None:
+    """Rewrite dst's model.safetensors into the lookup table: the tensors whose names end with
+    `zeroed` (every layer's output projections) set to zero, so that the residual stream is the
+    last token's embedding; random embeddings; the final norm's weight one; an untied LM head
+    scoring token `nxt` by `weight` times the embedding of each token that leads to it in
+    `chains` [(token chain, weight)], so greedy decoding follows the heaviest link out of a
+    token whatever came before it."""
     import numpy as np
     from safetensors.numpy import load_file, save_file
 
-    write_model_dir(dst, "qwen3")
     tensors = load_file(dst / "model.safetensors")
     vocab, hidden = tensors["model.embed_tokens.weight"].shape
     embed = np.random.default_rng(0).standard_normal((vocab, hidden)).astype(np.float32)
     head = np.zeros_like(embed)
-    for chain in REASONING_CHAINS:
+    for chain, weight in chains:
         for token, nxt in itertools.pairwise(chain):
-            head[nxt] += 0.25 * embed[token]
+            head[nxt] += weight * embed[token]
     for name, t in tensors.items():
-        if name.endswith(("o_proj.weight", "down_proj.weight")):
+        if name.endswith(zeroed):
             tensors[name] = np.zeros_like(t)  # every layer adds nothing to the residual stream
         elif name == "model.norm.weight":
             tensors[name] = np.ones_like(t)
@@ -134,6 +138,13 @@ def write_reasoning_model_dir(dst: pathlib.Path, style: str = "qwen3") -> pathli
     save_file(tensors, dst / "model.safetensors")
     config = json.loads((dst / "config.json").read_text())
     (dst / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
+
+
+def write_reasoning_model_dir(dst: pathlib.Path, style: str = "qwen3") -> pathlib.Path:
+    """The reasoning model's directory: `style` "qwen3" (enable_thinking false closes reasoning
+    in the prompt) or "deepseek_r1" (the prompt opens it), from the qwen3 fixture's shapes."""
+    write_model_dir(dst, "qwen3")
+    make_lookup_table(dst, [(chain, 0.25) for chain in REASONING_CHAINS])
     template = {"qwen3": QWEN3_TEMPLATE, "deepseek_r1": R1_TEMPLATE}[style]
     reasoning_tokenizer(template).save_pretrained(dst)
     return dst

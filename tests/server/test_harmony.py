@@ -28,7 +28,7 @@ from jaxserve.chat import harmony
 from jaxserve.chat.tool_parsers import ToolCallStream, get_tool_parser
 from jaxserve.reasoning import get_reasoning_parser
 from tests.live_server import LiveServer, free_port
-from tests.model_dirs import write_model_dir, word_tokenizer
+from tests.model_dirs import make_lookup_table, word_tokenizer, write_model_dir
 from tests.server.conftest import app_config
 
 ANALYSIS = "<|channel|>analysis<|message|>User asks the weather.<|end|>"
@@ -351,27 +351,9 @@ REASONING, CONTENT = " w20 w21", " w30 w31"
 
 
 def write_harmony_model_dir(dst):
-    import numpy as np
-    from safetensors.numpy import load_file, save_file
-
     write_model_dir(dst, "gpt_oss", generation_config={"eos_token_id": [RETURN, CALL]})
-    tensors = load_file(dst / "model.safetensors")
-    vocab, hidden = tensors["model.embed_tokens.weight"].shape
-    embed = np.random.default_rng(0).standard_normal((vocab, hidden)).astype(np.float32)
-    head = np.zeros_like(embed)
-    for chain, weight in CHAINS:
-        for token, nxt in itertools.pairwise(chain):
-            head[nxt] += weight * embed[token]
-    for name, t in tensors.items():
-        if name.endswith(("o_proj.weight", "o_proj.bias", "experts.down_proj",
-                          "experts.down_proj_bias")):
-            tensors[name] = np.zeros_like(t)
-        elif name == "model.norm.weight":
-            tensors[name] = np.ones_like(t)
-    tensors.update({"model.embed_tokens.weight": embed, "lm_head.weight": head})
-    save_file(tensors, dst / "model.safetensors")
-    config = json.loads((dst / "config.json").read_text())
-    (dst / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
+    make_lookup_table(dst, CHAINS, zeroed=("o_proj.weight", "o_proj.bias", "experts.down_proj",
+                                           "experts.down_proj_bias"))
     _harmony_tokenizer().save_pretrained(dst)
     return dst
 
