@@ -137,7 +137,7 @@ SLOW_MODULES = (
     "tests/backends/test_accelerator_memory.py",
     "tests/server/test_fuzz.py",
     "tests/server/test_families.py",
-    "tests/server/test_gemma4_serve.py",
+    "tests/server/test_2026_models_serve.py",
     "tests/models/test_sharding_rules.py",
     "tests/engine/test_memory_from_programs.py",
     "tests/backends/test_cpu_matmul.py",

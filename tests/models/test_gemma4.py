@@ -4,7 +4,7 @@ transformers' float32 logits through each paged-attention kernel (the reference,
 GPU kernels in interpret mode, the CPU kernel), and through chunked prefill and decode steps
 tensor-parallel over 2 simulated devices; how config.json is read (also gemma4_moe: 26B-A4B's
 shape) and what is refused. Both fixtures' logits: test_arch_parity; served: tests/server/
-test_gemma4_serve.py."""
+test_2026_models_serve.py."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def _assert_logits(out, expected) -> None:
 # Each kernel on the fixture with every attention feature (gemma4: zero-padded narrow heads,
 # a repeated KV head, k = v, the KV-sharing layers' read-only attention). The MoE fixture's
 # attention is the same code: test_arch_parity and test_sharding_rules run it on "auto", the
-# serving tests (tests/server/test_gemma4_serve.py) through decode steps.
+# serving tests (tests/server/test_2026_models_serve.py) through decode steps.
 
 
 @pytest.mark.parametrize("impl", ["reference", "tpu-interpret", "gpu-interpret", "cpu"])

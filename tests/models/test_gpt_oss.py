@@ -5,7 +5,7 @@ as MXFP4 blocks and scales, as the hub's checkpoints store them): transformers' 
 logits and greedy tokens, batched and one at a time, through each paged-attention kernel and
 each MoE implementation, tensor-parallel over 2 simulated devices with the experts kept
 packed; MXFP4 decoded bit for bit as transformers decodes it; how config.json is read.
-Served: tests/server/test_moe_2026_serve.py; every MoE implementation on the float fixture:
+Served: tests/server/test_2026_models_serve.py; every MoE implementation on the float fixture:
 test_arch_parity."""
 
 from __future__ import annotations

@@ -1,6 +1,9 @@
-"""`jaxserve serve` on the Gemma 4 fixtures (tests/data/arch/gemma4, gemma4_moe; float32, the
-CPU backend's own kernels and products): the prompt log-probs are transformers', the greedy
-tokens are transformers' `generate` (through its own KV cache), the same whether the two
+"""`jaxserve serve` on the Gemma 4 fixtures (tests/data/arch/gemma4, gemma4_moe), gpt-oss's
+MXFP4 one (gpt_oss_mxfp4: the experts stored as blocks and scales, kept packed by the engine;
+the CPU runs the model's own layer since the fused one has no sinks) and DeepSeek V3's
+(deepseek_v3: multi-head latent attention over a cache of latent rows, grouped routing), in
+float32 on the CPU backend: the prompt log-probs are transformers' (on the decoded weights),
+the greedy tokens are transformers' `generate` (through its own KV cache), the same whether the two
 prompts come in one request or one at a time, and a chat completion answers. An architecture
 the registry does not serve is refused by name, with every one it does."""
 
@@ -17,7 +20,7 @@ from jaxserve.models.registry import supported_architectures
 from tests.model_dirs import write_model_dir
 from tests.server.conftest import app_config
 
-CASES = ["gemma4", "gemma4_moe"]
+CASES = ["gemma4", "gemma4_moe", "gpt_oss_mxfp4", "deepseek_v3"]
 GREEDY_TOKENS = 8  # scripts/make_arch_fixtures.py: the continuation transformers recorded
 
 
