@@ -10,20 +10,26 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from jaxserve.models.family_fields import (
+    DEEPSEEK_V3,
+    FULL_ATTENTION,
+    GEMMA4,
+    GPT_OSS,
+    SLIDING_ATTENTION,
+    deepseek_fields,
+    gemma4_fields,
+    moe_fields,
+    opt_float,
+)
 from jaxserve.models.weight_format import WeightFormat
 from jaxserve.models.quant_checkpoint import parse_quantization_config
 
 _SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope",
                          "proportional")
 
-FULL_ATTENTION = "full_attention"
-SLIDING_ATTENTION = "sliding_attention"
 
 # Families whose decoder is Llama's (with flags); the others have their own model files.
 _GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma4ForCausalLM")
-GEMMA4 = "Gemma4ForCausalLM"
-GPT_OSS = "GptOssForCausalLM"
-DEEPSEEK_V3 = "DeepseekV3ForCausalLM"
 _MOE = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", GPT_OSS, DEEPSEEK_V3)
 # Families whose HF config sets `tie_word_embeddings` by default when config.json omits it.
 _TIED_BY_DEFAULT = _GEMMA
@@ -289,16 +295,16 @@ class ArchConfig:
             gemma = dict(swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
                          swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)))
         elif arch == DEEPSEEK_V3:
-            gemma = _deepseek_fields(hf)
+            gemma = deepseek_fields(hf)
             head_dim = gemma["qk_rope_head_dim"]  # the rotated width (as transformers' config)
         elif arch == GEMMA4:
-            gemma = _gemma4_fields(hf, layer_types, num_layers, num_kv, head_dim)
+            gemma = gemma4_fields(hf, layer_types, num_layers, num_kv, head_dim)
         elif arch in _GEMMA:
             gemma = dict(
                 query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)),
-                final_logit_softcapping=_opt_float(hf.get("final_logit_softcapping", 30.0 if arch == _GEMMA[0] else None)),
+                final_logit_softcapping=opt_float(hf.get("final_logit_softcapping", 30.0 if arch == _GEMMA[0] else None)),
                 # transformers applies the attention soft cap in Gemma 2 only (Gemma 3 ignores the key)
-                attn_logit_softcapping=(_opt_float(hf.get("attn_logit_softcapping", 50.0))
+                attn_logit_softcapping=(opt_float(hf.get("attn_logit_softcapping", 50.0))
                                         if arch == "Gemma2ForCausalLM" else None),
             )
         return cls(
@@ -328,7 +334,7 @@ class ArchConfig:
             layer_types=layer_types,
             hidden_act=act,
             **gemma,
-            **_parse_moe(arch, hf, num_layers),
+            **moe_fields(arch, hf, num_layers),
             eos_token_ids=eos_ids,
             bos_token_id=hf.get("bos_token_id"),
             int8_block_size=block,
@@ -365,10 +371,6 @@ def _stored_quantization(hf: dict[str, Any]) -> tuple[int | None, WeightFormat |
             and qc.get("kv_cache_scheme")):
         return None, None  # only the KV cache's scales (runner/kv_scales.py): float weights
     return None, parse_quantization_config(qc)
-
-
-def _opt_float(x) -> float | None:
-    return None if x is None else float(x)
 
 
 def _nested(params: dict) -> bool:
@@ -417,123 +419,6 @@ def _parse_layers(arch: str, hf: dict[str, Any], num_layers: int) -> tuple[int |
     if types and all(t == FULL_ATTENTION for t in types):
         window, types = None, ()
     return window, types
-
-
-def _gemma4_fields(hf: dict[str, Any], layer_types: tuple[str, ...], num_layers: int, num_kv: int,
-                   head_dim: int) -> dict[str, Any]:
-    """Gemma 4's fields, with transformers' defaults for the keys config.json leaves out."""
-    if hf.get("use_bidirectional_attention") == "all":
-        raise ValueError("Gemma4ForCausalLM with use_bidirectional_attention='all' (an encoder) "
-                         "is not supported: jaxserve serves causal decoders")
-    global_dim, global_kv = _gemma4_global_heads(hf, layer_types, num_layers)
-    if global_kv is not None and num_kv % global_kv and global_kv % num_kv:
-        raise ValueError(f"Gemma4ForCausalLM: the full-attention layers' {global_kv} KV heads "
-                         f"and the others' {num_kv} must divide one another (the cache holds "
-                         "the most of them)")
-    shared = int(hf.get("num_kv_shared_layers") or 0)
-    if shared:
-        first = num_layers - shared
-        kinds = set(layer_types) if layer_types else {FULL_ATTENTION}
-        if first <= 0 or set(layer_types[:first] if layer_types else kinds) != kinds:
-            raise ValueError(f"Gemma4ForCausalLM: num_kv_shared_layers={shared} leaves no "
-                             "earlier layer of each attention type to read the KV of")
-    return dict(
-        query_pre_attn_scalar=1.0,  # scores scaled by 1: the q/k norms set their size
-        final_logit_softcapping=_opt_float(hf.get("final_logit_softcapping")),
-        attn_logit_softcapping=None,
-        global_head_dim=global_dim if global_dim != head_dim else None,
-        global_kv_heads=global_kv if global_kv not in (None, num_kv) else None,
-        global_k_eq_v=bool(hf.get("attention_k_eq_v", False)),
-        per_layer_input_size=int(hf.get("hidden_size_per_layer_input", 256) or 0),
-        per_layer_vocab_size=int(hf.get("vocab_size_per_layer_input", 262_144) or 0),
-        num_kv_shared_layers=shared,
-        double_wide_mlp=bool(hf.get("use_double_wide_mlp", False)),
-    )
-
-
-def _deepseek_fields(hf: dict[str, Any]) -> dict[str, Any]:
-    """DeepSeek V3's MLA and routing fields, with transformers' defaults."""
-    q_rank = hf.get("q_lora_rank", 1536)
-    scoring = hf.get("scoring_func", "sigmoid")
-    topk = hf.get("topk_method", "noaux_tc")
-    if scoring != "sigmoid" or topk != "noaux_tc":
-        raise ValueError(f"DeepseekV3ForCausalLM with scoring_func={scoring!r}, topk_method="
-                         f"{topk!r} is not supported (only sigmoid scores, 'noaux_tc')")
-    n_group = int(hf.get("n_group") or 1)
-    experts = int(hf.get("n_routed_experts", 256))
-    if experts % n_group:
-        raise ValueError(f"DeepseekV3ForCausalLM: n_routed_experts={experts} must split into "
-                         f"n_group={n_group} equal groups")
-    return dict(
-        q_lora_rank=None if q_rank is None else int(q_rank),
-        kv_lora_rank=int(hf.get("kv_lora_rank", 512)),
-        qk_nope_head_dim=int(hf.get("qk_nope_head_dim", 128)),
-        qk_rope_head_dim=int(hf.get("qk_rope_head_dim", 64)),
-        v_head_dim=int(hf.get("v_head_dim", 128)),
-        rope_interleave=bool(hf.get("rope_interleave", True)),
-        n_group=n_group,
-        topk_group=int(hf.get("topk_group") or 1),
-        routed_scaling_factor=float(hf.get("routed_scaling_factor", 2.5)),
-        n_shared_experts=int(hf.get("n_shared_experts") or 0),
-        num_mtp_layers=int(hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers", 1)) or 0),
-    )
-
-
-def _gemma4_global_heads(hf: dict[str, Any], layer_types: tuple[str, ...], num_layers: int
-                         ) -> tuple[int, int | None]:
-    """(head dim, KV heads or None) of Gemma 4's full-attention layers: from `per_layer_config`
-    (transformers 5.25's config.json) or `global_head_dim` / `num_global_key_value_heads`."""
-    full = [i for i in range(num_layers) if not layer_types or layer_types[i] == FULL_ATTENTION]
-    per_layer = hf.get("per_layer_config")
-    if isinstance(per_layer, dict):
-        overrides = {int(k): v or {} for k, v in per_layer.items() if str(k).isdigit()}
-        if set(overrides) - set(full):
-            raise ValueError("Gemma4ForCausalLM: per_layer_config overrides sliding-window "
-                             f"layers {sorted(set(overrides) - set(full))}; only the "
-                             "full-attention layers may differ")
-        found = {(o.get("head_dim"), o.get("num_key_value_heads")) for o in overrides.values()}
-        found |= {(None, None)} if set(full) - set(overrides) else set()
-        keys = {k for o in overrides.values() for k in o}
-        if len(found) > 1 or keys - {"head_dim", "num_key_value_heads"}:
-            raise ValueError(f"Gemma4ForCausalLM: per_layer_config {per_layer} is not supported "
-                             "(the full-attention layers must share one head_dim and KV head "
-                             "count)")
-        dim, kv = found.pop()
-        return int(dim or hf.get("head_dim") or 256), (None if kv is None else int(kv))
-    dim = int(hf.get("global_head_dim", 512))
-    kv = hf.get("num_global_key_value_heads") if hf.get("attention_k_eq_v", True) else None
-    return dim, (None if kv is None else int(kv))
-
-
-def _parse_moe(arch: str, hf: dict[str, Any], num_layers: int) -> dict[str, Any]:
-    if arch == "MixtralForCausalLM":
-        return dict(num_experts=int(hf["num_local_experts"]), num_experts_per_tok=int(hf["num_experts_per_tok"]),
-                    moe_intermediate_size=int(hf["intermediate_size"]), norm_topk_prob=True)
-    if arch == "Qwen3MoeForCausalLM":
-        step = int(hf.get("decoder_sparse_step", 1))
-        dense_only = set(hf.get("mlp_only_layers") or ())
-        n = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)  # 4.x / 5.x name
-        layers = tuple(i not in dense_only and n > 0 and (i + 1) % step == 0 for i in range(num_layers))
-        return dict(num_experts=n, num_experts_per_tok=int(hf["num_experts_per_tok"]),
-                    moe_intermediate_size=int(hf["moe_intermediate_size"]),
-                    norm_topk_prob=bool(hf.get("norm_topk_prob", False)), moe_layers=layers)
-    if arch == GPT_OSS:  # top-k of the router's logits, softmax over them: normalised
-        return dict(num_experts=int(hf.get("num_local_experts", 128)),
-                    num_experts_per_tok=int(hf.get("num_experts_per_tok")
-                                            or hf.get("experts_per_token") or 4),
-                    moe_intermediate_size=int(hf["intermediate_size"]), norm_topk_prob=True)
-    if arch == DEEPSEEK_V3:  # dense MLPs in the first `first_k_dense_replace` layers
-        first_moe = int(hf.get("first_k_dense_replace") or 0)
-        return dict(num_experts=int(hf.get("n_routed_experts", 256)),
-                    num_experts_per_tok=int(hf.get("num_experts_per_tok") or 8),
-                    moe_intermediate_size=int(hf.get("moe_intermediate_size", 2048)),
-                    norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
-                    moe_layers=tuple(i >= first_moe for i in range(num_layers)))
-    if arch == GEMMA4 and hf.get("enable_moe_block"):  # experts beside the dense MLP, every layer
-        return dict(num_experts=int(hf["num_experts"]),
-                    num_experts_per_tok=int(hf["top_k_experts"]),
-                    moe_intermediate_size=int(hf["moe_intermediate_size"]), norm_topk_prob=True)
-    return {}
 
 
 def _parse_rope(arch: str, hf: dict[str, Any], max_pos: int
@@ -588,10 +473,10 @@ def _rope_from_dict(arch: str, d: dict[str, Any], hf: dict[str, Any], max_pos: i
         original_max_position_embeddings=original,
         beta_fast=float(d.get("beta_fast") or 32.0),
         beta_slow=float(d.get("beta_slow") or 1.0),
-        mscale=_opt_float(d.get("mscale")),
-        mscale_all_dim=_opt_float(d.get("mscale_all_dim")),
+        mscale=opt_float(d.get("mscale")),
+        mscale_all_dim=opt_float(d.get("mscale_all_dim")),
         truncate=bool(d.get("truncate", True)),
-        attention_factor=_opt_float(d.get("attention_factor")),
+        attention_factor=opt_float(d.get("attention_factor")),
         short_factor=tuple(float(x) for x in d.get("short_factor") or ()),
         long_factor=tuple(float(x) for x in d.get("long_factor") or ()),
     )
