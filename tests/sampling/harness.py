@@ -41,19 +41,15 @@ def jitted(config: SamplerConfig):
     )
 
 
-def feed(config, state, reqs, reset_slots, num_tokens: int, count_slots=None):
+def feed(config, state, reqs, reset_slots, num_tokens: int, count_slots):
     """One step that feeds every request's prompt then outputs (contiguous per request).
-    `count_slots`: the slots whose counts to keep (the step's `penalty_slots(meta)`); None:
-    every request's."""
+    `count_slots`: the slots whose counts to keep (the step's `penalty_slots(meta)`)."""
     _, update, _ = jitted(config)
     slots, toks, is_prompt = [], [], []
     for r in reqs:
         slots += [r.slot] * (len(r.prompt) + len(r.outputs))
         toks += list(r.prompt) + list(r.outputs)
         is_prompt += [True] * len(r.prompt) + [False] * len(r.outputs)
-    if count_slots is None:  # as many as reset_slots (one shape across steps), S = none
-        mine = [r.slot for r in reqs]
-        count_slots = mine + [config.max_num_seqs] * (len(reset_slots) - len(mine))
     n = len(toks)
     assert n <= num_tokens
     pad = num_tokens - n
