@@ -36,6 +36,7 @@ from jaxserve.sampling import (
     SamplerConfig,
     SamplingMetadataBuilder,
     init_sampling_state,
+    penalty_slots,
     prompt_logprobs,
     sample,
     update_state_from_tokens,
@@ -114,7 +115,8 @@ def main() -> None:
         T = 2048  # history: prompt and output tokens of every row
         tok_slots = np.repeat(slots, T // R).astype(np.int32)
         state = update(state, tok_slots, rng.integers(0, V, T).astype(np.int32),
-                       np.tile(np.arange(T // R) < 40, R), np.ones(T, bool), meta.reset_slots)
+                       np.tile(np.arange(T // R) < 40, R), np.ones(T, bool), meta.reset_slots,
+                       penalty_slots(meta))
         t0 = time.perf_counter()
         for _ in range(200):
             b.build(slots, out_lens, R)

@@ -28,7 +28,7 @@ from jaxserve.models.layers.lora import LoRABatch
 from jaxserve.runner.step_buffers import BufferLayout
 from jaxserve.runner.step_inputs import ModelInputs, TokenInfo, pack_rows
 from jaxserve.sampling.config import SamplerConfig
-from jaxserve.sampling.metadata import SamplingMetadata, SamplingMetadataBuilder
+from jaxserve.sampling.metadata import SamplingMetadata, SamplingMetadataBuilder, penalty_slots
 from jaxserve.sampling.sampler import prompt_logprobs, sample, sample_with_extra
 from jaxserve.sampling.state import (
     init_sampling_state,
@@ -94,7 +94,8 @@ class StepFunction:
         written) -> logits at each row's token. Returns (kv, sstate, logits [R, V], hidden
         [T, E])."""
         input_ids = resolve_pending_tokens(sstate, inputs.input_ids, tok.slots)
-        sstate = update_state_from_tokens(sstate, tok.slots, input_ids, tok.is_prompt, tok.valid, meta.reset_slots)
+        sstate = update_state_from_tokens(sstate, tok.slots, input_ids, tok.is_prompt, tok.valid,
+                                          meta.reset_slots, penalty_slots(meta))
         hidden, kv = model(input_ids, inputs.positions, kv, inputs.md, self.layer_impl, lora=lora)  # [T, E]
         return kv, sstate, model.compute_logits(hidden[inputs.logits_indices]), hidden
 

@@ -4,7 +4,7 @@ Inside the step (all shapes fixed by the bucket (T, R) and the SamplerConfig; no
 feature mix or batch composition changes a shape or a static argument):
 
     state = update_state_from_tokens(state, slots[T], input_ids[T], is_prompt[T], valid[T],
-                                     meta.reset_slots)
+                                     meta.reset_slots, penalty_slots(meta))
     out = sample(logits[R, V], meta, state, config)   # -> SamplerOutput
 
 On the host, every step: `builder.admit(slot, params, eos_ids, bad_words_ids)` for requests
@@ -30,7 +30,7 @@ Design notes (measured at R=32, V=49152 on the 2-core development CPU):
 _EXPORTS = {
     "SamplerConfig": "config",
     "SamplingMetadata": "metadata", "SamplingMetadataBuilder": "metadata", "abstract_metadata": "metadata",
-    "row_uniforms": "metadata",
+    "penalty_slots": "metadata", "row_uniforms": "metadata", "uses_penalties": "metadata",
     "SamplerOutput": "sampler", "prompt_logprobs": "sampler", "sample": "sampler",
     "SamplingState": "state", "SlotRowsWrite": "state", "init_sampling_state": "state",
     "update_state_from_tokens": "state", "write_slot_rows": "state",

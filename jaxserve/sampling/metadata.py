@@ -19,6 +19,7 @@ import dataclasses
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.sampling.config import SamplerConfig
@@ -49,6 +50,25 @@ class SamplingMetadata:
     # [R, ceil(V/32)] int32 structured output's allowed tokens (bit t % 32 of word t // 32);
     # all ones (-1) for free rows. The builder always sets it; None: nothing is masked.
     token_bitmask: jax.Array | None = None
+
+
+def uses_penalties(meta: SamplingMetadata) -> jax.Array:
+    """[R] bool: the rows whose request asks for a presence, frequency or repetition penalty
+    (fixed at admission, so the same in every step of the request)."""
+    return (
+        (meta.presence_penalty != 0.0)
+        | (meta.frequency_penalty != 0.0)
+        | (meta.repetition_penalty != 1.0)
+    )
+
+
+def penalty_slots(meta: SamplingMetadata) -> jax.Array:
+    """[R] int32: the slot of each row that uses penalties, -1 for the others: the slots whose
+    token counts `update_state_from_tokens` keeps. Every request with tokens in a step has a
+    row in it (one that samples nothing while its prompt is being prefilled), so the slot of a
+    request with penalties counts all its prompt and output tokens, and no other request's
+    counts are ever read."""
+    return jnp.where(uses_penalties(meta), meta.slots, -1)
 
 
 def abstract_metadata(config: SamplerConfig, num_rows: int) -> SamplingMetadata:

@@ -53,11 +53,12 @@ def argmax_first(
     b = block if block is not None else block_size(V, 256)
     if b == 1:
         return jnp.argmax(x, axis=-1).astype(jnp.int32)
-    xb = x.reshape(R, V // b, b)
-    bmax = xb.max(-1) if bmax is None else bmax  # [R, nb]
+    bmax = x.reshape(R, V // b, b).max(-1) if bmax is None else bmax  # [R, nb]
     m = bmax.max(-1, keepdims=True)  # [R, 1]
     blk = jnp.argmax(bmax == m, axis=-1).astype(jnp.int32)  # [R] first block holding the max
-    g = jnp.take_along_axis(xb, blk[:, None, None], axis=1)[:, 0]  # [R, b]
+    # The block gathered from x itself: x reshaped to blocks is a relayout on a TPU (a pass)
+    cols = blk[:, None] * b + jnp.arange(b, dtype=jnp.int32)[None, :]
+    g = jnp.take_along_axis(x, cols, axis=1)  # [R, b]
     return blk * b + jnp.argmax(g == m, axis=-1).astype(jnp.int32)
 
 

@@ -49,7 +49,7 @@ import jax.numpy as jnp
 from jaxserve.sampling import native as native_impls
 from jaxserve.sampling import ops
 from jaxserve.sampling.config import SamplerConfig
-from jaxserve.sampling.metadata import SamplingMetadata
+from jaxserve.sampling.metadata import SamplingMetadata, uses_penalties
 from jaxserve.sampling.state import PAD_WORD, SamplingState, output_counts
 
 NEG_INF = float("-inf")
@@ -117,11 +117,7 @@ def sample_with_extra(
     # conditional costs a GPU a predicate read back by the host), the features' own
     # conditionals nested in it. `choose` sits inside the branches, so the untouched logits
     # are never copied through a cond.
-    pen = (
-        (meta.presence_penalty != 0.0)
-        | (meta.frequency_penalty != 0.0)
-        | (meta.repetition_penalty != 1.0)
-    )
+    pen = uses_penalties(meta)
     use_rows, stops = jnp.any(meta.use_slot_rows), jnp.any(meta.stop_ids >= 0)
 
     def processed():
@@ -224,19 +220,44 @@ def _process(x, meta, state, any_rows, any_pen, bitmask=None):
 def _apply_bias(x: jax.Array, meta: SamplingMetadata, state: SamplingState) -> jax.Array:
     """Step 1, dense part: + the slot's row (logit_bias; -inf for tokens outside
     allowed_token_ids and for single-token bad words)."""
-    bias = state.logit_bias[meta.slots]  # [R, V]
+    bias = _slot_rows(state.logit_bias, meta.slots)  # [R, V]
     return jnp.where(meta.use_slot_rows[:, None], x + bias, x)
+
+
+def _slot_rows(table: jax.Array, slots: jax.Array) -> jax.Array:
+    """table[slots]: the rows [R, ...] of a per-slot table of the sampling state ([S, ...]).
+
+    On a TPU, one dynamic slice a row (a loop over the R rows): XLA:TPU copies a table that a
+    gather reads, whole, into on-chip memory before the conditional whose branch holds the
+    gather, in every step, whether the branch runs or not (an [S, V] table: the largest array
+    a plain decode step moved), while it reads a dynamic slice's row where it lies. Elsewhere
+    one gather (a loop costs a GPU a predicate read back to the host each trip)."""
+    return jax.lax.platform_dependent(
+        table, slots, tpu=_slot_rows_by_loop, default=lambda t, s: t[s]
+    )
+
+
+def _slot_rows_by_loop(table: jax.Array, slots: jax.Array) -> jax.Array:
+    """_slot_rows' rows, one dynamic slice each."""
+    R = slots.shape[0]
+
+    def row(i, out):
+        r = jax.lax.dynamic_slice_in_dim(table, slots[i], 1, 0)
+        return jax.lax.dynamic_update_slice_in_dim(out, r, i, 0)
+
+    return jax.lax.fori_loop(0, R, row, jnp.zeros((R,) + table.shape[1:], table.dtype))
 
 
 def _bans(meta: SamplingMetadata, state: SamplingState, any_rows, V: int) -> jax.Array:
     """[R, B+M] token ids to set to -inf (V = none): multi-token bad words whose prefix matches
     the last outputs (step 1), and min_tokens' stop ids (step 2)."""
     R = meta.slots.shape[0]
-    B, L = state.bad_words.shape[1:]
+    L = state.recent_outputs.shape[1] + 1
+    B = state.bad_words.shape[1] // L
 
     def words():
-        table = state.bad_words[meta.slots]  # [R, B, L]
-        recent = state.recent_outputs[meta.slots]  # [R, L-1]
+        table = _slot_rows(state.bad_words, meta.slots).reshape(R, B, L)  # [R, B, L]
+        recent = _slot_rows(state.recent_outputs, meta.slots)  # [R, L-1]
         prefix, last = table[:, :, : L - 1], table[:, :, L - 1]  # [R, B, L-1], [R, B]
         match = jnp.all((prefix == PAD_WORD) | (prefix == recent[:, None, :]), axis=-1)
         return jnp.where(match & (last >= 0) & meta.use_slot_rows[:, None], last, V)
@@ -248,7 +269,7 @@ def _bans(meta: SamplingMetadata, state: SamplingState, any_rows, V: int) -> jax
 
 def _apply_penalties(x: jax.Array, meta: SamplingMetadata, state: SamplingState) -> jax.Array:
     """Step 3, vLLM's apply_penalties (neutral parameters leave a row bit-identical)."""
-    packed = state.token_counts[meta.slots]  # [R, V] int32: output counts and prompt bits
+    packed = _slot_rows(state.token_counts, meta.slots)  # [R, V] int32: output counts, prompt bits
     counts = output_counts(packed)
     out_mask = counts > 0
     seen = packed != 0  # in the prompt or the outputs

@@ -4,9 +4,11 @@ A running request owns a slot s in [0, S). The step calls `update_state_from_tok
 INPUT tokens before sampling: prompt tokens set their prompt bit in `token_counts`, output tokens
 (a decode step feeds the token sampled by the previous step; a request recomputed after
 preemption re-feeds its outputs) increment their count there and shift into `recent_outputs`, so
-at sampling time the state describes exactly prompt ∪ outputs-so-far. Slots of newly admitted
-requests are reset first (in the same call). Every update writes only the elements (or rows) it
-changes, in place in the donated state: nothing in a step copies an [S, V] array.
+at sampling time the state describes exactly prompt ∪ outputs-so-far. Only the slots of requests
+with penalties keep counts (`metadata.penalty_slots`; no other request reads its counts), and a
+step without such a request writes none. Slots of newly admitted requests are reset first (in
+the same call). Every update writes only the elements (or rows) it changes, in place in the
+donated state: nothing in a step copies or rewrites an [S, V] array.
 
 The prompt mask and the output counts share one int32 array (`output_counts` and `prompt_mask`
 read them apart): the penalties read one [R, V] array instead of two, and there is no boolean
@@ -33,6 +35,9 @@ from jaxserve.sampling.config import SamplerConfig
 PAD_WORD = -2  # bad-word table filler: "any token" in a prefix position, "no word" as last token
 PROMPT_BIT = 1 << 30  # token_counts: set when the token occurs in the prompt
 COUNT_MASK = PROMPT_BIT - 1  # token_counts: the bits that count the outputs
+# A TPU step of at most this many tokens updates a counted slot's row in one fused pass over it
+# (a [T, V] comparison); a larger one scatters into the row
+DENSE_COUNT_TOKENS = 64
 
 
 @jax.tree_util.register_dataclass
@@ -42,7 +47,10 @@ class SamplingState:
     # (PROMPT_BIT) set when the token occurs in its prompt
     token_counts: jax.Array
     logit_bias: jax.Array  # [S, V] float32 bias, -inf for disallowed / single-token bad words
-    bad_words: jax.Array  # [S, B, L] int32 multi-token bad words, right-aligned, PAD_WORD-filled
+    # [S, B * L] int32 the slot's [B, L] table of multi-token bad words, right-aligned,
+    # PAD_WORD-filled, one row a slot (a TPU lays an [S, B, L] array out with the slots as its
+    # minor dimension, and then copies it whole to read one slot's table)
+    bad_words: jax.Array
     recent_outputs: jax.Array  # [S, L-1] int32 last L-1 output tokens (oldest first), -1 = none
     # [S] int32 the token the slot's request sampled last: the input of its next step when the
     # host has not seen it yet (overlapped steps; see runner/model_runner.py)
@@ -65,7 +73,7 @@ def init_sampling_state(config: SamplerConfig) -> SamplingState:
     return SamplingState(
         token_counts=jnp.zeros((S, V), jnp.int32),
         logit_bias=jnp.zeros((S, V), jnp.float32),
-        bad_words=jnp.full((S, B, L), PAD_WORD, jnp.int32),
+        bad_words=jnp.full((S, B * L), PAD_WORD, jnp.int32),
         recent_outputs=jnp.full((S, L - 1), -1, jnp.int32),
         last_tokens=jnp.zeros((S,), jnp.int32),
     )
@@ -128,7 +136,8 @@ def write_slot_rows(state: SamplingState, rows: SlotRowsWrite) -> SamplingState:
     return dataclasses.replace(
         state,
         logit_bias=state.logit_bias.at[slots].set(jnp.asarray(rows.logit_bias), mode="drop"),
-        bad_words=state.bad_words.at[slots].set(jnp.asarray(rows.bad_words), mode="drop"),
+        bad_words=state.bad_words.at[slots].set(
+            jnp.asarray(rows.bad_words).reshape(slots.shape[0], -1), mode="drop"),
     )
 
 
@@ -176,6 +185,75 @@ def _reset_by_loop(counts: jax.Array, recent: jax.Array, reset_slots: jax.Array)
     return jax.lax.fori_loop(0, n, clear, (counts, recent))
 
 
+def _count(counts, slots, tokens, is_prompt, ok, count_slots):
+    """Fold the step's tokens of the slots in `count_slots` ([N], S = none; repeats allowed)
+    into their rows of `counts`: a prompt token sets its prompt bit, an output token adds one
+    to its count. The other slots' rows are left alone: no other request reads its counts.
+
+    On a GPU and the CPU: one scatter of the counted tokens (the others dropped), which writes
+    only the elements it keeps (XLA:GPU runs a data-dependent loop by reading its predicate
+    back to the host each trip). On a TPU, whose scatter into an [S, V] array reads and writes
+    all of it (on the SparseCore), whatever the elements it keeps: a loop over the distinct
+    slots to count (none in a step without penalties), each trip one row read, updated by the
+    slot's tokens and written back in place (a small step's update is dense: the SparseCore's
+    scatter into the row would copy it out and back)."""
+    S = counts.shape[0]
+    counted = jnp.zeros((S + 1,), jnp.bool_).at[count_slots].set(True)[:S]  # [S]
+    keep = ok & counted[jnp.minimum(slots, S - 1)]  # [T]
+    return jax.lax.platform_dependent(
+        counts, slots, tokens, is_prompt, keep, count_slots,
+        tpu=_count_by_loop, default=_count_by_scatter,
+    )
+
+
+def _row_updates(slots, tokens, is_prompt, keep, size):
+    """(prompt rows, output rows, columns) of a scatter of the kept tokens into an array of
+    `size` rows (the others: row `size`, dropped). A scatter of one element is rewritten by
+    XLA into a dynamic slice and update, which the SPMD partitioner cannot keep on the device
+    holding that part of a vocabulary-split array (it gathers the whole array): a one-token
+    step scatters one more, dropped, element."""
+
+    def pad(a, v):
+        return jnp.concatenate([a, jnp.full((1,), v, a.dtype)]) if tokens.shape[0] == 1 else a
+
+    prompt_rows = pad(jnp.where(keep & is_prompt, slots, size), size)
+    out_rows = pad(jnp.where(keep & ~is_prompt, slots, size), size)
+    return prompt_rows, out_rows, pad(tokens, 0)
+
+
+def _count_by_scatter(counts, slots, tokens, is_prompt, keep, count_slots):
+    """_count's tokens scattered into [S, V] (the others dropped)."""
+    prompt_rows, out_rows, tokens = _row_updates(slots, tokens, is_prompt, keep, counts.shape[0])
+    counts = counts.at[prompt_rows, tokens].apply(lambda c: c | PROMPT_BIT, mode="drop")
+    return counts.at[out_rows, tokens].add(1, mode="drop")
+
+
+def _count_by_loop(counts, slots, tokens, is_prompt, keep, count_slots):
+    """_count's rows updated one distinct slot a trip, in place."""
+    S, V = counts.shape
+    todo = jnp.sort(count_slots)  # the slots to count first (repeats side by side), then S's
+    repeat = jnp.concatenate([jnp.zeros((1,), jnp.bool_), todo[1:] == todo[:-1]])
+    n = jnp.sum(todo < S)
+
+    def count(i, counts):
+        s = todo[i]
+        mine = keep & (slots == s) & ~repeat[i]  # a repeat's trip writes its row unchanged
+        row = jax.lax.dynamic_slice(counts, (s, 0), (1, V))
+        if tokens.shape[0] <= DENSE_COUNT_TOKENS:
+            hit = tokens[:, None] == jnp.arange(V, dtype=jnp.int32)[None, :]  # [T, V]
+            bits = jnp.any(hit & (mine & is_prompt)[:, None], axis=0)
+            adds = jnp.sum(hit & (mine & ~is_prompt)[:, None], axis=0, dtype=jnp.int32)
+            row = (row | jnp.where(bits, PROMPT_BIT, 0)) + adds
+        else:
+            prompt_rows, out_rows, cols = _row_updates(
+                jnp.zeros_like(slots), tokens, is_prompt, mine, 1)  # rows of the [1, V] row
+            row = row.at[prompt_rows, cols].apply(lambda c: c | PROMPT_BIT, mode="drop")
+            row = row.at[out_rows, cols].add(1, mode="drop")
+        return jax.lax.dynamic_update_slice(counts, row, (s, 0))
+
+    return jax.lax.fori_loop(0, n, count, counts)
+
+
 def update_state_from_tokens(
     state: SamplingState,
     slots: jax.Array,  # [T] int32 slot of each input token
@@ -183,6 +261,7 @@ def update_state_from_tokens(
     is_prompt: jax.Array,  # [T] bool  prompt token (else an output token being re-fed)
     valid: jax.Array,  # [T] bool  False for padding tokens
     reset_slots: jax.Array,  # [N] int32 slots to clear first (newly admitted); >= S = none
+    count_slots: jax.Array,  # [N] int32 slots whose token counts to keep (penalties); >= S = none
 ) -> SamplingState:
     """Fold the step's input tokens into the per-slot state. Jittable, shapes fixed by T and N.
 
@@ -197,22 +276,13 @@ def update_state_from_tokens(
 
     slots = jnp.asarray(slots, jnp.int32)
     token_ids = jnp.asarray(token_ids, jnp.int32)
-    T = token_ids.shape[0]
     ok = valid & (slots >= 0) & (slots < S) & (token_ids >= 0) & (token_ids < V)
     is_out = ok & ~is_prompt
-    prompt_rows = jnp.where(ok & is_prompt, slots, S)  # [T]
     out_rows = jnp.where(is_out, slots, S)  # [T]
-    # A scatter of one element is rewritten by XLA into a dynamic slice and update, which the
-    # SPMD partitioner cannot keep on the device holding that part of a vocabulary-split array
-    # (it gathers the whole [S, V] array): a one-token step scatters one more, dropped, element.
-    def pad(a, v):
-        return jnp.concatenate([a, jnp.full((1,), v, a.dtype)]) if T == 1 else a
-
-    tokens = pad(token_ids, 0)
-    counts = state.token_counts.at[pad(prompt_rows, S), tokens].apply(
-        lambda c: c | PROMPT_BIT, mode="drop"
-    )
-    counts = counts.at[pad(out_rows, S), tokens].add(1, mode="drop")
+    count_slots = jnp.asarray(count_slots, jnp.int32)
+    count_slots = jnp.where((count_slots >= 0) & (count_slots < S), count_slots, S)
+    counts = _count(state.token_counts, jnp.where(ok, slots, S), token_ids, is_prompt, ok,
+                    count_slots)
 
     recent = state.recent_outputs
     if W > 0:

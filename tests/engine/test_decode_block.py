@@ -162,6 +162,31 @@ def test_requests_arriving_and_finishing_while_others_are_inside_blocks(multi, s
         assert done[rid] == alone, rid
 
 
+def test_a_request_with_penalties_that_joins_plain_ones_counts_its_tokens(multi, single):
+    """The sampling state keeps token counts only for the requests with penalties, in every
+    step their tokens are in: a greedy request with penalties that arrives while plain greedy
+    ones decode (in single steps and blocks), and shares its steps with them and with a
+    later plain arrival, gets the tokens it gets alone, which its penalties change; the plain
+    ones get theirs."""
+    pen = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, repetition_penalty=1.5,
+                         frequency_penalty=0.7, presence_penalty=0.5)
+    plain = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    arrivals = {0: [("a", 0, plain), ("b", 1, plain)], 3: [("pen", 2, pen)], 6: [("c", 3, plain)]}
+    for llm in (multi, single):
+        engine, done, step = llm.engine, {}, 0
+        while step <= max(arrivals) or engine.has_unfinished_requests():
+            for rid, i, params in arrivals.get(step, []):
+                engine.add_request(rid, PROMPTS[i], params)
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out.outputs[0].token_ids
+            step += 1
+        for rid, i, params in (x for xs in arrivals.values() for x in xs):
+            assert done[rid] == tokens(single, [PROMPTS[i]], params)[0], rid
+    unpenalised = pen.clone(repetition_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0)
+    assert done["pen"] != tokens(single, [PROMPTS[2]], unpenalised)[0]
+
+
 def test_prompt_logprobs_belong_to_single_steps_and_blocks_follow(multi, single):
     """Prompt log-probs are computed by prefill rows, which never run in a block; the request's
     decode rows do."""

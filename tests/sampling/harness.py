@@ -12,6 +12,7 @@ from jaxserve.sampling import (
     SamplerConfig,
     SamplingMetadataBuilder,
     init_sampling_state,
+    penalty_slots,
     sample,
     update_state_from_tokens,
     write_slot_rows,
@@ -40,8 +41,9 @@ def jitted(config: SamplerConfig):
     )
 
 
-def feed(config, state, reqs, reset_slots, num_tokens: int):
-    """One step that feeds every request's prompt then outputs (contiguous per request)."""
+def feed(config, state, reqs, reset_slots, num_tokens: int, count_slots):
+    """One step that feeds every request's prompt then outputs (contiguous per request).
+    `count_slots`: the slots whose counts to keep (the step's `penalty_slots(meta)`)."""
     _, update, _ = jitted(config)
     slots, toks, is_prompt = [], [], []
     for r in reqs:
@@ -58,6 +60,7 @@ def feed(config, state, reqs, reset_slots, num_tokens: int):
         np.asarray(is_prompt + [False] * pad),
         np.asarray([True] * n + [False] * pad),
         np.asarray(reset_slots, np.int32),
+        np.asarray(count_slots, np.int32),
     )
 
 
@@ -72,5 +75,5 @@ def build(config: SamplerConfig, reqs: list[Req], num_rows: int, seed: int = 0,
     for w in b.take_slot_writes():
         state = write(state, w)
     meta = b.build([r.slot for r in reqs], [len(r.outputs) for r in reqs], num_rows)
-    state = feed(config, state, reqs, meta.reset_slots, num_tokens)
+    state = feed(config, state, reqs, meta.reset_slots, num_tokens, penalty_slots(meta))
     return state, meta, b

@@ -17,7 +17,7 @@ from jaxserve.sampling import (
     row_uniforms,
 )
 from jaxserve.sampling import state as state_mod
-from jaxserve.sampling.state import output_counts, prompt_mask
+from jaxserve.sampling.state import PROMPT_BIT, output_counts, prompt_mask
 from jaxserve.sampling_params import SamplingParams
 from tests.sampling.harness import Req, feed, jitted
 
@@ -36,21 +36,29 @@ class Mirror:
     def reset(self, s):
         self.prompt[s], self.outputs[s] = set(), []
 
-    def check(self, state):
+    def check(self, state, counted=range(S)):
+        """Every slot's window of recent outputs; the counts of the `counted` slots (those of
+        requests with penalties), and none in the others' rows."""
         counts = np.asarray(output_counts(state.token_counts))
         pm = np.asarray(prompt_mask(state.token_counts))
         recent = np.asarray(state.recent_outputs)
         W = recent.shape[1]
         for s in range(S):
-            np.testing.assert_array_equal(counts[s], np.bincount(self.outputs[s], minlength=V))
+            kept = s in counted
+            np.testing.assert_array_equal(
+                counts[s], np.bincount(self.outputs[s] if kept else [], minlength=V))
             want = np.zeros(V, bool)
-            want[list(self.prompt[s])] = True
+            want[list(self.prompt[s]) if kept else []] = True
             np.testing.assert_array_equal(pm[s], want)
             tail = self.outputs[s][-W:]
             np.testing.assert_array_equal(recent[s], [-1] * (W - len(tail)) + tail)
 
 
-def test_state_follows_chunked_prefill_decode_reset_and_recompute():
+@pytest.mark.parametrize("counted", [range(S), (0, 2, 3)])
+def test_state_follows_chunked_prefill_decode_reset_and_recompute(counted):
+    """Across steps of prefill chunks, decodes, resets and recomputes: the counts of the slots
+    the steps count (requests with penalties: `penalty_slots`, a slot once per row, so
+    repeated for a request's draft rows), and none for the others."""
     rng = np.random.default_rng(0)
     state = init_sampling_state(CFG)
     mirror = Mirror()
@@ -78,9 +86,39 @@ def test_state_follows_chunked_prefill_decode_reset_and_recompute():
                 tok = int(rng.integers(0, 5))  # small ids: repeated tokens
                 reqs.append(Req(SamplingParams(), s, [], [tok]))
                 mirror.outputs[s].append(tok)
-        state = feed(CFG, state, reqs, resets + [S] * (S - len(resets)), num_tokens=128)
-        mirror.check(state)
+        count = [r.slot for r in reqs if r.slot in counted] * 2  # repeats: draft rows
+        state = feed(CFG, state, reqs, resets + [S] * (S - len(resets)), num_tokens=128,
+                     count_slots=count + [S] * (2 * S - len(count)))
+        mirror.check(state, counted)
     assert jitted(CFG)[1]._cache_size() == 1
+
+
+def test_count_by_scatter_and_by_loop_count_the_same_tokens():
+    """_count has one form per platform (a scatter on GPUs and the CPU, a loop over the slots
+    on TPUs, whose row update is dense in a small step): both fold exactly the kept tokens of
+    the listed slots (repeats and S's among them) into their rows, a one-token step included,
+    and leave every other row alone."""
+    rng = np.random.default_rng(2)
+    counts0 = rng.integers(0, 3, (S, V)) | np.where(rng.random((S, V)) < 0.2, PROMPT_BIT, 0)
+    cases = ((12, [1, 4, 1, S]), (1, [3, S, S, S]), (1, [S] * 4), (12, [5, 0, 2, 2]),
+             (state_mod.DENSE_COUNT_TOKENS + 8, [2, 0, 2, S]))  # a large step scatters
+    for T, count_slots in cases:
+        slots = rng.integers(0, S, T)
+        if T == 1:
+            slots[:] = 3
+        tokens = rng.integers(0, V, T)
+        is_prompt = rng.random(T) < 0.4
+        keep = rng.random(T) < 0.9
+        want = counts0.copy()
+        for s, t, p, k in zip(slots, tokens, is_prompt, keep):
+            if k and s in count_slots:
+                want[s, t] = want[s, t] | PROMPT_BIT if p else want[s, t] + 1
+        counted = np.isin(slots, count_slots)
+        args = (jnp.asarray(counts0, jnp.int32), jnp.asarray(slots, jnp.int32),
+                jnp.asarray(tokens, jnp.int32), jnp.asarray(is_prompt), jnp.asarray(keep & counted),
+                jnp.asarray(count_slots, jnp.int32))
+        for form in (state_mod._count_by_scatter, state_mod._count_by_loop):
+            np.testing.assert_array_equal(np.asarray(jax.jit(form)(*args)), want, form.__name__)
 
 
 def test_reset_by_scatter_and_by_loop_clear_the_same_rows():
@@ -163,3 +201,17 @@ def test_tokenize_bad_words_adds_the_spaced_form():
     vocab = {"bad": [10], " bad": [11], "two words": [12, 13], " two words": [14, 13]}
     assert tokenize_bad_words(["bad", " two words"], vocab.__getitem__) == [[10], [11], [12, 13],
                                                                             [14, 13]]
+
+
+def test_slot_rows_by_loop_are_the_gathered_rows():
+    """The sampler reads a slot's rows of the state by a gather, or on TPUs by a loop of
+    dynamic slices: the same rows, for repeated slots and tables of any width."""
+    from jaxserve.sampling import sampler
+
+    rng = np.random.default_rng(3)
+    slots = jnp.asarray([4, 0, 4, 5], jnp.int32)
+    for table in (rng.standard_normal((S, V)).astype(np.float32), rng.integers(-2, V, (S, 12)),
+                  rng.integers(-1, V, (S, 3))):
+        table = jnp.asarray(table)
+        np.testing.assert_array_equal(np.asarray(jax.jit(sampler._slot_rows_by_loop)(table, slots)),
+                                      np.asarray(table)[np.asarray(slots)])
