@@ -298,21 +298,30 @@ def write_eagle3_case(target_dir: pathlib.Path, out_dir: pathlib.Path) -> None:
     seq = SEQUENCES[0]
     n, hidden = len(seq), layer_cfg.hidden_size
     aux = (0.5 * torch.randn((1, n, 3 * hidden), generator=gen)).float()
-    logits, layer_out = [], []
-    hooks = [reloaded.lm_head.register_forward_hook(lambda m, a, o: logits.append(o[0])),
-             reloaded.layers[0].register_forward_hook(lambda m, a, o: layer_out.append(o[0]))]
-    with torch.no_grad():
-        drafts = reloaded(hidden_states=aux, input_ids=torch.tensor([seq]),
-                          document_ids=torch.zeros((1, n), dtype=torch.long),
-                          position_ids=torch.arange(n)[None], ttt_steps=EAGLE3_STEPS)
-    for h in hooks:
-        h.remove()
+
+    def run():
+        logits, layer_out = [], []
+        hooks = [reloaded.lm_head.register_forward_hook(lambda m, a, o: logits.append(o[0])),
+                 reloaded.layers[0].register_forward_hook(lambda m, a, o: layer_out.append(o[0]))]
+        with torch.no_grad():
+            drafts = reloaded(hidden_states=aux, input_ids=torch.tensor([seq]),
+                              document_ids=torch.zeros((1, n), dtype=torch.long),
+                              position_ids=torch.arange(n)[None], ttt_steps=EAGLE3_STEPS)
+        for h in hooks:
+            h.remove()
+        return torch.stack(logits).numpy(), torch.stack(layer_out).numpy(), torch.cat(drafts).numpy()
+
+    logits, layer_out, drafts = run()
     expected = {
         "input_ids": np.asarray(seq, np.int32), "positions": np.arange(n, dtype=np.int32),
-        "aux_hidden": aux[0].numpy(),
-        "logits": torch.stack(logits).numpy(), "layer_out": torch.stack(layer_out).numpy(),
-        "draft_ids": torch.cat(drafts).numpy().astype(np.int32),
+        "aux_hidden": aux[0].numpy(), "logits": logits, "layer_out": layer_out,
+        "draft_ids": drafts.astype(np.int32),
     }
+    # The same weights with both norm options on (norm_before_residual: the layer's residual is
+    # the normed hidden state; norm_output, EAGLE 3.1: the next step takes the normed output).
+    reloaded.layers[0].norm_before_residual = True
+    reloaded.config.norm_output = True
+    expected["logits_norm_options"] = run()[0]
     save_file(expected, str(out_dir / "expected.safetensors"))
     print(EAGLE3_CASE, {k: v.shape for k, v in expected.items()})
 

@@ -97,6 +97,18 @@ def test_logits_match_speculators(drafter, expected):
         np.testing.assert_array_equal(np.asarray(step.draft_ids), expected["draft_ids"][k])
 
 
+def test_norm_options_match_speculators(expected, tmp_path):
+    """The same weights with norm_before_residual (the residual is the normed hidden state) and
+    norm_output (EAGLE 3.1: the next step takes the normed output) on, as config.json says."""
+    path = _speculators(tmp_path, edit_config=lambda c: c.update(norm_before_residual=True,
+                                                                 norm_output=True))
+    steps = run_chain(load_eagle3(path), expected, 3)
+    for k, step in enumerate(steps):
+        np.testing.assert_allclose(np.asarray(step.logits), expected["logits_norm_options"][k],
+                                   atol=1e-4, rtol=0)
+    assert np.abs(expected["logits_norm_options"] - expected["logits"]).max() > 0.1
+
+
 def test_one_chain_with_the_default_mask(drafter, expected):
     """Inference's shape: a context pass over the sequence, then one chain from its last
     position, each step a single token seeing all earlier keys (the default mask) — the same
