@@ -242,7 +242,8 @@ def write_eagle3_case(target_dir: pathlib.Path, out_dir: pathlib.Path) -> None:
     being the sequence shifted by k (teacher forcing). Recorded: the inputs (`input_ids`,
     `positions`, random `aux_hidden` [T, 3H] standing for the target's three taps), per step
     the logits over the draft vocabulary and the decoder layer's output (the hidden state the
-    next step takes)."""
+    next step takes); the same with both norm options on; the target's hidden states on the
+    sequence (`target_hidden`, transformers' `output_hidden_states`)."""
     from safetensors.numpy import load_file
     from speculators import SpeculatorsConfig, VerifierConfig
     from speculators.models import Eagle3DraftModel, Eagle3SpeculatorConfig
@@ -322,6 +323,13 @@ def write_eagle3_case(target_dir: pathlib.Path, out_dir: pathlib.Path) -> None:
     reloaded.layers[0].norm_before_residual = True
     reloaded.config.norm_output = True
     expected["logits_norm_options"] = run()[0]
+    # The target's hidden states on the same sequence (transformers' `output_hidden_states`:
+    # the embeddings, then each layer's output, the last one after the final norm), for the
+    # target's taps.
+    target_model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        states = target_model(input_ids=torch.tensor([seq]), output_hidden_states=True).hidden_states
+    expected["target_hidden"] = torch.cat(states).numpy()
     save_file(expected, str(out_dir / "expected.safetensors"))
     print(EAGLE3_CASE, {k: v.shape for k, v in expected.items()})
 

@@ -21,12 +21,18 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
+from jaxserve.models.arch_config import ArchConfig
 from jaxserve.models.eagle3 import (
     DenseKV,
     Eagle3Config,
     default_aux_layer_ids,
     load_eagle3,
 )
+from jaxserve.models.layers.norm import rms_norm
+from jaxserve.models.sharding import single_device_mesh
+from jaxserve.models.weights import create_model
+from jaxserve.runner.kv_cache import allocate_kv_cache
+from jaxserve.runner.step_inputs import StepRequest, pack_step
 
 DATA = pathlib.Path(__file__).resolve().parent.parent / "data" / "arch"
 DRAFTER, TARGET = DATA / "eagle3_llama", DATA / "llama"
@@ -240,3 +246,52 @@ def test_refuses_a_head_without_table_or_target(tmp_path):
 def test_refuses_configs_it_cannot_run(config, message):
     with pytest.raises(ValueError, match=message):
         Eagle3Config.from_hf(config)
+
+
+@pytest.fixture(scope="module")
+def target(expected):
+    """The `llama` target over the fixture's sequence, tapping layers (1, 0, 2)."""
+    return target_forward(expected["input_ids"].tolist(), (1, 0, 2))
+
+
+def target_forward(seq: list[int], taps: tuple[int, ...]):
+    """The `llama` target over one sequence through the paged path, with `taps`:
+    (final hidden [T, E], taps [T, len(taps) * E], the model)."""
+    cfg = ArchConfig.from_hf(json.loads((TARGET / "config.json").read_text()))
+    tensors = load_file(str(TARGET / "model.safetensors"))
+    model = create_model(cfg, dtype=jnp.float32, get_tensor=tensors.__getitem__)
+    kv = allocate_kv_cache(cfg, 8, 4, jnp.float32, single_device_mesh())
+    inputs = pack_step([StepRequest(token_ids=seq, start_pos=0, block_ids=[1, 2, 3, 4])],
+                       num_tokens=16, num_reqs=2, pages_per_req=4, page_size=4)
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def fwd(state, kv, inputs):
+        m = nnx.merge(graphdef, state)
+        h, _, tapped = m(inputs.input_ids, inputs.positions, kv, inputs.md, taps=taps)
+        return h, tapped
+
+    h, tapped = fwd(state, kv, jax.tree.map(jnp.asarray, inputs))
+    return np.asarray(h)[: len(seq)], np.asarray(tapped)[: len(seq)], model
+
+
+def test_target_taps_match_transformers_hidden_states(expected, target):
+    """The Llama forward's taps (layer id i: the residual stream entering layer i) equal
+    transformers' `hidden_states[i]`, in the order asked; id L is the last layer's output
+    before the final norm (transformers' last entry is after it). Taps leave the final hidden
+    state as it was."""
+    ref = expected["target_hidden"]  # [L + 1, T, E]
+    h, tapped, model = target
+    E = ref.shape[-1]
+    np.testing.assert_allclose(tapped[:, :E], ref[1], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(tapped[:, E:2 * E], ref[0], atol=1e-6, rtol=0)
+    last = rms_norm(jnp.asarray(tapped[:, 2 * E:]), model.final_norm[...], model.config.rms_norm_eps)
+    np.testing.assert_allclose(np.asarray(last), ref[2], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(h, ref[2], atol=1e-5, rtol=0)
+    assert np.abs(tapped[:, 2 * E:] - ref[2]).max() > 0.1  # the tap is before the norm
+
+
+def test_taps_out_of_range_are_refused(target):
+    model = target[2]
+    with pytest.raises(ValueError, match=r"taps \[0, 3\] must be layer ids within \[0, 2\]"):
+        model(jnp.zeros(4, jnp.int32), jnp.arange(4), None, None, taps=(0, 3))
