@@ -19,9 +19,10 @@ previous draft's token, one position further. A draft's attention sees the draft
 the context (the first-draft pass over the prompt and accepted tokens) and those of its own
 chain's earlier drafts.
 
-The layer is split where attention goes (`project_qkv`, `finish_layer`) so that a paged-cache
-caller can put `layers.attention.paged_attention` between them; `__call__` uses
-`dense_attention` over a `DenseKV` context with an explicit mask.
+The layer is split where attention goes (`project_qkv`, `finish_layer`): `__call__` puts
+`dense_attention` over a `DenseKV` context with an explicit mask between them, `paged_step`
+the engine's paged attention (`layers.attention.paged_attention`) over the drafter's own
+one-layer paged cache.
 
 Checkpoint layouts (`Eagle3Config.from_hf`):
 
@@ -49,7 +50,8 @@ from jax.sharding import Mesh
 
 from jaxserve.models import sharding as ax
 from jaxserve.models.arch_config import ArchConfig
-from jaxserve.models.layers.attention import AttentionSpec
+from jaxserve.models.interface import AttentionMetadata
+from jaxserve.models.layers.attention import AttentionSpec, paged_attention
 from jaxserve.models.layers.linear import dense, embedding_lookup
 from jaxserve.models.layers.norm import rms_norm
 from jaxserve.models.layers.rotary import RopeSpec, apply_rotary, layer_rope_spec, rope_tables
@@ -57,6 +59,8 @@ from jaxserve.models.llama import LAYER_SPECS, _param, attention_spec
 from jaxserve.models.loader import LoadedCheckpoint, load_checkpoint
 from jaxserve.models.placement import put_sharded
 from jaxserve.models.sharding import DEFAULT_RULES, single_device_mesh, state_shardings
+from jaxserve.models.weights import _path_key
+from jaxserve.pallas_kernels.kv_quant import attention_dtype
 
 SPECULATORS, ORIGINAL = "speculators", "eagle3"
 # The original repositories' architecture names (vLLM accepts both).
@@ -65,7 +69,11 @@ ORIGINAL_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 LAYER_PREFIX = {SPECULATORS: "layers.0.", ORIGINAL: "midlayer."}
 # transformers' LlamaConfig defaults, for a `transformer_layer_config` saved as a diff from them.
 LLAMA_DEFAULTS = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
-                      num_attention_heads=32, rms_norm_eps=1e-6, max_position_embeddings=2048)
+                      num_hidden_layers=32, num_attention_heads=32, rms_norm_eps=1e-6,
+                      max_position_embeddings=2048)
+# What an original EAGLE-3 config.json (a whole Llama config) must state.
+ORIGINAL_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads")
 FC_SPEC = "ta,ae->te"
 HEAD_SPEC = "te,ev->tv"
 
@@ -116,21 +124,16 @@ class Eagle3Config:
         archs = list(hf.get("architectures") or [])
         if kind is not None:
             if kind != "eagle3":
-                raise ValueError(f"this is a {kind!r} speculator checkpoint; only 'eagle3' drafters "
-                                 "are supported")
+                raise ValueError(f"this is a {kind!r} speculator checkpoint; only 'eagle3' "
+                                 "drafters are supported")
             layer = hf.get("transformer_layer_config")
             if not isinstance(layer, dict):
-                raise ValueError("the eagle3 speculator config.json has no transformer_layer_config "
-                                 "object (the draft layer's Llama config)")
+                raise ValueError("the eagle3 speculator config.json has no "
+                                 "transformer_layer_config object (the draft layer's Llama config)")
             layout, aux = SPECULATORS, hf.get("eagle_aux_hidden_state_layer_ids")
             for flag in ("norm_before_fc", "fc_norm"):
                 if hf.get(flag):
                     raise ValueError(f"eagle3 drafters with {flag}=true are not supported")
-            target_hidden = hf.get("target_hidden_size")
-            if target_hidden is not None and int(target_hidden) != int(layer.get("hidden_size", 0)):
-                raise ValueError(f"the drafter's target_hidden_size ({target_hidden}) differs from its "
-                                 f"hidden_size ({layer.get('hidden_size')}); such drafters are not "
-                                 "supported")
         elif any(a in ORIGINAL_ARCHITECTURES for a in archs):
             layer, layout, aux = dict(hf), ORIGINAL, hf.get("eagle_aux_hidden_state_layer_ids")
         else:
@@ -140,13 +143,20 @@ class Eagle3Config:
                 f"(architectures {list(ORIGINAL_ARCHITECTURES)})")
         model_type = layer.get("model_type", "llama")
         if model_type != "llama":
-            raise ValueError(f"EAGLE-3 drafters with a {model_type!r} decoder layer are not supported "
-                             "(only 'llama')")
-        missing = [k for k in ("hidden_size", "num_attention_heads", "vocab_size") if k not in layer
-                   and layout == ORIGINAL]
-        if missing:
-            raise ValueError(f"the EAGLE-3 config.json lacks {', '.join(missing)}")
-        layer_cfg = ArchConfig.from_hf({**LLAMA_DEFAULTS, **layer, "architectures": ["LlamaForCausalLM"]})
+            raise ValueError(f"EAGLE-3 drafters with a {model_type!r} decoder layer are not "
+                             "supported (only 'llama')")
+        if layout == ORIGINAL:
+            missing = [k for k in ORIGINAL_REQUIRED if k not in layer]
+            if missing:
+                raise ValueError(f"the EAGLE-3 config.json lacks {', '.join(missing)}")
+        else:  # speculators saves the layer's config as its difference from LlamaConfig's defaults
+            layer = {**LLAMA_DEFAULTS, **layer}
+        layer_cfg = ArchConfig.from_hf({**layer, "architectures": ["LlamaForCausalLM"]})
+        target_hidden = hf.get("target_hidden_size")
+        if target_hidden is not None and int(target_hidden) != layer_cfg.hidden_size:
+            raise ValueError(f"the drafter's target_hidden_size ({target_hidden}) differs from its "
+                             f"hidden_size ({layer_cfg.hidden_size}); such drafters are not "
+                             "supported")
         if layer_cfg.num_layers != 1:
             raise ValueError(f"EAGLE-3 drafters with {layer_cfg.num_layers} decoder layers are not "
                              "supported (only 1)")
@@ -158,7 +168,8 @@ class Eagle3Config:
                              f"{layer_cfg.vocab_size}]")
         if aux is not None and (not isinstance(aux, list) or not aux
                                 or not all(isinstance(i, int) for i in aux)):
-            raise ValueError(f"eagle_aux_hidden_state_layer_ids must be a list of layer ids; got {aux!r}")
+            raise ValueError("eagle_aux_hidden_state_layer_ids must be a list of layer ids; "
+                             f"got {aux!r}")
         return cls(layer=layer_cfg, draft_vocab_size=draft_vocab,
                    aux_layer_ids=None if aux is None else tuple(aux),
                    norm_before_residual=bool(hf.get("norm_before_residual", False)),
@@ -237,12 +248,6 @@ class DraftStep:
     draft_ids: jax.Array
     target_ids: jax.Array
     hidden: jax.Array
-
-
-def causal_mask(query_positions: jax.Array, key_positions: jax.Array) -> jax.Array:
-    """[T, S] bool: each query sees the keys at its position or before (one chain per
-    sequence: the context's keys, then the chain's own)."""
-    return key_positions[None, :] <= query_positions[:, None]
 
 
 def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, sm_scale: float
@@ -342,9 +347,24 @@ class Eagle3Drafter(nnx.Module):
         kv = kv.append(k, v)
         if mask is None:
             S, T = kv.k.shape[0] - q.shape[0], q.shape[0]
-            mask = jnp.concatenate([jnp.ones((T, S), bool), jnp.tril(jnp.ones((T, T), bool))], axis=1)
+            mask = jnp.concatenate([jnp.ones((T, S), bool), jnp.tril(jnp.ones((T, T), bool))],
+                                   axis=1)
         attn = dense_attention(q, kv.k, kv.v, mask, self.layer.attn_spec.sm_scale)
         return self.head(self.finish_layer(attn, residual)), kv
+
+    def paged_step(self, input_ids: jax.Array, positions: jax.Array, hidden: jax.Array,
+                   k_cache: jax.Array, v_cache: jax.Array, md: AttentionMetadata,
+                   mesh: Mesh | None = None, rules: ax.Rules = DEFAULT_RULES
+                   ) -> tuple[DraftStep, jax.Array, jax.Array]:
+        """`__call__` over the drafter's own paged cache (one layer's K and V pages, as the
+        runner allocates them for `config.layer`): the step's tokens are a flat ragged batch
+        described by `md`, each attending causally over its request's cached keys, as the
+        target's layers do. Returns the drafts and the updated caches."""
+        q, k, v, residual = self.project_qkv(input_ids, positions, hidden)
+        attn, k_cache, v_cache = paged_attention(
+            q.astype(attention_dtype(k_cache.dtype, self.dtype)), k, v, k_cache, v_cache, md,
+            self.layer.attn_spec, mesh, rules)
+        return self.head(self.finish_layer(attn, residual)), k_cache, v_cache
 
 
 # ---------------------------------------------------------------------- loading
@@ -364,7 +384,8 @@ def checkpoint_tensors(config: Eagle3Config) -> dict[str, CheckpointTensor]:
     """Our parameter path -> its `CheckpointTensor` in the layout of `config` (d2t, t2d and
     the embedding are handled by `load_eagle3`). HF Linear weights are [out, in]."""
     cfg = config.layer
-    E, F, Hq, Hkv, D = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    E, F = cfg.hidden_size, cfg.intermediate_size
+    Hq, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     pre = LAYER_PREFIX[config.layout]
     ident = lambda w: w
     transpose = lambda w: w.T
@@ -377,7 +398,8 @@ def checkpoint_tensors(config: Eagle3Config) -> dict[str, CheckpointTensor]:
         "layer.wq": t(pre + "self_attn.q_proj.weight", (Hq * D, 2 * E), heads_in(Hq)),
         "layer.wk": t(pre + "self_attn.k_proj.weight", (Hkv * D, 2 * E), heads_in(Hkv)),
         "layer.wv": t(pre + "self_attn.v_proj.weight", (Hkv * D, 2 * E), heads_in(Hkv)),
-        "layer.wo": t(pre + "self_attn.o_proj.weight", (E, Hq * D), lambda w: w.T.reshape(Hq, D, E)),
+        "layer.wo": t(pre + "self_attn.o_proj.weight", (E, Hq * D),
+                      lambda w: w.T.reshape(Hq, D, E)),
         "layer.post_norm": t(pre + "post_attention_layernorm.weight", (E,), ident),
         "layer.w_gate": t(pre + "mlp.gate_proj.weight", (F, E), transpose),
         "layer.w_up": t(pre + "mlp.up_proj.weight", (F, E), transpose),
@@ -388,24 +410,23 @@ def checkpoint_tensors(config: Eagle3Config) -> dict[str, CheckpointTensor]:
     }
 
 
-def vocab_maps(config: Eagle3Config, tensors: Mapping[str, np.ndarray] | LoadedCheckpoint
-               ) -> tuple[np.ndarray, np.ndarray]:
+def vocab_maps(config: Eagle3Config, ckpt: LoadedCheckpoint) -> tuple[np.ndarray, np.ndarray]:
     """(d2t int32 [Vd], t2d bool [V]) of a checkpoint, checked: every draft id maps into the
     target vocabulary, onto exactly the ids t2d marks. A drafter over the whole target
     vocabulary may ship neither (the identity)."""
     V, Vd = config.target_vocab_size, config.draft_vocab_size
-    names = set(tensors.tensor_names() if isinstance(tensors, LoadedCheckpoint) else tensors)
-    get = tensors.get_tensor if isinstance(tensors, LoadedCheckpoint) else tensors.__getitem__
+    names = set(ckpt.tensor_names())
     if "d2t" not in names or "t2d" not in names:
         if config.reduced_vocab:
-            raise ValueError(f"the EAGLE-3 checkpoint's draft vocabulary ({Vd}) is smaller than the "
-                             f"target's ({V}) but it lacks the "
+            raise ValueError(f"the EAGLE-3 checkpoint's draft vocabulary ({Vd}) is smaller than "
+                             f"the target's ({V}) but it lacks the "
                              f"{' and '.join(n for n in ('d2t', 't2d') if n not in names)} mapping")
         return np.zeros((Vd,), np.int32), np.ones((V,), bool)
-    d2t, t2d = np.asarray(get("d2t")), np.asarray(get("t2d"))
+    d2t, t2d = np.asarray(ckpt.get_tensor("d2t")), np.asarray(ckpt.get_tensor("t2d"))
     if d2t.shape != (Vd,) or t2d.shape != (V,):
-        raise ValueError(f"the EAGLE-3 checkpoint's d2t has shape {d2t.shape} and t2d {t2d.shape}; "
-                         f"expected ({Vd},) (draft_vocab_size) and ({V},) (the target's vocab_size)")
+        raise ValueError(f"the EAGLE-3 checkpoint's d2t has shape {d2t.shape} and t2d "
+                         f"{t2d.shape}; expected ({Vd},) (draft_vocab_size) and ({V},) (the "
+                         "target's vocab_size)")
     target_ids = np.arange(Vd) + d2t.astype(np.int64)
     if target_ids.min() < 0 or target_ids.max() >= V:
         raise ValueError(f"the EAGLE-3 checkpoint's d2t maps draft ids outside the target "
@@ -438,7 +459,8 @@ def load_eagle3(path: str | os.PathLike[str], *, target: str | os.PathLike[str] 
     if missing:
         raise ValueError(f"the EAGLE-3 checkpoint {ckpt.path} ({config.layout} layout) lacks "
                          f"{', '.join(missing)}")
-    wrong = [f"{t.name} {ckpt.tensor_info(t.name)[0]} (expected {t.shape})" for t in tensors.values()
+    wrong = [f"{t.name} {ckpt.tensor_info(t.name)[0]} (expected {t.shape})"
+             for t in tensors.values()
              if t.name in names and tuple(ckpt.tensor_info(t.name)[0]) != t.shape]
     if wrong:
         raise ValueError(f"the EAGLE-3 checkpoint {ckpt.path} does not match its config.json: "
@@ -447,8 +469,8 @@ def load_eagle3(path: str | os.PathLike[str], *, target: str | os.PathLike[str] 
         key: (lambda t=t: t.convert(ckpt.get_tensor(t.name))) for key, t in tensors.items()}
     if "embed_tokens.weight" not in names:
         if target_ckpt is None:
-            raise ValueError(f"the EAGLE-3 checkpoint {ckpt.path} ships no embed_tokens.weight; pass "
-                             "the target model (its embedding table is the drafter's)")
+            raise ValueError(f"the EAGLE-3 checkpoint {ckpt.path} ships no embed_tokens.weight; "
+                             "pass the target model (its embedding table is the drafter's)")
         from jaxserve.models.registry import get_model_class
 
         tcfg = ArchConfig.from_hf(target_ckpt.config)
@@ -477,6 +499,3 @@ def load_eagle3(path: str | os.PathLike[str], *, target: str | os.PathLike[str] 
     state = jax.tree_util.tree_map_with_path(load, abs_state, is_leaf=is_var)
     return nnx.merge(graphdef, state)
 
-
-def _path_key(path) -> str:
-    return ".".join(str(getattr(p, "key", getattr(p, "name", p))) for p in path)

@@ -252,8 +252,8 @@ def write_eagle3_case(target_dir: pathlib.Path, out_dir: pathlib.Path) -> None:
     from transformers import LlamaConfig
 
     target_cfg = json.loads((target_dir / "config.json").read_text())
-    layer_cfg = LlamaConfig(**{k: v for k, v in target_cfg.items()
-                               if k not in ("architectures", "model_type", "transformers_version", "dtype")})
+    layer_cfg = LlamaConfig(**{k: v for k, v in target_cfg.items() if k not in (
+        "architectures", "model_type", "transformers_version", "dtype")})
     layer_cfg.num_hidden_layers = 1
     layer_cfg._attn_implementation = "eager"
     draft_ids = np.arange(2, 128, 3)[:EAGLE3_DRAFT_VOCAB]
@@ -310,7 +310,8 @@ def write_eagle3_case(target_dir: pathlib.Path, out_dir: pathlib.Path) -> None:
                               position_ids=torch.arange(n)[None], ttt_steps=EAGLE3_STEPS)
         for h in hooks:
             h.remove()
-        return torch.stack(logits).numpy(), torch.stack(layer_out).numpy(), torch.cat(drafts).numpy()
+        return (torch.stack(logits).numpy(), torch.stack(layer_out).numpy(),
+                torch.cat(drafts).numpy())
 
     logits, layer_out, drafts = run()
     expected = {
@@ -328,7 +329,8 @@ def write_eagle3_case(target_dir: pathlib.Path, out_dir: pathlib.Path) -> None:
     # target's taps.
     target_model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     with torch.no_grad():
-        states = target_model(input_ids=torch.tensor([seq]), output_hidden_states=True).hidden_states
+        states = target_model(input_ids=torch.tensor([seq]),
+                              output_hidden_states=True).hidden_states
     expected["target_hidden"] = torch.cat(states).numpy()
     save_file(expected, str(out_dir / "expected.safetensors"))
     print(EAGLE3_CASE, {k: v.shape for k, v in expected.items()})

@@ -56,6 +56,13 @@ def chain_mask(n: int, step: int) -> np.ndarray:
     return np.concatenate(blocks, axis=1)
 
 
+def jitted(drafter):
+    """The drafter's dense step, compiled (one compilation per shape beats op-by-op's)."""
+    graphdef, state = nnx.split(drafter)
+    fwd = jax.jit(lambda state, *args: nnx.merge(graphdef, state)(*args))
+    return lambda *args: fwd(state, *args)
+
+
 def run_chain(drafter, expected, steps: int):
     """Our drafter on the fixture's inputs, step by step: [DraftStep per step]."""
     ids, pos = expected["input_ids"], expected["positions"]
@@ -63,9 +70,10 @@ def run_chain(drafter, expected, steps: int):
     hidden = drafter.combine_hidden(jnp.asarray(expected["aux_hidden"]))
     kv = DenseKV.empty(drafter.config)
     out = []
+    forward = jitted(drafter)
     for k in range(steps):
         step_ids = np.concatenate([ids[k:], np.zeros(k, np.int32)])
-        step, kv = drafter(jnp.asarray(step_ids), jnp.asarray(pos + k), hidden, kv,
+        step, kv = forward(jnp.asarray(step_ids), jnp.asarray(pos + k), hidden, kv,
                            jnp.asarray(chain_mask(n, k)))
         out.append(step)
         hidden = step.hidden
@@ -98,8 +106,10 @@ def test_logits_match_speculators(drafter, expected):
     output fed to the next step, and the greedy draft ids equal speculators'."""
     steps = run_chain(drafter, expected, 3)
     for k, step in enumerate(steps):
-        np.testing.assert_allclose(np.asarray(step.logits), expected["logits"][k], atol=1e-4, rtol=0)
-        np.testing.assert_allclose(np.asarray(step.hidden), expected["layer_out"][k], atol=1e-4, rtol=0)
+        np.testing.assert_allclose(np.asarray(step.logits), expected["logits"][k],
+                                   atol=1e-4, rtol=0)
+        np.testing.assert_allclose(np.asarray(step.hidden), expected["layer_out"][k],
+                                   atol=1e-4, rtol=0)
         np.testing.assert_array_equal(np.asarray(step.draft_ids), expected["draft_ids"][k])
 
 
@@ -121,15 +131,51 @@ def test_one_chain_with_the_default_mask(drafter, expected):
     logits as that position's entries in the all-positions fixture."""
     ids, n = expected["input_ids"], len(expected["input_ids"])
     hidden = drafter.combine_hidden(jnp.asarray(expected["aux_hidden"]))
-    step, kv = drafter(jnp.asarray(ids), jnp.asarray(expected["positions"]), hidden,
+    forward = jitted(drafter)
+    step, kv = forward(jnp.asarray(ids), jnp.asarray(expected["positions"]), hidden,
                        DenseKV.empty(drafter.config))
     last = step
     for k in (1, 2):  # the fixture pads position n-1's later inputs with token 0
-        last, kv = drafter(jnp.asarray([0], jnp.int32), jnp.asarray([n - 1 + k], jnp.int32),
+        last, kv = forward(jnp.asarray([0], jnp.int32), jnp.asarray([n - 1 + k], jnp.int32),
                            last.hidden[-1:], kv)
         np.testing.assert_allclose(np.asarray(last.logits[0]), expected["logits"][k][n - 1],
                                    atol=1e-4, rtol=0)
     assert kv.k.shape[0] == n + 2
+
+
+def test_paged_step_matches_speculators(drafter, expected):
+    """The drafter over its own paged cache, as the engine would run it: a context pass for
+    two requests in one ragged batch (the sequence and its first 7 tokens), then two chain
+    steps of the first request's last position, one token each — speculators' logits."""
+    ids, n = expected["input_ids"].tolist(), len(expected["input_ids"])
+    first = np.asarray(drafter.combine_hidden(jnp.asarray(expected["aux_hidden"])))
+    kv = allocate_kv_cache(drafter.config.layer, 8, 4, jnp.float32, single_device_mesh())
+    k_cache, v_cache = kv.k[0], kv.v[0]
+    graphdef, state = nnx.split(drafter)
+
+    @jax.jit
+    def step(state, k_cache, v_cache, inputs, hidden):
+        out, k_cache, v_cache = nnx.merge(graphdef, state).paged_step(
+            inputs.input_ids, inputs.positions, hidden, k_cache, v_cache, inputs.md)
+        return out, k_cache, v_cache
+
+    def run(reqs, hidden, num_tokens):
+        inputs = pack_step(reqs, num_tokens=num_tokens, num_reqs=2, pages_per_req=4, page_size=4)
+        padded = np.zeros((num_tokens, hidden.shape[1]), np.float32)
+        padded[: len(hidden)] = hidden
+        return step(state, k_cache, v_cache, jax.tree.map(jnp.asarray, inputs), jnp.asarray(padded))
+
+    reqs = [StepRequest(ids, 0, [4, 1, 6, 3]), StepRequest(ids[:7], 0, [2, 7])]
+    out, k_cache, v_cache = run(reqs, np.concatenate([first, first[:7]]), 32)
+    logits = np.asarray(out.logits)
+    np.testing.assert_allclose(logits[:n], expected["logits"][0], atol=1e-4, rtol=0)
+    np.testing.assert_allclose(logits[n:n + 7], expected["logits"][0][:7], atol=1e-4, rtol=0)
+    hidden = np.asarray(out.hidden)[n - 1:n]
+    for k in (1, 2):  # the fixture pads position n-1's later inputs with token 0
+        out, k_cache, v_cache = run([StepRequest([0], n - 1 + k, [4, 1, 6, 3])], hidden, 8)
+        np.testing.assert_allclose(np.asarray(out.logits)[0], expected["logits"][k][n - 1],
+                                   atol=1e-4, rtol=0)
+        hidden = np.asarray(out.hidden)[:1]
 
 
 def test_d2t_maps_draft_ids_to_target_ids(drafter, expected):
@@ -141,7 +187,8 @@ def test_d2t_maps_draft_ids_to_target_ids(drafter, expected):
     np.testing.assert_array_equal(mapped, np.flatnonzero(t2d))
     assert vd == 42 and mapped[-1] > vd  # a reduced vocabulary: the offsets matter
     step = run_chain(drafter, expected, 1)[0]
-    np.testing.assert_array_equal(np.asarray(step.target_ids), np.flatnonzero(t2d)[expected["draft_ids"][0]])
+    np.testing.assert_array_equal(np.asarray(step.target_ids),
+                                  np.flatnonzero(t2d)[expected["draft_ids"][0]])
 
 
 def test_both_layouts_load_the_same_weights(drafter, tmp_path):
@@ -208,7 +255,8 @@ def test_refuses_default_layer_ids_a_small_target_lacks(tmp_path):
 
 def test_refuses_tensors_its_config_does_not_describe(tmp_path):
     """Two target layers named, three layers' worth of fc inputs stored."""
-    path = _speculators(tmp_path, edit_config=lambda c: c.update(eagle_aux_hidden_state_layer_ids=[0, 1]))
+    path = _speculators(tmp_path,
+                        edit_config=lambda c: c.update(eagle_aux_hidden_state_layer_ids=[0, 1]))
     with pytest.raises(ValueError, match=r"does not match its config.json: fc.weight \(64, 192\) "
                                          r"\(expected \(64, 128\)\)"):
         load_eagle3(path)
@@ -230,18 +278,38 @@ def test_refuses_a_head_without_table_or_target(tmp_path):
         load_eagle3(original_layout(tmp_path / "orig"))
 
 
+def test_speculators_layer_config_saved_as_a_diff_from_llamas_defaults():
+    """speculators writes `transformer_layer_config` without the values equal to LlamaConfig's
+    defaults: Llama 3.1 8B's head leaves out hidden_size 4096 and 32 heads."""
+    cfg = Eagle3Config.from_hf({
+        "speculators_model_type": "eagle3", "draft_vocab_size": 32000,
+        "transformer_layer_config": {"model_type": "llama", "num_hidden_layers": 1,
+                                     "vocab_size": 128256, "intermediate_size": 14336,
+                                     "num_key_value_heads": 8, "rms_norm_eps": 1e-5}})
+    layer = cfg.layer
+    shape = (layer.hidden_size, layer.num_heads, layer.num_kv_heads, layer.head_dim)
+    assert shape == (4096, 32, 8, 128)
+    assert (cfg.draft_vocab_size, cfg.target_vocab_size, cfg.aux_layer_ids) == (32000, 128256, None)
+
+
 @pytest.mark.parametrize("config, message", [
     ({"architectures": ["LlamaForCausalLM"]}, r"not an EAGLE-3 drafter config \(architectures "
                                               r"\['LlamaForCausalLM'\]\)"),
     ({"speculators_model_type": "dflash"}, r"a 'dflash' speculator checkpoint; only 'eagle3'"),
     ({"speculators_model_type": "eagle3"}, "has no transformer_layer_config"),
     ({"speculators_model_type": "eagle3", "norm_before_fc": True,
-      "transformer_layer_config": {"model_type": "llama"}}, "norm_before_fc=true are not supported"),
+      "transformer_layer_config": {"model_type": "llama"}},
+     "norm_before_fc=true are not supported"),
     ({"speculators_model_type": "eagle3", "transformer_layer_config": {"model_type": "qwen3"}},
      r"a 'qwen3' decoder layer are not supported"),
     ({"speculators_model_type": "eagle3",
       "transformer_layer_config": {"model_type": "llama", "num_hidden_layers": 2}},
      "with 2 decoder layers are not supported"),
+    ({"speculators_model_type": "eagle3", "target_hidden_size": 2048,
+      "transformer_layer_config": {"model_type": "llama", "num_hidden_layers": 1}},
+     r"target_hidden_size \(2048\) differs from its hidden_size \(4096\)"),
+    ({"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": 64},
+     "config.json lacks vocab_size, intermediate_size, num_hidden_layers, num_attention_heads"),
 ])
 def test_refuses_configs_it_cannot_run(config, message):
     with pytest.raises(ValueError, match=message):
@@ -285,7 +353,8 @@ def test_target_taps_match_transformers_hidden_states(expected, target):
     E = ref.shape[-1]
     np.testing.assert_allclose(tapped[:, :E], ref[1], atol=1e-5, rtol=0)
     np.testing.assert_allclose(tapped[:, E:2 * E], ref[0], atol=1e-6, rtol=0)
-    last = rms_norm(jnp.asarray(tapped[:, 2 * E:]), model.final_norm[...], model.config.rms_norm_eps)
+    last = rms_norm(jnp.asarray(tapped[:, 2 * E:]), model.final_norm[...],
+                    model.config.rms_norm_eps)
     np.testing.assert_allclose(np.asarray(last), ref[2], atol=1e-5, rtol=0)
     np.testing.assert_allclose(h, ref[2], atol=1e-5, rtol=0)
     assert np.abs(tapped[:, 2 * E:] - ref[2]).max() > 0.1  # the tap is before the norm
