@@ -1,5 +1,5 @@
 """EAGLE-3 draft heads for Llama-family targets: the model, its two checkpoint layouts, and a
-dense-attention forward for a chain of drafts.
+draft step over a dense context or the drafter's own paged cache.
 
 An EAGLE-3 drafter predicts the target's next tokens from the target's own hidden states:
 
@@ -26,13 +26,19 @@ one-layer paged cache.
 
 Checkpoint layouts (`Eagle3Config.from_hf`):
 
-- `speculators` (vLLM's converter and trainer): config.json with `"speculators_model_type":
+- `speculators` (the layout of the `speculators` library's trainer and converter, which vLLM
+  reads): config.json with `"speculators_model_type":
   "eagle3"`, a `transformer_layer_config` (the layer's Llama config; its vocab_size is the
   target's), `draft_vocab_size`, optional `eagle_aux_hidden_state_layer_ids`,
   `norm_before_residual`, `norm_output`; tensors `fc.weight`, `layers.0.*`, `norm.weight`,
   `lm_head.weight`, `d2t`, `t2d`, optional `embed_tokens.weight`.
 - the original EAGLE-3 repositories: config.json of a Llama with architectures
-  ["LlamaForCausalLMEagle3"] and `draft_vocab_size`; the layer's tensors under `midlayer.*`.
+  ["LlamaForCausalLMEagle3"] and `draft_vocab_size` (its vocab_size the target's; the same
+  optional keys); the same tensors, the layer's under `midlayer.*`.
+
+What the drafter reads of the target is checked by `Eagle3Config.target_layer_ids` (hidden
+size, vocabulary, layer ids); the target's side of the taps is `LlamaForCausalLM.__call__`'s
+`taps` argument (models/llama.py).
 """
 
 from __future__ import annotations
@@ -297,9 +303,11 @@ class Eagle3Drafter(nnx.Module):
     def norm(self, x: jax.Array, w: nnx.Param) -> jax.Array:
         return rms_norm(x, w[...], self.config.layer.rms_norm_eps)
 
-    def project_qkv(self, input_ids: jax.Array, positions: jax.Array, hidden: jax.Array):
+    def project_qkv(self, input_ids: jax.Array, positions: jax.Array, hidden: jax.Array,
+                    md: AttentionMetadata | None = None):
         """The layer up to attention: (q [T, Hq, D], k, v [T, Hkv, D] with RoPE at
-        `positions`, the residual [T, H])."""
+        `positions`, the residual [T, H]). `md`: the step's attention metadata, which RoPE
+        scalings that depend on the request's length (longrope, dynamic) need."""
         layer = self.layer
         embeds = self.norm(self.embed_tokens(input_ids), layer.input_norm)
         normed = self.norm(hidden, layer.hidden_norm)
@@ -308,7 +316,7 @@ class Eagle3Drafter(nnx.Module):
         q = dense(LAYER_SPECS["wq"], x, layer.wq[...])
         k = dense(LAYER_SPECS["wk"], x, layer.wk[...])
         v = dense(LAYER_SPECS["wv"], x, layer.wv[...])
-        cos, sin = rope_tables(layer.rope, positions)
+        cos, sin = rope_tables(layer.rope, positions, md)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, residual
 
     def finish_layer(self, attn: jax.Array, residual: jax.Array) -> jax.Array:
@@ -360,7 +368,7 @@ class Eagle3Drafter(nnx.Module):
         runner allocates them for `config.layer`): the step's tokens are a flat ragged batch
         described by `md`, each attending causally over its request's cached keys, as the
         target's layers do. Returns the drafts and the updated caches."""
-        q, k, v, residual = self.project_qkv(input_ids, positions, hidden)
+        q, k, v, residual = self.project_qkv(input_ids, positions, hidden, md)
         attn, k_cache, v_cache = paged_attention(
             q.astype(attention_dtype(k_cache.dtype, self.dtype)), k, v, k_cache, v_cache, md,
             self.layer.attn_spec, mesh, rules)

@@ -48,6 +48,12 @@ def drafter():
     return load_eagle3(DRAFTER, target=TARGET)
 
 
+@pytest.fixture(scope="module")
+def chain(drafter, expected):
+    """Our drafter's three steps on the fixture's inputs."""
+    return run_chain(drafter, expected, 3)
+
+
 def chain_mask(n: int, step: int) -> np.ndarray:
     """[n, (step + 1) * n]: the keys each position's draft of `step` sees, as speculators'
     training forward lays them out (step 0's keys causally, then each later step's diagonal)."""
@@ -101,11 +107,10 @@ def original_layout(dir_: pathlib.Path, *, aux_ids=(0, 1, 2)) -> pathlib.Path:
     return write_checkpoint(dir_, cfg, tensors)
 
 
-def test_logits_match_speculators(drafter, expected):
+def test_logits_match_speculators(chain, expected):
     """Three chained draft steps: logits over the draft vocabulary (float32, 1e-4), the layer's
     output fed to the next step, and the greedy draft ids equal speculators'."""
-    steps = run_chain(drafter, expected, 3)
-    for k, step in enumerate(steps):
+    for k, step in enumerate(chain):
         np.testing.assert_allclose(np.asarray(step.logits), expected["logits"][k],
                                    atol=1e-4, rtol=0)
         np.testing.assert_allclose(np.asarray(step.hidden), expected["layer_out"][k],
@@ -178,7 +183,7 @@ def test_paged_step_matches_speculators(drafter, expected):
         hidden = np.asarray(out.hidden)[:1]
 
 
-def test_d2t_maps_draft_ids_to_target_ids(drafter, expected):
+def test_d2t_maps_draft_ids_to_target_ids(drafter, chain, expected):
     """Draft id d is target id d + d2t[d]: onto exactly the ids t2d marks, in order; a step's
     target ids are its draft ids mapped."""
     t2d = np.asarray(load_file(str(DRAFTER / "model.safetensors"))["t2d"])
@@ -186,9 +191,9 @@ def test_d2t_maps_draft_ids_to_target_ids(drafter, expected):
     mapped = np.asarray(drafter.draft_to_target(jnp.arange(vd)))
     np.testing.assert_array_equal(mapped, np.flatnonzero(t2d))
     assert vd == 42 and mapped[-1] > vd  # a reduced vocabulary: the offsets matter
-    step = run_chain(drafter, expected, 1)[0]
-    np.testing.assert_array_equal(np.asarray(step.target_ids),
-                                  np.flatnonzero(t2d)[expected["draft_ids"][0]])
+    for k, step in enumerate(chain):
+        np.testing.assert_array_equal(np.asarray(step.target_ids),
+                                      np.flatnonzero(t2d)[expected["draft_ids"][k]])
 
 
 def test_both_layouts_load_the_same_weights(drafter, tmp_path):
