@@ -95,10 +95,13 @@ def write_checkpoint(dir_: pathlib.Path, config: dict, tensors: dict) -> pathlib
 
 def original_layout(dir_: pathlib.Path, *, aux_ids=(0, 1, 2)) -> pathlib.Path:
     """The fixture as the original EAGLE-3 repositories ship a head: the layer's Llama config
-    with architectures LlamaForCausalLMEagle3 and draft_vocab_size, `midlayer.*`, no table."""
+    (transformers 4's keys) with architectures LlamaForCausalLMEagle3 and draft_vocab_size,
+    `midlayer.*`, no table."""
     spec_cfg = json.loads((DRAFTER / "config.json").read_text())
     cfg = {**spec_cfg["transformer_layer_config"], "architectures": ["LlamaForCausalLMEagle3"],
            "draft_vocab_size": spec_cfg["draft_vocab_size"]}
+    rope = dict(cfg.pop("rope_parameters"))  # written by transformers 4: rope_theta, rope_scaling
+    cfg["rope_theta"], cfg["rope_scaling"] = rope.pop("rope_theta"), rope
     if aux_ids is not None:
         cfg["eagle_aux_hidden_state_layer_ids"] = list(aux_ids)
     tensors = {k.replace("layers.0.", "midlayer."): v
@@ -201,6 +204,7 @@ def test_both_layouts_load_the_same_weights(drafter, tmp_path):
     leaf by leaf, as the speculators layout (which ships the target's table)."""
     other = load_eagle3(original_layout(tmp_path / "orig"), target=TARGET)
     assert other.config.layout == "eagle3" and drafter.config.layout == "speculators"
+    assert other.config.layer == drafter.config.layer  # RoPE (llama3 scaling) included
     ours = {p: np.asarray(v) for p, v in jax.tree_util.tree_leaves_with_path(nnx.state(drafter))}
     theirs = {p: np.asarray(v) for p, v in jax.tree_util.tree_leaves_with_path(nnx.state(other))}
     assert ours.keys() == theirs.keys() and len(ours) == 16
