@@ -284,15 +284,26 @@ class LlamaForCausalLM(nnx.Module):
         md: AttentionMetadata,
         layer_impl=None,
         lora: LoRABatch | None = None,
-    ) -> tuple[jax.Array, KVCache]:
+        *,
+        taps: tuple[int, ...] = (),
+    ) -> tuple[jax.Array, KVCache] | tuple[jax.Array, KVCache, jax.Array]:
         """`layer_impl(model, params, h, rope, k_cache, v_cache, md)`: a backend's replacement
         for `_layer` (see jaxserve/backends), used only after its capability check. `lora`: the
-        step's adapter slots and each token's slot (models/layers/lora.py), or None."""
+        step's adapter slots and each token's slot (models/layers/lora.py), or None.
+        `taps`: layer ids whose hidden states an EAGLE-3 drafter reads (models/eagle3.py): id i
+        is the residual stream entering layer i (transformers' `hidden_states[i]`; id L, the
+        last layer's output before the final norm). With taps the result has a third item,
+        their concatenation in the order given, [T, len(taps) * E] float32."""
+        if any(not 0 <= i <= len(self.layers) for i in taps):
+            raise ValueError(f"taps {list(taps)} must be layer ids within [0, {len(self.layers)}]")
         with jax.named_scope("embed"):
             h = self.embed_tokens(input_ids)  # [T, E] float32
         ropes = rope_for_step(self.layers, positions, md)  # cos, sin: [T, 1, R/2] per table
         k_caches, v_caches = list(kv_cache.k), list(kv_cache.v)
+        tapped = {}
         for i, layer in enumerate(self.layers):
+            if i in taps:
+                tapped[i] = h
             with jax.named_scope(f"layer_{i}"):
                 p = module_weights(layer)
                 if lora is not None:
@@ -302,9 +313,13 @@ class LlamaForCausalLM(nnx.Module):
                     h, k_caches[i], v_caches[i] = self._layer(layer, p, h, rope, k_caches[i], v_caches[i], md)
                 else:
                     h, k_caches[i], v_caches[i] = layer_impl(self, p, h, rope, k_caches[i], v_caches[i], md)
+        tapped[len(self.layers)] = h
         with jax.named_scope("final_norm"):
             h = self.norm(h, self.final_norm[...])
-        return h, KVCache(k=tuple(k_caches), v=tuple(v_caches))
+        kv_cache = KVCache(k=tuple(k_caches), v=tuple(v_caches))
+        if taps:
+            return h, kv_cache, jnp.concatenate([tapped[i].astype(jnp.float32) for i in taps], axis=-1)
+        return h, kv_cache
 
     def embed_tokens(self, input_ids: jax.Array) -> jax.Array:
         return embedding_lookup(param_weight(self, "embed"), input_ids)

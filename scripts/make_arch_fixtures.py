@@ -7,6 +7,9 @@ with these files and needs no torch.
 
     pip install torch==2.13.0 'transformers>=5.20,<6' safetensors
     python scripts/make_arch_fixtures.py [case ...]   # all cases, or the ones named
+
+The EAGLE-3 drafter case (`eagle3_llama`, a draft head for the `llama` target) also needs the
+`speculators` package (pip install --no-deps speculators==0.9.0), whose model writes it.
 """
 
 from __future__ import annotations
@@ -172,6 +175,8 @@ SEQUENCES = [[1, 17, 45, 3, 99, 100, 7, 7, 64, 12, 120, 5, 33], [1, 8, 9, 127, 4
 
 def main(names: list[str]) -> None:
     torch.manual_seed(0)
+    if not names or EAGLE3_CASE in names:
+        write_eagle3_case(OUT / EAGLE3_TARGET, OUT / EAGLE3_CASE)
     for name, extra in CASES.items():
         if names and name not in names:
             continue
@@ -217,6 +222,118 @@ def main(names: list[str]) -> None:
         print(name, cfg["architectures"], {k: v.shape for k, v in expected.items()})
         if name == "gpt_oss":
             write_mxfp4_case(model, out_dir, OUT / "gpt_oss_mxfp4")
+
+
+EAGLE3_CASE, EAGLE3_TARGET = "eagle3_llama", "llama"
+# The draft vocabulary: this many of the target's 128 tokens (every third one from 2 on, so the
+# draft -> target offsets grow along the draft ids), and the chain depth of the expected logits.
+EAGLE3_DRAFT_VOCAB = 42
+EAGLE3_STEPS = 3
+
+
+def write_eagle3_case(target_dir: pathlib.Path, out_dir: pathlib.Path) -> None:
+    """A tiny random EAGLE-3 drafter for the `llama` fixture, written by speculators' own
+    `Eagle3DraftModel.save_pretrained` (its `speculators` layout: config.json with a
+    `transformer_layer_config`, tensors `fc`, `layers.0.*`, `norm`, `lm_head`, `d2t`, `t2d`,
+    `embed_tokens` copied from the target), and the expected outputs of speculators' forward
+    on the reloaded checkpoint: `EAGLE3_STEPS` draft steps over every position of a sequence
+    at once (step 0 attends causally over the sequence; step k's query at position i also sees
+    the keys steps 1..k-1 wrote at i: the chain drafted from i), the inputs of steps k > 0
+    being the sequence shifted by k (teacher forcing). Recorded: the inputs (`input_ids`,
+    `positions`, random `aux_hidden` [T, 3H] standing for the target's three taps), per step
+    the logits over the draft vocabulary and the decoder layer's output (the hidden state the
+    next step takes); the same with both norm options on; the target's hidden states on the
+    sequence (`target_hidden`, transformers' `output_hidden_states`)."""
+    from safetensors.numpy import load_file
+    from speculators import SpeculatorsConfig, VerifierConfig
+    from speculators.models import Eagle3DraftModel, Eagle3SpeculatorConfig
+    from speculators.models.attention import create_float_mask
+    from speculators.proposals.greedy import GreedyTokenProposalConfig
+    from transformers import LlamaConfig
+
+    target_cfg = json.loads((target_dir / "config.json").read_text())
+    layer_cfg = LlamaConfig(**{k: v for k, v in target_cfg.items() if k not in (
+        "architectures", "model_type", "transformers_version", "dtype")})
+    layer_cfg.num_hidden_layers = 1
+    layer_cfg._attn_implementation = "eager"
+    draft_ids = np.arange(2, 128, 3)[:EAGLE3_DRAFT_VOCAB]
+    config = Eagle3SpeculatorConfig(
+        transformer_layer_config=layer_cfg, draft_vocab_size=EAGLE3_DRAFT_VOCAB,
+        norm_before_residual=False, eagle_aux_hidden_state_layer_ids=[0, 1, 2],
+        speculators_config=SpeculatorsConfig(
+            algorithm="eagle3", default_proposal_method="greedy",
+            proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=EAGLE3_STEPS)],
+            verifier=VerifierConfig(name_or_path=None, architectures=target_cfg["architectures"])))
+    model = Eagle3DraftModel(config).eval()
+    t2d = torch.zeros(target_cfg["vocab_size"], dtype=torch.bool)
+    t2d[torch.from_numpy(draft_ids)] = True
+    model.load_vocab_mappings(t2d, torch.from_numpy(draft_ids - np.arange(EAGLE3_DRAFT_VOCAB)))
+    gen = torch.Generator().manual_seed(zlib.crc32(EAGLE3_CASE.encode()))
+    target = load_file(str(target_dir / "model.safetensors"))
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if pname.startswith("verifier_"):
+                continue
+            if pname == "embed_tokens.weight":  # the target's table, as speculators copies it
+                p.copy_(torch.from_numpy(target["model.embed_tokens.weight"]))
+            elif "norm" in pname:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(0.08 * torch.randn(p.shape, generator=gen))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir)
+    for extra in out_dir.iterdir():  # only config.json and the weights describe the drafter
+        if extra.name not in ("config.json", "model.safetensors"):
+            extra.unlink()
+
+    # Reloaded as written (the checkpoint names no verifier to take weights from: it has them all).
+    load_verifier = Eagle3DraftModel.load_verifier_weights
+    Eagle3DraftModel.load_verifier_weights = lambda self: None
+    try:
+        reloaded = Eagle3DraftModel.from_pretrained(out_dir).eval()
+    finally:
+        Eagle3DraftModel.load_verifier_weights = load_verifier
+    # Eager attention with dense float masks (speculators' default is flex attention's BlockMask).
+    reloaded.config.transformer_layer_config._attn_implementation = "eager"
+    reloaded._attn_impl, reloaded._create_mask_fn = "eager", create_float_mask
+    seq = SEQUENCES[0]
+    n, hidden = len(seq), layer_cfg.hidden_size
+    aux = (0.5 * torch.randn((1, n, 3 * hidden), generator=gen)).float()
+
+    def run():
+        logits, layer_out = [], []
+        hooks = [reloaded.lm_head.register_forward_hook(lambda m, a, o: logits.append(o[0])),
+                 reloaded.layers[0].register_forward_hook(lambda m, a, o: layer_out.append(o[0]))]
+        with torch.no_grad():
+            drafts = reloaded(hidden_states=aux, input_ids=torch.tensor([seq]),
+                              document_ids=torch.zeros((1, n), dtype=torch.long),
+                              position_ids=torch.arange(n)[None], ttt_steps=EAGLE3_STEPS)
+        for h in hooks:
+            h.remove()
+        return (torch.stack(logits).numpy(), torch.stack(layer_out).numpy(),
+                torch.cat(drafts).numpy())
+
+    logits, layer_out, drafts = run()
+    expected = {
+        "input_ids": np.asarray(seq, np.int32), "positions": np.arange(n, dtype=np.int32),
+        "aux_hidden": aux[0].numpy(), "logits": logits, "layer_out": layer_out,
+        "draft_ids": drafts.astype(np.int32),
+    }
+    # The same weights with both norm options on (norm_before_residual: the layer's residual is
+    # the normed hidden state; norm_output, EAGLE 3.1: the next step takes the normed output).
+    reloaded.layers[0].norm_before_residual = True
+    reloaded.config.norm_output = True
+    expected["logits_norm_options"] = run()[0]
+    # The target's hidden states on the same sequence (transformers' `output_hidden_states`:
+    # the embeddings, then each layer's output, the last one after the final norm), for the
+    # target's taps.
+    target_model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        states = target_model(input_ids=torch.tensor([seq]),
+                              output_hidden_states=True).hidden_states
+    expected["target_hidden"] = torch.cat(states).numpy()
+    save_file(expected, str(out_dir / "expected.safetensors"))
+    print(EAGLE3_CASE, {k: v.shape for k, v in expected.items()})
 
 
 def router_inputs(model):
