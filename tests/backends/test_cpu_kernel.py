@@ -356,7 +356,11 @@ def test_rope_write_and_attend_matches_the_composed_ops(dtype, target):
             f = jax.jit(kernel_of(target))
         else:
             f = jax.jit(lambda qkv, rope, kc, vc, md: attention_qkv(qkv, rope, kc, vc, md, spec, hq, d))
-        return f, f(qkv, rope, kc, vc, md)
+        # At the optimisation level XLA serves with (the tests' default is the lowest, where
+        # LLVM leaves multiply-adds unfused: tests/conftest.py)
+        compiled = f.lower(qkv, rope, kc, vc, md).compile(
+            compiler_options={"xla_backend_optimization_level": 3})
+        return f, compiled(qkv, rope, kc, vc, md)
 
     fused, got = run("cpu")
     _, want = run("reference")  # no fused entry point: apply_rotary + write_kv + reference

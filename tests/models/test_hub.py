@@ -215,7 +215,7 @@ def test_llm_loads_a_hub_name(hf_home, compile_cache_dir):
 def test_generate_command_with_a_hub_name(tmp_path, compile_cache_dir):
     home = hub_cache(tmp_path / "hf")
     env = dict(os.environ, HF_HOME=str(home), HF_HUB_OFFLINE="1",
-               XLA_FLAGS="--xla_force_host_platform_device_count=1")
+               XLA_FLAGS=os.environ["XLA_FLAGS"] + " --xla_force_host_platform_device_count=1")
     env.pop("HF_HUB_CACHE", None)
     base = [sys.executable, "-m", "jaxserve.server.cli", "generate", "w5 w6 w7",
             "--max-tokens", "4", "--token-buckets", "16", "--request-buckets", "8",

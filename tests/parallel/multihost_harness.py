@@ -16,7 +16,7 @@ DEVICES_PER_PROCESS = 2
 
 
 def env() -> dict[str, str]:
-    return dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES_PER_PROCESS}",
+    return dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={DEVICES_PER_PROCESS}",
                 JAX_PLATFORMS="cpu")
 
 

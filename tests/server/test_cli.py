@@ -137,7 +137,7 @@ def test_generate_on_the_haswell_kernel_build(tmp_path, compile_cache_dir):
         cmd = [sys.executable, "-m", "jaxserve.server.cli", "generate", "w5 w6 w7", "--model", str(model),
                "--dtype", "float32", "--max-tokens", "8", "--token-buckets", "16", "--request-buckets", "8",
                "--cpu-kernel-target", target, "--compilation-cache-dir", compile_cache_dir, "--log-level", "info"]
-        env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+        env = dict(os.environ, XLA_FLAGS=os.environ["XLA_FLAGS"] + " --xla_force_host_platform_device_count=1")
         res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
         assert res.returncode == 0, res.stderr[-2000:]
         texts[target] = res.stdout

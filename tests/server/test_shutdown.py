@@ -33,7 +33,7 @@ def _start(model_dir, compile_cache_dir, grace: float, launcher: tuple[str, ...]
            "--dtype", "float32", "--max-num-seqs", "8", "--max-num-batched-tokens", "16",
            "--token-buckets", "16", "--request-buckets", "8", "--shutdown-grace", str(grace),
            "--compilation-cache-dir", compile_cache_dir, "--log-level", log_level, *extra]
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu",
+    env = dict(os.environ, XLA_FLAGS=os.environ["XLA_FLAGS"] + " --xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu",
                **(env or {}))
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
