@@ -377,28 +377,43 @@ class CompileConfig:
 
 @dataclasses.dataclass(frozen=True)
 class SpeculativeConfig:
-    """Speculative decoding, vLLM's `speculative_config`. The one method is "ngram" (prompt
-    lookup): the drafts are the tokens that followed the latest earlier occurrence of the
-    longest n-gram (prompt_lookup_min <= n <= prompt_lookup_max) ending the request's context,
-    and the model checks them all in one step (jaxserve/spec_decode/)."""
+    """Speculative decoding, vLLM's `speculative_config`. Two methods: "ngram" (prompt lookup:
+    the drafts are the tokens that followed the latest earlier occurrence of the longest n-gram,
+    prompt_lookup_min <= n <= prompt_lookup_max, ending the request's context) and "eagle3" (an
+    EAGLE-3 draft head, `model`, run inside the target's compiled step on the target's hidden
+    states); the model checks the drafts all in one step (jaxserve/spec_decode/)."""
 
-    method: Literal["ngram"] = "ngram"
-    """How drafts are made: ngram (prompt lookup), the one method."""
+    method: Literal["ngram", "eagle3"] = "ngram"
+    """How drafts are made: ngram (prompt lookup) or eagle3 (an EAGLE-3 draft head: `model`)."""
     num_speculative_tokens: int = 0
     """Draft tokens per step and request at most (required, >= 1)."""
     prompt_lookup_min: int | None = None
-    """The shortest n-gram matched. Default: prompt_lookup_max if given, else 5 (vLLM's)."""
+    """ngram: the shortest n-gram matched. Default: prompt_lookup_max if given, else 5 (vLLM's)."""
     prompt_lookup_max: int | None = None
-    """The longest n-gram matched. Default: prompt_lookup_min if given, else 5 (vLLM's)."""
+    """ngram: the longest n-gram matched. Default: prompt_lookup_min if given, else 5 (vLLM's)."""
+    model: str | None = None
+    """eagle3: the draft head, a local HF directory or a Hugging Face Hub name (required)."""
 
     def __post_init__(self) -> None:
-        if self.method not in ("ngram", "[ngram]"):
+        if self.method not in ("ngram", "[ngram]", "eagle3"):
             raise ValueError(f"speculative_config: method {self.method!r} is not supported; jaxserve "
-                             "drafts with 'ngram' (prompt lookup) only.")
-        object.__setattr__(self, "method", "ngram")
+                             "drafts with 'ngram' (prompt lookup) or 'eagle3' (an EAGLE-3 draft head).")
+        if self.method == "[ngram]":
+            object.__setattr__(self, "method", "ngram")
         if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
             raise ValueError("speculative_config: num_speculative_tokens must be a positive integer, "
                              f"got {self.num_speculative_tokens!r}.")
+        if self.method == "eagle3":
+            if not isinstance(self.model, str) or not self.model:
+                raise ValueError('speculative_config: method "eagle3" needs "model", the draft '
+                                 "head's directory or Hub name.")
+            if self.prompt_lookup_min is not None or self.prompt_lookup_max is not None:
+                raise ValueError("speculative_config: prompt_lookup_min / prompt_lookup_max are "
+                                 'the "ngram" method\'s; method "eagle3" takes "model".')
+            return
+        if self.model is not None:
+            raise ValueError('speculative_config: "model" is for method "eagle3"; the "ngram" '
+                             "method drafts from the request's own tokens.")
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         if lo is None and hi is None:
             lo = hi = 5
@@ -432,7 +447,7 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config: unsupported key(s) {', '.join(unknown)}; "
                              f"accepted: {', '.join(sorted(known))}.")
         if "method" not in value:
-            raise ValueError('speculative_config: "method" is required ("ngram").')
+            raise ValueError('speculative_config: "method" is required ("ngram" or "eagle3").')
         return cls(**value)
 
 
@@ -461,7 +476,8 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | None = per_process(group="scheduler")
     """Speculative decoding, as vLLM's: e.g. {"method": "ngram", "num_speculative_tokens": 4,
     "prompt_lookup_max": 4, "prompt_lookup_min": 2} (n-gram prompt lookup; the leader drafts,
-    the step is the same). Default: off."""
+    the step is the same), or {"method": "eagle3", "model": DIR, "num_speculative_tokens": 3}
+    (an EAGLE-3 draft head run inside the compiled step). Default: off."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))

@@ -77,6 +77,9 @@ class ScheduledRequest:
     # and decodes up to num_steps tokens on the device, each fed back as the next input; its
     # KV grows by num_steps positions (allocated before the block). 1: an ordinary row.
     num_steps: int = 1
+    # A prefill chunk that samples nothing: the token after its last one (an EAGLE-3 head's
+    # input at that position, jaxserve/spec_decode/eagle3.py); -1 otherwise.
+    next_token_id: int = -1
 
     @property
     def end_pos(self) -> int:

@@ -469,8 +469,10 @@ class Scheduler:
             tokens += tuple(req.spec_token_ids[:num_drafts])
         req.spec_token_ids = []  # used (or outdated once this step's tokens arrive)
         req.num_computed_tokens = end + num_drafts + num_steps - 1
+        next_token = req.get_token_ids(end, end + 1)[0] if not sample and end < known else -1
         return ScheduledRequest(req.request_id, tokens, start, n + num_drafts, tuple(block_ids), sample, is_new,
-                                resumed, num_drafts, NewRequestData.of(req) if is_new else None, num_steps)
+                                resumed, num_drafts, NewRequestData.of(req) if is_new else None, num_steps,
+                                next_token)
 
     def _preempt(self, req: Request) -> None:
         logger.debug("Preempting %s (%d tokens) by recompute", req.request_id, req.num_tokens)

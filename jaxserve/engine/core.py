@@ -227,7 +227,8 @@ class EngineCore:
                 out.finish_reason, out.stop_reason = req.get_finished_reason(), req.stop_reason
                 self._may_draft.discard(rid)
             elif rid in self._may_draft:
-                req.spec_token_ids = self.proposer.propose(np.asarray(req.all_token_ids, np.int64))
+                req.spec_token_ids = (self.proposer.drafts(rid, result.drafts) if self.proposer.on_device
+                                      else self.proposer.propose(np.asarray(req.all_token_ids, np.int64)))
             outputs[rid] = out
         # Prompt log-probs belong to the step that computed them: the request comes from the
         # step's own rows, finished or not (a request may end in the step that ends its prompt).

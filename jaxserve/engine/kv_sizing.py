@@ -57,8 +57,15 @@ def size_kv_cache(plan: EnginePlan, model, backend: Backend, mesh, timer: Startu
         with timer.phase("memory"):
             probe = functools.partial(plan.recipe, max_model_len=plan.max_model_len, kv_scales=scales)
             memory = _memory_from_programs(plan, backend, mesh, probe)
+    extra = 0
+    if plan.draft_model:  # an EAGLE-3 head's layer of pages, indexed like the target's
+        from jaxserve.spec_decode.eagle3 import draft_layer_config
+
+        extra = bytes_per_page(draft_layer_config(plan.draft_model), cc.page_size, jax_dtype(plan.device.kv_dtype),
+                               mesh, plan.rules)
     rank_pages = num_pages_for_budget(plan.arch, cc.page_size, jax_dtype(plan.device.kv_dtype),
-                                      plan.kv_budget if memory is None else memory.kv, mesh, plan.rules)
+                                      plan.kv_budget if memory is None else memory.kv, mesh, plan.rules,
+                                      extra_bytes_per_page=extra)
     fitted = fit_max_model_len(plan.max_model_len, rank_pages, cc.page_size,
                                given=plan.config.model.max_model_len is not None)
     return KVSize(rank_pages, fitted, memory, scales)

@@ -101,6 +101,8 @@ class EnginePlan:
     engine_core: str  # "thread", "process" (serve) or "caller" (offline: the caller's thread)
     reasons: Mapping[str, str]
     num_decode_steps: int = 1  # multi-step decode's K (runner/decode_block.py)
+    # EAGLE-3 speculative decoding: the draft head's directory, resolved at build ("": none)
+    draft_model: str = ""
 
     @property
     def max_model_len(self) -> int:
@@ -155,7 +157,7 @@ class EnginePlan:
             target=dict(self.compile_target), num_pages=num_pages, page_size=self.config.cache.page_size,
             max_model_len=max_model_len, sampler_config=self.sampler, quantization=self.config.model.quantization,
             kv_scales=kv_scales, max_loras=lora.max_loras if lora else 0, max_lora_rank=lora.max_lora_rank if lora else 0,
-            num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
+            num_speculative_tokens=spec.num_speculative_tokens if spec else 0, draft_model=self.draft_model,
             token_buckets=self.grid.token_buckets, request_buckets=self.grid.request_buckets,
             num_decode_steps=self.num_decode_steps)
 
@@ -181,6 +183,7 @@ def plan_engine(config: EngineConfig, model: ModelFiles, backend: Backend, devic
     pooling = mc.is_pooling(model.architectures)
     multi_process = pc.coordinator_address is not None or devices.processes > 1
     _check_servable(config, pooling, multi_process)
+    _check_speculative(config, pooling, multi_process)
     device = backend.plan(mc, cc, devices)
     reasons = dict(backend.plan_reasons(mc, cc, device))
     reasons["runner"] = _runner_reason(mc, pooling)
@@ -221,6 +224,20 @@ def _check_servable(config: EngineConfig, pooling: bool, multi_process: bool) ->
     if config.lora.enable_lora and (pooling or multi_process):
         raise ValueError("--enable-lora serves generation on one process (not with --runner pooling, "
                          "nor across hosts)")
+
+
+def _check_speculative(config: EngineConfig, pooling: bool, multi_process: bool) -> None:
+    """EAGLE-3 drafting runs inside one device's step: refuse what it does not run with."""
+    spec, pc = config.speculative_config, config.parallel
+    if spec is None or spec.method != "eagle3":
+        return
+    refused = [name for name, on in (
+        ("--runner pooling", pooling), ("--enable-lora", config.lora.enable_lora),
+        ("data parallelism", pc.data_parallel_size > 1), ("tensor parallelism", pc.tensor_parallel_size > 1),
+        ("several processes", multi_process),
+        ("--num-decode-steps above 1", (config.scheduler.num_decode_steps or 1) > 1)) if on]
+    if refused:
+        raise ValueError(f"speculative_config method 'eagle3' runs on one device without {', '.join(refused)}")
 
 
 def _runner_reason(mc, pooling: bool) -> str:
@@ -276,6 +293,10 @@ def _decode_steps(config: EngineConfig, backend: Backend, pooling: bool, several
     """Multi-step decode's K: given, else the backend's; 1 where blocks do not run (pooling,
     several data-parallel ranks or processes: a block is one rank's, launched in one process)."""
     given = config.scheduler.num_decode_steps
+    spec = config.speculative_config
+    if spec is not None and spec.method == "eagle3":
+        reasons["num_decode_steps"] = "EAGLE-3 drafts after each step"
+        return 1
     if pooling:
         reasons["num_decode_steps"] = "the pooling runner decodes nothing"
         return 1

@@ -183,6 +183,9 @@ def _plan(config: EngineConfig, start: _Start, timer: StartupTimer, engine_core,
         files = ModelFiles(start.model_path, start.ckpt.config, start.architectures)
         plan = plan_engine(config, files, backend, DeviceSet.of_mesh(start.mesh, backend.platform),
                            engine_core=engine_core)
+    spec = config.speculative_config
+    if spec is not None and spec.method == "eagle3":
+        plan = dataclasses.replace(plan, draft_model=_draft_model(config, start))
     if plan.max_model_len > plan.arch.max_position_embeddings:
         logger.warning("max_model_len %d exceeds the model's max_position_embeddings %d",
                        plan.max_model_len, plan.arch.max_position_embeddings)
@@ -195,6 +198,21 @@ def _plan(config: EngineConfig, start: _Start, timer: StartupTimer, engine_core,
             plan = with_device_plan(plan, device, "the leader's")
     logger.info("engine plan: %s", plan.describe())
     return plan
+
+
+def _draft_model(config: EngineConfig, start: _Start) -> str:
+    """The EAGLE-3 head's directory (a Hub name resolved as the model's is), checked against
+    the target (hidden size, vocabulary, the layers it reads): ValueError naming what is wrong."""
+    from jaxserve.models.eagle3 import Eagle3Config
+
+    mc = config.model
+    try:
+        path = resolve_model(config.speculative_config.model, cache_dir=mc.model_cache_dir,
+                             download_dir=mc.download_dir)
+        Eagle3Config.from_hf(load_checkpoint(path).config).target_layer_ids(ArchConfig.from_hf(start.ckpt.config))
+    except ValueError as e:
+        raise ValueError(f"speculative_config model {config.speculative_config.model!r}: {e}") from None
+    return str(path)
 
 
 def _build(plan: EnginePlan, start: _Start, timer: StartupTimer):
@@ -210,11 +228,18 @@ def _build(plan: EnginePlan, start: _Start, timer: StartupTimer):
 def _compile(plan: EnginePlan, start: _Start, model, kv: KVSize, timer: StartupTimer) -> ModelRunner:
     """The runner: the steps of the plan's recipe over the model, compiled (or loaded)."""
     config = plan.config
+    drafter = None
+    if plan.draft_model:
+        from jaxserve.models.eagle3 import load_eagle3
+
+        with timer.phase("draft head"):
+            drafter = load_eagle3(plan.draft_model, target=start.model_path, dtype=jax_dtype(plan.device.dtype),
+                                  mesh=start.mesh, rules=plan.rules, attention_impl=config.model.attention_impl)
     runner = ModelRunner(model, kv.recipe(plan), backend=start.backend, mesh=start.mesh, seed=config.model.seed,
                          max_cpu_loras=config.lora.max_cpu_loras, compile_workers=plan.compile_workers,
                          executable_cache=executable_cache(config.compile),
                          executables=config.compile.executables,
-                         show_progress=config.compile.show_progress, timer=timer)
+                         show_progress=config.compile.show_progress, timer=timer, drafter=drafter)
     timer.note("executables", f"{runner.executables_loaded} loaded, {runner.executables_compiled} compiled")
     if kv.memory is not None:
         confirm_memory(kv.memory, runner)
@@ -242,8 +267,13 @@ def _assemble(plan: EnginePlan, start: _Start, runner: ModelRunner, kv: KVSize, 
     adapters = AdapterSlots(plan.lora.max_loras if plan.lora else 0)
     scheduler = DataParallelScheduler(sc, kv_managers, adapters) if D > 1 else Scheduler(sc, kv_managers[0], adapters)
     spec = plan.speculative
-    proposer = (NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
-                if spec is not None else None)
+    proposer = None
+    if spec is not None and spec.method == "eagle3":
+        from jaxserve.spec_decode.eagle3 import Eagle3Proposer
+
+        proposer = Eagle3Proposer(spec.num_speculative_tokens)
+    elif spec is not None:
+        proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
     core = EngineCore(scheduler, step_runner, async_scheduling=sc.async_scheduling, proposer=proposer,
                       num_decode_steps=runner.num_decode_steps)
     tokenizer, info = _model_info(plan, start, timer, sc, scheduler.cache_tokens)
@@ -255,7 +285,8 @@ def _assemble(plan: EnginePlan, start: _Start, runner: ModelRunner, kv: KVSize, 
                 f" ({D} data-parallel ranks)" if D > 1 else "", runner.num_buckets, runner.compile_seconds,
                 runner.executables_loaded, runner.executables_compiled, start.load_seconds,
                 (", overlapped steps" if core.async_scheduling else "") +
-                (f", n-gram speculation ({spec.num_speculative_tokens} tokens)" if spec is not None else ""))
+                (f", {'EAGLE-3' if plan.draft_model else 'n-gram'} speculation ({spec.num_speculative_tokens} tokens)"
+                 if spec is not None else ""))
     _ready(timer, own_timer)
     return EngineParts(tokenizer, info, core, start.model_path, plan.arch, start.backend, plan.device,
                        start.load_seconds, start.topo, start.link, runner, plan)

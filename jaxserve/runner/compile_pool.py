@@ -70,7 +70,8 @@ def abstract_step(recipe: StepRecipe, devices=None) -> AbstractStep:
     model = abstract_model(recipe, mesh, backend)
     program, params, _ = step_program(recipe, model, backend, mesh)
     params = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in params]
-    return AbstractStep(program, model, params + program.lora_arrays(abstract=True), program.abstract_kv(),
+    return AbstractStep(program, model, params + (program.drafter_params or []) + program.lora_arrays(abstract=True),
+                        program.abstract_kv(),
                         program.abstract_state())
 
 

@@ -57,9 +57,10 @@ def bytes_per_page(cfg: ArchConfig, page_size: int, dtype, mesh: Mesh | None = N
 
 
 def num_pages_for_budget(cfg: ArchConfig, page_size: int, dtype, budget_bytes: int, mesh: Mesh | None = None,
-                         rules: Rules | None = None) -> int:
-    """Pages that fit a per-device budget (each device holds its KV heads of every page)."""
-    n = int(budget_bytes // bytes_per_page(cfg, page_size, dtype, mesh, rules))
+                         rules: Rules | None = None, extra_bytes_per_page: int = 0) -> int:
+    """Pages that fit a per-device budget (each device holds its KV heads of every page, and
+    `extra_bytes_per_page` more: an EAGLE-3 head's layer)."""
+    n = int(budget_bytes // (bytes_per_page(cfg, page_size, dtype, mesh, rules) + extra_bytes_per_page))
     if n < 2:
         raise ValueError(
             f"a KV cache budget of {budget_bytes / 2**20:.1f} MiB holds fewer than 2 pages of "

@@ -70,6 +70,8 @@ class RunnerOutput:
     logprobs: dict[str, list[SampleLogprobs]]  # one per sampled token
     # request id -> (first position, per-position SampleLogprobs of the NEXT prompt token)
     prompt_logprobs: dict[str, tuple[int, list[SampleLogprobs]]]
+    # EAGLE-3: request id -> the drafts the step made for its next tokens (requests that sampled)
+    drafts: dict[str, list[int]] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(slots=True)
@@ -92,6 +94,8 @@ class StepPlan:
     # steps (the tokens collect reads back for it)
     num_steps: int = 1
     row_steps: list[int] = dataclasses.field(default_factory=list)
+    # EAGLE-3: each request row's request id (the rows of the step's drafts) and whether it sampled
+    draft_rows: list[tuple[str, bool]] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(slots=True)
@@ -99,6 +103,7 @@ class LaunchedStep:
     plan: StepPlan
     out: SamplerOutput  # [R] rows; a decode block's: [K, R]
     plp: PromptLogprobs | None  # None: a decode block
+    drafts: jax.Array | None = None  # EAGLE-3: [R, k] each request row's drafts
 
 
 class ModelRunner:
@@ -116,12 +121,14 @@ class ModelRunner:
         executables: str | None = None,
         show_progress: bool = True,
         timer: StartupTimer | None = None,
+        drafter=None,
     ):
         """The steps of `recipe` (runner/recipe.py: everything they are a function of) over
         `model`'s weights, on `mesh`. The host-side options: `seed` (requests without one),
         `max_cpu_loras` (the adapters' host LRU), `compile_workers` (processes compiling the
         steps at a cold start, from the recipe), the executable cache, `executables` (a
-        directory of executables compiled ahead, runner/prebuilt.py: loaded where they match)."""
+        directory of executables compiled ahead, runner/prebuilt.py: loaded where they match).
+        `drafter`: the loaded EAGLE-3 head of a recipe with a `draft_model`."""
         self.mesh, self.recipe, self.backend = mesh, recipe, backend
         # Data parallelism: D ranks, each with its own pages and its own range of S / D sampling
         # slots (see core/dp_scheduler.py); the step runs per rank inside a shard_map over "data".
@@ -137,9 +144,13 @@ class ModelRunner:
         timer = timer or StartupTimer()  # the phases of this runner's start (build_engine logs them)
         # The weights travel to the step as a flat list of arrays (flattening the nnx State on
         # every call costs milliseconds of host time per step), the LoRA slots' after them.
-        self.program, self.params, self._params_treedef = step_program(recipe, model, backend, mesh, max_cpu_loras)
+        self.program, self.params, self._params_treedef = step_program(recipe, model, backend, mesh, max_cpu_loras,
+                                                                       drafter=drafter)
         with timer.phase("weight arena"):
             backend.place_weights(model, self.params, self._params_treedef)
+        self.drafting = self.program.drafter_params is not None  # EAGLE-3: the step drafts
+        if self.drafting:
+            self.params += self.program.drafter_params
         self.num_weights = len(self.params)
         self.params += self.program.lora_arrays(abstract=False)
         self.replicated, self.state_sharding = self.program.replicated, self.program.state_sharding
@@ -174,8 +185,14 @@ class ModelRunner:
         zeros = self.program.kv_zeros(self._scope)
         self.kv = allocate_kv_cache(self.cfg, self.num_pages, self.page_size, self.kv_dtype, self.mesh,
                                     self.recipe.rules, zeros=zeros)
+        if self.drafting:  # the head's own layer of pages, next to the target's
+            from jaxserve.spec_decode.eagle3 import DraftKV
+
+            head = allocate_kv_cache(self.program.drafter_cfg, self.num_pages, self.page_size, self.kv_dtype,
+                                     self.mesh, self.recipe.rules)
+            self.kv = DraftKV(self.kv, head.k[0], head.v[0])
         # The backend's thread placing the host buffers (the CPU's huge pages), if any.
-        self.host_placement = self.backend.place_kv_cache([*self.params, *self.kv.k, *self.kv.v])
+        self.host_placement = self.backend.place_kv_cache([*self.params, *jax.tree.leaves(self.kv)])
         self.sstate = self.program.sampling_state_init(self._scope)()
 
     def _reset_slots(self) -> None:
@@ -266,6 +283,8 @@ class ModelRunner:
             graphdef=canonical(fn.graphdef),
             params=signature(params), params_treedef=str(self._params_treedef), kv=signature(kv),
             sstate=signature(sstate), layer_impl=str(layer), sampler=canonical(self.sampler_config),
+            draft=(f"{fn.taps} {fn.num_speculative_tokens} {canonical(fn.drafter_graphdef)}" if self.drafting
+                   else ""),
             mesh=repr(self.mesh), pages=f"{self.page_size} {self.pages_per_req} {self.num_pages} {self.dp}",
             replicated=repr(self.replicated))
         if self.executables is not None:
@@ -311,10 +330,14 @@ class ModelRunner:
             bounds = np.cumsum([0] + [len(x.rows) for x in ranks])
             masks = [token_bitmask[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
         packs = [pack_rank(x, T, R, rank=r, table=self.slots, builder=self.builder, layout=self.layouts[(T, R)],
-                           page_size=self.page_size, lora=self.lora is not None, token_bitmask=m)
+                           page_size=self.page_size, lora=self.lora is not None, token_bitmask=m,
+                           drafting=self.drafting)
                  for r, (x, m) in enumerate(zip(ranks, masks))]
         drafts = {s.request_id: s.draft_token_ids for x in ranks if x.num_drafts for s in x.rows if s.num_draft_tokens}
-        return self._plan((T, R), packs, lora_writes, drafts)
+        plan = self._plan((T, R), packs, lora_writes, drafts)
+        if self.drafting:
+            plan.draft_rows = [(s.request_id, s.sample) for x in ranks for s in x.rows]
+        return plan
 
     def _prepare_block(self, batch: StepBatch, lora_writes) -> StepPlan:
         """A decode block's plan (Scheduler.schedule_block): one row per request, each feeding
@@ -380,6 +403,9 @@ class ModelRunner:
                 return LaunchedStep(plan, out, None)
             self.kv, self.sstate, out, plp = self._compiled[plan.bucket](self.params, self.kv, self.sstate,
                                                                          *plan.buffers)
+        if self.drafting:
+            plp, drafts = plp
+            return LaunchedStep(plan, out, plp, drafts)
         return LaunchedStep(plan, out, plp)
 
     def collect(self, step: LaunchedStep) -> RunnerOutput:
@@ -409,7 +435,11 @@ class ModelRunner:
             for rid, lo, count, first, k in plan.prompt_logprob_rows:
                 prompt_lps[rid] = (first, [SampleLogprobs(float(p_lp[t]), int(p_rank[t]), p_ids[t, :k].tolist(),
                                                           p_top[t, :k].tolist()) for t in range(lo, lo + count)])
-        return RunnerOutput(sampled, logprobs, prompt_lps)
+        drafted = {}
+        if step.drafts is not None and any(s for _, s in plan.draft_rows):
+            rows = np.asarray(step.drafts)
+            drafted = {rid: rows[i].tolist() for i, (rid, s) in enumerate(plan.draft_rows) if s}
+        return RunnerOutput(sampled, logprobs, prompt_lps, drafted)
 
     def _collect_block(self, plan: StepPlan, out: SamplerOutput) -> RunnerOutput:
         """A decode block's tokens: each row's first `row_steps` of its K (the scheduler trims
@@ -446,7 +476,7 @@ class ModelRunner:
             raise RuntimeError("the runner cannot sleep while requests hold slots")
         self._shardings = [x.sharding for x in self.params]
         self._host_params = [np.array(x) for x in self.params]
-        for x in (*self.params, *self.kv.k, *self.kv.v, *jax.tree.leaves(self.sstate)):
+        for x in (*self.params, *jax.tree.leaves(self.kv), *jax.tree.leaves(self.sstate)):
             x.delete()
         self.params = []
 

@@ -69,6 +69,9 @@ class StepRecipe:
     # Speculative decoding's drafts per request and step: a drafting request samples on 1 + k
     # rows of the request bucket (the shapes do not change; the runner checks a step against it).
     num_speculative_tokens: int = 0
+    # EAGLE-3 speculative decoding: the draft head's HF directory ("": none); the step drafts
+    # num_speculative_tokens tokens per request on the device (jaxserve/spec_decode/eagle3.py).
+    draft_model: str = ""
     token_buckets: tuple[int, ...] = ()  # the grid the runner compiles (T, R pairs with R <= T)
     request_buckets: tuple[int, ...] = ()
     # Multi-step decode (runner/decode_block.py): K > 1 adds one decode block of K steps per
@@ -123,17 +126,37 @@ class StepProgram:
     # the sampling state's shardings (a SamplingState of them: the slots split over "data" like
     # the pages, the [S, V] arrays' vocabulary like the logits'; sampling/state.py)
     state_sharding: SamplingState
+    # EAGLE-3: the draft head's flat weights (real or abstract; they follow the target's in the
+    # step's parameter list) and its decoder layer's config (its KV pages); None: no head
+    drafter_params: list | None = None
+    drafter_cfg: Any = None
 
     def layout(self, T: int, R: int) -> BufferLayout:
         """How a (T, R) step's inputs (ModelInputs, SamplingMetadata, TokenInfo) are packed."""
         r = self.recipe
         return step_layout(T, R, pages_per_req=r.pages_per_req(), page_size=r.page_size,
-                           sampler_config=r.sampler_config, lora=self.lora is not None)
+                           sampler_config=r.sampler_config, lora=self.lora is not None,
+                           draft=self.drafter_cfg is not None)
 
-    def abstract_kv(self):
+    def abstract_target_kv(self):
+        """The target's KV cache (abstract)."""
         r = self.recipe
         return abstract_kv_cache(self.cfg, r.num_pages, r.page_size, r.kv_dtype, self.mesh,
                                  r.rules)
+
+    def abstract_draft_kv(self):
+        """The draft head's one layer of pages (abstract): (k, v)."""
+        r = self.recipe
+        kv = abstract_kv_cache(self.drafter_cfg, r.num_pages, r.page_size, r.kv_dtype, self.mesh, r.rules)
+        return kv.k[0], kv.v[0]
+
+    def abstract_kv(self):
+        """What the step takes as its KV cache: the target's, or with a draft head a DraftKV."""
+        if self.drafter_cfg is None:
+            return self.abstract_target_kv()
+        from jaxserve.spec_decode.eagle3 import DraftKV
+
+        return DraftKV(self.abstract_target_kv(), *self.abstract_draft_kv())
 
     def abstract_state(self):
         return abstract_sampling_state(self.recipe.sampler_config, self.state_sharding)
@@ -188,7 +211,7 @@ class StepProgram:
 
     def kv_zeros(self, scope) -> jax.stages.Compiled:
         """The executable making one zeroed layer array of the KV cache."""
-        return scope.get("kv-zeros", (), zeros_compiler(self.abstract_kv().k[0]))
+        return scope.get("kv-zeros", (), zeros_compiler(self.abstract_target_kv().k[0]))
 
     def sampling_state_init(self, scope) -> jax.stages.Compiled:
         """The executable making the sampling state, zeroed, in its sharding."""
@@ -238,10 +261,12 @@ class StepProgram:
 
 
 def step_program(recipe: StepRecipe, model, backend: Backend, mesh: Mesh,
-                 max_cpu_loras: int | None = None) -> tuple[StepProgram, list, Any]:
+                 max_cpu_loras: int | None = None, drafter=None) -> tuple[StepProgram, list, Any]:
     """The step of `recipe` over `model` (real or abstract weights, already laid out by
     `backend`): (program, the model's flat weights, their tree structure). The LoRA slots'
-    arrays follow the weights in the step's parameter list (`StepProgram.lora_arrays`)."""
+    arrays follow the weights in the step's parameter list (`StepProgram.lora_arrays`), and so
+    do an EAGLE-3 head's (`StepProgram.drafter_params`): `drafter`, the loaded head, or None
+    for an abstract one read from `recipe.draft_model`."""
     graphdef, state = nnx.split(model)
     params, treedef = jax.tree.flatten(state)
     lora = None
@@ -258,7 +283,24 @@ def step_program(recipe: StepRecipe, model, backend: Backend, mesh: Mesh,
     replicated = NamedSharding(mesh, P())
     state_sharding = sampling_state_shardings(recipe.sampler_config, mesh, recipe.rules,
                                               recipe.data_parallel_size > 1)
-    return StepProgram(recipe, model.config, function, mesh, lora, replicated, state_sharding), params, treedef
+    if not recipe.draft_model:
+        return StepProgram(recipe, model.config, function, mesh, lora, replicated, state_sharding), params, treedef
+    from jaxserve.spec_decode.eagle3 import Eagle3StepFunction, abstract_drafter
+
+    if lora is not None or recipe.num_decode_steps > 1 or recipe.data_parallel_size > 1 or mesh.size > 1:
+        raise ValueError("EAGLE-3 speculative decoding runs on one device, without LoRA and without "
+                         "multi-step decode")
+    drafter = drafter if drafter is not None else abstract_drafter(recipe.draft_model, model.config,
+                                                                   recipe.dtype, mesh, recipe.rules)
+    dgraph, dstate = nnx.split(drafter)
+    dparams, dtreedef = jax.tree.flatten(dstate)
+    function = Eagle3StepFunction(graphdef, treedef, layer_impl, recipe.sampler_config, None,
+                                  drafter_graphdef=dgraph, drafter_treedef=dtreedef,
+                                  taps=drafter.config.target_layer_ids(model.config),
+                                  num_speculative_tokens=recipe.num_speculative_tokens,
+                                  page_size=recipe.page_size)
+    return StepProgram(recipe, model.config, function, mesh, lora, replicated, state_sharding, dparams,
+                       drafter.config.layer), params, treedef
 
 
 def abstract_model(recipe: StepRecipe, mesh: Mesh, backend: Backend):

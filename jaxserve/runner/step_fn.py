@@ -60,6 +60,12 @@ class StepFunction:
     def __call__(self, params, kv, sstate, inputs: ModelInputs, meta: SamplingMetadata, tok: TokenInfo):
         model, lora = self.model_of(params, tok)
         kv, sstate, logits, hidden = self.forward(model, lora, kv, sstate, inputs, meta, tok)
+        sstate, out, plp = self.sample_and_keep(model, hidden, logits, sstate, meta, tok)
+        return kv, sstate, out, plp
+
+    def sample_and_keep(self, model, hidden, logits, sstate, meta: SamplingMetadata, tok: TokenInfo):
+        """Sample each row (+ prompt log-probs when some token asks) and keep each row's token
+        in its slot: (sstate, SamplerOutput, PromptLogprobs)."""
         k = self.sampler_config.max_logprobs
         T = hidden.shape[0]
         wants = tok.next_prompt_token >= 0
@@ -78,7 +84,7 @@ class StepFunction:
         out, plp = sample_with_extra(logits, meta, sstate, self.sampler_config,
                                      (jnp.any(wants), with_prompt_lp, without))
         sstate = record_sampled_tokens(sstate, out.token_ids, tok.sample_slots)
-        return kv, sstate, out, plp
+        return sstate, out, plp
 
     def model_of(self, params, tok: TokenInfo):
         """(the model over the flat weight list, the step's LoRA batch or None)."""
@@ -93,11 +99,17 @@ class StepFunction:
         """Resolve pending tokens -> fold the inputs into the sampling state -> model (KV
         written) -> logits at each row's token. Returns (kv, sstate, logits [R, V], hidden
         [T, E])."""
+        input_ids, sstate = self.fold_inputs(sstate, inputs, meta, tok)
+        hidden, kv = model(input_ids, inputs.positions, kv, inputs.md, self.layer_impl, lora=lora)  # [T, E]
+        return kv, sstate, model.compute_logits(hidden[inputs.logits_indices]), hidden
+
+    def fold_inputs(self, sstate, inputs: ModelInputs, meta: SamplingMetadata, tok: TokenInfo):
+        """Resolve pending input tokens and fold the inputs into the sampling state:
+        (input_ids [T], sstate)."""
         input_ids = resolve_pending_tokens(sstate, inputs.input_ids, tok.slots)
         sstate = update_state_from_tokens(sstate, tok.slots, input_ids, tok.is_prompt, tok.valid,
                                           meta.reset_slots, penalty_slots(meta))
-        hidden, kv = model(input_ids, inputs.positions, kv, inputs.md, self.layer_impl, lora=lora)  # [T, E]
-        return kv, sstate, model.compute_logits(hidden[inputs.logits_indices]), hidden
+        return input_ids, sstate
 
     def sample_step(self, model, lora, kv, sstate, inputs: ModelInputs, meta: SamplingMetadata, tok: TokenInfo):
         """One forward and draw (a decode block's iteration): `forward` -> sample -> keep each
@@ -167,9 +179,10 @@ def step_program(step: StepFunction, layout: BufferLayout, mesh, params, kv, sst
 
 
 def step_layout(T: int, R: int, *, pages_per_req: int, page_size: int,
-                sampler_config: SamplerConfig, lora: bool = False) -> BufferLayout:
+                sampler_config: SamplerConfig, lora: bool = False, draft: bool = False) -> BufferLayout:
     """How a (T, R) step's inputs (ModelInputs, SamplingMetadata, TokenInfo) are packed (with
-    `lora`, each token's adapter slot too)."""
+    `lora`, each token's adapter slot too; with `draft`, the EAGLE-3 drafting's inputs after
+    them: jaxserve/spec_decode/eagle3.py)."""
     empty = np.zeros(0, np.int32)
     dummy = pack_rows(empty, empty, empty, np.zeros((0, pages_per_req), np.int32),
                       num_tokens=T, num_reqs=R, page_size=page_size)
@@ -177,6 +190,10 @@ def step_layout(T: int, R: int, *, pages_per_req: int, page_size: int,
                     next_prompt_token=np.zeros(T, np.int32), sample_slots=np.zeros(R, np.int32),
                     lora_slots=np.zeros(T, np.int32) if lora else None)
     meta = SamplingMetadataBuilder(sampler_config).build([], [], R)
+    if draft:
+        from jaxserve.spec_decode.eagle3 import DraftInputs
+
+        return BufferLayout.of((dummy, meta, tok, DraftInputs.empty(T, R)))
     return BufferLayout.of((dummy, meta, tok))
 
 

@@ -48,6 +48,8 @@ def accept_drafts(sampled: list[int], drafts: tuple[int, ...] | list[int]) -> li
 
 
 class NgramProposer:
+    on_device = False  # proposes on the host, from the request's tokens
+
     def __init__(self, num_speculative_tokens: int, prompt_lookup_min: int, prompt_lookup_max: int):
         self.k = num_speculative_tokens
         self.min_n = prompt_lookup_min
