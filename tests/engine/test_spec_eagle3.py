@@ -1,0 +1,179 @@
+"""EAGLE-3 speculative decoding in the engine (jaxserve/spec_decode/eagle3.py): the tiny `llama`
+fixture served with its draft head (tests/data/arch/eagle3_llama, random weights), drafting
+inside the compiled step. Greedy and seeded outputs equal the outputs without speculation; the
+step's drafts equal the head's own dense chain (models/eagle3.py) over the target's taps; a head
+made to draft one fixed token (an "oracle" for runs of that token) gets drafts accepted through
+the whole path; configurations the drafting cannot serve are refused by name."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import load_file, save_file
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.config import SpeculativeConfig
+from jaxserve.models.eagle3 import DenseKV, load_eagle3
+from tests.model_dirs import write_model_dir
+from tests.models.test_eagle3 import jitted, target_forward
+
+DATA = pathlib.Path(__file__).resolve().parent.parent / "data" / "arch"
+HEAD = DATA / "eagle3_llama"
+K = 3
+# Different lengths: one longer than a prefill chunk (the token budget is 32), one token.
+PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 10, 11], list(range(20, 60)), [30]]
+OPTIONS = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=32, token_buckets=(32,),
+               request_buckets=(8,), show_progress=False)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(write_model_dir(tmp_path_factory.mktemp("m")))
+
+
+@pytest.fixture(scope="module")
+def spec_llm(model_dir, compile_cache_dir):
+    return LLM(model_dir, speculative_config={"method": "eagle3", "model": str(HEAD), "num_speculative_tokens": K},
+               compilation_cache_dir=compile_cache_dir, seed=1, **OPTIONS)
+
+
+@pytest.fixture(scope="module")
+def plain_llm(model_dir, compile_cache_dir):
+    return LLM(model_dir, compilation_cache_dir=compile_cache_dir, seed=2, **OPTIONS)
+
+
+def tokens(llm, prompts, params):
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def spec_stats(llm):
+    s = llm.engine.scheduler.make_stats()
+    return np.array([s.spec_num_drafts, s.spec_num_draft_tokens, s.spec_num_accepted_tokens])
+
+
+def test_greedy_outputs_equal_no_speculation(spec_llm, plain_llm):
+    before = spec_stats(spec_llm)
+    greedy = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (20, 12, 16, 1)]
+    assert tokens(spec_llm, PROMPTS, greedy) == tokens(plain_llm, PROMPTS, greedy)
+    drafts, draft_tokens, _ = spec_stats(spec_llm) - before
+    assert drafts > 10 and draft_tokens > 2 * drafts  # the head's drafts were fed and verified
+    assert spec_llm.engine.runner.counter.recompiles == 0
+
+
+def test_seeded_sampling_is_reproducible_and_unchanged(spec_llm, plain_llm):
+    """A row's random number depends on the seed and the output position only: drafts change
+    no seeded output."""
+    seeded = [SamplingParams(temperature=t, top_p=tp, max_tokens=12, seed=s, ignore_eos=True)
+              for s, (t, tp) in enumerate([(0.7, 1.0), (1.0, 0.9), (0.4, 1.0), (1.0, 1.0)])]
+    first = tokens(spec_llm, PROMPTS, seeded)
+    assert first == tokens(spec_llm, PROMPTS, seeded) == tokens(plain_llm, PROMPTS, seeded)
+    assert all(len(t) == 12 and all(0 <= x < 128 for x in t) for t in first)
+
+
+def test_step_drafts_equal_the_heads_dense_chain(spec_llm):
+    """The drafts a prefill step returns are the head's greedy chain over the target's taps of
+    the prompt, with the token sampled at its end as the last input (models/eagle3.py's dense
+    path, checked against speculators' in tests/models/test_eagle3.py)."""
+    runner = spec_llm.engine.runner
+    seen = []
+    collect = runner.collect
+
+    def spy(step):
+        out = collect(step)
+        seen.append(out)
+        return out
+
+    prompt = PROMPTS[0]
+    runner.collect = spy
+    try:
+        (out,) = spec_llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
+    finally:
+        del runner.collect
+    first_token = out.outputs[0].token_ids[0]
+    (drafts,) = seen[0].drafts.values()
+    head = load_eagle3(HEAD, target=DATA / "llama")
+    _, taps, _ = target_forward(prompt, head.config.aux_layer_ids)
+    forward = jitted(head)
+    n = len(prompt)
+    step, kv = forward(jnp.asarray(prompt[1:] + [first_token], jnp.int32), jnp.arange(n), head.combine_hidden(taps),
+                       DenseKV.empty(head.config))
+    want = [int(step.target_ids[-1])]
+    hidden = step.hidden[-1:]
+    for j in range(1, K):
+        step, kv = forward(jnp.asarray(want[-1:], jnp.int32), jnp.asarray([n - 1 + j]), hidden, kv)
+        want.append(int(step.target_ids[0]))
+        hidden = step.hidden
+    assert drafts == want
+
+
+def oracle_head(dst: pathlib.Path, token: int) -> pathlib.Path:
+    """The fixture's head made to draft `token` always: a zero LM head (every draft id scores 0:
+    the argmax is draft id 0) and a vocabulary map sending draft id 0 to `token`."""
+    shutil.copytree(HEAD, dst)
+    tensors = load_file(str(HEAD / "model.safetensors"))
+    tensors["lm_head.weight"] = np.zeros_like(tensors["lm_head.weight"])
+    targets = np.flatnonzero(tensors["t2d"])
+    targets = np.concatenate([[token], [t for t in targets if t != token]])[: len(targets)]
+    tensors["d2t"] = (targets - np.arange(len(targets))).astype(tensors["d2t"].dtype)
+    t2d = np.zeros_like(tensors["t2d"])
+    t2d[targets] = True
+    tensors["t2d"] = t2d
+    save_file(tensors, str(dst / "model.safetensors"))
+    return dst
+
+
+def test_accepted_drafts_end_to_end(spec_llm, plain_llm, tmp_path):
+    """The head's weights swapped for an oracle of one token that the target repeats: drafts
+    are accepted (several per step), and the outputs still equal plain decoding."""
+    runner = spec_llm.engine.runner
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    (want,) = tokens(plain_llm, [PROMPTS[1]], greedy)
+    token = max(set(want), key=want.count)
+    assert want.count(token) >= 6
+    oracle = load_eagle3(oracle_head(tmp_path / "oracle", token), target=DATA / "llama")
+    n = len(runner.params) - len(runner.program.drafter_params)
+    own = runner.params[n:]
+    runner.params[n:] = jax.tree.leaves(nnx.state(oracle))
+    try:
+        before = spec_stats(spec_llm)
+        assert tokens(spec_llm, [PROMPTS[1]], greedy) == [want]
+        drafts, draft_tokens, accepted = spec_stats(spec_llm) - before
+    finally:
+        runner.params[n:] = own
+    assert 0 < accepted < draft_tokens and accepted >= 3
+
+
+def test_config_forms():
+    c = SpeculativeConfig.parse('{"method": "eagle3", "model": "/some/head", "num_speculative_tokens": 3}')
+    assert (c.method, c.model, c.num_speculative_tokens) == ("eagle3", "/some/head", 3)
+    for bad, msg in [({"method": "eagle3", "num_speculative_tokens": 2}, 'needs "model"'),
+                     ({"method": "eagle3", "model": "x", "num_speculative_tokens": 2, "prompt_lookup_max": 3},
+                      "prompt_lookup"),
+                     ({"method": "ngram", "model": "x", "num_speculative_tokens": 2}, 'is for method "eagle3"'),
+                     ({"method": "eagle", "model": "x", "num_speculative_tokens": 2}, "'eagle3'")]:
+        with pytest.raises(ValueError, match=msg):
+            SpeculativeConfig.parse(bad)
+
+
+def test_refused_at_start(model_dir, tmp_path):
+    spec = {"method": "eagle3", "model": str(HEAD), "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="speculative_config model .*was not found"):
+        LLM(model_dir, speculative_config={**spec, "model": str(tmp_path / "missing")}, **OPTIONS)
+    wide = tmp_path / "wide"
+    shutil.copytree(HEAD, wide)
+    cfg = json.loads((wide / "config.json").read_text())
+    cfg["transformer_layer_config"]["hidden_size"] = 96
+    (wide / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"hidden size \(96\) differs from the target's \(64\)"):
+        LLM(model_dir, speculative_config={**spec, "model": str(wide)}, **OPTIONS)
+    with pytest.raises(ValueError, match="'eagle3' runs on one device without --enable-lora"):
+        LLM(model_dir, speculative_config=spec, enable_lora=True, **OPTIONS)
+    with pytest.raises(ValueError, match="without --num-decode-steps above 1"):
+        LLM(model_dir, speculative_config=spec, num_decode_steps=4, **OPTIONS)
