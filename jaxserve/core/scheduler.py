@@ -119,6 +119,9 @@ class Scheduler:
         self.config = scheduler_config
         self.kv = kv_cache_manager
         self.adapters = AdapterSlots() if adapters is None else adapters
+        # Positions past a decoding request's fed tokens that a step may write KV at (an EAGLE-3
+        # head's chained drafts: k - 1); their pages are reserved as far as they are free.
+        self.num_lookahead_tokens = 0
         if self.kv.max_model_len not in (None, scheduler_config.max_model_len):
             raise ValueError(
                 f"KVCacheManager.max_model_len ({self.kv.max_model_len}) differs from "
@@ -243,8 +246,9 @@ class Scheduler:
                 i += 1
                 continue
             k = self._num_drafts(req, n, budget, spare_rows) if req.spec_token_ids else 0
-            new_blocks = self.kv.allocate_slots(req, n + k, num_draft_tokens=k)
-            if new_blocks is None and k:
+            ahead = max(0, min(self.num_lookahead_tokens, self.config.max_model_len - req.num_computed_tokens - n - k))
+            new_blocks = self.kv.allocate_slots(req, n + k + ahead, num_draft_tokens=k, num_lookahead_tokens=ahead)
+            if new_blocks is None and (k or ahead):
                 k = 0
                 new_blocks = self.kv.allocate_slots(req, n)
             while new_blocks is None:

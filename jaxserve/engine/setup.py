@@ -272,6 +272,7 @@ def _assemble(plan: EnginePlan, start: _Start, runner: ModelRunner, kv: KVSize, 
         from jaxserve.spec_decode.eagle3 import Eagle3Proposer
 
         proposer = Eagle3Proposer(spec.num_speculative_tokens)
+        scheduler.num_lookahead_tokens = spec.num_speculative_tokens - 1  # the head's chained drafts' KV
     elif spec is not None:
         proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
     core = EngineCore(scheduler, step_runner, async_scheduling=sc.async_scheduling, proposer=proposer,
