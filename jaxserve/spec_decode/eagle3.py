@@ -186,8 +186,15 @@ def abstract_drafter(path: str, target_cfg, dtype, mesh, rules):
     config = Eagle3Config.from_hf(load_checkpoint(path).config)
     config.target_layer_ids(target_cfg)
     graphdef, state = nnx.split(nnx.eval_shape(lambda: Eagle3Drafter(config, dtype=dtype, rngs=None)))
-    shardings = state_shardings(state, mesh, rules)
-    state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
+    from jaxserve.models.weights import _path_key
+
+    flat = {_path_key(p): s for p, s in jax.tree_util.tree_leaves_with_path(state_shardings(state, mesh, rules))}
+
+    def shaped(path, var):
+        x = var.get_value()
+        return var.replace(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=flat[_path_key(path)]))
+
+    state = jax.tree_util.tree_map_with_path(shaped, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
     return nnx.merge(graphdef, state)
 
 

@@ -177,3 +177,17 @@ def test_refused_at_start(model_dir, tmp_path):
         LLM(model_dir, speculative_config=spec, enable_lora=True, **OPTIONS)
     with pytest.raises(ValueError, match="without --num-decode-steps above 1"):
         LLM(model_dir, speculative_config=spec, num_decode_steps=4, **OPTIONS)
+
+
+def test_the_compile_workers_lower_the_runners_program(spec_llm):
+    """From the recipe alone (the head's abstract weights read from its directory), the compile
+    workers and memory probes lower the program the runner runs."""
+    from jaxserve.runner.compile_pool import abstract_step, lower_bucket
+    from jaxserve.runner.recipe import program_fingerprint
+
+    runner = spec_llm.engine.runner
+    recipe = runner.recipe
+    assert recipe.draft_model and recipe.num_speculative_tokens == K
+    bucket = (32, 8)
+    assert (program_fingerprint(lower_bucket(recipe, abstract_step(recipe), bucket))
+            == program_fingerprint(runner.lower(bucket)))
