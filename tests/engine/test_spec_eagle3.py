@@ -77,10 +77,27 @@ def test_seeded_sampling_is_reproducible_and_unchanged(spec_llm, plain_llm):
     assert all(len(t) == 12 and all(0 <= x < 128 for x in t) for t in first)
 
 
+def dense_chain(head, forward, seq: list[int]) -> list[int]:
+    """The head's k greedy drafts after `seq` (its last token just sampled), densely: the
+    target's taps over seq[:-1], the head's context pass with each position's next token as
+    input, then the chain from the last position."""
+    n = len(seq) - 1
+    _, taps, _ = target_forward(seq[:-1], head.config.aux_layer_ids)
+    step, kv = forward(jnp.asarray(seq[1:], jnp.int32), jnp.arange(n), head.combine_hidden(taps),
+                       DenseKV.empty(head.config))
+    out, hidden = [int(step.target_ids[-1])], step.hidden[-1:]
+    for j in range(1, K):
+        step, kv = forward(jnp.asarray(out[-1:], jnp.int32), jnp.asarray([n - 1 + j]), hidden, kv)
+        out.append(int(step.target_ids[0]))
+        hidden = step.hidden
+    return out
+
+
 def test_step_drafts_equal_the_heads_dense_chain(spec_llm):
-    """The drafts a prefill step returns are the head's greedy chain over the target's taps of
-    the prompt, with the token sampled at its end as the last input (models/eagle3.py's dense
-    path, checked against speculators' in tests/models/test_eagle3.py)."""
+    """The drafts each step returns (after the prefill, and after each verifying step, whatever
+    it accepted) are the head's greedy chain over the target's taps of the request's tokens so
+    far, the token sampled last as the last input (models/eagle3.py's dense path, checked
+    against speculators' in tests/models/test_eagle3.py)."""
     runner = spec_llm.engine.runner
     seen = []
     collect = runner.collect
@@ -93,24 +110,19 @@ def test_step_drafts_equal_the_heads_dense_chain(spec_llm):
     prompt = PROMPTS[0]
     runner.collect = spy
     try:
-        (out,) = spec_llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
+        spec_llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True), use_tqdm=False)
     finally:
         del runner.collect
-    first_token = out.outputs[0].token_ids[0]
-    (drafts,) = seen[0].drafts.values()
     head = load_eagle3(HEAD, target=DATA / "llama")
-    _, taps, _ = target_forward(prompt, head.config.aux_layer_ids)
     forward = jitted(head)
-    n = len(prompt)
-    step, kv = forward(jnp.asarray(prompt[1:] + [first_token], jnp.int32), jnp.arange(n), head.combine_hidden(taps),
-                       DenseKV.empty(head.config))
-    want = [int(step.target_ids[-1])]
-    hidden = step.hidden[-1:]
-    for j in range(1, K):
-        step, kv = forward(jnp.asarray(want[-1:], jnp.int32), jnp.asarray([n - 1 + j]), hidden, kv)
-        want.append(int(step.target_ids[0]))
-        hidden = step.hidden
-    assert drafts == want
+    seq, checked = list(prompt), 0
+    for out in seen:
+        (rid,) = out.sampled
+        seq += out.sampled[rid]
+        if rid in out.drafts:
+            assert out.drafts[rid] == dense_chain(head, forward, seq)
+            checked += 1
+    assert checked == len(seen) >= 2
 
 
 def oracle_head(dst: pathlib.Path, token: int) -> pathlib.Path:
@@ -162,6 +174,16 @@ def test_config_forms():
             SpeculativeConfig.parse(bad)
 
 
+def test_the_serve_flag_takes_vllms_json():
+    from jaxserve.config import EngineConfig
+    from jaxserve.server.cli import build_parser, engine_options
+
+    flag = '{"method": "eagle3", "model": "/heads/llama3-eagle3", "num_speculative_tokens": 4}'
+    opts = engine_options(build_parser().parse_args(["serve", "--speculative-config", flag]))
+    spec = EngineConfig.from_kwargs(**opts).speculative_config
+    assert (spec.method, spec.model, spec.num_speculative_tokens) == ("eagle3", "/heads/llama3-eagle3", 4)
+
+
 def test_refused_at_start(model_dir, tmp_path):
     spec = {"method": "eagle3", "model": str(HEAD), "num_speculative_tokens": 2}
     with pytest.raises(ValueError, match="speculative_config model .*was not found"):
@@ -191,3 +213,25 @@ def test_the_compile_workers_lower_the_runners_program(spec_llm):
     bucket = (32, 8)
     assert (program_fingerprint(lower_bucket(recipe, abstract_step(recipe), bucket))
             == program_fingerprint(runner.lower(bucket)))
+
+
+def test_the_last_kept_row_of_each_request():
+    """`accepted_rows`: a request keeps its samples while each equals the draft fed after its
+    token; its last kept row is where the next token was sampled."""
+    from jaxserve.runner.step_inputs import ModelInputs
+    from jaxserve.spec_decode.eagle3 import DraftInputs, accepted_rows
+
+    # Request 0 feeds [a, 7, 8] (drafts 7, 8), request 1 one token, request 2 [b, 4, 5, 6],
+    # request 3 prefills without sampling; flat tokens 0-2, 3, 4-7, 8-9.
+    next_tokens = np.array([7, 8, 0, 0, 4, 5, 6, 0, 11, 0], np.int32)
+    d = DraftInputs(next_tokens=next_tokens, first_row=np.array([0, 3, 4, 0, 0, 0, 0, 0], np.int32),
+                    num_rows=np.array([3, 1, 4, 0, 0, 0, 0, 0], np.int32),
+                    num_pages=np.ones(8, np.int32))
+    inputs = ModelInputs(input_ids=None, positions=None, md=None,
+                         logits_indices=np.array([0, 1, 2, 3, 4, 5, 6, 7], np.int32))
+    cases = [([7, 8, 9, 1, 4, 9, 6, 2], [2, 3, 5]),  # all kept; none fed; one of three kept
+             ([3, 8, 9, 1, 1, 5, 6, 2], [0, 3, 4]),  # the first sample differs: none kept
+             ([7, 2, 9, 1, 4, 5, 6, 2], [1, 3, 7])]  # one kept; all three kept
+    for sampled, want in cases:
+        rows = np.asarray(accepted_rows(jnp.asarray(sampled, jnp.int32), inputs, d, K))
+        assert rows[:3].tolist() == want
