@@ -39,8 +39,22 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def spec_llm(model_dir, compile_cache_dir):
-    return LLM(model_dir, speculative_config={"method": "eagle3", "model": str(HEAD), "num_speculative_tokens": K},
+def head_dir(tmp_path_factory):
+    """The fixture's head with the target's LM head rows of its draft vocabulary: its random
+    one drafts nearly one token whatever the input; this one's drafts vary with the context."""
+    dst = tmp_path_factory.mktemp("head") / "eagle3"
+    shutil.copytree(HEAD, dst)
+    tensors = load_file(str(HEAD / "model.safetensors"))
+    target_head = load_file(str(DATA / "llama" / "model.safetensors"))["lm_head.weight"]
+    tensors["lm_head.weight"] = np.ascontiguousarray(target_head[np.flatnonzero(tensors["t2d"])])
+    save_file(tensors, str(dst / "model.safetensors"))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def spec_llm(model_dir, head_dir, compile_cache_dir):
+    return LLM(model_dir, speculative_config={"method": "eagle3", "model": str(head_dir),
+                                              "num_speculative_tokens": K},
                compilation_cache_dir=compile_cache_dir, seed=1, **OPTIONS)
 
 
@@ -93,36 +107,42 @@ def dense_chain(head, forward, seq: list[int]) -> list[int]:
     return out
 
 
-def test_step_drafts_equal_the_heads_dense_chain(spec_llm):
+def test_step_drafts_equal_the_heads_dense_chain(spec_llm, plain_llm, head_dir):
     """The drafts each step returns (after the prefill, and after each verifying step, whatever
-    it accepted) are the head's greedy chain over the target's taps of the request's tokens so
-    far, the token sampled last as the last input (models/eagle3.py's dense path, checked
-    against speculators' in tests/models/test_eagle3.py)."""
-    runner = spec_llm.engine.runner
-    seen = []
+    it kept) are the head's greedy chain over the target's taps of the request's tokens so far,
+    the token sampled last as the last input (models/eagle3.py's dense path, checked against
+    speculators' in tests/models/test_eagle3.py). So that the steps keep 0 to k drafts, the
+    engine is fed the target's own next tokens as drafts, the j-th step's wrong from its
+    (j mod k+1)-th on; the outputs stay the plain ones."""
+    prompt, greedy = PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    (want,) = tokens(plain_llm, [prompt], greedy)
+    runner, heads = spec_llm.engine.runner, []
     collect = runner.collect
 
-    def spy(step):
+    def feed_the_target(step):
         out = collect(step)
-        seen.append(out)
+        (rid,) = out.sampled
+        heads.append((len(out.sampled[rid]), out.drafts.get(rid)))
+        done = sum(n for n, _ in heads)
+        right = len(heads) % (K + 1)
+        out.drafts[rid] = want[done: done + right] + [(t + 1) % 128 for t in want[done + right: done + K]]
         return out
 
-    prompt = PROMPTS[0]
-    runner.collect = spy
+    runner.collect = feed_the_target
+    before = spec_stats(spec_llm)
     try:
-        spec_llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True), use_tqdm=False)
+        assert tokens(spec_llm, [prompt], greedy) == [want]
     finally:
         del runner.collect
-    head = load_eagle3(HEAD, target=DATA / "llama")
+    assert (spec_stats(spec_llm) - before)[2] >= 2  # drafts were kept
+    assert sorted({n for n, _ in heads[1:]}) [-1] > 1  # a step emitted more than one token
+    head = load_eagle3(head_dir, target=DATA / "llama")
     forward = jitted(head)
-    seq, checked = list(prompt), 0
-    for out in seen:
-        (rid,) = out.sampled
-        seq += out.sampled[rid]
-        if rid in out.drafts:
-            assert out.drafts[rid] == dense_chain(head, forward, seq)
-            checked += 1
-    assert checked == len(seen) >= 2
+    assert len({tuple(d) for _, d in heads}) > 1  # the head's drafts vary
+    seq = list(prompt)
+    for n, drafts in heads:
+        seq += want[len(seq) - len(prompt): len(seq) - len(prompt) + n]
+        assert drafts == dense_chain(head, forward, seq)
 
 
 def oracle_head(dst: pathlib.Path, token: int) -> pathlib.Path:
