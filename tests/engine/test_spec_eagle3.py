@@ -91,20 +91,21 @@ def test_seeded_sampling_is_reproducible_and_unchanged(spec_llm, plain_llm):
     assert all(len(t) == 12 and all(0 <= x < 128 for x in t) for t in first)
 
 
-def dense_chain(head, forward, seq: list[int]) -> list[int]:
+def dense_chain(head, forward, seq: list[int]) -> tuple[list[int], np.ndarray]:
     """The head's k greedy drafts after `seq` (its last token just sampled), densely: the
     target's taps over seq[:-1], the head's context pass with each position's next token as
-    input, then the chain from the last position."""
+    input, then the chain from the last position. Also the context pass's keys [n, Hkv * D]."""
     n = len(seq) - 1
-    _, taps, _ = target_forward(seq[:-1], head.config.aux_layer_ids)
+    _, taps, _ = target_forward(seq[:-1], head.config.aux_layer_ids, num_tokens=16 if n <= 16 else 64)
     step, kv = forward(jnp.asarray(seq[1:], jnp.int32), jnp.arange(n), head.combine_hidden(taps),
                        DenseKV.empty(head.config))
+    keys = np.asarray(kv.k).reshape(n, -1)
     out, hidden = [int(step.target_ids[-1])], step.hidden[-1:]
     for j in range(1, K):
         step, kv = forward(jnp.asarray(out[-1:], jnp.int32), jnp.asarray([n - 1 + j]), hidden, kv)
         out.append(int(step.target_ids[0]))
         hidden = step.hidden
-    return out
+    return out, keys
 
 
 def test_step_drafts_equal_the_heads_dense_chain(spec_llm, plain_llm, head_dir):
@@ -113,16 +114,26 @@ def test_step_drafts_equal_the_heads_dense_chain(spec_llm, plain_llm, head_dir):
     the token sampled last as the last input (models/eagle3.py's dense path, checked against
     speculators' in tests/models/test_eagle3.py). So that the steps keep 0 to k drafts, the
     engine is fed the target's own next tokens as drafts, the j-th step's wrong from its
-    (j mod k+1)-th on; the outputs stay the plain ones."""
-    prompt, greedy = PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    (j mod k+1)-th on; the outputs stay the plain ones. The head's paged keys of the request's
+    context (written by each step's pass over its tokens, the one across the chunk boundary
+    with the next chunk's first token) are the dense pass's."""
+    for prompt in (PROMPTS[0], PROMPTS[2]):  # one step's prefill, and two chunks' (32 + 8 tokens)
+        check_drafts(spec_llm, plain_llm, head_dir, prompt)
+
+
+def check_drafts(spec_llm, plain_llm, head_dir, prompt):
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     (want,) = tokens(plain_llm, [prompt], greedy)
-    runner, heads = spec_llm.engine.runner, []
+    runner, heads, pages = spec_llm.engine.runner, [], []
     collect = runner.collect
 
     def feed_the_target(step):
         out = collect(step)
+        if not out.sampled:  # a prefill chunk that samples nothing
+            return out
         (rid,) = out.sampled
-        heads.append((len(out.sampled[rid]), out.drafts.get(rid)))
+        heads.append((len(out.sampled[rid]), out.drafts[rid]))
+        pages.append(runner.slots.block_table[runner.slots.slot_of[rid]].copy())
         done = sum(n for n, _ in heads)
         right = len(heads) % (K + 1)
         out.drafts[rid] = want[done: done + right] + [(t + 1) % 128 for t in want[done + right: done + K]]
@@ -142,7 +153,12 @@ def test_step_drafts_equal_the_heads_dense_chain(spec_llm, plain_llm, head_dir):
     seq = list(prompt)
     for n, drafts in heads:
         seq += want[len(seq) - len(prompt): len(seq) - len(prompt) + n]
-        assert drafts == dense_chain(head, forward, seq)
+        dense, keys = dense_chain(head, forward, seq)
+        assert drafts == dense
+    positions = np.arange(len(seq) - 1)
+    page_size = runner.page_size
+    paged = np.asarray(runner.kv.k)[pages[-1][positions // page_size], positions % page_size]
+    np.testing.assert_allclose(paged, keys, atol=1e-4, rtol=0)
 
 
 def oracle_head(dst: pathlib.Path, token: int) -> pathlib.Path:
