@@ -57,18 +57,23 @@ def size_kv_cache(plan: EnginePlan, model, backend: Backend, mesh, timer: Startu
         with timer.phase("memory"):
             probe = functools.partial(plan.recipe, max_model_len=plan.max_model_len, kv_scales=scales)
             memory = _memory_from_programs(plan, backend, mesh, probe)
-    extra = 0
-    if plan.draft_model:  # an EAGLE-3 head's layer of pages, indexed like the target's
-        from jaxserve.spec_decode.eagle3 import draft_layer_config
-
-        extra = bytes_per_page(draft_layer_config(plan.draft_model), cc.page_size, jax_dtype(plan.device.kv_dtype),
-                               mesh, plan.rules)
     rank_pages = num_pages_for_budget(plan.arch, cc.page_size, jax_dtype(plan.device.kv_dtype),
                                       plan.kv_budget if memory is None else memory.kv, mesh, plan.rules,
-                                      extra_bytes_per_page=extra)
+                                      extra_bytes_per_page=draft_bytes_per_page(plan, mesh))
     fitted = fit_max_model_len(plan.max_model_len, rank_pages, cc.page_size,
                                given=plan.config.model.max_model_len is not None)
     return KVSize(rank_pages, fitted, memory, scales)
+
+
+def draft_bytes_per_page(plan: EnginePlan, mesh) -> int:
+    """Bytes per page (per device) of an EAGLE-3 head's layer of pages, indexed like the
+    target's; 0 without a head."""
+    if not plan.draft_model:
+        return 0
+    from jaxserve.spec_decode.eagle3 import draft_layer_config
+
+    return bytes_per_page(draft_layer_config(plan.draft_model), plan.config.cache.page_size,
+                          jax_dtype(plan.device.kv_dtype), mesh, plan.rules)
 
 
 def _memory_from_programs(plan: EnginePlan, backend: Backend, mesh, recipe) -> MemoryBudget:
@@ -83,7 +88,7 @@ def _memory_from_programs(plan: EnginePlan, backend: Backend, mesh, recipe) -> M
     budget = kv_budget_from_programs(
         backend, plan.config.cache, recipe, max(plan.grid.shapes()), limit, arch=plan.arch,
         kv_dtype=jax_dtype(plan.device.kv_dtype), mesh=mesh, rules=plan.rules, in_use=in_use,
-        num_executables=len(plan.grid.shapes()),
+        num_executables=len(plan.grid.shapes()), extra_bytes_per_page=draft_bytes_per_page(plan, mesh),
         scope=lambda r: executable_scope(exe_cache, mesh.devices.flat, **backend.fingerprint(),
                                          recipe=canonical(r.program_key())))
     kv = min_over_processes(budget.kv)
@@ -96,7 +101,7 @@ def _memory_from_programs(plan: EnginePlan, backend: Backend, mesh, recipe) -> M
 
 def kv_budget_from_programs(backend: Backend, cc, recipe, bucket: tuple[int, int], device_memory: int, *,
                             arch: ArchConfig, kv_dtype, mesh, rules, in_use: int = 0, num_executables: int = 1,
-                            scope=None) -> MemoryBudget:
+                            scope=None, extra_bytes_per_page: int = 0) -> MemoryBudget:
     """The KV budget per device from the step of `bucket` (the largest) compiled from
     `recipe(num_pages=...)` on abstract weights, without running anything: first with the
     fewest pages (the KV cache is a donated argument: what the step needs besides it is XLA's
@@ -117,7 +122,8 @@ def kv_budget_from_programs(backend: Backend, cc, recipe, bucket: tuple[int, int
 
     small = probe(2 * D)
     first = backend.kv_budget_from_step(cc, small, device_memory, in_use=in_use, num_executables=num_executables)
-    page = bytes_per_page(arch, recipe(num_pages=2 * D).page_size, kv_dtype, mesh, rules)  # per device
+    page = (bytes_per_page(arch, recipe(num_pages=2 * D).page_size, kv_dtype, mesh, rules)  # per device
+            + extra_bytes_per_page)  # an EAGLE-3 head's pages
     pages = D * max(2, first.kv // 8 // page)
     if pages <= 2 * D:
         return first
