@@ -271,3 +271,11 @@ def test_the_last_kept_row_of_each_request():
     for sampled, want in cases:
         rows = np.asarray(accepted_rows(jnp.asarray(sampled, jnp.int32), inputs, d, K))
         assert rows[:3].tolist() == want
+
+
+def test_the_kv_budget_holds_the_heads_pages(spec_llm, plain_llm):
+    """The head's layer of pages (the same shape as one of the two target layers' here) comes
+    out of the same KV budget: a third fewer pages, the head's as many as the target's."""
+    plain, spec = plain_llm.engine.runner, spec_llm.engine.runner
+    assert abs(3 * spec.num_pages - 2 * plain.num_pages) <= 3
+    assert spec.kv.k.shape[0] == spec.kv.target.k[0].shape[0] == spec.num_pages
