@@ -70,7 +70,7 @@ def draft_bytes_per_page(plan: EnginePlan, mesh) -> int:
     target's; 0 without a head."""
     if not plan.draft_model:
         return 0
-    from jaxserve.spec_decode.eagle3 import draft_layer_config
+    from jaxserve.runner.eagle3_step import draft_layer_config
 
     return bytes_per_page(draft_layer_config(plan.draft_model), plan.config.cache.page_size,
                           jax_dtype(plan.device.kv_dtype), mesh, plan.rules)

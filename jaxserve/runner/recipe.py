@@ -70,7 +70,7 @@ class StepRecipe:
     # rows of the request bucket (the shapes do not change; the runner checks a step against it).
     num_speculative_tokens: int = 0
     # EAGLE-3 speculative decoding: the draft head's HF directory ("": none); the step drafts
-    # num_speculative_tokens tokens per request on the device (jaxserve/spec_decode/eagle3.py).
+    # num_speculative_tokens tokens per request on the device (jaxserve/runner/eagle3_step.py).
     draft_model: str = ""
     token_buckets: tuple[int, ...] = ()  # the grid the runner compiles (T, R pairs with R <= T)
     request_buckets: tuple[int, ...] = ()
@@ -154,7 +154,7 @@ class StepProgram:
         """What the step takes as its KV cache: the target's, or with a draft head a DraftKV."""
         if self.drafter_cfg is None:
             return self.abstract_target_kv()
-        from jaxserve.spec_decode.eagle3 import DraftKV
+        from jaxserve.runner.eagle3_step import DraftKV
 
         return DraftKV(self.abstract_target_kv(), *self.abstract_draft_kv())
 
@@ -285,7 +285,7 @@ def step_program(recipe: StepRecipe, model, backend: Backend, mesh: Mesh,
                                               recipe.data_parallel_size > 1)
     if not recipe.draft_model:
         return StepProgram(recipe, model.config, function, mesh, lora, replicated, state_sharding), params, treedef
-    from jaxserve.spec_decode.eagle3 import Eagle3StepFunction, abstract_drafter
+    from jaxserve.runner.eagle3_step import Eagle3StepFunction, abstract_drafter
 
     if lora is not None or recipe.num_decode_steps > 1 or recipe.data_parallel_size > 1 or mesh.size > 1:
         raise ValueError("EAGLE-3 speculative decoding runs on one device, without LoRA and without "

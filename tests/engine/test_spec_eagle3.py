@@ -1,4 +1,4 @@
-"""EAGLE-3 speculative decoding in the engine (jaxserve/spec_decode/eagle3.py): the tiny `llama`
+"""EAGLE-3 speculative decoding in the engine (jaxserve/runner/eagle3_step.py): the tiny `llama`
 fixture served with its draft head (tests/data/arch/eagle3_llama, random weights), drafting
 inside the compiled step. Greedy and seeded outputs equal the outputs without speculation; the
 step's drafts equal the head's own dense chain (models/eagle3.py) over the target's taps; a head
@@ -255,7 +255,7 @@ def test_the_last_kept_row_of_each_request():
     """`accepted_rows`: a request keeps its samples while each equals the draft fed after its
     token; its last kept row is where the next token was sampled."""
     from jaxserve.runner.step_inputs import ModelInputs
-    from jaxserve.spec_decode.eagle3 import DraftInputs, accepted_rows
+    from jaxserve.runner.eagle3_step import DraftInputs, accepted_rows
 
     # Request 0 feeds [a, 7, 8] (drafts 7, 8), request 1 one token, request 2 [b, 4, 5, 6],
     # request 3 prefills without sampling; flat tokens 0-2, 3, 4-7, 8-9.
