@@ -78,6 +78,13 @@ def test_greedy_outputs_equal_no_speculation(spec_llm, plain_llm):
     assert tokens(spec_llm, PROMPTS, greedy) == tokens(plain_llm, PROMPTS, greedy)
     drafts, draft_tokens, _ = spec_stats(spec_llm) - before
     assert drafts > 10 and draft_tokens > 2 * drafts  # the head's drafts were fed and verified
+    # A request with a penalty takes no drafts (its sampling reads state the drafts are not
+    # folded into), next to one that does.
+    mixed = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, repetition_penalty=1.3),
+             SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)]
+    before = spec_stats(spec_llm)
+    assert tokens(spec_llm, PROMPTS[:2], mixed) == tokens(plain_llm, PROMPTS[:2], mixed)
+    assert 0 < (spec_stats(spec_llm) - before)[0] <= 11  # only the second request's steps
     assert spec_llm.engine.runner.counter.recompiles == 0
 
 
