@@ -283,8 +283,9 @@ class ModelRunner:
             graphdef=canonical(fn.graphdef),
             params=signature(params), params_treedef=str(self._params_treedef), kv=signature(kv),
             sstate=signature(sstate), layer_impl=str(layer), sampler=canonical(self.sampler_config),
-            draft=(f"{fn.taps} {fn.num_speculative_tokens} {canonical(fn.drafter_graphdef)}" if self.drafting
-                   else ""),
+            # an EAGLE-3 head's part (no key of a step without one changes)
+            **({"draft": f"{fn.taps} {fn.num_speculative_tokens} {canonical(fn.drafter_graphdef)}"}
+               if self.drafting else {}),
             mesh=repr(self.mesh), pages=f"{self.page_size} {self.pages_per_req} {self.num_pages} {self.dp}",
             replicated=repr(self.replicated))
         if self.executables is not None:
