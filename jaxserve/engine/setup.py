@@ -203,13 +203,19 @@ def _plan(config: EngineConfig, start: _Start, timer: StartupTimer, engine_core,
 def _draft_model(config: EngineConfig, start: _Start) -> str:
     """The EAGLE-3 head's directory (a Hub name resolved as the model's is), checked against
     the target (hidden size, vocabulary, the layers it reads): ValueError naming what is wrong."""
-    from jaxserve.models.eagle3 import Eagle3Config
+    import inspect
 
-    mc = config.model
+    from jaxserve.models.eagle3 import Eagle3Config
+    from jaxserve.models.registry import get_model_class
+
+    mc, target = config.model, ArchConfig.from_hf(start.ckpt.config)
+    if "taps" not in inspect.signature(get_model_class(target.architecture).__call__).parameters:
+        raise ValueError(f"speculative_config method 'eagle3' serves Llama-family targets; the "
+                         f"{target.architecture} forward gives a draft head no hidden states")
     try:
         path = resolve_model(config.speculative_config.model, cache_dir=mc.model_cache_dir,
                              download_dir=mc.download_dir)
-        Eagle3Config.from_hf(load_checkpoint(path).config).target_layer_ids(ArchConfig.from_hf(start.ckpt.config))
+        Eagle3Config.from_hf(load_checkpoint(path).config).target_layer_ids(target)
     except ValueError as e:
         raise ValueError(f"speculative_config model {config.speculative_config.model!r}: {e}") from None
     return str(path)

@@ -238,6 +238,9 @@ def test_refused_at_start(model_dir, tmp_path):
     (wide / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=r"hidden size \(96\) differs from the target's \(64\)"):
         LLM(model_dir, speculative_config={**spec, "model": str(wide)}, **OPTIONS)
+    deepseek = str(write_model_dir(tmp_path / "deepseek", "deepseek_v3"))
+    with pytest.raises(ValueError, match="serves Llama-family targets; the DeepseekV3ForCausalLM forward"):
+        LLM(deepseek, speculative_config=spec, **OPTIONS)
     with pytest.raises(ValueError, match="'eagle3' runs on one device without --enable-lora"):
         LLM(model_dir, speculative_config=spec, enable_lora=True, **OPTIONS)
     with pytest.raises(ValueError, match="without --num-decode-steps above 1"):
