@@ -7,6 +7,7 @@ the whole path; configurations the drafting cannot serve are refused by name."""
 
 from __future__ import annotations
 
+import functools
 import json
 import pathlib
 import shutil
@@ -20,9 +21,14 @@ from safetensors.numpy import load_file, save_file
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import SpeculativeConfig
+from jaxserve.models.arch_config import ArchConfig
 from jaxserve.models.eagle3 import DenseKV, load_eagle3
+from jaxserve.models.sharding import single_device_mesh
+from jaxserve.models.weights import create_model
+from jaxserve.runner.kv_cache import allocate_kv_cache
+from jaxserve.runner.step_inputs import StepRequest, pack_step
 from tests.model_dirs import write_model_dir
-from tests.models.test_eagle3 import jitted, target_forward
+from tests.models.test_eagle3 import jitted
 
 DATA = pathlib.Path(__file__).resolve().parent.parent / "data" / "arch"
 HEAD = DATA / "eagle3_llama"
@@ -98,21 +104,51 @@ def test_seeded_sampling_is_reproducible_and_unchanged(spec_llm, plain_llm):
     assert all(len(t) == 12 and all(0 <= x < 128 for x in t) for t in first)
 
 
-def dense_chain(head, forward, seq: list[int]) -> tuple[list[int], np.ndarray]:
-    """The head's k greedy drafts after `seq` (its last token just sampled), densely: the
-    target's taps over seq[:-1], the head's context pass with each position's next token as
-    input, then the chain from the last position. Also the context pass's keys [n, Hkv * D]."""
+@functools.cache
+def target_program(num_tokens: int, taps: tuple[int, ...]):
+    """The `llama` target's forward over one sequence of up to `num_tokens` through the paged
+    path, returning its taps (compiled once per size)."""
+    cfg = ArchConfig.from_hf(json.loads((DATA / "llama" / "config.json").read_text()))
+    tensors = load_file(str(DATA / "llama" / "model.safetensors"))
+    graphdef, state = nnx.split(create_model(cfg, dtype=jnp.float32, get_tensor=tensors.__getitem__))
+    kv = allocate_kv_cache(cfg, num_tokens // 4 + 1, 4, jnp.float32, single_device_mesh())
+
+    @jax.jit
+    def forward(state, kv, inputs):
+        return nnx.merge(graphdef, state)(inputs.input_ids, inputs.positions, kv, inputs.md, taps=taps)[2]
+
+    return functools.partial(forward, state, kv)
+
+
+def target_taps(seq: list[int], taps: tuple[int, ...]) -> np.ndarray:
+    num_tokens = 16 if len(seq) <= 16 else 64
+    pages = num_tokens // 4
+    inputs = pack_step([StepRequest(seq, 0, list(range(1, pages + 1)))], num_tokens=num_tokens, num_reqs=2,
+                       pages_per_req=pages, page_size=4)
+    return np.asarray(target_program(num_tokens, taps)(jax.tree.map(jnp.asarray, inputs)))[: len(seq)]
+
+
+def dense_chains(head, forward, seq: list[int], ends: list[int]) -> tuple[list[list[int]], np.ndarray]:
+    """The head's k greedy drafts after each prefix seq[:e + 1] of `ends` (its last token just
+    sampled), densely: the target's taps over seq[:-1], the head's causal context pass with each
+    position's next token as input (a position's state depends on the ones before it only, so
+    one pass serves every prefix), then the chain from position e - 1, its keys masked to the
+    context up to there. Also the context pass's keys [len(seq) - 1, Hkv * D]."""
     n = len(seq) - 1
-    _, taps, _ = target_forward(seq[:-1], head.config.aux_layer_ids, num_tokens=16 if n <= 16 else 64)
-    step, kv = forward(jnp.asarray(seq[1:], jnp.int32), jnp.arange(n), head.combine_hidden(taps),
-                       DenseKV.empty(head.config))
-    keys = np.asarray(kv.k).reshape(n, -1)
-    out, hidden = [int(step.target_ids[-1])], step.hidden[-1:]
-    for j in range(1, K):
-        step, kv = forward(jnp.asarray(out[-1:], jnp.int32), jnp.asarray([n - 1 + j]), hidden, kv)
-        out.append(int(step.target_ids[0]))
-        hidden = step.hidden
-    return out, keys
+    taps = target_taps(seq[:-1], head.config.aux_layer_ids)
+    first, context = forward(jnp.asarray(seq[1:], jnp.int32), jnp.arange(n), head.combine_hidden(taps),
+                             DenseKV.empty(head.config))
+    chains = []
+    for e in ends:
+        p, kv = e - 1, context
+        out, hidden = [int(first.target_ids[p])], first.hidden[p:p + 1]
+        for j in range(1, K):
+            mask = jnp.concatenate([jnp.arange(n) <= p, jnp.ones(j, bool)])[None]
+            step, kv = forward(jnp.asarray(out[-1:], jnp.int32), jnp.asarray([p + j]), hidden, kv, mask)
+            out.append(int(step.target_ids[0]))
+            hidden = step.hidden
+        chains.append(out)
+    return chains, np.asarray(context.k).reshape(n, -1)
 
 
 def test_step_drafts_equal_the_heads_dense_chain(spec_llm, plain_llm, head_dir):
@@ -157,11 +193,10 @@ def check_drafts(spec_llm, plain_llm, head_dir, prompt):
     head = load_eagle3(head_dir, target=DATA / "llama")
     forward = jitted(head)
     assert len({tuple(d) for _, d in heads}) > 1  # the head's drafts vary
-    seq = list(prompt)
-    for n, drafts in heads:
-        seq += want[len(seq) - len(prompt): len(seq) - len(prompt) + n]
-        dense, keys = dense_chain(head, forward, seq)
-        assert drafts == dense
+    ends = list(len(prompt) - 1 + np.cumsum([n for n, _ in heads]))
+    seq = prompt + want[: ends[-1] + 1 - len(prompt)]
+    dense, keys = dense_chains(head, forward, seq, ends)
+    assert [d for _, d in heads] == dense
     positions = np.arange(len(seq) - 1)
     page_size = runner.page_size
     paged = np.asarray(runner.kv.k)[pages[-1][positions // page_size], positions % page_size]

@@ -331,16 +331,15 @@ def target(expected):
     return target_forward(expected["input_ids"].tolist(), (1, 0, 2))
 
 
-def target_forward(seq: list[int], taps: tuple[int, ...], num_tokens: int = 16):
-    """The `llama` target over one sequence (at most `num_tokens`) through the paged path, with
-    `taps`: (final hidden [T, E], taps [T, len(taps) * E], the model)."""
+def target_forward(seq: list[int], taps: tuple[int, ...]):
+    """The `llama` target over one sequence through the paged path, with `taps`:
+    (final hidden [T, E], taps [T, len(taps) * E], the model)."""
     cfg = ArchConfig.from_hf(json.loads((TARGET / "config.json").read_text()))
     tensors = load_file(str(TARGET / "model.safetensors"))
     model = create_model(cfg, dtype=jnp.float32, get_tensor=tensors.__getitem__)
-    pages = num_tokens // 4
-    kv = allocate_kv_cache(cfg, pages + 4, 4, jnp.float32, single_device_mesh())
-    inputs = pack_step([StepRequest(token_ids=seq, start_pos=0, block_ids=list(range(1, pages + 1)))],
-                       num_tokens=num_tokens, num_reqs=2, pages_per_req=pages, page_size=4)
+    kv = allocate_kv_cache(cfg, 8, 4, jnp.float32, single_device_mesh())
+    inputs = pack_step([StepRequest(token_ids=seq, start_pos=0, block_ids=[1, 2, 3, 4])],
+                       num_tokens=16, num_reqs=2, pages_per_req=4, page_size=4)
     graphdef, state = nnx.split(model)
 
     @jax.jit
