@@ -301,9 +301,9 @@ def new_drafter(hf_config: dict, embed: np.ndarray, d2t: np.ndarray, t2d: np.nda
     from jaxserve.models.eagle3 import Eagle3Config, Eagle3Drafter
 
     drafter = Eagle3Drafter(Eagle3Config.from_hf(hf_config), rngs=nnx.Rngs(seed))
-    drafter.embed.value = jnp.asarray(embed, jnp.float32)
-    drafter.d2t.value = jnp.asarray(d2t, jnp.int32)
-    drafter.t2d.value = jnp.asarray(t2d)
+    drafter.embed.set_value(jnp.asarray(embed, jnp.float32))
+    drafter.d2t.set_value(jnp.asarray(d2t, jnp.int32))
+    drafter.t2d.set_value(jnp.asarray(t2d))
     return drafter
 
 
