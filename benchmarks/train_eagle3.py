@@ -27,7 +27,8 @@ The recipe (each step a function below, so that tests run them on a tiny target)
         [--steps 300] [--draft-vocab 4096] [--model DIR]
 
 One JSON line to benchmarks/results/eagle3_smollm2/results.jsonl (recipe, wall times, loss,
-acceptance) and the loss curve to loss_curve.json there; the weights stay in --out.
+acceptance; results_log's header: commit, CPU, versions), every step's loss to loss_curve.json
+and the recipe with the curve in windows to loss_curve.md there; the weights stay in --out.
 """
 
 from __future__ import annotations
@@ -502,6 +503,14 @@ def acceptance(drafter, examples: Examples, k: int = 3, *, answers_only: bool = 
 
 
 # ---------------------------------------------------------------------------- the run
+def cpu_name() -> str:
+    """The CPU as results_log names it (the record's header repeats it with its details)."""
+    sys.path.insert(0, str(HERE))
+    from results_log import host
+
+    return host()["cpu"]
+
+
 def run(recipe: Recipe, out: pathlib.Path, model: str | None, results: pathlib.Path | None,
         log=print) -> dict:
     from jaxserve import LLM
@@ -553,6 +562,7 @@ def run(recipe: Recipe, out: pathlib.Path, model: str | None, results: pathlib.P
     tail = curve[-20:]
     record = {
         "benchmark": "train_eagle3",
+        "cpu": cpu_name(),
         "model": model or "default (SmolLM2-135M-Instruct, bundled GGUF)",
         "recipe": dataclasses.asdict(recipe),
         "taps": list(taps),
@@ -579,7 +589,36 @@ def run(recipe: Recipe, out: pathlib.Path, model: str | None, results: pathlib.P
         append_results(results / "results.jsonl", [record])
         (results / "loss_curve.json").write_text(json.dumps(
             {"recipe": dataclasses.asdict(recipe), "curve": curve}) + "\n")
+        (results / "loss_curve.md").write_text(curve_markdown(record, curve))
     return record
+
+
+def curve_markdown(record: dict, curve: list[dict], rows: int = 16) -> str:
+    """The run as markdown: its recipe, the loss curve (means over windows of steps) and its
+    acceptance."""
+    recipe, acc = record["recipe"], record["acceptance_held_out"]
+    cpu = record.get("cpu") or record.get("host", {}).get("cpu", "this CPU")
+    every = max(1, -(-len(curve) // rows))
+    lines = ["# EAGLE-3 head for the default model: recipe and loss curve", "",
+             "Written by `benchmarks/train_eagle3.py`; the run's JSON line is in results.jsonl, "
+             "every step's loss in loss_curve.json.", "",
+             "| " + " | ".join(recipe) + " |", "|" + " --- |" * len(recipe),
+             "| " + " | ".join(str(v) for v in recipe.values()) + " |", "",
+             f"Taps {record['taps']}; {record['train_positions']} training positions; "
+             f"wall time {record['wall_s']['total']:.0f} s "
+             f"(training {record['wall_s']['train']:.0f} s) on {cpu}.",
+             "", "| steps | loss (sum of the TTT steps) | step 0 | step 1 | step 2 |",
+             "| --- | --- | --- | --- | --- |"]
+    for lo in range(0, len(curve), every):
+        win = curve[lo:lo + every]
+        per = np.mean([c["step_losses"] for c in win], axis=0)
+        lines.append(f"| {lo}-{lo + len(win) - 1} | {np.mean([c['loss'] for c in win]):.3f} | "
+                     + " | ".join(f"{x:.3f}" for x in per[:3]) + " |")
+    lines += ["", f"Held-out acceptance (k = {recipe['k']}, greedy): mean acceptance length "
+              f"{acc['mean_acceptance_length']} (accepted drafts + 1), per-position rates "
+              f"{acc['per_position_acceptance']}, over {acc['positions']} positions; untrained: "
+              f"{record['acceptance_held_out_untrained']['mean_acceptance_length']}.", ""]
+    return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
