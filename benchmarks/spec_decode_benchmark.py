@@ -23,6 +23,20 @@ steps alone.
         [--dtype bfloat16] [--speculative-config '{"method": "ngram", "num_speculative_tokens": 4}']
 
 One JSON line per (workload, dtype, c) to benchmarks/results/spec_decode.jsonl.
+
+With `--eagle3 DIR` (an EAGLE-3 head for the model, e.g. train_eagle3.py's) the run compares
+three methods side by side instead: none, ngram and eagle3 (the same k drafts), on the `chat`
+workload (CHAT_PROMPTS: varied instructions, none of train_eagle3.py's training or held-out
+ones, chat-templated, greedy, `--output-len` tokens, default 64) at each concurrency (default 1,
+4, 16), as a closed loop driven through the engine's own batching (offline_throughput.py's
+`run_closed_loop`: at most c requests in flight, each step a batch of them). One JSON line per
+(method, c): output tok/s and its ratio to none, the mean acceptance length (accepted drafts per
+verifying step + 1, from the scheduler's counters: vLLM's definition), the counters themselves,
+whether the outputs equal none's, and a *predicted* accelerator speed-up (`predicted_speedup`:
+a formula over the measured counters, not a measurement).
+
+    .venv/bin/python benchmarks/spec_decode_benchmark.py --eagle3 DIR [--concurrency 1 4 16]
+        [--output-len 64] [--num-speculative-tokens 3] [--repeats 1]
 """
 
 from __future__ import annotations
@@ -88,25 +102,167 @@ def repeat_prompts(tokenizer, n: int) -> list[list[int]]:
     return [list(p) for p in out]
 
 
+# Chat instructions for the eagle3 comparison: none is in train_eagle3.py's INSTRUCTIONS or
+# HELD_OUT (the head never trained on them), varied in kind (facts, how-to, code, writing, lists).
+CHAT_PROMPTS = [
+    "What is the tallest mountain in Africa, and how high is it?",
+    "Explain how a refrigerator keeps food cold.",
+    "Write a short thank-you note to a neighbour who watered my plants.",
+    "How do I count the words in a string in Python?",
+    "Give me four tips for running a first 5k race.",
+    "What is the difference between a virus and a bacterium?",
+    "Describe a busy train station in the morning.",
+    "Why does bread go stale?",
+    "List three advantages of electric cars and one drawback.",
+    "Write a four-line poem about a snowy forest.",
+    "How does a compass work?",
+    "Explain what a budget is and why a family might keep one.",
+    "What are some good ways to make new friends in a new city?",
+    "Summarize the story of Cinderella in three sentences.",
+    "How do I write a function in JavaScript that adds two numbers?",
+    "What happens to water when it freezes?",
+]
+
+
+def chat_prompts(tokenizer, n: int) -> list[list[int]]:
+    """The first `n` CHAT_PROMPTS (cycled), chat-templated as one user turn each."""
+    return [list(tokenizer.apply_chat_template([{"role": "user", "content": CHAT_PROMPTS[i % len(CHAT_PROMPTS)]}],
+                                               add_generation_prompt=True, tokenize=True, return_dict=False))
+            for i in range(n)]
+
+
+def mean_acceptance_length(verifying_steps: int, accepted_tokens: int) -> float:
+    """vLLM's mean acceptance length: accepted drafts per step that verified drafts, plus the one
+    token every such step samples itself (1.0 when nothing was verified)."""
+    return 1.0 + accepted_tokens / verifying_steps if verifying_steps else 1.0
+
+
+def predicted_speedup(output_tokens: int, accepted_tokens: int, num_drafts: int, draft_cost: float) -> float:
+    """Predicted decode speed-up on a memory-bound accelerator: output tokens per request step
+    (N / (N - A): every step gives a request one token plus the drafts it accepted) over a
+    step's cost in plain steps, 1 + k * r. Assumes a step's time is its weight reads (k + 1 query
+    tokens cost what 1 does) and each of the k draft passes a step runs costs r plain steps (r:
+    the drafter's bytes over the target's; 0 for host-side n-gram lookup)."""
+    if output_tokens <= accepted_tokens:
+        raise ValueError("accepted drafts must be fewer than the output tokens")
+    return output_tokens / (output_tokens - accepted_tokens) / (1.0 + num_drafts * draft_cost)
+
+
+def weight_bytes(model_dir: str | os.PathLike, itemsize: int = 2) -> int:
+    """Bytes of the checkpoint's tensors in `model_dir` at `itemsize` bytes per element (what a
+    pass reads at that dtype; a tied embedding counted once)."""
+    from safetensors import safe_open
+
+    total = 0
+    for path in pathlib.Path(model_dir).glob("*.safetensors"):
+        with safe_open(str(path), "numpy") as f:
+            for name in f.keys():
+                n = 1
+                for d in f.get_slice(name).get_shape():
+                    n *= d
+                total += n * itemsize
+    return total
+
+
 def spec_counters(engine) -> tuple[int, int, int]:
     s = engine.scheduler.make_stats()
     return s.spec_num_drafts, s.spec_num_draft_tokens, s.spec_num_accepted_tokens
 
 
+def compare_methods(args, tokenizer, env: dict) -> list[dict]:
+    """none / ngram / eagle3 (`args.eagle3`) side by side on the chat workload, one row each
+    (method, c); prints the table."""
+    from jaxserve.entrypoints.llm import LLM
+    from jaxserve.models.loader import resolve_model
+    from jaxserve.sampling_params import SamplingParams
+
+    k = args.num_speculative_tokens
+    configs = {"none": None,
+               "ngram": {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2,
+                         "prompt_lookup_max": 5},
+               "eagle3": {"method": "eagle3", "model": str(args.eagle3), "num_speculative_tokens": k}}
+    # Drafts take only spare sampling rows: enough for every request at the largest c to draft.
+    options = {"enable_prefix_caching": False, "show_progress": False,
+               "max_num_seqs": args.max_num_seqs or max(args.concurrency) * (k + 1)}
+    if args.compilation_cache_dir is not None:
+        options["compilation_cache_dir"] = args.compilation_cache_dir
+    dtype = args.dtype[0]
+    draft_cost = {"none": 0.0, "ngram": 0.0,
+                  "eagle3": weight_bytes(args.eagle3) / weight_bytes(resolve_model(args.model))}
+    prompts = chat_prompts(tokenizer, args.num_prompts or len(CHAT_PROMPTS))
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len or 64)
+    engines = {}
+    for name, spec in configs.items():
+        t0 = time.perf_counter()
+        engines[name] = LLM(args.model, dtype=dtype, speculative_config=spec, **options).engine
+        for c in args.concurrency:  # warm-up: compile the buckets each concurrency uses
+            run_closed_loop(engines[name], prompts[:c], c, params.clone(max_tokens=8), f"warmup-{name}-{c}")
+        print(f"[{name}] engine ready and warm in {time.perf_counter() - t0:.0f} s", flush=True)
+    rows = []
+    for c in args.concurrency:
+        figs: dict[str, list[dict]] = {name: [] for name in engines}
+        counts = {}
+        for name, engine in engines.items():  # alternating: none, ngram, eagle3, none, ...
+            counts[name] = spec_counters(engine)
+        for r in range(args.repeats):
+            for name, engine in engines.items():
+                figs[name].append(run_closed_loop(engine, prompts, c, params, f"chat-{name}-{c}-{r}"))
+        tok_s = {name: statistics.median(f["output_tok_s"] for f in fs) for name, fs in figs.items()}
+        for name, engine in engines.items():
+            steps, drafted, accepted = (a - b for a, b in zip(spec_counters(engine), counts[name]))
+            tau = mean_acceptance_length(steps, accepted)
+            rows.append({
+                "benchmark": "spec_decode", "workload": "chat", "method": name, "dtype": dtype,
+                "concurrency": c, "speculative_config": configs[name], "options": options,
+                "batching": "closed loop, engine's own batching", "num_prompts": len(prompts),
+                "max_tokens": params.max_tokens, "repeats": args.repeats,
+                "output_tokens": figs[name][0]["output_tokens"], "output_tok_s": tok_s[name],
+                "ratio_vs_none": tok_s[name] / tok_s["none"], "runs": [f["output_tok_s"] for f in figs[name]],
+                "mean_acceptance_length": tau, "verifying_steps": steps, "draft_tokens": drafted,
+                "accepted_tokens": accepted, "acceptance_rate": accepted / drafted if drafted else 0.0,
+                "draft_cost_per_pass": draft_cost[name],
+                "predicted_accelerator_speedup": predicted_speedup(
+                    sum(f["output_tokens"] for f in figs[name]), accepted,
+                    k if configs[name] else 0, draft_cost[name]),
+                "identical_to_none": all(f["output_ids"] == n["output_ids"]
+                                         for f, n in zip(figs[name], figs["none"])),
+                **env,
+            })
+    print(f"\n{env['host']['cpu']} ({env['host']['cpu_count']} cores), {env['device']}, {dtype}, "
+          f"git {str(env['git_sha'])[:10]}, k={k}, {len(prompts)} chat prompts x {params.max_tokens} tokens, "
+          f"greedy, closed loop (engine batching), median of {args.repeats}")
+    print(f"{'c':>3} {'method':7} {'tok/s':>7} {'vs none':>7} {'accept len':>10} {'steps':>6} {'drafted':>7} "
+          f"{'accepted':>8} {'same':>5} {'predicted accel':>15}")
+    for r in rows:
+        print(f"{r['concurrency']:>3} {r['method']:7} {r['output_tok_s']:>7.1f} {r['ratio_vs_none']:>6.2f}x "
+              f"{r['mean_acceptance_length']:>10.2f} {r['verifying_steps']:>6} {r['draft_tokens']:>7} "
+              f"{r['accepted_tokens']:>8} {str(r['identical_to_none']):>5} "
+              f"{r['predicted_accelerator_speedup']:>14.2f}x")
+    print(f"predicted accel = N / (N - A) / (1 + k * r): N output tokens, A accepted drafts, r = drafter "
+          f"bytes / target bytes = {draft_cost['eagle3']:.3f} (eagle3), 0 (ngram)")
+    return rows
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workload", nargs="+", default=["repeat", "peers"], choices=["repeat", "peers"])
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--concurrency", type=int, nargs="+", default=None, help="default: 1 8 (1 4 16 with --eagle3)")
     p.add_argument("--dtype", nargs="+", default=["bfloat16"], choices=["float32", "bfloat16"])
     p.add_argument("--num-prompts", type=int, default=None, help="default: 8 (repeat), 32 (peers)")
     p.add_argument("--output-len", type=int, default=None, help="default: 256 (repeat), 128 (peers)")
-    p.add_argument("--repeats", type=int, default=3, help="alternating runs of each engine (median)")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="alternating runs of each engine (median); default 3 (1 with --eagle3)")
     p.add_argument("--speculative-config", default=DEFAULT_SPEC)
+    p.add_argument("--eagle3", default=None, metavar="DIR",
+                   help="compare none / ngram / eagle3 (this head) on the chat workload instead")
+    p.add_argument("--num-speculative-tokens", type=int, default=3, help="k of ngram and eagle3 (--eagle3)")
     p.add_argument("--model", default=None)
     p.add_argument("--max-num-seqs", type=int, default=None, help="default: the engine's")
     p.add_argument("--compilation-cache-dir", default=None)
     p.add_argument("--results", default=str(RESULTS), help="JSONL file to append to ('' = none)")
     args = p.parse_args(argv)
+    args.concurrency = args.concurrency or ([1, 4, 16] if args.eagle3 else [1, 8])
+    args.repeats = args.repeats or (1 if args.eagle3 else 3)
 
     from jaxserve.entrypoints.llm import LLM
     from jaxserve.models.loader import load_tokenizer, resolve_model
@@ -114,6 +270,11 @@ def main(argv=None) -> None:
 
     tokenizer = load_tokenizer(resolve_model(args.model))
     env = environment()
+    if args.eagle3:
+        rows = compare_methods(args, tokenizer, env)
+        if args.results:
+            append_results(args.results, rows)
+        return
     spec = json.loads(args.speculative_config)
     options = {"enable_prefix_caching": False, "show_progress": False}
     for key in ("max_num_seqs", "compilation_cache_dir"):
