@@ -1,5 +1,5 @@
 """Train an EAGLE-3 draft head for a Llama-family target on text the target itself generates,
-save it in the `speculators` layout that models/eagle3.py `load_eagle3` reads, and measure its
+save it in the `speculators` layout that models/eagle3_checkpoint.py `load_eagle3` reads, and measure its
 offline acceptance length.
 
 The recipe (each step a function below, so that tests run them on a tiny target):
@@ -514,7 +514,8 @@ def cpu_name() -> str:
 def run(recipe: Recipe, out: pathlib.Path, model: str | None, results: pathlib.Path | None,
         log=print) -> dict:
     from jaxserve import LLM
-    from jaxserve.models.eagle3 import default_aux_layer_ids, load_eagle3
+    from jaxserve.models.eagle3 import default_aux_layer_ids
+    from jaxserve.models.eagle3_checkpoint import load_eagle3
     from jaxserve.models.loader import resolve_model
 
     t0 = time.perf_counter()

@@ -236,7 +236,7 @@ def _compile(plan: EnginePlan, start: _Start, model, kv: KVSize, timer: StartupT
     config = plan.config
     drafter = None
     if plan.draft_model:
-        from jaxserve.models.eagle3 import load_eagle3
+        from jaxserve.models.eagle3_checkpoint import load_eagle3
 
         with timer.phase("draft head"):
             drafter = load_eagle3(plan.draft_model, target=start.model_path, dtype=jax_dtype(plan.device.dtype),

@@ -174,25 +174,3 @@ def draft_layer_config(path: str):
     from jaxserve.models.loader import load_checkpoint
 
     return Eagle3Config.from_hf(load_checkpoint(path).config).layer
-
-
-def abstract_drafter(path: str, target_cfg, dtype, mesh, rules):
-    """The EAGLE-3 head in `path` with abstract weights in their shardings (no memory): what
-    the compile workers and the memory probes build its step with."""
-    from jaxserve.models.eagle3 import Eagle3Config, Eagle3Drafter
-    from jaxserve.models.loader import load_checkpoint
-    from jaxserve.models.sharding import state_shardings
-
-    config = Eagle3Config.from_hf(load_checkpoint(path).config)
-    config.target_layer_ids(target_cfg)
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: Eagle3Drafter(config, dtype=dtype, rngs=None)))
-    from jaxserve.models.weights import _path_key
-
-    flat = {_path_key(p): s for p, s in jax.tree_util.tree_leaves_with_path(state_shardings(state, mesh, rules))}
-
-    def shaped(path, var):
-        x = var.get_value()
-        return var.replace(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=flat[_path_key(path)]))
-
-    state = jax.tree_util.tree_map_with_path(shaped, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    return nnx.merge(graphdef, state)

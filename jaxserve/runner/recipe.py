@@ -285,12 +285,13 @@ def step_program(recipe: StepRecipe, model, backend: Backend, mesh: Mesh,
                                               recipe.data_parallel_size > 1)
     if not recipe.draft_model:
         return StepProgram(recipe, model.config, function, mesh, lora, replicated, state_sharding), params, treedef
-    from jaxserve.runner.eagle3_step import Eagle3StepFunction, abstract_drafter
+    from jaxserve.models.eagle3_checkpoint import abstract_eagle3
+    from jaxserve.runner.eagle3_step import Eagle3StepFunction
 
     if lora is not None or recipe.num_decode_steps > 1 or recipe.data_parallel_size > 1 or mesh.size > 1:
         raise ValueError("EAGLE-3 speculative decoding runs on one device, without LoRA and without "
                          "multi-step decode")
-    drafter = drafter if drafter is not None else abstract_drafter(recipe.draft_model, model.config,
+    drafter = drafter if drafter is not None else abstract_eagle3(recipe.draft_model, model.config,
                                                                    recipe.dtype, mesh, recipe.rules)
     dgraph, dstate = nnx.split(drafter)
     dparams, dtreedef = jax.tree.flatten(dstate)

@@ -22,7 +22,8 @@ from safetensors.numpy import load_file, save_file
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import SpeculativeConfig
 from jaxserve.models.arch_config import ArchConfig
-from jaxserve.models.eagle3 import DenseKV, load_eagle3
+from jaxserve.models.eagle3 import DenseKV
+from jaxserve.models.eagle3_checkpoint import load_eagle3
 from jaxserve.models.sharding import single_device_mesh
 from jaxserve.models.weights import create_model
 from jaxserve.runner.kv_cache import allocate_kv_cache

@@ -22,12 +22,8 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from jaxserve.models.arch_config import ArchConfig
-from jaxserve.models.eagle3 import (
-    DenseKV,
-    Eagle3Config,
-    default_aux_layer_ids,
-    load_eagle3,
-)
+from jaxserve.models.eagle3 import DenseKV, Eagle3Config, default_aux_layer_ids
+from jaxserve.models.eagle3_checkpoint import load_eagle3
 from jaxserve.models.layers.norm import rms_norm
 from jaxserve.models.sharding import single_device_mesh
 from jaxserve.models.weights import create_model

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxserve.models.eagle3 import load_eagle3
+from jaxserve.models.eagle3_checkpoint import load_eagle3
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
