@@ -316,6 +316,7 @@ def _model_info(plan: EnginePlan, start: _Start, timer: StartupTimer, sc, kv_cac
         kv_cache_tokens=kv_cache_tokens,
         max_lora_rank=lora.max_lora_rank if lora else 0,
         max_loras=lora.max_loras if lora else 0, reasoning_parser=plan.config.model.reasoning_parser,
+        num_speculative_tokens=plan.speculative.num_speculative_tokens if plan.speculative else 0,
     )
     return tokenizer, info
 
