@@ -164,7 +164,7 @@ def test_each_token_follows_the_targets_distribution(llm, target, params):
     kept = {t2 == (first_draft(np.asarray(PROMPT + [t1])) or [-1])[0] for t1, t2 in groups_of(tokens, 2)}
     assert kept == {True, False}
     pvalues = conditional_pvalues(tokens, target, params)
-    assert min(pvalues.values()) > 1e-3, pvalues
+    assert min(pvalues.values()) > 1e-4, pvalues
     assert llm.engine.runner.counter.recompiles == 0
 
 
