@@ -13,6 +13,12 @@ converts the default model into, or --tokenizer); the chat backend's prompts go 
 chat template, so they are longer than --input-len. Rounds alternate the clients so that load
 from elsewhere on the host falls on all of them; the table gives medians over the rounds.
 
+Against a server with --speculative-config (in --launch-args), vLLM's client also reads the
+speculative-decoding counters from /metrics before and after each run (vllm:spec_decode_num_drafts,
+_num_draft_tokens, _num_accepted_tokens, _num_accepted_tokens_per_pos{position}) and reports the
+acceptance rate, the mean acceptance length and the per-position acceptance rates of the run;
+they are recorded with the run's figures and summarised after the table.
+
 Every run's full output (the transcript) goes to benchmarks/results/vllm_bench_serve/ (paths
 of this machine replaced by placeholders), and one JSON line per run to
 benchmarks/results/vllm_bench_serve.jsonl (figures, the command, the CPU, load averages).
@@ -100,8 +106,40 @@ def sanitize(text: str, tok_parent: pathlib.Path) -> str:
     return re.sub(r"\S*/bin/python3?(\.\d+)?", "python", text)
 
 
+def spec_decode_figures(result: dict) -> dict:
+    """vLLM's client's speculative-decoding summary of a run (from the counters' deltas), as it
+    saves it in result.json; {} where the server does not speculate (no such keys)."""
+    if "spec_decode_acceptance_rate" not in result:
+        return {}
+    return {"spec_acceptance_rate_pct": result["spec_decode_acceptance_rate"],
+            "spec_acceptance_length": result["spec_decode_acceptance_length"],
+            "spec_num_drafts": result["spec_decode_num_drafts"],
+            "spec_draft_tokens": result["spec_decode_draft_tokens"],
+            "spec_accepted_tokens": result["spec_decode_accepted_tokens"],
+            "spec_per_position": list(result.get("spec_decode_per_position_acceptance_rates", []))}
+
+
+def spec_decode_summary(runs: list[dict]) -> list[str]:
+    """Lines summarising each vLLM client's speculative decoding over its rounds (medians);
+    none when no run speculated."""
+    lines = []
+    for client in CLIENTS:
+        rows = [r for r in runs if r["client"] == client and "spec_acceptance_rate_pct" in r]
+        if not rows:
+            continue
+        positions = min(len(r["spec_per_position"]) for r in rows)
+        per_pos = [statistics.median(r["spec_per_position"][j] for r in rows) for j in range(positions)]
+        rate = statistics.median(r["spec_acceptance_rate_pct"] for r in rows)
+        length = statistics.median(r["spec_acceptance_length"] for r in rows)
+        lines.append(f"{client:<20} acceptance rate {rate:.1f}%, mean acceptance length {length:.2f}, "
+                     f"per position {' '.join(f'{x:.3f}' for x in per_pos)}")
+    if lines:
+        lines.insert(0, "speculative decoding (vllm bench serve, from /metrics; medians of the rounds):")
+    return lines
+
+
 def vllm_figures(result: dict) -> dict:
-    return {"completed": result["completed"], "failed": result.get("failed", 0),
+    return {**spec_decode_figures(result), "completed": result["completed"], "failed": result.get("failed", 0),
             "duration_s": result["duration"], "total_input_tokens": result["total_input_tokens"],
             "total_output_tokens": result["total_output_tokens"], "output_tok_s": result["output_throughput"],
             "request_s": result["request_throughput"], "ttft_p50_ms": result["median_ttft_ms"],
@@ -200,6 +238,8 @@ def main(argv: list[str] | None = None) -> None:
     for client in CLIENTS:
         rows = [r for r in runs if r["client"] == client]
         print(f"{client:<20}" + "".join(f"{statistics.median(r[f] for r in rows):>14.1f}" for f in FIGURES))
+    for line in spec_decode_summary(runs):
+        print(line)
 
 
 if __name__ == "__main__":

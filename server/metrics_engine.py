@@ -78,10 +78,7 @@ class EngineCollector(Collector):
         yield counter("vllm:mm_cache_queries", "Multi-modal cache queries (none: text models only).", 0.0)
         yield counter("vllm:mm_cache_hits", "Multi-modal cache hits (none: text models only).", 0.0)
         yield counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.", s.num_preemptions)
-        yield counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", s.spec_num_drafts)
-        yield counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", s.spec_num_draft_tokens)
-        yield counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
-                      s.spec_num_accepted_tokens)
+        yield from self._spec_decode(s)
         rejections = CounterMetricFamily("vllm:admission_rejections",
                                          "Number of admission attempts rejected by a queue limit, by reason.",
                                          labels=["model_name", "reason"])
@@ -94,6 +91,26 @@ class EngineCollector(Collector):
         lora.add_metric([str(self.engine.info.max_loras), ",".join(s.waiting_lora_adapters),
                          ",".join(s.running_lora_adapters)], time.time())
         yield lora
+
+    def _spec_decode(self, s) -> Iterator[Metric]:
+        """vLLM's speculative-decoding counters, declared (as there) only with speculative
+        decoding on: `vllm bench serve` and vLLM's dashboards read the acceptance rate
+        (accepted / draft tokens), the mean acceptance length (1 + accepted / drafts) and the
+        per-position rates (accepted_per_pos{position} / drafts) from them."""
+        k = self.engine.info.num_speculative_tokens
+        if not k:
+            return
+        counter = self._counter
+        yield counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", s.spec_num_drafts)
+        yield counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", s.spec_num_draft_tokens)
+        yield counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+                      s.spec_num_accepted_tokens)
+        per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                      "Accepted tokens per draft position.", labels=[*LABELS, "position"])
+        counts = list(s.spec_num_accepted_per_pos)
+        for pos in range(k):
+            per_pos.add_metric([*self.values, str(pos)], float(counts[pos] if pos < len(counts) else 0))
+        yield per_pos
 
     def _jaxserve(self, stats) -> Iterator[Metric]:
         s, gauge, counter = stats.scheduler, self._gauge, self._counter

@@ -15,6 +15,7 @@ DP scheduler and sglang-jax's `--dp-size` do the same).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Iterable
 
 from jaxserve.core.kv_cache_manager import KVCacheManager
@@ -184,6 +185,8 @@ class DataParallelScheduler:
             spec_num_drafts=sum(s.spec_num_drafts for s in stats),
             spec_num_draft_tokens=sum(s.spec_num_draft_tokens for s in stats),
             spec_num_accepted_tokens=sum(s.spec_num_accepted_tokens for s in stats),
+            spec_num_accepted_per_pos=tuple(map(sum, itertools.zip_longest(
+                *(s.spec_num_accepted_per_pos for s in stats), fillvalue=0))),
             running_lora_adapters=stats[0].running_lora_adapters,  # the shared table's
             waiting_lora_adapters=tuple(sorted({n for s in stats for n in s.waiting_lora_adapters})),
         )

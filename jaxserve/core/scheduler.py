@@ -72,6 +72,9 @@ class SchedulerStats:
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
+    # [j]: steps whose drafts were accepted at least up to position j (vLLM's
+    # spec_decode_num_accepted_tokens_per_pos); as long as the most drafts ever accepted
+    spec_num_accepted_per_pos: tuple[int, ...] = ()
     # LoRA adapters of the running and of the waiting requests (vLLM's lora_requests_info)
     running_lora_adapters: tuple[str, ...] = ()
     waiting_lora_adapters: tuple[str, ...] = ()
@@ -145,6 +148,7 @@ class Scheduler:
         self._finished_ids: set[str] = set()  # since the last schedule()
         self.num_preemptions = 0
         self.spec_num_drafts = self.spec_num_draft_tokens = self.spec_num_accepted_tokens = 0
+        self.spec_num_accepted_per_pos: list[int] = []
 
     # ------------------------------------------------------------------ requests in and out
     def add_request(self, request: Request) -> None:
@@ -396,6 +400,10 @@ class Scheduler:
                 self.spec_num_drafts += 1
                 self.spec_num_draft_tokens += s.num_draft_tokens
                 self.spec_num_accepted_tokens += accepted
+                per_pos = self.spec_num_accepted_per_pos
+                per_pos.extend([0] * (accepted - len(per_pos)))
+                for j in range(accepted):
+                    per_pos[j] += 1
                 if req.status == RequestStatus.RUNNING:
                     req.num_computed_tokens -= s.num_draft_tokens - accepted
             taken = 0
@@ -422,6 +430,7 @@ class Scheduler:
             spec_num_drafts=self.spec_num_drafts,
             spec_num_draft_tokens=self.spec_num_draft_tokens,
             spec_num_accepted_tokens=self.spec_num_accepted_tokens,
+            spec_num_accepted_per_pos=tuple(self.spec_num_accepted_per_pos),
             running_lora_adapters=tuple(self.adapters.running_names()),
             waiting_lora_adapters=self.adapters.waiting_names(self.waiting),
         )

@@ -47,6 +47,7 @@ class ModelInfo:
     max_lora_rank: int = 0  # LoRA adapters' largest rank (0: LoRA is off)
     max_loras: int = 0  # LoRA adapters' device slots (0: LoRA is off)
     reasoning_parser: str | None = None  # the model's reasoning format (--reasoning-parser)
+    num_speculative_tokens: int = 0  # drafts per request and step (0: speculative decoding is off)
 
 
 def check_lora(info: ModelInfo, lora: LoRARequest) -> None:

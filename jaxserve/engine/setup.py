@@ -185,7 +185,7 @@ def _plan(config: EngineConfig, start: _Start, timer: StartupTimer, engine_core,
                            engine_core=engine_core)
     spec = config.speculative_config
     if spec is not None and spec.method == "eagle3":
-        plan = dataclasses.replace(plan, draft_model=_draft_model(config, start))
+        plan = dataclasses.replace(plan, draft_model=draft_model_dir(config, start.ckpt.config))
     if plan.max_model_len > plan.arch.max_position_embeddings:
         logger.warning("max_model_len %d exceeds the model's max_position_embeddings %d",
                        plan.max_model_len, plan.arch.max_position_embeddings)
@@ -200,15 +200,16 @@ def _plan(config: EngineConfig, start: _Start, timer: StartupTimer, engine_core,
     return plan
 
 
-def _draft_model(config: EngineConfig, start: _Start) -> str:
+def draft_model_dir(config: EngineConfig, target_config: dict) -> str:
     """The EAGLE-3 head's directory (a Hub name resolved as the model's is), checked against
-    the target (hidden size, vocabulary, the layers it reads): ValueError naming what is wrong."""
+    the target of config.json `target_config` (hidden size, vocabulary, the layers it reads):
+    ValueError naming what is wrong. `jaxserve compile` resolves it the same way."""
     import inspect
 
     from jaxserve.models.eagle3 import Eagle3Config
     from jaxserve.models.registry import get_model_class
 
-    mc, target = config.model, ArchConfig.from_hf(start.ckpt.config)
+    mc, target = config.model, ArchConfig.from_hf(dict(target_config))
     if "taps" not in inspect.signature(get_model_class(target.architecture).__call__).parameters:
         raise ValueError(f"speculative_config method 'eagle3' serves Llama-family targets; the "
                          f"{target.architecture} forward gives a draft head no hidden states")
@@ -315,6 +316,7 @@ def _model_info(plan: EnginePlan, start: _Start, timer: StartupTimer, sc, kv_cac
         kv_cache_tokens=kv_cache_tokens,
         max_lora_rank=lora.max_lora_rank if lora else 0,
         max_loras=lora.max_loras if lora else 0, reasoning_parser=plan.config.model.reasoning_parser,
+        num_speculative_tokens=plan.speculative.num_speculative_tokens if plan.speculative else 0,
     )
     return tokenizer, info
 

@@ -189,7 +189,8 @@ class ModelRunner:
             from jaxserve.runner.eagle3_step import DraftKV
 
             head = allocate_kv_cache(self.program.drafter_cfg, self.num_pages, self.page_size, self.kv_dtype,
-                                     self.mesh, self.recipe.rules)
+                                     self.mesh, self.recipe.rules,
+                                     zeros=self.program.draft_kv_zeros(self._scope))
             self.kv = DraftKV(self.kv, head.k[0], head.v[0])
         # The backend's thread placing the host buffers (the CPU's huge pages), if any.
         self.host_placement = self.backend.place_kv_cache([*self.params, *jax.tree.leaves(self.kv)])

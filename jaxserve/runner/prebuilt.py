@@ -17,7 +17,8 @@ are a function of that both hosts compute alike (`target_material`):
 - the XLA flags (XLA_FLAGS, LIBTPU_INIT_ARGS) and JAX's options, less those that name the
   platform to open (the compiling host sets JAX_PLATFORMS=cpu);
 - the step's recipe (runner/recipe.py), field by field (the model's config.json, the device
-  plan and the sampler's sizes entry by entry), less its bucket grid (each step is one entry: a
+  plan and the sampler's sizes entry by entry; a draft head by its config.json, not by the
+  directory that holds it), less its bucket grid (each step is one entry: a
   bucket not in the directory is compiled), its decode blocks' K (each block is an entry named
   with its K) and the compile workers' target.
 
@@ -95,6 +96,9 @@ def target_material(recipe: StepRecipe, devices: Iterable[Any], backend: Backend
         if field.name in _RECIPE_IGNORED:
             continue
         value = getattr(recipe, field.name)
+        if field.name == "draft_model":
+            parts["recipe.draft_model"] = draft_identity(value)
+            continue
         if dataclasses.is_dataclass(value):  # field by field, so that a difference is named
             value = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
         if isinstance(value, Mapping):
@@ -102,6 +106,16 @@ def target_material(recipe: StepRecipe, devices: Iterable[Any], backend: Backend
         else:
             parts[f"recipe.{field.name}"] = canonical(value)
     return {k: v if len(v) <= _SHORT else "sha256:" + hashlib.sha256(v.encode()).hexdigest() for k, v in parts.items()}
+
+
+def draft_identity(directory: str) -> str:
+    """A draft head as the programs see it, whatever directory holds it on this host: its
+    config.json (its structure, and so its weights' shapes), hashed; "none" without one."""
+    if not directory:
+        return "none"
+    config = json.loads((pathlib.Path(directory) / "config.json").read_text())
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
+    return f"a head whose config.json hashes to {digest}"
 
 
 def material_key(material: Mapping[str, str]) -> str:

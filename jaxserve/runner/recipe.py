@@ -213,6 +213,10 @@ class StepProgram:
         """The executable making one zeroed layer array of the KV cache."""
         return scope.get("kv-zeros", (), zeros_compiler(self.abstract_target_kv().k[0]))
 
+    def draft_kv_zeros(self, scope) -> jax.stages.Compiled:
+        """The executable making the draft head's zeroed K (or V) pages (EAGLE-3 only)."""
+        return scope.get("draft-kv-zeros", (), zeros_compiler(self.abstract_draft_kv()[0]))
+
     def sampling_state_init(self, scope) -> jax.stages.Compiled:
         """The executable making the sampling state, zeroed, in its sharding."""
         return scope.get("sampling-state", (), lambda: jax.jit(

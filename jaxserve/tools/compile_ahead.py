@@ -92,6 +92,7 @@ def compile_for_target(config, target: dict, out: str | os.PathLike[str]) -> dic
     from jaxserve.backends.devices import DeviceSet
     from jaxserve.engine.kv_sizing import size_kv_cache
     from jaxserve.engine.plan import ModelFiles, plan_engine
+    from jaxserve.engine.setup import draft_model_dir
     from jaxserve.parallel.mesh import make_mesh
     from jaxserve.runner.compile_pool import abstract_step
     from jaxserve.runner.prebuilt import compile_scope, target_material, write_manifest
@@ -109,6 +110,9 @@ def compile_for_target(config, target: dict, out: str | os.PathLike[str]) -> dic
     backend = select_backend(platform)
     plan = plan_engine(config, ModelFiles(model_path, arch, architectures), backend,
                        DeviceSet.of_mesh(mesh, platform))
+    spec = config.speculative_config
+    if spec is not None and spec.method == "eagle3":  # the head runs inside the step: part of it
+        plan = dataclasses.replace(plan, draft_model=draft_model_dir(config, arch))
     if plan.kv_sizing == "programs":
         raise ValueError(f"give the KV cache's size (--kv-cache-memory, the same to serve): on {platform} the "
                          "server otherwise sizes it from the memory its devices have free at start, which this "
@@ -129,6 +133,8 @@ def compile_for_target(config, target: dict, out: str | os.PathLike[str]) -> dic
         logger.info("compiled %s in %.1fs", name, seconds[name])
 
     timed("kv-zeros", lambda: program.kv_zeros(scope))
+    if program.drafter_cfg is not None:  # an EAGLE-3 head's own layer of pages
+        timed("draft-kv-zeros", lambda: program.draft_kv_zeros(scope))
     timed("sampling-state", lambda: program.sampling_state_init(scope))
     shapes = recipe.grid().shapes()
     for bucket in shapes:
@@ -143,7 +149,7 @@ def compile_for_target(config, target: dict, out: str | os.PathLike[str]) -> dic
     facts = {
         "topology": target["topology"], "platform": platform,
         "devices": [f"{d.device_kind}" for d in mesh_devices], "mesh": list(plan.mesh_shape),
-        "model": str(model_path or mc.model), "jax": jax.__version__,
+        "model": str(model_path or mc.model), "draft_model": plan.draft_model or None, "jax": jax.__version__,
         "buckets": [list(b) for b in shapes], "num_pages": recipe.num_pages, "max_model_len": recipe.max_model_len,
         "entries": list(seconds), "compile_seconds": seconds,
         "total_seconds": round(time.perf_counter() - t_start, 2),

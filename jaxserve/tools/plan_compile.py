@@ -70,6 +70,10 @@ class PlanSettings:
     max_logprobs: int = EngineConfig.max_logprobs  # the sampler's top-logprobs width
     max_loras: int = 0  # LoRA adapters' device slots (0: LoRA off)
     max_lora_rank: int = 0
+    # Speculative decoding (--speculative-config): drafts per request and step; an EAGLE-3
+    # head's directory ("": none), whose weights and layer of KV pages the step holds too.
+    num_speculative_tokens: int = 0
+    draft_model: str = ""
     # The FP8 / int4 weights' products: None, what the target's backend resolves (the TPU
     # product kernel where attention runs the TPU kernel); "xla" or a kernel's name to choose.
     quant_matmul_impl: str | None = None
@@ -164,7 +168,8 @@ def plan_recipe(settings: PlanSettings, cfg: ArchConfig, mesh: Mesh, rules, plan
                       mesh_shape=(mesh.shape["data"], mesh.shape["model"]), target={}, num_pages=num_pages,
                       page_size=settings.page_size, max_model_len=settings.max_model_len,
                       sampler_config=sampler_config, quantization=settings.quantization,
-                      max_loras=settings.max_loras, max_lora_rank=settings.max_lora_rank if settings.max_loras else 0)
+                      max_loras=settings.max_loras, max_lora_rank=settings.max_lora_rank if settings.max_loras else 0,
+                      num_speculative_tokens=settings.num_speculative_tokens, draft_model=settings.draft_model)
 
 
 def plan_one(settings: PlanSettings, mesh: Mesh, rules_spec: str, bucket: tuple[int, int],
@@ -176,6 +181,8 @@ def plan_one(settings: PlanSettings, mesh: Mesh, rules_spec: str, bucket: tuple[
         raise ValueError(f"max_num_seqs ({settings.max_num_seqs}) must be a multiple of the {D} data-parallel ranks")
     if settings.max_loras and settings.measure:
         raise ValueError("--measure does not run LoRA slots; plan --enable-lora without it")
+    if settings.draft_model and settings.measure:
+        raise ValueError("--measure does not run a draft head; plan --speculative-config without it")
     rules = ax.serving_rules(ax.load_rules(rules_spec), D)
     T, R = bucket
     rec: dict[str, Any] = {"mesh": f"{mesh.shape['data']}x{mesh.shape['model']}", "rules": ax.rules_name(rules_spec),
@@ -191,7 +198,7 @@ def plan_one(settings: PlanSettings, mesh: Mesh, rules_spec: str, bucket: tuple[
     # sampling state with the engine's shardings (runner/recipe.py)
     abstract = abstract_step(recipe, devices=list(mesh.devices.flat))
     rec["params"] = params_record(abstract, settings, cfg, mesh, rules)
-    rec["kv"]["per_device"] = sum(_local_bytes(a) for a in (*abstract.kv.k, *abstract.kv.v))
+    rec["kv"]["per_device"] = sum(_local_bytes(a) for a in jax.tree.leaves(abstract.kv))  # a head's pages too
     rec["sampling_state_per_device"] = sum(_local_bytes(a) for a in jax.tree.leaves(abstract.sstate))
     t0 = time.perf_counter()
     lowered = abstract.lower(bucket)[0]()
@@ -243,6 +250,10 @@ def params_record(abstract, settings: PlanSettings, cfg: ArchConfig, mesh: Mesh,
             text = f"{param_group(path, len(s.shape))}: {note}"
             if text not in replicated:
                 replicated.append(text)
+    drafter = abstract.program.drafter_params
+    if drafter is not None:  # an EAGLE-3 head's weights follow the target's, as in the runner
+        local, total = sum(_local_bytes(x) for x in drafter), sum(_nbytes(x.shape, x.dtype) for x in drafter)
+        groups["draft_head"] = {"per_device": local, "requested_per_device": local, "total": total}
     lora = abstract.program.lora
     if lora is not None:  # the adapters' slots travel after the weights, as in the runner
         local = sum(_local_bytes(x) for x in lora.abstract())
@@ -259,6 +270,11 @@ def kv_record(settings: PlanSettings, cfg: ArchConfig, mesh: Mesh, rules, kv_dty
     probe = abstract_kv_cache(cfg, 1, settings.page_size, kv_dtype, mesh, rules).k[0]
     page_split = ax.mesh_axes_size(mesh, ax.logical_to_spec(KV_CACHE_AXES, (1 << 20, 1, 1, 1), mesh, rules)[0])
     per_page = bytes_per_page(cfg, settings.page_size, kv_dtype, mesh, rules)  # on the devices that hold it
+    if settings.draft_model:  # an EAGLE-3 head's layer of pages, as many and indexed alike
+        from jaxserve.runner.eagle3_step import draft_layer_config
+
+        per_page += bytes_per_page(draft_layer_config(settings.draft_model), settings.page_size, kv_dtype, mesh,
+                                   rules)
     pages_per_req = -(-settings.max_model_len // settings.page_size)
     wanted = D * (settings.max_num_seqs // D * pages_per_req + 1)  # + each rank's null page
     if settings.kv_cache_memory is not None:

@@ -62,7 +62,7 @@ def _names(text: str) -> list[str]:
 # of those whose default differs here.
 ENGINE_FLAGS = ("max_model_len", "max_num_seqs", "kv_cache_memory_bytes", "page_size", "dtype", "kv_cache_dtype",
                 "attention_impl", "quantization", "revision", "download_dir", "gguf_file",
-                "enable_lora", "max_loras", "max_lora_rank", "max_logprobs")
+                "enable_lora", "max_loras", "max_lora_rank", "max_logprobs", "speculative_config")
 _PLAN_HELP = {
     "max_num_seqs": "Sequences the KV cache must hold at max-model-len when --kv-cache-memory is not given "
                     "(default: the largest request bucket).",
@@ -234,15 +234,32 @@ def build_jobs(args, arch: dict) -> list[dict]:
                     profile_dir=None if args.profile is None else str(pathlib.Path(args.profile).resolve()),
                     profile_buckets=None if args.profile_buckets is None else [list(b) for b in args.profile_buckets],
                     max_loras=engine.lora.max_loras if engine.lora.enable_lora else 0,
-                    max_lora_rank=engine.lora.max_lora_rank)
+                    max_lora_rank=engine.lora.max_lora_rank, **speculative_settings(engine, arch))
     jobs = []
     for target, count, platform in targets:
         meshes = factorizations(count) if args.mesh == "auto" else _pairs(args.mesh, "meshes")
+        if settings["draft_model"] and any(d * m > 1 for d, m in meshes):
+            raise ValueError("an EAGLE-3 head runs on one device (as serve refuses data and tensor parallelism "
+                             "with it): plan it with --devices 1")
         if args.measure and target["kind"] in ("tpu", "gpu"):
             raise ValueError("--measure needs devices that run: use --devices or --real (a topology only compiles)")
         jobs.append({"target": target, "meshes": meshes, "rules": args.rules, "buckets": buckets,
                      "settings": {**settings, "platform": platform}, "log_level": args.log_level})
     return jobs
+
+
+def speculative_settings(engine: EngineConfig, arch: dict) -> dict:
+    """The plan's speculative decoding: drafts per request and step, and an EAGLE-3 head's
+    directory, resolved and checked against the model as `serve` does."""
+    spec = engine.speculative_config
+    if spec is None:
+        return {"num_speculative_tokens": 0, "draft_model": ""}
+    draft_model = ""
+    if spec.method == "eagle3":
+        from jaxserve.engine.setup import draft_model_dir
+
+        draft_model = draft_model_dir(engine, arch)
+    return {"num_speculative_tokens": spec.num_speculative_tokens, "draft_model": draft_model}
 
 
 def run(args: argparse.Namespace) -> int:

@@ -2,13 +2,17 @@
 (jaxserve/runner/prebuilt.py): compiled for this host's CPU and served from there, an engine
 loads every executable and compiles nothing, with the same tokens; a directory whose manifest
 disagrees with the engine (a version, the recipe) is named in one log line and the engine
-compiles as without it. For TPU slices and GPU hosts: tests/tools/test_compile_targets.py."""
+compiles as without it. The same with an EAGLE-3 draft head (`--speculative-config`): its step is
+compiled ahead, and a directory compiled without the head is named and not used. For TPU slices
+and GPU hosts: tests/tools/test_compile_targets.py."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import pathlib
+import shutil
 
 import pytest
 
@@ -24,6 +28,9 @@ FLAGS = ["--dtype", "float32", "--max-num-seqs", "8", "--max-num-batched-tokens"
          "--request-buckets", "8", "--num-decode-steps", "2"]
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16, 17, 18, 19]]
 PREBUILT_LOG = "jaxserve.runner.prebuilt"
+HEAD = pathlib.Path(__file__).resolve().parent.parent / "data" / "arch" / "eagle3_llama"
+SPEC = {"method": "eagle3", "model": str(HEAD), "num_speculative_tokens": 2}
+EAGLE3_OPTIONS = {**OPTIONS, "num_decode_steps": 1}  # a head drafts after each step
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +44,16 @@ def cpu_dir(model_dir, tmp_path_factory) -> pathlib.Path:
     out = tmp_path_factory.mktemp("exe") / "cpu"
     assert cli(["compile", str(model_dir), "--topology", "cpu", "--out", str(out), "--log-level", "warning",
                 *FLAGS]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def eagle3_dir(model_dir, tmp_path_factory) -> pathlib.Path:
+    """`jaxserve compile MODEL --topology cpu --speculative-config <EAGLE-3 head>`."""
+    out = tmp_path_factory.mktemp("exe") / "eagle3"
+    flags = FLAGS[: FLAGS.index("--num-decode-steps")]
+    assert cli(["compile", str(model_dir), "--topology", "cpu", "--out", str(out), "--log-level", "warning",
+                *flags, "--speculative-config", json.dumps(SPEC)]) == 0
     return out
 
 
@@ -112,3 +129,41 @@ def test_the_material_is_the_recipe_field_by_field_without_its_grid(cpu_dir):
     assert material["recipe.arch.num_hidden_layers"] == "2" and material["recipe.plan.dtype"] == "'float32'"
     assert {"code", "versions", "platform", "devices", "backend", "xla_flags", "jax_config"} <= set(material)
     assert prebuilt.read_manifest(cpu_dir)["key"] == prebuilt.material_key(material)
+
+
+def test_a_draft_heads_step_is_compiled_ahead_and_served_from_the_directory(model_dir, cpu_dir, eagle3_dir,
+                                                                             tmp_path, caplog):
+    manifest = prebuilt.read_manifest(eagle3_dir)
+    assert manifest["entries"] == ["kv-zeros", "draft-kv-zeros", "sampling-state", "step-8x8", "step-16x8",
+                                   "write-slot-rows"]
+    head = manifest["material"]["recipe.draft_model"]
+    assert head.startswith("a head whose config.json hashes to ")
+    assert manifest["material"]["recipe.num_speculative_tokens"] == "2"
+    # The head from another directory: the same head to the programs (named by its config).
+    shutil.copytree(HEAD, tmp_path / "head")
+    spec = {**SPEC, "model": str(tmp_path / "head")}
+
+    # A directory compiled without the head (cpu_dir; its decode blocks' K is no part of the
+    # key): named, not used, everything compiled with the head as without a directory.
+    with caplog.at_level(logging.WARNING, logger=PREBUILT_LOG):
+        compiled = LLM(str(model_dir), executables=str(cpu_dir), speculative_config=spec, **EAGLE3_OPTIONS)
+    (line,) = _messages(caplog)
+    assert f"recipe.draft_model: none in the directory, {head} here" in line, line
+    assert "recipe.num_speculative_tokens: 0 in the directory, 2 here" in line, line
+    runner = compiled.engine.core.runner
+    assert runner.drafting
+    assert (runner.executables_loaded, runner.executables_compiled) == (0, len(manifest["entries"]))
+    expected = _outputs(compiled)
+
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger=PREBUILT_LOG):
+        loaded = LLM(str(model_dir), executables=str(eagle3_dir), speculative_config=spec, **EAGLE3_OPTIONS)
+    assert _messages(caplog) == []
+    runner = loaded.engine.core.runner
+    assert runner.drafting
+    assert (runner.executables_loaded, runner.executables_compiled) == (len(manifest["entries"]), 0)
+    assert runner.counter.num_compiles == 0  # nothing traced or compiled at start, the head's pages included
+    assert _outputs(loaded) == expected
+    stats = loaded.engine.scheduler.make_stats()
+    assert stats.spec_num_draft_tokens > 0  # the head's drafts were fed and verified
+    assert runner.counter.recompiles == 0

@@ -221,3 +221,7 @@ def test_with_data_parallelism(model_dir, plain_llm, compile_cache_dir):
     greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     assert tokens(llm, PROMPTS * 2, greedy) == tokens(plain_llm, PROMPTS * 2, greedy)
     assert spec_stats(llm)[2] > 0 and llm.engine.runner.counter.recompiles == 0
+    # Acceptances per draft position, summed over the ranks (vLLM's _num_accepted_tokens_per_pos).
+    per_pos = llm.engine.scheduler.make_stats().spec_num_accepted_per_pos
+    assert sum(per_pos) == spec_stats(llm)[2] and list(per_pos) == sorted(per_pos, reverse=True)
+    assert len(per_pos) > 1 and per_pos[0] <= spec_stats(llm)[0]

@@ -19,15 +19,16 @@ DASHBOARD = pathlib.Path(__file__).parent / "data" / "vllm_grafana_exprs.txt"
 EXPRESSIONS = [line for line in DASHBOARD.read_text().splitlines() if line.strip() and not line.startswith("#")]
 VARIABLES = {"$model_name": MODEL, "$__rate_interval": "1m"}
 
-# vLLM 0.32's series that jaxserve fills (docs/metrics.md lists the others and why not), by type.
+# vLLM 0.32's series that jaxserve fills (docs/metrics.md lists the others and why not), by type;
+# the speculative-decoding counters are declared only with --speculative-config, as in vLLM
+# (tests/server/test_spec_decode_server.py).
 VLLM_SERIES = {
     "gauge": ["num_requests_running", "num_requests_waiting", "num_requests_waiting_by_reason",
               "engine_sleep_state", "kv_cache_usage_perc", "lora_requests_info"],
     "counter": ["prefix_cache_queries", "prefix_cache_hits", "external_prefix_cache_queries",
                 "external_prefix_cache_hits", "mm_cache_queries", "mm_cache_hits", "num_preemptions",
                 "prompt_tokens", "prompt_tokens_by_source", "prompt_tokens_cached",
-                "prompt_tokens_cached_by_source", "generation_tokens", "request_success", "admission_rejections",
-                "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens"],
+                "prompt_tokens_cached_by_source", "generation_tokens", "request_success", "admission_rejections"],
     "histogram": ["request_prompt_tokens", "request_generation_tokens", "request_max_num_generation_tokens",
                   "request_params_n", "time_to_first_token_seconds", "inter_token_latency_seconds",
                   "request_time_per_output_token_seconds", "e2e_request_latency_seconds",

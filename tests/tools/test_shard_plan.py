@@ -240,3 +240,44 @@ def test_lora_slots_are_counted_as_the_runner_places_them():
     assert group["total"] == sum(a.nbytes for a in live) == 2 * 4 * 8 * per * 4
     local = sum(a.addressable_shards[0].data.nbytes for a in live)
     assert group["per_device"] == local < group["total"]
+
+
+def test_a_draft_heads_weights_and_pages_are_counted():
+    """--speculative-config with an EAGLE-3 head: the step planned is the one serve compiles with
+    the head (its weights a parameter group of their own, its layer of pages in every page's
+    bytes, so the same budget holds fewer pages); the flag resolves the head as serve does, and a
+    mesh of several devices is refused (the head runs on one)."""
+    from jaxserve.models.eagle3_checkpoint import load_eagle3
+    from jaxserve.runner.eagle3_step import draft_layer_config
+    from jaxserve.server.cli import build_parser
+    from jaxserve.tools.shard_plan import build_jobs
+
+    llama = json.loads((FIXTURE / "llama" / "config.json").read_text())
+    head = str(FIXTURE / "eagle3_llama")
+    spec = json.dumps({"method": "eagle3", "model": head, "num_speculative_tokens": 3})
+
+    def settings(*flags):
+        args = build_parser().parse_args(["shard-plan", "--buckets", "16x8", "--speculative-config", spec, *flags])
+        return build_jobs(args, llama)[0]["settings"]
+
+    s = settings("--devices", "1")
+    assert (s["draft_model"], s["num_speculative_tokens"]) == (head, 3)
+    with pytest.raises(ValueError, match="runs on one device"):
+        settings("--devices", "2")
+
+    common = dict(arch=llama, platform="cpu", max_model_len=64, max_num_seqs=8, dtype="float32",
+                  kv_cache_dtype="float32", kv_cache_memory=1 << 20)
+    mesh = make_mesh(1, 1)
+    plain = plan_one(PlanSettings(**common), mesh, "tp", (16, 8), "cpu")
+    rec = plan_one(PlanSettings(**common, num_speculative_tokens=3, draft_model=head), mesh, "tp", (16, 8), "cpu")
+    live = sum(a.nbytes for a in jax.tree.leaves(load_eagle3(head, target=FIXTURE / "llama")))
+    assert rec["params"]["groups"]["draft_head"]["per_device"] == live
+    assert rec["params"]["per_device"] == plain["params"]["per_device"] + live
+    head_kv = allocate_kv_cache(draft_layer_config(head), 1, 16, jnp.float32, mesh)
+    head_page = head_kv.k[0].nbytes + head_kv.v[0].nbytes
+    per_page = rec["kv"]["bytes_per_page_per_device"]
+    assert per_page == plain["kv"]["bytes_per_page_per_device"] + head_page
+    assert rec["kv"]["num_pages"] == (1 << 20) // per_page < plain["kv"]["num_pages"]
+    assert rec["kv"]["per_device"] == rec["kv"]["num_pages"] * per_page  # the target's pages and the head's
+    assert rec["memory"]["argument"] >= rec["params"]["per_device"] + rec["kv"]["per_device"]
+    assert rec["program_fingerprint"] != plain["program_fingerprint"]
