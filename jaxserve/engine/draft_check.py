@@ -26,6 +26,10 @@ def checked_draft_model(config: EngineConfig, target_config: dict, target_tokeni
     of it): ValueError naming what does not fit."""
     spec, mc = config.speculative_config, config.model
     name = spec.model
+    local = pathlib.Path(name).expanduser()
+    if (local / "adapter_config.json").is_file() and not (local / "config.json").is_file():
+        raise ValueError(f"speculative_config model {name!r}: it is a LoRA adapter, not a model: a draft "
+                         "model is a whole causal LM")
     try:
         path = resolve_model(name, cache_dir=mc.model_cache_dir, download_dir=mc.download_dir)
         hf = load_checkpoint(path).config

@@ -264,6 +264,14 @@ def test_refused_at_start(model_dir, draft_dir, tmp_path):
     base = edited(draft_dir, tmp_path / "base", architectures=["Qwen2Model"])
     with pytest.raises(ValueError, match=r"is a base model \(Qwen2Model\), not a causal LM"):
         LLM(model_dir, speculative_config={**spec, "model": base}, **OPTIONS)
+    quantized = edited(draft_dir, tmp_path / "fp8", quantization_config={"quant_method": "fp8"})
+    with pytest.raises(ValueError, match="is quantized .*a draft model runs in float weights"):
+        LLM(model_dir, speculative_config={**spec, "model": quantized}, **OPTIONS)
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8}))
+    with pytest.raises(ValueError, match="it is a LoRA adapter, not a model"):
+        LLM(model_dir, speculative_config={**spec, "model": str(adapter)}, **OPTIONS)
     with pytest.raises(ValueError, match="'draft_model' runs on one device without --enable-lora"):
         LLM(model_dir, speculative_config=spec, enable_lora=True, **OPTIONS)
     with pytest.raises(ValueError, match="'draft_model' runs on one device without --num-decode-steps above 1"):
