@@ -20,6 +20,30 @@ logger = logging.getLogger(__name__)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
 
+def detect_eagle3_head(config: EngineConfig) -> EngineConfig:
+    """`config` with method "eagle3" where "draft_model" (given, or inferred for a "model"
+    without a method) names an EAGLE-3 head (a speculators "eagle3" config, or an original
+    EAGLE-3 repository's architectures): vLLM detects the method from the draft checkpoint so.
+    Unchanged otherwise (a model that cannot be read is refused later, by name)."""
+    import dataclasses
+
+    from jaxserve.models.eagle3 import ORIGINAL_ARCHITECTURES
+
+    spec, mc = config.speculative_config, config.model
+    if spec is None or spec.method != "draft_model":
+        return config
+    try:
+        path = resolve_model(spec.model, cache_dir=mc.model_cache_dir, download_dir=mc.download_dir)
+        hf = load_checkpoint(path).config
+    except ValueError:
+        return config
+    if hf.get("speculators_model_type") != "eagle3" and not set(hf.get("architectures") or ()) & set(
+            ORIGINAL_ARCHITECTURES):
+        return config
+    logger.info("speculative_config model %r is an EAGLE-3 head: method 'eagle3'", spec.model)
+    return dataclasses.replace(config, speculative_config=dataclasses.replace(spec, method="eagle3"))
+
+
 def checked_draft_model(config: EngineConfig, target_config: dict, target_tokenizer) -> str:
     """The draft model's directory (a Hub name resolved as the target's is), checked against
     the target (`target_config` its config.json, `target_tokenizer` its Tokenizer or a future
@@ -38,8 +62,8 @@ def checked_draft_model(config: EngineConfig, target_config: dict, target_tokeni
     what = f"speculative_config model {name!r}"
     architectures = hf.get("architectures") or []
     if hf.get("speculators_model_type") or any("eagle" in a.lower() for a in architectures):
-        raise ValueError(f"{what} is an EAGLE draft head, not a draft model: give "
-                         '"method": "eagle3" for it')
+        raise ValueError(f"{what} is a speculator checkpoint ({hf.get('speculators_model_type') or architectures}), "
+                         "not a draft model; of those jaxserve serves EAGLE-3 heads (method 'eagle3')")
     if architectures and all(a.endswith("Model") for a in architectures):
         raise ValueError(f"{what} is a base model ({', '.join(architectures)}), not a causal LM: a draft "
                          "model generates tokens (pooling models do not draft)")

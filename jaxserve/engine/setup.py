@@ -178,6 +178,10 @@ def _open(config: EngineConfig, timer: StartupTimer, on_model_path) -> _Start:
 def _plan(config: EngineConfig, start: _Start, timer: StartupTimer, engine_core, joined: list) -> EnginePlan:
     """The engine's plan (every "auto" resolved, engine/plan.py) on this run's devices; in a
     multi-host run every follower takes the leader's device plan."""
+    if config.speculative_config is not None:
+        from jaxserve.engine.draft_check import detect_eagle3_head
+
+        config = detect_eagle3_head(config)  # vLLM's: a draft model that is an EAGLE-3 head
     with timer.phase("backend"):
         start.backend = backend = select_backend()
         start.mesh = make_mesh(config.parallel.data_parallel_size, config.parallel.tensor_parallel_size)

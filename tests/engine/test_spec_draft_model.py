@@ -232,6 +232,21 @@ def test_config_forms():
     assert (spec.method, spec.model, spec.num_speculative_tokens) == ("draft_model", "/drafts/small", 4)
 
 
+def test_an_eagle3_head_given_as_a_draft_model_drafts_as_eagle3(model_dir):
+    """As vLLM: the method is detected from the draft checkpoint, an EAGLE-3 head's is
+    "eagle3" (with or without "method": "draft_model")."""
+    from jaxserve.engine.draft_check import detect_eagle3_head
+
+    for spec in ({"model": str(DATA / "eagle3_llama"), "num_speculative_tokens": 2},
+                 {"method": "draft_model", "model": str(DATA / "eagle3_llama"), "num_speculative_tokens": 2}):
+        config = detect_eagle3_head(EngineConfig.from_kwargs(model=model_dir, speculative_config=spec))
+        assert config.speculative_config.method == "eagle3"
+        assert config.speculative_config.model == str(DATA / "eagle3_llama")
+    config = EngineConfig.from_kwargs(model=model_dir, speculative_config={"model": model_dir,
+                                                                           "num_speculative_tokens": 2})
+    assert detect_eagle3_head(config) is config
+
+
 def edited(src: str, dst: pathlib.Path, **changes) -> str:
     """A copy of the model directory `src` with config.json's keys changed."""
     shutil.copytree(src, dst)
@@ -259,8 +274,9 @@ def test_refused_at_start(model_dir, draft_dir, tmp_path):
     swapped.save(str(other / "tokenizer.json"))
     with pytest.raises(ValueError, match="its tokenizer differs from the target's"):
         LLM(model_dir, speculative_config={**spec, "model": str(other)}, **OPTIONS)
-    with pytest.raises(ValueError, match="is an EAGLE draft head, not a draft model"):
-        LLM(model_dir, speculative_config={**spec, "model": str(DATA / "eagle3_llama")}, **OPTIONS)
+    medusa = edited(draft_dir, tmp_path / "medusa", speculators_model_type="medusa")
+    with pytest.raises(ValueError, match=r"is a speculator checkpoint \(medusa\), not a draft model"):
+        LLM(model_dir, speculative_config={**spec, "model": medusa}, **OPTIONS)
     base = edited(draft_dir, tmp_path / "base", architectures=["Qwen2Model"])
     with pytest.raises(ValueError, match=r"is a base model \(Qwen2Model\), not a causal LM"):
         LLM(model_dir, speculative_config={**spec, "model": base}, **OPTIONS)
