@@ -8,12 +8,14 @@ is refused at start, by name.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import pathlib
 
 from jaxserve.config import EngineConfig
 from jaxserve.models.arch_config import ArchConfig
 from jaxserve.models.loader import load_checkpoint, resolve_model
+from jaxserve.models.registry import get_model_class
 
 logger = logging.getLogger(__name__)
 
@@ -25,8 +27,6 @@ def detect_eagle3_head(config: EngineConfig) -> EngineConfig:
     without a method) names an EAGLE-3 head (a speculators "eagle3" config, or an original
     EAGLE-3 repository's architectures): vLLM detects the method from the draft checkpoint so.
     Unchanged otherwise (a model that cannot be read is refused later, by name)."""
-    import dataclasses
-
     from jaxserve.models.eagle3 import ORIGINAL_ARCHITECTURES
 
     spec, mc = config.speculative_config, config.model
@@ -69,8 +69,6 @@ def checked_draft_model(config: EngineConfig, target_config: dict, target_tokeni
                          "model generates tokens (pooling models do not draft)")
     try:
         draft = ArchConfig.from_hf(hf)
-        from jaxserve.models.registry import get_model_class
-
         get_model_class(draft.architecture)
     except (ValueError, KeyError) as e:
         raise ValueError(f"{what}: {e}") from None
