@@ -37,6 +37,13 @@ a formula over the measured counters, not a measurement).
 
     .venv/bin/python benchmarks/spec_decode_benchmark.py --eagle3 DIR [--concurrency 1 4 16]
         [--output-len 64] [--num-speculative-tokens 3] [--repeats 1]
+
+With `--draft-model DIR` (a smaller causal LM with the model's vocabulary and tokenizer) the
+draft model's method ("draft_model") joins the comparison, alone with none and ngram or next to
+eagle3 when `--eagle3` is given too; its predicted speed-up counts k + 1 draft-model passes a
+step (one over the step's tokens, k chained), EAGLE-3's k.
+
+    .venv/bin/python benchmarks/spec_decode_benchmark.py --draft-model DIR [--eagle3 DIR] ...
 """
 
 from __future__ import annotations
@@ -169,9 +176,15 @@ def spec_counters(engine) -> tuple[int, int, int]:
     return s.spec_num_drafts, s.spec_num_draft_tokens, s.spec_num_accepted_tokens
 
 
+def draft_passes(method: str, k: int) -> int:
+    """The drafter's passes a step runs for k drafts: EAGLE-3's head one over the step's tokens
+    and k - 1 chained; a draft model one over the step's tokens and k chained; none else."""
+    return {"eagle3": k, "draft_model": k + 1}.get(method, 0)
+
+
 def compare_methods(args, tokenizer, env: dict) -> list[dict]:
-    """none / ngram / eagle3 (`args.eagle3`) side by side on the chat workload, one row each
-    (method, c); prints the table."""
+    """none / ngram / eagle3 (`args.eagle3`) / draft_model (`args.draft_model`) side by side on
+    the chat workload, one row each (method, c); prints the table."""
     from jaxserve.entrypoints.llm import LLM
     from jaxserve.models.loader import resolve_model
     from jaxserve.sampling_params import SamplingParams
@@ -180,15 +193,18 @@ def compare_methods(args, tokenizer, env: dict) -> list[dict]:
     configs = {"none": None,
                "ngram": {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2,
                          "prompt_lookup_max": 5},
-               "eagle3": {"method": "eagle3", "model": str(args.eagle3), "num_speculative_tokens": k}}
+               "eagle3": {"method": "eagle3", "model": str(args.eagle3), "num_speculative_tokens": k},
+               "draft_model": {"method": "draft_model", "model": str(args.draft_model), "num_speculative_tokens": k}}
+    configs = {name: spec for name, spec in configs.items() if getattr(args, name, True)}
     # Drafts take only spare sampling rows: enough for every request at the largest c to draft.
     options = {"enable_prefix_caching": False, "show_progress": False,
                "max_num_seqs": args.max_num_seqs or max(args.concurrency) * (k + 1)}
     if args.compilation_cache_dir is not None:
         options["compilation_cache_dir"] = args.compilation_cache_dir
     dtype = args.dtype[0]
-    draft_cost = {"none": 0.0, "ngram": 0.0,
-                  "eagle3": weight_bytes(args.eagle3) / weight_bytes(resolve_model(args.model))}
+    target_bytes = weight_bytes(resolve_model(args.model))
+    draft_cost = {name: weight_bytes(resolve_model(spec["model"])) / target_bytes if spec and "model" in spec
+                  else 0.0 for name, spec in configs.items()}
     prompts = chat_prompts(tokenizer, args.num_prompts or len(CHAT_PROMPTS))
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len or 64)
     engines = {}
@@ -202,7 +218,7 @@ def compare_methods(args, tokenizer, env: dict) -> list[dict]:
     for c in args.concurrency:
         figs: dict[str, list[dict]] = {name: [] for name in engines}
         counts = {}
-        for name, engine in engines.items():  # alternating: none, ngram, eagle3, none, ...
+        for name, engine in engines.items():  # alternating: none, ngram, eagle3, draft_model, none, ...
             counts[name] = spec_counters(engine)
         for r in range(args.repeats):
             for name, engine in engines.items():
@@ -223,7 +239,7 @@ def compare_methods(args, tokenizer, env: dict) -> list[dict]:
                 "draft_cost_per_pass": draft_cost[name],
                 "predicted_accelerator_speedup": predicted_speedup(
                     sum(f["output_tokens"] for f in figs[name]), accepted,
-                    k if configs[name] else 0, draft_cost[name]),
+                    draft_passes(name, k), draft_cost[name]),
                 "identical_to_none": all(f["output_ids"] == n["output_ids"]
                                          for f, n in zip(figs[name], figs["none"])),
                 **env,
@@ -231,38 +247,43 @@ def compare_methods(args, tokenizer, env: dict) -> list[dict]:
     print(f"\n{env['host']['cpu']} ({env['host']['cpu_count']} cores), {env['device']}, {dtype}, "
           f"git {str(env['git_sha'])[:10]}, k={k}, {len(prompts)} chat prompts x {params.max_tokens} tokens, "
           f"greedy, closed loop (engine batching), median of {args.repeats}")
-    print(f"{'c':>3} {'method':7} {'tok/s':>7} {'vs none':>7} {'accept len':>10} {'steps':>6} {'drafted':>7} "
+    print(f"{'c':>3} {'method':11} {'tok/s':>7} {'vs none':>7} {'accept len':>10} {'steps':>6} {'drafted':>7} "
           f"{'accepted':>8} {'same':>5} {'predicted accel':>15}")
     for r in rows:
-        print(f"{r['concurrency']:>3} {r['method']:7} {r['output_tok_s']:>7.1f} {r['ratio_vs_none']:>6.2f}x "
+        print(f"{r['concurrency']:>3} {r['method']:11} {r['output_tok_s']:>7.1f} {r['ratio_vs_none']:>6.2f}x "
               f"{r['mean_acceptance_length']:>10.2f} {r['verifying_steps']:>6} {r['draft_tokens']:>7} "
               f"{r['accepted_tokens']:>8} {str(r['identical_to_none']):>5} "
               f"{r['predicted_accelerator_speedup']:>14.2f}x")
-    print(f"predicted accel = N / (N - A) / (1 + k * r): N output tokens, A accepted drafts, r = drafter "
-          f"bytes / target bytes = {draft_cost['eagle3']:.3f} (eagle3), 0 (ngram)")
+    costs = ", ".join(f"{draft_cost[name]:.3f} ({name})" for name in configs if name != "none")
+    print(f"predicted accel = N / (N - A) / (1 + p * r): N output tokens, A accepted drafts, p drafter passes "
+          f"a step (eagle3 k, draft_model k + 1), r = drafter bytes / target bytes = {costs}")
     return rows
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workload", nargs="+", default=["repeat", "peers"], choices=["repeat", "peers"])
-    p.add_argument("--concurrency", type=int, nargs="+", default=None, help="default: 1 8 (1 4 16 with --eagle3)")
+    p.add_argument("--concurrency", type=int, nargs="+", default=None, help="default: 1 8 (1 4 16 with --eagle3 or --draft-model)")
     p.add_argument("--dtype", nargs="+", default=["bfloat16"], choices=["float32", "bfloat16"])
     p.add_argument("--num-prompts", type=int, default=None, help="default: 8 (repeat), 32 (peers)")
     p.add_argument("--output-len", type=int, default=None, help="default: 256 (repeat), 128 (peers)")
     p.add_argument("--repeats", type=int, default=None,
-                   help="alternating runs of each engine (median); default 3 (1 with --eagle3)")
+                   help="alternating runs of each engine (median); default 3 (1 with --eagle3 or --draft-model)")
     p.add_argument("--speculative-config", default=DEFAULT_SPEC)
     p.add_argument("--eagle3", default=None, metavar="DIR",
                    help="compare none / ngram / eagle3 (this head) on the chat workload instead")
-    p.add_argument("--num-speculative-tokens", type=int, default=3, help="k of ngram and eagle3 (--eagle3)")
+    p.add_argument("--draft-model", default=None, metavar="DIR",
+                   help="compare none / ngram / draft_model (this draft model; and eagle3 with --eagle3) instead")
+    p.add_argument("--num-speculative-tokens", type=int, default=3,
+                   help="k of every method (--eagle3, --draft-model)")
     p.add_argument("--model", default=None)
     p.add_argument("--max-num-seqs", type=int, default=None, help="default: the engine's")
     p.add_argument("--compilation-cache-dir", default=None)
     p.add_argument("--results", default=str(RESULTS), help="JSONL file to append to ('' = none)")
     args = p.parse_args(argv)
-    args.concurrency = args.concurrency or ([1, 4, 16] if args.eagle3 else [1, 8])
-    args.repeats = args.repeats or (1 if args.eagle3 else 3)
+    compare = args.eagle3 or args.draft_model
+    args.concurrency = args.concurrency or ([1, 4, 16] if compare else [1, 8])
+    args.repeats = args.repeats or (1 if compare else 3)
 
     from jaxserve.entrypoints.llm import LLM
     from jaxserve.models.loader import load_tokenizer, resolve_model
@@ -270,7 +291,7 @@ def main(argv=None) -> None:
 
     tokenizer = load_tokenizer(resolve_model(args.model))
     env = environment()
-    if args.eagle3:
+    if compare:
         rows = compare_methods(args, tokenizer, env)
         if args.results:
             append_results(args.results, rows)

@@ -375,16 +375,24 @@ class CompileConfig:
         return self.compilation_cache_dir or str(_user_cache_dir() / "xla")
 
 
+# The speculative methods that draft with a model of their own ("model"), and what it is.
+MODEL_DRAFTERS = {"eagle3": "EAGLE-3 draft head", "draft_model": "draft model"}
+
+
 @dataclasses.dataclass(frozen=True)
 class SpeculativeConfig:
-    """Speculative decoding, vLLM's `speculative_config`. Two methods: "ngram" (prompt lookup:
+    """Speculative decoding, vLLM's `speculative_config`. Three methods: "ngram" (prompt lookup:
     the drafts are the tokens that followed the latest earlier occurrence of the longest n-gram,
-    prompt_lookup_min <= n <= prompt_lookup_max, ending the request's context) and "eagle3" (an
+    prompt_lookup_min <= n <= prompt_lookup_max, ending the request's context), "eagle3" (an
     EAGLE-3 draft head, `model`, run inside the target's compiled step on the target's hidden
-    states); the model checks the drafts all in one step (jaxserve/spec_decode/)."""
+    states) and "draft_model" (a small causal LM with the target's vocabulary, `model`, run
+    inside the target's compiled step with its own KV cache); the model checks the drafts all
+    in one step (jaxserve/spec_decode/). Without "method", as vLLM: "ngram" when `model` is
+    "ngram", else "draft_model"."""
 
-    method: Literal["ngram", "eagle3"] = "ngram"
-    """How drafts are made: ngram (prompt lookup) or eagle3 (an EAGLE-3 draft head: `model`)."""
+    method: Literal["ngram", "eagle3", "draft_model"] = "ngram"
+    """How drafts are made: ngram (prompt lookup), eagle3 (an EAGLE-3 draft head: `model`) or
+    draft_model (a smaller causal LM: `model`)."""
     num_speculative_tokens: int = 0
     """Draft tokens per step and request at most (required, >= 1)."""
     prompt_lookup_min: int | None = None
@@ -392,28 +400,30 @@ class SpeculativeConfig:
     prompt_lookup_max: int | None = None
     """ngram: the longest n-gram matched. Default: prompt_lookup_min if given, else 5 (vLLM's)."""
     model: str | None = None
-    """eagle3: the draft head, a local HF directory or a Hugging Face Hub name (required)."""
+    """eagle3: the draft head; draft_model: the draft model (the target's vocabulary and
+    tokenizer); a local HF directory or a Hugging Face Hub name (required for both)."""
 
     def __post_init__(self) -> None:
-        if self.method not in ("ngram", "[ngram]", "eagle3"):
+        if self.method not in ("ngram", "[ngram]", *MODEL_DRAFTERS):
             raise ValueError(f"speculative_config: method {self.method!r} is not supported; jaxserve "
-                             "drafts with 'ngram' (prompt lookup) or 'eagle3' (an EAGLE-3 draft head).")
+                             "drafts with 'ngram' (prompt lookup), 'eagle3' (an EAGLE-3 draft head) or "
+                             "'draft_model' (a smaller causal LM).")
         if self.method == "[ngram]":
             object.__setattr__(self, "method", "ngram")
         if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
             raise ValueError("speculative_config: num_speculative_tokens must be a positive integer, "
                              f"got {self.num_speculative_tokens!r}.")
-        if self.method == "eagle3":
+        if self.method in MODEL_DRAFTERS:
             if not isinstance(self.model, str) or not self.model:
-                raise ValueError('speculative_config: method "eagle3" needs "model", the draft '
-                                 "head's directory or Hub name.")
+                raise ValueError(f'speculative_config: method "{self.method}" needs "model", the '
+                                 f"{MODEL_DRAFTERS[self.method]}'s directory or Hub name.")
             if self.prompt_lookup_min is not None or self.prompt_lookup_max is not None:
                 raise ValueError("speculative_config: prompt_lookup_min / prompt_lookup_max are "
-                                 'the "ngram" method\'s; method "eagle3" takes "model".')
+                                 f'the "ngram" method\'s; method "{self.method}" takes "model".')
             return
         if self.model is not None:
-            raise ValueError('speculative_config: "model" is for method "eagle3"; the "ngram" '
-                             "method drafts from the request's own tokens.")
+            raise ValueError('speculative_config: "model" is for method "eagle3" or "draft_model"; '
+                             "the \"ngram\" method drafts from the request's own tokens.")
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         if lo is None and hi is None:
             lo = hi = 5
@@ -446,8 +456,15 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(f"speculative_config: unsupported key(s) {', '.join(unknown)}; "
                              f"accepted: {', '.join(sorted(known))}.")
-        if "method" not in value:
-            raise ValueError('speculative_config: "method" is required ("ngram" or "eagle3").')
+        if "method" not in value:  # vLLM's inference: "ngram" named as the model, else a draft model
+            model = value.get("model")
+            if model in ("ngram", "[ngram]"):
+                value = {**{k: v for k, v in value.items() if k != "model"}, "method": "ngram"}
+            elif model is not None:
+                value = {**value, "method": "draft_model"}
+            else:
+                raise ValueError('speculative_config: "method" ("ngram", "eagle3" or "draft_model") or '
+                                 '"model" is required.')
         return cls(**value)
 
 
@@ -477,7 +494,9 @@ class EngineConfig:
     """Speculative decoding, as vLLM's: e.g. {"method": "ngram", "num_speculative_tokens": 4,
     "prompt_lookup_max": 4, "prompt_lookup_min": 2} (n-gram prompt lookup; the leader drafts,
     the step is the same), or {"method": "eagle3", "model": DIR, "num_speculative_tokens": 3}
-    (an EAGLE-3 draft head run inside the compiled step). Default: off."""
+    (an EAGLE-3 draft head run inside the compiled step), or {"model": DIR,
+    "num_speculative_tokens": 3} (method "draft_model": a smaller causal LM with the target's
+    vocabulary, run inside the compiled step). Default: off."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))

@@ -66,13 +66,16 @@ def size_kv_cache(plan: EnginePlan, model, backend: Backend, mesh, timer: Startu
 
 
 def draft_bytes_per_page(plan: EnginePlan, mesh) -> int:
-    """Bytes per page (per device) of an EAGLE-3 head's layer of pages, indexed like the
-    target's; 0 without a head."""
+    """Bytes per page (per device) of an EAGLE-3 head's layer of pages, or of a draft model's
+    whole cache (all its layers), indexed like the target's; 0 without a drafter."""
     if not plan.draft_model:
         return 0
-    from jaxserve.runner.eagle3_step import draft_layer_config
+    if plan.speculative.method == "draft_model":
+        from jaxserve.runner.draft_model_step import draft_model_config as drafter_config
+    else:
+        from jaxserve.runner.eagle3_step import draft_layer_config as drafter_config
 
-    return bytes_per_page(draft_layer_config(plan.draft_model), plan.config.cache.page_size,
+    return bytes_per_page(drafter_config(plan.draft_model), plan.config.cache.page_size,
                           jax_dtype(plan.device.kv_dtype), mesh, plan.rules)
 
 
@@ -123,7 +126,7 @@ def kv_budget_from_programs(backend: Backend, cc, recipe, bucket: tuple[int, int
     small = probe(2 * D)
     first = backend.kv_budget_from_step(cc, small, device_memory, in_use=in_use, num_executables=num_executables)
     page = (bytes_per_page(arch, recipe(num_pages=2 * D).page_size, kv_dtype, mesh, rules)  # per device
-            + extra_bytes_per_page)  # an EAGLE-3 head's pages
+            + extra_bytes_per_page)  # an EAGLE-3 head's or a draft model's pages
     pages = D * max(2, first.kv // 8 // page)
     if pages <= 2 * D:
         return first

@@ -101,7 +101,8 @@ class EnginePlan:
     engine_core: str  # "thread", "process" (serve) or "caller" (offline: the caller's thread)
     reasons: Mapping[str, str]
     num_decode_steps: int = 1  # multi-step decode's K (runner/decode_block.py)
-    # EAGLE-3 speculative decoding: the draft head's directory, resolved at build ("": none)
+    # EAGLE-3 or draft-model speculative decoding: the drafter's directory, resolved at build
+    # ("": none)
     draft_model: str = ""
 
     @property
@@ -158,6 +159,7 @@ class EnginePlan:
             max_model_len=max_model_len, sampler_config=self.sampler, quantization=self.config.model.quantization,
             kv_scales=kv_scales, max_loras=lora.max_loras if lora else 0, max_lora_rank=lora.max_lora_rank if lora else 0,
             num_speculative_tokens=spec.num_speculative_tokens if spec else 0, draft_model=self.draft_model,
+            draft_method="draft_model" if spec and spec.method == "draft_model" else "eagle3",
             token_buckets=self.grid.token_buckets, request_buckets=self.grid.request_buckets,
             num_decode_steps=self.num_decode_steps)
 
@@ -227,9 +229,10 @@ def _check_servable(config: EngineConfig, pooling: bool, multi_process: bool) ->
 
 
 def _check_speculative(config: EngineConfig, pooling: bool, multi_process: bool) -> None:
-    """EAGLE-3 drafting runs inside one device's step: refuse what it does not run with."""
+    """EAGLE-3 and draft-model drafting run inside one device's step: refuse what they do not
+    run with."""
     spec, pc = config.speculative_config, config.parallel
-    if spec is None or spec.method != "eagle3":
+    if spec is None or spec.method not in ("eagle3", "draft_model"):
         return
     refused = [name for name, on in (
         ("--runner pooling", pooling), ("--enable-lora", config.lora.enable_lora),
@@ -237,7 +240,8 @@ def _check_speculative(config: EngineConfig, pooling: bool, multi_process: bool)
         ("several processes", multi_process),
         ("--num-decode-steps above 1", (config.scheduler.num_decode_steps or 1) > 1)) if on]
     if refused:
-        raise ValueError(f"speculative_config method 'eagle3' runs on one device without {', '.join(refused)}")
+        raise ValueError(f"speculative_config method '{spec.method}' runs on one device without "
+                         f"{', '.join(refused)}")
 
 
 def _runner_reason(mc, pooling: bool) -> str:
@@ -294,8 +298,9 @@ def _decode_steps(config: EngineConfig, backend: Backend, pooling: bool, several
     several data-parallel ranks or processes: a block is one rank's, launched in one process)."""
     given = config.scheduler.num_decode_steps
     spec = config.speculative_config
-    if spec is not None and spec.method == "eagle3":
-        reasons["num_decode_steps"] = "EAGLE-3 drafts after each step"
+    if spec is not None and spec.method in ("eagle3", "draft_model"):
+        drafter = "EAGLE-3" if spec.method == "eagle3" else "the draft model"
+        reasons["num_decode_steps"] = f"{drafter} drafts after each step"
         return 1
     if pooling:
         reasons["num_decode_steps"] = "the pooling runner decodes nothing"

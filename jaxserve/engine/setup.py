@@ -57,6 +57,7 @@ __all__ = ["DEFAULT_MODEL_NAME", "EngineParts", "build_engine", "confirm_memory"
            "kv_budget_from_programs"]
 
 logger = logging.getLogger(__name__)
+SPECULATION_NAMES = {"ngram": "n-gram", "eagle3": "EAGLE-3", "draft_model": "draft-model"}
 
 
 @dataclasses.dataclass
@@ -177,6 +178,10 @@ def _open(config: EngineConfig, timer: StartupTimer, on_model_path) -> _Start:
 def _plan(config: EngineConfig, start: _Start, timer: StartupTimer, engine_core, joined: list) -> EnginePlan:
     """The engine's plan (every "auto" resolved, engine/plan.py) on this run's devices; in a
     multi-host run every follower takes the leader's device plan."""
+    if config.speculative_config is not None:
+        from jaxserve.engine.draft_check import detect_eagle3_head
+
+        config = detect_eagle3_head(config)  # vLLM's: a draft model that is an EAGLE-3 head
     with timer.phase("backend"):
         start.backend = backend = select_backend()
         start.mesh = make_mesh(config.parallel.data_parallel_size, config.parallel.tensor_parallel_size)
@@ -186,6 +191,10 @@ def _plan(config: EngineConfig, start: _Start, timer: StartupTimer, engine_core,
     spec = config.speculative_config
     if spec is not None and spec.method == "eagle3":
         plan = dataclasses.replace(plan, draft_model=draft_model_dir(config, start.ckpt.config))
+    elif spec is not None and spec.method == "draft_model":
+        from jaxserve.engine.draft_check import checked_draft_model
+
+        plan = dataclasses.replace(plan, draft_model=checked_draft_model(config, start.ckpt.config, start.tokenizer))
     if plan.max_model_len > plan.arch.max_position_embeddings:
         logger.warning("max_model_len %d exceeds the model's max_position_embeddings %d",
                        plan.max_model_len, plan.arch.max_position_embeddings)
@@ -236,7 +245,13 @@ def _compile(plan: EnginePlan, start: _Start, model, kv: KVSize, timer: StartupT
     """The runner: the steps of the plan's recipe over the model, compiled (or loaded)."""
     config = plan.config
     drafter = None
-    if plan.draft_model:
+    if plan.draft_model and plan.speculative.method == "draft_model":
+        from jaxserve.runner.draft_model_step import load_draft_model
+
+        with timer.phase("draft model"):
+            drafter = load_draft_model(plan.draft_model, jax_dtype(plan.device.dtype), start.mesh, plan.rules,
+                                       config.model.attention_impl)
+    elif plan.draft_model:
         from jaxserve.models.eagle3_checkpoint import load_eagle3
 
         with timer.phase("draft head"):
@@ -280,6 +295,11 @@ def _assemble(plan: EnginePlan, start: _Start, runner: ModelRunner, kv: KVSize, 
 
         proposer = Eagle3Proposer(spec.num_speculative_tokens)
         scheduler.num_lookahead_tokens = spec.num_speculative_tokens - 1  # the head's chained drafts' KV
+    elif spec is not None and spec.method == "draft_model":
+        from jaxserve.spec_decode.draft_model import DraftModelProposer
+
+        proposer = DraftModelProposer(spec.num_speculative_tokens)
+        scheduler.num_lookahead_tokens = spec.num_speculative_tokens  # the chain writes P + 1 .. P + k
     elif spec is not None:
         proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
     core = EngineCore(scheduler, step_runner, async_scheduling=sc.async_scheduling, proposer=proposer,
@@ -293,7 +313,7 @@ def _assemble(plan: EnginePlan, start: _Start, runner: ModelRunner, kv: KVSize, 
                 f" ({D} data-parallel ranks)" if D > 1 else "", runner.num_buckets, runner.compile_seconds,
                 runner.executables_loaded, runner.executables_compiled, start.load_seconds,
                 (", overlapped steps" if core.async_scheduling else "") +
-                (f", {'EAGLE-3' if plan.draft_model else 'n-gram'} speculation ({spec.num_speculative_tokens} tokens)"
+                (f", {SPECULATION_NAMES[spec.method]} speculation ({spec.num_speculative_tokens} tokens)"
                  if spec is not None else ""))
     _ready(timer, own_timer)
     return EngineParts(tokenizer, info, core, start.model_path, plan.arch, start.backend, plan.device,

@@ -128,7 +128,7 @@ class ModelRunner:
         `max_cpu_loras` (the adapters' host LRU), `compile_workers` (processes compiling the
         steps at a cold start, from the recipe), the executable cache, `executables` (a
         directory of executables compiled ahead, runner/prebuilt.py: loaded where they match).
-        `drafter`: the loaded EAGLE-3 head of a recipe with a `draft_model`."""
+        `drafter`: the loaded EAGLE-3 head or draft model of a recipe with a `draft_model`."""
         self.mesh, self.recipe, self.backend = mesh, recipe, backend
         # Data parallelism: D ranks, each with its own pages and its own range of S / D sampling
         # slots (see core/dp_scheduler.py); the step runs per rank inside a shard_map over "data".
@@ -185,7 +185,12 @@ class ModelRunner:
         zeros = self.program.kv_zeros(self._scope)
         self.kv = allocate_kv_cache(self.cfg, self.num_pages, self.page_size, self.kv_dtype, self.mesh,
                                     self.recipe.rules, zeros=zeros)
-        if self.drafting:  # the head's own layer of pages, next to the target's
+        if self.drafting and self.recipe.draft_method == "draft_model":  # the draft model's own cache
+            from jaxserve.runner.draft_model_step import DraftModelKV
+
+            self.kv = DraftModelKV(self.kv, allocate_kv_cache(self.program.drafter_cfg, self.num_pages, self.page_size,
+                                                              self.kv_dtype, self.mesh, self.recipe.rules))
+        elif self.drafting:  # the head's own layer of pages, next to the target's
             from jaxserve.runner.eagle3_step import DraftKV
 
             head = allocate_kv_cache(self.program.drafter_cfg, self.num_pages, self.page_size, self.kv_dtype,
@@ -285,8 +290,8 @@ class ModelRunner:
             params=signature(params), params_treedef=str(self._params_treedef), kv=signature(kv),
             sstate=signature(sstate), layer_impl=str(layer), sampler=canonical(self.sampler_config),
             # an EAGLE-3 head's part (no key of a step without one changes)
-            **({"draft": f"{fn.taps} {fn.num_speculative_tokens} {canonical(fn.drafter_graphdef)}"}
-               if self.drafting else {}),
+            **({"draft": f"{getattr(fn, 'taps', self.recipe.draft_method)} {fn.num_speculative_tokens} "
+                         f"{canonical(fn.drafter_graphdef)}"} if self.drafting else {}),
             mesh=repr(self.mesh), pages=f"{self.page_size} {self.pages_per_req} {self.num_pages} {self.dp}",
             replicated=repr(self.replicated))
         if self.executables is not None:

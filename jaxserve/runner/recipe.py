@@ -72,6 +72,9 @@ class StepRecipe:
     # EAGLE-3 speculative decoding: the draft head's HF directory ("": none); the step drafts
     # num_speculative_tokens tokens per request on the device (jaxserve/runner/eagle3_step.py).
     draft_model: str = ""
+    # What `draft_model` is: "eagle3" (a head), or "draft_model" (a causal LM with its own KV
+    # cache: jaxserve/runner/draft_model_step.py).
+    draft_method: str = "eagle3"
     token_buckets: tuple[int, ...] = ()  # the grid the runner compiles (T, R pairs with R <= T)
     request_buckets: tuple[int, ...] = ()
     # Multi-step decode (runner/decode_block.py): K > 1 adds one decode block of K steps per
@@ -127,7 +130,8 @@ class StepProgram:
     # the pages, the [S, V] arrays' vocabulary like the logits'; sampling/state.py)
     state_sharding: SamplingState
     # EAGLE-3: the draft head's flat weights (real or abstract; they follow the target's in the
-    # step's parameter list) and its decoder layer's config (its KV pages); None: no head
+    # step's parameter list) and its decoder layer's config (its KV pages); a draft model: its
+    # weights and its ArchConfig (its whole KV cache); None: no drafter
     drafter_params: list | None = None
     drafter_cfg: Any = None
 
@@ -151,9 +155,16 @@ class StepProgram:
         return kv.k[0], kv.v[0]
 
     def abstract_kv(self):
-        """What the step takes as its KV cache: the target's, or with a draft head a DraftKV."""
+        """What the step takes as its KV cache: the target's, or with a draft head a DraftKV,
+        or with a draft model a DraftModelKV (its whole cache, over the same pages)."""
         if self.drafter_cfg is None:
             return self.abstract_target_kv()
+        r = self.recipe
+        if r.draft_method == "draft_model":
+            from jaxserve.runner.draft_model_step import DraftModelKV
+
+            return DraftModelKV(self.abstract_target_kv(), abstract_kv_cache(
+                self.drafter_cfg, r.num_pages, r.page_size, r.kv_dtype, self.mesh, r.rules))
         from jaxserve.runner.eagle3_step import DraftKV
 
         return DraftKV(self.abstract_target_kv(), *self.abstract_draft_kv())
@@ -289,6 +300,9 @@ def step_program(recipe: StepRecipe, model, backend: Backend, mesh: Mesh,
                                               recipe.data_parallel_size > 1)
     if not recipe.draft_model:
         return StepProgram(recipe, model.config, function, mesh, lora, replicated, state_sharding), params, treedef
+    if recipe.draft_method == "draft_model":
+        return _draft_model_program(recipe, model, mesh, drafter, graphdef, treedef, layer_impl, lora,
+                                    replicated, state_sharding), params, treedef
     from jaxserve.models.eagle3_checkpoint import abstract_eagle3
     from jaxserve.runner.eagle3_step import Eagle3StepFunction
 
@@ -306,6 +320,27 @@ def step_program(recipe: StepRecipe, model, backend: Backend, mesh: Mesh,
                                   page_size=recipe.page_size)
     return StepProgram(recipe, model.config, function, mesh, lora, replicated, state_sharding, dparams,
                        drafter.config.layer), params, treedef
+
+
+def _draft_model_program(recipe: StepRecipe, model, mesh: Mesh, drafter, graphdef, treedef, layer_impl, lora,
+                         replicated, state_sharding) -> StepProgram:
+    """The step program drafting with a draft model (runner/draft_model_step.py): `drafter` the
+    loaded one, or None for abstract weights read from `recipe.draft_model`."""
+    from jaxserve.runner.draft_model_step import DraftModelStepFunction, abstract_draft_model
+
+    if lora is not None or recipe.num_decode_steps > 1 or recipe.data_parallel_size > 1 or mesh.size > 1:
+        raise ValueError("draft-model speculative decoding runs on one device, without LoRA and without "
+                         "multi-step decode")
+    if drafter is None:
+        drafter = abstract_draft_model(recipe.draft_model, recipe.dtype, mesh, recipe.rules, recipe.attention_impl)
+    dgraph, dstate = nnx.split(drafter)
+    dparams, dtreedef = jax.tree.flatten(dstate)
+    function = DraftModelStepFunction(graphdef, treedef, layer_impl, recipe.sampler_config, None,
+                                      drafter_graphdef=dgraph, drafter_treedef=dtreedef,
+                                      num_speculative_tokens=recipe.num_speculative_tokens,
+                                      page_size=recipe.page_size)
+    return StepProgram(recipe, model.config, function, mesh, lora, replicated, state_sharding, dparams,
+                       drafter.config)
 
 
 def abstract_model(recipe: StepRecipe, mesh: Mesh, backend: Backend):

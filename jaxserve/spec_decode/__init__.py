@@ -6,7 +6,8 @@ just more tokens, and the bucket grid is unchanged). The runner then keeps the l
 drafts that the samples confirm, plus the sample after it (jaxserve/runner/model_runner.py);
 the scheduler rolls `num_computed_tokens` back over the rejected ones, whose KV is overwritten
 later. See ngram.py for the n-gram proposer and which requests draft, eagle3.py for drafting
-with an EAGLE-3 head inside the compiled step (its drafts come back with the step's samples).
+with an EAGLE-3 head inside the compiled step (its drafts come back with the step's samples),
+draft_model.py for drafting with a draft model there (the same way back).
 """
 
 from jaxserve.spec_decode.ngram import NgramProposer, accept_drafts, can_speculate

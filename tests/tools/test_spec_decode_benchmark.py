@@ -1,6 +1,6 @@
 """benchmarks/spec_decode_benchmark.py's pure helpers: the mean acceptance length from the
-scheduler's counters, the predicted accelerator speed-up, and the chat prompts being apart from
-the ones the EAGLE-3 head trained or was measured on."""
+scheduler's counters, the predicted accelerator speed-up, the drafter passes per step, and the
+chat prompts being apart from the ones the EAGLE-3 head trained or was measured on."""
 
 from __future__ import annotations
 
@@ -35,3 +35,9 @@ def test_predicted_speedup_counts_request_steps_and_draft_passes():
 def test_chat_prompts_are_not_the_heads_training_or_held_out_prompts():
     assert len(set(sdb.CHAT_PROMPTS)) == len(sdb.CHAT_PROMPTS) >= 16
     assert not set(sdb.CHAT_PROMPTS) & (set(te.INSTRUCTIONS) | set(te.HELD_OUT))
+
+
+def test_draft_passes_per_step_of_each_method():
+    # A draft model runs over the step's tokens and then k chained passes; EAGLE-3's head's
+    # first draft comes from its pass over the step's tokens.
+    assert [sdb.draft_passes(m, 3) for m in ("none", "ngram", "eagle3", "draft_model")] == [0, 0, 3, 4]
