@@ -1,7 +1,7 @@
 """DeepSeek V3 (models/deepseek_v3.py) on its fixtures (tests/data/arch/deepseek_v3: q_lora,
 interleaved RoPE, YaRN with both mscales, grouped routing with a shared expert, attention
 biases; deepseek_v3_lite: V2-Lite's shape, q_lora_rank None): through the engine's LLM path (the paged
-latent cache, the CPU backend) the prompt log-probs are transformers' and the greedy tokens
+latent cache, MLA's split prefill forced, the CPU backend) the prompt log-probs are transformers' and the greedy tokens
 transformers' `generate`, the same in one batch and one at a time; tensor-parallel over 2
 simulated devices (heads split, the latent cache whole on each) chunked prefill and decode
 steps give transformers' logits; an fp8 latent cache keeps transformers' greedy tokens with
@@ -39,14 +39,22 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
 
 @pytest.fixture(scope="module", params=CASES)
 def llm(request, data_dir, tmp_path_factory, compile_cache_dir):
-    """(its expected.safetensors, an LLM serving the fixture in float32)."""
+    """(its expected.safetensors, an LLM serving the fixture in float32), its step compiled
+    with MLA's split prefill (own rows expanded, cached context absorbed: models/layers/mla.py;
+    the fixture's dims are too small for the cost model to choose it, so it is forced while
+    the engine compiles, and the compiled step shows it)."""
     from jaxserve import LLM
+    from jaxserve.models.layers.mla import PREFILL_FORM_ENV
 
     name = request.param
     model = write_model_dir(tmp_path_factory.mktemp(name), name)
-    engine = LLM(model=str(model), dtype="float32", max_num_seqs=4, max_num_batched_tokens=32,
-                 token_buckets=(32,), request_buckets=(4,), max_model_len=32, num_pages=16,
-                 page_size=8, compilation_cache_dir=compile_cache_dir, show_progress=False)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(PREFILL_FORM_ENV, "split")
+        engine = LLM(model=str(model), dtype="float32", max_num_seqs=4,
+                     max_num_batched_tokens=32, token_buckets=(32,), request_buckets=(4,),
+                     max_model_len=32, num_pages=16, page_size=8,
+                     compilation_cache_dir=compile_cache_dir, show_progress=False)
+    assert "mla_split_prefill" in engine.engine.runner.executable((32, 4)).as_text()
     return load_fixture(data_dir, name)[2], engine
 
 
