@@ -1,8 +1,9 @@
 """DeepSeek V3 (models/deepseek_v3.py) on its fixtures (tests/data/arch/deepseek_v3: q_lora,
 interleaved RoPE, YaRN with both mscales, grouped routing with a shared expert, attention
-biases; deepseek_v3_lite: V2-Lite's shape, q_lora_rank None): through the engine's LLM path (the paged
-latent cache, MLA's split prefill forced, the CPU backend) the prompt log-probs are transformers' and the greedy tokens
-transformers' `generate`, the same in one batch and one at a time; tensor-parallel over 2
+biases; deepseek_v3_lite: V2-Lite's shape, q_lora_rank None): through the engine's LLM path
+(the paged latent cache, MLA's split prefill forced, the CPU backend) the prompt log-probs are
+transformers' and the greedy tokens transformers' `generate`, the same in one batch and one at
+a time; tensor-parallel over 2
 simulated devices (heads split, the latent cache whole on each) chunked prefill and decode
 steps give transformers' logits; an fp8 latent cache keeps transformers' greedy tokens with
 its prompt log-probs within fp8's drift; config.json, the cache's shape, the routing and the MTP
