@@ -22,6 +22,11 @@ the shapes, the GQA kernels' dispatch otherwise. On TPUs likewise (`tpu.py`, Pal
 each page DMA'd once), by the name "tpu" for a latent width that is a multiple of 128; "auto"
 takes it only for lane-dense rows (a row width that is a multiple of 128, which V3's 576 is
 not: there "auto" runs the reference, see `tpu.py`).
+
+For the split prefill (models/layers/mla.py, `expanded.py`) the op also reads the cached
+context only and returns each row's log-sum-exp (`context_only`, `return_lse`): the
+reference and MLA's own GPU and TPU kernels compute them; a call with either on another
+implementation (the native CPU kernel, the GQA kernels) runs the reference.
 """
 
 from __future__ import annotations

@@ -92,11 +92,16 @@ def _token_logprobs(out) -> list[float]:
     return [d[t].logprob for d, t in zip(c.logprobs, c.token_ids)]
 
 
-def test_tensor_parallel_chunked_prefill_and_decode_match_transformers(data_dir):
+@pytest.mark.parametrize("form", ["absorbed", "split"])
+def test_tensor_parallel_chunked_prefill_and_decode_match_transformers(data_dir, form,
+                                                                       monkeypatch):
     """Over 2 simulated devices: the heads split over "model" (the latent cache whole on each
     device); the first sequence in chunks of 5, then token by token beside the second's
     prefill in chunks of 3: the latent rows of earlier steps are read back; the logits stay
-    transformers'."""
+    transformers', all absorbed and split (own rows expanded, context absorbed)."""
+    from jaxserve.models.layers.mla import PREFILL_FORM_ENV
+
+    monkeypatch.setenv(PREFILL_FORM_ENV, form)
     cfg, tensors, expected = load_fixture(data_dir, "deepseek_v3")
     mesh = make_mesh(1, 2)
     model = create_model(cfg, dtype=jnp.float32, get_tensor=tensors.__getitem__, mesh=mesh)
