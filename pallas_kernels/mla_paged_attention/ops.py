@@ -25,8 +25,8 @@ not: there "auto" runs the reference, see `tpu.py`).
 
 For the split prefill (models/layers/mla.py, `expanded.py`) the op also reads the cached
 context only and returns each row's log-sum-exp (`context_only`, `return_lse`): the
-reference and MLA's own GPU and TPU kernels compute them; a call with either on another
-implementation (the native CPU kernel, the GQA kernels) runs the reference.
+reference, MLA's own GPU and TPU kernels and the native CPU kernel compute them; a call with
+either on a GQA kernel runs the reference.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from jaxserve.pallas_kernels.ragged_paged_attention.metadata import AttentionMet
 from jaxserve.pallas_kernels.ragged_paged_attention.ops import (
     auto_candidates,
     dispatch_name,
+    implementation,
     ragged_paged_attention,
 )
 
@@ -121,13 +122,13 @@ def mla_paged_attention(
     this step's first token of the request), not this step's rows: the absorbed half of the
     split prefill (models/layers/mla.py). `return_lse`: also each row's log-sum-exp of its
     scaled scores, [T, H] float32 (-inf for a row that read no key), to merge with another
-    part of the keys (`expanded.merge_by_lse`). Both are computed by the reference and MLA's
-    GPU and TPU kernels; an implementation without them (the native CPU kernel, the GQA
-    kernels handed the latent array) runs the reference for such a call.
+    part of the keys (`expanded.merge_by_lse`). Both are computed by the reference, MLA's
+    GPU and TPU kernels and the native CPU kernel; the GQA kernels handed the latent array
+    have neither, and such a call runs the reference.
     """
     _check(q, latent_cache, value_dim)
     name = kernel_name(impl, q, latent_cache, value_dim, interpret=interpret)
-    if (context_only or return_lse) and not name.startswith(("mla-gpu", "mla-tpu")):
+    if (context_only or return_lse) and not name.startswith(("mla-gpu", "mla-tpu", "cpu")):
         name = "reference"
     extra = dict(context_only=context_only, return_lse=return_lse)
     if name.startswith("mla-gpu"):
@@ -148,6 +149,10 @@ def mla_paged_attention(
         )
         return mla_paged_attention_reference(q, latent_cache, md, sm_scale=sm_scale,
                                              value_dim=value_dim, **extra)
+    if name == "cpu" and (context_only or return_lse):  # the native kernel's LSE entry point
+        out = implementation("cpu")(q, latent_cache, latent_cache, md, sm_scale=sm_scale,
+                                    **extra)
+        return (out[0][..., :value_dim], out[1]) if return_lse else out[..., :value_dim]
     out = ragged_paged_attention(q, latent_cache, latent_cache, md, sm_scale=sm_scale, impl=impl,
                                  interpret=interpret)
     return out[..., :value_dim]

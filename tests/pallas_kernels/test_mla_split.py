@@ -64,8 +64,8 @@ SMALL = [(0, 3), (10, 1), (5, 2)]
 @pytest.mark.parametrize("impl, width, value_dim, reqs, t_pad, kernel, context_only", [
     ("reference", 128, 96, REQS, 24, "reference", False),
     ("reference", 128, 96, REQS, 24, "reference", True),
-    # the native CPU kernel has no log-sum-exp: such a call runs the reference
-    ("cpu", 128, 96, SMALL, 8, "cpu", True),
+    ("cpu", 128, 96, REQS, 24, "cpu", False),  # the native kernel's log-sum-exp entry point
+    ("cpu", 128, 96, REQS, 24, "cpu", True),
     ("gpu-interpret", 96, 64, SMALL, 8, "mla-gpu-interpret", False),
     ("gpu-interpret", 96, 64, SMALL, 8, "mla-gpu-interpret", True),
     # decode-shaped: the GPU kernel's 4 key splits merged
@@ -83,6 +83,8 @@ def test_every_absorbed_implementation_returns_the_oracles_lse(impl, width, valu
     op = jax.jit(functools.partial(mla_paged_attention, sm_scale=SCALE, value_dim=value_dim,
                                    impl=impl, context_only=context_only, return_lse=True))
     out, lse = op(q, kc, case["md"])
+    if impl == "cpu":  # the native kernel itself, not the reference
+        assert "jaxserve_ragged_paged_attention_lse" in op.lower(q, kc, case["md"]).as_text()
     want, want_lse = _oracle(case["q"], _cached_rows(case["kc"], case), case, value_dim,
                              context_only=context_only)
     live = int(case["qsl"][len(reqs)])
