@@ -18,15 +18,15 @@ v_head_dim):
   rotate-half RoPE applied, which gives the same scores;
 - the scores scale is (Dn + Dr) ** -0.5 times YaRN's mscale(factor, mscale_all_dim) squared.
 
-What the paged cache holds, and how attention reads it (the absorbed form, both for decode and
-prefill): one row per token per layer, [c, rope(k_rope)] (C + Dr = 576 in V3), not per-head K
-and V. q_nope_h W_UK_h is a C-wide query, so [q_nope_h W_UK_h, rope(q_rope_h)] scores against
-the rows as multi-query attention with one 576-wide head (models/layers/mla.py,
-pallas_kernels/mla_paged_attention); the value is the rows' first C columns, and each head's
-output is mapped by W_UV_h, then o_proj. Prefill uses the same form: expanding K/V per head
-costs fewer attention flops for long prompts (per key and head Dn + Dr = 192 wide products
-instead of 576) but needs a second attention path over per-head K/V built from every cached
-row; one path keeps the op and its kernels single.
+What the paged cache holds, and how attention reads it: one row per token per layer, [c,
+rope(k_rope)] (C + Dr = 576 in V3), not per-head K and V. Absorbed (decode, and the cached
+context): q_nope_h W_UK_h is a C-wide query, so [q_nope_h W_UK_h, rope(q_rope_h)] scores
+against the rows as multi-query attention with one 576-wide head
+(pallas_kernels/mla_paged_attention); the value is the rows' first C columns, and each head's
+output is mapped by W_UV_h, then o_proj. A step whose requests have long chunks attends to its
+own rows expanded per head instead (keys Dn + Dr = 192 wide, values Dv), merged with the
+absorbed context by log-sum-exp; models/layers/mla.py's `mla_attention` chooses per step
+shape.
 
 The MLP: dense in the first `first_k_dense_replace` layers; then `n_routed_experts` routed
 experts (layers/moe.py's grouped products) plus `n_shared_experts` always-on experts, one MLP
@@ -64,7 +64,7 @@ from jaxserve.models.arch_config import ArchConfig
 from jaxserve.models.interface import AttentionMetadata, KVCache
 from jaxserve.models.layers.attention import AttentionSpec
 from jaxserve.models.layers.linear import dense, module_weights
-from jaxserve.models.layers.mla import paged_mla_attention
+from jaxserve.models.layers.mla import mla_attention
 from jaxserve.models.layers.norm import rms_norm
 from jaxserve.models.layers.moe import check_impl as check_moe_impl
 from jaxserve.models.layers.moe import moe_mlp
@@ -72,7 +72,6 @@ from jaxserve.models.layers.rotary import apply_rotary, layer_rope_spec
 from jaxserve.models.llama import HEAD_SPECS, LlamaForCausalLM, TensorGetter, _param, rope_for_step
 from jaxserve.models.moe import ROUTER_SPEC
 from jaxserve.models.sharding import logical_to_spec, mesh_axes_size
-from jaxserve.pallas_kernels.kv_quant import attention_dtype
 
 # The `dense` spec of each decoder-layer product (the ones of a plain [in, out] matrix and of
 # the per-head q and o products are Llama's, so a backend's product kernel packs them).
@@ -85,9 +84,6 @@ MLA_SPECS = {
 # The epsilon of the RMSNorms inside attention (q_a_layernorm, kv_a_layernorm): transformers'
 # and DeepSeek's default, not the config's rms_norm_eps.
 LORA_NORM_EPS = 1e-6
-# The absorbed up-projections: each head's query into the latent space, and back to its value
-# (head-major: XLA:CPU has no bfloat16 batched dot whose batch dim is not the leading one).
-ABSORB_SPECS = {"w_uk": "htd,hdc->htc", "w_uv": "htc,hcv->htv"}
 
 
 def yarn_mscale(scale: float, m: float) -> float:
@@ -275,13 +271,8 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         latent = rms_norm(kv[:, :C], p["kv_a_norm"], LORA_NORM_EPS)  # [T, C]
         k_rope = apply_rotary(kv[:, None, C:], *rope)[:, 0]  # [T, Dr]
         q_rope = apply_rotary(q[..., Dn:], *rope)  # [T, H, Dr]
-        q_latent = _per_head(ABSORB_SPECS["w_uk"], q[..., :Dn], p["w_uk"])  # [T, H, C]
-        rows = jnp.concatenate([latent, k_rope], axis=-1)  # [T, C + Dr]
-        q_rows = jnp.concatenate([q_latent, q_rope], axis=-1)
-        q_rows = q_rows.astype(attention_dtype(cache.dtype, q_rows.dtype))
-        out, cache = paged_mla_attention(q_rows, rows, cache, md, layer.attn_spec, C, self.mesh,
-                                         dict(self.rules))  # [T, H, C]
-        v = _per_head(ABSORB_SPECS["w_uv"], out, p["w_uv"])  # [T, H, Dv]
+        v, cache = mla_attention(q[..., :Dn], q_rope, latent, k_rope, cache, md, layer.attn_spec,
+                                 p["w_uk"], p["w_uv"], self.mesh, dict(self.rules))  # [T, H, Dv]
         o = dense(MLA_SPECS["wo"], v, p["wo"])
         if "bo" in p:
             o = o + p["bo"]
@@ -308,11 +299,6 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
     @classmethod
     def hf_weight_map(cls, cfg: ArchConfig) -> dict[str, Callable[[TensorGetter], np.ndarray]]:
         return deepseek_v3_weight_map(cfg)
-
-
-def _per_head(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [T, H, a] through each head's own matrix w [H, a, b] -> [T, H, b] float32."""
-    return jnp.swapaxes(dense(spec, jnp.swapaxes(x, 0, 1), w), 0, 1)
 
 
 def _glu(p, x, prefix: str) -> jax.Array:

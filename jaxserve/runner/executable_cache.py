@@ -81,7 +81,7 @@ _SOURCE_SUFFIXES = (".py", ".cc", ".h")
 # JAX options that do not change a compiled program (caches, logging, debugging output).
 _CONFIG_IGNORED = ("cache", "log", "explain", "dump", "traceback", "pprint", "source_url", "timeout",
                    "transfer_guard", "thread_guard", "tracer_error")
-_ENV_PREFIXES = ("XLA_", "LIBTPU_", "TPU_", "JAX_")
+_ENV_PREFIXES = ("XLA_", "LIBTPU_", "TPU_", "JAX_", "JAXSERVE_MLA_")
 
 
 @functools.cache

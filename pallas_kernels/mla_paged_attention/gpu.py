@@ -43,7 +43,7 @@ def _kernel(blk_req_ref, blk_idx_ref, qsl_ref, kvl_ref, bt_ref,
             c_ref,  # [N * page_size, C + Dr]: the layer's latent rows
             o_ref,  # [M, C] block (float32, normalised)
             lse_ref,  # [M] block
-            *, block_q, heads, page_size, chunk_pages, num_splits, sm_scale):
+            *, block_q, heads, page_size, chunk_pages, num_splits, sm_scale, context_only):
     b, s = pl.program_id(0), pl.program_id(2)
     M, C = ql_ref.shape
     Dr = qr_ref.shape[1]
@@ -57,7 +57,9 @@ def _kernel(blk_req_ref, blk_idx_ref, qsl_ref, kvl_ref, bt_ref,
     t0 = qsl_ref[r] + jnp.maximum(j, 0) * block_q
     nq = jnp.where(j >= 0, jnp.minimum(block_q, q_end - t0), 0)
     pos0 = kvl_ref[r] - (q_end - t0)
-    hi = pos0 + nq
+    # the keys the block reads end after its last query, or before the request's first
+    # (`context_only`: its cached context)
+    hi = kvl_ref[r] - (q_end - qsl_ref[r]) if context_only else pos0 + nq
     n_chunks = jnp.where(nq > 0, blocks.cdiv(blocks.cdiv(hi, ps), chunk_pages), 0)
     per_split = blocks.cdiv(n_chunks, num_splits)
     c_lo = s * per_split
@@ -81,8 +83,10 @@ def _kernel(blk_req_ref, blk_idx_ref, qsl_ref, kvl_ref, bt_ref,
         lat = jnp.where((kpos < hi)[:, None], lat, jnp.zeros_like(lat))  # never 0 * garbage
         sc = (lax.dot_general(ql, lat, nt, precision=precision, preferred_element_type=_F32)
               + lax.dot_general(qr, rope, nt, precision=precision, preferred_element_type=_F32))
-        sc = jnp.where((kpos[None, :] <= row_pos[:, None]) & row_ok[:, None], sc * sm_scale,
-                       -jnp.inf)
+        seen = (kpos[None, :] <= row_pos[:, None]) & row_ok[:, None]
+        if context_only:
+            seen &= (kpos < hi)[None, :]
+        sc = jnp.where(seen, sc * sm_scale, -jnp.inf)
         m_new = jnp.maximum(m, sc.max(axis=1))
         base = jnp.where(m_new == -jnp.inf, 0.0, m_new)
         p = jnp.exp(sc - base[:, None])
@@ -132,8 +136,12 @@ def mla_paged_attention_gpu(
     num_warps: int = 4,
     num_stages: int = 2,
     interpret: bool = False,
-) -> jax.Array:
-    """The op (`ops.mla_paged_attention`) as a Pallas Triton kernel -> [T, H, value_dim].
+    context_only: bool = False,
+    return_lse: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """The op (`ops.mla_paged_attention`) as a Pallas Triton kernel -> [T, H, value_dim]
+    (and with `return_lse` each row's log-sum-exp, [T, H] float32: the splits' merged;
+    `context_only`: the cached context only, as the op's).
     Tuning: `chunk_pages` (keys per chunk = chunk_pages * page_size, a power of two >= 16),
     `kv_splits` (default 4 for decode-shaped buckets, 1 when T > 4 R)."""
     T, H, W = q.shape
@@ -153,7 +161,8 @@ def mla_paged_attention_gpu(
     tokens = blocks.block_tokens(md, blk_req, blk_idx, Bq)
     q_blk = blocks.gather_queries(q, tokens, H // Hb, Hb)  # [NB, H / Hb, M, W]
     kernel = functools.partial(_kernel, block_q=Bq, heads=Hb, page_size=ps, chunk_pages=chunk,
-                               num_splits=S, sm_scale=float(sm_scale))
+                               num_splits=S, sm_scale=float(sm_scale),
+                               context_only=context_only)
     whole = pl.no_block_spec
     o_part, lse = pl.pallas_call(
         kernel,
@@ -179,4 +188,9 @@ def mla_paged_attention_gpu(
         latent_cache.reshape(N * ps, W),
     )
     o_blk = blocks.merge_splits(o_part, lse)
-    return blocks.scatter_outputs(o_blk.astype(q.dtype), tokens, T, H)
+    out = blocks.scatter_outputs(o_blk.astype(q.dtype), tokens, T, H)
+    if not return_lse:
+        return out
+    lse_blk = blocks.merge_split_lse(lse)[..., None]  # [NB, H / Hb, M, 1]
+    return out, blocks.scatter_outputs(lse_blk, tokens, T, H,
+                                       out=jnp.full((T, H, 1), -jnp.inf, _F32))[..., 0]

@@ -22,6 +22,11 @@ the shapes, the GQA kernels' dispatch otherwise. On TPUs likewise (`tpu.py`, Pal
 each page DMA'd once), by the name "tpu" for a latent width that is a multiple of 128; "auto"
 takes it only for lane-dense rows (a row width that is a multiple of 128, which V3's 576 is
 not: there "auto" runs the reference, see `tpu.py`).
+
+For the split prefill (models/layers/mla.py, `expanded.py`) the op also reads the cached
+context only and returns each row's log-sum-exp (`context_only`, `return_lse`): the
+reference, MLA's own GPU and TPU kernels and the native CPU kernel compute them; a call with
+either on a GQA kernel runs the reference.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from jaxserve.pallas_kernels.ragged_paged_attention.metadata import AttentionMet
 from jaxserve.pallas_kernels.ragged_paged_attention.ops import (
     auto_candidates,
     dispatch_name,
+    implementation,
     ragged_paged_attention,
 )
 
@@ -105,28 +111,48 @@ def mla_paged_attention(
     value_dim: int,
     impl: str = "auto",
     interpret: bool = False,
-) -> jax.Array:
+    context_only: bool = False,
+    return_lse: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Absorbed-form MLA of q [T, H, W] over one layer's latent cache [N, page_size, W] that
     already holds this step's rows -> [T, H, value_dim] in q.dtype (semantics:
-    `reference.py`)."""
+    `reference.py`).
+
+    `context_only`: each query reads its request's cached context only (the positions before
+    this step's first token of the request), not this step's rows: the absorbed half of the
+    split prefill (models/layers/mla.py). `return_lse`: also each row's log-sum-exp of its
+    scaled scores, [T, H] float32 (-inf for a row that read no key), to merge with another
+    part of the keys (`expanded.merge_by_lse`). Both are computed by the reference, MLA's
+    GPU and TPU kernels and the native CPU kernel; the GQA kernels handed the latent array
+    have neither, and such a call runs the reference.
+    """
     _check(q, latent_cache, value_dim)
     name = kernel_name(impl, q, latent_cache, value_dim, interpret=interpret)
+    if (context_only or return_lse) and not name.startswith(("mla-gpu", "mla-tpu", "cpu")):
+        name = "reference"
+    extra = dict(context_only=context_only, return_lse=return_lse)
     if name.startswith("mla-gpu"):
         from jaxserve.pallas_kernels.mla_paged_attention.gpu import mla_paged_attention_gpu
 
         return mla_paged_attention_gpu(q, latent_cache, md, sm_scale=sm_scale,
-                                       value_dim=value_dim, interpret=name.endswith("interpret"))
+                                       value_dim=value_dim, interpret=name.endswith("interpret"),
+                                       **extra)
     if name.startswith("mla-tpu"):
         from jaxserve.pallas_kernels.mla_paged_attention.tpu import mla_paged_attention_tpu
 
         return mla_paged_attention_tpu(q, latent_cache, md, sm_scale=sm_scale,
-                                       value_dim=value_dim, interpret=name.endswith("interpret"))
+                                       value_dim=value_dim, interpret=name.endswith("interpret"),
+                                       **extra)
     if name == "reference":
         from jaxserve.pallas_kernels.mla_paged_attention.reference import (
             mla_paged_attention_reference,
         )
         return mla_paged_attention_reference(q, latent_cache, md, sm_scale=sm_scale,
-                                             value_dim=value_dim)
+                                             value_dim=value_dim, **extra)
+    if name == "cpu" and (context_only or return_lse):  # the native kernel's LSE entry point
+        out = implementation("cpu")(q, latent_cache, latent_cache, md, sm_scale=sm_scale,
+                                    **extra)
+        return (out[0][..., :value_dim], out[1]) if return_lse else out[..., :value_dim]
     out = ragged_paged_attention(q, latent_cache, latent_cache, md, sm_scale=sm_scale, impl=impl,
                                  interpret=interpret)
     return out[..., :value_dim]
@@ -141,12 +167,14 @@ def write_latent_and_attend(
     sm_scale: float,
     value_dim: int,
     impl: str = "auto",
-) -> tuple[jax.Array, jax.Array]:
-    """`write_latent` then `mla_paged_attention`: (out [T, H, value_dim], latent_cache)."""
+    context_only: bool = False,
+) -> tuple[jax.Array, ...]:
+    """`write_latent` then `mla_paged_attention`: (out [T, H, value_dim], latent_cache); with
+    `context_only` (out over the cached context, its log-sum-exp [T, H], latent_cache)."""
     latent_cache = write_latent(latent_cache, latent, md.slot_mapping)
     out = mla_paged_attention(q, latent_cache, md, sm_scale=sm_scale, value_dim=value_dim,
-                              impl=impl)
-    return out, latent_cache
+                              impl=impl, context_only=context_only, return_lse=context_only)
+    return (*out, latent_cache) if context_only else (out, latent_cache)
 
 
 __all__ = ["mla_paged_attention", "write_latent", "write_latent_and_attend"]

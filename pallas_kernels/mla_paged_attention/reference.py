@@ -36,7 +36,12 @@ def mla_paged_attention_reference(
     sm_scale: float,
     value_dim: int,
     chunk_pages: int | None = None,
-) -> jax.Array:
-    """[T, H, value_dim] in q.dtype; padding tokens get zeros."""
+    context_only: bool = False,
+    return_lse: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """[T, H, value_dim] in q.dtype; padding tokens get zeros. `context_only`: each query
+    reads its request's cached context only; `return_lse`: also each row's log-sum-exp,
+    [T, H] float32 (-inf where it read nothing): the op's (`ops.mla_paged_attention`)."""
     return ragged_paged_attention_reference(q, latent_cache, latent_cache, md, sm_scale=sm_scale,
-                                            chunk_pages=chunk_pages, value_dim=value_dim)
+                                            chunk_pages=chunk_pages, value_dim=value_dim,
+                                            context_only=context_only, return_lse=return_lse)

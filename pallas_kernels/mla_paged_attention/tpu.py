@@ -39,8 +39,9 @@ def _kernel(blk_req_ref, blk_idx_ref, qsl_ref, kvl_ref, bt_ref,  # scalar prefet
             qr_ref,  # VMEM [M, Dr]
             c_hbm,  # HBM [N, ps, C + Dr]
             o_ref,  # VMEM [M, C]
+            lse_ref,  # VMEM [M, 1]
             buf, sem, m_ref, l_ref, acc_ref,  # VMEM [2, K, W]; DMA sems [2]; [M, 1] x 2; [M, C]
-            *, block_q, heads, page_size, pages_per_req, chunk_pages, sm_scale):
+            *, block_q, heads, page_size, pages_per_req, chunk_pages, sm_scale, context_only):
     b = pl.program_id(0)
     M, C = ql_ref.shape
     Dr = qr_ref.shape[1]
@@ -53,7 +54,9 @@ def _kernel(blk_req_ref, blk_idx_ref, qsl_ref, kvl_ref, bt_ref,  # scalar prefet
     t0 = qsl_ref[r] + jnp.maximum(j, 0) * block_q
     nq = jnp.where(j >= 0, jnp.minimum(block_q, q_end - t0), 0)
     pos0 = kvl_ref[r] - (q_end - t0)
-    hi = pos0 + nq
+    # the keys the block reads end after its last query, or before the request's first
+    # (`context_only`: its cached context)
+    hi = kvl_ref[r] - (q_end - qsl_ref[r]) if context_only else pos0 + nq
     end_page = blocks.cdiv(hi, ps)
     n_blocks = jnp.where(nq > 0, blocks.cdiv(end_page, CP), 0)
 
@@ -106,6 +109,8 @@ def _kernel(blk_req_ref, blk_idx_ref, qsl_ref, kvl_ref, bt_ref,  # scalar prefet
         key0 = c * K
         rel = key0 + col - pos0  # key position relative to the block's first query
         mask = (row >= rel * heads) & (row < nq * heads)  # causal, live rows
+        if context_only:
+            mask &= key0 + col < hi
         lat = upcast(buf[slot, :, pl.ds(0, C)], ql.dtype)  # [K, C]
         rope = upcast(buf[slot, :, pl.ds(C, Dr)], ql.dtype)  # [K, Dr]
         lat = jnp.where(key0 + key_row < hi, lat, jnp.zeros_like(lat))  # stale rows: zeros
@@ -126,7 +131,9 @@ def _kernel(blk_req_ref, blk_idx_ref, qsl_ref, kvl_ref, bt_ref,  # scalar prefet
 
     lax.fori_loop(0, n_blocks, body, 0)
     l = l_ref[...]
-    o_ref[...] = (acc_ref[...] / jnp.where(l > 0, l, 1.0)).astype(o_ref.dtype)
+    l_safe = jnp.where(l > 0, l, 1.0)
+    o_ref[...] = (acc_ref[...] / l_safe).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(l > 0, m_ref[...] + jnp.log(l_safe), -jnp.inf)
 
 
 def supports(q: jax.Array, latent_cache: jax.Array, value_dim: int, *, auto: bool = False
@@ -156,9 +163,12 @@ def mla_paged_attention_tpu(
     queries_per_block: int | None = None,
     vmem_limit_bytes: int | None = None,
     interpret: bool = False,
-) -> jax.Array:
-    """The op (`ops.mla_paged_attention`) as a Pallas Mosaic TPU kernel -> [T, H, value_dim].
-    `interpret=True` runs it in TPU interpret mode (any backend)."""
+    context_only: bool = False,
+    return_lse: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """The op (`ops.mla_paged_attention`) as a Pallas Mosaic TPU kernel -> [T, H, value_dim]
+    (and with `return_lse` each row's log-sum-exp, [T, H] float32; `context_only`: the cached
+    context only, as the op's). `interpret=True` runs it in TPU interpret mode (any backend)."""
     T, H, W = q.shape
     ps = latent_cache.shape[1]
     R, P = md.block_tables.shape
@@ -171,14 +181,16 @@ def mla_paged_attention_tpu(
     tokens = blocks.block_tokens(md, blk_req, blk_idx, Bq)
     q_blk = blocks.gather_queries(q, tokens, 1, H)[:, 0]  # [NB, M, W]
     kernel = functools.partial(_kernel, block_q=Bq, heads=H, page_size=ps, pages_per_req=P,
-                               chunk_pages=CP, sm_scale=float(sm_scale))
+                               chunk_pages=CP, sm_scale=float(sm_scale),
+                               context_only=context_only)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=5,
         grid=(NB,),
         in_specs=[pl.BlockSpec((None, M, C), lambda b, *_: (b, 0, 0)),
                   pl.BlockSpec((None, M, W - C), lambda b, *_: (b, 0, 0)),
                   pl.BlockSpec(memory_space=pl.ANY)],
-        out_specs=pl.BlockSpec((None, M, C), lambda b, *_: (b, 0, 0)),
+        out_specs=[pl.BlockSpec((None, M, C), lambda b, *_: (b, 0, 0)),
+                   pl.BlockSpec((None, M, 1), lambda b, *_: (b, 0, 0))],
         scratch_shapes=[
             pltpu.VMEM((2, CP * ps, W), latent_cache.dtype),
             pltpu.SemaphoreType.DMA((2,)),
@@ -187,10 +199,11 @@ def mla_paged_attention_tpu(
             pltpu.VMEM((M, C), _F32),
         ],
     )
-    o_blk = pl.pallas_call(
+    o_blk, lse_blk = pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
-        out_shape=jax.ShapeDtypeStruct((NB, M, C), q.dtype),
+        out_shape=[jax.ShapeDtypeStruct((NB, M, C), q.dtype),
+                   jax.ShapeDtypeStruct((NB, M, 1), _F32)],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",),
                                              vmem_limit_bytes=vmem_limit_bytes),
         interpret=pltpu.InterpretParams() if interpret else False,
@@ -200,4 +213,8 @@ def mla_paged_attention_tpu(
         md.block_tables.astype(_I32).reshape(R * P), q_blk[..., :C], q_blk[..., C:],
         latent_cache,
     )
-    return blocks.scatter_outputs(o_blk[:, None], tokens, T, H)
+    out = blocks.scatter_outputs(o_blk[:, None], tokens, T, H)
+    if not return_lse:
+        return out
+    return out, blocks.scatter_outputs(lse_blk[:, None], tokens, T, H,
+                                       out=jnp.full((T, H, 1), -jnp.inf, _F32))[..., 0]

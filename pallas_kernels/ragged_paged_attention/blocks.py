@@ -132,6 +132,15 @@ def merge_splits(o_part: jax.Array, lse: jax.Array, sinks: jax.Array | None = No
     return (w[..., None] * o_part).sum(axis=0) / jnp.where(den > 0, den, 1.0)[..., None]
 
 
+def merge_split_lse(lse: jax.Array) -> jax.Array:
+    """The log-sum-exp of the splits together: lse [S, NB, Hkv, M] -> [NB, Hkv, M] (-inf
+    where every split was empty)."""
+    mx = lse.max(axis=0)
+    base = jnp.where(mx == -jnp.inf, 0.0, mx)
+    den = jnp.exp(lse - base[None]).sum(axis=0)
+    return jnp.where(den > 0, base + jnp.log(jnp.where(den > 0, den, 1.0)), -jnp.inf)
+
+
 def scatter_outputs(o_blk: jax.Array, tokens: jax.Array, num_tokens: int, num_q_heads: int,
                     out: jax.Array | None = None):
     """[NB, Hkv, Bq * Gp, D] -> [T, Hq, D]; tokens nobody writes (padding) are zeros, or

@@ -89,6 +89,12 @@ def available_impls() -> tuple[str, ...]:
     return _REGISTRY.available()
 
 
+def implementation(name: str) -> Callable:
+    """The function registered as implementation `name` (KeyError if none is): for a caller
+    that passes it arguments of its own, such as the CPU kernel's `context_only`."""
+    return _REGISTRY.impls[name]
+
+
 # Compute capabilities whose "auto" kernel is the Mosaic GPU one: Hopper (sm_90a: its wgmma
 # and TMA; Blackwell's tensor cores take other instructions, tcgen05, that the kernel does not
 # use). DESIGN §5 says why the default moved.

@@ -126,6 +126,11 @@ def _finish(l, acc):
     return acc / jnp.where(l > 0, l, 1.0)[..., None]
 
 
+def _lse(m, l):
+    """A row's log-sum-exp from its online-softmax state; -inf where it saw nothing."""
+    return jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
+
+
 def ragged_paged_attention_reference(
     q: jax.Array,
     k_cache: jax.Array,
@@ -140,7 +145,9 @@ def ragged_paged_attention_reference(
     dense_step: bool = False,
     sinks: jax.Array | None = None,
     value_dim: int | None = None,
-) -> jax.Array:
+    context_only: bool = False,
+    return_lse: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Ragged paged attention over one layer's paged cache. See the module docstring.
 
     q: [T, Hq, D]; k_cache, v_cache: [N, page_size, Hkv * D] (one layer); returns [T, Hq, D] in
@@ -151,7 +158,11 @@ def ragged_paged_attention_reference(
     off, see the module docstring). `sinks`: [Hq] attention-sink logits, or None.
     `value_dim`: the values are the keys' first `value_dim` columns, read with them (multi-head
     latent attention's rows: `mla_paged_attention/reference.py`; v_cache is not read), and the
-    result is [T, Hq, value_dim].
+    result is [T, Hq, value_dim]. `context_only`: each query attends to its request's cached
+    context only (the positions before this step's first token), not to this step's tokens
+    (what multi-head latent attention's split prefill reads absorbed: `mla_paged_attention`).
+    `return_lse`: also return each row's log-sum-exp of its scaled scores, [T, Hq] float32
+    (the sink's term included; -inf for a row that saw no key, padding tokens included).
     """
     T, Hq, D = q.shape
     if v_cache.shape != k_cache.shape:
@@ -169,6 +180,9 @@ def ragged_paged_attention_reference(
         raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
     if chunk_pages is not None and chunk_pages < 1:
         raise ValueError(f"chunk_pages must be >= 1, got {chunk_pages}")
+    if context_only and dense_step:
+        raise ValueError("context_only reads the cached context only; dense_step attends this "
+                         "step's tokens as well")
     if query_block is not None and query_block < 1:
         raise ValueError(f"query_block must be >= 1, got {query_block}")
     G = Hq // Hkv
@@ -187,7 +201,7 @@ def ragged_paged_attention_reference(
     kv_len = jnp.where(live_req, md.kv_lens.astype(_I32), 0)
     ctx_len = jnp.maximum(kv_len - q_len, 0)  # cached before this step
     # The loops read key positions < key_end (and <= the row's own position).
-    key_end = ctx_len if dense_step else kv_len
+    key_end = ctx_len if dense_step or context_only else kv_len
     block_tables = md.block_tables.astype(_I32)
     qg = q.reshape(T, Hkv, G, D)
     # Row state (running max m, sum l, accumulator acc) lives KV-head-major, [Hkv, T, G(, D)]:
@@ -314,9 +328,13 @@ def ragged_paged_attention_reference(
     else:
         init = (*_initial_state(sinks, (R, Hkv, G), Hkv, G, head_axis=1),
                 jnp.zeros((R, Hkv, G, Dv), _F32))
-    _, dl, dacc = lax.fori_loop(0, n_iter, decode_chunk, init)
+    dm, dl, dacc = lax.fori_loop(0, n_iter, decode_chunk, init)
 
     out = _finish(l, acc)  # [Hkv, T, G, D]; padding tokens: acc == 0 -> exact zeros
     out = out.transpose(1, 0, 2, 3).reshape(T, Hq, Dv)
     dest = jnp.where(is_single, tok, T)  # out of range: dropped
-    return out.at[dest].set(_finish(dl, dacc).reshape(R, Hq, Dv), mode="drop").astype(q.dtype)
+    out = out.at[dest].set(_finish(dl, dacc).reshape(R, Hq, Dv), mode="drop").astype(q.dtype)
+    if not return_lse:
+        return out
+    lse = _lse(m, l).transpose(1, 0, 2).reshape(T, Hq)
+    return out, lse.at[dest].set(_lse(dm, dl).reshape(R, Hq), mode="drop")

@@ -1,8 +1,9 @@
 """DeepSeek V3 (models/deepseek_v3.py) on its fixtures (tests/data/arch/deepseek_v3: q_lora,
 interleaved RoPE, YaRN with both mscales, grouped routing with a shared expert, attention
-biases; deepseek_v3_lite: V2-Lite's shape, q_lora_rank None): through the engine's LLM path (the paged
-latent cache, the CPU backend) the prompt log-probs are transformers' and the greedy tokens
-transformers' `generate`, the same in one batch and one at a time; tensor-parallel over 2
+biases; deepseek_v3_lite: V2-Lite's shape, q_lora_rank None): through the engine's LLM path
+(the paged latent cache, MLA's split prefill forced, the CPU backend) the prompt log-probs are
+transformers' and the greedy tokens transformers' `generate`, the same in one batch and one at
+a time; tensor-parallel over 2
 simulated devices (heads split, the latent cache whole on each) chunked prefill and decode
 steps give transformers' logits; an fp8 latent cache keeps transformers' greedy tokens with
 its prompt log-probs within fp8's drift; config.json, the cache's shape, the routing and the MTP
@@ -39,14 +40,22 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
 
 @pytest.fixture(scope="module", params=CASES)
 def llm(request, data_dir, tmp_path_factory, compile_cache_dir):
-    """(its expected.safetensors, an LLM serving the fixture in float32)."""
+    """(its expected.safetensors, an LLM serving the fixture in float32), its step compiled
+    with MLA's split prefill (own rows expanded, cached context absorbed: models/layers/mla.py;
+    the fixture's dims are too small for the cost model to choose it, so it is forced while
+    the engine compiles, and the compiled step shows it)."""
     from jaxserve import LLM
+    from jaxserve.models.layers.mla import PREFILL_FORM_ENV
 
     name = request.param
     model = write_model_dir(tmp_path_factory.mktemp(name), name)
-    engine = LLM(model=str(model), dtype="float32", max_num_seqs=4, max_num_batched_tokens=32,
-                 token_buckets=(32,), request_buckets=(4,), max_model_len=32, num_pages=16,
-                 page_size=8, compilation_cache_dir=compile_cache_dir, show_progress=False)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(PREFILL_FORM_ENV, "split")
+        engine = LLM(model=str(model), dtype="float32", max_num_seqs=4,
+                     max_num_batched_tokens=32, token_buckets=(32,), request_buckets=(4,),
+                     max_model_len=32, num_pages=16, page_size=8,
+                     compilation_cache_dir=compile_cache_dir, show_progress=False)
+    assert "mla_split_prefill" in engine.engine.runner.executable((32, 4)).as_text()
     return load_fixture(data_dir, name)[2], engine
 
 
@@ -83,11 +92,16 @@ def _token_logprobs(out) -> list[float]:
     return [d[t].logprob for d, t in zip(c.logprobs, c.token_ids)]
 
 
-def test_tensor_parallel_chunked_prefill_and_decode_match_transformers(data_dir):
+@pytest.mark.parametrize("form", ["absorbed", "split"])
+def test_tensor_parallel_chunked_prefill_and_decode_match_transformers(data_dir, form,
+                                                                       monkeypatch):
     """Over 2 simulated devices: the heads split over "model" (the latent cache whole on each
     device); the first sequence in chunks of 5, then token by token beside the second's
     prefill in chunks of 3: the latent rows of earlier steps are read back; the logits stay
-    transformers'."""
+    transformers', all absorbed and split (own rows expanded, context absorbed)."""
+    from jaxserve.models.layers.mla import PREFILL_FORM_ENV
+
+    monkeypatch.setenv(PREFILL_FORM_ENV, form)
     cfg, tensors, expected = load_fixture(data_dir, "deepseek_v3")
     mesh = make_mesh(1, 2)
     model = create_model(cfg, dtype=jnp.float32, get_tensor=tensors.__getitem__, mesh=mesh)

@@ -65,6 +65,7 @@ DEFAULT_TARGET = "native"
 # FFI target name -> exported handler symbol.
 TARGETS = {
     "jaxserve_ragged_paged_attention": "JaxserveRaggedPagedAttention",
+    "jaxserve_ragged_paged_attention_lse": "JaxserveRaggedPagedAttentionLse",
     "jaxserve_write_kv_and_attend": "JaxserveWriteKvAndAttend",
     "jaxserve_rope_write_kv_and_attend": "JaxserveRopeWriteKvAndAttend",
     "jaxserve_packed_matmul": "JaxservePackedMatmul",

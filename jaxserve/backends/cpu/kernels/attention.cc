@@ -9,6 +9,10 @@
 // it as a remaining argument, so a call without it is unchanged); head h's sink is one more
 // score with no value, joining the softmax's denominator: each row's online softmax starts from
 // (max, sum) = (sinks[h], 1) instead of (-inf, 0).
+// JaxserveRaggedPagedAttentionLse: the same, also each row's log-sum-exp of its scaled scores
+// ([T, Hq], -inf where it read nothing), and with context_only each query reads only its
+// request's positions before this step's first token (multi-head latent attention's split
+// prefill, models/layers/mla.py).
 //
 // Work items are (request, block of up to kQueryBlock consecutive queries), spread over the
 // cores (parallel.h). An item takes its KV heads one after another: for each, it holds the G
@@ -91,6 +95,8 @@ struct Problem {
   const int32_t* query_start_loc;  // [R + 1]
   const float* sinks;    // [Hq] attention-sink logits, or nullptr
   float* out;            // [T, Hq, D]
+  float* lse;            // [T, Hq] each row's log-sum-exp, or nullptr
+  bool context_only;     // read only the keys before the request's first token of the step
   int64_t pages_per_row, page_size, hq, hkv, d, g;
   float sm_scale, soft_cap;  // soft_cap <= 0: none
   int32_t window;            // <= 0: none
@@ -146,7 +152,10 @@ void run_item(const Problem& p, const WorkItem& w, std::vector<float>& scratch) 
   }
 
   const int32_t lo = p.window > 0 ? std::max(0, pos[0] - p.window + 1) : 0;
-  const int32_t hi = pos[nt - 1] + 1;
+  // The keys read end after the block's last token, or (context_only) before the request's
+  // first token of this step: its cached context.
+  const int32_t hi =
+      p.context_only ? kv_len - (q_end - p.query_start_loc[w.r]) : pos[nt - 1] + 1;
   const int32_t* bt = p.block_tables + static_cast<int64_t>(w.r) * p.pages_per_row;
   const KT* kc = static_cast<const KT*>(p.k_cache);
   const KT* vc = static_cast<const KT*>(p.v_cache);
@@ -198,7 +207,8 @@ void run_item(const Problem& p, const WorkItem& w, std::vector<float>& scratch) 
       // The keys this row sees in the chunk: positions first..pi, chunk indices [jlo, jhi).
       const int32_t pi = pos[i / G];
       const int32_t first = p.window > 0 ? pi - p.window + 1 : 0;
-      const int jlo = std::clamp(first - c0, 0, n), jhi = std::clamp(pi - c0 + 1, 0, n);
+      const int jlo = std::clamp(first - c0, 0, n);
+      const int jhi = std::clamp(std::min(pi + 1, hi) - c0, 0, n);
       float* si = s + i * kKeyChunk;
       if (jlo >= jhi) {  // nothing visible in this chunk
         corr[i] = 1.0f;
@@ -235,6 +245,10 @@ void run_item(const Problem& p, const WorkItem& w, std::vector<float>& scratch) 
       const float* ai = acc + i * D;
 #pragma omp simd
       for (int x = 0; x < D; ++x) dst[x] = ai[x] * inv;
+      if (p.lse != nullptr) {
+        p.lse[(static_cast<int64_t>(w.t0 + ti) * p.hq) + w.h * G + gi] =
+            l[i] > 0.0f ? m[i] + std::log(l[i]) : kNegInf;
+      }
     }
   }
 }
@@ -273,7 +287,8 @@ ffi::Error attend(const float* q, ffi::Span<const int64_t> qd, const void* k_cac
                   ffi::Buffer<ffi::S32>& block_tables, ffi::Buffer<ffi::S32>& kv_lens,
                   ffi::Buffer<ffi::S32>& query_start_loc, ffi::Buffer<ffi::S32>& num_seqs,
                   float* out, float sm_scale, int32_t sliding_window, float soft_cap,
-                  const ffi::RemainingArgs& extra) {
+                  const ffi::RemainingArgs& extra, float* lse = nullptr,
+                  bool context_only = false) {
   const auto btd = block_tables.dimensions();
   // q [T, Hq, D]; the caches [N, page_size, Hkv * D] (a token's KV heads in one row).
   if (qd.size() != 3 || kd.size() != 3 || btd.size() != 2 || qd[2] <= 0 || kd[2] % qd[2] != 0) {
@@ -300,6 +315,8 @@ ffi::Error attend(const float* q, ffi::Span<const int64_t> qd, const void* k_cac
   p.kv_lens = kv_lens.typed_data();
   p.query_start_loc = query_start_loc.typed_data();
   p.out = out;
+  p.lse = lse;
+  p.context_only = context_only;
   p.pages_per_row = btd[1];
   p.page_size = kd[1];
   p.d = qd[2];
@@ -319,9 +336,13 @@ ffi::Error attend(const float* q, ffi::Span<const int64_t> qd, const void* k_cac
   if (live < T) {
     std::fill(p.out + live * p.hq * p.d, p.out + T * p.hq * p.d, 0.0f);
   }
+  if (lse != nullptr) {  // rows that read nothing (padding tokens among them): -inf
+    std::fill(lse, lse + T * p.hq, kNegInf);
+  }
   for (int32_t r = 0; r < ns; ++r) {
     const int32_t t_begin = p.query_start_loc[r], t_end = p.query_start_loc[r + 1];
-    if (t_end <= t_begin || p.kv_lens[r] <= 0) {
+    const int32_t keys = context_only ? p.kv_lens[r] - (t_end - t_begin) : p.kv_lens[r];
+    if (t_end <= t_begin || keys <= 0) {
       for (int32_t t = t_begin; t < t_end; ++t) {
         std::fill(p.out + t * p.hq * p.d, p.out + (t + 1) * p.hq * p.d, 0.0f);
       }
@@ -353,6 +374,29 @@ ffi::Error RaggedPagedAttentionImpl(ffi::Buffer<ffi::F32> q,
                 v_cache.untyped_data(), k_cache.dimensions(),
                 k_cache.element_type(), block_tables, kv_lens, query_start_loc, num_seqs,
                 out->typed_data(), sm_scale, sliding_window, soft_cap, extra);
+}
+
+// The same attention also returning each row's log-sum-exp [T, Hq] (-inf where it read
+// nothing); `context_only` != 0: each query reads its request's cached context only.
+ffi::Error RaggedPagedAttentionLseImpl(ffi::Buffer<ffi::F32> q,
+                                       ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache,
+                                       ffi::Buffer<ffi::S32> block_tables,
+                                       ffi::Buffer<ffi::S32> kv_lens,
+                                       ffi::Buffer<ffi::S32> query_start_loc,
+                                       ffi::Buffer<ffi::S32> num_seqs,
+                                       ffi::RemainingArgs extra,
+                                       ffi::ResultBuffer<ffi::F32> out,
+                                       ffi::ResultBuffer<ffi::F32> lse, float sm_scale,
+                                       int32_t sliding_window, float soft_cap,
+                                       int32_t context_only) {
+  if (k_cache.element_type() != v_cache.element_type()) {
+    return ffi::Error::InvalidArgument("ragged_paged_attention: k and v caches differ in dtype");
+  }
+  return attend(q.typed_data(), q.dimensions(), k_cache.untyped_data(),
+                v_cache.untyped_data(), k_cache.dimensions(),
+                k_cache.element_type(), block_tables, kv_lens, query_start_loc, num_seqs,
+                out->typed_data(), sm_scale, sliding_window, soft_cap, extra,
+                lse->typed_data(), context_only != 0);
 }
 
 // Writes this step's K/V rows (k, v: [T, Hkv, D] in the caches' dtype) at `slot_mapping` into
@@ -539,3 +583,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRopeWriteKvAndAttend, RopeWriteKvAndAttend
                                   .Attr<float>("sm_scale")
                                   .Attr<int32_t>("sliding_window")
                                   .Attr<float>("soft_cap"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRaggedPagedAttentionLse, RaggedPagedAttentionLseImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
+                                  .Arg<ffi::AnyBuffer>()         // k_cache
+                                  .Arg<ffi::AnyBuffer>()         // v_cache
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // block_tables
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // query_start_loc
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs
+                                  .RemainingArgs()               // sinks [Hq] f32, optional
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // lse [T, Hq]
+                                  .Attr<float>("sm_scale")
+                                  .Attr<int32_t>("sliding_window")
+                                  .Attr<float>("soft_cap")
+                                  .Attr<int32_t>("context_only"));

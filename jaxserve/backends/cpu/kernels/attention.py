@@ -7,8 +7,10 @@ reads each key and value row once per (request, KV head, block of up to 16 queri
 from the paged cache, keeps an online softmax per row in float32 with AVX-512 or AVX2 inner loops
 (portable loops elsewhere), and spreads its work items over the cores (`parallel.h`).
 Semantics are the reference's (`reference.py`), sliding window, soft cap and attention sinks
-(`sinks=`, [Hq] float32: the kernel's optional last argument, absent without sinks) included; q may be
-float32 or bfloat16 (computed in float32), the caches float32 or bfloat16, or fp8 (e4m3) or int8
+(`sinks=`, [Hq] float32: the kernel's optional last argument, absent without sinks) included;
+a second entry point (`LSE_TARGET`) also returns each row's log-sum-exp and can read the cached
+context only (multi-head latent attention's split prefill). q may be float32 or bfloat16
+(computed in float32), the caches float32 or bfloat16, or fp8 (e4m3) or int8
 pages, widened to float32 as they are read. How the library is
 built and loaded: `__init__.py`; without a C++ compiler, `supports()` raises and `impl="auto"`
 falls back to the reference with a warning. The caches are `[N, page_size, Hkv * D]`, as
@@ -33,6 +35,7 @@ from jaxserve.pallas_kernels.ragged_paged_attention.metadata import (
 from jaxserve.pallas_kernels.ragged_paged_attention.ops import register_impl
 
 TARGET = "jaxserve_ragged_paged_attention"
+LSE_TARGET = "jaxserve_ragged_paged_attention_lse"  # the same, also each row's log-sum-exp
 FUSED_TARGET = "jaxserve_write_kv_and_attend"
 ROPE_TARGET = "jaxserve_rope_write_kv_and_attend"
 # The caches the kernel reads; the one-byte ones are quantized pages (pallas_kernels/kv_quant.py:
@@ -63,9 +66,19 @@ def ragged_paged_attention_cpu(
     chunk_pages: int | None = None,  # noqa: ARG001 - the kernel picks its own chunking
     target: str | None = None,
     sinks: jax.Array | None = None,
-) -> jax.Array:
-    """The op on the native CPU kernel. Same arguments and result as the reference."""
+    context_only: bool = False,
+    return_lse: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """The op on the native CPU kernel. Same arguments and result as the reference
+    (`context_only`, `return_lse` included: multi-head latent attention's split prefill)."""
     supports(q, k_cache, target)
+    if context_only or return_lse:
+        out, lse = jax.ffi.ffi_call(kernels.ffi_target(LSE_TARGET, target),
+                                    (jax.ShapeDtypeStruct(q.shape, jnp.float32),
+                                     jax.ShapeDtypeStruct(q.shape[:2], jnp.float32)))(
+            q.astype(jnp.float32), k_cache, v_cache, *_metadata(md), *_sinks(sinks),
+            **_attrs(sm_scale, sliding_window, soft_cap), context_only=np.int32(context_only))
+        return (out.astype(q.dtype), lse) if return_lse else out.astype(q.dtype)
     out = jax.ffi.ffi_call(kernels.ffi_target(TARGET, target),
                            jax.ShapeDtypeStruct(q.shape, jnp.float32))(
         q.astype(jnp.float32), k_cache, v_cache, *_metadata(md), *_sinks(sinks),
