@@ -14,7 +14,7 @@ are a function of that both hosts compute alike (`target_material`):
 - the platform, the devices of the mesh in order (their kind, a TPU's coordinates) and the
   processes; what the backend adds (`Backend.fingerprint`: on a CPU its instruction sets and
   native kernels);
-- the XLA flags (XLA_FLAGS, LIBTPU_INIT_ARGS) and JAX's options, less those that name the
+- the XLA flags (XLA_FLAGS, LIBTPU_INIT_ARGS), JAXSERVE_MLA_PREFILL and JAX's options, less those that name the
   platform to open (the compiling host sets JAX_PLATFORMS=cpu);
 - the step's recipe (runner/recipe.py), field by field (the model's config.json, the device
   plan and the sampler's sizes entry by entry; a draft head by its config.json, not by the
@@ -57,7 +57,9 @@ MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 1
 # The distributions that compile (and then run) a platform's programs, beside jax and jaxlib.
 _PLUGINS = {"tpu": ("libtpu",), "gpu": ("jax-cuda12-plugin", "jax-cuda12-pjrt", "nvidia-cuda-nvcc-cu12")}
-_FLAG_VARIABLES = ("XLA_FLAGS", "LIBTPU_INIT_ARGS")
+# The environment that changes what is compiled: XLA's flags, and the MLA layer's prefill form
+# (models/layers/mla.py, a switch for tests and benchmarks).
+_FLAG_VARIABLES = ("XLA_FLAGS", "LIBTPU_INIT_ARGS", "JAXSERVE_MLA_PREFILL")
 # JAX options that name where to run, not what to compile, or change nothing compiled.
 _CONFIG_IGNORED = ("platform", "visible_devices", "cache", "log", "explain", "dump", "traceback", "pprint",
                    "source_url", "timeout", "transfer_guard", "thread_guard", "tracer_error")
