@@ -165,6 +165,24 @@ def test_the_engine_plan_serves_the_default_model_on_a_tpu_with_its_kernel():
     assert cpu.arch.checkpoint_heads is None and cpu.recipe(num_pages=8, max_model_len=256).kv_heads == 0
 
 
+def test_shard_plans_memory_report_counts_the_padded_heads():
+    """`jaxserve shard-plan`'s plan and KV record for a TPU kernel named on this host: 4 KV heads,
+    the recipe carries them, and a page's bytes are 4/3 of the checkpoint's."""
+    from jaxserve.models.sharding import single_device_mesh
+    from jaxserve.tools.plan_compile import PlanSettings, kv_record, plan_recipe, resolve_plan
+
+    settings = PlanSettings(arch=SMOL_SHAPED, platform="cpu", max_model_len=64, max_num_seqs=2,
+                            dtype="float32", attention_impl="tpu-interpret")
+    cfg, mesh = ArchConfig.from_hf(SMOL_SHAPED), single_device_mesh()
+    plan = resolve_plan(settings, cfg, mesh, DEFAULT_RULES)
+    assert plan["attention_impl"] == "tpu-interpret" and plan["kv_heads"] == 4
+    assert plan["kv_heads_note"] == "KV heads padded 3 -> 4 for lane-dense TPU pages (+33 % KV bytes)"
+    padded, _, _ = kv_record(settings, cfg.with_kv_heads(4), mesh, DEFAULT_RULES, plan["kv_dtype"])
+    stored, _, _ = kv_record(settings, cfg, mesh, DEFAULT_RULES, plan["kv_dtype"])
+    assert padded["bytes_per_page_per_device"] * 3 == stored["bytes_per_page_per_device"] * 4
+    assert plan_recipe(settings, cfg, mesh, DEFAULT_RULES, plan, 8).arch_config() == cfg.with_kv_heads(4)
+
+
 def test_models_that_cannot_be_padded_say_why():
     from tests.model_dirs import DATA
 
