@@ -7,8 +7,10 @@ multiple of 128 lanes (DESIGN §9, "Lane-dense KV pages").
   query heads, 3 KV heads of 64) served with 4 KV heads gives the same prompt log-probs and
   greedy tokens, batched, with the reference attention and the TPU kernel in interpret mode
   (which refuses the unpadded rows of 192); a Qwen2 (q/k/v biases) likewise, its real heads'
-  weights untouched and in their GQA groups;
+  weights untouched and in their GQA groups; gpt-oss (attention sinks) and Gemma 2 (its scale
+  and soft cap) likewise;
 - tensor parallelism over 2 simulated devices splits the 4 padded KV heads 2 and 2;
+- shard-plan's plan and KV record count the padded heads;
 - a quantized cache's per-head scales: 1.0 for the zero heads; LoRA refuses a padded model.
 """
 
@@ -68,16 +70,16 @@ def hf_tensors(cfg: ArchConfig, seed: int = 0) -> dict[str, np.ndarray]:
     return t
 
 
-def prompts(seed: int = 1) -> list[list[int]]:
+def prompts(seed: int = 1, vocab: int = 256) -> list[list[int]]:
     rng = np.random.default_rng(seed)
-    return [rng.integers(3, 256, n).tolist() for n in PROMPTS]
+    return [rng.integers(3, vocab, n).tolist() for n in PROMPTS]
 
 
-def run(model, steps: int = 2, mesh=None):
+def run(model, steps: int = 2, mesh=None, vocab: int = 256):
     """(each prompt's log-probs of its own next tokens, each prompt's greedy continuation of
     `steps` tokens), the prompts batched in one prefill, then batched decode steps."""
     runner = PagedRunner(model, page_size=PAGE, num_pages=PAGES, mesh=mesh)
-    seqs = prompts()
+    seqs = prompts(vocab=vocab)
     logits = runner.step([(i, s, 0) for i, s in enumerate(seqs)], num_tokens=64, num_reqs=4, pages_per_req=4)
     logprobs = [np.take_along_axis(np.asarray(jax.nn.log_softmax(jnp.asarray(lg[:-1]), -1)),
                                    np.asarray(s[1:])[:, None], -1)[:, 0] for lg, s in zip(logits, seqs)]
@@ -246,6 +248,26 @@ def test_qwen2_biases_and_gqa_groups_survive_padding():
     assert not np.any(wo[6:])
     want_lp, want_greedy, _ = run(base)
     got_lp, got_greedy, _ = run(padded)
+    for got, want in zip(got_lp, want_lp):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert got_greedy == want_greedy
+
+
+@pytest.mark.parametrize("fixture", ["gpt_oss", "gemma2"])
+def test_other_families_padded_compute_what_the_checkpoint_does(fixture):
+    """gpt-oss (attention sinks: zero logits for the added query heads), Gemma 2 (its
+    query_pre_attn_scalar scale and attention soft cap) served with
+    twice their KV heads: the same prompt log-probs and first greedy tokens."""
+    from jaxserve.models.loader import load_checkpoint
+    from tests.model_dirs import DATA
+
+    ckpt = load_checkpoint(DATA / fixture)
+    cfg = ArchConfig.from_hf(ckpt.config)
+    base = create_model(cfg, attention_impl="reference", get_tensor=ckpt.get_tensor)
+    padded = create_model(cfg.with_kv_heads(2 * cfg.num_kv_heads), attention_impl="reference",
+                          get_tensor=ckpt.get_tensor)
+    want_lp, want_greedy, _ = run(base, steps=1, vocab=cfg.vocab_size)
+    got_lp, got_greedy, _ = run(padded, steps=1, vocab=cfg.vocab_size)
     for got, want in zip(got_lp, want_lp):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     assert got_greedy == want_greedy
