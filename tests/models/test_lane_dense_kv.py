@@ -7,8 +7,8 @@ multiple of 128 lanes (DESIGN §9, "Lane-dense KV pages").
   query heads, 3 KV heads of 64) served with 4 KV heads gives the same prompt log-probs and
   greedy tokens, batched, with the reference attention and the TPU kernel in interpret mode
   (which refuses the unpadded rows of 192); a Qwen2 (q/k/v biases) likewise, its real heads'
-  weights untouched and in their GQA groups; gpt-oss (attention sinks) and Gemma 2 (its scale
-  and soft cap) likewise;
+  weights untouched and in their GQA groups; gpt-oss (attention sinks) likewise; Gemma 2's
+  scale and soft cap stay the checkpoint's;
 - tensor parallelism over 2 simulated devices splits the 4 padded KV heads 2 and 2;
 - shard-plan's plan and KV record count the padded heads;
 - a quantized cache's per-head scales: 1.0 for the zero heads; LoRA refuses a padded model.
@@ -246,31 +246,47 @@ def test_qwen2_biases_and_gqa_groups_survive_padding():
     wo = np.asarray(p.wo[...])  # [Hq, D, E]: the appended heads' rows are zero
     np.testing.assert_array_equal(wo[:6], np.asarray(b.wo[...]))
     assert not np.any(wo[6:])
-    want_lp, want_greedy, _ = run(base)
-    got_lp, got_greedy, _ = run(padded)
+    want_lp, want_greedy, _ = run(base, steps=1)
+    got_lp, got_greedy, _ = run(padded, steps=1)
     for got, want in zip(got_lp, want_lp):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     assert got_greedy == want_greedy
 
 
-@pytest.mark.parametrize("fixture", ["gpt_oss", "gemma2"])
-def test_other_families_padded_compute_what_the_checkpoint_does(fixture):
-    """gpt-oss (attention sinks: zero logits for the added query heads), Gemma 2 (its
-    query_pre_attn_scalar scale and attention soft cap) served with
-    twice their KV heads: the same prompt log-probs and first greedy tokens."""
+def test_gpt_oss_sinks_padded_compute_what_the_checkpoint_does():
+    """gpt-oss (attention sinks: zero logits for the added query heads, whose values are zero)
+    served with twice its KV heads: the same prompt log-probs and first greedy tokens."""
     from jaxserve.models.loader import load_checkpoint
     from tests.model_dirs import DATA
 
-    ckpt = load_checkpoint(DATA / fixture)
+    ckpt = load_checkpoint(DATA / "gpt_oss")
     cfg = ArchConfig.from_hf(ckpt.config)
     base = create_model(cfg, attention_impl="reference", get_tensor=ckpt.get_tensor)
     padded = create_model(cfg.with_kv_heads(2 * cfg.num_kv_heads), attention_impl="reference",
                           get_tensor=ckpt.get_tensor)
+    sinks = np.asarray(padded.layers[0].sinks[...])
+    np.testing.assert_array_equal(sinks[:cfg.num_heads], np.asarray(base.layers[0].sinks[...]))
+    assert not np.any(sinks[cfg.num_heads:])
     want_lp, want_greedy, _ = run(base, steps=1, vocab=cfg.vocab_size)
     got_lp, got_greedy, _ = run(padded, steps=1, vocab=cfg.vocab_size)
     for got, want in zip(got_lp, want_lp):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     assert got_greedy == want_greedy
+
+
+def test_gemmas_scale_and_soft_cap_are_the_checkpoints():
+    """Gemma 2's attention scale (query_pre_attn_scalar ** -0.5, not the head count's) and soft
+    cap are per head: a padded model's layers attend with the checkpoint's settings."""
+    from jaxserve.models.loader import load_checkpoint
+    from tests.model_dirs import DATA
+
+    ckpt = load_checkpoint(DATA / "gemma2")
+    cfg = ArchConfig.from_hf(ckpt.config)
+    base = create_model(cfg, attention_impl="reference", get_tensor=ckpt.get_tensor)
+    padded = create_model(cfg.with_kv_heads(8), attention_impl="reference", get_tensor=ckpt.get_tensor)
+    assert [la.attn_spec for la in padded.layers] == [la.attn_spec for la in base.layers]
+    assert base.layers[0].attn_spec.sm_scale == cfg.query_pre_attn_scalar ** -0.5
+    assert base.layers[0].attn_spec.soft_cap is not None
 
 
 def test_tensor_parallel_splits_the_padded_heads(smol):
