@@ -205,6 +205,8 @@ def plan_engine(config: EngineConfig, model: ModelFiles, backend: Backend, devic
     scheduler, grid = _steps(config, arch, backend, pooling, reasons)
     sampler = _sampler(config, arch, scheduler, device)
     kv_sizing, kv_budget = _kv_sizing(config, backend, reasons)
+    if arch.checkpoint_heads is not None:  # the pages are sized with the zero heads
+        reasons["kv_cache"] += f"; pages of {arch.num_kv_heads} KV heads ({arch.kv_padding_note()})"
     target = backend.compile_target(devices.flat(), devices.processes) or {}
     workers = _compile_workers(config, backend, devices, target, pooling, len(grid.shapes()), reasons)
     core, reasons["engine_core"] = engine_core or ("caller", "offline: the core runs on the caller's thread")

@@ -158,6 +158,7 @@ def test_the_engine_plan_serves_the_default_model_on_a_tpu_with_its_kernel():
     assert tpu.attention_impl == "tpu" and (tpu.arch.num_heads, tpu.arch.num_kv_heads) == (12, 4)
     note = "KV heads padded 3 -> 4 for lane-dense TPU pages (+33 % KV bytes)"
     assert tpu.arch.kv_padding_note() == note and note in tpu.reasons["attention"]
+    assert f"pages of 4 KV heads ({note})" in tpu.reasons["kv_cache"]
     recipe = tpu.recipe(num_pages=8, max_model_len=256)
     assert recipe.kv_heads == 4 and recipe.arch_config() == tpu.arch
     stored = tpu.arch.checkpoint_config()
