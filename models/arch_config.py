@@ -161,7 +161,7 @@ class ArchConfig:
     checkpoint_heads: tuple[int, int] | None = None
 
     def kv_padding_blocker(self) -> str | None:
-        """Why zero KV heads cannot be appended to this model (`with_kv_heads`), None if they can."""
+        """Why zero KV heads cannot be appended to this model (`with_kv_heads`); None: they can."""
         if self.is_mla:
             return "multi-head latent attention (one latent row per token)"
         if self.global_kv_heads is not None or self.global_head_dim is not None:

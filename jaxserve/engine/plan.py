@@ -192,10 +192,12 @@ def plan_engine(config: EngineConfig, model: ModelFiles, backend: Backend, devic
     reasons["runner"] = _runner_reason(mc, pooling)
     mesh, kv_dtype, dtype = _MeshShape(D, M), jax_dtype(device.kv_dtype), jax_dtype(device.dtype)
     if not pooling:  # zero KV heads appended where the kernel needs lane-dense pages
-        arch = serving_arch(mc.attention_impl, backend.platform, arch, mesh, rules, cc.page_size, kv_dtype,
-                            dtype, devices=list(devices.devices), lora=config.lora.enable_lora)
+        arch = serving_arch(mc.attention_impl, backend.platform, arch, mesh, rules, cc.page_size,
+                            kv_dtype, dtype, devices=list(devices.devices),
+                            lora=config.lora.enable_lora)
     attention, why_not = target_attention(mc.attention_impl, backend.platform, arch, mesh, rules,
-                                          cc.page_size, kv_dtype, dtype, devices=list(devices.devices))
+                                          cc.page_size, kv_dtype, dtype,
+                                          devices=list(devices.devices))
     reasons["attention"] = ("given" if mc.attention_impl != "auto" else
                             f"auto: {why_not}" if why_not else f"auto: the {backend.platform} platform's kernel")
     if arch.kv_padding_note():

@@ -392,11 +392,13 @@ def serving_arch(requested: str, platform: str, cfg, mesh, rules, page_size: int
     # The devices the rules ask to split the KV heads over (a head count every mesh axis divides)
     many = max(1, int(np.prod(list(mesh.shape.values()))))
     asked = ax.logical_to_spec(KV_CACHE_AXES, (1, page_size, many, cfg.head_dim), mesh, rules)[2]
-    heads = lane_dense_kv_heads(first, cfg.num_kv_heads, cfg.head_dim, ax.mesh_axes_size(mesh, asked))
+    split = ax.mesh_axes_size(mesh, asked)
+    heads = lane_dense_kv_heads(first, cfg.num_kv_heads, cfg.head_dim, split)
     if heads == cfg.num_kv_heads:
         return cfg
     padded = cfg.with_kv_heads(heads)
-    impl, _ = target_attention(requested, platform, padded, mesh, rules, page_size, kv_dtype, dtype, devices)
+    impl, _ = target_attention(requested, platform, padded, mesh, rules, page_size, kv_dtype, dtype,
+                               devices)
     return padded if impl == first else cfg
 
 

@@ -135,13 +135,15 @@ def resolve_plan(settings: PlanSettings, cfg: ArchConfig, mesh: Mesh, rules) -> 
     mc = ModelConfig(dtype=settings.dtype, attention_impl=settings.attention_impl, matmul_impl="xla")
     cc = CacheConfig(kv_cache_dtype=settings.kv_cache_dtype, page_size=settings.page_size)
     plan = backend.plan(mc, cc, mesh)
-    cfg = serving_arch(settings.attention_impl, settings.platform, cfg, mesh, rules, settings.page_size,
-                       jax_dtype(plan.kv_dtype), jax_dtype(plan.dtype), lora=settings.max_loras > 0)
+    cfg = serving_arch(settings.attention_impl, settings.platform, cfg, mesh, rules,
+                       settings.page_size, jax_dtype(plan.kv_dtype), jax_dtype(plan.dtype),
+                       lora=settings.max_loras > 0)
     impl, note = target_attention(settings.attention_impl, settings.platform, cfg, mesh, rules, settings.page_size,
                                   jax_dtype(plan.kv_dtype), jax_dtype(plan.dtype))
     quant = settings.quant_matmul_impl or plan.quant_matmul_impl
     return {"dtype": plan.dtype, "kv_dtype": plan.kv_dtype, "attention_impl": impl, "attention_note": note,
-            "kv_heads": cfg.num_kv_heads if cfg.checkpoint_heads else 0, "kv_heads_note": cfg.kv_padding_note(),
+            "kv_heads": cfg.num_kv_heads if cfg.checkpoint_heads else 0,
+            "kv_heads_note": cfg.kv_padding_note(),
             "native_sampling": plan.native_sampling, "moe_impl": plan.moe_impl, "quant_matmul_impl": quant,
             "device_plan": {**dataclasses.asdict(plan), "quant_matmul_impl": quant}}
 
