@@ -39,7 +39,6 @@ def measure(preset: str, topology: str, bucket: tuple[int, int], layers: int | N
     from jaxserve.backends.base import Backend
     from jaxserve.config import CacheConfig
     from jaxserve.engine.setup import kv_budget_from_programs
-    from jaxserve.models.arch_config import ArchConfig
     from jaxserve.parallel.mesh import make_mesh
     from jaxserve.runner.compile_pool import recipe_devices, step_memory
     from jaxserve.runner.kv_cache import bytes_per_page, num_pages_for_budget
@@ -57,7 +56,7 @@ def measure(preset: str, topology: str, bucket: tuple[int, int], layers: int | N
                            layers=layers)
 
     base = recipe(2)
-    arch = ArchConfig.from_hf(base.arch)
+    arch = base.arch_config()  # as served (zero KV heads appended for the TPU kernel, if any)
     mesh = make_mesh(*mesh_shape, devices=recipe_devices(base.target))
     t0 = time.perf_counter()
     budget = kv_budget_from_programs(Backend("tpu"), CacheConfig(device_memory_utilization=utilization), recipe,

@@ -908,6 +908,8 @@ def step_records(
     mesh = make_mesh(1, len(devices), devices=devices)
     rules = ax.serving_rules(ax.load_rules("tp"), 1)
     plan = resolve_plan(settings, cfg, mesh, rules)
+    if plan["kv_heads"]:  # zero KV heads appended for lane-dense TPU pages
+        cfg = cfg.with_kv_heads(plan["kv_heads"])
     _kv, num_pages, _pages_per_req = kv_record(settings, cfg, mesh, rules, plan["kv_dtype"])
     recipe = plan_recipe(settings, cfg, mesh, rules, plan, num_pages)
     abstract = abstract_step(recipe, devices=devices)
@@ -974,6 +976,7 @@ def step_records(
                 "kv_cache_dtype": plan["kv_dtype"],
                 "dtype": plan["dtype"],
                 "attention_impl": plan["attention_impl"],
+                "kv_heads_padded": plan["kv_heads_note"],
                 "devices": len(devices),
                 "page_size": page_size,
                 "kv_pages": num_pages,

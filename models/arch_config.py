@@ -156,6 +156,52 @@ class ArchConfig:
     # The checkpoint's storage: the MoE experts' weights are MXFP4 (`*_blocks` / `*_scales`,
     # quantization_config `mxfp4`: gpt-oss); the other weights are float.
     mxfp4_experts: bool = False
+    # The checkpoint's (query heads, KV heads) when the model is served with zero heads appended
+    # (`with_kv_heads`: lane-dense KV pages for the TPU kernel); None: served as stored.
+    checkpoint_heads: tuple[int, int] | None = None
+
+    def kv_padding_blocker(self) -> str | None:
+        """Why zero KV heads cannot be appended to this model (`with_kv_heads`); None: they can."""
+        if self.is_mla:
+            return "multi-head latent attention (one latent row per token)"
+        if self.global_kv_heads is not None or self.global_head_dim is not None:
+            return "layers of different head shapes"
+        if self.weight_format is not None:
+            return f"weights stored as {self.weight_format.describe()}"
+        return None
+
+    def with_kv_heads(self, kv_heads: int) -> ArchConfig:
+        """This model served with `kv_heads` KV heads: the checkpoint's heads first, then zero KV
+        heads, each with `q_per_kv` zero query heads appended after the real ones (so every real
+        query head keeps its KV head) and zero input rows of the output projection: the added
+        heads attend over zero keys and values and add exactly zero (DESIGN §9, "Lane-dense KV
+        pages"). The loader pads the weights (models/weights.py, `pad_heads`). ValueError where
+        the model cannot be padded (`kv_padding_blocker`)."""
+        base = self.checkpoint_config()
+        if kv_heads == base.num_kv_heads:
+            return base
+        blocker = base.kv_padding_blocker()
+        if kv_heads < base.num_kv_heads or blocker is not None:
+            raise ValueError(f"{base.architecture}: cannot serve {base.num_kv_heads} KV heads as "
+                             f"{kv_heads}" + (f" ({blocker})" if blocker else ""))
+        return dataclasses.replace(base, num_heads=base.q_per_kv * kv_heads, num_kv_heads=kv_heads,
+                                   checkpoint_heads=(base.num_heads, base.num_kv_heads))
+
+    def checkpoint_config(self) -> ArchConfig:
+        """The model as its checkpoint stores it (without heads appended by `with_kv_heads`)."""
+        if self.checkpoint_heads is None:
+            return self
+        hq, hkv = self.checkpoint_heads
+        return dataclasses.replace(self, num_heads=hq, num_kv_heads=hkv, checkpoint_heads=None)
+
+    def kv_padding_note(self) -> str | None:
+        """The start-up log's line on appended KV heads (None: none appended)."""
+        if self.checkpoint_heads is None:
+            return None
+        hkv = self.checkpoint_heads[1]
+        grow = (self.num_kv_heads - hkv) / hkv * 100
+        return (f"KV heads padded {hkv} -> {self.num_kv_heads} for lane-dense TPU pages "
+                f"(+{grow:.0f} % KV bytes)")
 
     @property
     def q_per_kv(self) -> int:

@@ -100,7 +100,9 @@ def create_model(
         init = jax.jit(lambda: nnx.split(build(nnx.Rngs(seed)))[1], out_shardings=out_shardings)
         return nnx.merge(graphdef, init())
 
-    weight_map = cls.hf_weight_map(cfg)
+    # The checkpoint's tensors are mapped as it stores them; heads appended for lane-dense KV
+    # pages (`ArchConfig.with_kv_heads`) are zeros added after the mapping (`pad_heads`).
+    weight_map = cls.hf_weight_map(cfg.checkpoint_config())
     block = cfg.int8_block_size
     fmt = weight_format(cfg, quantization)
     stored = None if cfg.weight_format is None else FormatTensors(get_tensor, cfg.weight_format,
@@ -120,7 +122,9 @@ def create_model(
     def host_tensor(key: str, get=get_float):
         if key not in weight_map:
             raise ValueError(f"no checkpoint mapping for parameter {key!r} of {cfg.architecture}")
-        return weight_map[key](get)
+        var = abstract_vars.get(key)
+        axes = None if var is None else var.get_metadata().get("logical_axes")
+        return pad_heads(weight_map[key](get), axes, cfg)
 
     def quantized(key: str) -> tuple:
         """Values and scales (zeros, input order, input scale) of quantized weight `key`,
@@ -249,6 +253,26 @@ def create_model(
 
     state = jax.tree_util.tree_map_with_path(load, abs_state, is_leaf=_is_var)
     return nnx.merge(graphdef, state)
+
+
+def pad_heads(tensor: np.ndarray, axes, cfg: ArchConfig) -> np.ndarray:
+    """`tensor`, a parameter of logical `axes` as the checkpoint holds it, with the zero heads
+    `cfg` appends (`ArchConfig.with_kv_heads`) added at the end of its query-head and KV-head
+    axes: zero rows of the q/k/v projections and their biases, zero input rows of the output
+    projection, zero attention-sink logits. Unchanged for a model served as stored."""
+    if cfg.checkpoint_heads is None or not axes:
+        return tensor
+    from jaxserve.models import sharding as ax
+
+    stored = dict(zip((ax.Q_HEADS, ax.KV_HEADS), cfg.checkpoint_heads))
+    served = {ax.Q_HEADS: cfg.num_heads, ax.KV_HEADS: cfg.num_kv_heads}
+    widths = [(0, 0)] * tensor.ndim
+    for i, name in enumerate(axes):
+        if name in stored and tensor.shape[i] == stored[name]:
+            widths[i] = (0, served[name] - stored[name])
+    if all(w == (0, 0) for w in widths):
+        return tensor
+    return np.pad(np.asarray(tensor), widths)
 
 
 def abstract_model(

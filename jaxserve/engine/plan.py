@@ -42,7 +42,9 @@ the engine plan: every "auto" is resolved once at start (jaxserve/engine/plan.py
   runner          generate; pooling for a base model's checkpoint (architectures *Model)
   dtype           bfloat16 on TPU/GPU; on a CPU the faster of bfloat16 and float32 (measured once)
   kv dtype        the model's; float32 on a CPU without the native attention kernel
-  attention       the platform's kernel when it takes one device's heads, else the reference
+  attention       the platform's kernel when it takes one device's heads, else the reference; for
+                  the TPU kernel, zero KV heads appended where Hkv x head dim is not a multiple
+                  of 128 lanes (SmolLM2: 3 -> 4 heads, +33 % KV bytes)
   matmul          a native CPU product kernel for the weights' dtype (one device), else XLA's dot
   quant products  the TPU product kernel where attention runs the TPU kernel, else XLA's
   fp8 products    on GPUs of compute capability >= 8.9
@@ -161,7 +163,8 @@ class EnginePlan:
             num_speculative_tokens=spec.num_speculative_tokens if spec else 0, draft_model=self.draft_model,
             draft_method="draft_model" if spec and spec.method == "draft_model" else "eagle3",
             token_buckets=self.grid.token_buckets, request_buckets=self.grid.request_buckets,
-            num_decode_steps=self.num_decode_steps)
+            num_decode_steps=self.num_decode_steps,
+            kv_heads=self.arch.num_kv_heads if self.arch.checkpoint_heads else 0)
 
 
 def plan_engine(config: EngineConfig, model: ModelFiles, backend: Backend, devices: DeviceSet, *,
@@ -173,7 +176,7 @@ def plan_engine(config: EngineConfig, model: ModelFiles, backend: Backend, devic
     from jaxserve.config import jax_dtype
     from jaxserve.models.arch_config import ArchConfig
     from jaxserve.models.sharding import check_servable, load_rules, serving_rules
-    from jaxserve.runner.recipe import target_attention
+    from jaxserve.runner.recipe import serving_arch, target_attention
 
     mc, cc, pc = config.model, config.cache, config.parallel
     D, M = pc.data_parallel_size, pc.tensor_parallel_size
@@ -189,16 +192,25 @@ def plan_engine(config: EngineConfig, model: ModelFiles, backend: Backend, devic
     device = backend.plan(mc, cc, devices)
     reasons = dict(backend.plan_reasons(mc, cc, device))
     reasons["runner"] = _runner_reason(mc, pooling)
-    attention, why_not = target_attention(mc.attention_impl, backend.platform, arch, _MeshShape(D, M), rules,
-                                          cc.page_size, jax_dtype(device.kv_dtype), jax_dtype(device.dtype),
+    mesh, kv_dtype, dtype = _MeshShape(D, M), jax_dtype(device.kv_dtype), jax_dtype(device.dtype)
+    if not pooling:  # zero KV heads appended where the kernel needs lane-dense pages
+        arch = serving_arch(mc.attention_impl, backend.platform, arch, mesh, rules, cc.page_size,
+                            kv_dtype, dtype, devices=list(devices.devices),
+                            lora=config.lora.enable_lora)
+    attention, why_not = target_attention(mc.attention_impl, backend.platform, arch, mesh, rules,
+                                          cc.page_size, kv_dtype, dtype,
                                           devices=list(devices.devices))
     reasons["attention"] = ("given" if mc.attention_impl != "auto" else
                             f"auto: {why_not}" if why_not else f"auto: the {backend.platform} platform's kernel")
+    if arch.kv_padding_note():
+        reasons["attention"] += f"; {arch.kv_padding_note()}"
     reasons["weights"] = ("the checkpoint's format" if arch.weight_format is not None else
                           "--quantization, at load" if mc.quantization else "the dtype's")
     scheduler, grid = _steps(config, arch, backend, pooling, reasons)
     sampler = _sampler(config, arch, scheduler, device)
     kv_sizing, kv_budget = _kv_sizing(config, backend, reasons)
+    if arch.checkpoint_heads is not None:  # the pages are sized with the zero heads
+        reasons["kv_cache"] += f"; pages of {arch.num_kv_heads} KV heads ({arch.kv_padding_note()})"
     target = backend.compile_target(devices.flat(), devices.processes) or {}
     workers = _compile_workers(config, backend, devices, target, pooling, len(grid.shapes()), reasons)
     core, reasons["engine_core"] = engine_core or ("caller", "offline: the core runs on the caller's thread")

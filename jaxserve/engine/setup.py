@@ -206,6 +206,8 @@ def _plan(config: EngineConfig, start: _Start, timer: StartupTimer, engine_core,
         if not start.topo.is_leader:
             plan = with_device_plan(plan, device, "the leader's")
     logger.info("engine plan: %s", plan.describe())
+    if plan.arch.kv_padding_note():
+        logger.info("%s", plan.arch.kv_padding_note())
     return plan
 
 

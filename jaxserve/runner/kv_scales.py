@@ -184,7 +184,28 @@ def resolve_kv_scales(kv_dtype, ckpt, model, tokenize) -> tuple[Scales | None, s
     without a HEADROOM is not measured (1.0)."""
     cfg = model.config
     kv_dtype = jnp.dtype(kv_dtype)
-    scales = checkpoint_scales(ckpt, cfg.num_layers, cfg.num_kv_heads)
+    scales, source = _resolve_kv_scales(kv_dtype, ckpt, model, tokenize)
+    return padded_head_scales(scales, cfg), source
+
+
+def padded_head_scales(scales: Scales | None, cfg) -> Scales | None:
+    """Per-KV-head scales of a model served with zero KV heads appended
+    (`ArchConfig.with_kv_heads`): the checkpoint's heads' scales, then 1.0 for each zero head
+    (its keys and values are zeros; a checkpoint's per-head scales name only its own heads)."""
+    if scales is None or cfg.checkpoint_heads is None:
+        return scales
+    stored = cfg.checkpoint_heads[1]
+    pad = (1.0,) * (cfg.num_kv_heads - stored)
+
+    def per_head(x):
+        return x if len(x) == 1 else tuple(x[:stored]) + pad
+
+    return [(per_head(k), per_head(v)) for k, v in scales]
+
+
+def _resolve_kv_scales(kv_dtype, ckpt, model, tokenize) -> tuple[Scales | None, str]:
+    cfg = model.config
+    scales = checkpoint_scales(ckpt, cfg.num_layers, cfg.checkpoint_config().num_kv_heads)
     if scales is not None:
         scheme = kv_cache_scheme(getattr(ckpt, "config", None) or {})
         calibrated_for = INT8_DTYPE if scheme and scheme["type"] == "int" else FP8_DTYPE

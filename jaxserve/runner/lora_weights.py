@@ -41,6 +41,10 @@ _ORDER = tuple(sorted(TARGETS))  # the leaves' order: as jax flattens a layer's 
 
 class LoRAWeights:
     def __init__(self, cfg: ArchConfig, config: LoRAConfig, dtype, mesh: Mesh, rules=None):
+        if cfg.checkpoint_heads is not None:  # adapters hold the checkpoint's heads
+            raise ValueError(f"LoRA adapters hold the checkpoint's heads: not supported on a model "
+                             f"served with zero KV heads appended ({cfg.kv_padding_note()}); the "
+                             f"engine's plan appends none with --enable-lora")
         self.cfg, self.config = cfg, config
         self.dtype = np.dtype(dtype)
         S, R = config.max_loras, config.max_lora_rank

@@ -80,6 +80,16 @@ class StepRecipe:
     # Multi-step decode (runner/decode_block.py): K > 1 adds one decode block of K steps per
     # request bucket; 1: none.
     num_decode_steps: int = 1
+    # The KV heads the model is served with when zero heads are appended to the checkpoint's
+    # for lane-dense TPU pages (`serving_arch`); 0: the checkpoint's.
+    kv_heads: int = 0
+
+    def arch_config(self):
+        """The model's ArchConfig as served (with the appended KV heads, if any)."""
+        from jaxserve.models.arch_config import ArchConfig
+
+        cfg = ArchConfig.from_hf(self.arch)
+        return cfg.with_kv_heads(self.kv_heads) if self.kv_heads else cfg
 
     def pages_per_req(self) -> int:
         return -(-self.max_model_len // self.page_size)
@@ -346,11 +356,10 @@ def _draft_model_program(recipe: StepRecipe, model, mesh: Mesh, drafter, graphde
 def abstract_model(recipe: StepRecipe, mesh: Mesh, backend: Backend):
     """The model a runner of `recipe` holds, without memory: abstract weights in the recipe's
     format and shardings, laid out by the backend as real ones are, with the KV cache's scales."""
-    from jaxserve.models.arch_config import ArchConfig
     from jaxserve.models.weights import sharded_abstract_model
     from jaxserve.runner.kv_scales import set_kv_scales
 
-    cfg = ArchConfig.from_hf(recipe.arch)
+    cfg = recipe.arch_config()
     plan = recipe.device_plan()
     attention = recipe.attention_impl
     if attention == "auto" and recipe.platform != jax.default_backend():  # compile-only: the target's "auto"
@@ -392,6 +401,44 @@ def _mla_attention(requested: str, platform: str, cfg, page_size: int, q_dtype, 
         return name.removeprefix("mla-"), None
     return name, (None if name != "reference" or requested != "auto"
                   else f"no {platform} kernel takes {width}-wide latent rows")
+
+
+def serving_arch(requested: str, platform: str, cfg, mesh, rules, page_size: int, kv_dtype, dtype,
+                 devices=None, *, lora: bool = False):
+    """`cfg` as attention `requested` ("auto") serves it on `platform` over `mesh`: with zero KV
+    heads appended (`ArchConfig.with_kv_heads`) where the implementation that platform takes
+    first needs lane-dense pages (`ops.lane_dense_kv_heads`: the TPU kernel, for rows of
+    Hkv x D that are not a multiple of 128 lanes, e.g. SmolLM2's 3 x 64) and runs on the padded
+    heads; else as the checkpoint stores it. The one place the padding is decided (DESIGN §9,
+    "Lane-dense KV pages"); never on CPUs and GPUs unless a TPU kernel is asked for by name
+    ("tpu-interpret": how the CPU tests force it). Not with LoRA (the adapters hold the
+    checkpoint's heads). Arguments as `target_attention`'s."""
+    from jaxserve.models import sharding as ax
+    from jaxserve.models.interface import KV_CACHE_AXES
+    from jaxserve.pallas_kernels.ragged_paged_attention.ops import (
+        auto_candidates,
+        lane_dense_kv_heads,
+        resolve_impl,
+    )
+
+    cfg = cfg.checkpoint_config()
+    if lora or cfg.kv_padding_blocker() is not None:
+        return cfg
+    if devices is None and hasattr(mesh, "devices"):
+        devices = list(mesh.devices.flat)
+    first = (auto_candidates(platform, devices)[0] if requested == "auto"
+             else resolve_impl(requested, platform))
+    # The devices the rules ask to split the KV heads over (a head count every mesh axis divides)
+    many = max(1, int(np.prod(list(mesh.shape.values()))))
+    asked = ax.logical_to_spec(KV_CACHE_AXES, (1, page_size, many, cfg.head_dim), mesh, rules)[2]
+    split = ax.mesh_axes_size(mesh, asked)
+    heads = lane_dense_kv_heads(first, cfg.num_kv_heads, cfg.head_dim, split)
+    if heads == cfg.num_kv_heads:
+        return cfg
+    padded = cfg.with_kv_heads(heads)
+    impl, _ = target_attention(requested, platform, padded, mesh, rules, page_size, kv_dtype, dtype,
+                               devices)
+    return padded if impl == first else cfg
 
 
 def target_attention(requested: str, platform: str, cfg, mesh, rules, page_size: int, kv_dtype,

@@ -35,7 +35,7 @@ from jaxserve.models.interface import KV_CACHE_AXES
 from jaxserve.runner.compile_pool import abstract_step
 from jaxserve.runner.kv_cache import abstract_kv_cache, bytes_per_page
 from jaxserve.runner.lora_weights import LoRAWeights
-from jaxserve.runner.recipe import StepRecipe, program_fingerprint, target_attention
+from jaxserve.runner.recipe import StepRecipe, program_fingerprint, serving_arch, target_attention
 from jaxserve.sampling.config import SamplerConfig
 from jaxserve.tools import hlo_ops
 from jaxserve.tools.hlo_collectives import parse_collectives, summarize
@@ -139,10 +139,15 @@ def resolve_plan(settings: PlanSettings, cfg: ArchConfig, mesh: Mesh, rules) -> 
     mc = ModelConfig(dtype=settings.dtype, attention_impl=settings.attention_impl, matmul_impl="xla")
     cc = CacheConfig(kv_cache_dtype=settings.kv_cache_dtype, page_size=settings.page_size)
     plan = backend.plan(mc, cc, mesh)
+    cfg = serving_arch(settings.attention_impl, settings.platform, cfg, mesh, rules,
+                       settings.page_size, jax_dtype(plan.kv_dtype), jax_dtype(plan.dtype),
+                       lora=settings.max_loras > 0)
     impl, note = target_attention(settings.attention_impl, settings.platform, cfg, mesh, rules, settings.page_size,
                                   jax_dtype(plan.kv_dtype), jax_dtype(plan.dtype))
     quant = settings.quant_matmul_impl or plan.quant_matmul_impl
     return {"dtype": plan.dtype, "kv_dtype": plan.kv_dtype, "attention_impl": impl, "attention_note": note,
+            "kv_heads": cfg.num_kv_heads if cfg.checkpoint_heads else 0,
+            "kv_heads_note": cfg.kv_padding_note(),
             "native_sampling": plan.native_sampling, "moe_impl": plan.moe_impl, "quant_matmul_impl": quant,
             "device_plan": {**dataclasses.asdict(plan), "quant_matmul_impl": quant}}
 
@@ -169,7 +174,8 @@ def plan_recipe(settings: PlanSettings, cfg: ArchConfig, mesh: Mesh, rules, plan
                       page_size=settings.page_size, max_model_len=settings.max_model_len,
                       sampler_config=sampler_config, quantization=settings.quantization,
                       max_loras=settings.max_loras, max_lora_rank=settings.max_lora_rank if settings.max_loras else 0,
-                      num_speculative_tokens=settings.num_speculative_tokens, draft_model=settings.draft_model)
+                      num_speculative_tokens=settings.num_speculative_tokens, draft_model=settings.draft_model,
+                      kv_heads=plan["kv_heads"])
 
 
 def plan_one(settings: PlanSettings, mesh: Mesh, rules_spec: str, bucket: tuple[int, int],
@@ -190,6 +196,8 @@ def plan_one(settings: PlanSettings, mesh: Mesh, rules_spec: str, bucket: tuple[
                            "data_parallel": D}
     plan = resolve_plan(settings, cfg, mesh, rules)
     rec.update({k: v for k, v in plan.items() if k != "device_plan"})
+    if plan["kv_heads"]:  # zero KV heads appended: the KV and weight bytes below include them
+        cfg = cfg.with_kv_heads(plan["kv_heads"])
     rec["kv"], num_pages, pages_per_req = kv_record(settings, cfg, mesh, rules, plan["kv_dtype"])
     recipe = plan_recipe(settings, cfg, mesh, rules, plan, num_pages)
     if mesh.size > 1 or settings.platform != "cpu":

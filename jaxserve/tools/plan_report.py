@@ -147,7 +147,9 @@ def markdown(records: list[dict], header: dict, args) -> str:
         if kv:
             lines.append(f"- KV: {kv['spec']}, {kv['bytes_per_page_per_device']} B per page per device, "
                          f"{kv['num_pages']} pages = {kv['tokens']} tokens ({kv['max_requests_at_max_len']} requests "
-                         f"at max_model_len); {mib(kv['per_device'])} per device")
+                         f"at max_model_len); {mib(kv['per_device'])} per device"
+                         + (f" ({rec['kv_heads_note']}: the bytes include the zero heads)"
+                            if rec.get("kv_heads_note") else ""))
         if mem:
             if mem.get("compiler"):
                 lines.append(f"- memory: does not fit: `{mem['compiler'][:300]}`")

@@ -153,6 +153,31 @@ def auto_for_dtypes(backend: str | None, devices, cache_dtype, model_dtype, *,
     return candidates[0]
 
 
+# The implementations whose pages must be lane-dense: a row of `Hkv * D` values a multiple of
+# 128 lanes (the TPU kernel's DMAs; `tpu.validate_tpu_shapes`).
+LANE_DENSE_IMPLS = ("tpu", "tpu-interpret")
+LANE_WIDTH = 128
+
+
+def lane_dense_kv_heads(impl: str, num_kv_heads: int, head_dim: int, kv_split: int = 1) -> int:
+    """The KV heads a model of `num_kv_heads` heads of `head_dim` is served with when attention
+    runs implementation `impl` (a resolved name, not "auto"): for the implementations that need
+    lane-dense pages (LANE_DENSE_IMPLS), the smallest count >= num_kv_heads that `kv_split`
+    devices split evenly with each device's row (its heads x head_dim) a multiple of 128 lanes;
+    else num_kv_heads. The heads added are zero heads appended by the model's loader
+    (`ArchConfig.with_kv_heads`: DESIGN §9, "Lane-dense KV pages"). `kv_split`: the devices the
+    sharding rules ask to split the KV heads over (1: none). A head dim whose rows could never
+    be lane-dense within 128 heads per device gives num_kv_heads."""
+    if impl not in LANE_DENSE_IMPLS:
+        return num_kv_heads
+    heads = num_kv_heads
+    while heads % kv_split or (heads // kv_split * head_dim) % LANE_WIDTH:
+        heads += 1
+        if heads // kv_split > LANE_WIDTH:
+            return num_kv_heads
+    return heads
+
+
 def resolve_impl(impl: str, backend: str | None = None, devices=None) -> str:
     """The implementation name `impl` dispatches to on `backend` (default: JAX's default) for
     shapes every kernel takes; `devices`: the GPUs it will run on, when they are not JAX's

@@ -50,7 +50,8 @@ Device requirements not checked by interpret mode (see `validate_tpu_shapes`): p
 be a multiple of the sublane tiling (8 for 32-bit, 16 for bfloat16, 32 for fp8 and int8) so
 each page DMA lands on whole VMEM tiles, and `Hkv * D` a multiple of 128 (XLA:TPU lays out a
 cache whose rows are not whole lane tiles with the pages in the lanes, `{0,2,1}`: no page is
-contiguous there). Head dim 64 with an
+contiguous there; models with such rows, SmolLM2's 3 KV heads of 64, are served with zero KV
+heads appended where this kernel runs: `ops.lane_dense_kv_heads`). Head dim 64 with an
 odd KV head index uses a lane-offset-64 slice of the page buffer (Mosaic handles it with a lane
 shift; only exercised in interpret mode so far).
 """

@@ -53,13 +53,14 @@ def test_a_tpu_slice_is_planned_without_its_chips():
     assert recipe.token_buckets == plan.grid.token_buckets and recipe.sampler_config == plan.sampler
 
 
-def test_an_attention_kernel_the_heads_do_not_fit_falls_back_with_its_reason():
-    """SmolLM2's 3 KV heads of 64 over 4 v5e chips: the TPU kernel's shape check refuses one
-    device's heads, as serving's "auto" would, and the plan says why."""
+def test_an_attention_kernel_the_shapes_do_not_fit_falls_back_with_its_reason():
+    """SmolLM2 over 4 v5e chips with pages of 8 tokens: the TPU kernel's shape check refuses
+    them (bfloat16 pages of whole 16-row tiles), as serving's "auto" would, the plan says why,
+    and no KV heads are appended (they would not make the kernel run)."""
     devices = DeviceSet.described("tpu", "TPU v5 lite", 4, slice_shape=(2, 2))
-    config = EngineConfig.from_kwargs(model="smollm2-135m", tensor_parallel_size=4)
+    config = EngineConfig.from_kwargs(model="smollm2-135m", tensor_parallel_size=4, page_size=8)
     plan = plan_engine(config, _files("smollm2-135m"), select_backend("tpu"), devices)
-    assert plan.attention_impl == "reference"
+    assert plan.attention_impl == "reference" and plan.arch.num_kv_heads == 3
     assert plan.reasons["attention"].startswith("auto: tpu kernel unsupported")
     assert plan.engine_core == "caller"  # offline: the core runs on the caller's thread
 

@@ -160,8 +160,10 @@ def _plan(topology: str, arch: dict, name: str):
 
 
 def test_a_whole_step_compiles_for_four_v5e_chips():
-    """A whole step on 4 v5e chips: SmolLM2's (attention on the reference: its 3 x 64 KV rows are
-    not lane-dense for the kernel, as serving would fall back), with 2 of its 30 layers (the
+    """A whole step on 4 v5e chips: SmolLM2's, served as serving would with 8 KV heads (its 3 of
+    64 and 5 zero heads: 2 a chip, rows of 128 lanes for the TPU kernel; DESIGN §9, "Lane-dense
+    KV pages"), so the kernel runs in the tensor-parallel step and the attention weights split
+    (24 query heads, 8 KV heads over 4 chips), with 2 of its 30 layers (the
     layers are unrolled alike: the whole model is 15 times the compile for nothing more to
     check). The TPU kernel inside a tensor-parallel step compiles in
     tests/backends/test_accelerator_memory.py (a Llama-3-8B layer on v5e:2x2) and on one v6e
@@ -174,8 +176,9 @@ def test_a_whole_step_compiles_for_four_v5e_chips():
     assert rec["memory"]["fits"] is True, (name, topology, rec["memory"])
     per_layer = rec["collectives"]["per_layer"]
     assert per_layer.get("all-reduce", {}).get("count", 0) >= 1, (name, topology, rec["collectives"])
-    assert rec["attention_impl"] == "reference" and "lane-dense" in rec["attention_note"]
-    assert rec["params"]["replicated"]  # 9 query / 3 KV heads over 4 chips
+    assert rec["attention_impl"] == "tpu" and rec["kv_heads"] == 8
+    assert rec["kv_heads_note"] == "KV heads padded 3 -> 8 for lane-dense TPU pages (+167 % KV bytes)"
+    assert not [n for n in rec["params"]["replicated"] if n.startswith("attention")], rec["params"]["replicated"]
     assert rec["kv"]["dtype"] == "bfloat16" and rec["dtype"] == "bfloat16"
 
 
