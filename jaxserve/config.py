@@ -375,16 +375,23 @@ class CompileConfig:
         return self.compilation_cache_dir or str(_user_cache_dir() / "xla")
 
 
+# The speculative methods whose draft head runs inside the target's compiled step.
+DRAFT_HEAD_METHODS = ("eagle3", "deepseek_mtp")
+
+
 @dataclasses.dataclass(frozen=True)
 class SpeculativeConfig:
-    """Speculative decoding, vLLM's `speculative_config`. Two methods: "ngram" (prompt lookup:
+    """Speculative decoding, vLLM's `speculative_config`. Three methods: "ngram" (prompt lookup:
     the drafts are the tokens that followed the latest earlier occurrence of the longest n-gram,
-    prompt_lookup_min <= n <= prompt_lookup_max, ending the request's context) and "eagle3" (an
+    prompt_lookup_min <= n <= prompt_lookup_max, ending the request's context), "eagle3" (an
     EAGLE-3 draft head, `model`, run inside the target's compiled step on the target's hidden
-    states); the model checks the drafts all in one step (jaxserve/spec_decode/)."""
+    states) and "deepseek_mtp" (vLLM's "mtp" too: a DeepSeek V3 checkpoint's own
+    multi-token-prediction layer, run the same way); the model checks the drafts all in one
+    step (jaxserve/spec_decode/)."""
 
-    method: Literal["ngram", "eagle3"] = "ngram"
-    """How drafts are made: ngram (prompt lookup) or eagle3 (an EAGLE-3 draft head: `model`)."""
+    method: Literal["ngram", "eagle3", "deepseek_mtp"] = "ngram"
+    """How drafts are made: ngram (prompt lookup), eagle3 (an EAGLE-3 draft head: `model`) or
+    deepseek_mtp ("mtp": the target's own MTP layer)."""
     num_speculative_tokens: int = 0
     """Draft tokens per step and request at most (required, >= 1)."""
     prompt_lookup_min: int | None = None
@@ -395,14 +402,24 @@ class SpeculativeConfig:
     """eagle3: the draft head, a local HF directory or a Hugging Face Hub name (required)."""
 
     def __post_init__(self) -> None:
-        if self.method not in ("ngram", "[ngram]", "eagle3"):
+        if self.method not in ("ngram", "[ngram]", "eagle3", "deepseek_mtp", "mtp"):
             raise ValueError(f"speculative_config: method {self.method!r} is not supported; jaxserve "
-                             "drafts with 'ngram' (prompt lookup) or 'eagle3' (an EAGLE-3 draft head).")
-        if self.method == "[ngram]":
-            object.__setattr__(self, "method", "ngram")
+                             "drafts with 'ngram' (prompt lookup), 'eagle3' (an EAGLE-3 draft head) or "
+                             "'deepseek_mtp' / 'mtp' (a DeepSeek V3 checkpoint's MTP layer).")
+        aliases = {"[ngram]": "ngram", "mtp": "deepseek_mtp"}
+        if self.method in aliases:
+            object.__setattr__(self, "method", aliases[self.method])
         if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
             raise ValueError("speculative_config: num_speculative_tokens must be a positive integer, "
                              f"got {self.num_speculative_tokens!r}.")
+        if self.method == "deepseek_mtp":
+            if self.model is not None:
+                raise ValueError('speculative_config: method "deepseek_mtp" drafts with the target '
+                                 'checkpoint\'s own MTP layers; leave out "model".')
+            if self.prompt_lookup_min is not None or self.prompt_lookup_max is not None:
+                raise ValueError("speculative_config: prompt_lookup_min / prompt_lookup_max are "
+                                 'the "ngram" method\'s.')
+            return
         if self.method == "eagle3":
             if not isinstance(self.model, str) or not self.model:
                 raise ValueError('speculative_config: method "eagle3" needs "model", the draft '
@@ -447,7 +464,8 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config: unsupported key(s) {', '.join(unknown)}; "
                              f"accepted: {', '.join(sorted(known))}.")
         if "method" not in value:
-            raise ValueError('speculative_config: "method" is required ("ngram" or "eagle3").')
+            raise ValueError('speculative_config: "method" is required ("ngram", "eagle3" or '
+                             '"deepseek_mtp").')
         return cls(**value)
 
 
@@ -477,7 +495,8 @@ class EngineConfig:
     """Speculative decoding, as vLLM's: e.g. {"method": "ngram", "num_speculative_tokens": 4,
     "prompt_lookup_max": 4, "prompt_lookup_min": 2} (n-gram prompt lookup; the leader drafts,
     the step is the same), or {"method": "eagle3", "model": DIR, "num_speculative_tokens": 3}
-    (an EAGLE-3 draft head run inside the compiled step). Default: off."""
+    (an EAGLE-3 draft head run inside the compiled step), or {"method": "deepseek_mtp",
+    "num_speculative_tokens": 2} (a DeepSeek V3 checkpoint's MTP layer, likewise). Default: off."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))

@@ -66,14 +66,15 @@ def size_kv_cache(plan: EnginePlan, model, backend: Backend, mesh, timer: Startu
 
 
 def draft_bytes_per_page(plan: EnginePlan, mesh) -> int:
-    """Bytes per page (per device) of an EAGLE-3 head's layer of pages, indexed like the
-    target's; 0 without a head."""
-    if not plan.draft_model:
+    """Bytes per page (per device) of a draft head's layer of pages (EAGLE-3, MTP), indexed
+    like the target's, in its own dtype; 0 without a head."""
+    if not plan.draft_method:
         return 0
-    from jaxserve.runner.eagle3_step import draft_layer_config
+    from jaxserve.runner.eagle3_step import draft_cache_config, draft_cache_dtype
 
-    return bytes_per_page(draft_layer_config(plan.draft_model), plan.config.cache.page_size,
-                          jax_dtype(plan.device.kv_dtype), mesh, plan.rules)
+    cfg = draft_cache_config(plan.draft_method, plan.arch, plan.draft_model)
+    dtype = draft_cache_dtype(jax_dtype(plan.device.dtype), jax_dtype(plan.device.kv_dtype))
+    return bytes_per_page(cfg, plan.config.cache.page_size, dtype, mesh, plan.rules)
 
 
 def _memory_from_programs(plan: EnginePlan, backend: Backend, mesh, recipe) -> MemoryBudget:

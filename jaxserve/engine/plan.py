@@ -22,7 +22,7 @@ import pathlib
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from jaxserve.config import EngineConfig, LoRAConfig, SchedulerConfig, SpeculativeConfig
+from jaxserve.config import DRAFT_HEAD_METHODS, EngineConfig, LoRAConfig, SchedulerConfig, SpeculativeConfig
 
 if TYPE_CHECKING:
     from jaxserve.backends.base import Backend, DevicePlan
@@ -103,6 +103,9 @@ class EnginePlan:
     num_decode_steps: int = 1  # multi-step decode's K (runner/decode_block.py)
     # EAGLE-3 speculative decoding: the draft head's directory, resolved at build ("": none)
     draft_model: str = ""
+    # The method of a draft head run in the step ("eagle3", "deepseek_mtp"), set at build once
+    # checked against the target ("": none)
+    draft_method: str = ""
 
     @property
     def max_model_len(self) -> int:
@@ -158,6 +161,7 @@ class EnginePlan:
             max_model_len=max_model_len, sampler_config=self.sampler, quantization=self.config.model.quantization,
             kv_scales=kv_scales, max_loras=lora.max_loras if lora else 0, max_lora_rank=lora.max_lora_rank if lora else 0,
             num_speculative_tokens=spec.num_speculative_tokens if spec else 0, draft_model=self.draft_model,
+            draft_method=self.draft_method,
             token_buckets=self.grid.token_buckets, request_buckets=self.grid.request_buckets,
             num_decode_steps=self.num_decode_steps)
 
@@ -227,9 +231,10 @@ def _check_servable(config: EngineConfig, pooling: bool, multi_process: bool) ->
 
 
 def _check_speculative(config: EngineConfig, pooling: bool, multi_process: bool) -> None:
-    """EAGLE-3 drafting runs inside one device's step: refuse what it does not run with."""
+    """A draft head (EAGLE-3, MTP) runs inside one device's step: refuse what it does not run
+    with."""
     spec, pc = config.speculative_config, config.parallel
-    if spec is None or spec.method != "eagle3":
+    if spec is None or spec.method not in DRAFT_HEAD_METHODS:
         return
     refused = [name for name, on in (
         ("--runner pooling", pooling), ("--enable-lora", config.lora.enable_lora),
@@ -237,7 +242,8 @@ def _check_speculative(config: EngineConfig, pooling: bool, multi_process: bool)
         ("several processes", multi_process),
         ("--num-decode-steps above 1", (config.scheduler.num_decode_steps or 1) > 1)) if on]
     if refused:
-        raise ValueError(f"speculative_config method 'eagle3' runs on one device without {', '.join(refused)}")
+        raise ValueError(f"speculative_config method {spec.method!r} runs on one device without "
+                         f"{', '.join(refused)}")
 
 
 def _runner_reason(mc, pooling: bool) -> str:
@@ -294,8 +300,8 @@ def _decode_steps(config: EngineConfig, backend: Backend, pooling: bool, several
     several data-parallel ranks or processes: a block is one rank's, launched in one process)."""
     given = config.scheduler.num_decode_steps
     spec = config.speculative_config
-    if spec is not None and spec.method == "eagle3":
-        reasons["num_decode_steps"] = "EAGLE-3 drafts after each step"
+    if spec is not None and spec.method in DRAFT_HEAD_METHODS:
+        reasons["num_decode_steps"] = f"{spec.method} drafts after each step"
         return 1
     if pooling:
         reasons["num_decode_steps"] = "the pooling runner decodes nothing"

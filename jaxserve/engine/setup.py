@@ -185,7 +185,10 @@ def _plan(config: EngineConfig, start: _Start, timer: StartupTimer, engine_core,
                            engine_core=engine_core)
     spec = config.speculative_config
     if spec is not None and spec.method == "eagle3":
-        plan = dataclasses.replace(plan, draft_model=_draft_model(config, start))
+        plan = dataclasses.replace(plan, draft_model=_draft_model(config, start), draft_method=spec.method)
+    elif spec is not None and spec.method == "deepseek_mtp":
+        _check_mtp_target(start)
+        plan = dataclasses.replace(plan, draft_method=spec.method)
     if plan.max_model_len > plan.arch.max_position_embeddings:
         logger.warning("max_model_len %d exceeds the model's max_position_embeddings %d",
                        plan.max_model_len, plan.arch.max_position_embeddings)
@@ -219,6 +222,21 @@ def _draft_model(config: EngineConfig, start: _Start) -> str:
     except ValueError as e:
         raise ValueError(f"speculative_config model {config.speculative_config.model!r}: {e}") from None
     return str(path)
+
+
+def _check_mtp_target(start: _Start) -> None:
+    """The target of method "deepseek_mtp": a DeepSeek V3 checkpoint with MTP layers
+    (ValueError naming what is not)."""
+    target = ArchConfig.from_hf(start.ckpt.config)
+    if target.architecture != "DeepseekV3ForCausalLM":
+        qwen3_next = "qwen3_next" in str(start.ckpt.config.get("model_type", ""))
+        raise ValueError(
+            "speculative_config method 'deepseek_mtp' drafts with a DeepSeek V3 checkpoint's MTP "
+            f"layers; the target is {target.architecture}"
+            + (" (Qwen3-Next's mtp.* layers: jaxserve does not serve Qwen3-Next)" if qwen3_next else ""))
+    if not target.num_mtp_layers:
+        raise ValueError("speculative_config method 'deepseek_mtp': the checkpoint has no MTP layers "
+                         "(num_nextn_predict_layers is 0)")
 
 
 def _build(plan: EnginePlan, start: _Start, timer: StartupTimer):
@@ -274,10 +292,10 @@ def _assemble(plan: EnginePlan, start: _Start, runner: ModelRunner, kv: KVSize, 
     scheduler = DataParallelScheduler(sc, kv_managers, adapters) if D > 1 else Scheduler(sc, kv_managers[0], adapters)
     spec = plan.speculative
     proposer = None
-    if spec is not None and spec.method == "eagle3":
-        from jaxserve.spec_decode.eagle3 import Eagle3Proposer
+    if plan.draft_method:
+        from jaxserve.spec_decode.eagle3 import DraftHeadProposer
 
-        proposer = Eagle3Proposer(spec.num_speculative_tokens)
+        proposer = DraftHeadProposer(spec.num_speculative_tokens)
         scheduler.num_lookahead_tokens = spec.num_speculative_tokens - 1  # the head's chained drafts' KV
     elif spec is not None:
         proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
@@ -292,7 +310,7 @@ def _assemble(plan: EnginePlan, start: _Start, runner: ModelRunner, kv: KVSize, 
                 f" ({D} data-parallel ranks)" if D > 1 else "", runner.num_buckets, runner.compile_seconds,
                 runner.executables_loaded, runner.executables_compiled, start.load_seconds,
                 (", overlapped steps" if core.async_scheduling else "") +
-                (f", {'EAGLE-3' if plan.draft_model else 'n-gram'} speculation ({spec.num_speculative_tokens} tokens)"
+                (f", {plan.draft_method or 'n-gram'} speculation ({spec.num_speculative_tokens} tokens)"
                  if spec is not None else ""))
     _ready(timer, own_timer)
     return EngineParts(tokenizer, info, core, start.model_path, plan.arch, start.backend, plan.device,

@@ -1,24 +1,30 @@
-"""EAGLE-3 drafting inside the target's compiled step (the engine's side: spec_decode/eagle3.py).
+"""Drafting inside the target's compiled step with a draft head (the engine's side:
+spec_decode/eagle3.py), for the heads of two methods: EAGLE-3 (models/eagle3.py, `Eagle3Head`)
+and DeepSeek's multi-token prediction (models/deepseek_v3.py, `MtpHead`).
 
-The step of an engine with an EAGLE-3 draft head (models/eagle3.py) does what the plain step
-does (runner/step_fn.py), with the target's forward also returning its taps (the hidden states
-entering the layers the head reads), and then drafts the next k tokens of every request that
-sampled, on the device:
+The step does what the plain step does (runner/step_fn.py), with the target's forward also
+returning what the head reads, and then drafts the next k tokens of every request that sampled,
+on the device:
 
 1. Acceptance: a request fed d drafts samples on d + 1 rows; it keeps the samples while each
    equals the draft fed after it (as `accept_drafts` does on the host). Its last kept row is
    at position P, and the token sampled there (the bonus, or the correction) is the next token.
-2. Pass 1 over the step's T tokens: the head's hidden state is `fc` of the taps, its input
-   token at position p the token at p + 1 (the next fed token; at a prefill chunk's end that
-   samples nothing, the next prompt token, from the host; at P, the token sampled there). It
-   writes the head's KV at every position (the rejected ones are overwritten later, as the
-   target's are). Draft 1 is the head's greedy token at P.
+2. Pass 1 over the step's T tokens: the head's hidden state at position p is made from the
+   target's outputs there (`DraftHead.hidden_input`), its input token is the token at p + 1
+   (the next fed token; at a prefill chunk's end that samples nothing, the next prompt token,
+   from the host; at P, the token sampled there). It writes the head's KV at every position
+   (the rejected ones are overwritten later, as the target's are). Draft 1 is the head's
+   greedy token at P.
 3. k - 1 chained passes, one token per request at P + 1, P + 2, ...: the previous pass's
    hidden state and draft as input, each writing its KV (only inside the request's pages: a
    write past them goes to the null page, and the chain only reads its own).
 
-The head has one paged layer of its own (`DraftKV`): the target's page size and page count,
-indexed by the same block tables. The step returns the [R, k] drafts of each request row (the
+A head is a `DraftHead`: what it asks of the target's forward, how it turns the forward's
+outputs into its hidden input, its paged layer (over its own one-layer paged cache: the
+target's page size and page count, indexed by the same block tables, a `KVCache` of one layer:
+EAGLE-3's K and V pages, MTP's latent rows) and how a layer output becomes a draft and the
+chain's next hidden state. The head's pages are in the model's dtype, whatever the target's
+cache dtype (`draft_cache_dtype`). The step returns the [R, k] drafts of each request row (the
 request's index among the step's rows) with its samples; the engine feeds them in the next step
 as draft tokens (jaxserve/engine/core.py, spec_decode/eagle3.py), verified as n-gram drafts
 are: greedy drafts are point masses, so keeping a draft while the request's own sample equals
@@ -35,10 +41,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxserve.models.interface import KVCache
 from jaxserve.pallas_kernels.ragged_paged_attention.metadata import AttentionMetadata
 from jaxserve.runner.step_fn import StepFunction
 from jaxserve.runner.step_inputs import ModelInputs, TokenInfo
 from jaxserve.sampling.metadata import SamplingMetadata
+
+# The speculative methods whose head drafts inside the step, and what vLLM also calls them.
+EAGLE3, MTP = "eagle3", "deepseek_mtp"
 
 
 @jax.tree_util.register_dataclass
@@ -78,11 +88,11 @@ def draft_inputs(rows, tokens: np.ndarray, lens: np.ndarray, samples: np.ndarray
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DraftKV:
-    """The target's KV cache and the head's own layer of K and V pages."""
+    """The target's KV cache and the head's own: a one-layer `KVCache` (EAGLE-3: K and V
+    pages; MTP: latent rows, no V)."""
 
     target: Any  # the target's KVCache
-    k: jax.Array
-    v: jax.Array
+    draft: Any  # the head's KVCache
 
 
 def accepted_rows(sampled: jax.Array, inputs: ModelInputs, d: DraftInputs, k: int) -> jax.Array:
@@ -113,15 +123,109 @@ def chain_metadata(md: AttentionMetadata, positions: jax.Array, live: jax.Array,
                              query_start_loc=qsl, num_seqs=md.num_seqs, slot_mapping=slot_mapping)
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class Eagle3StepFunction(StepFunction):
-    """The step with EAGLE-3 drafting (see the module docstring): `params` is the target's flat
-    weights, then the head's; `kv` a `DraftKV`; the inputs end with `DraftInputs`. Returns
-    (kv, sstate, SamplerOutput, (PromptLogprobs, drafts [R, k] int32))."""
+class DraftHead:
+    """What the drafting step needs of a draft head (static: part of the step function).
 
-    drafter_graphdef: Any = None
-    drafter_treedef: Any = None
-    taps: tuple[int, ...] = ()
+    - `forward_kwargs`: what the target's forward is asked for besides its hidden states (the
+      forward then returns a third item, passed to `hidden_input`);
+    - `module(model, params)`: the head, given the target (merged) and the head's own flat
+      weights (they follow the target's in the step's parameter list; none for a head that
+      lives in the target);
+    - `hidden_input(head, hidden, extra)`: the [T, H] hidden state pass 1 takes, from the
+      target's final hidden states (what its LM head reads) and the forward's extra output;
+    - `layer(head, tokens, positions, hidden, cache, md)`: the head's layer over a flat ragged
+      batch, attending over its own paged `KVCache` -> (layer output [T, H], cache);
+    - `propose(head, out)`: greedy draft ids (target vocabulary) and the next chained pass's
+      hidden state from layer outputs [N, H];
+    - `key()`: what the head changes in the step's program (the executable cache's key)."""
+
+    forward_kwargs = {}
+
+    def module(self, model, params: list):
+        raise NotImplementedError
+
+    def hidden_input(self, head, hidden: jax.Array, extra) -> jax.Array:
+        raise NotImplementedError
+
+    def layer(self, head, tokens, positions, hidden, cache: KVCache, md: AttentionMetadata):
+        raise NotImplementedError
+
+    def propose(self, head, out: jax.Array) -> tuple[jax.Array, jax.Array]:
+        raise NotImplementedError
+
+    def key(self) -> str:
+        raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Eagle3Head(DraftHead):
+    """An EAGLE-3 head (models/eagle3.py): its own weights (`graphdef`, `treedef`), reading the
+    target's taps (`taps`: the residual streams entering those layers), `fc` of them its hidden
+    input; K and V pages."""
+
+    graphdef: Any
+    treedef: Any
+    taps: tuple[int, ...]
+
+    @property
+    def forward_kwargs(self) -> dict:
+        return {"taps": self.taps}
+
+    def module(self, model, params):
+        return nnx.merge(self.graphdef, jax.tree.unflatten(self.treedef, params))
+
+    def hidden_input(self, head, hidden, extra):
+        return head.combine_hidden(extra)
+
+    def layer(self, head, tokens, positions, hidden, cache, md):
+        out, k, v = head.paged_layer(tokens, positions, hidden, cache.k[0], cache.v[0], md)
+        return out, KVCache(k=(k,), v=(v,))
+
+    def propose(self, head, out):
+        step = head.head(out)
+        return step.target_ids, step.hidden
+
+    def key(self) -> str:
+        from jaxserve.runner.executable_cache import canonical
+
+        return f"eagle3 {self.taps} {canonical(self.graphdef)}"
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class MtpHead(DraftHead):
+    """DeepSeek V3's first multi-token prediction layer (models/deepseek_v3.py
+    `DeepseekV3MtpLayer`), part of the target's weights: its hidden input is the target's
+    final hidden state (after the final norm: what the LM head reads, as vLLM passes it);
+    one latent-row page array. With one MTP layer and k > 1 it is reused for every chained
+    pass, its own output feeding the next (vLLM's)."""
+
+    forward_kwargs = {}
+
+    def module(self, model, params):
+        return model
+
+    def hidden_input(self, head, hidden, extra):
+        return hidden
+
+    def layer(self, head, tokens, positions, hidden, cache, md):
+        out, latent = head.mtp[0].paged_step(head, tokens, positions, hidden, cache.k[0], md)
+        return out, KVCache(k=(latent,), v=())
+
+    def propose(self, head, out):
+        logits = head.mtp[0].logits(head, out)
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32), out
+
+    def key(self) -> str:
+        return MTP
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DraftingStepFunction(StepFunction):
+    """The step with a draft head (see the module docstring): `params` is the target's flat
+    weights, then the head's own (if any); `kv` a `DraftKV`; the inputs end with `DraftInputs`.
+    Returns (kv, sstate, SamplerOutput, (PromptLogprobs, drafts [R, k] int32))."""
+
+    head: DraftHead = None
     num_speculative_tokens: int = 1
     page_size: int = 16
 
@@ -129,43 +233,53 @@ class Eagle3StepFunction(StepFunction):
         n = self.params_treedef.num_leaves
         return nnx.merge(self.graphdef, jax.tree.unflatten(self.params_treedef, params[:n])), None
 
-    def drafter_of(self, params):
-        n = self.params_treedef.num_leaves
-        return nnx.merge(self.drafter_graphdef, jax.tree.unflatten(self.drafter_treedef, params[n:]))
-
     def __call__(self, params, kv: DraftKV, sstate, inputs: ModelInputs, meta: SamplingMetadata, tok: TokenInfo,
                  draft: DraftInputs):
         model, _ = self.model_of(params, tok)
         input_ids, sstate = self.fold_inputs(sstate, inputs, meta, tok)
-        hidden, target_kv, tapped = model(input_ids, inputs.positions, kv.target, inputs.md, self.layer_impl,
-                                          taps=self.taps)
+        hidden, target_kv, *extra = model(input_ids, inputs.positions, kv.target, inputs.md, self.layer_impl,
+                                          **self.head.forward_kwargs)
         logits = model.compute_logits(hidden[inputs.logits_indices])
         sstate, out, plp = self.sample_and_keep(model, hidden, logits, sstate, meta, tok)
-        drafts, dk, dv = self.draft(self.drafter_of(params), tapped, out.token_ids, inputs, draft, kv.k, kv.v)
-        return DraftKV(target_kv, dk, dv), sstate, out, (plp, drafts)
+        head = self.head.module(model, params[self.params_treedef.num_leaves:])
+        first_hidden = self.head.hidden_input(head, hidden, extra[0] if extra else None)
+        drafts, draft_kv = self.draft(head, first_hidden, out.token_ids, inputs, draft, kv.draft)
+        return DraftKV(target_kv, draft_kv), sstate, out, (plp, drafts)
 
-    def draft(self, drafter, tapped, sampled, inputs: ModelInputs, d: DraftInputs, dk, dv):
+    def draft(self, head, first_hidden, sampled, inputs: ModelInputs, d: DraftInputs, cache: KVCache):
         """The k drafts of each request row that sampled ([R, k] target ids) and the head's
         updated pages."""
         T = inputs.input_ids.shape[0]
-        md, k = inputs.md, self.num_speculative_tokens
+        md, k, h = inputs.md, self.num_speculative_tokens, self.head
         last = accepted_rows(sampled, inputs, d, k)
         live = d.num_rows > 0
         at = inputs.logits_indices[last]  # [R] the flat token of each request's last kept row
         tokens = d.next_tokens.at[jnp.where(live, at, T)].set(sampled[last], mode="drop")
-        first, dk, dv = drafter.paged_step(tokens, inputs.positions, drafter.combine_hidden(tapped), dk, dv, md)
+        out, cache = h.layer(head, tokens, inputs.positions, first_hidden, cache, md)
+        first, hidden = h.propose(head, out[at])  # only the rows that draft read the head
         pos = inputs.positions[at]
-        drafts = jnp.zeros((sampled.shape[0], k), jnp.int32).at[:, 0].set(first.target_ids[at])
-        hidden = first.hidden[at].astype(jnp.float32)
+        drafts = jnp.zeros((sampled.shape[0], k), jnp.int32).at[:, 0].set(first)
+        hidden = hidden.astype(jnp.float32)
 
         def chain(j, carry):
-            dk, dv, drafts, hidden = carry
+            cache, drafts, hidden = carry
             cmd = chain_metadata(md, pos + j, live, d.num_pages, self.page_size)
-            step, dk, dv = drafter.paged_step(drafts[:, j - 1], pos + j, hidden, dk, dv, cmd)
-            return dk, dv, drafts.at[:, j].set(step.target_ids), step.hidden.astype(jnp.float32)
+            out, cache = h.layer(head, drafts[:, j - 1], pos + j, hidden, cache, cmd)
+            ids, hidden = h.propose(head, out)
+            return cache, drafts.at[:, j].set(ids), hidden.astype(jnp.float32)
 
-        dk, dv, drafts, _ = jax.lax.fori_loop(1, k, chain, (dk, dv, drafts, hidden))
-        return drafts, dk, dv
+        cache, drafts, _ = jax.lax.fori_loop(1, k, chain, (cache, drafts, hidden))
+        return drafts, cache
+
+
+def draft_cache_dtype(model_dtype, kv_dtype):
+    """The dtype of a draft head's pages: the model's (a float), whatever the target's cache's.
+    A quantized cache's scales are measured over a forward of the target's layers only, and the
+    head's one layer of pages costs 1/L of the target's float ones; so the head keeps float
+    pages rather than one-byte pages with unmeasured scales (and its drafts do not depend on
+    the cache's quantization)."""
+    del kv_dtype
+    return jnp.dtype(model_dtype)
 
 
 def draft_layer_config(path: str):
@@ -174,3 +288,14 @@ def draft_layer_config(path: str):
     from jaxserve.models.loader import load_checkpoint
 
     return Eagle3Config.from_hf(load_checkpoint(path).config).layer
+
+
+def mtp_layer_config(target):
+    """The ArchConfig of a DeepSeek target's MTP layer's pages: the target's, one layer."""
+    return dataclasses.replace(target, num_layers=1)
+
+
+def draft_cache_config(method: str, target, draft_model: str = ""):
+    """The ArchConfig of the draft head's one layer of pages for `method` ("eagle3": the
+    head in `draft_model`'s; "deepseek_mtp": the target's, ArchConfig `target`)."""
+    return mtp_layer_config(target) if method == MTP else draft_layer_config(draft_model)

@@ -72,6 +72,9 @@ class StepRecipe:
     # EAGLE-3 speculative decoding: the draft head's HF directory ("": none); the step drafts
     # num_speculative_tokens tokens per request on the device (jaxserve/runner/eagle3_step.py).
     draft_model: str = ""
+    # The method of a draft head run in the step: "eagle3" (draft_model), "deepseek_mtp" (the
+    # target's own MTP layer); "": none.
+    draft_method: str = ""
     token_buckets: tuple[int, ...] = ()  # the grid the runner compiles (T, R pairs with R <= T)
     request_buckets: tuple[int, ...] = ()
     # Multi-step decode (runner/decode_block.py): K > 1 adds one decode block of K steps per
@@ -126,8 +129,9 @@ class StepProgram:
     # the sampling state's shardings (a SamplingState of them: the slots split over "data" like
     # the pages, the [S, V] arrays' vocabulary like the logits'; sampling/state.py)
     state_sharding: SamplingState
-    # EAGLE-3: the draft head's flat weights (real or abstract; they follow the target's in the
-    # step's parameter list) and its decoder layer's config (its KV pages); None: no head
+    # A draft head's own flat weights (real or abstract; they follow the target's in the step's
+    # parameter list; [] for MTP, part of the target's) and the config of its one layer of KV
+    # pages; None: no head
     drafter_params: list | None = None
     drafter_cfg: Any = None
 
@@ -145,10 +149,12 @@ class StepProgram:
                                  r.rules)
 
     def abstract_draft_kv(self):
-        """The draft head's one layer of pages (abstract): (k, v)."""
+        """The draft head's one layer of pages (abstract): a KVCache."""
+        from jaxserve.runner.eagle3_step import draft_cache_dtype
+
         r = self.recipe
-        kv = abstract_kv_cache(self.drafter_cfg, r.num_pages, r.page_size, r.kv_dtype, self.mesh, r.rules)
-        return kv.k[0], kv.v[0]
+        return abstract_kv_cache(self.drafter_cfg, r.num_pages, r.page_size, draft_cache_dtype(r.dtype, r.kv_dtype),
+                                 self.mesh, r.rules)
 
     def abstract_kv(self):
         """What the step takes as its KV cache: the target's, or with a draft head a DraftKV."""
@@ -156,7 +162,7 @@ class StepProgram:
             return self.abstract_target_kv()
         from jaxserve.runner.eagle3_step import DraftKV
 
-        return DraftKV(self.abstract_target_kv(), *self.abstract_draft_kv())
+        return DraftKV(self.abstract_target_kv(), self.abstract_draft_kv())
 
     def abstract_state(self):
         return abstract_sampling_state(self.recipe.sampler_config, self.state_sharding)
@@ -266,7 +272,7 @@ def step_program(recipe: StepRecipe, model, backend: Backend, mesh: Mesh,
     `backend`): (program, the model's flat weights, their tree structure). The LoRA slots'
     arrays follow the weights in the step's parameter list (`StepProgram.lora_arrays`), and so
     do an EAGLE-3 head's (`StepProgram.drafter_params`): `drafter`, the loaded head, or None
-    for an abstract one read from `recipe.draft_model`."""
+    for an abstract one read from `recipe.draft_model` (an MTP head is the target's own)."""
     graphdef, state = nnx.split(model)
     params, treedef = jax.tree.flatten(state)
     lora = None
@@ -283,25 +289,31 @@ def step_program(recipe: StepRecipe, model, backend: Backend, mesh: Mesh,
     replicated = NamedSharding(mesh, P())
     state_sharding = sampling_state_shardings(recipe.sampler_config, mesh, recipe.rules,
                                               recipe.data_parallel_size > 1)
-    if not recipe.draft_model:
+    if not recipe.draft_method:
         return StepProgram(recipe, model.config, function, mesh, lora, replicated, state_sharding), params, treedef
-    from jaxserve.models.eagle3_checkpoint import abstract_eagle3
-    from jaxserve.runner.eagle3_step import Eagle3StepFunction
+    from jaxserve.runner.eagle3_step import MTP, DraftingStepFunction, Eagle3Head, MtpHead, mtp_layer_config
 
     if lora is not None or recipe.num_decode_steps > 1 or recipe.data_parallel_size > 1 or mesh.size > 1:
-        raise ValueError("EAGLE-3 speculative decoding runs on one device, without LoRA and without "
-                         "multi-step decode")
-    drafter = drafter if drafter is not None else abstract_eagle3(recipe.draft_model, model.config,
-                                                                   recipe.dtype, mesh, recipe.rules)
-    dgraph, dstate = nnx.split(drafter)
-    dparams, dtreedef = jax.tree.flatten(dstate)
-    function = Eagle3StepFunction(graphdef, treedef, layer_impl, recipe.sampler_config, None,
-                                  drafter_graphdef=dgraph, drafter_treedef=dtreedef,
-                                  taps=drafter.config.target_layer_ids(model.config),
-                                  num_speculative_tokens=recipe.num_speculative_tokens,
-                                  page_size=recipe.page_size)
+        raise ValueError(f"{recipe.draft_method} speculative decoding runs on one device, without LoRA and "
+                         "without multi-step decode")
+    if recipe.draft_method == MTP:
+        if not getattr(model, "mtp", None):
+            raise ValueError(f"{model.config.architecture} has no MTP layers to draft with")
+        head, dparams, cache_cfg = MtpHead(), [], mtp_layer_config(model.config)
+    else:
+        from jaxserve.models.eagle3_checkpoint import abstract_eagle3
+
+        drafter = drafter if drafter is not None else abstract_eagle3(recipe.draft_model, model.config,
+                                                                       recipe.dtype, mesh, recipe.rules)
+        dgraph, dstate = nnx.split(drafter)
+        dparams, dtreedef = jax.tree.flatten(dstate)
+        head = Eagle3Head(dgraph, dtreedef, drafter.config.target_layer_ids(model.config))
+        cache_cfg = drafter.config.layer
+    function = DraftingStepFunction(graphdef, treedef, layer_impl, recipe.sampler_config, None, head=head,
+                                    num_speculative_tokens=recipe.num_speculative_tokens,
+                                    page_size=recipe.page_size)
     return StepProgram(recipe, model.config, function, mesh, lora, replicated, state_sharding, dparams,
-                       drafter.config.layer), params, treedef
+                       cache_cfg), params, treedef
 
 
 def abstract_model(recipe: StepRecipe, mesh: Mesh, backend: Backend):

@@ -200,7 +200,7 @@ def check_drafts(spec_llm, plain_llm, head_dir, prompt):
     assert [d for _, d in heads] == dense
     positions = np.arange(len(seq) - 1)
     page_size = runner.page_size
-    paged = np.asarray(runner.kv.k)[pages[-1][positions // page_size], positions % page_size]
+    paged = np.asarray(runner.kv.draft.k[0])[pages[-1][positions // page_size], positions % page_size]
     np.testing.assert_allclose(paged, keys, atol=1e-4, rtol=0)
 
 
@@ -324,4 +324,4 @@ def test_the_kv_budget_holds_the_heads_pages(spec_llm, plain_llm):
     out of the same KV budget: a third fewer pages, the head's as many as the target's."""
     plain, spec = plain_llm.engine.runner, spec_llm.engine.runner
     assert abs(3 * spec.num_pages - 2 * plain.num_pages) <= 3
-    assert spec.kv.k.shape[0] == spec.kv.target.k[0].shape[0] == spec.num_pages
+    assert spec.kv.draft.k[0].shape[0] == spec.kv.target.k[0].shape[0] == spec.num_pages
