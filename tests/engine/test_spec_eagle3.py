@@ -325,3 +325,17 @@ def test_the_kv_budget_holds_the_heads_pages(spec_llm, plain_llm):
     plain, spec = plain_llm.engine.runner, spec_llm.engine.runner
     assert abs(3 * spec.num_pages - 2 * plain.num_pages) <= 3
     assert spec.kv.draft.k[0].shape[0] == spec.kv.target.k[0].shape[0] == spec.num_pages
+
+
+def test_an_fp8_cache_with_the_head(model_dir, head_dir, compile_cache_dir):
+    """--kv-cache-dtype fp8: the target's pages in one byte with their measured scales, the
+    head's in the model's dtype (runner/eagle3_step.py `draft_cache_dtype`); greedy outputs
+    equal plain decoding over the same fp8 cache, drafts verified."""
+    fp8 = dict(OPTIONS, kv_cache_dtype="fp8", compilation_cache_dir=compile_cache_dir)
+    spec = LLM(model_dir, speculative_config={"method": "eagle3", "model": str(head_dir),
+                                              "num_speculative_tokens": K}, **fp8)
+    kv = spec.engine.runner.kv
+    assert str(kv.target.k[0].dtype) == "float8_e4m3fn" and kv.draft.k[0].dtype == jnp.float32
+    greedy = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (12, 8)]
+    assert tokens(spec, PROMPTS[:2], greedy) == tokens(LLM(model_dir, **fp8), PROMPTS[:2], greedy)
+    assert spec_stats(spec)[1] > 4

@@ -329,3 +329,32 @@ def test_the_kv_budget_holds_the_mtp_pages(spec_llm):
     """The MTP layer has its own latent pages, the target's page count and row width."""
     kv = spec_llm.engine.runner.kv
     assert kv.draft.v == () and kv.draft.k[0].shape == kv.target.k[0].shape
+
+
+def test_an_fp8_cache_with_the_mtp_layer(mtp_dir, data_dir, compile_cache_dir):
+    """--kv-cache-dtype fp8: the target's latent rows in one byte, the MTP layer's in the
+    model's dtype (runner/eagle3_step.py `draft_cache_dtype`); the greedy tokens are
+    transformers' (as without speculation: tests/models/test_deepseek_v3.py), drafts verified."""
+    llm = LLM(str(mtp_dir), speculative_config=SPEC, kv_cache_dtype="fp8",
+              compilation_cache_dir=compile_cache_dir, **OPTIONS)
+    kv = llm.engine.runner.kv
+    assert str(kv.target.k[0].dtype) == "float8_e4m3fn" and kv.draft.k[0].dtype == jnp.float32
+    expected = load_file(str(data_dir / "arch" / "deepseek_v3" / "expected.safetensors"))
+    prompts = [expected[f"tokens_{i}"].tolist() for i in range(2)]
+    n = len(expected["greedy_0"])
+    greedy = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    assert tokens(llm, prompts, greedy) == [expected[f"greedy_{i}"].tolist() for i in range(2)]
+    assert spec_stats(llm)[1] > 4
+
+
+def test_the_compile_workers_lower_the_runners_program(spec_llm):
+    """From the recipe alone (method deepseek_mtp: the MTP layer among the target's abstract
+    weights), the compile workers and memory probes lower the program the runner runs."""
+    from jaxserve.runner.compile_pool import abstract_step, lower_bucket
+    from jaxserve.runner.recipe import program_fingerprint
+
+    runner = spec_llm.engine.runner
+    recipe = runner.recipe
+    assert recipe.draft_method == "deepseek_mtp" and not recipe.draft_model
+    assert (program_fingerprint(lower_bucket(recipe, abstract_step(recipe), (32, 8)))
+            == program_fingerprint(runner.lower((32, 8))))
