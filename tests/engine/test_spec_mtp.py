@@ -314,8 +314,13 @@ def test_refused_at_start(mtp_dir, tmp_path):
     with pytest.raises(ValueError, match="num_nextn_predict_layers is 0"):
         LLM(no_mtp, speculative_config=SPEC, **OPTIONS)
     llama = str(write_model_dir(tmp_path / "llama"))
-    with pytest.raises(ValueError, match="MTP layers; the target is LlamaForCausalLM"):
+    with pytest.raises(ValueError, match="MTP layers; the target is LlamaForCausalLM$"):
         LLM(llama, speculative_config=SPEC, **OPTIONS)
+    qwen3_next = tmp_path / "llama" / "config.json"  # as Qwen3-Next names itself
+    qwen3_next.write_text(json.dumps({**json.loads(qwen3_next.read_text()), "model_type": "qwen3_next",
+                                      "architectures": ["Qwen3NextForCausalLM"]}))
+    with pytest.raises(ValueError, match="Qwen3-Next's mtp.* layers: jaxserve does not serve Qwen3-Next"):
+        LLM(llama, speculative_config={**SPEC, "method": "mtp"}, **OPTIONS)
     with pytest.raises(ValueError, match="serves Llama-family targets; the DeepseekV3ForCausalLM forward"):
         LLM(str(mtp_dir), speculative_config={"method": "eagle3", "model": str(tmp_path),
                                               "num_speculative_tokens": 2}, **OPTIONS)
