@@ -404,8 +404,9 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if self.method not in ("ngram", "[ngram]", "eagle3", "deepseek_mtp", "mtp"):
             raise ValueError(f"speculative_config: method {self.method!r} is not supported; jaxserve "
-                             "drafts with 'ngram' (prompt lookup), 'eagle3' (an EAGLE-3 draft head) or "
-                             "'deepseek_mtp' / 'mtp' (a DeepSeek V3 checkpoint's MTP layer).")
+                             "drafts with 'ngram' (prompt lookup), 'eagle3' (an EAGLE-3 draft "
+                             "head) or 'deepseek_mtp' / 'mtp' (a DeepSeek V3 checkpoint's MTP "
+                             "layer).")
         aliases = {"[ngram]": "ngram", "mtp": "deepseek_mtp"}
         if self.method in aliases:
             object.__setattr__(self, "method", aliases[self.method])

@@ -222,8 +222,8 @@ class DeepseekV3MtpLayer(nnx.Module):
         its one layer of latent rows. Returns (the layer's output [T, E], cache)."""
         embeds = model.embed_tokens(input_ids)
         embeds = jnp.where((positions == 0)[:, None], jnp.zeros_like(embeds), embeds)
-        x = jnp.concatenate([model.norm(embeds, self.enorm[...]), model.norm(hidden, self.hnorm[...])],
-                            axis=-1)
+        x = jnp.concatenate([model.norm(embeds, self.enorm[...]),
+                             model.norm(hidden, self.hnorm[...])], axis=-1)
         h = dense(MTP_SPEC, x, self.eh_proj[...])
         layer = self.block
         p = module_weights(layer)

@@ -364,8 +364,8 @@ class Eagle3Drafter(nnx.Module):
         runner allocates them for `config.layer`): the step's tokens are a flat ragged batch
         described by `md`, each attending causally over its request's cached keys, as the
         target's layers do. Returns the drafts and the updated caches."""
-        out, k_cache, v_cache = self.paged_layer(input_ids, positions, hidden, k_cache, v_cache, md, mesh,
-                                                 rules)
+        out, k_cache, v_cache = self.paged_layer(input_ids, positions, hidden, k_cache, v_cache,
+                                                 md, mesh, rules)
         return self.head(out), k_cache, v_cache
 
     def paged_layer(self, input_ids: jax.Array, positions: jax.Array, hidden: jax.Array,
