@@ -23,8 +23,8 @@ A head is a `DraftHead`: what it asks of the target's forward, how it turns the 
 outputs into its hidden input, its paged layer (over its own one-layer paged cache: the
 target's page size and page count, indexed by the same block tables, a `KVCache` of one layer:
 EAGLE-3's K and V pages, MTP's latent rows) and how a layer output becomes a draft and the
-chain's next hidden state. The head's pages are in the model's dtype, whatever the target's
-cache dtype (`draft_cache_dtype`). The step returns the [R, k] drafts of each request row (the
+chain's next hidden state. With a quantized (fp8, int8) cache the head's pages stay in the
+model's dtype (`draft_cache_dtype`). The step returns the [R, k] drafts of each request row (the
 request's index among the step's rows) with its samples; the engine feeds them in the next step
 as draft tokens (jaxserve/engine/core.py, spec_decode/eagle3.py), verified as n-gram drafts
 are: greedy drafts are point masses, so keeping a draft while the request's own sample equals
@@ -42,6 +42,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.models.interface import KVCache
+from jaxserve.pallas_kernels.kv_quant import is_quantized
 from jaxserve.pallas_kernels.ragged_paged_attention.metadata import AttentionMetadata
 from jaxserve.runner.step_fn import StepFunction
 from jaxserve.runner.step_inputs import ModelInputs, TokenInfo
@@ -199,8 +200,6 @@ class MtpHead(DraftHead):
     one latent-row page array. With one MTP layer and k > 1 it is reused for every chained
     pass, its own output feeding the next (vLLM's)."""
 
-    forward_kwargs = {}
-
     def module(self, model, params):
         return model
 
@@ -273,13 +272,13 @@ class DraftingStepFunction(StepFunction):
 
 
 def draft_cache_dtype(model_dtype, kv_dtype):
-    """The dtype of a draft head's pages: the model's (a float), whatever the target's cache's.
-    A quantized cache's scales are measured over a forward of the target's layers only, and the
-    head's one layer of pages costs 1/L of the target's float ones; so the head keeps float
-    pages rather than one-byte pages with unmeasured scales (and its drafts do not depend on
-    the cache's quantization)."""
-    del kv_dtype
-    return jnp.dtype(model_dtype)
+    """The dtype of a draft head's pages: the cache's when it is a float dtype, the model's for
+    a quantized (fp8, int8) cache. A quantized cache's scales are measured over a forward of
+    the target's layers only (the head's activations are not in it), one-byte pages at the
+    default scale 1.0 lose small values, and the head's one layer costs 1/L of the target's
+    float bytes; so the head keeps float pages (and its drafts do not depend on the cache's
+    quantization)."""
+    return jnp.dtype(model_dtype) if is_quantized(kv_dtype) else jnp.dtype(kv_dtype)
 
 
 def draft_layer_config(path: str):

@@ -36,8 +36,11 @@ K = 2
 VOCAB = 128
 # Different lengths: one longer than a prefill chunk (the token budget is 32), one token.
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 10, 11], list(range(20, 60)), [30]]
+# A page of the target's float32 latent rows: 3 layers x 8 tokens x (112 + 16) x 4 bytes.
+PAGE_BYTES = 3 * 8 * 128 * 4
 OPTIONS = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=32, token_buckets=(32,),
-               request_buckets=(8,), max_model_len=96, num_pages=96, page_size=8, show_progress=False)
+               request_buckets=(8,), max_model_len=96, page_size=8, show_progress=False,
+               kv_cache_memory_bytes=100 * PAGE_BYTES)
 SPEC = {"method": "deepseek_mtp", "num_speculative_tokens": K}
 
 
@@ -330,10 +333,12 @@ def test_refused_at_start(mtp_dir, tmp_path):
         LLM(str(mtp_dir), speculative_config=SPEC, enable_lora=True, **OPTIONS)
 
 
-def test_the_kv_budget_holds_the_mtp_pages(spec_llm):
-    """The MTP layer has its own latent pages, the target's page count and row width."""
+def test_the_kv_budget_holds_the_mtp_pages(spec_llm, plain_llm):
+    """The MTP layer has its own latent pages, the target's page count and row width, out of
+    the same KV budget: a page costs 4 layers' rows instead of 3."""
     kv = spec_llm.engine.runner.kv
     assert kv.draft.v == () and kv.draft.k[0].shape == kv.target.k[0].shape
+    assert (plain_llm.engine.runner.num_pages, spec_llm.engine.runner.num_pages) == (100, 75)
 
 
 def test_an_fp8_cache_with_the_mtp_layer(mtp_dir, data_dir, compile_cache_dir):
@@ -344,6 +349,8 @@ def test_an_fp8_cache_with_the_mtp_layer(mtp_dir, data_dir, compile_cache_dir):
               compilation_cache_dir=compile_cache_dir, **OPTIONS)
     kv = llm.engine.runner.kv
     assert str(kv.target.k[0].dtype) == "float8_e4m3fn" and kv.draft.k[0].dtype == jnp.float32
+    # a page: the target's 3 layers of one-byte rows and the MTP layer's float32 ones
+    assert llm.engine.runner.num_pages == 100 * PAGE_BYTES // (PAGE_BYTES // 4 + PAGE_BYTES // 3)
     expected = load_file(str(data_dir / "arch" / "deepseek_v3" / "expected.safetensors"))
     prompts = [expected[f"tokens_{i}"].tolist() for i in range(2)]
     n = len(expected["greedy_0"])
