@@ -193,7 +193,7 @@ class DeepseekV3MtpLayer(nnx.Module):
     of the main model's hidden state (`hnorm`), their joint projection `eh_proj` [2E, E], a
     decoder layer (`block`) and its output norm (`final_norm`, the checkpoint's
     shared_head.norm). Not run by the model's forward: the drafting step runs it
-    (`paged_step`, `logits`; jaxserve/runner/eagle3_step.py `MtpHead`).
+    (`paged_step`, `logits`; jaxserve/runner/draft_head_step.py `MtpHead`).
 
     At position p it reads the hidden state h the model computed there (after the model's
     final norm: what the LM head reads, as vLLM passes it) and the embedding of the token at

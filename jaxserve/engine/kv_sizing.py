@@ -70,7 +70,7 @@ def draft_bytes_per_page(plan: EnginePlan, mesh) -> int:
     like the target's, in its own dtype; 0 without a head."""
     if not plan.draft_method:
         return 0
-    from jaxserve.runner.eagle3_step import draft_cache_config, draft_cache_dtype
+    from jaxserve.runner.draft_head_step import draft_cache_config, draft_cache_dtype
 
     cfg = draft_cache_config(plan.draft_method, plan.arch, plan.draft_model)
     dtype = draft_cache_dtype(jax_dtype(plan.device.dtype), jax_dtype(plan.device.kv_dtype))

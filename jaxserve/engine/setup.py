@@ -293,7 +293,7 @@ def _assemble(plan: EnginePlan, start: _Start, runner: ModelRunner, kv: KVSize, 
     spec = plan.speculative
     proposer = None
     if plan.draft_method:
-        from jaxserve.spec_decode.eagle3 import DraftHeadProposer
+        from jaxserve.spec_decode.draft_head import DraftHeadProposer
 
         proposer = DraftHeadProposer(spec.num_speculative_tokens)
         scheduler.num_lookahead_tokens = spec.num_speculative_tokens - 1  # the head's chained drafts' KV

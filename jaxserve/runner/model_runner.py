@@ -186,7 +186,7 @@ class ModelRunner:
         self.kv = allocate_kv_cache(self.cfg, self.num_pages, self.page_size, self.kv_dtype, self.mesh,
                                     self.recipe.rules, zeros=zeros)
         if self.drafting:  # the head's own layer of pages, next to the target's
-            from jaxserve.runner.eagle3_step import DraftKV, draft_cache_dtype
+            from jaxserve.runner.draft_head_step import DraftKV, draft_cache_dtype
 
             head = allocate_kv_cache(self.program.drafter_cfg, self.num_pages, self.page_size,
                                      draft_cache_dtype(self.recipe.dtype, self.kv_dtype), self.mesh, self.recipe.rules)

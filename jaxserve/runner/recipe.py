@@ -70,7 +70,7 @@ class StepRecipe:
     # rows of the request bucket (the shapes do not change; the runner checks a step against it).
     num_speculative_tokens: int = 0
     # EAGLE-3 speculative decoding: the draft head's HF directory ("": none); the step drafts
-    # num_speculative_tokens tokens per request on the device (jaxserve/runner/eagle3_step.py).
+    # num_speculative_tokens tokens per request on the device (jaxserve/runner/draft_head_step.py).
     draft_model: str = ""
     # The method of a draft head run in the step: "eagle3" (draft_model), "deepseek_mtp" (the
     # target's own MTP layer); "": none.
@@ -150,7 +150,7 @@ class StepProgram:
 
     def abstract_draft_kv(self):
         """The draft head's one layer of pages (abstract): a KVCache."""
-        from jaxserve.runner.eagle3_step import draft_cache_dtype
+        from jaxserve.runner.draft_head_step import draft_cache_dtype
 
         r = self.recipe
         return abstract_kv_cache(self.drafter_cfg, r.num_pages, r.page_size, draft_cache_dtype(r.dtype, r.kv_dtype),
@@ -160,7 +160,7 @@ class StepProgram:
         """What the step takes as its KV cache: the target's, or with a draft head a DraftKV."""
         if self.drafter_cfg is None:
             return self.abstract_target_kv()
-        from jaxserve.runner.eagle3_step import DraftKV
+        from jaxserve.runner.draft_head_step import DraftKV
 
         return DraftKV(self.abstract_target_kv(), self.abstract_draft_kv())
 
@@ -291,7 +291,7 @@ def step_program(recipe: StepRecipe, model, backend: Backend, mesh: Mesh,
                                               recipe.data_parallel_size > 1)
     if not recipe.draft_method:
         return StepProgram(recipe, model.config, function, mesh, lora, replicated, state_sharding), params, treedef
-    from jaxserve.runner.eagle3_step import MTP, DraftingStepFunction, Eagle3Head, MtpHead, mtp_layer_config
+    from jaxserve.runner.draft_head_step import MTP, DraftingStepFunction, Eagle3Head, MtpHead, mtp_layer_config
 
     if lora is not None or recipe.num_decode_steps > 1 or recipe.data_parallel_size > 1 or mesh.size > 1:
         raise ValueError(f"{recipe.draft_method} speculative decoding runs on one device, without LoRA and "

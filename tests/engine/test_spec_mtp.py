@@ -1,5 +1,5 @@
 """DeepSeek multi-token-prediction speculative decoding in the engine (speculative_config method
-"deepseek_mtp"; jaxserve/runner/eagle3_step.py `MtpHead`): the tiny `deepseek_v3` fixture with
+"deepseek_mtp"; jaxserve/runner/draft_head_step.py `MtpHead`): the tiny `deepseek_v3` fixture with
 one random MTP layer added (transformers writes none), drafting inside the compiled step.
 Greedy and seeded outputs equal the outputs without speculation; the step's drafts equal a
 dense reference of the MTP chain written here from the formula (no paged cache, MLA with
@@ -343,7 +343,7 @@ def test_the_kv_budget_holds_the_mtp_pages(spec_llm, plain_llm):
 
 def test_an_fp8_cache_with_the_mtp_layer(mtp_dir, data_dir, compile_cache_dir):
     """--kv-cache-dtype fp8: the target's latent rows in one byte, the MTP layer's in the
-    model's dtype (runner/eagle3_step.py `draft_cache_dtype`); the greedy tokens are
+    model's dtype (runner/draft_head_step.py `draft_cache_dtype`); the greedy tokens are
     transformers' (as without speculation: tests/models/test_deepseek_v3.py), drafts verified."""
     llm = LLM(str(mtp_dir), speculative_config=SPEC, kv_cache_dtype="fp8",
               compilation_cache_dir=compile_cache_dir, **OPTIONS)

@@ -1,7 +1,7 @@
 """Drafting with a draft head (EAGLE-3, DeepSeek MTP), the engine's side: the drafts come with
 each step's output.
 
-The draft head runs inside the target's compiled step (jaxserve/runner/eagle3_step.py), which
+The draft head runs inside the target's compiled step (jaxserve/runner/draft_head_step.py), which
 returns the next k drafts of every request that sampled; the engine core makes them the
 request's `spec_token_ids`, fed and verified in the next step as n-gram drafts are.
 """
@@ -21,5 +21,3 @@ class DraftHeadProposer:
     def drafts(self, request_id: str, step_drafts: dict[str, list[int]]) -> list[int]:
         return list(step_drafts.get(request_id, ()))[: self.k]
 
-
-Eagle3Proposer = DraftHeadProposer  # the name it had when EAGLE-3 was the only head
