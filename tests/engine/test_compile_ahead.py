@@ -137,7 +137,7 @@ def test_a_draft_heads_step_is_compiled_ahead_and_served_from_the_directory(mode
     assert manifest["entries"] == ["kv-zeros", "draft-kv-zeros", "sampling-state", "step-8x8", "step-16x8",
                                    "write-slot-rows"]
     head = manifest["material"]["recipe.draft_model"]
-    assert head.startswith("a head whose config.json hashes to ")
+    assert head.startswith("a drafter whose config.json hashes to ")
     assert manifest["material"]["recipe.num_speculative_tokens"] == "2"
     # The head from another directory: the same head to the programs (named by its config).
     shutil.copytree(HEAD, tmp_path / "head")

@@ -1,6 +1,6 @@
-"""Speculative decoding with a draft model (jaxserve/runner/draft_model_step.py): the tiny `llama`
-fixture served with the tiny `qwen2` one (another architecture, the same vocabulary and
-tokenizer; random weights) drafting inside the target's compiled step. Greedy and seeded outputs
+"""Speculative decoding with a draft model (jaxserve/runner/draft_head_step.py,
+`DraftModelHead`): the tiny `llama` fixture served with the tiny `qwen2` one (another
+architecture, the same vocabulary and tokenizer; random weights) drafting inside the target's compiled step. Greedy and seeded outputs
 equal the outputs without speculation; the step's drafts equal the draft model's greedy chain
 recomputed densely over the whole context; the target drafting for itself gets its drafts
 accepted; a draft model that does not fit the target is refused by name."""
@@ -21,7 +21,7 @@ from flax import nnx
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import EngineConfig, SpeculativeConfig
 from jaxserve.models.sharding import single_device_mesh
-from jaxserve.runner.draft_model_step import load_draft_model
+from jaxserve.runner.draft_model import load_draft_model
 from jaxserve.runner.kv_cache import allocate_kv_cache
 from jaxserve.runner.step_inputs import StepRequest, pack_step
 from tests.model_dirs import word_tokenizer, write_model_dir
