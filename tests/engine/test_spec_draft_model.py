@@ -186,6 +186,23 @@ def test_the_target_as_its_own_draft_model_gets_its_drafts_accepted(model_dir, p
     assert drafts <= 48 // 2
 
 
+def test_an_fp8_cache_keeps_the_draft_models_pages_in_float(model_dir, compile_cache_dir):
+    """--kv-cache-dtype fp8: the target's pages in one byte with their measured scales, the draft
+    model's in the model's dtype (`draft_cache_dtype`: its scales are not measured) and counted
+    so in the budget (the target drafting for itself: 1 + 4 bytes a page for 1); greedy
+    outputs equal plain decoding over the same fp8 cache, and its drafts are still accepted."""
+    fp8 = dict(OPTIONS, kv_cache_dtype="fp8", compilation_cache_dir=compile_cache_dir)
+    spec = LLM(model_dir, speculative_config={"model": model_dir, "num_speculative_tokens": K}, **fp8)
+    plain = LLM(model_dir, **fp8)
+    kv = spec.engine.runner.kv
+    assert str(kv.target.k[0].dtype) == "float8_e4m3fn" and kv.draft.k[0].dtype == jnp.float32
+    assert abs(5 * spec.engine.runner.num_pages - plain.engine.runner.num_pages) <= 5
+    greedy = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (16, 12, 8)]
+    assert tokens(spec, PROMPTS[:3], greedy) == tokens(plain, PROMPTS[:3], greedy)
+    drafts, draft_tokens, accepted = spec_stats(spec)
+    assert draft_tokens >= 2 * drafts > 0 and accepted >= 0.5 * draft_tokens, (drafts, draft_tokens, accepted)
+
+
 def test_the_kv_budget_holds_both_caches(spec_llm, plain_llm):
     """The draft model's cache (two layers of the target's page shape here) comes out of the
     same KV budget: half the pages, the draft model's as many as the target's."""
