@@ -70,7 +70,7 @@ class RunnerOutput:
     logprobs: dict[str, list[SampleLogprobs]]  # one per sampled token
     # request id -> (first position, per-position SampleLogprobs of the NEXT prompt token)
     prompt_logprobs: dict[str, tuple[int, list[SampleLogprobs]]]
-    # EAGLE-3: request id -> the drafts the step made for its next tokens (requests that sampled)
+    # A drafter in the step: request id -> the drafts the step made for its next tokens (requests that sampled)
     drafts: dict[str, list[int]] = dataclasses.field(default_factory=dict)
 
 
@@ -94,7 +94,7 @@ class StepPlan:
     # steps (the tokens collect reads back for it)
     num_steps: int = 1
     row_steps: list[int] = dataclasses.field(default_factory=list)
-    # EAGLE-3: each request row's request id (the rows of the step's drafts) and whether it sampled
+    # A drafter in the step: each request row's request id (the rows of the step's drafts) and whether it sampled
     draft_rows: list[tuple[str, bool]] = dataclasses.field(default_factory=list)
 
 
@@ -103,7 +103,7 @@ class LaunchedStep:
     plan: StepPlan
     out: SamplerOutput  # [R] rows; a decode block's: [K, R]
     plp: PromptLogprobs | None  # None: a decode block
-    drafts: jax.Array | None = None  # EAGLE-3: [R, k] each request row's drafts
+    drafts: jax.Array | None = None  # a drafter's: [R, k] each request row's drafts
 
 
 class ModelRunner:
@@ -149,7 +149,7 @@ class ModelRunner:
                                                                        drafter=drafter)
         with timer.phase("weight arena"):
             backend.place_weights(model, self.params, self._params_treedef)
-        self.drafting = self.program.drafter_params is not None  # a draft head: the step drafts
+        self.drafting = self.program.drafter_params is not None  # a drafter in the step
         if self.drafting:
             self.params += self.program.drafter_params
         self.num_weights = len(self.params)

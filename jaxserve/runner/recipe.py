@@ -278,8 +278,9 @@ def step_program(recipe: StepRecipe, model, backend: Backend, mesh: Mesh,
     """The step of `recipe` over `model` (real or abstract weights, already laid out by
     `backend`): (program, the model's flat weights, their tree structure). The LoRA slots'
     arrays follow the weights in the step's parameter list (`StepProgram.lora_arrays`), and so
-    do an EAGLE-3 head's (`StepProgram.drafter_params`): `drafter`, the loaded head, or None
-    for an abstract one read from `recipe.draft_model` (an MTP head is the target's own)."""
+    do a drafter's own (`StepProgram.drafter_params`, draft_head_step.drafting_step):
+    `drafter`, the loaded EAGLE-3 head or draft model, or None for an abstract one read from
+    `recipe.draft_model` (an MTP layer is the target's own)."""
     graphdef, state = nnx.split(model)
     params, treedef = jax.tree.flatten(state)
     lora = None

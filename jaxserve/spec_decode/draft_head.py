@@ -1,7 +1,7 @@
-"""Drafting with a draft head (EAGLE-3, DeepSeek MTP), the engine's side: the drafts come with
-each step's output.
+"""Drafting inside the step (an EAGLE-3 head, DeepSeek MTP, a draft model), the engine's side:
+the drafts come with each step's output.
 
-The draft head runs inside the target's compiled step (jaxserve/runner/draft_head_step.py), which
+The drafter runs inside the target's compiled step (jaxserve/runner/draft_head_step.py), which
 returns the next k drafts of every request that sampled; the engine core makes them the
 request's `spec_token_ids`, fed and verified in the next step as n-gram drafts are.
 """
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 
 class DraftHeadProposer:
-    """The engine's side of drafting with a head in the step: the drafts come with each step's
-    output (`RunnerOutput.drafts`), made on the device; nothing is proposed on the host."""
+    """The engine's side of drafting in the step, for every drafter: the drafts come with each
+    step's output (`RunnerOutput.drafts`), made on the device; nothing is proposed on the host."""
 
     on_device = True
 

@@ -1,8 +1,9 @@
 """Speculative decoding with a draft model (jaxserve/runner/draft_head_step.py,
 `DraftModelHead`): the tiny `llama` fixture served with the tiny `qwen2` one (another
-architecture, the same vocabulary and tokenizer; random weights) drafting inside the target's compiled step. Greedy and seeded outputs
-equal the outputs without speculation; the step's drafts equal the draft model's greedy chain
-recomputed densely over the whole context; the target drafting for itself gets its drafts
+architecture, the same vocabulary and tokenizer; random weights) drafting inside the target's
+compiled step. Greedy and seeded outputs equal the outputs without speculation (over an fp8
+cache too, the draft model's pages in float); the step's drafts equal the draft model's greedy
+chain recomputed densely over the whole context; the target drafting for itself gets its drafts
 accepted; a draft model that does not fit the target is refused by name."""
 
 from __future__ import annotations

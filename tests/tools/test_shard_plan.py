@@ -248,7 +248,7 @@ def test_a_draft_heads_weights_and_pages_are_counted():
     bytes, so the same budget holds fewer pages); the flag resolves the head as serve does, and a
     mesh of several devices is refused (the head runs on one)."""
     from jaxserve.models.eagle3_checkpoint import load_eagle3
-    from jaxserve.runner.eagle3_step import draft_layer_config
+    from jaxserve.runner.draft_head_step import draft_layer_config
     from jaxserve.server.cli import build_parser
     from jaxserve.tools.shard_plan import build_jobs
 
