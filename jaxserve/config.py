@@ -375,24 +375,29 @@ class CompileConfig:
         return self.compilation_cache_dir or str(_user_cache_dir() / "xla")
 
 
-# The speculative methods that draft with a model of their own ("model"), and what it is.
-MODEL_DRAFTERS = {"eagle3": "EAGLE-3 draft head", "draft_model": "draft model"}
+# The speculative methods that draft inside the target's compiled step, and what drafts
+# (runner/draft_head_step.py); those that take a "model" of their own.
+STEP_DRAFTERS = {"eagle3": "EAGLE-3 draft head", "deepseek_mtp": "DeepSeek MTP layer",
+                 "draft_model": "draft model"}
+MODEL_DRAFTERS = {m: STEP_DRAFTERS[m] for m in ("eagle3", "draft_model")}
 
 
 @dataclasses.dataclass(frozen=True)
 class SpeculativeConfig:
-    """Speculative decoding, vLLM's `speculative_config`. Three methods: "ngram" (prompt lookup:
+    """Speculative decoding, vLLM's `speculative_config`. Four methods: "ngram" (prompt lookup:
     the drafts are the tokens that followed the latest earlier occurrence of the longest n-gram,
     prompt_lookup_min <= n <= prompt_lookup_max, ending the request's context), "eagle3" (an
     EAGLE-3 draft head, `model`, run inside the target's compiled step on the target's hidden
-    states) and "draft_model" (a small causal LM with the target's vocabulary, `model`, run
-    inside the target's compiled step with its own KV cache); the model checks the drafts all
-    in one step (jaxserve/spec_decode/). Without "method", as vLLM: "ngram" when `model` is
-    "ngram", else "draft_model"."""
+    states), "deepseek_mtp" (vLLM's "mtp" too: a DeepSeek V3 checkpoint's own
+    multi-token-prediction layer, run the same way) and "draft_model" (a small causal LM with
+    the target's vocabulary, `model`, run inside the target's compiled step with its own KV
+    cache); the model checks the drafts all in one step (jaxserve/spec_decode/). Without
+    "method", as vLLM: "ngram" when `model` is "ngram", else "draft_model"."""
 
-    method: Literal["ngram", "eagle3", "draft_model"] = "ngram"
-    """How drafts are made: ngram (prompt lookup), eagle3 (an EAGLE-3 draft head: `model`) or
-    draft_model (a smaller causal LM: `model`)."""
+    method: Literal["ngram", "eagle3", "deepseek_mtp", "draft_model"] = "ngram"
+    """How drafts are made: ngram (prompt lookup), eagle3 (an EAGLE-3 draft head: `model`),
+    deepseek_mtp ("mtp": the target's own MTP layer) or draft_model (a smaller causal LM:
+    `model`)."""
     num_speculative_tokens: int = 0
     """Draft tokens per step and request at most (required, >= 1)."""
     prompt_lookup_min: int | None = None
@@ -404,15 +409,25 @@ class SpeculativeConfig:
     tokenizer); a local HF directory or a Hugging Face Hub name (required for both)."""
 
     def __post_init__(self) -> None:
-        if self.method not in ("ngram", "[ngram]", *MODEL_DRAFTERS):
+        if self.method not in ("ngram", "[ngram]", "mtp", *STEP_DRAFTERS):
             raise ValueError(f"speculative_config: method {self.method!r} is not supported; jaxserve "
-                             "drafts with 'ngram' (prompt lookup), 'eagle3' (an EAGLE-3 draft head) or "
-                             "'draft_model' (a smaller causal LM).")
-        if self.method == "[ngram]":
-            object.__setattr__(self, "method", "ngram")
+                             "drafts with 'ngram' (prompt lookup), 'eagle3' (an EAGLE-3 draft "
+                             "head), 'deepseek_mtp' / 'mtp' (a DeepSeek V3 checkpoint's MTP "
+                             "layer) or 'draft_model' (a smaller causal LM).")
+        aliases = {"[ngram]": "ngram", "mtp": "deepseek_mtp"}
+        if self.method in aliases:
+            object.__setattr__(self, "method", aliases[self.method])
         if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
             raise ValueError("speculative_config: num_speculative_tokens must be a positive integer, "
                              f"got {self.num_speculative_tokens!r}.")
+        if self.method == "deepseek_mtp":
+            if self.model is not None:
+                raise ValueError('speculative_config: method "deepseek_mtp" drafts with the target '
+                                 'checkpoint\'s own MTP layers; leave out "model".')
+            if self.prompt_lookup_min is not None or self.prompt_lookup_max is not None:
+                raise ValueError("speculative_config: prompt_lookup_min / prompt_lookup_max are "
+                                 'the "ngram" method\'s.')
+            return
         if self.method in MODEL_DRAFTERS:
             if not isinstance(self.model, str) or not self.model:
                 raise ValueError(f'speculative_config: method "{self.method}" needs "model", the '
@@ -463,8 +478,8 @@ class SpeculativeConfig:
             elif model is not None:
                 value = {**value, "method": "draft_model"}
             else:
-                raise ValueError('speculative_config: "method" ("ngram", "eagle3" or "draft_model") or '
-                                 '"model" is required.')
+                raise ValueError('speculative_config: "method" ("ngram", "eagle3", "deepseek_mtp" or '
+                                 '"draft_model") or "model" is required.')
         return cls(**value)
 
 
@@ -494,9 +509,10 @@ class EngineConfig:
     """Speculative decoding, as vLLM's: e.g. {"method": "ngram", "num_speculative_tokens": 4,
     "prompt_lookup_max": 4, "prompt_lookup_min": 2} (n-gram prompt lookup; the leader drafts,
     the step is the same), or {"method": "eagle3", "model": DIR, "num_speculative_tokens": 3}
-    (an EAGLE-3 draft head run inside the compiled step), or {"model": DIR,
-    "num_speculative_tokens": 3} (method "draft_model": a smaller causal LM with the target's
-    vocabulary, run inside the compiled step). Default: off."""
+    (an EAGLE-3 draft head run inside the compiled step), {"method": "deepseek_mtp",
+    "num_speculative_tokens": 2} (a DeepSeek V3 checkpoint's MTP layer, likewise), or
+    {"model": DIR, "num_speculative_tokens": 3} (method "draft_model": a smaller causal LM with
+    the target's vocabulary, likewise). Default: off."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))

@@ -39,8 +39,10 @@ renormalised (norm_topk_prob), times routed_scaling_factor.
 Multi-token prediction: a checkpoint stores `num_nextn_predict_layers` MTP layers after the
 decoder layers (`model.layers.{num_hidden_layers + k}.*`: enorm, hnorm, eh_proj,
 shared_head.norm and a full decoder layer). They are loaded and kept on the model (`mtp`) but
-not run by the forward pass; their embedding and output head are the model's own (DeepSeek
-shares them; the copies a checkpoint stores are not read).
+not run by the forward pass: with speculative_config method "deepseek_mtp" the drafting step
+runs the first (`DeepseekV3MtpLayer.paged_step`) on the forward's output, the final hidden
+state; their embedding and output head are the model's own (DeepSeek shares them; the copies
+a checkpoint stores are not read).
 
 A quantized KV cache (`--kv-cache-dtype fp8` or int8) holds the rows as one-byte pages with two
 scales per layer, the latent columns' and the roped ones' (models/layers/mla.py,
@@ -68,7 +70,7 @@ from jaxserve.models.layers.mla import mla_attention
 from jaxserve.models.layers.norm import rms_norm
 from jaxserve.models.layers.moe import check_impl as check_moe_impl
 from jaxserve.models.layers.moe import moe_mlp
-from jaxserve.models.layers.rotary import apply_rotary, layer_rope_spec
+from jaxserve.models.layers.rotary import apply_rotary, layer_rope_spec, rope_tables
 from jaxserve.models.llama import HEAD_SPECS, LlamaForCausalLM, TensorGetter, _param, rope_for_step
 from jaxserve.models.moe import ROUTER_SPEC
 from jaxserve.models.sharding import logical_to_spec, mesh_axes_size
@@ -84,6 +86,8 @@ MLA_SPECS = {
 # The epsilon of the RMSNorms inside attention (q_a_layernorm, kv_a_layernorm): transformers'
 # and DeepSeek's default, not the config's rms_norm_eps.
 LORA_NORM_EPS = 1e-6
+# The MTP layer's joint projection of [normed embedding, normed hidden] [T, 2E] -> [T, E].
+MTP_SPEC = "ta,ae->te"
 
 
 def yarn_mscale(scale: float, m: float) -> float:
@@ -181,9 +185,18 @@ class DeepseekV3DecoderLayer(nnx.Module):
 
 
 class DeepseekV3MtpLayer(nnx.Module):
-    """One multi-token prediction layer's weights (loaded, not run here): the norms of the
-    next token's embedding and of the main model's hidden state, their joint projection
-    `eh_proj` [2E, E], a decoder layer and its output norm."""
+    """One multi-token prediction layer: the norms of the next token's embedding (`enorm`) and
+    of the main model's hidden state (`hnorm`), their joint projection `eh_proj` [2E, E], a
+    decoder layer (`block`) and its output norm (`final_norm`, the checkpoint's
+    shared_head.norm). Not run by the model's forward: the drafting step runs it
+    (`paged_step`, `logits`; jaxserve/runner/draft_head_step.py `MtpHead`).
+
+    At position p it reads the hidden state h the model computed there (after the model's
+    final norm: what the LM head reads, as vLLM passes it) and the embedding of the token at
+    p + 1 (zeroed at position 0, as vLLM does): x = eh_proj([enorm(embed), hnorm(h)]), the
+    decoder layer over x at position p (its own latent rows in its own paged cache), and its
+    output out predicts the token at p + 2 through lm_head(final_norm(out)). A chained draft
+    takes out as its h (vLLM's: the output before the norm)."""
 
     def __init__(self, cfg: ArchConfig, dtype, rngs: nnx.Rngs | None, *, attn_spec, rope, mesh,
                  rules):
@@ -196,6 +209,28 @@ class DeepseekV3MtpLayer(nnx.Module):
         self.block = DeepseekV3DecoderLayer(cfg, dtype, rngs, moe=cfg.num_experts > 0,
                                             attn_spec=attn_spec, rope=rope, mesh=mesh,
                                             rules=rules)
+
+    def paged_step(self, model, input_ids: jax.Array, positions: jax.Array, hidden: jax.Array,
+                   cache: jax.Array, md: AttentionMetadata) -> tuple[jax.Array, jax.Array]:
+        """The layer over a flat ragged batch described by `md` (`model`: the DeepSeek model
+        whose embedding, attention and MLP code it uses): `input_ids` [T] the next tokens,
+        `hidden` [T, E] the model's (or the previous chained pass's) hidden states, `cache`
+        its one layer of latent rows. Returns (the layer's output [T, E], cache)."""
+        embeds = model.embed_tokens(input_ids)
+        embeds = jnp.where((positions == 0)[:, None], jnp.zeros_like(embeds), embeds)
+        x = jnp.concatenate([model.norm(embeds, self.enorm[...]),
+                             model.norm(hidden, self.hnorm[...])], axis=-1)
+        h = dense(MTP_SPEC, x, self.eh_proj[...])
+        layer = self.block
+        p = module_weights(layer)
+        rope = rope_tables(layer.rope, positions, md)
+        attn, cache = model.attention(layer, p, model.norm(h, p["input_norm"]), rope, cache, md)
+        h = h + attn
+        return h + model.mlp(layer, p, model.norm(h, p["post_norm"])), cache
+
+    def logits(self, model, out: jax.Array) -> jax.Array:
+        """The layer's outputs [N, E] -> float32 logits [N, V] (the model's LM head)."""
+        return model.compute_logits(model.norm(out, self.final_norm[...]))
 
 
 class DeepseekV3ForCausalLM(LlamaForCausalLM):

@@ -364,8 +364,17 @@ class Eagle3Drafter(nnx.Module):
         runner allocates them for `config.layer`): the step's tokens are a flat ragged batch
         described by `md`, each attending causally over its request's cached keys, as the
         target's layers do. Returns the drafts and the updated caches."""
+        out, k_cache, v_cache = self.paged_layer(input_ids, positions, hidden, k_cache, v_cache,
+                                                 md, mesh, rules)
+        return self.head(out), k_cache, v_cache
+
+    def paged_layer(self, input_ids: jax.Array, positions: jax.Array, hidden: jax.Array,
+                    k_cache: jax.Array, v_cache: jax.Array, md: AttentionMetadata,
+                    mesh: Mesh | None = None, rules: ax.Rules = DEFAULT_RULES
+                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """`paged_step` up to the head: (the layer's output [T, H], the updated caches)."""
         q, k, v, residual = self.project_qkv(input_ids, positions, hidden, md)
         attn, k_cache, v_cache = paged_attention(
             q.astype(attention_dtype(k_cache.dtype, self.dtype)), k, v, k_cache, v_cache, md,
             self.layer.attn_spec, mesh, rules)
-        return self.head(self.finish_layer(attn, residual)), k_cache, v_cache
+        return self.finish_layer(attn, residual), k_cache, v_cache

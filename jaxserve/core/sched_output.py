@@ -78,7 +78,7 @@ class ScheduledRequest:
     # KV grows by num_steps positions (allocated before the block). 1: an ordinary row.
     num_steps: int = 1
     # A prefill chunk that samples nothing: the token after its last one (an EAGLE-3 head's
-    # input at that position, jaxserve/runner/eagle3_step.py); -1 otherwise.
+    # input at that position, jaxserve/runner/draft_head_step.py); -1 otherwise.
     next_token_id: int = -1
 
     @property

@@ -1,8 +1,9 @@
 """What a draft model (speculative_config method "draft_model") must be to draft for a target.
 
-The step drafts with it inside the target's program (runner/draft_model_step.py) and the target
-verifies its tokens as its own: so it must be a causal LM the engine serves, in float weights
-(the target's dtype), over the target's vocabulary with the target's tokenizer. Anything else
+The step drafts with it inside the target's program (runner/draft_head_step.py,
+`DraftModelHead`) and the target verifies its tokens as its own: so it must be a causal LM the
+engine serves, in float weights (the target's dtype), over the target's vocabulary with the
+target's tokenizer. Anything else
 is refused at start, by name.
 """
 
@@ -20,6 +21,20 @@ from jaxserve.models.registry import get_model_class
 logger = logging.getLogger(__name__)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+
+
+class TargetTokenizer:
+    """The target's tokenizer read only when asked for, as a future of it (`checked_draft_model`
+    reads it for a draft model with a tokenizer of its own): what the tools that plan without
+    starting an engine pass."""
+
+    def __init__(self, model: str):
+        self.model = model
+
+    def result(self):
+        from jaxserve.engine.tokenizer import Tokenizer
+
+        return Tokenizer.from_pretrained(self.model)
 
 
 def detect_eagle3_head(config: EngineConfig) -> EngineConfig:

@@ -66,17 +66,16 @@ def size_kv_cache(plan: EnginePlan, model, backend: Backend, mesh, timer: Startu
 
 
 def draft_bytes_per_page(plan: EnginePlan, mesh) -> int:
-    """Bytes per page (per device) of an EAGLE-3 head's layer of pages, or of a draft model's
-    whole cache (all its layers), indexed like the target's; 0 without a drafter."""
-    if not plan.draft_model:
+    """Bytes per page (per device) of the drafter's own pages (an EAGLE-3 head's or MTP's one
+    layer, a draft model's whole cache), indexed like the target's, in their own dtype
+    (`draft_cache_dtype`); 0 without a drafter in the step."""
+    if not plan.draft_method:
         return 0
-    if plan.speculative.method == "draft_model":
-        from jaxserve.runner.draft_model_step import draft_model_config as drafter_config
-    else:
-        from jaxserve.runner.eagle3_step import draft_layer_config as drafter_config
+    from jaxserve.runner.draft_head_step import draft_cache_config, draft_cache_dtype
 
-    return bytes_per_page(drafter_config(plan.draft_model), plan.config.cache.page_size,
-                          jax_dtype(plan.device.kv_dtype), mesh, plan.rules)
+    cfg = draft_cache_config(plan.draft_method, plan.arch, plan.draft_model)
+    dtype = draft_cache_dtype(jax_dtype(plan.device.dtype), jax_dtype(plan.device.kv_dtype))
+    return bytes_per_page(cfg, plan.config.cache.page_size, dtype, mesh, plan.rules)
 
 
 def _memory_from_programs(plan: EnginePlan, backend: Backend, mesh, recipe) -> MemoryBudget:
@@ -126,7 +125,7 @@ def kv_budget_from_programs(backend: Backend, cc, recipe, bucket: tuple[int, int
     small = probe(2 * D)
     first = backend.kv_budget_from_step(cc, small, device_memory, in_use=in_use, num_executables=num_executables)
     page = (bytes_per_page(arch, recipe(num_pages=2 * D).page_size, kv_dtype, mesh, rules)  # per device
-            + extra_bytes_per_page)  # an EAGLE-3 head's or a draft model's pages
+            + extra_bytes_per_page)  # the drafter's own pages
     pages = D * max(2, first.kv // 8 // page)
     if pages <= 2 * D:
         return first

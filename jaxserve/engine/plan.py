@@ -22,7 +22,7 @@ import pathlib
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from jaxserve.config import EngineConfig, LoRAConfig, SchedulerConfig, SpeculativeConfig
+from jaxserve.config import STEP_DRAFTERS, EngineConfig, LoRAConfig, SchedulerConfig, SpeculativeConfig
 
 if TYPE_CHECKING:
     from jaxserve.backends.base import Backend, DevicePlan
@@ -103,9 +103,11 @@ class EnginePlan:
     engine_core: str  # "thread", "process" (serve) or "caller" (offline: the caller's thread)
     reasons: Mapping[str, str]
     num_decode_steps: int = 1  # multi-step decode's K (runner/decode_block.py)
-    # EAGLE-3 or draft-model speculative decoding: the drafter's directory, resolved at build
-    # ("": none)
+    # Drafting inside the step: the method ("eagle3", "deepseek_mtp", "draft_model"; "": none)
+    # and the drafter's directory (an EAGLE-3 head's or a draft model's; "" for MTP, the
+    # target's own layer), set at build once checked against the target
     draft_model: str = ""
+    draft_method: str = ""
 
     @property
     def max_model_len(self) -> int:
@@ -161,7 +163,7 @@ class EnginePlan:
             max_model_len=max_model_len, sampler_config=self.sampler, quantization=self.config.model.quantization,
             kv_scales=kv_scales, max_loras=lora.max_loras if lora else 0, max_lora_rank=lora.max_lora_rank if lora else 0,
             num_speculative_tokens=spec.num_speculative_tokens if spec else 0, draft_model=self.draft_model,
-            draft_method="draft_model" if spec and spec.method == "draft_model" else "eagle3",
+            draft_method=self.draft_method,
             token_buckets=self.grid.token_buckets, request_buckets=self.grid.request_buckets,
             num_decode_steps=self.num_decode_steps,
             kv_heads=self.arch.num_kv_heads if self.arch.checkpoint_heads else 0)
@@ -241,10 +243,10 @@ def _check_servable(config: EngineConfig, pooling: bool, multi_process: bool) ->
 
 
 def _check_speculative(config: EngineConfig, pooling: bool, multi_process: bool) -> None:
-    """EAGLE-3 and draft-model drafting run inside one device's step: refuse what they do not
-    run with."""
+    """A drafter run inside the step (EAGLE-3, MTP, a draft model) runs inside one device's
+    step: refuse what it does not run with."""
     spec, pc = config.speculative_config, config.parallel
-    if spec is None or spec.method not in ("eagle3", "draft_model"):
+    if spec is None or spec.method not in STEP_DRAFTERS:
         return
     refused = [name for name, on in (
         ("--runner pooling", pooling), ("--enable-lora", config.lora.enable_lora),
@@ -252,7 +254,7 @@ def _check_speculative(config: EngineConfig, pooling: bool, multi_process: bool)
         ("several processes", multi_process),
         ("--num-decode-steps above 1", (config.scheduler.num_decode_steps or 1) > 1)) if on]
     if refused:
-        raise ValueError(f"speculative_config method '{spec.method}' runs on one device without "
+        raise ValueError(f"speculative_config method {spec.method!r} runs on one device without "
                          f"{', '.join(refused)}")
 
 
@@ -310,9 +312,8 @@ def _decode_steps(config: EngineConfig, backend: Backend, pooling: bool, several
     several data-parallel ranks or processes: a block is one rank's, launched in one process)."""
     given = config.scheduler.num_decode_steps
     spec = config.speculative_config
-    if spec is not None and spec.method in ("eagle3", "draft_model"):
-        drafter = "EAGLE-3" if spec.method == "eagle3" else "the draft model"
-        reasons["num_decode_steps"] = f"{drafter} drafts after each step"
+    if spec is not None and spec.method in STEP_DRAFTERS:
+        reasons["num_decode_steps"] = f"the {STEP_DRAFTERS[spec.method]} drafts after each step"
         return 1
     if pooling:
         reasons["num_decode_steps"] = "the pooling runner decodes nothing"

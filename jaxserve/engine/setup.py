@@ -21,7 +21,7 @@ from typing import Any
 from jaxserve.backends import Backend, DevicePlan, select_backend
 from jaxserve.backends.base import log_activation_products
 from jaxserve.backends.devices import DeviceSet
-from jaxserve.config import EngineConfig, jax_dtype
+from jaxserve.config import STEP_DRAFTERS, EngineConfig, jax_dtype
 from jaxserve.core.adapter_slots import AdapterSlots
 from jaxserve.core.dp_scheduler import DataParallelScheduler
 from jaxserve.core.kv_cache_manager import KVCacheManager
@@ -57,7 +57,8 @@ __all__ = ["DEFAULT_MODEL_NAME", "EngineParts", "build_engine", "confirm_memory"
            "kv_budget_from_programs"]
 
 logger = logging.getLogger(__name__)
-SPECULATION_NAMES = {"ngram": "n-gram", "eagle3": "EAGLE-3", "draft_model": "draft-model"}
+SPECULATION_NAMES = {"ngram": "n-gram", "eagle3": "EAGLE-3", "deepseek_mtp": "DeepSeek MTP",
+                     "draft_model": "draft-model"}
 
 
 @dataclasses.dataclass
@@ -189,12 +190,9 @@ def _plan(config: EngineConfig, start: _Start, timer: StartupTimer, engine_core,
         plan = plan_engine(config, files, backend, DeviceSet.of_mesh(start.mesh, backend.platform),
                            engine_core=engine_core)
     spec = config.speculative_config
-    if spec is not None and spec.method == "eagle3":
-        plan = dataclasses.replace(plan, draft_model=draft_model_dir(config, start.ckpt.config))
-    elif spec is not None and spec.method == "draft_model":
-        from jaxserve.engine.draft_check import checked_draft_model
-
-        plan = dataclasses.replace(plan, draft_model=checked_draft_model(config, start.ckpt.config, start.tokenizer))
+    if spec is not None and spec.method in STEP_DRAFTERS:
+        plan = dataclasses.replace(plan, draft_method=spec.method,
+                                   draft_model=drafter_dir(config, start.ckpt.config, start.tokenizer))
     if plan.max_model_len > plan.arch.max_position_embeddings:
         logger.warning("max_model_len %d exceeds the model's max_position_embeddings %d",
                        plan.max_model_len, plan.arch.max_position_embeddings)
@@ -209,6 +207,23 @@ def _plan(config: EngineConfig, start: _Start, timer: StartupTimer, engine_core,
     if plan.arch.kv_padding_note():
         logger.info("%s", plan.arch.kv_padding_note())
     return plan
+
+
+def drafter_dir(config: EngineConfig, target_config: dict, target_tokenizer=None) -> str:
+    """The directory of the drafter that `config`'s speculative method runs inside the step,
+    checked against the target (`target_config` its config.json, `target_tokenizer` its
+    Tokenizer or a future of it, read for a draft model only): an EAGLE-3 head's, a draft
+    model's, "" for DeepSeek MTP (the target's own layer). ValueError naming what does not
+    fit. `jaxserve compile` resolves it the same way."""
+    method = config.speculative_config.method
+    if method == "eagle3":
+        return draft_model_dir(config, target_config)
+    if method == "draft_model":
+        from jaxserve.engine.draft_check import checked_draft_model
+
+        return checked_draft_model(config, dict(target_config), target_tokenizer)
+    _check_mtp_target(target_config)
+    return ""
 
 
 def draft_model_dir(config: EngineConfig, target_config: dict) -> str:
@@ -233,6 +248,21 @@ def draft_model_dir(config: EngineConfig, target_config: dict) -> str:
     return str(path)
 
 
+def _check_mtp_target(target_config: dict) -> None:
+    """The target (config.json `target_config`) of method "deepseek_mtp": a DeepSeek V3
+    checkpoint with MTP layers (ValueError naming what is not)."""
+    target = ArchConfig.from_hf(dict(target_config))
+    if target.architecture != "DeepseekV3ForCausalLM":
+        qwen3_next = "qwen3_next" in str(target_config.get("model_type", ""))
+        raise ValueError(
+            "speculative_config method 'deepseek_mtp' drafts with a DeepSeek V3 checkpoint's MTP "
+            f"layers; the target is {target.architecture}"
+            + (" (Qwen3-Next's mtp.* layers: jaxserve does not serve Qwen3-Next)" if qwen3_next else ""))
+    if not target.num_mtp_layers:
+        raise ValueError("speculative_config method 'deepseek_mtp': the checkpoint has no MTP layers "
+                         "(num_nextn_predict_layers is 0)")
+
+
 def _build(plan: EnginePlan, start: _Start, timer: StartupTimer):
     """The model: weights placed and laid out by the backend, a quantized KV cache's scales set."""
     model = _prepared_model(plan, start, timer)
@@ -248,7 +278,7 @@ def _compile(plan: EnginePlan, start: _Start, model, kv: KVSize, timer: StartupT
     config = plan.config
     drafter = None
     if plan.draft_model and plan.speculative.method == "draft_model":
-        from jaxserve.runner.draft_model_step import load_draft_model
+        from jaxserve.runner.draft_model import load_draft_model
 
         with timer.phase("draft model"):
             drafter = load_draft_model(plan.draft_model, jax_dtype(plan.device.dtype), start.mesh, plan.rules,
@@ -292,16 +322,13 @@ def _assemble(plan: EnginePlan, start: _Start, runner: ModelRunner, kv: KVSize, 
     scheduler = DataParallelScheduler(sc, kv_managers, adapters) if D > 1 else Scheduler(sc, kv_managers[0], adapters)
     spec = plan.speculative
     proposer = None
-    if spec is not None and spec.method == "eagle3":
-        from jaxserve.spec_decode.eagle3 import Eagle3Proposer
+    if plan.draft_method:
+        from jaxserve.runner.draft_head_step import lookahead_tokens
+        from jaxserve.spec_decode.draft_head import DraftHeadProposer
 
-        proposer = Eagle3Proposer(spec.num_speculative_tokens)
-        scheduler.num_lookahead_tokens = spec.num_speculative_tokens - 1  # the head's chained drafts' KV
-    elif spec is not None and spec.method == "draft_model":
-        from jaxserve.spec_decode.draft_model import DraftModelProposer
-
-        proposer = DraftModelProposer(spec.num_speculative_tokens)
-        scheduler.num_lookahead_tokens = spec.num_speculative_tokens  # the chain writes P + 1 .. P + k
+        proposer = DraftHeadProposer(spec.num_speculative_tokens)
+        # the chained passes' KV past the step's tokens
+        scheduler.num_lookahead_tokens = lookahead_tokens(plan.draft_method, spec.num_speculative_tokens)
     elif spec is not None:
         proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
     core = EngineCore(scheduler, step_runner, async_scheduling=sc.async_scheduling, proposer=proposer,

@@ -70,7 +70,7 @@ class RunnerOutput:
     logprobs: dict[str, list[SampleLogprobs]]  # one per sampled token
     # request id -> (first position, per-position SampleLogprobs of the NEXT prompt token)
     prompt_logprobs: dict[str, tuple[int, list[SampleLogprobs]]]
-    # EAGLE-3: request id -> the drafts the step made for its next tokens (requests that sampled)
+    # A drafter in the step: request id -> the drafts the step made for its next tokens (requests that sampled)
     drafts: dict[str, list[int]] = dataclasses.field(default_factory=dict)
 
 
@@ -94,7 +94,7 @@ class StepPlan:
     # steps (the tokens collect reads back for it)
     num_steps: int = 1
     row_steps: list[int] = dataclasses.field(default_factory=list)
-    # EAGLE-3: each request row's request id (the rows of the step's drafts) and whether it sampled
+    # A drafter in the step: each request row's request id (the rows of the step's drafts) and whether it sampled
     draft_rows: list[tuple[str, bool]] = dataclasses.field(default_factory=list)
 
 
@@ -103,7 +103,7 @@ class LaunchedStep:
     plan: StepPlan
     out: SamplerOutput  # [R] rows; a decode block's: [K, R]
     plp: PromptLogprobs | None  # None: a decode block
-    drafts: jax.Array | None = None  # EAGLE-3: [R, k] each request row's drafts
+    drafts: jax.Array | None = None  # a drafter's: [R, k] each request row's drafts
 
 
 class ModelRunner:
@@ -128,7 +128,8 @@ class ModelRunner:
         `max_cpu_loras` (the adapters' host LRU), `compile_workers` (processes compiling the
         steps at a cold start, from the recipe), the executable cache, `executables` (a
         directory of executables compiled ahead, runner/prebuilt.py: loaded where they match).
-        `drafter`: the loaded EAGLE-3 head or draft model of a recipe with a `draft_model`."""
+        `drafter`: the loaded EAGLE-3 head or draft model of a recipe with a `draft_model` (MTP's
+        is the model's)."""
         self.mesh, self.recipe, self.backend = mesh, recipe, backend
         # Data parallelism: D ranks, each with its own pages and its own range of S / D sampling
         # slots (see core/dp_scheduler.py); the step runs per rank inside a shard_map over "data".
@@ -148,7 +149,7 @@ class ModelRunner:
                                                                        drafter=drafter)
         with timer.phase("weight arena"):
             backend.place_weights(model, self.params, self._params_treedef)
-        self.drafting = self.program.drafter_params is not None  # EAGLE-3: the step drafts
+        self.drafting = self.program.drafter_params is not None  # a drafter in the step
         if self.drafting:
             self.params += self.program.drafter_params
         self.num_weights = len(self.params)
@@ -185,18 +186,13 @@ class ModelRunner:
         zeros = self.program.kv_zeros(self._scope)
         self.kv = allocate_kv_cache(self.cfg, self.num_pages, self.page_size, self.kv_dtype, self.mesh,
                                     self.recipe.rules, zeros=zeros)
-        if self.drafting and self.recipe.draft_method == "draft_model":  # the draft model's own cache
-            from jaxserve.runner.draft_model_step import DraftModelKV
+        if self.drafting:  # the drafter's own pages, next to the target's
+            from jaxserve.runner.draft_head_step import DraftKV, draft_cache_dtype
 
-            self.kv = DraftModelKV(self.kv, allocate_kv_cache(self.program.drafter_cfg, self.num_pages, self.page_size,
-                                                              self.kv_dtype, self.mesh, self.recipe.rules))
-        elif self.drafting:  # the head's own layer of pages, next to the target's
-            from jaxserve.runner.eagle3_step import DraftKV
-
-            head = allocate_kv_cache(self.program.drafter_cfg, self.num_pages, self.page_size, self.kv_dtype,
-                                     self.mesh, self.recipe.rules,
-                                     zeros=self.program.draft_kv_zeros(self._scope))
-            self.kv = DraftKV(self.kv, head.k[0], head.v[0])
+            own = allocate_kv_cache(self.program.drafter_cfg, self.num_pages, self.page_size,
+                                    draft_cache_dtype(self.recipe.dtype, self.kv_dtype), self.mesh, self.recipe.rules,
+                                    zeros=self.program.draft_kv_zeros(self._scope))
+            self.kv = DraftKV(self.kv, own)
         # The backend's thread placing the host buffers (the CPU's huge pages), if any.
         self.host_placement = self.backend.place_kv_cache([*self.params, *jax.tree.leaves(self.kv)])
         self.sstate = self.program.sampling_state_init(self._scope)()
@@ -289,9 +285,8 @@ class ModelRunner:
             graphdef=canonical(fn.graphdef),
             params=signature(params), params_treedef=str(self._params_treedef), kv=signature(kv),
             sstate=signature(sstate), layer_impl=str(layer), sampler=canonical(self.sampler_config),
-            # an EAGLE-3 head's part (no key of a step without one changes)
-            **({"draft": f"{getattr(fn, 'taps', self.recipe.draft_method)} {fn.num_speculative_tokens} "
-                         f"{canonical(fn.drafter_graphdef)}"} if self.drafting else {}),
+            # the drafter's part (no key of a step without one changes)
+            **({"draft": f"{fn.head.key()} {fn.num_speculative_tokens}"} if self.drafting else {}),
             mesh=repr(self.mesh), pages=f"{self.page_size} {self.pages_per_req} {self.num_pages} {self.dp}",
             replicated=repr(self.replicated))
         if self.executables is not None:

@@ -111,13 +111,13 @@ def target_material(recipe: StepRecipe, devices: Iterable[Any], backend: Backend
 
 
 def draft_identity(directory: str) -> str:
-    """A draft head as the programs see it, whatever directory holds it on this host: its
+    """A drafter (a head, a draft model) as the programs see it, whatever directory holds it on this host: its
     config.json (its structure, and so its weights' shapes), hashed; "none" without one."""
     if not directory:
         return "none"
     config = json.loads((pathlib.Path(directory) / "config.json").read_text())
     digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
-    return f"a head whose config.json hashes to {digest}"
+    return f"a drafter whose config.json hashes to {digest}"
 
 
 def material_key(material: Mapping[str, str]) -> str:

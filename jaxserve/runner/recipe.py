@@ -69,12 +69,12 @@ class StepRecipe:
     # Speculative decoding's drafts per request and step: a drafting request samples on 1 + k
     # rows of the request bucket (the shapes do not change; the runner checks a step against it).
     num_speculative_tokens: int = 0
-    # EAGLE-3 speculative decoding: the draft head's HF directory ("": none); the step drafts
-    # num_speculative_tokens tokens per request on the device (jaxserve/runner/eagle3_step.py).
+    # Drafting inside the step: the drafter's HF directory (an EAGLE-3 head's, a draft model's;
+    # "": none, or MTP's, the target's own layer); the step drafts num_speculative_tokens tokens
+    # per request on the device (jaxserve/runner/draft_head_step.py).
     draft_model: str = ""
-    # What `draft_model` is: "eagle3" (a head), or "draft_model" (a causal LM with its own KV
-    # cache: jaxserve/runner/draft_model_step.py).
-    draft_method: str = "eagle3"
+    # The method drafting inside the step ("eagle3", "deepseek_mtp", "draft_model"; "": none).
+    draft_method: str = ""
     token_buckets: tuple[int, ...] = ()  # the grid the runner compiles (T, R pairs with R <= T)
     request_buckets: tuple[int, ...] = ()
     # Multi-step decode (runner/decode_block.py): K > 1 adds one decode block of K steps per
@@ -139,9 +139,9 @@ class StepProgram:
     # the sampling state's shardings (a SamplingState of them: the slots split over "data" like
     # the pages, the [S, V] arrays' vocabulary like the logits'; sampling/state.py)
     state_sharding: SamplingState
-    # EAGLE-3: the draft head's flat weights (real or abstract; they follow the target's in the
-    # step's parameter list) and its decoder layer's config (its KV pages); a draft model: its
-    # weights and its ArchConfig (its whole KV cache); None: no drafter
+    # The drafter's own flat weights (real or abstract; they follow the target's in the step's
+    # parameter list; [] for MTP, part of the target's) and the config of its own KV pages (a
+    # head's one layer, a draft model's whole cache); None: no drafter
     drafter_params: list | None = None
     drafter_cfg: Any = None
 
@@ -159,25 +159,22 @@ class StepProgram:
                                  r.rules)
 
     def abstract_draft_kv(self):
-        """The draft head's one layer of pages (abstract): (k, v)."""
+        """The drafter's own pages (abstract): a KVCache (a head's one layer, a draft model's
+        layers), in `draft_cache_dtype`."""
+        from jaxserve.runner.draft_head_step import draft_cache_dtype
+
         r = self.recipe
-        kv = abstract_kv_cache(self.drafter_cfg, r.num_pages, r.page_size, r.kv_dtype, self.mesh, r.rules)
-        return kv.k[0], kv.v[0]
+        return abstract_kv_cache(self.drafter_cfg, r.num_pages, r.page_size, draft_cache_dtype(r.dtype, r.kv_dtype),
+                                 self.mesh, r.rules)
 
     def abstract_kv(self):
-        """What the step takes as its KV cache: the target's, or with a draft head a DraftKV,
-        or with a draft model a DraftModelKV (its whole cache, over the same pages)."""
+        """What the step takes as its KV cache: the target's, or with a drafter a DraftKV (the
+        target's and the drafter's own, over the same pages)."""
         if self.drafter_cfg is None:
             return self.abstract_target_kv()
-        r = self.recipe
-        if r.draft_method == "draft_model":
-            from jaxserve.runner.draft_model_step import DraftModelKV
+        from jaxserve.runner.draft_head_step import DraftKV
 
-            return DraftModelKV(self.abstract_target_kv(), abstract_kv_cache(
-                self.drafter_cfg, r.num_pages, r.page_size, r.kv_dtype, self.mesh, r.rules))
-        from jaxserve.runner.eagle3_step import DraftKV
-
-        return DraftKV(self.abstract_target_kv(), *self.abstract_draft_kv())
+        return DraftKV(self.abstract_target_kv(), self.abstract_draft_kv())
 
     def abstract_state(self):
         return abstract_sampling_state(self.recipe.sampler_config, self.state_sharding)
@@ -235,8 +232,9 @@ class StepProgram:
         return scope.get("kv-zeros", (), zeros_compiler(self.abstract_target_kv().k[0]))
 
     def draft_kv_zeros(self, scope) -> jax.stages.Compiled:
-        """The executable making the draft head's zeroed K (or V) pages (EAGLE-3 only)."""
-        return scope.get("draft-kv-zeros", (), zeros_compiler(self.abstract_draft_kv()[0]))
+        """The executable making one zeroed layer array of the drafter's own pages (every K
+        and V array of its KVCache has that shape)."""
+        return scope.get("draft-kv-zeros", (), zeros_compiler(self.abstract_draft_kv().k[0]))
 
     def sampling_state_init(self, scope) -> jax.stages.Compiled:
         """The executable making the sampling state, zeroed, in its sharding."""
@@ -290,8 +288,9 @@ def step_program(recipe: StepRecipe, model, backend: Backend, mesh: Mesh,
     """The step of `recipe` over `model` (real or abstract weights, already laid out by
     `backend`): (program, the model's flat weights, their tree structure). The LoRA slots'
     arrays follow the weights in the step's parameter list (`StepProgram.lora_arrays`), and so
-    do an EAGLE-3 head's (`StepProgram.drafter_params`): `drafter`, the loaded head, or None
-    for an abstract one read from `recipe.draft_model`."""
+    do a drafter's own (`StepProgram.drafter_params`, draft_head_step.drafting_step):
+    `drafter`, the loaded EAGLE-3 head or draft model, or None for an abstract one read from
+    `recipe.draft_model` (an MTP layer is the target's own)."""
     graphdef, state = nnx.split(model)
     params, treedef = jax.tree.flatten(state)
     lora = None
@@ -308,49 +307,16 @@ def step_program(recipe: StepRecipe, model, backend: Backend, mesh: Mesh,
     replicated = NamedSharding(mesh, P())
     state_sharding = sampling_state_shardings(recipe.sampler_config, mesh, recipe.rules,
                                               recipe.data_parallel_size > 1)
-    if not recipe.draft_model:
+    if not recipe.draft_method:
         return StepProgram(recipe, model.config, function, mesh, lora, replicated, state_sharding), params, treedef
-    if recipe.draft_method == "draft_model":
-        return _draft_model_program(recipe, model, mesh, drafter, graphdef, treedef, layer_impl, lora,
-                                    replicated, state_sharding), params, treedef
-    from jaxserve.models.eagle3_checkpoint import abstract_eagle3
-    from jaxserve.runner.eagle3_step import Eagle3StepFunction
+    from jaxserve.runner.draft_head_step import drafting_step
 
     if lora is not None or recipe.num_decode_steps > 1 or recipe.data_parallel_size > 1 or mesh.size > 1:
-        raise ValueError("EAGLE-3 speculative decoding runs on one device, without LoRA and without "
-                         "multi-step decode")
-    drafter = drafter if drafter is not None else abstract_eagle3(recipe.draft_model, model.config,
-                                                                   recipe.dtype, mesh, recipe.rules)
-    dgraph, dstate = nnx.split(drafter)
-    dparams, dtreedef = jax.tree.flatten(dstate)
-    function = Eagle3StepFunction(graphdef, treedef, layer_impl, recipe.sampler_config, None,
-                                  drafter_graphdef=dgraph, drafter_treedef=dtreedef,
-                                  taps=drafter.config.target_layer_ids(model.config),
-                                  num_speculative_tokens=recipe.num_speculative_tokens,
-                                  page_size=recipe.page_size)
+        raise ValueError(f"{recipe.draft_method} speculative decoding runs on one device, without LoRA and "
+                         "without multi-step decode")
+    function, dparams, cache_cfg = drafting_step(recipe, model, mesh, drafter, graphdef, treedef, layer_impl)
     return StepProgram(recipe, model.config, function, mesh, lora, replicated, state_sharding, dparams,
-                       drafter.config.layer), params, treedef
-
-
-def _draft_model_program(recipe: StepRecipe, model, mesh: Mesh, drafter, graphdef, treedef, layer_impl, lora,
-                         replicated, state_sharding) -> StepProgram:
-    """The step program drafting with a draft model (runner/draft_model_step.py): `drafter` the
-    loaded one, or None for abstract weights read from `recipe.draft_model`."""
-    from jaxserve.runner.draft_model_step import DraftModelStepFunction, abstract_draft_model
-
-    if lora is not None or recipe.num_decode_steps > 1 or recipe.data_parallel_size > 1 or mesh.size > 1:
-        raise ValueError("draft-model speculative decoding runs on one device, without LoRA and without "
-                         "multi-step decode")
-    if drafter is None:
-        drafter = abstract_draft_model(recipe.draft_model, recipe.dtype, mesh, recipe.rules, recipe.attention_impl)
-    dgraph, dstate = nnx.split(drafter)
-    dparams, dtreedef = jax.tree.flatten(dstate)
-    function = DraftModelStepFunction(graphdef, treedef, layer_impl, recipe.sampler_config, None,
-                                      drafter_graphdef=dgraph, drafter_treedef=dtreedef,
-                                      num_speculative_tokens=recipe.num_speculative_tokens,
-                                      page_size=recipe.page_size)
-    return StepProgram(recipe, model.config, function, mesh, lora, replicated, state_sharding, dparams,
-                       drafter.config)
+                       cache_cfg), params, treedef
 
 
 def abstract_model(recipe: StepRecipe, mesh: Mesh, backend: Backend):

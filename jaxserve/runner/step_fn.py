@@ -182,7 +182,7 @@ def step_layout(T: int, R: int, *, pages_per_req: int, page_size: int,
                 sampler_config: SamplerConfig, lora: bool = False, draft: bool = False) -> BufferLayout:
     """How a (T, R) step's inputs (ModelInputs, SamplingMetadata, TokenInfo) are packed (with
     `lora`, each token's adapter slot too; with `draft`, the EAGLE-3 drafting's inputs after
-    them: jaxserve/runner/eagle3_step.py)."""
+    them: jaxserve/runner/draft_head_step.py)."""
     empty = np.zeros(0, np.int32)
     dummy = pack_rows(empty, empty, empty, np.zeros((0, pages_per_req), np.int32),
                       num_tokens=T, num_reqs=R, page_size=page_size)
@@ -191,7 +191,7 @@ def step_layout(T: int, R: int, *, pages_per_req: int, page_size: int,
                     lora_slots=np.zeros(T, np.int32) if lora else None)
     meta = SamplingMetadataBuilder(sampler_config).build([], [], R)
     if draft:
-        from jaxserve.runner.eagle3_step import DraftInputs
+        from jaxserve.runner.draft_head_step import DraftInputs
 
         return BufferLayout.of((dummy, meta, tok, DraftInputs.empty(T, R)))
     return BufferLayout.of((dummy, meta, tok))

@@ -305,7 +305,7 @@ def pack_rank(r: RankRows, T: int, R: int, *, rank: int, table: SlotTable, build
     """One rank's rows packed into a (T, R) bucket. Slots are the rank's own in the step (it
     sees its range of the sampling state). `num_steps` > 1: a decode block of that many steps
     (T = R, one token per row), its `BlockInputs` packed after the step's. `drafting`:
-    an EAGLE-3 step, its `DraftInputs` packed after the step's (jaxserve/runner/eagle3_step.py)."""
+    a draft head's step, its `DraftInputs` packed after the step's (jaxserve/runner/draft_head_step.py)."""
     per, offset = table.per, rank * table.per
     rows = sample_rows(r)
     inputs = logits_indices(pack_rows(r.tokens, r.starts, r.lens, table.block_table[r.slots], num_tokens=T,
@@ -326,7 +326,7 @@ def pack_rank(r: RankRows, T: int, R: int, *, rank: int, table: SlotTable, build
     tree = (inputs, meta, tok) if num_steps == 1 else (inputs, meta, tok,
                                                        block_inputs(r, table, builder, out_pos, R, num_steps))
     if drafting:
-        from jaxserve.runner.eagle3_step import draft_inputs
+        from jaxserve.runner.draft_head_step import draft_inputs
 
         tree += (draft_inputs(r.rows, r.tokens, r.lens, r.samples, r.drafts, table.num_blocks[r.slots], T, R),)
     return PackedRank(layout.pack(tree), sample_ids, sampling, logprob_rows(r, rows, table), prompt_rows)

@@ -5,11 +5,11 @@ batch, and the step samples at each of those positions (k + 1 sampling rows: the
 just more tokens, and the bucket grid is unchanged). The runner then keeps the longest prefix of
 drafts that the samples confirm, plus the sample after it (jaxserve/runner/model_runner.py);
 the scheduler rolls `num_computed_tokens` back over the rejected ones, whose KV is overwritten
-later. See ngram.py for the n-gram proposer and which requests draft, eagle3.py for drafting
-with an EAGLE-3 head inside the compiled step (its drafts come back with the step's samples),
-draft_model.py for drafting with a draft model there (the same way back).
+later. See ngram.py for the n-gram proposer and which requests draft, draft_head.py for drafting
+inside the compiled step (an EAGLE-3 head, DeepSeek MTP, a draft model: the drafts come back
+with the step's samples).
 """
 
 from jaxserve.spec_decode.ngram import NgramProposer, accept_drafts, can_speculate
 
-__all__ = ["NgramProposer", "accept_drafts", "can_speculate"]  # eagle3.py imports the runner: not here
+__all__ = ["NgramProposer", "accept_drafts", "can_speculate"]  # draft_head.py: not here

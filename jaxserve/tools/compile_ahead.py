@@ -92,7 +92,9 @@ def compile_for_target(config, target: dict, out: str | os.PathLike[str]) -> dic
     from jaxserve.backends.devices import DeviceSet
     from jaxserve.engine.kv_sizing import size_kv_cache
     from jaxserve.engine.plan import ModelFiles, plan_engine
-    from jaxserve.engine.setup import draft_model_dir
+    from jaxserve.config import STEP_DRAFTERS
+    from jaxserve.engine.draft_check import TargetTokenizer
+    from jaxserve.engine.setup import drafter_dir
     from jaxserve.parallel.mesh import make_mesh
     from jaxserve.runner.compile_pool import abstract_step
     from jaxserve.runner.prebuilt import compile_scope, target_material, write_manifest
@@ -108,11 +110,16 @@ def compile_for_target(config, target: dict, out: str | os.PathLike[str]) -> dic
     mesh = make_mesh(pc.data_parallel_size, pc.tensor_parallel_size, devices=devices)
     platform = "cpu" if target["kind"] == "cpu" else target["kind"]
     backend = select_backend(platform)
+    if config.speculative_config is not None:
+        from jaxserve.engine.draft_check import detect_eagle3_head
+
+        config = detect_eagle3_head(config)  # as serve: a draft model that is an EAGLE-3 head
     plan = plan_engine(config, ModelFiles(model_path, arch, architectures), backend,
                        DeviceSet.of_mesh(mesh, platform))
     spec = config.speculative_config
-    if spec is not None and spec.method == "eagle3":  # the head runs inside the step: part of it
-        plan = dataclasses.replace(plan, draft_model=draft_model_dir(config, arch))
+    if spec is not None and spec.method in STEP_DRAFTERS:  # the drafter runs inside the step: part of it
+        plan = dataclasses.replace(plan, draft_method=spec.method,
+                                   draft_model=drafter_dir(config, arch, TargetTokenizer(model_path or mc.model)))
     if plan.kv_sizing == "programs":
         raise ValueError(f"give the KV cache's size (--kv-cache-memory, the same to serve): on {platform} the "
                          "server otherwise sizes it from the memory its devices have free at start, which this "
@@ -133,7 +140,7 @@ def compile_for_target(config, target: dict, out: str | os.PathLike[str]) -> dic
         logger.info("compiled %s in %.1fs", name, seconds[name])
 
     timed("kv-zeros", lambda: program.kv_zeros(scope))
-    if program.drafter_cfg is not None:  # an EAGLE-3 head's own layer of pages
+    if program.drafter_cfg is not None:  # the drafter's own pages (a head's layer, a draft model's)
         timed("draft-kv-zeros", lambda: program.draft_kv_zeros(scope))
     timed("sampling-state", lambda: program.sampling_state_init(scope))
     shapes = recipe.grid().shapes()

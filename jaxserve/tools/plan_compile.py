@@ -70,10 +70,12 @@ class PlanSettings:
     max_logprobs: int = EngineConfig.max_logprobs  # the sampler's top-logprobs width
     max_loras: int = 0  # LoRA adapters' device slots (0: LoRA off)
     max_lora_rank: int = 0
-    # Speculative decoding (--speculative-config): drafts per request and step; an EAGLE-3
-    # head's directory ("": none), whose weights and layer of KV pages the step holds too.
+    # Speculative decoding (--speculative-config): drafts per request and step; the method of a
+    # drafter run in the step ("": none) and its directory (an EAGLE-3 head's, a draft model's),
+    # whose weights and KV pages the step holds too.
     num_speculative_tokens: int = 0
     draft_model: str = ""
+    draft_method: str = ""
     # The FP8 / int4 weights' products: None, what the target's backend resolves (the TPU
     # product kernel where attention runs the TPU kernel); "xla" or a kernel's name to choose.
     quant_matmul_impl: str | None = None
@@ -175,7 +177,7 @@ def plan_recipe(settings: PlanSettings, cfg: ArchConfig, mesh: Mesh, rules, plan
                       sampler_config=sampler_config, quantization=settings.quantization,
                       max_loras=settings.max_loras, max_lora_rank=settings.max_lora_rank if settings.max_loras else 0,
                       num_speculative_tokens=settings.num_speculative_tokens, draft_model=settings.draft_model,
-                      kv_heads=plan["kv_heads"])
+                      kv_heads=plan["kv_heads"], draft_method=settings.draft_method)
 
 
 def plan_one(settings: PlanSettings, mesh: Mesh, rules_spec: str, bucket: tuple[int, int],
@@ -187,8 +189,8 @@ def plan_one(settings: PlanSettings, mesh: Mesh, rules_spec: str, bucket: tuple[
         raise ValueError(f"max_num_seqs ({settings.max_num_seqs}) must be a multiple of the {D} data-parallel ranks")
     if settings.max_loras and settings.measure:
         raise ValueError("--measure does not run LoRA slots; plan --enable-lora without it")
-    if settings.draft_model and settings.measure:
-        raise ValueError("--measure does not run a draft head; plan --speculative-config without it")
+    if settings.draft_method and settings.measure:
+        raise ValueError("--measure does not run a drafter; plan --speculative-config without it")
     rules = ax.serving_rules(ax.load_rules(rules_spec), D)
     T, R = bucket
     rec: dict[str, Any] = {"mesh": f"{mesh.shape['data']}x{mesh.shape['model']}", "rules": ax.rules_name(rules_spec),
@@ -198,7 +200,7 @@ def plan_one(settings: PlanSettings, mesh: Mesh, rules_spec: str, bucket: tuple[
     rec.update({k: v for k, v in plan.items() if k != "device_plan"})
     if plan["kv_heads"]:  # zero KV heads appended: the KV and weight bytes below include them
         cfg = cfg.with_kv_heads(plan["kv_heads"])
-    rec["kv"], num_pages, pages_per_req = kv_record(settings, cfg, mesh, rules, plan["kv_dtype"])
+    rec["kv"], num_pages, pages_per_req = kv_record(settings, cfg, mesh, rules, plan["kv_dtype"], plan["dtype"])
     recipe = plan_recipe(settings, cfg, mesh, rules, plan, num_pages)
     if mesh.size > 1 or settings.platform != "cpu":
         ax.check_servable(rules)
@@ -259,7 +261,7 @@ def params_record(abstract, settings: PlanSettings, cfg: ArchConfig, mesh: Mesh,
             if text not in replicated:
                 replicated.append(text)
     drafter = abstract.program.drafter_params
-    if drafter is not None:  # an EAGLE-3 head's weights follow the target's, as in the runner
+    if drafter is not None:  # a drafter's own weights follow the target's, as in the runner
         local, total = sum(_local_bytes(x) for x in drafter), sum(_nbytes(x.shape, x.dtype) for x in drafter)
         groups["draft_head"] = {"per_device": local, "requested_per_device": local, "total": total}
     lora = abstract.program.lora
@@ -272,17 +274,19 @@ def params_record(abstract, settings: PlanSettings, cfg: ArchConfig, mesh: Mesh,
             "replicated": replicated}
 
 
-def kv_record(settings: PlanSettings, cfg: ArchConfig, mesh: Mesh, rules, kv_dtype_name: str):
+def kv_record(settings: PlanSettings, cfg: ArchConfig, mesh: Mesh, rules, kv_dtype_name: str,
+              dtype_name: str | None = None):
     """(the KV cache's record, its pages for the budget, pages per request at max_model_len)."""
     D, kv_dtype = mesh.shape["data"], jax_dtype(kv_dtype_name)
     probe = abstract_kv_cache(cfg, 1, settings.page_size, kv_dtype, mesh, rules).k[0]
     page_split = ax.mesh_axes_size(mesh, ax.logical_to_spec(KV_CACHE_AXES, (1 << 20, 1, 1, 1), mesh, rules)[0])
     per_page = bytes_per_page(cfg, settings.page_size, kv_dtype, mesh, rules)  # on the devices that hold it
-    if settings.draft_model:  # an EAGLE-3 head's layer of pages, as many and indexed alike
-        from jaxserve.runner.eagle3_step import draft_layer_config
+    if settings.draft_method:  # the drafter's own pages, as many and indexed alike, in their dtype
+        from jaxserve.runner.draft_head_step import draft_cache_config, draft_cache_dtype
 
-        per_page += bytes_per_page(draft_layer_config(settings.draft_model), settings.page_size, kv_dtype, mesh,
-                                   rules)
+        per_page += bytes_per_page(draft_cache_config(settings.draft_method, cfg, settings.draft_model),
+                                   settings.page_size, draft_cache_dtype(jax_dtype(dtype_name or settings.dtype), kv_dtype),
+                                   mesh, rules)
     pages_per_req = -(-settings.max_model_len // settings.page_size)
     wanted = D * (settings.max_num_seqs // D * pages_per_req + 1)  # + each rank's null page
     if settings.kv_cache_memory is not None:

@@ -238,9 +238,9 @@ def build_jobs(args, arch: dict) -> list[dict]:
     jobs = []
     for target, count, platform in targets:
         meshes = factorizations(count) if args.mesh == "auto" else _pairs(args.mesh, "meshes")
-        if settings["draft_model"] and any(d * m > 1 for d, m in meshes):
-            raise ValueError("an EAGLE-3 head runs on one device (as serve refuses data and tensor parallelism "
-                             "with it): plan it with --devices 1")
+        if settings["draft_method"] and any(d * m > 1 for d, m in meshes):
+            raise ValueError(f"a drafter in the step ({settings['draft_method']}) runs on one device (as serve "
+                             "refuses data and tensor parallelism with it): plan it with --devices 1")
         if args.measure and target["kind"] in ("tpu", "gpu"):
             raise ValueError("--measure needs devices that run: use --devices or --real (a topology only compiles)")
         jobs.append({"target": target, "meshes": meshes, "rules": args.rules, "buckets": buckets,
@@ -249,17 +249,22 @@ def build_jobs(args, arch: dict) -> list[dict]:
 
 
 def speculative_settings(engine: EngineConfig, arch: dict) -> dict:
-    """The plan's speculative decoding: drafts per request and step, and an EAGLE-3 head's
-    directory, resolved and checked against the model as `serve` does."""
-    spec = engine.speculative_config
-    if spec is None:
-        return {"num_speculative_tokens": 0, "draft_model": ""}
-    draft_model = ""
-    if spec.method == "eagle3":
-        from jaxserve.engine.setup import draft_model_dir
+    """The plan's speculative decoding: drafts per request and step, and the method and
+    directory of a drafter run in the step, resolved and checked against the model as `serve`
+    does."""
+    if engine.speculative_config is None:
+        return {"num_speculative_tokens": 0, "draft_model": "", "draft_method": ""}
+    from jaxserve.config import STEP_DRAFTERS
+    from jaxserve.engine.draft_check import TargetTokenizer, detect_eagle3_head
+    from jaxserve.engine.setup import drafter_dir
 
-        draft_model = draft_model_dir(engine, arch)
-    return {"num_speculative_tokens": spec.num_speculative_tokens, "draft_model": draft_model}
+    engine = detect_eagle3_head(engine)
+    spec, draft_model, draft_method = engine.speculative_config, "", ""
+    if spec.method in STEP_DRAFTERS:
+        draft_method = spec.method
+        draft_model = drafter_dir(engine, arch, TargetTokenizer(engine.model.model))
+    return {"num_speculative_tokens": spec.num_speculative_tokens, "draft_model": draft_model,
+            "draft_method": draft_method}
 
 
 def run(args: argparse.Namespace) -> int:

@@ -3,8 +3,9 @@
 loads every executable and compiles nothing, with the same tokens; a directory whose manifest
 disagrees with the engine (a version, the recipe) is named in one log line and the engine
 compiles as without it. The same with an EAGLE-3 draft head (`--speculative-config`): its step is
-compiled ahead, and a directory compiled without the head is named and not used. For TPU slices
-and GPU hosts: tests/tools/test_compile_targets.py."""
+compiled ahead, and a directory compiled without the head is named and not used; and with a
+draft model: its step and its cache's maker compiled ahead, nothing compiled at start. For TPU
+slices and GPU hosts: tests/tools/test_compile_targets.py."""
 
 from __future__ import annotations
 
@@ -55,6 +56,19 @@ def eagle3_dir(model_dir, tmp_path_factory) -> pathlib.Path:
     assert cli(["compile", str(model_dir), "--topology", "cpu", "--out", str(out), "--log-level", "warning",
                 *flags, "--speculative-config", json.dumps(SPEC)]) == 0
     return out
+
+
+@pytest.fixture(scope="module")
+def draft_model_dir(model_dir, tmp_path_factory) -> pathlib.Path:
+    """`jaxserve compile MODEL --topology cpu --speculative-config <a draft model>` (the tiny
+    qwen2, method inferred as vLLM does)."""
+    draft = write_model_dir(tmp_path_factory.mktemp("draft"), "qwen2")
+    out = tmp_path_factory.mktemp("exe") / "draft_model"
+    flags = FLAGS[: FLAGS.index("--num-decode-steps")]
+    spec = {"model": str(draft), "num_speculative_tokens": 2}
+    assert cli(["compile", str(model_dir), "--topology", "cpu", "--out", str(out), "--log-level", "warning",
+                *flags, "--speculative-config", json.dumps(spec)]) == 0
+    return out, spec
 
 
 def _outputs(llm: LLM):
@@ -137,7 +151,7 @@ def test_a_draft_heads_step_is_compiled_ahead_and_served_from_the_directory(mode
     assert manifest["entries"] == ["kv-zeros", "draft-kv-zeros", "sampling-state", "step-8x8", "step-16x8",
                                    "write-slot-rows"]
     head = manifest["material"]["recipe.draft_model"]
-    assert head.startswith("a head whose config.json hashes to ")
+    assert head.startswith("a drafter whose config.json hashes to ")
     assert manifest["material"]["recipe.num_speculative_tokens"] == "2"
     # The head from another directory: the same head to the programs (named by its config).
     shutil.copytree(HEAD, tmp_path / "head")
@@ -167,3 +181,25 @@ def test_a_draft_heads_step_is_compiled_ahead_and_served_from_the_directory(mode
     stats = loaded.engine.scheduler.make_stats()
     assert stats.spec_num_draft_tokens > 0  # the head's drafts were fed and verified
     assert runner.counter.recompiles == 0
+
+
+def test_a_draft_models_step_and_cache_are_compiled_ahead(model_dir, cpu_dir, draft_model_dir, caplog):
+    """With a draft model the directory holds its step and its cache's maker (draft-kv-zeros):
+    an engine from it compiles nothing (its cache allocated through the loaded maker), drafts,
+    and gives the tokens of a plain engine (greedy and seeded)."""
+    out, spec = draft_model_dir
+    manifest = prebuilt.read_manifest(out)
+    assert manifest["entries"] == ["kv-zeros", "draft-kv-zeros", "sampling-state", "step-8x8", "step-16x8",
+                                   "write-slot-rows"]
+    assert manifest["material"]["recipe.draft_method"] == "'draft_model'"
+    with caplog.at_level(logging.WARNING, logger=PREBUILT_LOG):
+        loaded = LLM(str(model_dir), executables=str(out), speculative_config=spec, **EAGLE3_OPTIONS)
+    assert _messages(caplog) == []
+    runner = loaded.engine.core.runner
+    assert runner.drafting and len(runner.kv.draft.k) == 2  # the draft model's two layers of pages
+    assert (runner.executables_loaded, runner.executables_compiled) == (len(manifest["entries"]), 0)
+    assert runner.counter.num_compiles == 0
+    plain = LLM(str(model_dir), executables=str(cpu_dir), **OPTIONS)
+    assert plain.engine.core.runner.counter.num_compiles == 0
+    assert _outputs(loaded) == _outputs(plain)
+    assert loaded.engine.scheduler.make_stats().spec_num_draft_tokens > 0

@@ -1,8 +1,9 @@
-"""Speculative decoding with a draft model (jaxserve/runner/draft_model_step.py): the tiny `llama`
-fixture served with the tiny `qwen2` one (another architecture, the same vocabulary and
-tokenizer; random weights) drafting inside the target's compiled step. Greedy and seeded outputs
-equal the outputs without speculation; the step's drafts equal the draft model's greedy chain
-recomputed densely over the whole context; the target drafting for itself gets its drafts
+"""Speculative decoding with a draft model (jaxserve/runner/draft_head_step.py,
+`DraftModelHead`): the tiny `llama` fixture served with the tiny `qwen2` one (another
+architecture, the same vocabulary and tokenizer; random weights) drafting inside the target's
+compiled step. Greedy and seeded outputs equal the outputs without speculation (over an fp8
+cache too, the draft model's pages in float); the step's drafts equal the draft model's greedy
+chain recomputed densely over the whole context; the target drafting for itself gets its drafts
 accepted; a draft model that does not fit the target is refused by name."""
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from flax import nnx
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import EngineConfig, SpeculativeConfig
 from jaxserve.models.sharding import single_device_mesh
-from jaxserve.runner.draft_model_step import load_draft_model
+from jaxserve.runner.draft_model import load_draft_model
 from jaxserve.runner.kv_cache import allocate_kv_cache
 from jaxserve.runner.step_inputs import StepRequest, pack_step
 from tests.model_dirs import word_tokenizer, write_model_dir
@@ -184,6 +185,23 @@ def test_the_target_as_its_own_draft_model_gets_its_drafts_accepted(model_dir, p
     assert accepted >= 0.9 * draft_tokens
     # Several tokens per step: 48 tokens in far fewer verifying steps than tokens.
     assert drafts <= 48 // 2
+
+
+def test_an_fp8_cache_keeps_the_draft_models_pages_in_float(model_dir, compile_cache_dir):
+    """--kv-cache-dtype fp8: the target's pages in one byte with their measured scales, the draft
+    model's in the model's dtype (`draft_cache_dtype`: its scales are not measured) and counted
+    so in the budget (the target drafting for itself: 1 + 4 bytes a page for 1); greedy
+    outputs equal plain decoding over the same fp8 cache, and its drafts are still accepted."""
+    fp8 = dict(OPTIONS, kv_cache_dtype="fp8", compilation_cache_dir=compile_cache_dir)
+    spec = LLM(model_dir, speculative_config={"model": model_dir, "num_speculative_tokens": K}, **fp8)
+    plain = LLM(model_dir, **fp8)
+    kv = spec.engine.runner.kv
+    assert str(kv.target.k[0].dtype) == "float8_e4m3fn" and kv.draft.k[0].dtype == jnp.float32
+    assert abs(5 * spec.engine.runner.num_pages - plain.engine.runner.num_pages) <= 5
+    greedy = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (16, 12, 8)]
+    assert tokens(spec, PROMPTS[:3], greedy) == tokens(plain, PROMPTS[:3], greedy)
+    drafts, draft_tokens, accepted = spec_stats(spec)
+    assert draft_tokens >= 2 * drafts > 0 and accepted >= 0.5 * draft_tokens, (drafts, draft_tokens, accepted)
 
 
 def test_the_kv_budget_holds_both_caches(spec_llm, plain_llm):

@@ -1,5 +1,5 @@
-"""EAGLE-3 speculative decoding in the engine (jaxserve/runner/eagle3_step.py): the tiny `llama`
-fixture served with its draft head (tests/data/arch/eagle3_llama, random weights), drafting
+"""EAGLE-3 speculative decoding in the engine (jaxserve/runner/draft_head_step.py): the tiny
+`llama` fixture served with its draft head (tests/data/arch/eagle3_llama, random weights), drafting
 inside the compiled step. Greedy and seeded outputs equal the outputs without speculation; the
 step's drafts equal the head's own dense chain (models/eagle3.py) over the target's taps; a head
 made to draft one fixed token (an "oracle" for runs of that token) gets drafts accepted through
@@ -200,7 +200,7 @@ def check_drafts(spec_llm, plain_llm, head_dir, prompt):
     assert [d for _, d in heads] == dense
     positions = np.arange(len(seq) - 1)
     page_size = runner.page_size
-    paged = np.asarray(runner.kv.k)[pages[-1][positions // page_size], positions % page_size]
+    paged = np.asarray(runner.kv.draft.k[0])[pages[-1][positions // page_size], positions % page_size]
     np.testing.assert_allclose(paged, keys, atol=1e-4, rtol=0)
 
 
@@ -301,7 +301,7 @@ def test_the_last_kept_row_of_each_request():
     """`accepted_rows`: a request keeps its samples while each equals the draft fed after its
     token; its last kept row is where the next token was sampled."""
     from jaxserve.runner.step_inputs import ModelInputs
-    from jaxserve.runner.eagle3_step import DraftInputs, accepted_rows
+    from jaxserve.runner.draft_head_step import DraftInputs, accepted_rows
 
     # Request 0 feeds [a, 7, 8] (drafts 7, 8), request 1 one token, request 2 [b, 4, 5, 6],
     # request 3 prefills without sampling; flat tokens 0-2, 3, 4-7, 8-9.
@@ -324,4 +324,18 @@ def test_the_kv_budget_holds_the_heads_pages(spec_llm, plain_llm):
     out of the same KV budget: a third fewer pages, the head's as many as the target's."""
     plain, spec = plain_llm.engine.runner, spec_llm.engine.runner
     assert abs(3 * spec.num_pages - 2 * plain.num_pages) <= 3
-    assert spec.kv.k.shape[0] == spec.kv.target.k[0].shape[0] == spec.num_pages
+    assert spec.kv.draft.k[0].shape[0] == spec.kv.target.k[0].shape[0] == spec.num_pages
+
+
+def test_an_fp8_cache_with_the_head(model_dir, head_dir, compile_cache_dir):
+    """--kv-cache-dtype fp8: the target's pages in one byte with their measured scales, the
+    head's in the model's dtype (runner/draft_head_step.py `draft_cache_dtype`); greedy outputs
+    equal plain decoding over the same fp8 cache, drafts verified."""
+    fp8 = dict(OPTIONS, kv_cache_dtype="fp8", compilation_cache_dir=compile_cache_dir)
+    spec = LLM(model_dir, speculative_config={"method": "eagle3", "model": str(head_dir),
+                                              "num_speculative_tokens": K}, **fp8)
+    kv = spec.engine.runner.kv
+    assert str(kv.target.k[0].dtype) == "float8_e4m3fn" and kv.draft.k[0].dtype == jnp.float32
+    greedy = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (12, 8)]
+    assert tokens(spec, PROMPTS[:2], greedy) == tokens(LLM(model_dir, **fp8), PROMPTS[:2], greedy)
+    assert spec_stats(spec)[1] > 4

@@ -248,7 +248,7 @@ def test_a_draft_heads_weights_and_pages_are_counted():
     bytes, so the same budget holds fewer pages); the flag resolves the head as serve does, and a
     mesh of several devices is refused (the head runs on one)."""
     from jaxserve.models.eagle3_checkpoint import load_eagle3
-    from jaxserve.runner.eagle3_step import draft_layer_config
+    from jaxserve.runner.draft_head_step import draft_layer_config
     from jaxserve.server.cli import build_parser
     from jaxserve.tools.shard_plan import build_jobs
 
@@ -261,7 +261,7 @@ def test_a_draft_heads_weights_and_pages_are_counted():
         return build_jobs(args, llama)[0]["settings"]
 
     s = settings("--devices", "1")
-    assert (s["draft_model"], s["num_speculative_tokens"]) == (head, 3)
+    assert (s["draft_model"], s["draft_method"], s["num_speculative_tokens"]) == (head, "eagle3", 3)
     with pytest.raises(ValueError, match="runs on one device"):
         settings("--devices", "2")
 
@@ -269,7 +269,8 @@ def test_a_draft_heads_weights_and_pages_are_counted():
                   kv_cache_dtype="float32", kv_cache_memory=1 << 20)
     mesh = make_mesh(1, 1)
     plain = plan_one(PlanSettings(**common), mesh, "tp", (16, 8), "cpu")
-    rec = plan_one(PlanSettings(**common, num_speculative_tokens=3, draft_model=head), mesh, "tp", (16, 8), "cpu")
+    rec = plan_one(PlanSettings(**common, num_speculative_tokens=3, draft_model=head, draft_method="eagle3"), mesh,
+                   "tp", (16, 8), "cpu")
     live = sum(a.nbytes for a in jax.tree.leaves(load_eagle3(head, target=FIXTURE / "llama")))
     assert rec["params"]["groups"]["draft_head"]["per_device"] == live
     assert rec["params"]["per_device"] == plain["params"]["per_device"] + live

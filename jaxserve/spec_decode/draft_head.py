@@ -1,6 +1,7 @@
-"""EAGLE-3 drafting, the engine's side: the drafts come with each step's output.
+"""Drafting inside the step (an EAGLE-3 head, DeepSeek MTP, a draft model), the engine's side:
+the drafts come with each step's output.
 
-The draft head runs inside the target's compiled step (jaxserve/runner/eagle3_step.py), which
+The drafter runs inside the target's compiled step (jaxserve/runner/draft_head_step.py), which
 returns the next k drafts of every request that sampled; the engine core makes them the
 request's `spec_token_ids`, fed and verified in the next step as n-gram drafts are.
 """
@@ -8,9 +9,9 @@ request's `spec_token_ids`, fed and verified in the next step as n-gram drafts a
 from __future__ import annotations
 
 
-class Eagle3Proposer:
-    """The engine's side of EAGLE-3 drafting: the drafts come with each step's output
-    (`RunnerOutput.drafts`), made on the device; nothing is proposed on the host."""
+class DraftHeadProposer:
+    """The engine's side of drafting in the step, for every drafter: the drafts come with each
+    step's output (`RunnerOutput.drafts`), made on the device; nothing is proposed on the host."""
 
     on_device = True
 
@@ -19,3 +20,4 @@ class Eagle3Proposer:
 
     def drafts(self, request_id: str, step_drafts: dict[str, list[int]]) -> list[int]:
         return list(step_drafts.get(request_id, ()))[: self.k]
+
