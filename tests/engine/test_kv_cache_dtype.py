@@ -6,6 +6,7 @@ benchmarks/kv_fp8_drift.py, benchmarks/int8_quality.py, docs/performance.md.)"""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 
@@ -27,6 +28,7 @@ from jaxserve.runner.kv_scales import (
     checkpoint_scales,
     kv_scales_of,
     prepare_kv_scales,
+    set_kv_scales,
 )
 from tests.model_dirs import write_model_dir
 from tests.models.model_utils import PagedRunner
@@ -227,3 +229,22 @@ def test_checkpoint_scales(model_dir, scaled_dir, tmp_path):
               str(d / "model.safetensors"))
     with pytest.raises(ValueError, match="1 of 2 layers"):
         checkpoint_scales(load_checkpoint(d), 2, 2)
+
+
+def test_scales_as_step_inputs_give_the_logits_of_static_scales(model_dir):
+    """Each layer's KVCacheScale array (an input of the step) gives, bit for bit, the logits of
+    the same scales (per KV head) as static numbers of its AttentionSpec."""
+    _, model = tiny_model(model_dir)
+    scales = ((0.05, 0.1), (0.02, 0.03))
+    set_kv_scales(model, [scales] * len(model.layers))
+    ids = list(range(3, 40))
+
+    def logits():
+        fwd = PagedRunner(model, page_size=8, num_pages=8, dtype=jnp.int8)
+        return fwd.step([(0, ids, 0)], num_tokens=len(ids), num_reqs=1, pages_per_req=5)[0]
+
+    as_inputs = logits()
+    for layer in model.layers:
+        layer.attn_spec = dataclasses.replace(layer.attn_spec, k_scale=scales[0], v_scale=scales[1])
+        del layer.kv_scale
+    np.testing.assert_array_equal(as_inputs, logits())
