@@ -144,7 +144,11 @@ def measure_kv_scales(model, token_ids: list[int], kv_dtype, page_size: int = 16
     cfg = model.config
     n = len(token_ids)
     pages = math.ceil(n / page_size)
-    kv = allocate_kv_cache(cfg, pages + 1, page_size, jnp.float32, single_device_mesh())
+    # On the model's mesh, laid out by its rules (its weights are there: a tensor- or
+    # data-parallel engine's too).
+    mesh = getattr(model, "mesh", None) or single_device_mesh()
+    rules = dict(model.rules) if getattr(model, "rules", None) else None
+    kv = allocate_kv_cache(cfg, pages + 1, page_size, jnp.float32, mesh, rules)
     inputs = pack_step([StepRequest(token_ids, 0, list(range(1, pages + 1)))],
                        num_tokens=n, num_reqs=1, pages_per_req=pages, page_size=page_size)
     graphdef, state = nnx.split(model)

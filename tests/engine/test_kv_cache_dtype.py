@@ -128,6 +128,24 @@ def test_scales_are_measured_per_layer_and_kv_head(model_dir, kv_dtype, caplog):
             np.testing.assert_allclose(np.asarray(got), amax * factor, rtol=1e-5)
 
 
+def test_scales_are_measured_on_a_tensor_parallel_model(model_dir):
+    """The calibration forward runs where the weights are (a 2-device mesh, the serving rules):
+    the scales of the single-device model."""
+    from jaxserve.models.sharding import load_rules, serving_rules
+    from jaxserve.parallel.mesh import make_mesh
+
+    ckpt, model = tiny_model(model_dir)
+    text = list(range(3, 60))
+    prepare_kv_scales(model, jnp.int8, ckpt, tokenize=lambda: text)
+    split = create_model(ArchConfig.from_hf(ckpt.config), dtype=jnp.float32, get_tensor=ckpt.get_tensor,
+                         mesh=make_mesh(1, 2), rules=serving_rules(load_rules("tp"), 1))
+    prepare_kv_scales(split, jnp.int8, ckpt, tokenize=lambda: text)
+    assert split.layers[0].kv_scale[...].sharding.is_fully_replicated
+    for (k1, v1), (k2, v2) in zip(kv_scales_of(model), kv_scales_of(split)):
+        np.testing.assert_allclose(k2, k1, rtol=1e-6)
+        np.testing.assert_allclose(v2, v1, rtol=1e-6)
+
+
 def test_checkpoint_scales_win_over_measuring(scaled_dir, caplog):
     """vLLM's k_scale / v_scale are fp8's (the largest value becomes 448): an int8 cache maps
     the same value to 127. Nothing is measured (tokenize is never called)."""
