@@ -11,12 +11,13 @@ A model whose scales were never set gets ones (1.0) when its step program is bui
   tensor or per KV head. They are calibrated for fp8 (the largest value becomes 448), or for
   int8 where the `kv_cache_scheme` says so (127); a cache of the other dtype maps the same
   largest value to its own largest.
-- Otherwise they are measured: one float32 forward of the model over `CALIBRATION_TEXT`
-  (about 150 tokens) followed by 64 token ids spread evenly over the vocabulary; each layer's
-  and KV head's largest |k| and |v| over it times the dtype's `HEADROOM` becomes the dtype's
-  largest value (int8 127, fp8 448). Values beyond it are clipped. fp8 is measured too, not
-  1.0 as in vLLM: the default model's layer-0 values have a median of 0.017 and 40 % of them
-  lie below e4m3's smallest normal (2^-6), where its precision falls.
+- Otherwise they are measured: one float32 forward of the model (on its mesh) over
+  `CALIBRATION_TEXT` (about 150 tokens) followed by 64 token ids spread evenly over the
+  vocabulary; each layer's and KV head's largest |k| and |v| over it times the dtype's
+  `HEADROOM` becomes the dtype's largest value (int8 127, fp8 448). Values beyond it are
+  clipped. fp8 is measured too, not 1.0 as in vLLM: the default model's layer-0 values have a
+  median of 0.017 and 40 % of them lie below e4m3's smallest normal (2^-6), where its
+  precision falls.
 
 A multi-head latent attention model (DeepSeek V3: one latent row per token, no V array) has
 two scales per layer, `k` = (the latent columns', the roped columns'), measured apart (the
