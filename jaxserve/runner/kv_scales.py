@@ -249,8 +249,8 @@ def kv_scale_inputs(model, kv_dtype) -> None:
     if not isinstance(leaf, jax.ShapeDtypeStruct):
         set_kv_scales(model, None)
         return
-    shape = jax.ShapeDtypeStruct((2, scale_width(model.config)), jnp.float32,
-                                 sharding=NamedSharding(getattr(model, "mesh", None) or single_device_mesh(), P()))
+    replicated = NamedSharding(getattr(model, "mesh", None) or single_device_mesh(), P())
+    shape = jax.ShapeDtypeStruct((2, scale_width(model.config)), jnp.float32, sharding=replicated)
     for layer in model.layers:
         layer.kv_scale = KVCacheScale(shape)
 

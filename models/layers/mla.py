@@ -11,12 +11,12 @@ Quantized caches (fp8, int8; `pallas_kernels/kv_quant.py`): a row's two parts ha
 each, the K row of the layer's `KVCacheScale` array = (latent's, rope's) (an input of the
 compiled step, set by runner/kv_scales.py; a direct caller may give `spec.k_scale` numbers
 instead, one value: the same for both): the latent columns are RMS-normed, the roped ones are
-not, so their ranges differ. As in layers/attention.py the scales stay out of the kernels, here, outside the
-`shard_map`: this step's rows are divided by their column's scale and quantized before the
-write, q's latent and rope slices are multiplied by the same column scales (q . (s * row_q) =
-(s * q) . row_q, column by column), and the output, a sum of the rows' latent columns, is
-multiplied by the latent's scale (the value is the key's own columns: the V row holds that
-same number and is not read here).
+not, so their ranges differ. As in layers/attention.py the scales stay out of the kernels,
+here, outside the `shard_map`: this step's rows are divided by their column's scale and
+quantized before the write, q's latent and rope slices are multiplied by the same column
+scales (q . (s * row_q) = (s * q) . row_q, column by column), and the output, a sum of the
+rows' latent columns, is multiplied by the latent's scale (the value is the key's own
+columns: the V row holds that same number and is not read here).
 
 Absorbed or split (`mla_attention`, the one place that chooses; docs/DESIGN.md §5
 "Multi-head latent attention"). Decode is absorbed: each head's query is mapped into the
@@ -164,9 +164,9 @@ def paged_mla_attention(
 ) -> tuple[jax.Array, ...]:
     """q in the dtype attention computes in (the cache's, or the model's for a quantized
     cache); `latent` is cast (or quantized) to the cache's with the K row of `kv_scale` (the
-    layer's [2, 2] `KVCacheScale`), or the spec's `k_scale` when None. Returns (out [T, H, value_dim],
-    latent_cache); with `context_only` (out over the cached context only, its log-sum-exp
-    [T, H] float32, latent_cache) (`ops.mla_paged_attention`)."""
+    layer's [2, 2] `KVCacheScale`), or the spec's `k_scale` when None. Returns (out [T, H,
+    value_dim], latent_cache); with `context_only` (out over the cached context only, its
+    log-sum-exp [T, H] float32, latent_cache) (`ops.mla_paged_attention`)."""
     quantized = is_quantized(latent_cache.dtype)
     if quantized:
         k_scale = spec.k_scale if kv_scale is None else kv_scale[0]

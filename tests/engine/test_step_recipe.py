@@ -2,7 +2,8 @@
 weights, `compile_pool.abstract_step`) and shard-plan (`plan_compile.plan_one`) lower the same
 step program from the same recipe, with quantized weights, a quantized KV cache (its scales are
 inputs of the program, not part of it), LoRA slots and a max_logprobs that is not the default:
-the lowered programs' fingerprints are equal (runner/recipe.py). Lowering only, except shard-plan's one compile of a tiny model."""
+the lowered programs' fingerprints are equal (runner/recipe.py). Lowering only, except
+shard-plan's one compile of a tiny model."""
 
 from __future__ import annotations
 
