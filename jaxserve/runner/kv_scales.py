@@ -35,7 +35,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxserve.models.layers.attention import KVCacheScale
