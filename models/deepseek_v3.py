@@ -64,7 +64,7 @@ from jaxserve.models import interface as features
 from jaxserve.models import sharding as ax
 from jaxserve.models.arch_config import ArchConfig
 from jaxserve.models.interface import AttentionMetadata, KVCache
-from jaxserve.models.layers.attention import AttentionSpec
+from jaxserve.models.layers.attention import AttentionSpec, layer_kv_scale
 from jaxserve.models.layers.linear import dense, module_weights
 from jaxserve.models.layers.mla import mla_attention
 from jaxserve.models.layers.norm import rms_norm
@@ -279,6 +279,8 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         for i, layer in enumerate(self.layers):
             with jax.named_scope(f"layer_{i}"):
                 p = module_weights(layer)
+                if (kv_scale := layer_kv_scale(layer)) is not None:  # a quantized cache's
+                    p["kv_scale"] = kv_scale
                 with jax.named_scope("attention"):
                     attn, caches[i] = self.attention(layer, p, self.norm(h, p["input_norm"]),
                                                      ropes[layer.rope], caches[i], md)
@@ -307,7 +309,8 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         k_rope = apply_rotary(kv[:, None, C:], *rope)[:, 0]  # [T, Dr]
         q_rope = apply_rotary(q[..., Dn:], *rope)  # [T, H, Dr]
         v, cache = mla_attention(q[..., :Dn], q_rope, latent, k_rope, cache, md, layer.attn_spec,
-                                 p["w_uk"], p["w_uv"], self.mesh, dict(self.rules))  # [T, H, Dv]
+                                 p["w_uk"], p["w_uv"], self.mesh, dict(self.rules),
+                                 kv_scale=p.get("kv_scale"))  # [T, H, Dv]
         o = dense(MLA_SPECS["wo"], v, p["wo"])
         if "bo" in p:
             o = o + p["bo"]

@@ -24,7 +24,7 @@ from jaxserve.models import interface as features
 from jaxserve.models import sharding as ax
 from jaxserve.models.arch_config import ArchConfig
 from jaxserve.models.interface import AttentionMetadata, KVCache
-from jaxserve.models.layers.attention import AttentionSpec, paged_attention
+from jaxserve.models.layers.attention import AttentionSpec, layer_kv_scale, paged_attention
 from jaxserve.models.layers.linear import (
     INPUT_SCALE_SUFFIX,
     PERM_SUFFIX,
@@ -306,6 +306,8 @@ class LlamaForCausalLM(nnx.Module):
                 tapped[i] = h
             with jax.named_scope(f"layer_{i}"):
                 p = module_weights(layer)
+                if (kv_scale := layer_kv_scale(layer)) is not None:  # a quantized cache's
+                    p["kv_scale"] = kv_scale
                 if lora is not None:
                     p["lora"] = (lora.layers[i], lora.onehot, lora.active)
                 rope = ropes[layer.rope]
@@ -359,6 +361,7 @@ class LlamaForCausalLM(nnx.Module):
             q.astype(attention_dtype(k_cache.dtype, self.dtype)), k, v,
             k_cache, v_cache, md, layer.attn_spec, self.mesh, dict(self.rules),
             sinks=p.get("sinks"),  # a layer's attention-sink logits [Hq] (gpt-oss), or None
+            kv_scale=p.get("kv_scale"),  # a quantized cache's scales [2, Hkv], or None
         )  # attn: [T, Hq, D]
         o = dense(LAYER_SPECS["wo"], attn, p["wo"])  # [T, E]
         o = add_lora(p, "wo", LAYER_SPECS["wo"], attn, o)

@@ -2,8 +2,10 @@
 
 A page holds `round(x / scale)` (int8: rounded to nearest and clipped to [-127, 127]; fp8:
 clipped to the format's +-448 and rounded by the conversion); `x ~= scale * page`. A scale per
-tensor is the same scale for every KV head. The scales are static numbers of a layer (its
-`AttentionSpec`): from the checkpoint, 1.0 for fp8 without them (as vLLM), measured for int8.
+tensor is the same scale for every KV head. The models give a layer's scales as an array, an
+input of the compiled step beside the weights (models/layers/attention.py's `KVCacheScale`,
+set by runner/kv_scales.py: from the checkpoint, or measured), so one compiled step serves any
+scales; a direct caller of the ops may give them as static numbers (a tuple) instead.
 
 The scales never enter a kernel. Attention is linear in each key and each value, so
 
@@ -29,7 +31,8 @@ INT8_DTYPE = jnp.dtype(jnp.int8)
 # The largest magnitude a page holds: e4m3fn's largest finite value, int8's symmetric range.
 QUANT_MAX = {FP8_DTYPE: 448.0, INT8_DTYPE: 127.0}
 
-Scale = Sequence[float] | None  # per KV head, one value (per tensor), or None (1.0)
+# Per KV head or one value (per tensor): static numbers, or an array (a step's input); None: 1.0.
+Scale = Sequence[float] | jax.Array | None
 
 
 def is_quantized(dtype) -> bool:
@@ -50,9 +53,20 @@ def head_scales(scale: Scale, num_kv_heads: int) -> np.ndarray:
     return s
 
 
+def head_scale_array(scale: Scale, num_kv_heads: int) -> jax.Array:
+    """[num_kv_heads] float32 as `head_scales`, for static numbers or an array (traced too)."""
+    if not isinstance(scale, jax.Array):
+        return jnp.asarray(head_scales(scale, num_kv_heads))
+    s = scale.astype(jnp.float32).reshape(-1)
+    if s.size not in (1, num_kv_heads):
+        raise ValueError(f"a KV scale has {s.size} values for {num_kv_heads} KV heads; expected "
+                         "one per tensor or one per KV head")
+    return jnp.broadcast_to(s, (num_kv_heads,))
+
+
 def quantize(x: jax.Array, scale: Scale, dtype) -> jax.Array:
     """x: [T, Hkv, D] floats -> the page values of `dtype` (x / scale, rounded and clipped)."""
-    return quantize_scaled(x, jnp.asarray(head_scales(scale, x.shape[-2]))[:, None], dtype)
+    return quantize_scaled(x, head_scale_array(scale, x.shape[-2])[:, None], dtype)
 
 
 def quantize_scaled(x: jax.Array, scale: jax.Array, dtype) -> jax.Array:
@@ -68,13 +82,13 @@ def quantize_scaled(x: jax.Array, scale: jax.Array, dtype) -> jax.Array:
 
 def dequantize(xq: jax.Array, scale: Scale) -> jax.Array:
     """Page values [..., Hkv, D] -> float32 `xq * scale`."""
-    s = jnp.asarray(head_scales(scale, xq.shape[-2]))[:, None]
+    s = head_scale_array(scale, xq.shape[-2])[:, None]
     return xq.astype(jnp.float32) * s
 
 
 def _per_query_head(scale: Scale, num_heads: int, num_kv_heads: int) -> jax.Array:
     # Query head h reads KV head h // (Hq // Hkv).
-    return jnp.asarray(np.repeat(head_scales(scale, num_kv_heads), num_heads // num_kv_heads))
+    return jnp.repeat(head_scale_array(scale, num_kv_heads), num_heads // num_kv_heads)
 
 
 def scale_query(q: jax.Array, k_scale: Scale, num_kv_heads: int, dtype) -> jax.Array:

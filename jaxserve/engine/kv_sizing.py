@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from jaxserve.backends import Backend
 from jaxserve.backends.base import InsufficientMemoryError, MemoryBudget, min_over_processes
@@ -20,7 +20,7 @@ from jaxserve.runner.compile import executable_cache
 from jaxserve.runner.compile_pool import step_memory
 from jaxserve.runner.executable_cache import canonical, executable_scope
 from jaxserve.runner.kv_cache import bytes_per_page, num_pages_for_budget
-from jaxserve.runner.recipe import StepRecipe, kv_scales_of
+from jaxserve.runner.recipe import StepRecipe
 from jaxserve.startup_timer import StartupTimer
 
 if TYPE_CHECKING:
@@ -37,32 +37,30 @@ class KVSize:
     rank_pages: int  # pages per data-parallel rank (each rank's devices hold its own)
     max_model_len: int  # the plan's, or what one sequence can hold of those pages
     memory: MemoryBudget | None  # the budget from the compiled programs (accelerators)
-    kv_scales: Any  # the recipe's KV scales (runner/recipe.py)
 
     def recipe(self, plan: EnginePlan) -> StepRecipe:
         D = plan.mesh_shape[0]
-        return plan.recipe(num_pages=self.rank_pages * D, max_model_len=self.max_model_len, kv_scales=self.kv_scales)
+        return plan.recipe(num_pages=self.rank_pages * D, max_model_len=self.max_model_len)
 
 
-def size_kv_cache(plan: EnginePlan, model, backend: Backend, mesh, timer: StartupTimer) -> KVSize:
+def size_kv_cache(plan: EnginePlan, backend: Backend, mesh, timer: StartupTimer) -> KVSize:
     """The KV cache's pages as the plan sizes it: a page count given, a budget in bytes per
     device, or what the largest compiled step leaves of each device; then max_model_len fitted
-    to them (one sequence of it must fit; a page count given for tests is taken as is).
-    `model`: the one built (its KV scales); None where there is none (`jaxserve compile`)."""
-    cc, D, scales = plan.config.cache, plan.mesh_shape[0], None if model is None else kv_scales_of(model)
+    to them (one sequence of it must fit; a page count given for tests is taken as is)."""
+    cc, D = plan.config.cache, plan.mesh_shape[0]
     if plan.kv_sizing == "pages":
-        return KVSize(cc.num_pages // D, plan.max_model_len, None, scales)
+        return KVSize(cc.num_pages // D, plan.max_model_len, None)
     memory = None
     if plan.kv_sizing == "programs":
         with timer.phase("memory"):
-            probe = functools.partial(plan.recipe, max_model_len=plan.max_model_len, kv_scales=scales)
+            probe = functools.partial(plan.recipe, max_model_len=plan.max_model_len)
             memory = _memory_from_programs(plan, backend, mesh, probe)
     rank_pages = num_pages_for_budget(plan.arch, cc.page_size, jax_dtype(plan.device.kv_dtype),
                                       plan.kv_budget if memory is None else memory.kv, mesh, plan.rules,
                                       extra_bytes_per_page=draft_bytes_per_page(plan, mesh))
     fitted = fit_max_model_len(plan.max_model_len, rank_pages, cc.page_size,
                                given=plan.config.model.max_model_len is not None)
-    return KVSize(rank_pages, fitted, memory, scales)
+    return KVSize(rank_pages, fitted, memory)
 
 
 def draft_bytes_per_page(plan: EnginePlan, mesh) -> int:

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from jaxserve.backends.devices import DeviceSet
     from jaxserve.compiled_step.buckets import BucketGrid
     from jaxserve.models.arch_config import ArchConfig
-    from jaxserve.runner.recipe import KVScales, StepRecipe
+    from jaxserve.runner.recipe import StepRecipe
     from jaxserve.sampling.config import SamplerConfig
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # the bundled model's (models/loader.py)
@@ -151,8 +151,8 @@ class EnginePlan:
         head = f"{self.name} on {self.platform} ({D}x{M} mesh{', several processes' if self.multi_process else ''})"
         return head + "; " + "; ".join(f"{k} {v} ({self.reasons[k]})" for k, v in self.entries())
 
-    def recipe(self, *, num_pages: int, max_model_len: int, kv_scales: KVScales | None = None) -> StepRecipe:
-        """The step recipe of this plan (runner/recipe.py) with its KV cache's pages and scales."""
+    def recipe(self, *, num_pages: int, max_model_len: int) -> StepRecipe:
+        """The step recipe of this plan (runner/recipe.py) with its KV cache's pages."""
         from jaxserve.runner.recipe import StepRecipe
 
         lora, spec = self.lora, self.speculative
@@ -161,7 +161,7 @@ class EnginePlan:
             attention_impl=self.config.model.attention_impl, rules=dict(self.rules), mesh_shape=self.mesh_shape,
             target=dict(self.compile_target), num_pages=num_pages, page_size=self.config.cache.page_size,
             max_model_len=max_model_len, sampler_config=self.sampler, quantization=self.config.model.quantization,
-            kv_scales=kv_scales, max_loras=lora.max_loras if lora else 0, max_lora_rank=lora.max_lora_rank if lora else 0,
+            max_loras=lora.max_loras if lora else 0, max_lora_rank=lora.max_lora_rank if lora else 0,
             num_speculative_tokens=spec.num_speculative_tokens if spec else 0, draft_model=self.draft_model,
             draft_method=self.draft_method,
             token_buckets=self.grid.token_buckets, request_buckets=self.grid.request_buckets,

@@ -127,7 +127,7 @@ def _build_engine(config: EngineConfig, timer: StartupTimer, own_timer: bool,
     model = _build(plan, start, timer)
     if plan.pooling:
         return _pooling_engine(plan, start, model, timer, own_timer)
-    kv = size_kv_cache(plan, model, start.backend, start.mesh, timer)
+    kv = size_kv_cache(plan, start.backend, start.mesh, timer)
     runner = _compile(plan, start, model, kv, timer)
     return _assemble(plan, start, runner, kv, timer, own_timer)
 
@@ -266,7 +266,7 @@ def _check_mtp_target(target_config: dict) -> None:
 def _build(plan: EnginePlan, start: _Start, timer: StartupTimer):
     """The model: weights placed and laid out by the backend, a quantized KV cache's scales set."""
     model = _prepared_model(plan, start, timer)
-    with timer.phase("kv scales"):  # a quantized cache's, before the steps are compiled
+    with timer.phase("kv scales"):  # a quantized cache's: inputs of the steps, beside the weights
         prepare_kv_scales(model, jax_dtype(plan.device.kv_dtype), start.ckpt,
                           lambda: start.tokenizer.result().encode(CALIBRATION_TEXT))
     start.load_seconds = time.perf_counter() - start.t0

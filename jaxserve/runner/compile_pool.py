@@ -6,7 +6,8 @@ compiled side by side, in processes: libtpu's compiler crashed when two compiles
 threads of one process, and separate processes share nothing.
 
 Each worker gets a `StepRecipe` (runner/recipe.py: everything the step programs are a function
-of, quantized weights, KV scales and LoRA slots included) and builds from it, without weights,
+of, quantized weights, the KV cache's dtype and LoRA slots included; a quantized cache's scales
+are inputs, abstract like the weights) and builds from it, without weights,
 the same program and abstract arguments the runner has (`recipe.step_program`; the backend lays
 the abstract model out as for real weights: `prepare_model(..., abstract=True)`, the same fused
 layer), lowers one bucket's step and compiles it for its devices: this

@@ -1,5 +1,9 @@
 """The scales of a quantized KV cache (fp8, int8), one pair (k, v) per layer, set on each
-layer's `AttentionSpec` before the steps are compiled (they are constants of the step).
+layer as a `KVCacheScale` array ([2, n] float32: K's row, V's row; models/layers/attention.py):
+a replicated input of the compiled step beside the weights, so the step's program depends on
+the cache's dtype only and one compiled step (a `jaxserve compile` directory) serves any scales.
+A model whose scales were never set gets ones (1.0) when its step program is built
+(`kv_scale_inputs`).
 
 - From the checkpoint when it has them (vLLM's names: `model.layers.N.self_attn.k_scale` /
   `v_scale`, as llm-compressor writes them with a compressed-tensors `kv_cache_scheme`, or
@@ -7,12 +11,13 @@ layer's `AttentionSpec` before the steps are compiled (they are constants of the
   tensor or per KV head. They are calibrated for fp8 (the largest value becomes 448), or for
   int8 where the `kv_cache_scheme` says so (127); a cache of the other dtype maps the same
   largest value to its own largest.
-- Otherwise they are measured: one float32 forward of the model over `CALIBRATION_TEXT`
-  (about 150 tokens) followed by 64 token ids spread evenly over the vocabulary; each layer's
-  and KV head's largest |k| and |v| over it times the dtype's `HEADROOM` becomes the dtype's
-  largest value (int8 127, fp8 448). Values beyond it are clipped. fp8 is measured too, not
-  1.0 as in vLLM: the default model's layer-0 values have a median of 0.017 and 40 % of them
-  lie below e4m3's smallest normal (2^-6), where its precision falls.
+- Otherwise they are measured: one float32 forward of the model (on its mesh) over
+  `CALIBRATION_TEXT` (about 150 tokens) followed by 64 token ids spread evenly over the
+  vocabulary; each layer's and KV head's largest |k| and |v| over it times the dtype's
+  `HEADROOM` becomes the dtype's largest value (int8 127, fp8 448). Values beyond it are
+  clipped. fp8 is measured too, not 1.0 as in vLLM: the default model's layer-0 values have a
+  median of 0.017 and 40 % of them lie below e4m3's smallest normal (2^-6), where its
+  precision falls.
 
 A multi-head latent attention model (DeepSeek V3: one latent row per token, no V array) has
 two scales per layer, `k` = (the latent columns', the roped columns'), measured apart (the
@@ -23,7 +28,6 @@ parts (vLLM's one scale for the latent cache).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 
@@ -31,7 +35,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxserve.models.layers.attention import KVCacheScale
 from jaxserve.models.sharding import single_device_mesh
 from jaxserve.pallas_kernels.kv_quant import (
     FP8_DTYPE,
@@ -138,7 +144,11 @@ def measure_kv_scales(model, token_ids: list[int], kv_dtype, page_size: int = 16
     cfg = model.config
     n = len(token_ids)
     pages = math.ceil(n / page_size)
-    kv = allocate_kv_cache(cfg, pages + 1, page_size, jnp.float32, single_device_mesh())
+    # On the model's mesh, laid out by its rules (its weights are there: a tensor- or
+    # data-parallel engine's too).
+    mesh = getattr(model, "mesh", None) or single_device_mesh()
+    rules = dict(model.rules) if getattr(model, "rules", None) else None
+    kv = allocate_kv_cache(cfg, pages + 1, page_size, jnp.float32, mesh, rules)
     inputs = pack_step([StepRequest(token_ids, 0, list(range(1, pages + 1)))],
                        num_tokens=n, num_reqs=1, pages_per_req=pages, page_size=page_size)
     graphdef, state = nnx.split(model)
@@ -226,13 +236,57 @@ def _resolve_kv_scales(kv_dtype, ckpt, model, tokenize) -> tuple[Scales | None, 
     return None, "1.0 (the checkpoint has none)"
 
 
+def scale_width(cfg) -> int:
+    """n of a layer's [2, n] scales: its KV heads, or a latent cache's two parts."""
+    return 2 if cfg.is_mla else cfg.kv_cache_heads
+
+
+def scale_array(cfg, k, v) -> np.ndarray:
+    """[2, n] float32 of one layer's (k, v) scales (one value or one per head / part each)."""
+    n = scale_width(cfg)
+    return np.stack([head_scales(k, n), head_scales(v, n)])
+
+
 def set_kv_scales(model, scales: Scales | None) -> None:
-    """Each layer's attention spec takes its scales (the model-wide spec, layer 0's)."""
+    """Each layer takes its (k, v) scales as its `KVCacheScale` array, replicated on the
+    model's mesh (None: ones, 1.0)."""
+    cfg = model.config
     if scales is None:
+        scales = [((1.0,), (1.0,))] * len(model.layers)
+    sharding = NamedSharding(getattr(model, "mesh", None) or single_device_mesh(), P())
+    for layer, (k, v) in zip(model.layers, scales, strict=True):
+        layer.kv_scale = KVCacheScale(jax.device_put(scale_array(cfg, k, v), sharding))
+
+
+def kv_scale_inputs(model, kv_dtype) -> None:
+    """Make sure a model served with a `kv_dtype` cache has the scales its step takes: ones
+    where none were set (abstract ones on an abstract model, whose weights are shapes). Nothing
+    for a float cache or a model that cannot have a quantized one (it refuses at start)."""
+    if (not is_quantized(kv_dtype) or not getattr(model, "supports_quantized_kv_cache", True)
+            or not model.layers or hasattr(model.layers[0], "kv_scale")):
         return
-    for layer, (k, v) in zip(model.layers, scales):
-        layer.attn_spec = dataclasses.replace(layer.attn_spec, k_scale=k, v_scale=v)
-    model.attn_spec = model.layers[0].attn_spec
+    leaf = jax.tree.leaves(nnx.state(model))[0]
+    if not isinstance(leaf, jax.ShapeDtypeStruct):
+        set_kv_scales(model, None)
+        return
+    replicated = NamedSharding(getattr(model, "mesh", None) or single_device_mesh(), P())
+    shape = jax.ShapeDtypeStruct((2, scale_width(model.config)), jnp.float32, sharding=replicated)
+    for layer in model.layers:
+        layer.kv_scale = KVCacheScale(shape)
+
+
+def kv_scales_of(model) -> tuple | None:
+    """The scales set on `model`'s layers, per layer (k, v), each one value when every head
+    (part) has the same, else one per head (part); None when none are set."""
+    if not model.layers or not hasattr(model.layers[0], "kv_scale"):
+        return None
+    arrays = jax.device_get([layer.kv_scale[...] for layer in model.layers])
+
+    def values(row):
+        row = [float(x) for x in np.asarray(row)]
+        return tuple(row[:1]) if len(set(row)) == 1 else tuple(row)
+
+    return tuple((values(a[0]), values(a[1])) for a in arrays)
 
 
 def prepare_kv_scales(model, kv_dtype, ckpt, tokenize) -> None:
@@ -243,7 +297,7 @@ def prepare_kv_scales(model, kv_dtype, ckpt, tokenize) -> None:
         raise ValueError(f"a {jnp.dtype(kv_dtype).name} KV cache is not supported for "
                          f"{model.config.architecture}; use --kv-cache-dtype auto")
     scales, source = resolve_kv_scales(kv_dtype, ckpt, model, tokenize)
-    set_kv_scales(model, scales)
+    set_kv_scales(model, scales)  # an input of the steps: ones for None
     if scales is None:
         logger.info("KV cache %s: scales %s", jnp.dtype(kv_dtype).name, source)
         return

@@ -45,6 +45,7 @@ from jaxserve.runner.compile import CompileCounter
 from jaxserve.runner.compile_pool import compile_in_workers
 from jaxserve.runner.executable_cache import ExecutableCache, ExecutableScope, canonical, executable_scope, signature
 from jaxserve.runner.kv_cache import allocate_kv_cache
+from jaxserve.runner.kv_scales import kv_scales_of
 from jaxserve.runner.lora_weights import LoRAWeights
 from jaxserve.runner.prebuilt import prebuilt_scope, target_material
 from jaxserve.runner.recipe import StepRecipe, step_program
@@ -147,6 +148,9 @@ class ModelRunner:
         # every call costs milliseconds of host time per step), the LoRA slots' after them.
         self.program, self.params, self._params_treedef = step_program(recipe, model, backend, mesh, max_cpu_loras,
                                                                        drafter=drafter)
+        # A quantized cache's scales as the steps take them (inputs beside the weights), per
+        # layer (k, v); None with a float cache.
+        self.kv_scales = kv_scales_of(model)
         with timer.phase("weight arena"):
             backend.place_weights(model, self.params, self._params_treedef)
         self.drafting = self.program.drafter_params is not None  # a drafter in the step

@@ -7,7 +7,8 @@ shard-plan` (tools/plan_compile.py: abstract weights, for meshes and chips this 
 have). Each starts from a `StepRecipe` and goes through `step_program` (the step function, its
 LoRA slots, its shardings) and `StepProgram.lower` (one bucket's Lowered program), so none of
 them can describe a step the others would not compile: the recipe names the weights' format
-(quantization, the checkpoint's own format), the KV cache's dtype and scales, the LoRA slots,
+(quantization, the checkpoint's own format), the KV cache's dtype (a quantized cache's scales
+are inputs of the step, beside the weights: runner/kv_scales.py), the LoRA slots,
 the sampler's sizes (max_logprobs included) and the drafts a request may add.
 tests/engine/test_step_recipe.py lowers one recipe through all three and compares the programs.
 """
@@ -41,10 +42,6 @@ from jaxserve.sampling.state import (
     write_slot_rows,
 )
 
-# A quantized KV cache's scales, per layer: ((k per tensor or per KV head), (v ...)).
-KVScales = tuple[tuple[tuple[float, ...], tuple[float, ...]], ...]
-
-
 @dataclasses.dataclass(frozen=True)
 class StepRecipe:
     """What a runner's step programs are a function of, picklable (see the module's doc). The
@@ -63,7 +60,6 @@ class StepRecipe:
     max_model_len: int
     sampler_config: SamplerConfig  # the sampler's sizes: slots, vocabulary, max_logprobs, native draws
     quantization: str | None = None  # --quantization: the weights quantized at load (int8, fp8, int4)
-    kv_scales: KVScales | None = None  # a quantized KV cache's scales (None: 1.0, or a float cache)
     max_loras: int = 0  # LoRA adapters' device slots (0: no LoRA path)
     max_lora_rank: int = 0
     # Speculative decoding's drafts per request and step: a drafting request samples on 1 + k
@@ -290,7 +286,12 @@ def step_program(recipe: StepRecipe, model, backend: Backend, mesh: Mesh,
     arrays follow the weights in the step's parameter list (`StepProgram.lora_arrays`), and so
     do a drafter's own (`StepProgram.drafter_params`, draft_head_step.drafting_step):
     `drafter`, the loaded EAGLE-3 head or draft model, or None for an abstract one read from
-    `recipe.draft_model` (an MTP layer is the target's own)."""
+    `recipe.draft_model` (an MTP layer is the target's own). A quantized KV cache's scales are
+    inputs of the step, the layers' `KVCacheScale` arrays among the weights (ones where the
+    model has none: runner/kv_scales.py)."""
+    from jaxserve.runner.kv_scales import kv_scale_inputs
+
+    kv_scale_inputs(model, recipe.kv_dtype)
     graphdef, state = nnx.split(model)
     params, treedef = jax.tree.flatten(state)
     lora = None
@@ -321,9 +322,9 @@ def step_program(recipe: StepRecipe, model, backend: Backend, mesh: Mesh,
 
 def abstract_model(recipe: StepRecipe, mesh: Mesh, backend: Backend):
     """The model a runner of `recipe` holds, without memory: abstract weights in the recipe's
-    format and shardings, laid out by the backend as real ones are, with the KV cache's scales."""
+    format and shardings, laid out by the backend as real ones are (a quantized KV cache's
+    scales, abstract too, are added by `step_program`)."""
     from jaxserve.models.weights import sharded_abstract_model
-    from jaxserve.runner.kv_scales import set_kv_scales
 
     cfg = recipe.arch_config()
     plan = recipe.device_plan()
@@ -333,7 +334,6 @@ def abstract_model(recipe: StepRecipe, mesh: Mesh, backend: Backend):
                                      recipe.kv_dtype, recipe.dtype)[0]
     model = sharded_abstract_model(cfg, dtype=recipe.dtype, mesh=mesh, attention_impl=attention,
                                    rules=recipe.rules, moe_impl=plan.moe_impl, quantization=recipe.quantization)
-    set_kv_scales(model, None if recipe.kv_scales is None else list(recipe.kv_scales))
     backend.prepare_model(model, plan, abstract=True)
     return model
 
@@ -343,13 +343,6 @@ def program_fingerprint(lowered: jax.stages.Lowered) -> str:
     import hashlib
 
     return hashlib.sha256(lowered.as_text().encode()).hexdigest()[:16]
-
-
-def kv_scales_of(model) -> KVScales | None:
-    """The KV cache scales set on `model`'s layers (runner/kv_scales.py), as a recipe holds them."""
-    if not model.layers or model.layers[0].attn_spec.k_scale is None:
-        return None
-    return tuple((tuple(layer.attn_spec.k_scale), tuple(layer.attn_spec.v_scale)) for layer in model.layers)
 
 
 def _mla_attention(requested: str, platform: str, cfg, page_size: int, q_dtype, kv_dtype

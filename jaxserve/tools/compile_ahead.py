@@ -124,7 +124,7 @@ def compile_for_target(config, target: dict, out: str | os.PathLike[str]) -> dic
         raise ValueError(f"give the KV cache's size (--kv-cache-memory, the same to serve): on {platform} the "
                          "server otherwise sizes it from the memory its devices have free at start, which this "
                          "host cannot know")
-    kv = size_kv_cache(plan, None, backend, mesh, StartupTimer())
+    kv = size_kv_cache(plan, backend, mesh, StartupTimer())
     recipe = kv.recipe(plan)
     mesh_devices = list(mesh.devices.flat)
     abstract = abstract_step(recipe, devices=mesh_devices)

@@ -14,7 +14,10 @@ and inside the `shard_map` it is split like the query heads (`P(<q's head axes>)
 
 Quantized caches (fp8, int8; `pallas_kernels/kv_quant.py`): this step's K and V are quantized
 with the layer's scales, and the scales folded into q and the output, here, outside the
-`shard_map` (on the whole heads: XLA splits these element-wise ops like the heads).
+`shard_map` (on the whole heads: XLA splits these element-wise ops like the heads). The
+scales are an array of the layer (`KVCacheScale`, [2, Hkv] float32: K's row, V's row), an
+input of the compiled step like its weights, replicated: the step's program depends on the
+cache's dtype, never on the scales' values (runner/kv_scales.py sets them).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxserve.models import sharding as ax
@@ -45,10 +49,29 @@ class AttentionSpec:
     sliding_window: int | None = None
     soft_cap: float | None = None
     impl: str = "auto"
-    # A quantized cache's scales (per tensor: one value, or per KV head; None: 1.0), from the
-    # checkpoint or measured (engine/kv_scales.py); unused with a float cache.
+    # A quantized cache's scales as static numbers (per tensor: one value, or per KV head;
+    # None: 1.0), for a direct caller of the ops; the models give each layer's as an array
+    # instead (`KVCacheScale`, `kv_scale=`), which wins. Unused with a float cache.
     k_scale: tuple[float, ...] | None = None
     v_scale: tuple[float, ...] | None = None
+
+
+class KVCacheScale(nnx.Variable):
+    """A layer's quantized-KV-cache scales, [2, n] float32: row 0 the keys', row 1 the values'
+    (n: one per KV head; a latent cache's: the latent's and the roped part's columns). A
+    variable of the model beside its weights, so an input of the compiled step (not a Param:
+    no checkpoint tensor, no product reads it); set by runner/kv_scales.py."""
+
+
+def layer_kv_scale(layer) -> jax.Array | None:
+    """`layer`'s KVCacheScale value, or None (a float cache, or a model without scales: 1.0)."""
+    var = getattr(layer, "kv_scale", None)
+    return None if var is None else var[...]
+
+
+def _scales(spec: AttentionSpec, kv_scale: jax.Array | None):
+    """(K's, V's) scales: the layer's array's rows, else the spec's numbers."""
+    return (spec.k_scale, spec.v_scale) if kv_scale is None else (kv_scale[0], kv_scale[1])
 
 
 def attention_specs(k_shape, cache_shape, mesh: Mesh, rules: ax.Rules,
@@ -80,19 +103,22 @@ def paged_attention(
     mesh: Mesh | None,
     rules: ax.Rules = ax.DEFAULT_RULES,
     sinks: jax.Array | None = None,
+    kv_scale: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """q in the dtype attention computes in (the cache's, or the model's for a quantized
     cache); k, v are cast (or quantized) to the cache's; `sinks`: the layer's [Hq]
-    attention-sink logits, or None. Returns (out [T, Hq, D], caches)."""
+    attention-sink logits, or None; `kv_scale`: a quantized cache's [2, Hkv] scales
+    (`KVCacheScale`), or None for the spec's. Returns (out [T, Hq, D], caches)."""
     hkv = k.shape[1]
     quantized = is_quantized(k_cache.dtype)
+    k_scale, v_scale = _scales(spec, kv_scale)
     if quantized:
-        q = scale_query(q, spec.k_scale, hkv, q.dtype)
-        k, v = quantize(k, spec.k_scale, k_cache.dtype), quantize(v, spec.v_scale, k_cache.dtype)
+        q = scale_query(q, k_scale, hkv, q.dtype)
+        k, v = quantize(k, k_scale, k_cache.dtype), quantize(v, v_scale, k_cache.dtype)
     else:
         k, v = k.astype(k_cache.dtype), v.astype(k_cache.dtype)
     out, k_cache, v_cache = _attend(q, k, v, k_cache, v_cache, md, spec, mesh, rules, sinks)
-    return (scale_output(out, spec.v_scale, hkv) if quantized else out), k_cache, v_cache
+    return (scale_output(out, v_scale, hkv) if quantized else out), k_cache, v_cache
 
 
 def paged_attention_read(
@@ -104,15 +130,17 @@ def paged_attention_read(
     mesh: Mesh | None,
     rules: ax.Rules = ax.DEFAULT_RULES,
     sinks: jax.Array | None = None,
+    kv_scale: jax.Array | None = None,
 ) -> jax.Array:
     """Attention over a cache this layer does not write: a layer reading the keys and values an
-    earlier layer of the step wrote (Gemma 4's KV-sharing layers). `spec` carries the scales
-    of that layer's cache; `sinks`: this layer's [Hq] attention-sink logits, or None. Returns
-    out [T, Hq, D]."""
+    earlier layer of the step wrote (Gemma 4's KV-sharing layers). `kv_scale` (or the spec's
+    numbers) holds the scales of that layer's cache; `sinks`: this layer's [Hq] attention-sink
+    logits, or None. Returns out [T, Hq, D]."""
     hkv = num_kv_heads(k_cache, q.shape[2])
     quantized = is_quantized(k_cache.dtype)
+    k_scale, v_scale = _scales(spec, kv_scale)
     if quantized:
-        q = scale_query(q, spec.k_scale, hkv, q.dtype)
+        q = scale_query(q, k_scale, hkv, q.dtype)
 
     def local(q, k_cache, v_cache, md, sinks):
         return ragged_paged_attention(q, k_cache, v_cache, md, sm_scale=spec.sm_scale,
@@ -129,7 +157,7 @@ def paged_attention_read(
                             in_specs=(heads, cache, cache, jax.tree.map(lambda _: P(), md),
                                       _sinks_spec(heads, sinks)),
                             out_specs=heads, check_vma=False)(q, k_cache, v_cache, md, sinks)
-    return scale_output(out, spec.v_scale, hkv) if quantized else out
+    return scale_output(out, v_scale, hkv) if quantized else out
 
 
 def _sinks_spec(heads: P, sinks) -> P | None:

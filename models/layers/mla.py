@@ -8,14 +8,15 @@ same rows into its copy. The pages may not be split here (the data-parallel step
 manual already and left out, as in layers/attention.py).
 
 Quantized caches (fp8, int8; `pallas_kernels/kv_quant.py`): a row's two parts have a scale
-each, `spec.k_scale` = (latent's, rope's) (one value: the same for both), from
-runner/kv_scales.py: the latent columns are RMS-normed, the roped ones are not, so their
-ranges differ. As in layers/attention.py the scales stay out of the kernels, here, outside the
-`shard_map`: this step's rows are divided by their column's scale and quantized before the
-write, q's latent and rope slices are multiplied by the same column scales (q . (s * row_q) =
-(s * q) . row_q, column by column), and the output, a sum of the rows' latent columns, is
-multiplied by the latent's scale (the value is the key's own columns: `spec.v_scale` holds
-that same number and is not read here).
+each, the K row of the layer's `KVCacheScale` array = (latent's, rope's) (an input of the
+compiled step, set by runner/kv_scales.py; a direct caller may give `spec.k_scale` numbers
+instead, one value: the same for both): the latent columns are RMS-normed, the roped ones are
+not, so their ranges differ. As in layers/attention.py the scales stay out of the kernels,
+here, outside the `shard_map`: this step's rows are divided by their column's scale and
+quantized before the write, q's latent and rope slices are multiplied by the same column
+scales (q . (s * row_q) = (s * q) . row_q, column by column), and the output, a sum of the
+rows' latent columns, is multiplied by the latent's scale (the value is the key's own
+columns: the V row holds that same number and is not read here).
 
 Absorbed or split (`mla_attention`, the one place that chooses; docs/DESIGN.md §5
 "Multi-head latent attention"). Decode is absorbed: each head's query is mapped into the
@@ -115,6 +116,7 @@ def mla_attention(
     w_uv: jax.Array,  # [H, C, Dv]
     mesh: Mesh | None,
     rules: ax.Rules = ax.DEFAULT_RULES,
+    kv_scale: jax.Array | None = None,  # a quantized cache's [2, 2] (`KVCacheScale`), or None
 ) -> tuple[jax.Array, jax.Array]:
     """One layer's multi-head latent attention: write this step's latent rows [c, k_rope] and
     attend, absorbed or split (`prefill_form` of the step's shape) -> (each head's value-space
@@ -127,11 +129,12 @@ def mla_attention(
     form = prefill_form(md.num_tokens, md.max_num_seqs, latent=C, nope=Dn, rope=Dr, value=Dv)
     if form == "absorbed":
         out, latent_cache = paged_mla_attention(q_rows, rows, latent_cache, md, spec, C, mesh,
-                                                rules)
+                                                rules, kv_scale=kv_scale)
         return _per_head(ABSORB_SPECS["w_uv"], out, w_uv), latent_cache
     with jax.named_scope("mla_split_prefill"):
         ctx, ctx_lse, latent_cache = paged_mla_attention(
-            q_rows, rows, latent_cache, md, spec, C, mesh, rules, context_only=True)
+            q_rows, rows, latent_cache, md, spec, C, mesh, rules, context_only=True,
+            kv_scale=kv_scale)
         ctx = _per_head(ABSORB_SPECS["w_uv"], ctx, w_uv)  # [T, H, Dv]
         k_nope = dense(EXPAND_SPECS["w_uk"], latent, w_uk).astype(dtype)  # [T, H, Dn]
         v = dense(EXPAND_SPECS["w_uv"], latent, w_uv).astype(dtype)  # [T, H, Dv]
@@ -157,14 +160,17 @@ def paged_mla_attention(
     rules: ax.Rules = ax.DEFAULT_RULES,
     *,
     context_only: bool = False,
+    kv_scale: jax.Array | None = None,
 ) -> tuple[jax.Array, ...]:
     """q in the dtype attention computes in (the cache's, or the model's for a quantized
-    cache); `latent` is cast (or quantized) to the cache's. Returns (out [T, H, value_dim],
-    latent_cache); with `context_only` (out over the cached context only, its log-sum-exp
-    [T, H] float32, latent_cache) (`ops.mla_paged_attention`)."""
+    cache); `latent` is cast (or quantized) to the cache's with the K row of `kv_scale` (the
+    layer's [2, 2] `KVCacheScale`), or the spec's `k_scale` when None. Returns (out [T, H,
+    value_dim], latent_cache); with `context_only` (out over the cached context only, its
+    log-sum-exp [T, H] float32, latent_cache) (`ops.mla_paged_attention`)."""
     quantized = is_quantized(latent_cache.dtype)
     if quantized:
-        cols = latent_column_scales(spec.k_scale, latent_cache.shape[2], value_dim)
+        k_scale = spec.k_scale if kv_scale is None else kv_scale[0]
+        cols = latent_column_scales(k_scale, latent_cache.shape[2], value_dim)
         q = (q.astype(jnp.float32) * cols).astype(q.dtype)
         latent = quantize_scaled(latent, cols, latent_cache.dtype)
     else:
@@ -176,12 +182,16 @@ def paged_mla_attention(
     return (out, *lse, latent_cache)
 
 
-def latent_column_scales(k_scale: tuple[float, ...] | None, width: int,
+def latent_column_scales(k_scale: tuple[float, ...] | jax.Array | None, width: int,
                          value_dim: int) -> jax.Array:
     """[width] float32: each cache column's scale, the latent's (`k_scale[0]`) on the first
-    `value_dim` columns and the rope part's (`k_scale[-1]`) on the rest; None: ones."""
+    `value_dim` columns and the rope part's (`k_scale[-1]`) on the rest; None: ones. Static
+    numbers, or an array (the layer's `KVCacheScale` K row, a step input)."""
     if k_scale is None:
         return jnp.ones((width,), jnp.float32)
+    if isinstance(k_scale, jax.Array):
+        s = k_scale.astype(jnp.float32).reshape(-1)
+        return jnp.where(jnp.arange(width) < value_dim, s[0], s[-1])
     s = np.asarray(k_scale, np.float32).reshape(-1)
     if s.size not in (1, 2):
         raise ValueError(f"a latent cache takes one scale or two (latent, rope); got "

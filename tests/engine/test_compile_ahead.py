@@ -4,8 +4,10 @@ loads every executable and compiles nothing, with the same tokens; a directory w
 disagrees with the engine (a version, the recipe) is named in one log line and the engine
 compiles as without it. The same with an EAGLE-3 draft head (`--speculative-config`): its step is
 compiled ahead, and a directory compiled without the head is named and not used; and with a
-draft model: its step and its cache's maker compiled ahead, nothing compiled at start. For TPU
-slices and GPU hosts: tests/tools/test_compile_targets.py."""
+draft model: its step and its cache's maker compiled ahead, nothing compiled at start. With an
+fp8 KV cache the directory serves any scales (they are step inputs): measured at start or from
+the checkpoint, loaded, nothing compiled. For TPU slices and GPU hosts:
+tests/tools/test_compile_targets.py."""
 
 from __future__ import annotations
 
@@ -15,7 +17,9 @@ import logging
 import pathlib
 import shutil
 
+import numpy as np
 import pytest
+from safetensors.numpy import load_file, save_file
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.runner import prebuilt
@@ -32,6 +36,10 @@ PREBUILT_LOG = "jaxserve.runner.prebuilt"
 HEAD = pathlib.Path(__file__).resolve().parent.parent / "data" / "arch" / "eagle3_llama"
 SPEC = {"method": "eagle3", "model": str(HEAD), "num_speculative_tokens": 2}
 EAGLE3_OPTIONS = {**OPTIONS, "num_decode_steps": 1}  # a head drafts after each step
+# An fp8 KV cache: one token bucket, no decode blocks (fewer entries to compile).
+FP8_OPTIONS = {**OPTIONS, "token_buckets": (16,), "num_decode_steps": 1, "kv_cache_dtype": "fp8"}
+FP8_FLAGS = FLAGS[: FLAGS.index("--token-buckets")] + ["--token-buckets", "16", "--request-buckets", "8",
+                                                      "--kv-cache-dtype", "fp8"]
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +77,35 @@ def draft_model_dir(model_dir, tmp_path_factory) -> pathlib.Path:
     assert cli(["compile", str(model_dir), "--topology", "cpu", "--out", str(out), "--log-level", "warning",
                 *flags, "--speculative-config", json.dumps(spec)]) == 0
     return out, spec
+
+
+@pytest.fixture(scope="module")
+def fp8_dir(model_dir, tmp_path_factory) -> pathlib.Path:
+    """`jaxserve compile MODEL --topology cpu --kv-cache-dtype fp8`: no scales known."""
+    out = tmp_path_factory.mktemp("exe") / "fp8"
+    assert cli(["compile", str(model_dir), "--topology", "cpu", "--out", str(out), "--log-level", "warning",
+                *FP8_FLAGS]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def scaled_dir(model_dir, tmp_path_factory) -> pathlib.Path:
+    """The same model with vLLM's k_scale / v_scale in its checkpoint (per tensor, per layer)."""
+    d = tmp_path_factory.mktemp("scaled")
+    shutil.copytree(model_dir, d, dirs_exist_ok=True)
+    tensors = load_file(str(d / "model.safetensors"))
+    layers = json.loads((d / "config.json").read_text())["num_hidden_layers"]
+    for i in range(layers):
+        tensors[f"model.layers.{i}.self_attn.k_scale"] = np.asarray(0.03125 * (i + 1), np.float32)
+        tensors[f"model.layers.{i}.self_attn.v_scale"] = np.asarray(0.015625, np.float32)
+    save_file(tensors, str(d / "model.safetensors"))
+    return d
+
+
+def _prompt_logprobs(llm: LLM) -> np.ndarray:
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    return np.asarray([lp[t].logprob for o, p in zip(llm.generate(PROMPTS, params, use_tqdm=False), PROMPTS)
+                       for lp, t in zip(o.prompt_logprobs[1:], p[1:])])
 
 
 def _outputs(llm: LLM):
@@ -203,3 +240,34 @@ def test_a_draft_models_step_and_cache_are_compiled_ahead(model_dir, cpu_dir, dr
     assert plain.engine.core.runner.counter.num_compiles == 0
     assert _outputs(loaded) == _outputs(plain)
     assert loaded.engine.scheduler.make_stats().spec_num_draft_tokens > 0
+
+
+def test_a_quantized_cache_is_served_from_the_directory_with_any_scales(model_dir, scaled_dir, fp8_dir,
+                                                                       caplog):
+    """The directory compiled without scales serves the checkpoint's and measured ones: each
+    engine loads every entry and compiles nothing; with the checkpoint's scales it gives the
+    tokens and log-probs of an engine that compiled its own steps, with measured ones others."""
+    entries = prebuilt.read_manifest(fp8_dir)["entries"]
+    assert entries == ["kv-zeros", "sampling-state", "step-16x8", "write-slot-rows"]
+    compiled = LLM(str(scaled_dir), **FP8_OPTIONS)
+    runner = compiled.engine.core.runner
+    assert runner.executables_compiled == len(entries) and runner.counter.num_compiles > 0
+    expected, expected_scores = _outputs(compiled), _prompt_logprobs(compiled)
+
+    served = {}
+    for name, d in (("checkpoint", scaled_dir), ("measured", model_dir)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger=PREBUILT_LOG):
+            served[name] = llm = LLM(str(d), executables=str(fp8_dir), **FP8_OPTIONS)
+        assert _messages(caplog) == []  # the same material: the scales are no part of it
+        runner = llm.engine.core.runner
+        assert (runner.executables_loaded, runner.executables_compiled) == (len(entries), 0)
+        assert runner.counter.num_compiles == 0  # calibrating (measured) compiles no step
+    checkpoint, measured = (served[n].engine.core.runner.kv_scales for n in ("checkpoint", "measured"))
+    assert checkpoint == (((0.03125,), (0.015625,)), ((0.0625,), (0.015625,))) != measured
+    assert all(len(k) == 2 for k, _ in measured)  # per KV head
+    assert _outputs(served["checkpoint"]) == expected
+    np.testing.assert_array_equal(_prompt_logprobs(served["checkpoint"]), expected_scores)
+    # The same executables, other scales: other values (the scales are read as inputs).
+    assert not np.array_equal(_prompt_logprobs(served["measured"]), expected_scores)
+    assert served["measured"].engine.core.runner.counter.recompiles == 0

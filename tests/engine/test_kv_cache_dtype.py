@@ -6,6 +6,7 @@ benchmarks/kv_fp8_drift.py, benchmarks/int8_quality.py, docs/performance.md.)"""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 
@@ -25,6 +26,7 @@ from jaxserve.runner.kv_scales import (
     CALIBRATION_SPREAD,
     HEADROOM,
     checkpoint_scales,
+    kv_scales_of,
     prepare_kv_scales,
     set_kv_scales,
 )
@@ -92,9 +94,9 @@ def test_pages_are_smaller_and_outputs_close_to_float(engines):
         assert np.any(drift > 0)  # the quantized pages were read
         assert engines[name].engine.num_compiles_after_warmup == 0
     # The checkpoint's scales win over measuring; int8 without them is measured.
-    assert engines["fp8_e4m3"].engine.runner.recipe.kv_scales == (((0.5,), (0.25,)),
-                                                                   ((0.5, 2.0), (1.0, 0.125)))
-    assert engines["int8"].engine.runner.recipe.kv_scales is not None
+    assert engines["fp8_e4m3"].engine.runner.kv_scales == (((0.5,), (0.25,)),
+                                                            ((0.5, 2.0), (1.0, 0.125)))
+    assert engines["int8"].engine.runner.kv_scales is not None
 
 
 def tiny_model(model_dir):
@@ -110,22 +112,38 @@ def test_scales_are_measured_per_layer_and_kv_head(model_dir, kv_dtype, caplog):
     with caplog.at_level(logging.INFO, logger="jaxserve.runner.kv_scales"):
         prepare_kv_scales(model, kv_dtype, ckpt, tokenize=lambda: text)
     assert f"scales measured on {len(text) + CALIBRATION_SPREAD} calibration tokens" in caplog.text
-    specs = [layer.attn_spec for layer in model.layers]
-    assert all(len(s.k_scale) == len(s.v_scale) == 2 for s in specs)  # 2 KV heads
-    assert len({s.k_scale for s in specs}) == 2  # each layer its own
-    assert model.attn_spec == specs[0]
+    specs = kv_scales_of(model)  # per layer (k, v), as the steps take them
+    assert all(len(k) == len(v) == 2 for k, v in specs)  # 2 KV heads
+    assert len({k for k, _ in specs}) == 2  # each layer its own
     # The largest |k| and |v| of the calibration forward (the text, then a sweep of the
     # vocabulary) map to the dtype's largest value / its headroom.
-    set_kv_scales(model, [((1.0,), (1.0,))] * len(specs))  # the float forward ignores them
-    fwd = PagedRunner(model, page_size=16, num_pages=16)
+    fwd = PagedRunner(model, page_size=16, num_pages=16)  # a float cache ignores the scales
     ids = text + np.linspace(0, 127, CALIBRATION_SPREAD).astype(int).tolist()
     fwd.step([(0, ids, 0)], num_tokens=len(ids), num_reqs=1, pages_per_req=8)
     factor = HEADROOM[jnp.dtype(kv_dtype)] / QUANT_MAX[jnp.dtype(kv_dtype)]
-    for spec, kc, vc in zip(specs, fwd.kv.k, fwd.kv.v):
-        for got, cache in ((spec.k_scale, kc), (spec.v_scale, vc)):
+    for (k_scale, v_scale), kc, vc in zip(specs, fwd.kv.k, fwd.kv.v):
+        for got, cache in ((k_scale, kc), (v_scale, vc)):
             per_head = np.asarray(cache).reshape(*cache.shape[:2], model.config.num_kv_heads, -1)
             amax = np.abs(per_head).max(axis=(0, 1, 3))
             np.testing.assert_allclose(np.asarray(got), amax * factor, rtol=1e-5)
+
+
+def test_scales_are_measured_on_a_tensor_parallel_model(model_dir):
+    """The calibration forward runs where the weights are (a 2-device mesh, the serving rules):
+    the scales of the single-device model."""
+    from jaxserve.models.sharding import load_rules, serving_rules
+    from jaxserve.parallel.mesh import make_mesh
+
+    ckpt, model = tiny_model(model_dir)
+    text = list(range(3, 60))
+    prepare_kv_scales(model, jnp.int8, ckpt, tokenize=lambda: text)
+    split = create_model(ArchConfig.from_hf(ckpt.config), dtype=jnp.float32, get_tensor=ckpt.get_tensor,
+                         mesh=make_mesh(1, 2), rules=serving_rules(load_rules("tp"), 1))
+    prepare_kv_scales(split, jnp.int8, ckpt, tokenize=lambda: text)
+    assert split.layers[0].kv_scale[...].sharding.is_fully_replicated
+    for (k1, v1), (k2, v2) in zip(kv_scales_of(model), kv_scales_of(split)):
+        np.testing.assert_allclose(k2, k1, rtol=1e-6)
+        np.testing.assert_allclose(v2, v1, rtol=1e-6)
 
 
 def test_checkpoint_scales_win_over_measuring(scaled_dir, caplog):
@@ -135,11 +153,10 @@ def test_checkpoint_scales_win_over_measuring(scaled_dir, caplog):
     with caplog.at_level(logging.INFO, logger="jaxserve.runner.kv_scales"):
         prepare_kv_scales(model, jnp.float8_e4m3fn, ckpt, tokenize=None)
     assert "scales from the checkpoint (k" in caplog.text
-    assert [(lay.attn_spec.k_scale, lay.attn_spec.v_scale) for lay in model.layers] == [
-        ((0.5,), (0.25,)), ((0.5, 2.0), (1.0, 0.125))]
+    assert list(kv_scales_of(model)) == [((0.5,), (0.25,)), ((0.5, 2.0), (1.0, 0.125))]
     with caplog.at_level(logging.INFO, logger="jaxserve.runner.kv_scales"):
         prepare_kv_scales(model, jnp.int8, ckpt, tokenize=None)
-    np.testing.assert_allclose(model.layers[1].attn_spec.v_scale, np.asarray([1.0, 0.125]) * 448 / 127)
+    np.testing.assert_allclose(kv_scales_of(model)[1][1], np.asarray([1.0, 0.125]) * 448 / 127)
     assert "from the checkpoint, calibrated for float8_e4m3fn" in caplog.text
 
 
@@ -170,14 +187,14 @@ def test_kv_cache_scheme(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="jaxserve.runner.kv_scales"):
         prepare_kv_scales(model, jnp.float8_e4m3fn, ckpt, tokenize=None)
     assert "from the checkpoint (kv_cache_scheme: float 8-bit, attn_head)" in caplog.text
-    assert model.layers[1].attn_spec.k_scale == (0.5, 2.0)
-    assert model.layers[1].attn_spec.v_scale == (0.25, 4.0)
+    assert kv_scales_of(model)[1][0] == (0.5, 2.0)
+    assert kv_scales_of(model)[1][1] == (0.25, 4.0)
     # Scales calibrated for an int8 cache (127) serve an fp8 one at 448.
     ckpt, model = tiny_model(scheme_dir(tmp_path / "int", {**CT_SCHEME, "type": "int"}))
     prepare_kv_scales(model, jnp.float8_e4m3fn, ckpt, tokenize=None)
-    np.testing.assert_allclose(model.layers[0].attn_spec.k_scale, np.asarray([0.5, 2.0]) * 127 / 448)
+    np.testing.assert_allclose(kv_scales_of(model)[0][0], np.asarray([0.5, 2.0]) * 127 / 448)
     prepare_kv_scales(model, jnp.int8, ckpt, tokenize=None)
-    assert model.layers[0].attn_spec.k_scale == (0.5, 2.0)
+    assert kv_scales_of(model)[0][0] == (0.5, 2.0)
     with pytest.raises(ValueError, match="kv_cache_scheme but no"):
         checkpoint_scales(load_checkpoint(scheme_dir(tmp_path / "none", CT_SCHEME, False)), 2, 2)
     with pytest.raises(ValueError, match="dynamic True.* is not supported"):
@@ -230,3 +247,22 @@ def test_checkpoint_scales(model_dir, scaled_dir, tmp_path):
               str(d / "model.safetensors"))
     with pytest.raises(ValueError, match="1 of 2 layers"):
         checkpoint_scales(load_checkpoint(d), 2, 2)
+
+
+def test_scales_as_step_inputs_give_the_logits_of_static_scales(model_dir):
+    """Each layer's KVCacheScale array (an input of the step) gives, bit for bit, the logits of
+    the same scales (per KV head) as static numbers of its AttentionSpec."""
+    _, model = tiny_model(model_dir)
+    scales = ((0.05, 0.1), (0.02, 0.03))
+    set_kv_scales(model, [scales] * len(model.layers))
+    ids = list(range(3, 40))
+
+    def logits():
+        fwd = PagedRunner(model, page_size=8, num_pages=8, dtype=jnp.int8)
+        return fwd.step([(0, ids, 0)], num_tokens=len(ids), num_reqs=1, pages_per_req=5)[0]
+
+    as_inputs = logits()
+    for layer in model.layers:
+        layer.attn_spec = dataclasses.replace(layer.attn_spec, k_scale=scales[0], v_scale=scales[1])
+        del layer.kv_scale
+    np.testing.assert_array_equal(as_inputs, logits())

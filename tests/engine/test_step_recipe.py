@@ -1,8 +1,9 @@
 """One StepRecipe, one program: the runner (real weights), the compile workers' path (abstract
 weights, `compile_pool.abstract_step`) and shard-plan (`plan_compile.plan_one`) lower the same
-step program from the same recipe, with quantized weights, a quantized KV cache and its scales,
-LoRA slots and a max_logprobs that is not the default: the lowered programs' fingerprints are
-equal (runner/recipe.py). Lowering only, except shard-plan's one compile of a tiny model."""
+step program from the same recipe, with quantized weights, a quantized KV cache (its scales are
+inputs of the program, not part of it), LoRA slots and a max_logprobs that is not the default:
+the lowered programs' fingerprints are equal (runner/recipe.py). Lowering only, except
+shard-plan's one compile of a tiny model."""
 
 from __future__ import annotations
 
@@ -19,9 +20,9 @@ from jaxserve.models.sharding import load_rules, serving_rules
 from jaxserve.models.weights import create_model
 from jaxserve.parallel.mesh import make_mesh
 from jaxserve.runner.compile_pool import abstract_step, lower_bucket
-from jaxserve.runner.kv_scales import set_kv_scales
+from jaxserve.runner.kv_scales import kv_scales_of, set_kv_scales
 from jaxserve.runner.model_runner import ModelRunner
-from jaxserve.runner.recipe import kv_scales_of, program_fingerprint, step_program
+from jaxserve.runner.recipe import program_fingerprint, step_program
 from jaxserve.tools.plan_compile import PlanSettings, plan_one, plan_recipe, resolve_plan
 from tests.model_dirs import DATA
 
@@ -67,14 +68,21 @@ def test_the_runner_the_compile_workers_and_shard_plan_lower_one_program(planned
     assert program_fingerprint(lower_bucket(narrower, abstract_step(narrower), BUCKET)) != workers
 
 
-def test_a_quantized_caches_scales_are_in_the_recipe_and_its_program(planned):
+def test_a_quantized_caches_scales_are_inputs_of_its_program_not_part_of_it(planned):
+    """The recipe names the fp8 cache, not its scales: a model whose scales were never set
+    (ones), one with others and the abstract model of the recipe lower one program, whose
+    arguments include each layer's [2, Hkv] scales."""
     ckpt, cfg, mesh, recipe, _ = planned
-    backend, model = _model(ckpt, cfg, mesh, recipe)
-    set_kv_scales(model, [((0.5,), (0.25,))] * cfg.num_layers)
-    scaled = dataclasses.replace(recipe, kv_scales=kv_scales_of(model))
-    program, params, _ = step_program(scaled, model, backend, mesh)  # the runner's own builder
-    shaped = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in params]
-    shaped += program.lora_arrays(abstract=True)
-    real = program_fingerprint(program.lower(BUCKET, shaped, program.abstract_kv(), program.abstract_state())[0]())
-    assert real == program_fingerprint(lower_bucket(scaled, abstract_step(scaled), BUCKET))
-    assert real != program_fingerprint(lower_bucket(recipe, abstract_step(recipe), BUCKET))
+    assert "kv_scales" not in {f.name for f in dataclasses.fields(recipe)}
+    abstract = program_fingerprint(lower_bucket(recipe, abstract_step(recipe), BUCKET))
+    for scales in (None, [((0.5,), (0.25,)), ((0.5, 2.0), (1.0, 0.125))]):
+        backend, model = _model(ckpt, cfg, mesh, recipe)
+        if scales is not None:
+            set_kv_scales(model, scales)
+        program, params, _ = step_program(recipe, model, backend, mesh)  # the runner's own builder
+        assert kv_scales_of(model) == tuple(scales or [((1.0,), (1.0,))] * cfg.num_layers)
+        shaped = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in params]
+        assert sum(x.shape == (2, cfg.num_kv_heads) for x in shaped) == cfg.num_layers
+        shaped += program.lora_arrays(abstract=True)
+        lowered = program.lower(BUCKET, shaped, program.abstract_kv(), program.abstract_state())[0]()
+        assert program_fingerprint(lowered) == abstract

@@ -323,7 +323,7 @@ def test_an_fp8_latent_cache_keeps_transformers_tokens(data_dir, tmp_path_factor
                  max_model_len=32, num_pages=16, page_size=8,
                  compilation_cache_dir=compile_cache_dir, show_progress=False)
     assert str(engine.engine.runner.kv.k[0].dtype) == "float8_e4m3fn"
-    k_scale, v_scale = engine.engine.runner.recipe.kv_scales[0]  # layer 0's
+    k_scale, v_scale = engine.engine.runner.kv_scales[0]  # layer 0's
     assert len(k_scale) == 2 and k_scale[0] != k_scale[1] and v_scale == k_scale[:1]
     expected = load_fixture(data_dir, "deepseek_v3")[2]
     prompts = [expected[f"tokens_{i}"].tolist() for i in range(2)]

@@ -178,7 +178,7 @@ class CpuBackend(Backend):
         if not layer_features_covered(model, self.fused_layer_features):
             return None
         if any(layer.attn_spec != model.attn_spec for layer in model.layers):
-            return None  # the fused layer reads the model-wide spec (e.g. KV scales per layer)
+            return None  # the fused layer reads the model-wide spec (its window, its scale)
         for layer in model.layers:
             if not all(isinstance(getattr(layer, n, None), PackedParam) for n in cpu_layer.PACKED):
                 return None

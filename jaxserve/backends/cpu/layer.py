@@ -53,7 +53,7 @@ def fused_layer(model, p, h, rope, k_cache, v_cache, md: AttentionMetadata):
     with jax.named_scope("attention"):
         qkv = dense_fused(h, p["wqkv"], norm=p["input_norm"], eps=eps, live=live)
         attn, k_cache, v_cache = attention_qkv(qkv, rope, k_cache, v_cache, md, model.attn_spec,
-                                               cfg.num_heads, cfg.head_dim)
+                                               cfg.num_heads, cfg.head_dim, p.get("kv_scale"))
         h = dense_fused(attn.reshape(T, -1), p["wo"], residual=h, live=live)
     with jax.named_scope("mlp"):
         act = dense_fused(h, p["w_gate_up"], norm=p["post_norm"], eps=eps, glu=True, live=live)
@@ -61,10 +61,12 @@ def fused_layer(model, p, h, rope, k_cache, v_cache, md: AttentionMetadata):
     return h, k_cache, v_cache
 
 
-def attention_qkv(qkv, rope, k_cache, v_cache, md, spec, num_heads: int, head_dim: int):
+def attention_qkv(qkv, rope, k_cache, v_cache, md, spec, num_heads: int, head_dim: int,
+                  kv_scale: jax.Array | None = None):
     """Rotary on q and k, write K/V, attend (one device): one kernel call where the attention
     kernel takes the whole block (the CPU kernel), else the composed ops. qkv: [T, (Hq + 2 Hkv)
-    * D] float32. Returns (out [T, Hq, D], k_cache, v_cache)."""
+    * D] float32; `kv_scale`: a quantized cache's [2, Hkv] scales (the layer's, a step input),
+    or None for the spec's. Returns (out [T, Hq, D], k_cache, v_cache)."""
     T = qkv.shape[0]
     d = head_dim
     hkv = num_kv_heads(k_cache, d)
@@ -77,13 +79,14 @@ def attention_qkv(qkv, rope, k_cache, v_cache, md, spec, num_heads: int, head_di
                       sm_scale=spec.sm_scale, sliding_window=spec.sliding_window,
                       soft_cap=spec.soft_cap)
     dt = k_cache.dtype
-    if is_quantized(dt):  # the model-wide spec's scales: the backend fuses only when layers agree
-        q = scale_query(apply_rotary(q, *rope), spec.k_scale, hkv, jnp.float32)
+    if is_quantized(dt):
+        k_scale, v_scale = (spec.k_scale, spec.v_scale) if kv_scale is None else kv_scale
+        q = scale_query(apply_rotary(q, *rope), k_scale, hkv, jnp.float32)
         out, k_cache, v_cache = write_kv_and_attend(
-            q, quantize(apply_rotary(k, *rope), spec.k_scale, dt), quantize(v, spec.v_scale, dt),
+            q, quantize(apply_rotary(k, *rope), k_scale, dt), quantize(v, v_scale, dt),
             k_cache, v_cache, md, sm_scale=spec.sm_scale, sliding_window=spec.sliding_window,
             soft_cap=spec.soft_cap, impl=spec.impl)
-        return scale_output(out, spec.v_scale, hkv), k_cache, v_cache
+        return scale_output(out, v_scale, hkv), k_cache, v_cache
     return write_kv_and_attend(apply_rotary(q, *rope).astype(dt), apply_rotary(k, *rope).astype(dt),
                                v.astype(dt), k_cache, v_cache, md, sm_scale=spec.sm_scale,
                                sliding_window=spec.sliding_window, soft_cap=spec.soft_cap,
