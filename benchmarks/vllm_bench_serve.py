@@ -17,7 +17,11 @@ Against a server with --speculative-config (in --launch-args), vLLM's client als
 speculative-decoding counters from /metrics before and after each run (vllm:spec_decode_num_drafts,
 _num_draft_tokens, _num_accepted_tokens, _num_accepted_tokens_per_pos{position}) and reports the
 acceptance rate, the mean acceptance length and the per-position acceptance rates of the run;
-they are recorded with the run's figures and summarised after the table.
+they are recorded with the run's figures and summarised after the table. This script reads the same
+counters from /metrics itself just before and after each run (every client's) and records their
+deltas beside the client's figures ("server_spec_*"); for vLLM's client it says whether its
+figures agree with them ("spec_agrees"): the client's own window lies inside this one, and
+nothing else sends the server requests in between.
 
 Every run's full output (the transcript) goes to benchmarks/results/vllm_bench_serve/ (paths
 of this machine replaced by placeholders), and one JSON line per run to
@@ -35,6 +39,7 @@ import json
 import os
 import pathlib
 import re
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -120,22 +125,95 @@ def spec_decode_figures(result: dict) -> dict:
 
 
 def spec_decode_summary(runs: list[dict]) -> list[str]:
-    """Lines summarising each vLLM client's speculative decoding over its rounds (medians);
-    none when no run speculated."""
+    """Lines summarising each client's speculative decoding over its rounds (medians): vLLM's
+    client's own figures, with whether they agreed with /metrics' deltas in every round, and for
+    serving_benchmark.py (which reads no metrics) the deltas; none when no run speculated."""
     lines = []
     for client in CLIENTS:
         rows = [r for r in runs if r["client"] == client and "spec_acceptance_rate_pct" in r]
+        key = "spec_"
+        if not rows:
+            rows = [r for r in runs
+                    if r["client"] == client and "server_spec_acceptance_rate_pct" in r]
+            key = "server_spec_"
         if not rows:
             continue
-        positions = min(len(r["spec_per_position"]) for r in rows)
-        per_pos = [statistics.median(r["spec_per_position"][j] for r in rows) for j in range(positions)]
-        rate = statistics.median(r["spec_acceptance_rate_pct"] for r in rows)
-        length = statistics.median(r["spec_acceptance_length"] for r in rows)
-        lines.append(f"{client:<20} acceptance rate {rate:.1f}%, mean acceptance length {length:.2f}, "
-                     f"per position {' '.join(f'{x:.3f}' for x in per_pos)}")
+        positions = min(len(r[key + "per_position"]) for r in rows)
+        per_pos = [statistics.median(r[key + "per_position"][j] for r in rows)
+                   for j in range(positions)]
+        rate = statistics.median(r[key + "acceptance_rate_pct"] for r in rows)
+        length = statistics.median(r[key + "acceptance_length"] for r in rows)
+        line = (f"{client:<20} acceptance rate {rate:.1f}%, mean acceptance length {length:.2f}, "
+                f"per position {' '.join(f'{x:.3f}' for x in per_pos)}")
+        if key == "server_spec_":
+            line += " (/metrics deltas)"
+        elif all("spec_agrees" in r for r in rows):
+            agreed = all(r["spec_agrees"] for r in rows)
+            line += ("; agrees with /metrics' deltas in every round" if agreed
+                     else "; DISAGREES with /metrics' deltas")
+        lines.append(line)
     if lines:
-        lines.insert(0, "speculative decoding (vllm bench serve, from /metrics; medians of the rounds):")
+        lines.insert(0, "speculative decoding (from /metrics; medians of the rounds):")
     return lines
+
+
+SPEC_COUNTER = re.compile(r"^vllm:spec_decode_(num_drafts|num_draft_tokens|num_accepted_tokens"
+                          r"|num_accepted_tokens_per_pos)_total(?:\{([^}]*)\})? (\S+)$")
+
+
+def server_spec_counters(text: str) -> dict:
+    """The speculative-decoding counters in a /metrics text, summed over engines:
+    {"num_drafts", "num_draft_tokens", "num_accepted_tokens": counts, "per_pos": counts by
+    position}; {} where the server does not speculate (the series are not declared)."""
+    out: dict = {}
+    per_pos: dict[int, float] = {}
+    for line in text.splitlines():
+        m = SPEC_COUNTER.match(line)
+        if not m:
+            continue
+        name, value = m.group(1), float(m.group(3))
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
+        if name == "num_accepted_tokens_per_pos":
+            pos = int(labels["position"])
+            per_pos[pos] = per_pos.get(pos, 0.0) + value
+        else:
+            out[name] = out.get(name, 0.0) + value
+    if out:
+        out["per_pos"] = [per_pos.get(j, 0.0) for j in range(max(per_pos, default=-1) + 1)]
+    return out
+
+
+def server_spec_figures(before: dict, after: dict) -> dict:
+    """A run's speculative decoding from the server's counters read before and after it, computed
+    as vLLM's client defines its figures (rate = accepted / draft tokens, in %; length =
+    1 + accepted / drafts; per position = accepted at that position / drafts); {} without them."""
+    if not before or not after:
+        return {}
+    drafts = after["num_drafts"] - before["num_drafts"]
+    draft_tokens = after["num_draft_tokens"] - before["num_draft_tokens"]
+    accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
+    per_pos = [a - b for a, b in zip(after["per_pos"], before["per_pos"], strict=True)]
+    return {"server_spec_before": before, "server_spec_after": after,
+            "server_spec_num_drafts": int(drafts), "server_spec_draft_tokens": int(draft_tokens),
+            "server_spec_accepted_tokens": int(accepted),
+            "server_spec_acceptance_rate_pct":
+                100.0 * accepted / draft_tokens if draft_tokens else 0.0,
+            "server_spec_acceptance_length": 1.0 + accepted / drafts if drafts else 1.0,
+            "server_spec_per_position": [x / drafts if drafts else 0.0 for x in per_pos]}
+
+
+def spec_agrees(figures: dict) -> bool | None:
+    """Whether vLLM's client's speculative-decoding figures of a run are the server's counters'
+    deltas over it (the counts exactly, the rates to rounding); None where either is missing."""
+    if "spec_num_drafts" not in figures or "server_spec_num_drafts" not in figures:
+        return None
+    counts = all(figures[f"spec_{k}"] == figures[f"server_spec_{k}"]
+                 for k in ("num_drafts", "draft_tokens", "accepted_tokens"))
+    close = all(abs(figures[f"spec_{k}"] - figures[f"server_spec_{k}"]) < 1e-6
+                for k in ("acceptance_rate_pct", "acceptance_length"))
+    mine, theirs = figures["server_spec_per_position"], figures["spec_per_position"]
+    positions = len(mine) == len(theirs) and all(abs(a - b) < 1e-6 for a, b in zip(mine, theirs))
+    return counts and close and positions
 
 
 def vllm_figures(result: dict) -> dict:
@@ -155,7 +233,18 @@ def ours_figures(r: dict) -> dict:
             "itl_p50_ms": r["itl_ms"]["p50"], "itl_p99_ms": r["itl_ms"]["p99"]}
 
 
+def read_spec_counters(args) -> dict:
+    """The server's speculative-decoding counters now ({} where it does not speculate)."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    response = httpx.get(args.base_url + "/metrics", headers=headers, timeout=30)
+    response.raise_for_status()
+    return server_spec_counters(response.text)
+
+
 def run_one(args, client: str, model: str, tok: pathlib.Path, stamp: str, round_: int) -> dict:
+    spec_before = read_spec_counters(args)
     with tempfile.TemporaryDirectory() as tmp:
         if client == "serving_benchmark":
             cmd, cwd = ours_command(args, os.path.join(tmp, "out.jsonl")), None
@@ -179,8 +268,21 @@ def run_one(args, client: str, model: str, tok: pathlib.Path, stamp: str, round_
             figures = ours_figures(json.loads(pathlib.Path(tmp, "out.jsonl").read_text().splitlines()[-1]))
         else:
             figures = vllm_figures(json.loads(pathlib.Path(tmp, "result.json").read_text()))
+    figures.update(server_spec_figures(spec_before, read_spec_counters(args)))
+    agrees = spec_agrees(figures)
+    if agrees is not None:
+        figures["spec_agrees"] = agrees
     print(f"[round {round_}] {client}: {figures['completed']} ok, {figures['failed']} failed, "
           f"{figures['output_tok_s']:.1f} output tok/s ({wall:.0f}s)", flush=True)
+    if "server_spec_num_drafts" in figures:
+        delta = {k.removeprefix("server_spec_"): v for k, v in figures.items()
+                 if k.startswith("server_spec_")}
+        verdict = "" if agrees is None else f"; vLLM's client {'agrees' if agrees else 'DISAGREES'}"
+        print(f"[round {round_}] {client}: /metrics deltas: {delta['num_drafts']} drafts, "
+              f"{delta['draft_tokens']} draft tokens, {delta['accepted_tokens']} accepted "
+              f"({delta['acceptance_rate_pct']:.2f}%, length {delta['acceptance_length']:.2f}, "
+              f"per position "
+              f"{' '.join(f'{x:.3f}' for x in delta['per_position'])}){verdict}", flush=True)
     return {"client": client, "round": round_, "command": printable, "transcript": str(path.relative_to(HERE)),
             "wall_s": wall, "loadavg_before": load0, "loadavg_after": os.getloadavg(), **figures}
 
@@ -206,7 +308,8 @@ def main(argv: list[str] | None = None) -> None:
     server = None
     if args.launch:
         cmd = [sys.executable, "-m", "jaxserve.server.cli", "serve", "--host", "127.0.0.1",
-               "--port", str(sc._port(args.base_url)), "--disable-log-requests", *args.launch_args.split()]
+               "--port", str(sc._port(args.base_url)), "--disable-log-requests",
+               *shlex.split(args.launch_args)]
         if args.api_key:
             cmd += ["--api-key", args.api_key]
         server = sc.start_server("jaxserve", cmd, dict(os.environ), args.base_url, args.launch_timeout,
@@ -228,7 +331,8 @@ def main(argv: list[str] | None = None) -> None:
               "host": {"cpu": cpu_model(), "cpu_count": os.cpu_count()},
               "workload": {"num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
                            "concurrency": args.concurrency, "dataset": "random", "ignore_eos": True},
-              "server": "jaxserve serve " + " ".join(args.launch_args.split()), "model": model,
+              "server": "jaxserve serve " + shlex.join(shlex.split(args.launch_args)),
+              "model": model,
               "vllm_version": vllm_version(args.vllm_python)}
     append_results(RESULTS, [{**common, **run} for run in runs])
     print(f"\n{common['host']['cpu']} ({common['host']['cpu_count']} cores); {args.num_prompts} prompts, "
