@@ -28,13 +28,13 @@ timeout: nothing is cut short silently. The steps, the most valuable first:
    requests of random 1,024-token prompts and 128 new tokens: output tok/s, TTFT and ITL
    (p50, p99) at each.
 6. spec_step_times: speculative decoding's steps timed on the device
-   (benchmarks/spec_step_times.py): the default model in bfloat16, its served step at 1, 4 and
-   16 sequences of a 1,024-token context, plain (one token each), verifying k = 3 drafts (the
-   n-gram step: 4 tokens each) and drafting with an EAGLE-3 head of the target's shape on
-   random weights (k = 3), each the median of 20 steps; per cell the tokens the step can emit
-   and the speed-up it predicts at the acceptance the CPU measured
-   (benchmarks/results/spec_decode.jsonl, chat: e x t_plain / t_step, the n-gram step weighted
-   by the share of steps that verify).
+   (benchmarks/spec_step_times.py): the default model in bfloat16, its step at 1, 4 and 16
+   sequences of a 1,024-token context on the served run's buckets (64 tokens; 8 and 64
+   requests), plain (one token each), verifying k = 3 drafts (the n-gram step: 4 tokens each)
+   and drafting with an EAGLE-3 head of the target's shape on random weights (k = 3), each the
+   median of 20 steps; per cell the tokens the step can emit and the speed-up it predicts at
+   the acceptance the CPU measured (benchmarks/results/spec_decode.jsonl, chat: e x t_plain /
+   t_step, the n-gram step weighted by the share of steps that verify).
 7. prebuilt_serve: the served run's engine from executables compiled before the chip on a CPU
    host (`--executables DIR`: `jaxserve compile --topology h100:1x1 --out DIR/h100` with the
    served run's flags and `--kv-cache-memory 8GiB`, DIR carried to the device): time to healthy beside the served run's, the
@@ -136,8 +136,9 @@ DEVICE = Sizes(
            "--token-buckets", "64", "2048", "--request-buckets", "8", "64"),
     concurrency=(1, 16, 64), input_len=1024, output_len=128, prompts_per_stream=4, num_prompts=128,
     warmup=2, prebuilt_kv="8GiB",
+    # the served run's buckets that hold the cells (64 tokens at most; 2 compiles an engine)
     spec=("--concurrency", "1", "4", "16", "--context", "1024", "--steps", "20", "--warmup", "3",
-          "--kv-cache-memory", "2GiB"),
+          "--kv-cache-memory", "2GiB", "--token-buckets", "64", "--request-buckets", "8", "64"),
 )
 REHEARSAL = Sizes(
     decode="16x8", prefill=32, profile="16x8", context=64, max_model_len=128, max_num_seqs=8,
@@ -147,7 +148,7 @@ REHEARSAL = Sizes(
     concurrency=(1, 2), input_len=16, output_len=4, prompts_per_stream=1, num_prompts=2, warmup=0,
     prebuilt_kv="64MiB",
     spec=("--tiny", "--concurrency", "1", "2", "--context", "32", "--steps", "3", "--warmup", "1",
-          "--kv-cache-memory", "4MiB"),
+          "--kv-cache-memory", "4MiB", "--token-buckets", "16", "--request-buckets", "8"),
 )
 LIMITS = {  # seconds each step may take at most (the overall budget caps them too)
     "env": 90, "device_rates": 60, "step_throughput": 240, "profile": 45, "served_run": 180,

@@ -17,8 +17,9 @@ step's program is plain decoding's), eagle3 on one with the head. The rows are w
 as the scheduler would write them (fixed tokens, each sequence its own pages), and run through
 the engine's runner: `prepare` once, then `launch` and `collect` (the step's dispatch to its
 tokens on the host, the one transfer included) `--warmup` times untimed and `--steps` times
-timed; the median is reported. The buckets are those the served engine's default grid picks
-for each cell (T from 16 doubling, R from 8 times 4), and only those are compiled.
+timed; the median is reported. The buckets: `--token-buckets` / `--request-buckets` where given
+(the device check passes its served run's), else those the served engine's default grid picks
+for the cells (T from 16 doubling, R from 8 times 4); only those are compiled, in both engines.
 
 Per cell: `step_ms`, `tokens` (what the step can emit: c plain, c(k + 1) with drafts, all
 accepted), `tok_per_s` (c over the plain step's time, the sequences' rate when nothing is
@@ -267,7 +268,8 @@ def run(args, scratch: pathlib.Path) -> list[dict]:
     model_dir = resolve_model(model)
     device = f"{jax.device_count()}x {jax.devices()[0].device_kind}"
     cells = [(c, c) for c in cs] + [(c * (k + 1), c * (k + 1)) for c in cs]
-    buckets = served_buckets(cells, max(cs) * (k + 1))
+    buckets = ((sorted(args.token_buckets), sorted(args.request_buckets)) if args.token_buckets
+               else served_buckets(cells, max(cs) * (k + 1)))
     base = {"benchmark": "spec_step_times",
             "model": "tiny" if args.tiny else args.model or "default", "dtype": args.dtype,
             "context": args.context, "num_speculative_tokens": k, "steps": args.steps,
@@ -308,6 +310,7 @@ def run(args, scratch: pathlib.Path) -> list[dict]:
 
 
 def spec_fields(method: str, c: int, k: int, timed: dict, t_plain: float, args) -> dict:
+    """A drafting cell's tokens, its time over plain's, and its acceptance and predictions."""
     fields = {"tokens": c * (k + 1), "step_over_plain": round(timed["step_ms"] / t_plain, 3)}
     acc = acceptance(args.acceptance, method, c)
     if acc is not None:
@@ -327,6 +330,10 @@ def main(argv=None) -> int:
     p.add_argument("--num-speculative-tokens", type=int, default=3)
     p.add_argument("--steps", type=int, default=20, help="timed steps per cell (median)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per cell first")
+    p.add_argument("--token-buckets", type=int, nargs="+", default=None,
+                   help="the engines' token buckets (default: the served default grid's picks)")
+    p.add_argument("--request-buckets", type=int, nargs="+", default=None,
+                   help="the engines' request buckets (with --token-buckets)")
     p.add_argument("--kv-cache-memory", default="2GiB",
                    help="each engine's KV cache (bytes, suffixes allowed)")
     p.add_argument("--compilation-cache-dir", default=None)
@@ -334,6 +341,8 @@ def main(argv=None) -> int:
                    help="the CPU-measured acceptance (spec_decode_benchmark.py's --eagle3 rows)")
     p.add_argument("--out", type=pathlib.Path, default=RESULTS)
     args = p.parse_args(argv)
+    if (args.token_buckets is None) != (args.request_buckets is None):
+        p.error("--token-buckets and --request-buckets go together")
     with tempfile.TemporaryDirectory(prefix="spec_step_times_") as scratch:
         run(args, pathlib.Path(scratch))
     return 0
