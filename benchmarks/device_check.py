@@ -27,21 +27,30 @@ timeout: nothing is cut short silently. The steps, the most valuable first:
    project's streaming client (benchmarks/serving_benchmark.py) at 1, 16 and 64 concurrent
    requests of random 1,024-token prompts and 128 new tokens: output tok/s, TTFT and ITL
    (p50, p99) at each.
-6. prebuilt_serve: the served run's engine from executables compiled before the chip on a CPU
+6. spec_step_times: speculative decoding's steps timed on the device
+   (benchmarks/spec_step_times.py): the default model in bfloat16, its step at 1, 4 and 16
+   sequences of a 1,024-token context on the served run's buckets (64 tokens; 8 and 64
+   requests), plain (one token each), verifying k = 3 drafts (the n-gram step: 4 tokens each)
+   and drafting with an EAGLE-3 head of the target's shape on random weights (k = 3), each the
+   median of 20 steps; per cell the tokens the step can emit and the speed-up it predicts at
+   the acceptance the CPU measured (benchmarks/results/spec_decode.jsonl, chat: e x t_plain /
+   t_step, the n-gram step weighted by the share of steps that verify).
+7. prebuilt_serve: the served run's engine from executables compiled before the chip on a CPU
    host (`--executables DIR`: `jaxserve compile --topology h100:1x1 --out DIR/h100` with the
    served run's flags and `--kv-cache-memory 8GiB`, DIR carried to the device): time to healthy beside the served run's, the
    executables loaded and compiled (none), the same greedy completion. Skipped without DIR.
-7. kernel_benchmark: the attention kernels' GB/s against the copy bandwidth and, on a GPU,
+8. kernel_benchmark: the attention kernels' GB/s against the copy bandwidth and, on a GPU,
    against JAX's shipped Pallas paged_attention, with the sweep of the Mosaic GPU kernel's
    block sizes (benchmarks/kernel_benchmark.py).
-8. kernel_tests: the attention kernel tests compiled and run on the device (`pytest
+9. kernel_tests: the attention kernel tests compiled and run on the device (`pytest
    --kernel-device`: the Triton and Mosaic GPU kernels on a GPU, the Mosaic kernel on a TPU).
-9. golden_parity: the default model's greedy completions in float32 against transformers'
+10. golden_parity: the default model's greedy completions in float32 against transformers'
    golden data, attention on the device's kernel (benchmarks/golden_parity.py).
 
 `--rehearse` runs the same steps on the CPU at tiny sizes (a 2-layer model at 8 sequences and a
 32-token prefill, one profiled step, the served run at 1 and 2 requests of 16 tokens in and 4
-out, the served engine's executables compiled for the CPU and served from, the kernel
+out, speculative decoding's three steps of a 2-layer model at 1 and 2 sequences of a 32-token
+context, the served engine's executables compiled for the CPU and served from, the kernel
 benchmark's small scenarios, one interpret-mode test per kernel, one golden
 case of 4 tokens), so that the script itself is known to work before any device time is spent;
 tests/tools/test_device_check.py runs it. Its default out directory is
@@ -76,8 +85,8 @@ sys.path.insert(0, str(ROOT))
 from jaxserve.tools.chips import chip_of_device_kind  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
-STEPS = ["device_rates", "step_throughput", "profile", "served_run", "prebuilt_serve",
-         "kernel_benchmark", "kernel_tests", "golden_parity"]
+STEPS = ["device_rates", "step_throughput", "profile", "served_run", "spec_step_times",
+         "prebuilt_serve", "kernel_benchmark", "kernel_tests", "golden_parity"]
 PY = sys.executable
 TINY_LLAMA = {
     "architectures": ["LlamaForCausalLM"],
@@ -115,6 +124,7 @@ class Sizes:
     # prebuilt_serve's KV cache (compiling for an accelerator without it needs its size: the
     # directory's compile and the serve from it give the same)
     prebuilt_kv: str
+    spec: tuple[str, ...]  # spec_step_times.py's flags (its model, concurrencies, context, steps)
 
 
 DEVICE = Sizes(
@@ -126,6 +136,9 @@ DEVICE = Sizes(
            "--token-buckets", "64", "2048", "--request-buckets", "8", "64"),
     concurrency=(1, 16, 64), input_len=1024, output_len=128, prompts_per_stream=4, num_prompts=128,
     warmup=2, prebuilt_kv="8GiB",
+    # the served run's buckets that hold the cells (64 tokens at most; 2 compiles an engine)
+    spec=("--concurrency", "1", "4", "16", "--context", "1024", "--steps", "20", "--warmup", "3",
+          "--kv-cache-memory", "2GiB", "--token-buckets", "64", "--request-buckets", "8", "64"),
 )
 REHEARSAL = Sizes(
     decode="16x8", prefill=32, profile="16x8", context=64, max_model_len=128, max_num_seqs=8,
@@ -134,10 +147,12 @@ REHEARSAL = Sizes(
            "--token-buckets", "16", "--request-buckets", "8"),
     concurrency=(1, 2), input_len=16, output_len=4, prompts_per_stream=1, num_prompts=2, warmup=0,
     prebuilt_kv="64MiB",
+    spec=("--tiny", "--concurrency", "1", "2", "--context", "32", "--steps", "3", "--warmup", "1",
+          "--kv-cache-memory", "4MiB", "--token-buckets", "16", "--request-buckets", "8"),
 )
 LIMITS = {  # seconds each step may take at most (the overall budget caps them too)
     "env": 90, "device_rates": 60, "step_throughput": 240, "profile": 45, "served_run": 180,
-    "prebuilt_serve": 90,
+    "spec_step_times": 90, "prebuilt_serve": 90,
     "kernel_benchmark": 90, "kernel_tests": 100, "golden_parity": 90,
 }
 
@@ -551,6 +566,29 @@ def step_served_run(c: Check) -> None:
     c.record(step, status, time.monotonic() - t0, **fields)
 
 
+def step_spec_step_times(c: Check) -> None:
+    """Speculative decoding's step times (benchmarks/spec_step_times.py): plain, n-gram
+    verifying and EAGLE-3 drafting steps of the default model, and the speed-ups they predict
+    at the CPU-measured acceptance. Each cell is written as it is timed: a timeout keeps those
+    done."""
+    out = c.out / "spec_step_times.jsonl"
+    cmd = [PY, "benchmarks/spec_step_times.py", "--out", _shown(out), *c.sizes.spec,
+           "--compilation-cache-dir", str(c.scratch / "spec_cache")]
+    before = line_count(out)
+    rc, text = c.run("spec_step_times", cmd)
+    rows = lines_from(out, before)
+    keys = ("method", "concurrency", "step_ms", "tokens", "bucket", "step_over_plain",
+            "predicted_speedup", "speedup_per_verifying_step")
+    fields = {"cells": [{k: r[k] for k in keys if k in r} for r in rows]}
+    if rows:
+        last = rows[-1]
+        fields |= {k: last[k] for k in ("model", "dtype", "context", "num_speculative_tokens",
+                                        "steps", "ngram_engine_s", "eagle3_engine_s") if k in last}
+        fields["acceptance"] = {r["method"]: {k: r["acceptance"][k] for k in ("tau", "s")}
+                                for r in rows if "acceptance" in r}
+    c.finish("spec_step_times", rc, text, **fields)
+
+
 READY = re.compile(r"(\d+) executables loaded, (\d+) compiled")
 
 
@@ -724,6 +762,7 @@ def main() -> int:
             "step_throughput": lambda: step_throughput(c, devices),
             "profile": lambda: step_profile(c),
             "served_run": lambda: step_served_run(c),
+            "spec_step_times": lambda: step_spec_step_times(c),
             "prebuilt_serve": lambda: step_prebuilt_serve(c, args.executables),
             "kernel_benchmark": lambda: step_kernel_benchmark(c, backend),
             "kernel_tests": lambda: step_kernel_tests(c, backend),

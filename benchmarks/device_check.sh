@@ -4,7 +4,8 @@
 # throughput on random weights made on the device at 1/8/64/256 sequences and a 2,048-token
 # prefill (each cell's bytes against the HBM and copy bandwidths), a per-kernel profile of one
 # decode step at 1 and 64 sequences, a served run (1/16/64 concurrent streams, 1,024 tokens in,
-# 128 out), the kernel benchmark, the kernel tests on the device and golden parity. One JSON
+# 128 out), speculative decoding's step times (plain, n-gram verifying and EAGLE-3 drafting steps
+# of the default model at 1/4/16 sequences, with the speed-ups they predict), the kernel benchmark, the kernel tests on the device and golden parity. One JSON
 # line per step in <out>/device_check.jsonl, each step's output in <out>/<step>.log
 # (benchmarks/device_check.py says what each step runs).
 #

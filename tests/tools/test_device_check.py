@@ -1,9 +1,10 @@
 """benchmarks/device_check.sh --rehearse: every step of the device check (the device's rates,
 step throughput with its prefill cell and bandwidth fractions, the profiled decode step, a
-served run, the kernel benchmark, kernel tests, golden parity) runs on this CPU at tiny sizes
-and records what it measured, so that the day a GPU or TPU is lent no device time goes to
-debugging the script; a budget too short for a step records it as skipped; the results'
-directory is named by the chip; the packed results hold every file."""
+served run, speculative decoding's step times, the kernel benchmark, kernel tests, golden
+parity) runs on this CPU at tiny sizes and records what it measured, so that the day a GPU or
+TPU is lent no device time goes to debugging the script; a budget too short for a step records
+it as skipped; the results' directory is named by the chip; the packed results hold every
+file; speculative decoding's predicted speed-ups weigh the steps that verify."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ STEPS = (
     "step_throughput",
     "profile",
     "served_run",
+    "spec_step_times",
     "prebuilt_serve",
     "kernel_benchmark",
     "kernel_tests",
@@ -98,6 +100,29 @@ def test_device_check_rehearsal(tmp_path):
     assert all(r["output_tok_per_s"] > 0 and r["ttft_ms"]["p50"] > 0 and r["itl_ms"]["p99"] > 0
                for r in served["runs"])
 
+    spec = steps["spec_step_times"]  # plain, n-gram verifying and EAGLE-3 drafting steps
+    assert spec["model"] == "tiny" and spec["num_speculative_tokens"] == 3
+    cells = {(x["method"], x["concurrency"]): x for x in spec["cells"]}
+    assert sorted(cells) == sorted((m, c) for m in ("plain", "ngram", "eagle3") for c in (1, 2))
+    assert all(x["step_ms"] > 0 and x["bucket"] == [16, 8] for x in cells.values())
+    for c in (1, 2):
+        assert cells["plain", c]["tokens"] == c and "predicted_speedup" not in cells["plain", c]
+        for method in ("ngram", "eagle3"):
+            x = cells[method, c]
+            assert x["tokens"] == 4 * c
+            assert x["step_over_plain"] == pytest.approx(
+                x["step_ms"] / cells["plain", c]["step_ms"], abs=1e-3)
+            acc = spec["acceptance"][method]  # the CPU-measured chat acceptance
+            assert acc["tau"] > 1 and 0 < acc["s"] <= 1
+            assert x["speedup_per_verifying_step"] == pytest.approx(
+                acc["tau"] / x["step_over_plain"], rel=0.01)
+            assert x["predicted_speedup"] > 0
+    # the n-gram step drafts in a share s of the steps (a plain step otherwise)
+    (x, plain, acc) = (cells["ngram", 1], cells["plain", 1]["step_ms"], spec["acceptance"]["ngram"])
+    e = 1 + acc["s"] * (acc["tau"] - 1)
+    assert x["predicted_speedup"] == pytest.approx(
+        e * plain / (acc["s"] * x["step_ms"] + (1 - acc["s"]) * plain), rel=0.01)
+
     prebuilt = steps["prebuilt_serve"]  # compiled here for the CPU, then served from
     assert prebuilt["loaded"] > 0 and prebuilt["compiled"] == 0, prebuilt
     assert prebuilt["same_text"] is True and prebuilt["startup_s"] > 0
@@ -160,3 +185,27 @@ def test_packing_leaves_the_summary_and_one_archive(tmp_path):
     with tarfile.open(archive) as tar:
         assert sorted(tar.getnames()) == [f"device_check_h100/{n}" for n in names]
         assert tar.extractfile("device_check_h100/env.log").read() == b"env.log"
+
+
+def test_the_predicted_speedups_weigh_the_steps_that_verify(tmp_path):
+    """spec_step_times' acceptance from spec_decode_benchmark's chat rows: tau, the share s of a
+    request's steps that verified, tokens per request step e = N / (N - A); n-gram steps that
+    draft nothing cost a plain step, EAGLE-3's every step runs its head."""
+    import spec_step_times as sst
+
+    row = {"workload": "chat", "method": "ngram", "concurrency": 1, "output_tokens": 100,
+           "repeats": 1, "accepted_tokens": 20, "verifying_steps": 10,
+           "mean_acceptance_length": 3.0}
+    (tmp_path / "spec.jsonl").write_text("\n".join(json.dumps(r) for r in [
+        row, {**row, "concurrency": 4, "verifying_steps": 20, "mean_acceptance_length": 2.0},
+        {**row, "workload": "repeat", "concurrency": 2}]))
+    acc = sst.acceptance(tmp_path / "spec.jsonl", "ngram", 4)
+    assert (acc["tau"], acc["s"], acc["e"], acc["from_concurrency"]) == (2.0, 0.25, 1.25, 4)
+    acc = sst.acceptance(tmp_path / "spec.jsonl", "ngram", 2)  # no chat row at 2: the lowest c
+    assert (acc["tau"], acc["s"], acc["e"], acc["from_concurrency"]) == (3.0, 0.125, 1.25, 1)
+    assert sst.acceptance(tmp_path / "spec.jsonl", "eagle3", 1) is None
+    # n-gram: 1.25 tokens a step at 0.125 x 2 ms + 0.875 x 1 ms
+    assert sst.predicted("ngram", acc, 1.0, 2.0) == {
+        "predicted_speedup": round(1.25 / 1.125, 3), "speedup_per_verifying_step": 1.5}
+    assert sst.predicted("eagle3", acc, 1.0, 2.0)["predicted_speedup"] == 0.625
+    assert sst.served_buckets([(1, 1), (16, 16), (64, 64)], 64) == ([16, 32, 64], [8, 32, 64])
