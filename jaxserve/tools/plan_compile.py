@@ -71,9 +71,11 @@ class PlanSettings:
     max_loras: int = 0  # LoRA adapters' device slots (0: LoRA off)
     max_lora_rank: int = 0
     # Speculative decoding (--speculative-config): drafts per request and step; an EAGLE-3
-    # head's directory ("": none), whose weights and layer of KV pages the step holds too.
+    # head's directory ("": none), whose weights and layer of KV pages the step holds too, or
+    # with draft_method "draft_model" a draft model's (its weights and whole KV cache).
     num_speculative_tokens: int = 0
     draft_model: str = ""
+    draft_method: str = StepRecipe.draft_method
     # The FP8 / int4 weights' products: None, what the target's backend resolves (the TPU
     # product kernel where attention runs the TPU kernel); "xla" or a kernel's name to choose.
     quant_matmul_impl: str | None = None
@@ -169,7 +171,8 @@ def plan_recipe(settings: PlanSettings, cfg: ArchConfig, mesh: Mesh, rules, plan
                       page_size=settings.page_size, max_model_len=settings.max_model_len,
                       sampler_config=sampler_config, quantization=settings.quantization,
                       max_loras=settings.max_loras, max_lora_rank=settings.max_lora_rank if settings.max_loras else 0,
-                      num_speculative_tokens=settings.num_speculative_tokens, draft_model=settings.draft_model)
+                      num_speculative_tokens=settings.num_speculative_tokens, draft_model=settings.draft_model,
+                      draft_method=settings.draft_method)
 
 
 def plan_one(settings: PlanSettings, mesh: Mesh, rules_spec: str, bucket: tuple[int, int],
@@ -270,11 +273,8 @@ def kv_record(settings: PlanSettings, cfg: ArchConfig, mesh: Mesh, rules, kv_dty
     probe = abstract_kv_cache(cfg, 1, settings.page_size, kv_dtype, mesh, rules).k[0]
     page_split = ax.mesh_axes_size(mesh, ax.logical_to_spec(KV_CACHE_AXES, (1 << 20, 1, 1, 1), mesh, rules)[0])
     per_page = bytes_per_page(cfg, settings.page_size, kv_dtype, mesh, rules)  # on the devices that hold it
-    if settings.draft_model:  # an EAGLE-3 head's layer of pages, as many and indexed alike
-        from jaxserve.runner.eagle3_step import draft_layer_config
-
-        per_page += bytes_per_page(draft_layer_config(settings.draft_model), settings.page_size, kv_dtype, mesh,
-                                   rules)
+    if settings.draft_model:  # the drafter's pages, as many and indexed alike
+        per_page += bytes_per_page(_drafter_kv_config(settings), settings.page_size, kv_dtype, mesh, rules)
     pages_per_req = -(-settings.max_model_len // settings.page_size)
     wanted = D * (settings.max_num_seqs // D * pages_per_req + 1)  # + each rank's null page
     if settings.kv_cache_memory is not None:
@@ -289,6 +289,18 @@ def kv_record(settings: PlanSettings, cfg: ArchConfig, mesh: Mesh, rules, kv_dty
            "workload_pages": wanted, "fits_workload": num_pages >= wanted,
            "max_requests_at_max_len": D * ((num_pages // D - 1) // pages_per_req)}
     return rec, num_pages, pages_per_req
+
+
+def _drafter_kv_config(settings: PlanSettings) -> ArchConfig:
+    """The config whose KV pages the drafter holds: an EAGLE-3 head's one decoder layer, or a
+    draft model's own config (all its layers)."""
+    if settings.draft_method == "draft_model":
+        from jaxserve.models.loader import load_checkpoint
+
+        return ArchConfig.from_hf(load_checkpoint(settings.draft_model).config)
+    from jaxserve.runner.eagle3_step import draft_layer_config
+
+    return draft_layer_config(settings.draft_model)
 
 
 def memory_record(compiled, device_memory: int | None) -> dict[str, Any]:
