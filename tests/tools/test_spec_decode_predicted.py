@@ -1,0 +1,108 @@
+"""benchmarks/spec_decode_predicted.py without compiling: the speed-up and break-even arithmetic,
+the measured acceptance it reads, its JSON rows from step records, and the abstract drafters'
+directories it writes (an EAGLE-3 head and a draft model of the target's shape)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import spec_decode_predicted as sdp  # noqa: E402
+
+TARGET = json.loads((ROOT / "jaxserve" / "tools" / "arch_presets" / "smollm2-135m.json").read_text())
+
+
+def test_speedup_is_tokens_per_step_over_the_steps_cost():
+    # a step twice the plain one's, 3 tokens a step: 1.5x; at 2 tokens it breaks even
+    assert sdp.predicted_speedup(3.0, 2e-4, 1e-4) == pytest.approx(1.5)
+    assert sdp.break_even_acceptance(2e-4, 1e-4) == pytest.approx(2.0)
+    assert sdp.predicted_speedup(sdp.break_even_acceptance(3.7e-4, 1.3e-4), 3.7e-4, 1.3e-4) == pytest.approx(1.0)
+    assert sdp.predicted_speedup(1.0, 1e-4, 1e-4) == pytest.approx(1.0)  # plain against itself
+    assert sdp.step_time_s(1.6e9, 1.6e12) == pytest.approx(1e-3)
+    with pytest.raises(ValueError):
+        sdp.predicted_speedup(2.0, 0.0, 1e-4)
+
+
+def test_the_measured_acceptance_is_the_last_chat_line_of_each_method_and_c(tmp_path):
+    lines = [
+        {"workload": "chat", "method": "ngram", "concurrency": 1, "mean_acceptance_length": 1.5},
+        {"workload": "repeat", "concurrency": 1, "mean_accepted_length": 3.0},  # the other mode
+        {"workload": "chat", "method": "eagle3", "concurrency": 4, "mean_acceptance_length": 1.2},
+        {"workload": "chat", "method": "ngram", "concurrency": 1, "mean_acceptance_length": 2.0,
+         "commit": "abc"},
+    ]
+    path = tmp_path / "spec_decode.jsonl"
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n\n")
+    got = sdp.measured_acceptance(path)
+    assert sorted(got) == [("eagle3", 4), ("ngram", 1)]
+    assert got[("ngram", 1)]["mean_acceptance_length"] == 2.0 and got[("ngram", 1)]["commit"] == "abc"
+
+
+def test_the_repositorys_chat_acceptance_has_every_compared_method():
+    got = sdp.measured_acceptance(sdp.ACCEPTANCE)
+    for method in ("ngram", "eagle3"):
+        for c in (1, 4, 16):
+            assert got[(method, c)]["mean_acceptance_length"] >= 1.0
+
+
+def _step(target, seqs, bucket, moved, copies=0):
+    by_part = {"matmuls": moved - copies, "kv_write": copies}
+    return {"target": target, "model": "smollm2-135m", "layers": 30, "context": 1024, "seqs": seqs,
+            "bucket": bucket, "dtype": "bfloat16", "kv_cache_dtype": "bfloat16", "attention_impl": "x",
+            "kernels": 10, "bytes_moved": moved, "xla_cost_analysis": {"bytes accessed": moved * 0.9},
+            "by_part": {p: {"bytes": b} for p, b in by_part.items()}, "minimum": {"total": moved // 2},
+            "bytes_over_minimum": 2.0, "cache_copies": 1 if copies else 0, "cache_copy_bytes": copies,
+            "hbm_bandwidth": 1.0e12, "compile_s": 1.0, "compile_cached": False, "lower_s": 0.1}
+
+
+def test_rows_carry_the_prediction_and_its_inputs():
+    steps = {("none", 1): _step("v6e:1x1", 1, [1, 1], 100_000_000),
+             ("ngram", 1): _step("v6e:1x1", 1, [4, 4], 110_000_000),
+             ("eagle3", 1): _step("v6e:1x1", 1, [4, 4], 250_000_000, copies=100_000_000),
+             ("draft_model", 1): _step("v6e:1x1", 1, [4, 4], 300_000_000)}
+    acceptance = {("ngram", 1): {"workload": "chat", "mean_acceptance_length": 2.2, "commit": "c0",
+                                 "predicted_accelerator_speedup": 1.1},
+                  ("eagle3", 1): {"workload": "chat", "mean_acceptance_length": 1.5, "commit": "c0"}}
+    rows = sdp.prediction_rows(steps, acceptance, 3)
+    assert [r["method"] for r in rows] == ["none", "ngram", "eagle3", "draft_model"]
+    none, ngram, eagle3, draft = rows
+    assert none["predicted_step_us"] == pytest.approx(100.0) and none["predicted_speedup"] == 1.0
+    assert none["num_speculative_tokens"] == 0 and ngram["num_speculative_tokens"] == 3
+    assert ngram["predicted_step_us"] == pytest.approx(110.0)
+    assert ngram["break_even_acceptance_length"] == pytest.approx(1.1)
+    assert ngram["predicted_speedup"] == pytest.approx(2.2 / 1.1)
+    assert ngram["acceptance_source"]["commit"] == "c0"
+    assert ngram["acceptance_source"]["weight_formula_speedup"] == 1.1
+    assert eagle3["predicted_speedup"] == pytest.approx(1.5 / 2.5)
+    # without its 100 MB cache copy the head's step is 1.5 plain steps
+    assert eagle3["break_even_without_cache_copies"] == pytest.approx(1.5)
+    assert eagle3["predicted_speedup_without_cache_copies"] == pytest.approx(1.0)
+    assert draft["mean_acceptance_length"] is None and draft["predicted_speedup"] is None
+    assert draft["break_even_acceptance_length"] == pytest.approx(3.0)
+    assert all(r["predicted"].startswith("roofline") for r in rows)
+    assert eagle3["xla_bytes_accessed"] == pytest.approx(225_000_000)
+    assert eagle3["bytes_by_part"] == {"matmuls": 150_000_000, "kv_write": 100_000_000}
+    assert "PREDICTED speed-up" in sdp.table(rows).splitlines()[0]
+    assert sdp.table(rows).count("\n") == len(rows) + 1
+
+
+def test_the_abstract_drafters_fit_the_target(tmp_path):
+    from jaxserve.models.arch_config import ArchConfig
+    from jaxserve.models.eagle3 import Eagle3Config
+    from jaxserve.models.loader import load_checkpoint
+
+    target = ArchConfig.from_hf(TARGET)
+    head = Eagle3Config.from_hf(load_checkpoint(sdp.eagle3_head_dir(tmp_path, TARGET, 3, 4096)).config)
+    assert head.target_layer_ids(target) == (2, 15, 27)
+    assert head.layer.hidden_size == target.hidden_size and head.layer.num_layers == 1
+    cut = {**TARGET, "num_hidden_layers": 4}
+    small = Eagle3Config.from_hf(load_checkpoint(sdp.eagle3_head_dir(tmp_path / "cut", cut, 3, 512)).config)
+    assert small.target_layer_ids(ArchConfig.from_hf(cut)) == (0, 2, 4)
+    draft = ArchConfig.from_hf(load_checkpoint(sdp.draft_model_dir(tmp_path, TARGET, 4)).config)
+    assert draft.num_layers == 4 and draft.vocab_size == target.vocab_size
+    assert (draft.num_kv_heads, draft.head_dim) == (target.num_kv_heads, target.head_dim)
