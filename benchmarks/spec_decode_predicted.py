@@ -33,12 +33,17 @@ analysis ("bytes accessed") is recorded beside it where the compiler gives one (
 
 Per method and c, with tau the mean acceptance length measured on the CPU
 (spec_decode_benchmark.py --eagle3, workload "chat": accepted drafts per verifying step + 1,
-the last line of each (method, c) in `--acceptance`; read, not re-run):
+the last line of each (method, c) in `--acceptance`; read, not re-run) and f the share of a
+request's steps that verified drafts there (verifying steps / (output tokens - accepted
+drafts): n-gram finds a draft in few chat steps, EAGLE-3 in nearly all):
 
-  predicted_speedup        = (tau / t_method) / (1 / t_none): tokens a sequence gains per
-                             second, every step verifying drafts;
+  predicted_speedup        = ((1 + f (tau - 1)) / (f t_method + (1 - f) t_none)) / (1 / t_none):
+                             tokens a sequence gains per second over plain decoding's, a step
+                             that verifies nothing costed as the plain step (for EAGLE-3 and a
+                             draft model, whose drafter runs in every step, a slight
+                             overestimate); `predicted_speedup_every_step_verifying`: f = 1;
   break_even_acceptance    = t_method / t_none: the acceptance length at which the speed-up is
-                             1.0 (above k + 1 the method cannot pay for its step);
+                             1.0, whatever f (above k + 1 the method cannot pay for its step);
   *_without_cache_copies   the same with each step's `cache_copy_bytes` (step_anatomy.py: kernels
                            that copy or rewrite a whole cache-sized array) taken out of its bytes.
 
@@ -80,17 +85,33 @@ def measured_acceptance(path: str | os.PathLike, workload: str = "chat") -> dict
     return out
 
 
-def predicted_speedup(acceptance_length: float, step_s: float, plain_step_s: float) -> float:
-    """Tokens per second per sequence with drafts (acceptance_length tokens a step of step_s)
-    over plain decoding's (one token a step of plain_step_s)."""
+def predicted_speedup(acceptance_length: float, step_s: float, plain_step_s: float,
+                      verifying_share: float = 1.0) -> float:
+    """Tokens per second per sequence with drafts over plain decoding's (one token a step of
+    plain_step_s). A share `verifying_share` of the request's steps verify drafts: each gains
+    acceptance_length tokens in a step of step_s; the others are plain steps."""
     if step_s <= 0 or plain_step_s <= 0:
         raise ValueError("step times must be positive")
-    return (acceptance_length / step_s) / (1.0 / plain_step_s)
+    if not 0.0 <= verifying_share <= 1.0:
+        raise ValueError("the verifying share is a fraction of the steps")
+    f = verifying_share
+    tokens = 1.0 + f * (acceptance_length - 1.0)
+    return (tokens / (f * step_s + (1.0 - f) * plain_step_s)) / (1.0 / plain_step_s)
 
 
 def break_even_acceptance(step_s: float, plain_step_s: float) -> float:
-    """The mean acceptance length at which a method's predicted speed-up is 1.0."""
-    return predicted_speedup(1.0, plain_step_s, step_s)
+    """The mean acceptance length at which a method's predicted speed-up is 1.0 (whatever share
+    of the steps verify: a verifying step must give step_s / plain_step_s tokens)."""
+    return step_s / plain_step_s
+
+
+def verifying_share(measured: dict) -> float:
+    """The share of a request's steps that verified drafts in a spec_decode.jsonl line: its
+    verifying steps over its request steps (output tokens less accepted drafts: every request
+    step gives one token besides the drafts it accepts)."""
+    tokens = measured["output_tokens"] * measured.get("repeats", 1)
+    steps = tokens - measured["accepted_tokens"]
+    return min(1.0, measured["verifying_steps"] / steps) if steps > 0 else 0.0
 
 
 def step_time_s(bytes_moved: float, hbm_bandwidth: float) -> float:
@@ -111,6 +132,7 @@ def prediction_rows(steps: dict[tuple[str, int], dict], acceptance: dict[tuple[s
         t_plain_nc = step_time_s(plain["bytes_moved"] - plain["cache_copy_bytes"], bw)
         measured = acceptance.get((method, c))
         tau = 1.0 if method == "none" else (measured or {}).get("mean_acceptance_length")
+        share = 0.0 if method == "none" or measured is None else verifying_share(measured)
         cost = rec.get("xla_cost_analysis") or {}
         rows.append({
             "benchmark": "spec_decode_predicted", "target": rec["target"], "model": rec["model"],
@@ -126,13 +148,15 @@ def prediction_rows(steps: dict[tuple[str, int], dict], acceptance: dict[tuple[s
             "predicted_step_us": round(t * 1e6, 2), "predicted_plain_step_us": round(t_plain * 1e6, 2),
             "step_cost_vs_plain": round(t / t_plain, 4),
             "break_even_acceptance_length": round(break_even_acceptance(t, t_plain), 4),
-            "mean_acceptance_length": tau,
-            "predicted_speedup": None if tau is None else round(predicted_speedup(tau, t, t_plain), 4),
+            "mean_acceptance_length": tau, "verifying_share": round(share, 4),
+            "predicted_speedup": None if tau is None else round(predicted_speedup(tau, t, t_plain, share), 4),
+            "predicted_speedup_every_step_verifying": None if tau is None
+            else round(predicted_speedup(tau, t, t_plain), 4),
             # the same without the kernels that copy a whole cache (cache_copy_bytes): what the
             # step would move if the compiler kept the cache in place
             "break_even_without_cache_copies": round(break_even_acceptance(t_nc, t_plain_nc), 4),
             "predicted_speedup_without_cache_copies": None if tau is None
-            else round(predicted_speedup(tau, t_nc, t_plain_nc), 4),
+            else round(predicted_speedup(tau, t_nc, t_plain_nc, share), 4),
             "acceptance_source": None if method == "none" or measured is None else {
                 "file": "benchmarks/results/spec_decode.jsonl", "workload": measured.get("workload"),
                 "commit": measured.get("commit") or measured.get("git_sha"), "time": measured.get("time"),
@@ -220,14 +244,19 @@ def compile_steps(arch: dict, target: str, methods: list[str], concurrency: list
 
 def table(rows: list[dict]) -> str:
     """The markdown table of the rows: per target and c, each method's step and speed-up."""
-    lines = ["| target | c | method | step (us, PREDICTED) | x plain step | acceptance length (CPU) "
-             "| break-even length | PREDICTED speed-up |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| target | c | method | MB moved | step us (PREDICTED) | x plain step | acceptance length "
+             "(CPU) | steps verifying | break-even length | PREDICTED speed-up | without cache copies |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def x(v):
+        return "-" if v is None else f"{v:.2f}x"
+
     for r in rows:
         tau = "-" if r["mean_acceptance_length"] is None else f"{r['mean_acceptance_length']:.2f}"
-        speed = "-" if r["predicted_speedup"] is None else f"{r['predicted_speedup']:.2f}x"
-        lines.append(f"| {r['target']} | {r['concurrency']} | {r['method']} | {r['predicted_step_us']:.1f} "
-                     f"| {r['step_cost_vs_plain']:.2f} | {tau} | {r['break_even_acceptance_length']:.2f} "
-                     f"| {speed} |")
+        lines.append(f"| {r['target']} | {r['concurrency']} | {r['method']} | {r['bytes_moved'] / 1e6:.0f} "
+                     f"| {r['predicted_step_us']:.1f} | {r['step_cost_vs_plain']:.2f} | {tau} "
+                     f"| {100 * r['verifying_share']:.0f} % | {r['break_even_acceptance_length']:.2f} "
+                     f"| {x(r['predicted_speedup'])} | {x(r['predicted_speedup_without_cache_copies'])} |")
     return "\n".join(lines)
 
 

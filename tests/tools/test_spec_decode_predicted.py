@@ -24,8 +24,23 @@ def test_speedup_is_tokens_per_step_over_the_steps_cost():
     assert sdp.predicted_speedup(sdp.break_even_acceptance(3.7e-4, 1.3e-4), 3.7e-4, 1.3e-4) == pytest.approx(1.0)
     assert sdp.predicted_speedup(1.0, 1e-4, 1e-4) == pytest.approx(1.0)  # plain against itself
     assert sdp.step_time_s(1.6e9, 1.6e12) == pytest.approx(1e-3)
+    # a tenth of the steps verify (3 tokens, a step of 2 plain): 1.2 tokens for 1.1 plain steps
+    assert sdp.predicted_speedup(3.0, 2e-4, 1e-4, 0.1) == pytest.approx(1.2 / 1.1)
+    # at the break-even length the share does not matter
+    assert sdp.predicted_speedup(2.0, 2e-4, 1e-4, 0.1) == pytest.approx(1.0)
+    assert sdp.predicted_speedup(3.0, 2e-4, 1e-4, 0.0) == pytest.approx(1.0)
     with pytest.raises(ValueError):
         sdp.predicted_speedup(2.0, 0.0, 1e-4)
+    with pytest.raises(ValueError):
+        sdp.predicted_speedup(2.0, 1e-4, 1e-4, 1.5)
+
+
+def test_the_verifying_share_is_verifying_steps_over_request_steps():
+    # 1006 tokens, 89 accepted drafts: 917 request steps, 87 of them verified drafts
+    line = {"output_tokens": 1006, "accepted_tokens": 89, "verifying_steps": 87, "repeats": 1}
+    assert sdp.verifying_share(line) == pytest.approx(87 / 917)
+    assert sdp.verifying_share({**line, "output_tokens": 503, "repeats": 2}) == pytest.approx(87 / 917)
+    assert sdp.verifying_share({"output_tokens": 4, "accepted_tokens": 4, "verifying_steps": 1}) == 0.0
 
 
 def test_the_measured_acceptance_is_the_last_chat_line_of_each_method_and_c(tmp_path):
@@ -65,9 +80,11 @@ def test_rows_carry_the_prediction_and_its_inputs():
              ("ngram", 1): _step("v6e:1x1", 1, [4, 4], 110_000_000),
              ("eagle3", 1): _step("v6e:1x1", 1, [4, 4], 250_000_000, copies=100_000_000),
              ("draft_model", 1): _step("v6e:1x1", 1, [4, 4], 300_000_000)}
+    counts = {"output_tokens": 1000, "accepted_tokens": 500, "verifying_steps": 500}  # all steps verify
     acceptance = {("ngram", 1): {"workload": "chat", "mean_acceptance_length": 2.2, "commit": "c0",
-                                 "predicted_accelerator_speedup": 1.1},
-                  ("eagle3", 1): {"workload": "chat", "mean_acceptance_length": 1.5, "commit": "c0"}}
+                                 "predicted_accelerator_speedup": 1.1, "output_tokens": 1000,
+                                 "accepted_tokens": 120, "verifying_steps": 100},
+                  ("eagle3", 1): {"workload": "chat", "mean_acceptance_length": 1.5, "commit": "c0", **counts}}
     rows = sdp.prediction_rows(steps, acceptance, 3)
     assert [r["method"] for r in rows] == ["none", "ngram", "eagle3", "draft_model"]
     none, ngram, eagle3, draft = rows
@@ -75,7 +92,11 @@ def test_rows_carry_the_prediction_and_its_inputs():
     assert none["num_speculative_tokens"] == 0 and ngram["num_speculative_tokens"] == 3
     assert ngram["predicted_step_us"] == pytest.approx(110.0)
     assert ngram["break_even_acceptance_length"] == pytest.approx(1.1)
-    assert ngram["predicted_speedup"] == pytest.approx(2.2 / 1.1)
+    assert ngram["predicted_speedup_every_step_verifying"] == pytest.approx(2.2 / 1.1)
+    f = 100 / 880  # 100 of the 880 request steps verified
+    assert ngram["verifying_share"] == pytest.approx(f, abs=1e-4)
+    assert ngram["predicted_speedup"] == pytest.approx((1 + f * 1.2) / (1 + f * 0.1), rel=1e-3)
+    assert none["verifying_share"] == 0.0
     assert ngram["acceptance_source"]["commit"] == "c0"
     assert ngram["acceptance_source"]["weight_formula_speedup"] == 1.1
     assert eagle3["predicted_speedup"] == pytest.approx(1.5 / 2.5)
