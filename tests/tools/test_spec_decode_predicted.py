@@ -127,3 +127,29 @@ def test_the_abstract_drafters_fit_the_target(tmp_path):
     draft = ArchConfig.from_hf(load_checkpoint(sdp.draft_model_dir(tmp_path, TARGET, 4)).config)
     assert draft.num_layers == 4 and draft.vocab_size == target.vocab_size
     assert (draft.num_kv_heads, draft.head_dim) == (target.num_kv_heads, target.head_dim)
+
+
+def test_a_draft_models_kv_pages_are_counted_by_its_own_config(tmp_path):
+    """plan_compile's KV record with `draft_method` "draft_model": a page holds the target's layers
+    and the draft model's (all its layers, not an EAGLE-3 head's one)."""
+    import jax.numpy as jnp
+
+    from jaxserve.models.arch_config import ArchConfig
+    from jaxserve.models.sharding import load_rules, serving_rules
+    from jaxserve.parallel.mesh import make_mesh
+    from jaxserve.runner.kv_cache import bytes_per_page
+    from jaxserve.tools.plan_compile import PlanSettings, kv_record, plan_recipe, resolve_plan
+
+    llama = json.loads((ROOT / "tests" / "data" / "arch" / "llama" / "config.json").read_text())
+    draft = sdp.draft_model_dir(tmp_path, llama, 1)
+    mesh, rules = make_mesh(1, 1), serving_rules(load_rules("tp"), 1)
+    cfg = ArchConfig.from_hf(llama)
+    common = dict(arch=llama, platform="cpu", max_model_len=64, max_num_seqs=8, dtype="float32",
+                  kv_cache_dtype="float32", kv_cache_memory=1 << 20)
+    plain, _, _ = kv_record(PlanSettings(**common), cfg, mesh, rules, "float32")
+    settings = PlanSettings(**common, num_speculative_tokens=3, draft_model=draft, draft_method="draft_model")
+    rec, num_pages, _ = kv_record(settings, cfg, mesh, rules, "float32")
+    draft_page = bytes_per_page(ArchConfig.from_hf({**llama, "num_hidden_layers": 1}), 16, jnp.float32, mesh, rules)
+    assert rec["bytes_per_page_per_device"] == plain["bytes_per_page_per_device"] + draft_page
+    recipe = plan_recipe(settings, cfg, mesh, rules, resolve_plan(settings, cfg, mesh, rules), num_pages)
+    assert (recipe.draft_method, recipe.draft_model, recipe.num_speculative_tokens) == ("draft_model", draft, 3)
