@@ -72,7 +72,8 @@ PREDICTED = "roofline: bytes_moved of the compiled step / the chip's HBM bandwid
 
 
 # ------------------------------------------------------------------------------ the arithmetic
-def measured_acceptance(path: str | os.PathLike, workload: str = "chat") -> dict[tuple[str, int], dict]:
+def measured_acceptance(path: str | os.PathLike, workload: str = "chat"
+                        ) -> dict[tuple[str, int], dict]:
     """{(method, c): the last line of that method and concurrency on `workload`} of a
     spec_decode.jsonl (its mean_acceptance_length and provenance)."""
     out: dict[tuple[str, int], dict] = {}
@@ -124,7 +125,9 @@ def prediction_rows(steps: dict[tuple[str, int], dict], acceptance: dict[tuple[s
     """One row per (method, c) of one target from its compiled steps ({(method, c): a
     step_anatomy record}) and the measured acceptance; none's step is every method's baseline."""
     rows = []
-    for (method, c), rec in sorted(steps.items(), key=lambda kv: (kv[0][1], METHODS.index(kv[0][0]))):
+    order = sorted(steps, key=lambda key: (key[1], METHODS.index(key[0])))
+    for method, c in order:
+        rec = steps[(method, c)]
         plain = steps[("none", c)]
         bw = rec["hbm_bandwidth"]
         t, t_plain = step_time_s(rec["bytes_moved"], bw), step_time_s(plain["bytes_moved"], bw)
@@ -149,7 +152,8 @@ def prediction_rows(steps: dict[tuple[str, int], dict], acceptance: dict[tuple[s
             "step_cost_vs_plain": round(t / t_plain, 4),
             "break_even_acceptance_length": round(break_even_acceptance(t, t_plain), 4),
             "mean_acceptance_length": tau, "verifying_share": round(share, 4),
-            "predicted_speedup": None if tau is None else round(predicted_speedup(tau, t, t_plain, share), 4),
+            "predicted_speedup": None if tau is None
+            else round(predicted_speedup(tau, t, t_plain, share), 4),
             "predicted_speedup_every_step_verifying": None if tau is None
             else round(predicted_speedup(tau, t, t_plain), 4),
             # the same without the kernels that copy a whole cache (cache_copy_bytes): what the
@@ -187,9 +191,10 @@ def eagle3_head_dir(root: pathlib.Path, target_hf: dict, k: int, draft_vocab: in
         "speculators_model_type": "eagle3",
         "speculators_config": {
             "algorithm": "eagle3", "default_proposal_method": "greedy",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": k, "accept_tolerance": 0.0,
-                                  "verifier_accept_k": 1}],
-            "verifier": {"architectures": list(target_hf.get("architectures") or []), "name_or_path": None},
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": k,
+                                  "accept_tolerance": 0.0, "verifier_accept_k": 1}],
+            "verifier": {"architectures": list(target_hf.get("architectures") or []),
+                         "name_or_path": None},
         },
         "transformer_layer_config": layer,
         "draft_vocab_size": draft_vocab,
@@ -217,8 +222,9 @@ def draft_model_dir(root: pathlib.Path, target_hf: dict, layers: int) -> str:
 
 
 # ------------------------------------------------------------------------------ the compiles
-def compile_steps(arch: dict, target: str, methods: list[str], concurrency: list[int], *, k: int, context: int,
-                  model_name: str, drafters: dict[str, str], log=print) -> dict[tuple[str, int], dict]:
+def compile_steps(arch: dict, target: str, methods: list[str], concurrency: list[int], *, k: int,
+                  context: int, model_name: str, drafters: dict[str, str], log=print
+                  ) -> dict[tuple[str, int], dict]:
     """{(method, c): step_anatomy's record of that decode step compiled for `target`}."""
     from step_anatomy import step_records
 
@@ -265,18 +271,26 @@ def _ints(text: str) -> list[int]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="smollm2-135m", help="an architecture preset of shard-plan, or a config.json")
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="smollm2-135m",
+                   help="an architecture preset of shard-plan, or a config.json")
     p.add_argument("--layers", type=int, default=0, help="cut the target to this many layers (0: all)")
-    p.add_argument("--context", type=int, default=1024, help="every sequence's context (and max_model_len)")
-    p.add_argument("--concurrency", type=_ints, default=[1, 4, 16], help="sequences per step, comma-separated")
+    p.add_argument("--context", type=int, default=1024,
+                   help="every sequence's context (and max_model_len)")
+    p.add_argument("--concurrency", type=_ints, default=[1, 4, 16],
+                   help="sequences per step, comma-separated")
     p.add_argument("--topology", default="v6e:1x1,h100:1x1", help="targets, comma-separated")
     p.add_argument("--k", type=int, default=3, help="drafts per sequence and step")
-    p.add_argument("--methods", default=",".join(METHODS), help="comma-separated; none is always compiled")
+    p.add_argument("--methods", default=",".join(METHODS),
+                   help="comma-separated; none is always compiled")
     p.add_argument("--draft-vocab", type=int, default=4096, help="the EAGLE-3 head's draft vocabulary")
-    p.add_argument("--draft-layers", type=int, default=4, help="the draft model's layers (the target's shape)")
-    p.add_argument("--acceptance", default=str(ACCEPTANCE), help="spec_decode.jsonl with the chat workload")
-    p.add_argument("--json", default=str(RESULTS), help="append one JSON line per (target, method, c) ('' = none)")
+    p.add_argument("--draft-layers", type=int, default=4,
+                   help="the draft model's layers (the target's shape)")
+    p.add_argument("--acceptance", default=str(ACCEPTANCE),
+                   help="spec_decode.jsonl with the chat workload")
+    p.add_argument("--json", default=str(RESULTS),
+                   help="append one JSON line per (target, method, c) ('' = none)")
     a = p.parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
@@ -298,10 +312,12 @@ def main(argv=None) -> int:
             drafters["draft_model"] = draft_model_dir(root, arch, a.draft_layers)
         for target in [t for t in a.topology.split(",") if t]:
             steps = compile_steps(arch, target, methods, a.concurrency, k=a.k, context=a.context,
-                                  model_name=a.preset, drafters=drafters, log=lambda s: print(s, flush=True))
+                                  model_name=a.preset, drafters=drafters,
+                                  log=lambda s: print(s, flush=True))
             new = prediction_rows(steps, acceptance, a.k)
             for r in new:
-                r.update({"compile_only": True, "draft_vocab": a.draft_vocab if r["method"] == "eagle3" else None,
+                r.update({"compile_only": True,
+                          "draft_vocab": a.draft_vocab if r["method"] == "eagle3" else None,
                           "draft_layers": a.draft_layers if r["method"] == "draft_model" else None,
                           "max_num_seqs": max(a.concurrency) * (a.k + 1),
                           "loadavg": [round(x, 2) for x in os.getloadavg()]})
