@@ -33,7 +33,8 @@ ones, chat-templated, greedy, `--output-len` tokens, default 64) at each concurr
 (method, c): output tok/s and its ratio to none, the mean acceptance length (accepted drafts per
 verifying step + 1, from the scheduler's counters: vLLM's definition), the counters themselves,
 whether the outputs equal none's, and a *predicted* accelerator speed-up (`predicted_speedup`:
-a formula over the measured counters, not a measurement).
+a formula over the measured counters, not a measurement; spec_decode_predicted.py predicts it
+from the steps compiled for v6e and H100 instead, with these lines' acceptance).
 
     .venv/bin/python benchmarks/spec_decode_benchmark.py --eagle3 DIR [--concurrency 1 4 16]
         [--output-len 64] [--num-speculative-tokens 3] [--repeats 1]

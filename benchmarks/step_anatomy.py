@@ -878,11 +878,18 @@ def step_records(
     model_name: str = "",
     attention_impl: str = "auto",
     max_num_seqs: int | None = None,
+    num_speculative_tokens: int = 0,
+    draft_model: str = "",
+    draft_method: str = "eagle3",
+    tokens_per_seq: int = 1,
 ) -> list[dict]:
     """Compile one target's decode steps (S, S) for S in `decode` and a (prefill, 1) step; one
     record each. `max_num_seqs`: the server's sequences (sampling-state slots; default
     max(decode)); `kv_cache_memory`: the KV cache's bytes per device (default: max_num_seqs x
-    context tokens)."""
+    context tokens). Speculative decoding: `num_speculative_tokens` drafts per request in the
+    recipe, a drafter's directory `draft_model` ("": none) of `draft_method` ("eagle3" or
+    "draft_model"), and `tokens_per_seq` query tokens (and sampling rows) per sequence of a decode
+    step (k + 1 for a step verifying k drafts: the bucket (S (k + 1), S (k + 1)))."""
     import jax
     from jaxserve.models import sharding as ax
     from jaxserve.models.arch_config import ArchConfig
@@ -903,6 +910,9 @@ def step_records(
         kv_cache_dtype=kv_cache_dtype,
         kv_cache_memory=kv_cache_memory,
         attention_impl=attention_impl,
+        num_speculative_tokens=num_speculative_tokens,
+        draft_model=draft_model,
+        draft_method=draft_method if draft_model else "",
     )
     cfg = ArchConfig.from_hf(arch)
     mesh = make_mesh(1, len(devices), devices=devices)
@@ -913,7 +923,7 @@ def step_records(
     _kv, num_pages, _pages_per_req = kv_record(settings, cfg, mesh, rules, plan["kv_dtype"])
     recipe = plan_recipe(settings, cfg, mesh, rules, plan, num_pages)
     abstract = abstract_step(recipe, devices=devices)
-    k0 = abstract.kv.k[0]
+    k0 = getattr(abstract.kv, "target", abstract.kv).k[0]  # the target's (a drafter's KV follows it)
     local_shape = k0.sharding.shard_shape(k0.shape)
     elements = math.prod(local_shape)
     row_bytes = math.prod(local_shape[2:]) * k0.dtype.itemsize  # one token of one layer's K
@@ -928,7 +938,8 @@ def step_records(
     n_params = len(abstract.params)
     cache_params = list(range(n_params, n_params + 2 * cfg.num_layers))
     bw = CHIPS[chip].hbm_bandwidth if chip in CHIPS else None
-    steps = [("decode", s, s, s) for s in decode] + (
+    q = tokens_per_seq
+    steps = [("decode", s, s * q, s * q) for s in decode] + (
         [("prefill", 1, prefill, 1)] if prefill else []
     )
     out = []
@@ -970,6 +981,9 @@ def step_records(
                 "seqs": seqs,
                 "context": ctx,
                 "bucket": [T, R],
+                "tokens_per_seq": q if phase == "decode" else None,
+                "num_speculative_tokens": num_speculative_tokens,
+                "draft_method": draft_method if draft_model else None,
                 "layers": cfg.num_layers,
                 "model": model_name,
                 "head_dim": cfg.head_dim,
