@@ -25,6 +25,7 @@ from jaxserve.models.sharding import single_device_mesh
 from jaxserve.runner.draft_model import load_draft_model
 from jaxserve.runner.kv_cache import allocate_kv_cache
 from jaxserve.runner.step_inputs import StepRequest, pack_step
+from tests.engine.spec_checks import run_feeding_the_targets_tokens, spec_stats, tokens
 from tests.model_dirs import word_tokenizer, write_model_dir
 
 DATA = pathlib.Path(__file__).resolve().parent.parent / "data" / "arch"
@@ -55,15 +56,6 @@ def spec_llm(model_dir, draft_dir, compile_cache_dir):
 @pytest.fixture(scope="module")
 def plain_llm(model_dir, compile_cache_dir):
     return LLM(model_dir, compilation_cache_dir=compile_cache_dir, seed=2, **OPTIONS)
-
-
-def tokens(llm, prompts, params):
-    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-
-
-def spec_stats(llm):
-    s = llm.engine.scheduler.make_stats()
-    return np.array([s.spec_num_drafts, s.spec_num_draft_tokens, s.spec_num_accepted_tokens])
 
 
 def test_greedy_outputs_equal_no_speculation(spec_llm, plain_llm):
@@ -131,31 +123,8 @@ def test_step_drafts_equal_the_draft_models_dense_chain(spec_llm, plain_llm, dra
     own next tokens as drafts, the j-th step's wrong from its (j mod k+1)-th on; the outputs stay
     the plain ones. The draft model's paged keys of the context (written by the steps' passes
     over their fed tokens and by the chains) are the dense forward's."""
-    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    (want,) = tokens(plain_llm, [prompt], greedy)
-    runner, steps, pages = spec_llm.engine.runner, [], []
-    collect = runner.collect
-
-    def feed_the_target(step):
-        out = collect(step)
-        if not out.sampled:  # a prefill chunk that samples nothing
-            return out
-        (rid,) = out.sampled
-        steps.append((len(out.sampled[rid]), out.drafts[rid]))
-        pages.append(runner.slots.block_table[runner.slots.slot_of[rid]].copy())
-        done = sum(n for n, _ in steps)
-        right = len(steps) % (K + 1)
-        out.drafts[rid] = want[done: done + right] + [(t + 1) % 128 for t in want[done + right: done + K]]
-        return out
-
-    runner.collect = feed_the_target
-    before = spec_stats(spec_llm)
-    try:
-        assert tokens(spec_llm, [prompt], greedy) == [want]
-    finally:
-        del runner.collect
-    assert (spec_stats(spec_llm) - before)[2] >= 2  # drafts were kept
-    assert max(n for n, _ in steps[1:]) > 1  # a step emitted more than one token
+    runner = spec_llm.engine.runner
+    want, steps, pages = run_feeding_the_targets_tokens(spec_llm, plain_llm, prompt, K, 128, max_tokens=8)
     run = dense_forward(draft_dir)
     seq = prompt + want
     ends = list(len(prompt) + np.cumsum([n for n, _ in steps]))  # the context after each step

@@ -28,6 +28,7 @@ from jaxserve.models.sharding import single_device_mesh
 from jaxserve.models.weights import create_model
 from jaxserve.runner.kv_cache import allocate_kv_cache
 from jaxserve.runner.step_inputs import StepRequest, pack_step
+from tests.engine.spec_checks import run_feeding_the_targets_tokens, spec_stats, tokens
 from tests.model_dirs import write_model_dir
 from tests.models.test_eagle3 import jitted
 
@@ -68,15 +69,6 @@ def spec_llm(model_dir, head_dir, compile_cache_dir):
 @pytest.fixture(scope="module")
 def plain_llm(model_dir, compile_cache_dir):
     return LLM(model_dir, compilation_cache_dir=compile_cache_dir, seed=2, **OPTIONS)
-
-
-def tokens(llm, prompts, params):
-    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-
-
-def spec_stats(llm):
-    s = llm.engine.scheduler.make_stats()
-    return np.array([s.spec_num_drafts, s.spec_num_draft_tokens, s.spec_num_accepted_tokens])
 
 
 def test_greedy_outputs_equal_no_speculation(spec_llm, plain_llm):
@@ -166,31 +158,8 @@ def test_step_drafts_equal_the_heads_dense_chain(spec_llm, plain_llm, head_dir):
 
 
 def check_drafts(spec_llm, plain_llm, head_dir, prompt):
-    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    (want,) = tokens(plain_llm, [prompt], greedy)
-    runner, heads, pages = spec_llm.engine.runner, [], []
-    collect = runner.collect
-
-    def feed_the_target(step):
-        out = collect(step)
-        if not out.sampled:  # a prefill chunk that samples nothing
-            return out
-        (rid,) = out.sampled
-        heads.append((len(out.sampled[rid]), out.drafts[rid]))
-        pages.append(runner.slots.block_table[runner.slots.slot_of[rid]].copy())
-        done = sum(n for n, _ in heads)
-        right = len(heads) % (K + 1)
-        out.drafts[rid] = want[done: done + right] + [(t + 1) % 128 for t in want[done + right: done + K]]
-        return out
-
-    runner.collect = feed_the_target
-    before = spec_stats(spec_llm)
-    try:
-        assert tokens(spec_llm, [prompt], greedy) == [want]
-    finally:
-        del runner.collect
-    assert (spec_stats(spec_llm) - before)[2] >= 2  # drafts were kept
-    assert sorted({n for n, _ in heads[1:]}) [-1] > 1  # a step emitted more than one token
+    runner = spec_llm.engine.runner
+    want, heads, pages = run_feeding_the_targets_tokens(spec_llm, plain_llm, prompt, K, 128, max_tokens=6)
     head = load_eagle3(head_dir, target=DATA / "llama")
     forward = jitted(head)
     assert len({tuple(d) for _, d in heads}) > 1  # the head's drafts vary

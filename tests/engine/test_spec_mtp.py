@@ -30,6 +30,7 @@ from jaxserve.models.sharding import single_device_mesh
 from jaxserve.models.weights import create_model
 from jaxserve.runner.kv_cache import allocate_kv_cache
 from jaxserve.runner.step_inputs import StepRequest, pack_step
+from tests.engine.spec_checks import run_feeding_the_targets_tokens, spec_stats, tokens
 from tests.model_dirs import write_model_dir
 
 K = 2
@@ -84,15 +85,6 @@ def spec_llm(mtp_dir, compile_cache_dir):
 @pytest.fixture(scope="module")
 def plain_llm(mtp_dir, compile_cache_dir):
     return LLM(str(mtp_dir), compilation_cache_dir=compile_cache_dir, seed=2, **OPTIONS)
-
-
-def tokens(llm, prompts, params):
-    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-
-
-def spec_stats(llm):
-    s = llm.engine.scheduler.make_stats()
-    return np.array([s.spec_num_drafts, s.spec_num_draft_tokens, s.spec_num_accepted_tokens])
 
 
 def test_greedy_outputs_equal_no_speculation(spec_llm, plain_llm):
@@ -214,30 +206,7 @@ def test_step_drafts_equal_the_dense_mtp_chain(spec_llm, plain_llm, mtp_dir):
     one step's prefill, and for a prompt over two chunks (the pass across the boundary takes
     the next chunk's first token)."""
     for prompt in (PROMPTS[0], PROMPTS[2]):
-        greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-        (want,) = tokens(plain_llm, [prompt], greedy)
-        runner, heads = spec_llm.engine.runner, []
-        collect = runner.collect
-
-        def feed_the_target(step):
-            out = collect(step)
-            if not out.sampled:  # a prefill chunk that samples nothing
-                return out
-            (rid,) = out.sampled
-            heads.append((len(out.sampled[rid]), out.drafts[rid]))
-            done = sum(n for n, _ in heads)
-            right = len(heads) % (K + 1)
-            out.drafts[rid] = want[done: done + right] + [(t + 1) % VOCAB for t in want[done + right: done + K]]
-            return out
-
-        runner.collect = feed_the_target
-        before = spec_stats(spec_llm)
-        try:
-            assert tokens(spec_llm, [prompt], greedy) == [want]
-        finally:
-            del runner.collect
-        assert (spec_stats(spec_llm) - before)[2] >= 2  # drafts were kept
-        assert max(n for n, _ in heads[1:]) > 1  # a step emitted more than one token
+        want, heads, _ = run_feeding_the_targets_tokens(spec_llm, plain_llm, prompt, K, VOCAB, max_tokens=8)
         assert len({tuple(d) for _, d in heads}) > 1  # the drafts vary
         ends = list(len(prompt) - 1 + np.cumsum([n for n, _ in heads]))
         seq = prompt + want[: ends[-1] + 1 - len(prompt)]
