@@ -22,7 +22,8 @@ import pathlib
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from jaxserve.config import STEP_DRAFTERS, EngineConfig, LoRAConfig, SchedulerConfig, SpeculativeConfig
+from jaxserve.config import EngineConfig, LoRAConfig, SchedulerConfig
+from jaxserve.speculative_config import STEP_DRAFTERS, SpeculativeConfig
 
 if TYPE_CHECKING:
     from jaxserve.backends.base import Backend, DevicePlan

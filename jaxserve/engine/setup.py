@@ -21,7 +21,8 @@ from typing import Any
 from jaxserve.backends import Backend, DevicePlan, select_backend
 from jaxserve.backends.base import log_activation_products
 from jaxserve.backends.devices import DeviceSet
-from jaxserve.config import STEP_DRAFTERS, EngineConfig, jax_dtype
+from jaxserve.config import EngineConfig, jax_dtype
+from jaxserve.speculative_config import STEP_DRAFTERS
 from jaxserve.core.adapter_slots import AdapterSlots
 from jaxserve.core.dp_scheduler import DataParallelScheduler
 from jaxserve.core.kv_cache_manager import KVCacheManager

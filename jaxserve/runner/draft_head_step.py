@@ -52,7 +52,7 @@ from jaxserve.runner.step_fn import StepFunction
 from jaxserve.runner.step_inputs import ModelInputs, TokenInfo
 from jaxserve.sampling.metadata import SamplingMetadata
 
-# The speculative methods that draft inside the step (config.STEP_DRAFTERS).
+# The speculative methods that draft inside the step (speculative_config.STEP_DRAFTERS).
 EAGLE3, MTP, DRAFT_MODEL = "eagle3", "deepseek_mtp", "draft_model"
 
 

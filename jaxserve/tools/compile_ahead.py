@@ -92,7 +92,7 @@ def compile_for_target(config, target: dict, out: str | os.PathLike[str]) -> dic
     from jaxserve.backends.devices import DeviceSet
     from jaxserve.engine.kv_sizing import size_kv_cache
     from jaxserve.engine.plan import ModelFiles, plan_engine
-    from jaxserve.config import STEP_DRAFTERS
+    from jaxserve.speculative_config import STEP_DRAFTERS
     from jaxserve.engine.draft_check import TargetTokenizer
     from jaxserve.engine.setup import drafter_dir
     from jaxserve.parallel.mesh import make_mesh

@@ -254,7 +254,7 @@ def speculative_settings(engine: EngineConfig, arch: dict) -> dict:
     does."""
     if engine.speculative_config is None:
         return {"num_speculative_tokens": 0, "draft_model": "", "draft_method": ""}
-    from jaxserve.config import STEP_DRAFTERS
+    from jaxserve.speculative_config import STEP_DRAFTERS
     from jaxserve.engine.draft_check import TargetTokenizer, detect_eagle3_head
     from jaxserve.engine.setup import drafter_dir
 

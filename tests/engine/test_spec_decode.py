@@ -11,7 +11,8 @@ import pytest
 from scipy import stats
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.config import EngineConfig, SpeculativeConfig
+from jaxserve.config import EngineConfig
+from jaxserve.speculative_config import SpeculativeConfig
 from jaxserve.sampling_params import StructuredOutputsParams
 from jaxserve.spec_decode import NgramProposer, accept_drafts, can_speculate
 from tests.model_dirs import write_model_dir

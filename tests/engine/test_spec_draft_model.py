@@ -20,7 +20,8 @@ import pytest
 from flax import nnx
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.config import EngineConfig, SpeculativeConfig
+from jaxserve.config import EngineConfig
+from jaxserve.speculative_config import SpeculativeConfig
 from jaxserve.models.sharding import single_device_mesh
 from jaxserve.runner.draft_model import load_draft_model
 from jaxserve.runner.kv_cache import allocate_kv_cache

@@ -20,7 +20,7 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.config import SpeculativeConfig
+from jaxserve.speculative_config import SpeculativeConfig
 from jaxserve.models.arch_config import ArchConfig
 from jaxserve.models.eagle3 import DenseKV
 from jaxserve.models.eagle3_checkpoint import load_eagle3

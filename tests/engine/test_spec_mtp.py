@@ -21,7 +21,7 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.config import SpeculativeConfig
+from jaxserve.speculative_config import SpeculativeConfig
 from jaxserve.models.arch_config import ArchConfig
 from jaxserve.models.deepseek_v3 import LORA_NORM_EPS, softmax_scale
 from jaxserve.models.layers.linear import module_weights

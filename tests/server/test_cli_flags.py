@@ -11,7 +11,8 @@ import typing
 
 import pytest
 
-from jaxserve.config import EngineConfig, ModelConfig, SpeculativeConfig
+from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.speculative_config import SpeculativeConfig
 from jaxserve.config_cli import (
     CHOICES,
     NOT_A_FLAG,
