@@ -42,6 +42,16 @@ FP8_FLAGS = FLAGS[: FLAGS.index("--token-buckets")] + ["--token-buckets", "16", 
                                                       "--kv-cache-dtype", "fp8"]
 
 
+SPEC_FLAGS = FLAGS[: FLAGS.index("--num-decode-steps")]  # drafting runs one decode step a call
+
+
+def compile_cpu(model_dir, out: pathlib.Path, flags, *more: str) -> pathlib.Path:
+    """`jaxserve compile MODEL --topology cpu --out OUT FLAGS MORE`, asserted to succeed."""
+    assert cli(["compile", str(model_dir), "--topology", "cpu", "--out", str(out), "--log-level", "warning",
+                *flags, *more]) == 0
+    return out
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> pathlib.Path:
     return write_model_dir(tmp_path_factory.mktemp("tiny"))
@@ -50,20 +60,14 @@ def model_dir(tmp_path_factory) -> pathlib.Path:
 @pytest.fixture(scope="module")
 def cpu_dir(model_dir, tmp_path_factory) -> pathlib.Path:
     """`jaxserve compile MODEL --topology cpu` of OPTIONS' engine."""
-    out = tmp_path_factory.mktemp("exe") / "cpu"
-    assert cli(["compile", str(model_dir), "--topology", "cpu", "--out", str(out), "--log-level", "warning",
-                *FLAGS]) == 0
-    return out
+    return compile_cpu(model_dir, tmp_path_factory.mktemp("exe") / "cpu", FLAGS)
 
 
 @pytest.fixture(scope="module")
 def eagle3_dir(model_dir, tmp_path_factory) -> pathlib.Path:
     """`jaxserve compile MODEL --topology cpu --speculative-config <EAGLE-3 head>`."""
-    out = tmp_path_factory.mktemp("exe") / "eagle3"
-    flags = FLAGS[: FLAGS.index("--num-decode-steps")]
-    assert cli(["compile", str(model_dir), "--topology", "cpu", "--out", str(out), "--log-level", "warning",
-                *flags, "--speculative-config", json.dumps(SPEC)]) == 0
-    return out
+    return compile_cpu(model_dir, tmp_path_factory.mktemp("exe") / "eagle3", SPEC_FLAGS,
+                       "--speculative-config", json.dumps(SPEC))
 
 
 @pytest.fixture(scope="module")
@@ -71,21 +75,16 @@ def draft_model_dir(model_dir, tmp_path_factory) -> pathlib.Path:
     """`jaxserve compile MODEL --topology cpu --speculative-config <a draft model>` (the tiny
     qwen2, method inferred as vLLM does)."""
     draft = write_model_dir(tmp_path_factory.mktemp("draft"), "qwen2")
-    out = tmp_path_factory.mktemp("exe") / "draft_model"
-    flags = FLAGS[: FLAGS.index("--num-decode-steps")]
     spec = {"model": str(draft), "num_speculative_tokens": 2}
-    assert cli(["compile", str(model_dir), "--topology", "cpu", "--out", str(out), "--log-level", "warning",
-                *flags, "--speculative-config", json.dumps(spec)]) == 0
+    out = compile_cpu(model_dir, tmp_path_factory.mktemp("exe") / "draft_model", SPEC_FLAGS,
+                      "--speculative-config", json.dumps(spec))
     return out, spec
 
 
 @pytest.fixture(scope="module")
 def fp8_dir(model_dir, tmp_path_factory) -> pathlib.Path:
     """`jaxserve compile MODEL --topology cpu --kv-cache-dtype fp8`: no scales known."""
-    out = tmp_path_factory.mktemp("exe") / "fp8"
-    assert cli(["compile", str(model_dir), "--topology", "cpu", "--out", str(out), "--log-level", "warning",
-                *FP8_FLAGS]) == 0
-    return out
+    return compile_cpu(model_dir, tmp_path_factory.mktemp("exe") / "fp8", FP8_FLAGS)
 
 
 @pytest.fixture(scope="module")
