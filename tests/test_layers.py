@@ -28,7 +28,8 @@ import jaxserve
 
 # Lowest first; a module may import its own layer and the layers below it.
 LAYERS = [
-    ("types", ["jaxserve.config", "jaxserve.config_cli", "jaxserve.sampling_params", "jaxserve.request",
+    ("types", ["jaxserve.config", "jaxserve.config_cli", "jaxserve.speculative_config",
+               "jaxserve.sampling_params", "jaxserve.request",
                "jaxserve.lora_request", "jaxserve.outputs", "jaxserve.startup_timer", "jaxserve.reasoning",
                "jaxserve.inputs", "jaxserve.beam_search", "jaxserve.chat", "jaxserve.platform"]),
     ("core", ["jaxserve.core"]),
