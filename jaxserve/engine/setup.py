@@ -45,10 +45,12 @@ from jaxserve.parallel import multihost
 from jaxserve.parallel.mesh import bytes_per_device, make_mesh, replicated_axes
 from jaxserve.runner.compile import executable_cache, weight_cache
 from jaxserve.reasoning import get_reasoning_parser
-from jaxserve.runner.executable_cache import canonical
+from jaxserve.runner.executable_cache import ExecutableScope, canonical, executable_scope
 from jaxserve.runner.kv_scales import CALIBRATION_TEXT, prepare_kv_scales
 from jaxserve.runner.model_runner import ModelRunner
-from jaxserve.runner.pooling_runner import PoolingRunner
+from jaxserve.runner.pooling_runner import PoolingRunner, pooling_num_pages
+from jaxserve.runner.prebuilt import prebuilt_scope, target_material
+from jaxserve.runner.recipe import StepRecipe
 from jaxserve.runner.protocol import StepRunner
 from jaxserve.spec_decode import NgramProposer
 from jaxserve.startup_timer import StartupTimer
@@ -127,9 +129,16 @@ def _build_engine(config: EngineConfig, timer: StartupTimer, own_timer: bool,
     plan = _plan(config, start, timer, engine_core, joined)
     model = _build(plan, start, timer)
     if plan.pooling:
-        return _pooling_engine(plan, start, model, timer, own_timer)
+        pooling = load_pooling_config(start.model_path)
+        recipe = plan.recipe(num_pages=pooling_num_pages(plan.grid, plan.config.cache.page_size),
+                             max_model_len=plan.scheduler.max_model_len)
+        scope = _startup_scope(plan, start, recipe, pooling)
+        _kv_scales(plan, start, model, timer, scope)
+        return _pooling_engine(plan, start, model, pooling, scope.prebuilt, timer, own_timer)
     kv = size_kv_cache(plan, start.backend, start.mesh, timer)
-    runner = _compile(plan, start, model, kv, timer)
+    scope = _startup_scope(plan, start, kv.recipe(plan))
+    _kv_scales(plan, start, model, timer, scope)
+    runner = _compile(plan, start, model, kv, timer, scope.prebuilt)
     return _assemble(plan, start, runner, kv, timer, own_timer)
 
 
@@ -265,17 +274,46 @@ def _check_mtp_target(target_config: dict) -> None:
 
 
 def _build(plan: EnginePlan, start: _Start, timer: StartupTimer):
-    """The model: weights placed and laid out by the backend, a quantized KV cache's scales set."""
+    """The model: weights placed and laid out by the backend (a quantized KV cache's scales are
+    set next, `_kv_scales`)."""
     model = _prepared_model(plan, start, timer)
-    with timer.phase("kv scales"):  # a quantized cache's: inputs of the steps, beside the weights
-        prepare_kv_scales(model, jax_dtype(plan.device.kv_dtype), start.ckpt,
-                          lambda: start.tokenizer.result().encode(CALIBRATION_TEXT))
     start.load_seconds = time.perf_counter() - start.t0
     return model
 
 
-def _compile(plan: EnginePlan, start: _Start, model, kv: KVSize, timer: StartupTimer) -> ModelRunner:
-    """The runner: the steps of the plan's recipe over the model, compiled (or loaded)."""
+def _startup_scope(plan: EnginePlan, start: _Start, recipe: StepRecipe,
+                   pooling=None) -> ExecutableScope:
+    """Where the start's programs outside the runner (a quantized cache's calibration forward)
+    are loaded from or compiled into: the executable cache, keyed by the recipe (as the memory
+    probes are), and first the executables compiled ahead (`--executables DIR`), opened here
+    once for the runner too (a mismatch is named in one log line). `pooling`: the pooling
+    runner's PoolingConfig (its directory is keyed by it), None for generation."""
+    devices = list(start.mesh.devices.flat)
+    scope = executable_scope(executable_cache(plan.config.compile), devices,
+                             **start.backend.fingerprint(), recipe=canonical(recipe.program_key()))
+    executables = plan.config.compile.executables
+    if executables is not None:
+        material = target_material(recipe, devices, start.backend, pooling)
+        scope.prebuilt = prebuilt_scope(executables, material, devices)
+    return scope
+
+
+def _kv_scales(plan: EnginePlan, start: _Start, model, timer: StartupTimer,
+               scope: ExecutableScope | None) -> None:
+    """A quantized cache's scales set on the model (inputs of the steps, beside the weights):
+    the checkpoint's, or measured by the calibration forward, loaded through `scope` or
+    compiled."""
+    t0 = time.perf_counter()
+    with timer.phase("kv scales"):
+        prepare_kv_scales(model, jax_dtype(plan.device.kv_dtype), start.ckpt,
+                          lambda: start.tokenizer.result().encode(CALIBRATION_TEXT), scope)
+    start.load_seconds += time.perf_counter() - t0
+
+
+def _compile(plan: EnginePlan, start: _Start, model, kv: KVSize, timer: StartupTimer,
+             prebuilt: ExecutableScope | None) -> ModelRunner:
+    """The runner: the steps of the plan's recipe over the model, compiled (or loaded: from
+    `prebuilt`, the executables compiled ahead that match, else the executable cache)."""
     config = plan.config
     drafter = None
     if plan.draft_model and plan.speculative.method == "draft_model":
@@ -293,7 +331,7 @@ def _compile(plan: EnginePlan, start: _Start, model, kv: KVSize, timer: StartupT
     runner = ModelRunner(model, kv.recipe(plan), backend=start.backend, mesh=start.mesh, seed=config.model.seed,
                          max_cpu_loras=config.lora.max_cpu_loras, compile_workers=plan.compile_workers,
                          executable_cache=executable_cache(config.compile),
-                         executables=config.compile.executables,
+                         prebuilt=prebuilt,
                          show_progress=config.compile.show_progress, timer=timer, drafter=drafter)
     timer.note("executables", f"{runner.executables_loaded} loaded, {runner.executables_compiled} compiled")
     if kv.memory is not None:
@@ -382,18 +420,20 @@ def _ready(timer: StartupTimer, own_timer: bool) -> None:
         logger.info("%s", timer.summary())
 
 
-def _pooling_engine(plan: EnginePlan, start: _Start, model, timer: StartupTimer, own_timer: bool) -> EngineParts:
+def _pooling_engine(plan: EnginePlan, start: _Start, model, pooling,
+                    prebuilt: ExecutableScope | None, timer: StartupTimer,
+                    own_timer: bool) -> EngineParts:
     """The engine of --runner pooling: a PoolingRunner (its own small KV cache, one executable
     per bucket of the plan's grid: a prompt is never split, the token buckets reach
-    max_model_len) in a PoolingCore (embeddings, no scheduler, no steps)."""
+    max_model_len; loaded from `prebuilt`, the executables compiled ahead, where they match)
+    in a PoolingCore (embeddings, no scheduler, no steps)."""
     config, sc = plan.config, plan.scheduler
-    pooling = load_pooling_config(start.model_path)
     with timer.phase("executables"):
         runner = PoolingRunner(model, backend=start.backend, mesh=start.mesh, page_size=config.cache.page_size,
                                max_model_len=sc.max_model_len, grid=plan.grid, pooling=pooling,
                                kv_dtype=jax_dtype(plan.device.kv_dtype),
                                show_progress=config.compile.show_progress, rules=plan.rules,
-                               executable_cache=executable_cache(config.compile))
+                               executable_cache=executable_cache(config.compile), prebuilt=prebuilt)
     timer.note("executables",
                f"{runner.executables_loaded} loaded, {runner.executables_compiled} compiled")
     core = PoolingCore(runner)

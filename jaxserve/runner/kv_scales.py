@@ -28,6 +28,7 @@ parts (vLLM's one scale for the latent cache).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 
@@ -46,7 +47,7 @@ from jaxserve.pallas_kernels.kv_quant import (
     head_scales,
     is_quantized,
 )
-from jaxserve.runner.kv_cache import allocate_kv_cache
+from jaxserve.runner.kv_cache import abstract_kv_cache
 from jaxserve.runner.step_inputs import StepRequest, pack_step
 
 logger = logging.getLogger(__name__)
@@ -138,24 +139,42 @@ def for_cache_dtype(scales: Scales, calibrated_for, kv_dtype) -> Scales:
     return [(tuple(x * ratio for x in k), tuple(x * ratio for x in v)) for k, v in scales]
 
 
-def measure_kv_scales(model, token_ids: list[int], kv_dtype, page_size: int = 16) -> Scales:
-    """Per layer and KV head: (largest |k|, largest |v|) over one float32 forward of
-    `token_ids`, times the dtype's HEADROOM, / the dtype's largest value (QUANT_MAX)."""
+def calibration_ids(vocab_size: int, tokenize) -> list[int]:
+    """The calibration's token ids: `tokenize()` (the text's ids), then CALIBRATION_SPREAD ids
+    spread evenly over the vocabulary (rare tokens, other scripts)."""
+    spread = np.linspace(0, vocab_size - 1, CALIBRATION_SPREAD).astype(int).tolist()
+    return list(tokenize()) + spread
+
+
+def calibration_name(num_tokens: int) -> str:
+    """The executable's name of the calibration forward over `num_tokens` tokens (its only
+    shape: a tokenizer that reads the text as more or fewer tokens needs another program)."""
+    return f"kv-calibration-{num_tokens}"
+
+
+CALIBRATION_PAGE_SIZE = 16
+
+
+def calibration_program(model, num_tokens: int, page_size: int = CALIBRATION_PAGE_SIZE):
+    """(compile, abstract arguments) of the calibration forward over `num_tokens` tokens of
+    `model` (real or abstract weights, its scales not yet set): (weights state, packed inputs)
+    -> per layer and KV head (or latent part) the largest |k| and |v|, from a float32 cache
+    made zero inside the program. On the model's mesh, laid out by its rules (a tensor- or
+    data-parallel engine's weights are there); the inputs replicated. `jaxserve compile`
+    compiles it ahead from the abstract model (runner/prebuilt.py)."""
     cfg = model.config
-    n = len(token_ids)
-    pages = math.ceil(n / page_size)
-    # On the model's mesh, laid out by its rules (its weights are there: a tensor- or
-    # data-parallel engine's too).
+    pages = math.ceil(num_tokens / page_size)
     mesh = getattr(model, "mesh", None) or single_device_mesh()
     rules = dict(model.rules) if getattr(model, "rules", None) else None
-    kv = allocate_kv_cache(cfg, pages + 1, page_size, jnp.float32, mesh, rules)
-    inputs = pack_step([StepRequest(token_ids, 0, list(range(1, pages + 1)))],
-                       num_tokens=n, num_reqs=1, pages_per_req=pages, page_size=page_size)
+    kv_like = abstract_kv_cache(cfg, pages + 1, page_size, jnp.float32, mesh, rules)
     graphdef, state = nnx.split(model)
+    replicated = NamedSharding(mesh, P())
 
-    @jax.jit
-    def amax(state, kv, inputs):
+    def amax(state, inputs):
+        kv = jax.tree.map(
+            lambda a: jax.lax.with_sharding_constraint(jnp.zeros(a.shape, a.dtype), a.sharding), kv_like)
         _, kv = nnx.merge(graphdef, state)(inputs.input_ids, inputs.positions, kv, inputs.md)
+
         def per_head(c):  # [N, page_size, Hkv * D] -> [Hkv]
             return jnp.max(jnp.abs(c.reshape(*c.shape[:2], cfg.kv_cache_heads, -1)), axis=(0, 1, 3))
 
@@ -167,7 +186,52 @@ def measure_kv_scales(model, token_ids: list[int], kv_dtype, page_size: int = 16
             return [per_part(c) for c in kv.k], [per_part(c)[:1] for c in kv.k]
         return [per_head(c) for c in kv.k], [per_head(c) for c in kv.v]
 
-    ks, vs = jax.device_get(amax(state, kv, jax.tree.map(jnp.asarray, inputs)))
+    shaped = lambda x, sharding=None: jax.ShapeDtypeStruct(  # noqa: E731
+        x.shape, x.dtype, sharding=sharding or x.sharding)
+    inputs = jax.tree.map(lambda x: shaped(x, replicated),
+                          calibration_inputs(num_tokens, page_size))
+    args = (jax.tree.map(shaped, state), inputs)
+    device = mesh.devices.flat[0]
+
+    def compile_fn():
+        # For another platform's devices (a compile-only TPU slice) Pallas reads the chip from
+        # the default device, as for the steps (`StepProgram.lower`).
+        other = device.platform != jax.default_backend()
+        with jax.default_device(device) if other else contextlib.nullcontext():
+            return jax.jit(amax, out_shardings=replicated).lower(*args).compile()
+
+    return compile_fn, args
+
+
+def calibration_inputs(token_ids: list[int] | int, page_size: int = CALIBRATION_PAGE_SIZE):
+    """The calibration's packed inputs (host arrays): one request from position 0 on pages 1,
+    2, ... (page 0 is the null page); an int: as many zero ids."""
+    ids = [0] * token_ids if isinstance(token_ids, int) else list(token_ids)
+    pages = math.ceil(len(ids) / page_size)
+    return pack_step([StepRequest(ids, 0, list(range(1, pages + 1)))], num_tokens=len(ids),
+                     num_reqs=1, pages_per_req=pages, page_size=page_size)
+
+
+def measure_kv_scales(model, token_ids: list[int], kv_dtype, page_size: int = CALIBRATION_PAGE_SIZE,
+                      scope=None) -> Scales:
+    """Per layer and KV head: (largest |k|, largest |v|) over one float32 forward of
+    `token_ids`, times the dtype's HEADROOM, / the dtype's largest value (QUANT_MAX). `scope`
+    (an ExecutableScope): where the forward is loaded from (compiled ahead, or cached) or
+    compiled and stored; None: compiled."""
+    compile_fn, abstract = calibration_program(model, len(token_ids), page_size)
+    name = calibration_name(len(token_ids))
+    if scope is None:
+        amax = compile_fn()
+    else:
+        if scope.prebuilt is not None and not scope.prebuilt.has(name):
+            logger.warning("executables in %s: no %s (the calibration forward over this "
+                           "tokenizer's %d tokens); compiling it", scope.prebuilt.cache.directory,
+                           name, len(token_ids))
+        amax = scope.get(name, abstract, compile_fn)
+    _, state = nnx.split(model)
+    inputs = jax.device_put(calibration_inputs(token_ids, page_size),
+                            jax.tree.map(lambda a: a.sharding, abstract[1]))
+    ks, vs = jax.device_get(amax(state, inputs))
     kv_dtype = jnp.dtype(kv_dtype)
     factor = HEADROOM[kv_dtype] / QUANT_MAX[kv_dtype]
 
@@ -188,13 +252,13 @@ def latent_scales(scales: Scales) -> Scales:
     return out
 
 
-def resolve_kv_scales(kv_dtype, ckpt, model, tokenize) -> tuple[Scales | None, str]:
+def resolve_kv_scales(kv_dtype, ckpt, model, tokenize, scope=None) -> tuple[Scales | None, str]:
     """(scales per layer or None for 1.0, where they come from) for a cache of `kv_dtype`;
-    `tokenize()` gives the calibration text's token ids (called only to measure). A dtype
-    without a HEADROOM is not measured (1.0)."""
+    `tokenize()` gives the calibration text's token ids (called only to measure; the forward
+    through `scope`, see `measure_kv_scales`). A dtype without a HEADROOM is not measured (1.0)."""
     cfg = model.config
     kv_dtype = jnp.dtype(kv_dtype)
-    scales, source = _resolve_kv_scales(kv_dtype, ckpt, model, tokenize)
+    scales, source = _resolve_kv_scales(kv_dtype, ckpt, model, tokenize, scope)
     return padded_head_scales(scales, cfg), source
 
 
@@ -213,7 +277,19 @@ def padded_head_scales(scales: Scales | None, cfg) -> Scales | None:
     return [(per_head(k), per_head(v)) for k, v in scales]
 
 
-def _resolve_kv_scales(kv_dtype, ckpt, model, tokenize) -> tuple[Scales | None, str]:
+def measures_kv_scales(kv_dtype, ckpt, model) -> bool:
+    """Whether a `kv_dtype` cache's scales are measured at start (the calibration forward
+    runs): a quantized cache of a model that holds one, with no scales in the checkpoint."""
+    kv_dtype = jnp.dtype(kv_dtype)
+    if not is_quantized(kv_dtype) or kv_dtype not in HEADROOM:
+        return False
+    if not getattr(model, "supports_quantized_kv_cache", True):
+        return False
+    cfg = model.config
+    return checkpoint_scales(ckpt, cfg.num_layers, cfg.checkpoint_config().num_kv_heads) is None
+
+
+def _resolve_kv_scales(kv_dtype, ckpt, model, tokenize, scope) -> tuple[Scales | None, str]:
     cfg = model.config
     scales = checkpoint_scales(ckpt, cfg.num_layers, cfg.checkpoint_config().num_kv_heads)
     if scales is not None:
@@ -228,10 +304,8 @@ def _resolve_kv_scales(kv_dtype, ckpt, model, tokenize) -> tuple[Scales | None, 
             scales = latent_scales(scales)
         return for_cache_dtype(scales, calibrated_for, kv_dtype), source
     if kv_dtype in HEADROOM:
-        # The text, then tokens spread over the whole vocabulary (rare tokens, other scripts).
-        spread = np.linspace(0, cfg.vocab_size - 1, CALIBRATION_SPREAD).astype(int).tolist()
-        ids = list(tokenize()) + spread
-        return (measure_kv_scales(model, ids, kv_dtype),
+        ids = calibration_ids(cfg.vocab_size, tokenize)
+        return (measure_kv_scales(model, ids, kv_dtype, scope=scope),
                 f"measured on {len(ids)} calibration tokens (headroom {HEADROOM[kv_dtype]:g})")
     return None, "1.0 (the checkpoint has none)"
 
@@ -289,14 +363,15 @@ def kv_scales_of(model) -> tuple | None:
     return tuple((values(a[0]), values(a[1])) for a in arrays)
 
 
-def prepare_kv_scales(model, kv_dtype, ckpt, tokenize) -> None:
-    """Resolve and set the scales of a quantized cache (nothing for a float one), and log them."""
+def prepare_kv_scales(model, kv_dtype, ckpt, tokenize, scope=None) -> None:
+    """Resolve and set the scales of a quantized cache (nothing for a float one), and log them.
+    `scope`: where a measuring forward is loaded from or compiled into (`measure_kv_scales`)."""
     if not is_quantized(kv_dtype):
         return
     if not getattr(model, "supports_quantized_kv_cache", True):
         raise ValueError(f"a {jnp.dtype(kv_dtype).name} KV cache is not supported for "
                          f"{model.config.architecture}; use --kv-cache-dtype auto")
-    scales, source = resolve_kv_scales(kv_dtype, ckpt, model, tokenize)
+    scales, source = resolve_kv_scales(kv_dtype, ckpt, model, tokenize, scope)
     set_kv_scales(model, scales)  # an input of the steps: ones for None
     if scales is None:
         logger.info("KV cache %s: scales %s", jnp.dtype(kv_dtype).name, source)

@@ -120,6 +120,7 @@ class ModelRunner:
         compile_workers: int = 1,
         executable_cache: ExecutableCache | None = None,
         executables: str | None = None,
+        prebuilt: ExecutableScope | None = None,
         show_progress: bool = True,
         timer: StartupTimer | None = None,
         drafter=None,
@@ -128,7 +129,8 @@ class ModelRunner:
         `model`'s weights, on `mesh`. The host-side options: `seed` (requests without one),
         `max_cpu_loras` (the adapters' host LRU), `compile_workers` (processes compiling the
         steps at a cold start, from the recipe), the executable cache, `executables` (a
-        directory of executables compiled ahead, runner/prebuilt.py: loaded where they match).
+        directory of executables compiled ahead, runner/prebuilt.py: loaded where they match) or
+        `prebuilt`, that directory's scope already opened for this recipe (engine/setup.py).
         `drafter`: the loaded EAGLE-3 head or draft model of a recipe with a `draft_model` (MTP's
         is the model's)."""
         self.mesh, self.recipe, self.backend = mesh, recipe, backend
@@ -162,6 +164,7 @@ class ModelRunner:
         self.counter = CompileCounter()
         self.executable_cache = executable_cache
         self.executables = executables
+        self.prebuilt = prebuilt
         self.compile_workers = compile_workers
         with self.counter.active(), timer.phase("kv cache"):
             self._scope = self._executable_scope()
@@ -293,7 +296,9 @@ class ModelRunner:
             **({"draft": f"{fn.head.key()} {fn.num_speculative_tokens}"} if self.drafting else {}),
             mesh=repr(self.mesh), pages=f"{self.page_size} {self.pages_per_req} {self.num_pages} {self.dp}",
             replicated=repr(self.replicated))
-        if self.executables is not None:
+        if self.prebuilt is not None:
+            scope.prebuilt = self.prebuilt
+        elif self.executables is not None:
             devices = list(self.mesh.devices.flat)
             scope.prebuilt = prebuilt_scope(self.executables, target_material(self.recipe, devices, self.backend),
                                             devices)

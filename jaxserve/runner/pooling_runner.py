@@ -27,7 +27,13 @@ from tqdm import tqdm
 from jaxserve.compiled_step.buckets import BucketGrid
 from jaxserve.models.pooling_config import PoolingConfig
 from jaxserve.runner.compile import CompileCounter
-from jaxserve.runner.executable_cache import ExecutableCache, canonical, executable_scope, signature
+from jaxserve.runner.executable_cache import (
+    ExecutableCache,
+    ExecutableScope,
+    canonical,
+    executable_scope,
+    signature,
+)
 from jaxserve.runner.kv_cache import abstract_kv_cache, allocate_kv_cache, zeros_compiler
 from jaxserve.runner.step_inputs import ModelInputs, pack_rows
 
@@ -59,73 +65,63 @@ class PoolFunction:
         return kv, pooled
 
 
-class PoolingRunner:
-    def __init__(self, model, *, backend, mesh: Mesh, page_size: int, max_model_len: int,
-                 grid: BucketGrid, pooling: PoolingConfig, kv_dtype, show_progress: bool = True,
-                 rules=None, executable_cache: ExecutableCache | None = None):
-        self.mesh, self.rules, self.grid, self.pooling = mesh, rules, grid, pooling
-        self.cfg = model.config
-        self.page_size = page_size
-        self.kv_dtype = kv_dtype
-        self.max_model_len = max_model_len
-        self.pages_per_req = -(-max_model_len // page_size)
-        # Page 0 is the null page padding writes into; every prompt's last page may be partial.
-        self.num_pages = 1 + -(-max(grid.token_buckets) // page_size) + max(grid.request_buckets)
-        self.graphdef, state = nnx.split(model)
-        self.params, self._params_treedef = jax.tree.flatten(state)
-        del state
-        self.layer_impl = backend.layer_impl(model)
-        backend.place_weights(model, self.params, self._params_treedef)
-        self.fn = PoolFunction(self.graphdef, self._params_treedef, self.layer_impl, pooling)
-        self.replicated = NamedSharding(mesh, P())
-        self.counter = CompileCounter()
-        t0 = time.perf_counter()
-        with self.counter.active():
-            self._compile_all(backend, executable_cache, show_progress)
-        self.compile_seconds = time.perf_counter() - t0
-        self.counter.mark_warm()
+@dataclasses.dataclass(frozen=True, eq=False)
+class PoolingProgram:
+    """The pooling runner's executables over a model's weights (real or abstract): its scratch
+    KV cache's maker ("kv-zeros") and one pooling program per bucket ("pool-T-R"), each loaded
+    or compiled through an ExecutableScope (the runner's, or `jaxserve compile`'s for a
+    directory compiled ahead: runner/prebuilt.py) under the one name both use."""
+
+    fn: PoolFunction
+    cfg: object  # the model's ArchConfig
+    mesh: Mesh
+    rules: dict | None
+    grid: BucketGrid
+    page_size: int
+    pages_per_req: int
+    num_pages: int
+    kv_dtype: object
+    params: list  # the weights' ShapeDtypeStructs, in the runner's order
 
     @property
-    def hidden_size(self) -> int:
-        return self.cfg.hidden_size
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, P())
 
-    @property
-    def num_buckets(self) -> int:
-        return len(self._compiled)
+    def abstract_kv(self):
+        return abstract_kv_cache(self.cfg, self.num_pages, self.page_size, self.kv_dtype, self.mesh,
+                                 self.rules)
 
-    def _compile_all(self, backend, cache: ExecutableCache | None, show_progress: bool) -> None:
-        shaped = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
-        abstract_kv = abstract_kv_cache(self.cfg, self.num_pages, self.page_size, self.kv_dtype,
-                                        self.mesh, self.rules)
-        params = [shaped(x) for x in self.params]
-        layer = self.layer_impl and f"{self.layer_impl.__module__}.{self.layer_impl.__qualname__}"
-        scope = executable_scope(
-            cache, self.mesh.devices.flat, runner="pooling", graphdef=canonical(self.graphdef),
-            params=signature(params), params_treedef=str(self._params_treedef),
-            kv=signature(abstract_kv),
-            layer_impl=str(layer), pooling=canonical(self.pooling), mesh=repr(self.mesh),
-            pages=f"{self.page_size} {self.pages_per_req} {self.num_pages}")
-        zeros = scope.get("kv-zeros", (), zeros_compiler(abstract_kv.k[0]))
-        self.kv = allocate_kv_cache(self.cfg, self.num_pages, self.page_size, self.kv_dtype,
-                                    self.mesh, self.rules, zeros=zeros)
-        backend.place_kv_cache([*self.params, *self.kv.k, *self.kv.v])
-        keep = jax.tree.map(lambda x: x.sharding, self.kv)
-        self._compiled = {}
-        rep = self.replicated
-        for T, R in tqdm(self.grid.shapes(), desc="compiling pooling buckets",
-                         disable=not show_progress, unit="bucket"):
-            args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep),
-                                self._pack([], T, R))
+    def scope_parts(self) -> dict[str, str]:
+        """What the executable cache keys these executables by (besides the environment)."""
+        impl = self.fn.layer_impl
+        layer = impl and f"{impl.__module__}.{impl.__qualname__}"
+        return dict(runner="pooling", graphdef=canonical(self.fn.graphdef),
+                    params=signature(self.params), params_treedef=str(self.fn.params_treedef),
+                    kv=signature(self.abstract_kv()), layer_impl=str(layer),
+                    pooling=canonical(self.fn.pooling), mesh=repr(self.mesh),
+                    pages=f"{self.page_size} {self.pages_per_req} {self.num_pages}")
 
-            def lower(args=args):
-                jitted = jax.jit(self.fn, donate_argnums=(1,), out_shardings=(keep, rep))
-                return jitted.lower(params, abstract_kv, *args).compile()
+    def kv_zeros(self, scope) -> jax.stages.Compiled:
+        return scope.get("kv-zeros", (), zeros_compiler(self.abstract_kv().k[0]))
 
-            self._compiled[(T, R)] = scope.get(f"pool-{T}-{R}", (params, abstract_kv, *args), lower)
-        self.executables_loaded, self.executables_compiled = scope.loaded, scope.compiled
+    @staticmethod
+    def pool_name(bucket: tuple[int, int]) -> str:
+        return f"pool-{bucket[0]}-{bucket[1]}"
 
-    def _pack(self, prompts: Sequence[Sequence[int]], T: int,
-              R: int) -> tuple[ModelInputs, np.ndarray]:
+    def pool_executable(self, scope, bucket: tuple[int, int]) -> jax.stages.Compiled:
+        rep, kv = self.replicated, self.abstract_kv()
+        args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep),
+                            self.pack([], *bucket))
+        keep = jax.tree.map(lambda x: x.sharding, kv)
+
+        def lower():
+            jitted = jax.jit(self.fn, donate_argnums=(1,), out_shardings=(keep, rep))
+            return jitted.lower(self.params, kv, *args).compile()
+
+        return scope.get(self.pool_name(bucket), (self.params, kv, *args), lower)
+
+    def pack(self, prompts: Sequence[Sequence[int]], T: int,
+             R: int) -> tuple[ModelInputs, np.ndarray]:
         """Prompts as prefill rows from position 0, on consecutive pages from page 1."""
         lens = np.asarray([len(p) for p in prompts], np.int64)
         pages = -(-lens // self.page_size)
@@ -139,6 +135,83 @@ class PoolingRunner:
         rows = np.full(T, R, np.int32)
         rows[: len(tokens)] = np.repeat(np.arange(len(prompts)), lens)
         return inputs, rows
+
+
+def pooling_num_pages(grid: BucketGrid, page_size: int) -> int:
+    """The scratch cache's pages: the largest bucket's prompts, each last page partial, and
+    page 0, the null page padding writes into."""
+    return 1 + -(-max(grid.token_buckets) // page_size) + max(grid.request_buckets)
+
+
+def pooling_program(model, *, backend, mesh: Mesh, page_size: int, max_model_len: int,
+                    grid: BucketGrid, pooling: PoolingConfig, kv_dtype,
+                    rules=None) -> tuple[PoolingProgram, list]:
+    """The pooling executables' program over `model` (real or abstract weights, laid out by
+    `backend`): (program, the model's flat weights)."""
+    graphdef, state = nnx.split(model)
+    params, treedef = jax.tree.flatten(state)
+    fn = PoolFunction(graphdef, treedef, backend.layer_impl(model), pooling)
+    num_pages = pooling_num_pages(grid, page_size)
+    shaped = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in params]
+    program = PoolingProgram(fn, model.config, mesh, rules, grid, page_size,
+                             -(-max_model_len // page_size), num_pages, kv_dtype, shaped)
+    return program, params
+
+
+class PoolingRunner:
+    def __init__(self, model, *, backend, mesh: Mesh, page_size: int, max_model_len: int,
+                 grid: BucketGrid, pooling: PoolingConfig, kv_dtype, show_progress: bool = True,
+                 rules=None, executable_cache: ExecutableCache | None = None,
+                 prebuilt: ExecutableScope | None = None):
+        """`prebuilt`: the executables compiled ahead for this runner (runner/prebuilt.py's
+        scope, opened by engine/setup.py), looked in first."""
+        self.mesh, self.rules, self.grid, self.pooling = mesh, rules, grid, pooling
+        self.cfg = model.config
+        self.page_size = page_size
+        self.kv_dtype = kv_dtype
+        self.max_model_len = max_model_len
+        self.program, self.params = pooling_program(
+            model, backend=backend, mesh=mesh, page_size=page_size, max_model_len=max_model_len, grid=grid,
+            pooling=pooling, kv_dtype=kv_dtype, rules=rules)
+        self.pages_per_req, self.num_pages = self.program.pages_per_req, self.program.num_pages
+        self.graphdef, self._params_treedef = self.program.fn.graphdef, self.program.fn.params_treedef
+        self.layer_impl = self.program.fn.layer_impl
+        backend.place_weights(model, self.params, self._params_treedef)
+        self.fn = self.program.fn
+        self.replicated = self.program.replicated
+        self.counter = CompileCounter()
+        t0 = time.perf_counter()
+        with self.counter.active():
+            self._compile_all(backend, executable_cache, prebuilt, show_progress)
+        self.compile_seconds = time.perf_counter() - t0
+        self.counter.mark_warm()
+
+    @property
+    def hidden_size(self) -> int:
+        return self.cfg.hidden_size
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self._compiled)
+
+    def _compile_all(self, backend, cache: ExecutableCache | None, prebuilt: ExecutableScope | None,
+                     show_progress: bool) -> None:
+        program = self.program
+        scope = executable_scope(cache, self.mesh.devices.flat, **program.scope_parts())
+        scope.prebuilt = prebuilt
+        zeros = program.kv_zeros(scope)
+        self.kv = allocate_kv_cache(self.cfg, self.num_pages, self.page_size, self.kv_dtype,
+                                    self.mesh, self.rules, zeros=zeros)
+        backend.place_kv_cache([*self.params, *self.kv.k, *self.kv.v])
+        self._compiled = {}
+        for bucket in tqdm(self.grid.shapes(), desc="compiling pooling buckets",
+                           disable=not show_progress, unit="bucket"):
+            self._compiled[bucket] = program.pool_executable(scope, bucket)
+        self.executables_loaded, self.executables_compiled = scope.loaded, scope.compiled
+
+    def _pack(self, prompts: Sequence[Sequence[int]], T: int,
+              R: int) -> tuple[ModelInputs, np.ndarray]:
+        return self.program.pack(prompts, T, R)
 
     def _batches(self, prompts: Sequence[Sequence[int]]) -> list[list[int]]:
         """Indices of prompts in batches that fit the largest bucket, in order."""

@@ -16,6 +16,8 @@ are a function of that both hosts compute alike (`target_material`):
   native kernels);
 - the XLA flags (XLA_FLAGS, LIBTPU_INIT_ARGS), JAXSERVE_MLA_PREFILL and JAX's options, less those that name the
   platform to open (the compiling host sets JAX_PLATFORMS=cpu);
+- the runner: generation's, or the pooling runner's with its pooling (last token or mean,
+  normalized or not);
 - the step's recipe (runner/recipe.py), field by field (the model's config.json, the device
   plan and the sampler's sizes entry by entry; a draft head by its config.json, not by the
   directory that holds it), less its bucket grid (each step is one entry: a
@@ -74,9 +76,11 @@ def _distribution(name: str) -> str:
         return "-"
 
 
-def target_material(recipe: StepRecipe, devices: Iterable[Any], backend: Backend) -> dict[str, str]:
+def target_material(recipe: StepRecipe, devices: Iterable[Any], backend: Backend,
+                    pooling: Any = None) -> dict[str, str]:
     """The parts that key a recipe's executables for `devices` (see the module's doc): equal on a
-    host compiling for the devices without them and on their own host."""
+    host compiling for the devices without them and on their own host. `pooling`: the pooling
+    runner's PoolingConfig (its executables: `--runner pooling`), None for generation's."""
     import dataclasses
 
     devices = list(devices)
@@ -93,6 +97,7 @@ def target_material(recipe: StepRecipe, devices: Iterable[Any], backend: Backend
         "backend": canonical(backend.fingerprint()),
         "xla_flags": repr([(k, os.environ.get(k, "")) for k in _FLAG_VARIABLES]),
         "jax_config": repr(config),
+        "runner": "generate" if pooling is None else f"pooling ({pooling.pooling}, normalize {pooling.normalize})",
     }
     for field in dataclasses.fields(recipe):
         if field.name in _RECIPE_IGNORED:

@@ -12,8 +12,12 @@ they know: give --kv-cache-memory, the same on both sides). Its StepRecipe (runn
 then gives, without weights, every executable a runner holds (the steps of the bucket grid, the
 KV cache's and sampling state's makers, the slot writers), compiled through the same
 `StepProgram` methods the runner calls and stored as an executable cache under the key of
-runner/prebuilt.py, with `manifest.json` beside them. No weights are read: only the model's
-config.json (MODEL may be that file, or one of shard-plan's presets).
+runner/prebuilt.py, with `manifest.json` beside them. What the start compiles besides: a
+quantized cache's calibration forward (its shape, the calibration's token count, read from the
+model's tokenizer) and, for an embedding model (`--runner pooling`), the pooling runner's
+executables instead of the steps. No weights are read: only the model's config.json (MODEL may
+be that file, or one of shard-plan's presets), its tokenizer and its checkpoint's tensor names
+(scales it has need no calibration).
 """
 
 from __future__ import annotations
@@ -96,7 +100,6 @@ def compile_for_target(config, target: dict, out: str | os.PathLike[str]) -> dic
     from jaxserve.engine.draft_check import TargetTokenizer
     from jaxserve.engine.setup import drafter_dir
     from jaxserve.parallel.mesh import make_mesh
-    from jaxserve.runner.compile_pool import abstract_step
     from jaxserve.runner.prebuilt import compile_scope, target_material, write_manifest
     from jaxserve.startup_timer import StartupTimer
 
@@ -104,8 +107,14 @@ def compile_for_target(config, target: dict, out: str | os.PathLike[str]) -> dic
     mc, pc = config.model, config.parallel
     model_path, arch = model_config(mc)
     architectures = arch.get("architectures")
-    if mc.is_pooling(architectures):
-        raise ValueError("jaxserve compile covers generation engines; a pooling model's steps compile at start")
+    if mc.is_pooling(architectures):  # as serve reads a pooling checkpoint: as its causal LM
+        from jaxserve.models.loader import load_checkpoint
+        from jaxserve.models.pooling_config import as_causal_lm, check_decoder
+
+        check_decoder(architectures)
+        if model_path is None:
+            raise ValueError("a pooling model is compiled from its directory (its pooling, its tokenizer)")
+        arch = as_causal_lm(load_checkpoint(model_path)).config
     devices = target_devices(target)
     mesh = make_mesh(pc.data_parallel_size, pc.tensor_parallel_size, devices=devices)
     platform = "cpu" if target["kind"] == "cpu" else target["kind"]
@@ -120,18 +129,25 @@ def compile_for_target(config, target: dict, out: str | os.PathLike[str]) -> dic
     if spec is not None and spec.method in STEP_DRAFTERS:  # the drafter runs inside the step: part of it
         plan = dataclasses.replace(plan, draft_method=spec.method,
                                    draft_model=drafter_dir(config, arch, TargetTokenizer(model_path or mc.model)))
-    if plan.kv_sizing == "programs":
+    if plan.kv_sizing == "programs" and not plan.pooling:
         raise ValueError(f"give the KV cache's size (--kv-cache-memory, the same to serve): on {platform} the "
                          "server otherwise sizes it from the memory its devices have free at start, which this "
                          "host cannot know")
-    kv = size_kv_cache(plan, backend, mesh, StartupTimer())
-    recipe = kv.recipe(plan)
     mesh_devices = list(mesh.devices.flat)
-    abstract = abstract_step(recipe, devices=mesh_devices)
-    material = target_material(recipe, mesh_devices, backend)
+    pooling = None
+    if plan.pooling:  # the pooling runner's scratch cache: its own pages, no budget
+        from jaxserve.models.pooling_config import load_pooling_config
+        from jaxserve.runner.pooling_runner import pooling_num_pages
+
+        pooling = load_pooling_config(model_path)
+        recipe = plan.recipe(num_pages=pooling_num_pages(plan.grid, config.cache.page_size),
+                             max_model_len=plan.scheduler.max_model_len)
+    else:
+        recipe = size_kv_cache(plan, backend, mesh, StartupTimer()).recipe(plan)
+    material = target_material(recipe, mesh_devices, backend, pooling)
     pathlib.Path(out).mkdir(parents=True, exist_ok=True)
     scope = compile_scope(out, material, mesh_devices)
-    program, seconds = abstract.program, {}
+    seconds: dict[str, float] = {}
 
     def timed(name: str, make) -> None:
         t0 = time.perf_counter()
@@ -139,6 +155,36 @@ def compile_for_target(config, target: dict, out: str | os.PathLike[str]) -> dic
         seconds[name] = round(time.perf_counter() - t0, 2)
         logger.info("compiled %s in %.1fs", name, seconds[name])
 
+    if pooling is not None:
+        shapes = compile_pooling(recipe, plan, pooling, mesh, backend, scope, timed)
+    else:
+        shapes = compile_steps(recipe, mesh_devices, scope, timed)
+    calibration = calibration_program(recipe, model_path, mesh, backend)
+    if calibration is not None:  # a quantized cache's scales measured at start
+        name, (compile_fn, args) = calibration
+        timed(name, lambda: scope.get(name, args, compile_fn))
+    facts = {
+        "topology": target["topology"], "platform": platform, "runner": "pooling" if pooling else "generate",
+        "devices": [f"{d.device_kind}" for d in mesh_devices], "mesh": list(plan.mesh_shape),
+        "model": str(model_path or mc.model), "draft_model": plan.draft_model or None, "jax": jax.__version__,
+        "buckets": [list(b) for b in shapes], "num_pages": recipe.num_pages, "max_model_len": recipe.max_model_len,
+        "entries": list(seconds), "compile_seconds": seconds,
+        "total_seconds": round(time.perf_counter() - t_start, 2),
+        "recipe": {f.name: _plain(getattr(recipe, f.name)) for f in dataclasses.fields(recipe)
+                   if f.name not in ("arch", "sampler_config")},
+    }
+    write_manifest(out, material, **facts)
+    return {**facts, "material": material}
+
+
+def compile_steps(recipe, mesh_devices: list, scope, timed) -> list[tuple[int, int]]:
+    """Every executable a generation runner of `recipe` holds, through `scope`: the KV cache's
+    (and a drafter's) zeros, the sampling state, the grid's steps, the decode blocks, the slot
+    writers. Returns the grid's buckets."""
+    from jaxserve.runner.compile_pool import abstract_step
+
+    abstract = abstract_step(recipe, devices=mesh_devices)
+    program = abstract.program
     timed("kv-zeros", lambda: program.kv_zeros(scope))
     if program.drafter_cfg is not None:  # the drafter's own pages (a head's layer, a draft model's)
         timed("draft-kv-zeros", lambda: program.draft_kv_zeros(scope))
@@ -153,18 +199,54 @@ def compile_for_target(config, target: dict, out: str | os.PathLike[str]) -> dic
     timed("write-slot-rows", lambda: program.slot_rows_writer(scope, abstract.sstate))
     if program.lora is not None:
         timed("lora-write-slot", lambda: program.compile_lora_writer(scope))
-    facts = {
-        "topology": target["topology"], "platform": platform,
-        "devices": [f"{d.device_kind}" for d in mesh_devices], "mesh": list(plan.mesh_shape),
-        "model": str(model_path or mc.model), "draft_model": plan.draft_model or None, "jax": jax.__version__,
-        "buckets": [list(b) for b in shapes], "num_pages": recipe.num_pages, "max_model_len": recipe.max_model_len,
-        "entries": list(seconds), "compile_seconds": seconds,
-        "total_seconds": round(time.perf_counter() - t_start, 2),
-        "recipe": {f.name: _plain(getattr(recipe, f.name)) for f in dataclasses.fields(recipe)
-                   if f.name not in ("arch", "sampler_config")},
-    }
-    write_manifest(out, material, **facts)
-    return {**facts, "material": material}
+    return shapes
+
+
+def compile_pooling(recipe, plan, pooling, mesh, backend, scope, timed) -> list[tuple[int, int]]:
+    """Every executable the pooling runner (`--runner pooling`) of `plan` holds, through `scope`:
+    its scratch cache's zeros and one pooling program per bucket, over the abstract model as
+    the server's holds it (a quantized cache's scales set). Returns the grid's buckets."""
+    from jaxserve.runner.kv_scales import kv_scale_inputs
+    from jaxserve.runner.pooling_runner import pooling_program
+    from jaxserve.runner.recipe import abstract_model
+
+    model = abstract_model(recipe, mesh, backend)
+    kv_scale_inputs(model, recipe.kv_dtype)  # the server sets them before the runner splits the model
+    program, _ = pooling_program(model, backend=backend, mesh=mesh, page_size=recipe.page_size,
+                                 max_model_len=recipe.max_model_len, grid=plan.grid, pooling=pooling,
+                                 kv_dtype=recipe.kv_dtype, rules=plan.rules)
+    timed("kv-zeros", lambda: program.kv_zeros(scope))
+    shapes = plan.grid.shapes()
+    for bucket in shapes:
+        timed(program.pool_name(bucket), lambda b=bucket: program.pool_executable(scope, b))
+    return shapes
+
+
+def calibration_program(recipe, model_path: pathlib.Path | None, mesh, backend):
+    """(name, (compile, abstract arguments)) of the calibration forward a server of `recipe`
+    runs at start to measure a quantized KV cache's scales (runner/kv_scales.py), or None when
+    it runs none (a float cache, scales in the checkpoint). Its one shape is the calibration's
+    token count, which the model's tokenizer decides: without a model directory (a config.json,
+    a preset) there is none, and the forward compiles at start (logged)."""
+    from jaxserve.engine.tokenizer import Tokenizer
+    from jaxserve.models.loader import load_checkpoint
+    from jaxserve.pallas_kernels.kv_quant import is_quantized
+    from jaxserve.runner.kv_scales import (CALIBRATION_TEXT, calibration_ids, calibration_name,
+                                           calibration_program as program, measures_kv_scales)
+    from jaxserve.runner.recipe import abstract_model
+
+    if not is_quantized(recipe.kv_dtype):
+        return None
+    if model_path is None:
+        logger.warning("no tokenizer (the model is a config.json or a preset): the KV cache's calibration "
+                       "forward, shaped by its token count, is not compiled ahead")
+        return None
+    model = abstract_model(recipe, mesh, backend)  # as the server's before its scales are set
+    if not measures_kv_scales(recipe.kv_dtype, load_checkpoint(model_path), model):
+        return None
+    tokenizer = Tokenizer.from_pretrained(model_path)
+    n = len(calibration_ids(model.config.vocab_size, lambda: tokenizer.encode(CALIBRATION_TEXT)))
+    return calibration_name(n), program(model, n)
 
 
 def _plain(x: Any) -> Any:

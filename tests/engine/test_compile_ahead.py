@@ -6,7 +6,9 @@ compiles as without it. The same with an EAGLE-3 draft head (`--speculative-conf
 compiled ahead, and a directory compiled without the head is named and not used; and with a
 draft model: its step and its cache's maker compiled ahead, nothing compiled at start. With an
 fp8 KV cache the directory serves any scales (they are step inputs): measured at start or from
-the checkpoint, loaded, nothing compiled. For TPU slices and GPU hosts:
+the checkpoint, loaded, nothing compiled: the measuring forward (the calibration) is compiled ahead
+too, for the tokenizer's token count (another count is named and compiled). "Nothing compiled" is
+counted over the whole process (tests/engine/all_compiles.py). For TPU slices and GPU hosts:
 tests/tools/test_compile_targets.py."""
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ from safetensors.numpy import load_file, save_file
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.runner import prebuilt
+from jaxserve.runner.kv_scales import CALIBRATION_TEXT, calibration_ids, calibration_name
 from jaxserve.server.cli import main as cli
+from tests.engine.all_compiles import all_compiles
 from tests.model_dirs import write_model_dir
 
 # With multi-step decode's blocks of 2 steps: the directory holds the decode block too.
@@ -136,14 +140,16 @@ def test_served_from_the_directory_nothing_compiles_and_the_tokens_are_the_same(
     expected = _outputs(compiled)
 
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger=PREBUILT_LOG):
+    with caplog.at_level(logging.INFO, logger=PREBUILT_LOG), all_compiles() as compiled_names:
         loaded = LLM(str(model_dir), executables=str(cpu_dir), **OPTIONS)
+        blocks = loaded.engine.core.num_blocks
+        outputs = _outputs(loaded)
+    assert compiled_names == []  # nothing compiled in the process: at start, eager ops included, nor serving
     assert _messages(caplog) == []
     runner = loaded.engine.core.runner
     assert (runner.executables_loaded, runner.executables_compiled) == (len(manifest["entries"]), 0)
     assert runner.counter.num_compiles == 0  # nothing traced or compiled at start
-    blocks = loaded.engine.core.num_blocks
-    assert _outputs(loaded) == expected
+    assert outputs == expected
     assert loaded.engine.core.num_blocks > blocks  # the decode block loaded from the directory ran
     assert runner.counter.recompiles == 0
     assert sorted((p.name, p.stat().st_mtime_ns) for p in cpu_dir.iterdir()) == files  # read, never written
@@ -244,29 +250,65 @@ def test_a_draft_models_step_and_cache_are_compiled_ahead(model_dir, cpu_dir, dr
 def test_a_quantized_cache_is_served_from_the_directory_with_any_scales(model_dir, scaled_dir, fp8_dir,
                                                                        caplog):
     """The directory compiled without scales serves the checkpoint's and measured ones: each
-    engine loads every entry and compiles nothing; with the checkpoint's scales it gives the
-    tokens and log-probs of an engine that compiled its own steps, with measured ones others."""
-    entries = prebuilt.read_manifest(fp8_dir)["entries"]
-    assert entries == ["kv-zeros", "sampling-state", "step-16x8", "write-slot-rows"]
+    engine loads every entry and compiles nothing, the measuring forward included (compiled
+    ahead for the tokenizer's calibration tokens); with the checkpoint's scales it gives the
+    tokens and log-probs of an engine that compiled its own steps, with measured ones the
+    scales and tokens of an engine that measured them compiling everything."""
+    manifest = prebuilt.read_manifest(fp8_dir)
+    entries, calibration = manifest["entries"], calibration_name(len(_calibration_ids(model_dir)))
+    assert entries == ["kv-zeros", "sampling-state", "step-16x8", "write-slot-rows", calibration]
+    steps = entries[:-1]  # the runner's; the calibration runs before it
     compiled = LLM(str(scaled_dir), **FP8_OPTIONS)
     runner = compiled.engine.core.runner
-    assert runner.executables_compiled == len(entries) and runner.counter.num_compiles > 0
+    assert runner.executables_compiled == len(steps) and runner.counter.num_compiles > 0
     expected, expected_scores = _outputs(compiled), _prompt_logprobs(compiled)
 
-    served = {}
+    served, outputs = {}, {}
     for name, d in (("checkpoint", scaled_dir), ("measured", model_dir)):
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger=PREBUILT_LOG):
+        with caplog.at_level(logging.WARNING), all_compiles() as compiled_names:
             served[name] = llm = LLM(str(d), executables=str(fp8_dir), **FP8_OPTIONS)
-        assert _messages(caplog) == []  # the same material: the scales are no part of it
+            outputs[name] = _outputs(llm)
+        assert compiled_names == []  # measured: the calibration forward loaded, not compiled
+        assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
         runner = llm.engine.core.runner
-        assert (runner.executables_loaded, runner.executables_compiled) == (len(entries), 0)
-        assert runner.counter.num_compiles == 0  # calibrating (measured) compiles no step
+        assert (runner.executables_loaded, runner.executables_compiled) == (len(steps), 0)
+        assert runner.counter.num_compiles == 0
     checkpoint, measured = (served[n].engine.core.runner.kv_scales for n in ("checkpoint", "measured"))
     assert checkpoint == (((0.03125,), (0.015625,)), ((0.0625,), (0.015625,))) != measured
     assert all(len(k) == 2 for k, _ in measured)  # per KV head
-    assert _outputs(served["checkpoint"]) == expected
+    assert outputs["checkpoint"] == expected
     np.testing.assert_array_equal(_prompt_logprobs(served["checkpoint"]), expected_scores)
     # The same executables, other scales: other values (the scales are read as inputs).
     assert not np.array_equal(_prompt_logprobs(served["measured"]), expected_scores)
     assert served["measured"].engine.core.runner.counter.recompiles == 0
+    # An engine that measured its scales compiling everything: the same scales and tokens.
+    reference = LLM(str(model_dir), **FP8_OPTIONS)
+    assert reference.engine.core.runner.kv_scales == measured
+    assert _outputs(reference) == outputs["measured"]
+
+
+def test_a_calibration_of_another_token_count_is_named_and_compiled(model_dir, fp8_dir, monkeypatch, caplog):
+    """A tokenizer that reads the calibration text as another number of tokens needs another
+    forward: it is not in the directory, the log line names it, and it is compiled (never a
+    program of another shape); the steps still load."""
+    from jaxserve.engine import setup
+
+    monkeypatch.setattr(setup, "CALIBRATION_TEXT", "w5 w6 w7")  # 3 tokens, then the vocabulary's spread
+    n = len(_calibration_ids(model_dir, "w5 w6 w7"))
+    with caplog.at_level(logging.WARNING), all_compiles() as compiled_names:
+        llm = LLM(str(model_dir), executables=str(fp8_dir), **FP8_OPTIONS)
+    (line,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert f"no {calibration_name(n)} (the calibration forward over this tokenizer's {n} tokens)" in line, line
+    assert str(fp8_dir) in line, line
+    assert "jit(amax)" in compiled_names, compiled_names
+    runner = llm.engine.core.runner
+    assert (runner.executables_loaded, runner.executables_compiled) == (4, 0)
+
+
+def _calibration_ids(model_dir, text: str = CALIBRATION_TEXT) -> list[int]:
+    from jaxserve.engine.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_pretrained(model_dir)
+    vocab = json.loads((pathlib.Path(model_dir) / "config.json").read_text())["vocab_size"]
+    return calibration_ids(vocab, lambda: tokenizer.encode(text))
