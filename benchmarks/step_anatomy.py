@@ -920,7 +920,8 @@ def step_records(
     plan = resolve_plan(settings, cfg, mesh, rules)
     if plan["kv_heads"]:  # zero KV heads appended for lane-dense TPU pages
         cfg = cfg.with_kv_heads(plan["kv_heads"])
-    _kv, num_pages, _pages_per_req = kv_record(settings, cfg, mesh, rules, plan["kv_dtype"], plan["dtype"])
+    _kv, num_pages, _pages_per_req = kv_record(settings, cfg, mesh, rules, plan["kv_dtype"], plan["dtype"],
+                                               draft_kv_heads=plan["draft_kv_heads"])
     recipe = plan_recipe(settings, cfg, mesh, rules, plan, num_pages)
     abstract = abstract_step(recipe, devices=devices)
     k0 = getattr(abstract.kv, "target", abstract.kv).k[0]  # the target's (a drafter's KV follows it)

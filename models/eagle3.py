@@ -177,6 +177,13 @@ class Eagle3Config:
                    norm_before_residual=bool(hf.get("norm_before_residual", False)),
                    norm_output=bool(hf.get("norm_output", False)), layout=layout)
 
+    def with_kv_heads(self, kv_heads: int) -> Eagle3Config:
+        """This drafter with its layer served with `kv_heads` KV heads (0: its checkpoint's):
+        zero KV heads appended for lane-dense TPU pages as a target's are
+        (`ArchConfig.with_kv_heads`; the loader pads the weights, `load_eagle3`)."""
+        layer = self.layer.with_kv_heads(kv_heads) if kv_heads else self.layer.checkpoint_config()
+        return dataclasses.replace(self, layer=layer)
+
     def target_layer_ids(self, target: ArchConfig) -> tuple[int, ...]:
         """The target layers this drafter reads, checked against `target` (ValueError naming
         the mismatch: hidden size, vocabulary, layer ids out of range)."""

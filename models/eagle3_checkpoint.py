@@ -20,7 +20,7 @@ from jaxserve.models.eagle3 import LAYER_PREFIX, Eagle3Config, Eagle3Drafter
 from jaxserve.models.loader import LoadedCheckpoint, load_checkpoint
 from jaxserve.models.placement import put_sharded
 from jaxserve.models.sharding import DEFAULT_RULES, single_device_mesh, state_shardings
-from jaxserve.models.weights import _path_key
+from jaxserve.models.weights import _path_key, pad_heads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,8 +35,9 @@ class CheckpointTensor:
 
 def checkpoint_tensors(config: Eagle3Config) -> dict[str, CheckpointTensor]:
     """Our parameter path -> its `CheckpointTensor` in the layout of `config` (d2t, t2d and
-    the embedding are handled by `load_eagle3`). HF Linear weights are [out, in]."""
-    cfg = config.layer
+    the embedding are handled by `load_eagle3`). HF Linear weights are [out, in]; the shapes
+    are the checkpoint's (heads appended for lane-dense pages are zeros added at load)."""
+    cfg = config.layer.checkpoint_config()
     E, F = cfg.hidden_size, cfg.intermediate_size
     Hq, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     pre = LAYER_PREFIX[config.layout]
@@ -106,12 +107,14 @@ def sharded_abstract(config: Eagle3Config, dtype, mesh: Mesh | None,
 
 
 def abstract_eagle3(path: str | os.PathLike[str], target: ArchConfig, dtype, mesh: Mesh | None,
-                    rules: Mapping[str, str | None] | None) -> Eagle3Drafter:
+                    rules: Mapping[str, str | None] | None, *, attention_impl: str = "auto",
+                    kv_heads: int = 0) -> Eagle3Drafter:
     """The EAGLE-3 head in `path` with abstract weights in their shardings (no memory), checked
-    against the `target`: what the compile workers and the memory probes build its step with."""
-    config = Eagle3Config.from_hf(load_checkpoint(path).config)
+    against the `target`: what the compile workers and the memory probes build its step with
+    (`kv_heads` as `load_eagle3`'s)."""
+    config = Eagle3Config.from_hf(load_checkpoint(path).config).with_kv_heads(kv_heads)
     config.target_layer_ids(target)
-    graphdef, state, shardings = sharded_abstract(config, dtype, mesh, rules)
+    graphdef, state, shardings = sharded_abstract(config, dtype, mesh, rules, attention_impl)
 
     def shaped(p, var):
         x = var.get_value()
@@ -124,15 +127,18 @@ def abstract_eagle3(path: str | os.PathLike[str], target: ArchConfig, dtype, mes
 def load_eagle3(path: str | os.PathLike[str], *, target: str | os.PathLike[str] | None = None,
                 dtype=jnp.float32, mesh: Mesh | None = None,
                 rules: Mapping[str, str | None] | None = None,
-                attention_impl: str = "auto") -> Eagle3Drafter:
+                attention_impl: str = "auto", kv_heads: int = 0) -> Eagle3Drafter:
     """The EAGLE-3 drafter in the HF directory `path` (either layout), weights on `mesh`.
 
     `target`: the target model's HF directory; the drafter is checked against its config
     (hidden size, vocabulary, the layers it reads), and its embedding table is used when the
-    drafter ships none (which then needs `target`). ValueError naming what is missing or
-    mismatched otherwise."""
+    drafter ships none (which then needs `target`). `kv_heads`: the KV heads its layer is
+    served with (0: the checkpoint's; `recipe.serving_draft_heads`): zero heads appended to its
+    q/k/v projections and zero rows to its output projection (`weights.pad_heads`), as a
+    target's for lane-dense TPU pages. ValueError naming what is missing or mismatched
+    otherwise."""
     ckpt = load_checkpoint(path)
-    config = Eagle3Config.from_hf(ckpt.config)
+    config = Eagle3Config.from_hf(ckpt.config).with_kv_heads(kv_heads)
     target_ckpt = load_checkpoint(target) if target is not None else None
     if target_ckpt is not None:
         config.target_layer_ids(ArchConfig.from_hf(target_ckpt.config))
@@ -166,7 +172,7 @@ def load_eagle3(path: str | os.PathLike[str], *, target: str | os.PathLike[str] 
 
     def load(p, var):
         key = _path_key(p)
-        value = host[key]()
+        value = pad_heads(host[key](), var.get_metadata().get("logical_axes"), config.layer)
         if tuple(value.shape) != tuple(var.get_value().shape):  # the target's table
             raise ValueError(f"the target's embedding table has shape {tuple(value.shape)}; the "
                              f"drafter expects {tuple(var.get_value().shape)}")

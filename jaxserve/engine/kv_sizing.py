@@ -71,7 +71,7 @@ def draft_bytes_per_page(plan: EnginePlan, mesh) -> int:
         return 0
     from jaxserve.runner.draft_head_step import draft_cache_config, draft_cache_dtype
 
-    cfg = draft_cache_config(plan.draft_method, plan.arch, plan.draft_model)
+    cfg = draft_cache_config(plan.draft_method, plan.arch, plan.draft_model, plan.draft_kv_heads)
     dtype = draft_cache_dtype(jax_dtype(plan.device.dtype), jax_dtype(plan.device.kv_dtype))
     return bytes_per_page(cfg, plan.config.cache.page_size, dtype, mesh, plan.rules)
 

@@ -45,7 +45,7 @@ the engine plan: every "auto" is resolved once at start (jaxserve/engine/plan.py
   kv dtype        the model's; float32 on a CPU without the native attention kernel
   attention       the platform's kernel when it takes one device's heads, else the reference; for
                   the TPU kernel, zero KV heads appended where Hkv x head dim is not a multiple
-                  of 128 lanes (SmolLM2: 3 -> 4 heads, +33 % KV bytes)
+                  of 128 lanes (SmolLM2: 3 -> 4 heads, +33 % KV bytes; a drafter's pages alike)
   matmul          a native CPU product kernel for the weights' dtype (one device), else XLA's dot
   quant products  the TPU product kernel where attention runs the TPU kernel, else XLA's
   fp8 products    on GPUs of compute capability >= 8.9
@@ -109,6 +109,29 @@ class EnginePlan:
     # target's own layer), set at build once checked against the target
     draft_model: str = ""
     draft_method: str = ""
+    # The KV heads the drafter's own pages are served with (0: its checkpoint's): zero heads
+    # appended where the TPU kernel needs lane-dense pages, as for the target (`with_drafter`)
+    draft_kv_heads: int = 0
+
+    def with_drafter(self, method: str, directory: str, devices=None) -> EnginePlan:
+        """This plan with the drafter `method` runs inside the step (its directory checked
+        against the target: `setup.drafter_dir`) and the KV heads its own pages are served with
+        (`recipe.serving_draft_heads`, the target's decision applied to the drafter's pages;
+        `devices` the mesh's, as `plan_engine`'s); the attention reason says when they grow."""
+        from jaxserve.config import jax_dtype
+        from jaxserve.runner.recipe import serving_draft_heads
+
+        heads = serving_draft_heads(method, directory, self.arch, self.config.model.attention_impl, self.platform,
+                                    _MeshShape(*self.mesh_shape), self.rules, self.config.cache.page_size,
+                                    jax_dtype(self.device.kv_dtype), jax_dtype(self.device.dtype), devices)
+        reasons = dict(self.reasons)
+        if heads:
+            from jaxserve.runner.draft_head_step import draft_cache_config
+
+            note = draft_cache_config(method, self.arch, directory, heads).kv_padding_note()
+            reasons["attention"] += f"; the drafter's {note}"
+        return dataclasses.replace(self, draft_method=method, draft_model=directory, draft_kv_heads=heads,
+                                   reasons=reasons)
 
     @property
     def max_model_len(self) -> int:
@@ -164,7 +187,7 @@ class EnginePlan:
             max_model_len=max_model_len, sampler_config=self.sampler, quantization=self.config.model.quantization,
             max_loras=lora.max_loras if lora else 0, max_lora_rank=lora.max_lora_rank if lora else 0,
             num_speculative_tokens=spec.num_speculative_tokens if spec else 0, draft_model=self.draft_model,
-            draft_method=self.draft_method,
+            draft_method=self.draft_method, draft_kv_heads=self.draft_kv_heads,
             token_buckets=self.grid.token_buckets, request_buckets=self.grid.request_buckets,
             num_decode_steps=self.num_decode_steps,
             kv_heads=self.arch.num_kv_heads if self.arch.checkpoint_heads else 0)

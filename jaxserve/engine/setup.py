@@ -201,8 +201,8 @@ def _plan(config: EngineConfig, start: _Start, timer: StartupTimer, engine_core,
                            engine_core=engine_core)
     spec = config.speculative_config
     if spec is not None and spec.method in STEP_DRAFTERS:
-        plan = dataclasses.replace(plan, draft_method=spec.method,
-                                   draft_model=drafter_dir(config, start.ckpt.config, start.tokenizer))
+        plan = plan.with_drafter(spec.method, drafter_dir(config, start.ckpt.config, start.tokenizer),
+                                 devices=list(start.mesh.devices.flat))
     if plan.max_model_len > plan.arch.max_position_embeddings:
         logger.warning("max_model_len %d exceeds the model's max_position_embeddings %d",
                        plan.max_model_len, plan.arch.max_position_embeddings)
@@ -321,13 +321,14 @@ def _compile(plan: EnginePlan, start: _Start, model, kv: KVSize, timer: StartupT
 
         with timer.phase("draft model"):
             drafter = load_draft_model(plan.draft_model, jax_dtype(plan.device.dtype), start.mesh, plan.rules,
-                                       config.model.attention_impl)
+                                       config.model.attention_impl, kv_heads=plan.draft_kv_heads)
     elif plan.draft_model:
         from jaxserve.models.eagle3_checkpoint import load_eagle3
 
         with timer.phase("draft head"):
             drafter = load_eagle3(plan.draft_model, target=start.model_path, dtype=jax_dtype(plan.device.dtype),
-                                  mesh=start.mesh, rules=plan.rules, attention_impl=config.model.attention_impl)
+                                  mesh=start.mesh, rules=plan.rules, attention_impl=config.model.attention_impl,
+                                  kv_heads=plan.draft_kv_heads)
     runner = ModelRunner(model, kv.recipe(plan), backend=start.backend, mesh=start.mesh, seed=config.model.seed,
                          max_cpu_loras=config.lora.max_cpu_loras, compile_workers=plan.compile_workers,
                          executable_cache=executable_cache(config.compile),

@@ -338,15 +338,21 @@ def drafting_step(recipe, model, mesh, drafter, graphdef, treedef, layer_impl):
             raise ValueError(f"{model.config.architecture} has no MTP layers to draft with")
         head, dparams, cache_cfg = MtpHead(), [], mtp_layer_config(model.config)
     elif method in (EAGLE3, DRAFT_MODEL):
+        if drafter is None:  # abstract: its pages' heads as served (`recipe.draft_kv_heads`)
+            heads = recipe.draft_kv_heads
+            attention = recipe.model_attention(
+                draft_cache_config(method, model.config, recipe.draft_model, heads), mesh,
+                draft_cache_dtype(recipe.dtype, recipe.kv_dtype))
         if drafter is None and method == EAGLE3:
             from jaxserve.models.eagle3_checkpoint import abstract_eagle3
 
-            drafter = abstract_eagle3(recipe.draft_model, model.config, recipe.dtype, mesh, recipe.rules)
+            drafter = abstract_eagle3(recipe.draft_model, model.config, recipe.dtype, mesh, recipe.rules,
+                                      attention_impl=attention, kv_heads=heads)
         elif drafter is None:
             from jaxserve.runner.draft_model import abstract_draft_model
 
-            drafter = abstract_draft_model(recipe.draft_model, recipe.dtype, mesh, recipe.rules,
-                                           recipe.attention_impl)
+            drafter = abstract_draft_model(recipe.draft_model, recipe.dtype, mesh, recipe.rules, attention,
+                                           kv_heads=heads)
         dgraph, dstate = nnx.split(drafter)
         dparams, dtreedef = jax.tree.flatten(dstate)
         if method == EAGLE3:
@@ -378,12 +384,13 @@ def draft_cache_dtype(model_dtype, kv_dtype):
     return jnp.dtype(model_dtype) if is_quantized(kv_dtype) else jnp.dtype(kv_dtype)
 
 
-def draft_layer_config(path: str):
-    """The ArchConfig of the decoder layer of the EAGLE-3 head in `path` (its KV pages)."""
+def draft_layer_config(path: str, kv_heads: int = 0):
+    """The ArchConfig of the decoder layer of the EAGLE-3 head in `path` (its KV pages), served
+    with `kv_heads` KV heads (0: its checkpoint's; `recipe.serving_draft_heads`)."""
     from jaxserve.models.eagle3 import Eagle3Config
     from jaxserve.models.loader import load_checkpoint
 
-    return Eagle3Config.from_hf(load_checkpoint(path).config).layer
+    return Eagle3Config.from_hf(load_checkpoint(path).config).with_kv_heads(kv_heads).layer
 
 
 def mtp_layer_config(target):
@@ -391,14 +398,16 @@ def mtp_layer_config(target):
     return dataclasses.replace(target, num_layers=1)
 
 
-def draft_cache_config(method: str, target, draft_model: str = ""):
+def draft_cache_config(method: str, target, draft_model: str = "", kv_heads: int = 0):
     """The ArchConfig of the drafter's own pages for `method` ("eagle3": the layer of the head
-    in `draft_model`; "deepseek_mtp": the target's, ArchConfig `target`, one layer;
-    "draft_model": the draft model's in `draft_model`, all its layers)."""
+    in `draft_model`; "deepseek_mtp": the target's, ArchConfig `target` as served, one layer;
+    "draft_model": the draft model's in `draft_model`, all its layers), a head's or a draft
+    model's served with `kv_heads` KV heads (0: its checkpoint's; `recipe.serving_draft_heads`
+    decides them: zero heads appended for lane-dense TPU pages)."""
     if method == MTP:
         return mtp_layer_config(target)
     if method == DRAFT_MODEL:
         from jaxserve.runner.draft_model import draft_model_config
 
-        return draft_model_config(draft_model)
-    return draft_layer_config(draft_model)
+        return draft_model_config(draft_model, kv_heads)
+    return draft_layer_config(draft_model, kv_heads)

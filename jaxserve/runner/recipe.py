@@ -79,6 +79,9 @@ class StepRecipe:
     # The KV heads the model is served with when zero heads are appended to the checkpoint's
     # for lane-dense TPU pages (`serving_arch`); 0: the checkpoint's.
     kv_heads: int = 0
+    # The same for the drafter's own pages and weights (an EAGLE-3 head's layer, a draft model:
+    # `serving_draft_heads`); 0: its checkpoint's (and always for MTP, the target's own layer).
+    draft_kv_heads: int = 0
 
     def arch_config(self):
         """The model's ArchConfig as served (with the appended KV heads, if any)."""
@@ -86,6 +89,16 @@ class StepRecipe:
 
         cfg = ArchConfig.from_hf(self.arch)
         return cfg.with_kv_heads(self.kv_heads) if self.kv_heads else cfg
+
+    def model_attention(self, cfg, mesh, kv_dtype) -> str:
+        """The attention implementation a model of `cfg` (the target, or a drafter over pages of
+        `kv_dtype`) is built with in this recipe's step: the recipe's, with "auto" resolved for
+        the recipe's platform where that is not JAX's default (a compile-only target: "auto"
+        would resolve at trace time for this host's backend instead)."""
+        if self.attention_impl != "auto" or self.platform == jax.default_backend():
+            return self.attention_impl
+        return target_attention("auto", self.platform, cfg, mesh, self.rules, self.page_size, kv_dtype,
+                                self.dtype)[0]
 
     def pages_per_req(self) -> int:
         return -(-self.max_model_len // self.page_size)
@@ -328,10 +341,7 @@ def abstract_model(recipe: StepRecipe, mesh: Mesh, backend: Backend):
 
     cfg = recipe.arch_config()
     plan = recipe.device_plan()
-    attention = recipe.attention_impl
-    if attention == "auto" and recipe.platform != jax.default_backend():  # compile-only: the target's "auto"
-        attention = target_attention("auto", recipe.platform, cfg, mesh, recipe.rules, recipe.page_size,
-                                     recipe.kv_dtype, recipe.dtype)[0]
+    attention = recipe.model_attention(cfg, mesh, recipe.kv_dtype)
     model = sharded_abstract_model(cfg, dtype=recipe.dtype, mesh=mesh, attention_impl=attention,
                                    rules=recipe.rules, moe_impl=plan.moe_impl, quantization=recipe.quantization)
     backend.prepare_model(model, plan, abstract=True)
@@ -371,7 +381,8 @@ def serving_arch(requested: str, platform: str, cfg, mesh, rules, page_size: int
     heads; else as the checkpoint stores it. The one place the padding is decided (DESIGN §9,
     "Lane-dense KV pages"); never on CPUs and GPUs unless a TPU kernel is asked for by name
     ("tpu-interpret": how the CPU tests force it). Not with LoRA (the adapters hold the
-    checkpoint's heads). Arguments as `target_attention`'s."""
+    checkpoint's heads). `cfg`: the target's, or a drafter's own pages' (`serving_draft_heads`,
+    `kv_dtype` theirs). Arguments as `target_attention`'s."""
     from jaxserve.models import sharding as ax
     from jaxserve.models.interface import KV_CACHE_AXES
     from jaxserve.pallas_kernels.ragged_paged_attention.ops import (
@@ -398,6 +409,26 @@ def serving_arch(requested: str, platform: str, cfg, mesh, rules, page_size: int
     impl, _ = target_attention(requested, platform, padded, mesh, rules, page_size, kv_dtype, dtype,
                                devices)
     return padded if impl == first else cfg
+
+
+def serving_draft_heads(method: str, draft_model: str, target, requested: str, platform: str, mesh, rules,
+                        page_size: int, kv_dtype, dtype, devices=None) -> int:
+    """The KV heads the drafter of speculative `method` ("eagle3", "draft_model") in directory
+    `draft_model` is served with, 0 for its checkpoint's: `serving_arch` of its own pages (an
+    EAGLE-3 head's decoder layer, a draft model's layers) in their dtype (`draft_cache_dtype`
+    of the model's `dtype` and the target's `kv_dtype`), so that they are lane-dense where the
+    TPU kernel runs, as the target's are. 0 for "deepseek_mtp" (and no method): its layer is
+    the target's own, its pages the target's config (`serving_arch` of the target decides
+    them; MLA is never padded). `target`: the target's ArchConfig; the rest as
+    `serving_arch`'s. The loaders apply it (`load_eagle3`, `load_draft_model`: `kv_heads`)."""
+    from jaxserve.runner.draft_head_step import DRAFT_MODEL, EAGLE3, draft_cache_config, draft_cache_dtype
+
+    if method not in (EAGLE3, DRAFT_MODEL):
+        return 0
+    cfg = draft_cache_config(method, target, draft_model)
+    served = serving_arch(requested, platform, cfg, mesh, rules, page_size, draft_cache_dtype(dtype, kv_dtype),
+                          dtype, devices)
+    return served.num_kv_heads if served.checkpoint_heads else 0
 
 
 def target_attention(requested: str, platform: str, cfg, mesh, rules, page_size: int, kv_dtype,

@@ -127,8 +127,8 @@ def compile_for_target(config, target: dict, out: str | os.PathLike[str]) -> dic
                        DeviceSet.of_mesh(mesh, platform))
     spec = config.speculative_config
     if spec is not None and spec.method in STEP_DRAFTERS:  # the drafter runs inside the step: part of it
-        plan = dataclasses.replace(plan, draft_method=spec.method,
-                                   draft_model=drafter_dir(config, arch, TargetTokenizer(model_path or mc.model)))
+        plan = plan.with_drafter(spec.method, drafter_dir(config, arch, TargetTokenizer(model_path or mc.model)),
+                                 devices=list(mesh.devices.flat))
     if plan.kv_sizing == "programs" and not plan.pooling:
         raise ValueError(f"give the KV cache's size (--kv-cache-memory, the same to serve): on {platform} the "
                          "server otherwise sizes it from the memory its devices have free at start, which this "

@@ -35,7 +35,13 @@ from jaxserve.models.interface import KV_CACHE_AXES
 from jaxserve.runner.compile_pool import abstract_step
 from jaxserve.runner.kv_cache import abstract_kv_cache, bytes_per_page
 from jaxserve.runner.lora_weights import LoRAWeights
-from jaxserve.runner.recipe import StepRecipe, program_fingerprint, serving_arch, target_attention
+from jaxserve.runner.recipe import (
+    StepRecipe,
+    program_fingerprint,
+    serving_arch,
+    serving_draft_heads,
+    target_attention,
+)
 from jaxserve.sampling.config import SamplerConfig
 from jaxserve.tools import hlo_ops
 from jaxserve.tools.hlo_collectives import parse_collectives, summarize
@@ -146,10 +152,13 @@ def resolve_plan(settings: PlanSettings, cfg: ArchConfig, mesh: Mesh, rules) -> 
                        lora=settings.max_loras > 0)
     impl, note = target_attention(settings.attention_impl, settings.platform, cfg, mesh, rules, settings.page_size,
                                   jax_dtype(plan.kv_dtype), jax_dtype(plan.dtype))
+    draft_heads = serving_draft_heads(settings.draft_method, settings.draft_model, cfg, settings.attention_impl,
+                                      settings.platform, mesh, rules, settings.page_size, jax_dtype(plan.kv_dtype),
+                                      jax_dtype(plan.dtype))
     quant = settings.quant_matmul_impl or plan.quant_matmul_impl
     return {"dtype": plan.dtype, "kv_dtype": plan.kv_dtype, "attention_impl": impl, "attention_note": note,
             "kv_heads": cfg.num_kv_heads if cfg.checkpoint_heads else 0,
-            "kv_heads_note": cfg.kv_padding_note(),
+            "kv_heads_note": cfg.kv_padding_note(), "draft_kv_heads": draft_heads,
             "native_sampling": plan.native_sampling, "moe_impl": plan.moe_impl, "quant_matmul_impl": quant,
             "device_plan": {**dataclasses.asdict(plan), "quant_matmul_impl": quant}}
 
@@ -177,7 +186,8 @@ def plan_recipe(settings: PlanSettings, cfg: ArchConfig, mesh: Mesh, rules, plan
                       sampler_config=sampler_config, quantization=settings.quantization,
                       max_loras=settings.max_loras, max_lora_rank=settings.max_lora_rank if settings.max_loras else 0,
                       num_speculative_tokens=settings.num_speculative_tokens, draft_model=settings.draft_model,
-                      kv_heads=plan["kv_heads"], draft_method=settings.draft_method)
+                      kv_heads=plan["kv_heads"], draft_method=settings.draft_method,
+                      draft_kv_heads=plan["draft_kv_heads"])
 
 
 def plan_one(settings: PlanSettings, mesh: Mesh, rules_spec: str, bucket: tuple[int, int],
@@ -200,7 +210,8 @@ def plan_one(settings: PlanSettings, mesh: Mesh, rules_spec: str, bucket: tuple[
     rec.update({k: v for k, v in plan.items() if k != "device_plan"})
     if plan["kv_heads"]:  # zero KV heads appended: the KV and weight bytes below include them
         cfg = cfg.with_kv_heads(plan["kv_heads"])
-    rec["kv"], num_pages, pages_per_req = kv_record(settings, cfg, mesh, rules, plan["kv_dtype"], plan["dtype"])
+    rec["kv"], num_pages, pages_per_req = kv_record(settings, cfg, mesh, rules, plan["kv_dtype"], plan["dtype"],
+                                                    draft_kv_heads=plan["draft_kv_heads"])
     recipe = plan_recipe(settings, cfg, mesh, rules, plan, num_pages)
     if mesh.size > 1 or settings.platform != "cpu":
         ax.check_servable(rules)
@@ -275,8 +286,9 @@ def params_record(abstract, settings: PlanSettings, cfg: ArchConfig, mesh: Mesh,
 
 
 def kv_record(settings: PlanSettings, cfg: ArchConfig, mesh: Mesh, rules, kv_dtype_name: str,
-              dtype_name: str | None = None):
-    """(the KV cache's record, its pages for the budget, pages per request at max_model_len)."""
+              dtype_name: str | None = None, draft_kv_heads: int = 0):
+    """(the KV cache's record, its pages for the budget, pages per request at max_model_len).
+    `draft_kv_heads`: the drafter's pages' KV heads as served (the plan's; 0: its checkpoint's)."""
     D, kv_dtype = mesh.shape["data"], jax_dtype(kv_dtype_name)
     probe = abstract_kv_cache(cfg, 1, settings.page_size, kv_dtype, mesh, rules).k[0]
     page_split = ax.mesh_axes_size(mesh, ax.logical_to_spec(KV_CACHE_AXES, (1 << 20, 1, 1, 1), mesh, rules)[0])
@@ -284,7 +296,8 @@ def kv_record(settings: PlanSettings, cfg: ArchConfig, mesh: Mesh, rules, kv_dty
     if settings.draft_method:  # the drafter's own pages, as many and indexed alike, in their dtype
         from jaxserve.runner.draft_head_step import draft_cache_config, draft_cache_dtype
 
-        per_page += bytes_per_page(draft_cache_config(settings.draft_method, cfg, settings.draft_model),
+        per_page += bytes_per_page(draft_cache_config(settings.draft_method, cfg, settings.draft_model,
+                                                      draft_kv_heads),
                                    settings.page_size, draft_cache_dtype(jax_dtype(dtype_name or settings.dtype), kv_dtype),
                                    mesh, rules)
     pages_per_req = -(-settings.max_model_len // settings.page_size)
