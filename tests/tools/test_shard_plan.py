@@ -47,7 +47,8 @@ def _assert_plan_is_the_placement(rec: dict, arch: dict, mesh_shape: tuple[int, 
     D = mesh_shape[0]  # data-parallel ranks, as serve runs them: pages over "data", a null page each
     kv = allocate_kv_cache(cfg, rec["kv"]["num_pages"], 16, jnp.float32, mesh, serving_rules(load_rules(rules), D))
     assert rec["kv"]["per_device"] == sum(a.addressable_shards[0].data.nbytes for a in (*kv.k, *kv.v))
-    assert rec["kv"]["num_pages"] == rec["kv"]["workload_pages"] == D * (8 // D * max_model_len // 16 + 1)
+    workload = D * (8 // D * max_model_len // 16 + 1)  # per rank: 8 // D sequences' pages, a null page
+    assert rec["kv"]["num_pages"] == rec["kv"]["workload_pages"] == workload
     assert rec["data_parallel"] == D
     args = rec["memory"]["argument"]
     assert args >= rec["params"]["per_device"] + rec["kv"]["per_device"] + rec["sampling_state_per_device"]
@@ -58,8 +59,9 @@ def test_predicted_bytes_equal_the_live_buffers():
     """On 8 simulated devices, tensor parallelism over all 8: the plan's bytes are the live
     buffers' (above), and the compiled step runs (`measure`)."""
     assert len(jax.devices()) >= 8
-    settings = PlanSettings(arch=TINY, platform="cpu", max_model_len=128, max_num_seqs=8, dtype="float32",
-                            kv_cache_dtype="float32", attention_impl="reference", measure=True, steps=1)
+    settings = PlanSettings(arch=TINY, platform="cpu", max_model_len=128, max_num_seqs=8,
+                            dtype="float32", kv_cache_dtype="float32", attention_impl="reference",
+                            measure=True, steps=1)
     rec = plan_one(settings, make_mesh(1, 8), "tp", (16, 8), "cpu")
     _assert_plan_is_the_placement(rec, TINY, (1, 8), "tp", 128)
     # the compiled step runs (twice each: its outputs feed the next call)
