@@ -47,7 +47,7 @@ def _assert_plan_is_the_placement(rec: dict, arch: dict, mesh_shape: tuple[int, 
     D = mesh_shape[0]  # data-parallel ranks, as serve runs them: pages over "data", a null page each
     kv = allocate_kv_cache(cfg, rec["kv"]["num_pages"], 16, jnp.float32, mesh, serving_rules(load_rules(rules), D))
     assert rec["kv"]["per_device"] == sum(a.addressable_shards[0].data.nbytes for a in (*kv.k, *kv.v))
-    workload = D * (8 // D * max_model_len // 16 + 1)  # per rank: 8 // D sequences' pages, a null page
+    workload = D * (8 // D * max_model_len // 16 + 1)  # per rank: its sequences' pages + a null page
     assert rec["kv"]["num_pages"] == rec["kv"]["workload_pages"] == workload
     assert rec["data_parallel"] == D
     args = rec["memory"]["argument"]
