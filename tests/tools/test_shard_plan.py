@@ -89,7 +89,7 @@ def test_kv_budget_sizes_the_pages():
     assert rec["kv"]["num_pages"] == (1 << 20) // per_page
 
 
-def test_model_configs_without_weights(default_model_dir):
+def test_model_configs_without_weights():
     assert {"llama3-8b", "llama3-70b", "qwen3-32b", "smollm2-135m", "mixtral-8x7b", "gpt-oss-120b",
             "deepseek-v3-671b"} <= set(ARCH_PRESETS)
     for name in ARCH_PRESETS:
