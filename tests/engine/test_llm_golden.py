@@ -30,11 +30,16 @@ def assert_matches_golden(case, token_ids):
     assert token_ids == want
 
 
-def assert_same_greedy_outputs(a_llm, b_llm, cases, tol):
-    """Every case in one batch on both engines: the same greedy tokens and top-2 log-probs."""
+def greedy_batch(llm, cases):
+    """Every case in one batch: greedy, with top-2 log-probs."""
     params = [greedy(c).clone(logprobs=2) for c in cases]
-    prompts = [c["prompt_token_ids"] for c in cases]
-    for a, b in zip(a_llm.generate(prompts, params, use_tqdm=False), b_llm.generate(prompts, params, use_tqdm=False)):
+    return llm.generate([c["prompt_token_ids"] for c in cases], params, use_tqdm=False)
+
+
+def assert_same_greedy_outputs(a_outs, b_outs, tol):
+    """Two engines' `greedy_batch` of the same cases: the same greedy tokens and top-2 log-probs."""
+    assert len(a_outs) == len(b_outs)
+    for a, b in zip(a_outs, b_outs):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             assert la.keys() == lb.keys()
@@ -44,6 +49,13 @@ def assert_same_greedy_outputs(a_llm, b_llm, cases, tol):
 @pytest.fixture
 def llm(small_llm):
     return small_llm
+
+
+@pytest.fixture(scope="module")
+def llm_batch(small_llm, golden):
+    """The default engine's `greedy_batch` of every golden case: what the engines of other
+    settings are compared with (computed once: the engine is deterministic)."""
+    return greedy_batch(small_llm, golden["cases"])
 
 
 @pytest.fixture(scope="module")
@@ -181,18 +193,18 @@ def test_parallel_samples_share_the_prompt(llm, golden):
         SamplingParams(n=2, temperature=0.0)
 
 
-def test_overlapped_steps_equal_plain_steps(small_engine_options, golden, llm):
+def test_overlapped_steps_equal_plain_steps(small_engine_options, golden, llm, llm_batch):
     """Greedy tokens and log-probs are the same with async scheduling (the default: step t+1
     planned and launched while step t runs) and without, with every case in one batch (so
     requests finish while others still run)."""
     assert llm.engine.core.async_scheduling
     plain = LLM(**small_engine_options, async_scheduling=False)
     assert not plain.engine.core.async_scheduling
-    assert_same_greedy_outputs(llm, plain, golden["cases"], tol=1e-5)
+    assert_same_greedy_outputs(llm_batch, greedy_batch(plain, golden["cases"]), tol=1e-5)
     assert llm.engine.num_compiles_after_warmup == 0 and plain.engine.num_compiles_after_warmup == 0
 
 
-def test_speculative_decoding_keeps_the_golden_outputs(small_engine_options, golden, llm):
+def test_speculative_decoding_keeps_the_golden_outputs(small_engine_options, golden, llm_batch):
     """n-gram speculative decoding: every golden case one at a time (all rows spare, the most
     drafts) and all at once gives the greedy tokens without it, log-probs included, many of
     the drafts accepted, and nothing compiles after warm-up."""
@@ -204,7 +216,7 @@ def test_speculative_decoding_keeps_the_golden_outputs(small_engine_options, gol
         assert_matches_golden(case, out.outputs[0].token_ids)
     stats = spec.engine.scheduler.make_stats()
     assert stats.spec_num_accepted_tokens > 0.2 * stats.spec_num_draft_tokens > 0
-    assert_same_greedy_outputs(spec, llm, cases, tol=1e-4)
+    assert_same_greedy_outputs(greedy_batch(spec, cases), llm_batch, tol=1e-4)
     assert spec.engine.num_compiles_after_warmup == 0
 
 

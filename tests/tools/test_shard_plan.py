@@ -3,6 +3,8 @@ reports, and reading models without their weights."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import pathlib
 
@@ -23,23 +25,20 @@ FIXTURE = pathlib.Path(__file__).parent.parent / "data" / "arch"
 TINY = dict(architectures=["LlamaForCausalLM"], vocab_size=256, hidden_size=64, intermediate_size=128,
             num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, head_dim=16,
             max_position_embeddings=512, tie_word_embeddings=False)
+QWEN3 = model_config(str(FIXTURE / "qwen3"))[1]  # the command's model, as it reads it
 
 
 # (tp-replicate-vocab and tp-kv-replicated differ from tp only in one axis each, whose bytes the
 # same accounting counts; the fsdp case splits the weights over data-parallel ranks; every
 # preset's numerics: tests/models/test_sharding_rules.py, the KV cache's bytes per page per device
 # under each: tests/models/test_sharding_rules.py's test_kv_bytes_per_page_are_per_device.)
-@pytest.mark.parametrize(("mesh_shape", "rules"), [((1, 8), "tp"), ((4, 2), "fsdp")])
-def test_predicted_bytes_equal_the_live_buffers(mesh_shape, rules):
-    """On 8 simulated devices: the plan's parameter and KV bytes per device are what the engine's
-    own placement puts on every device (addressable shards), and the compiled step's arguments
-    hold them."""
-    assert len(jax.devices()) >= 8
-    settings = PlanSettings(arch=TINY, platform="cpu", max_model_len=128, max_num_seqs=8, dtype="float32",
-                            kv_cache_dtype="float32", attention_impl="reference", measure=rules == "tp", steps=1)
+def _assert_plan_is_the_placement(rec: dict, arch: dict, mesh_shape: tuple[int, int], rules: str,
+                                  max_model_len: int) -> None:
+    """The plan's parameter and KV bytes per device (record `rec`, planned for `arch` with 8
+    sequences) are what the engine's own placement puts on every device (addressable shards), and
+    the compiled step's arguments hold them."""
     mesh = make_mesh(*mesh_shape)
-    rec = plan_one(settings, mesh, rules, (16, 8), "cpu")
-    cfg = ArchConfig.from_hf(TINY)
+    cfg = ArchConfig.from_hf(arch)
     model = create_model(cfg, dtype=jnp.float32, mesh=mesh, rules=load_rules(rules))
     leaves = jax.tree.leaves(model)
     for d in range(mesh.size):
@@ -48,15 +47,35 @@ def test_predicted_bytes_equal_the_live_buffers(mesh_shape, rules):
     D = mesh_shape[0]  # data-parallel ranks, as serve runs them: pages over "data", a null page each
     kv = allocate_kv_cache(cfg, rec["kv"]["num_pages"], 16, jnp.float32, mesh, serving_rules(load_rules(rules), D))
     assert rec["kv"]["per_device"] == sum(a.addressable_shards[0].data.nbytes for a in (*kv.k, *kv.v))
-    assert rec["kv"]["num_pages"] == rec["kv"]["workload_pages"] == D * (8 // D * 128 // 16 + 1)
+    workload = D * (8 // D * max_model_len // 16 + 1)  # per rank: its sequences' pages + a null page
+    assert rec["kv"]["num_pages"] == rec["kv"]["workload_pages"] == workload
     assert rec["data_parallel"] == D
     args = rec["memory"]["argument"]
     assert args >= rec["params"]["per_device"] + rec["kv"]["per_device"] + rec["sampling_state_per_device"]
     assert rec["collectives"]["count"] >= (0 if mesh_shape[1] == 1 else 1)
-    if rules == "tp":  # the compiled step runs (twice each: its outputs feed the next call)
-        assert rec["measure"]["decode_ms"] > 0 and rec["measure"]["prefill_ms"] > 0
-    if rules == "tp":  # 8 query heads over 8, 4 KV heads do not split 8 ways: reported
-        assert any("kv_heads (4) over model=8" in r for r in rec["params"]["replicated"])
+
+
+def test_predicted_bytes_equal_the_live_buffers():
+    """On 8 simulated devices, tensor parallelism over all 8: the plan's bytes are the live
+    buffers' (above), and the compiled step runs (`measure`)."""
+    assert len(jax.devices()) >= 8
+    settings = PlanSettings(arch=TINY, platform="cpu", max_model_len=128, max_num_seqs=8,
+                            dtype="float32", kv_cache_dtype="float32", attention_impl="reference",
+                            measure=True, steps=1)
+    rec = plan_one(settings, make_mesh(1, 8), "tp", (16, 8), "cpu")
+    _assert_plan_is_the_placement(rec, TINY, (1, 8), "tp", 128)
+    # the compiled step runs (twice each: its outputs feed the next call)
+    assert rec["measure"]["decode_ms"] > 0 and rec["measure"]["prefill_ms"] > 0
+    # 8 query heads over 8, 4 KV heads do not split 8 ways: reported
+    assert any("kv_heads (4) over model=8" in r for r in rec["params"]["replicated"])
+
+
+def test_fsdp_predicted_bytes_equal_the_live_buffers(command_run):
+    """fsdp on a 2 x 2 mesh (the weights split over the data-parallel ranks too): the command's
+    record (its worker process planned it; compiling that step again here would check nothing
+    more) is what the engine's placement puts on 4 of this process's devices."""
+    rec = command_run["by"][("2x2", "fsdp")]
+    _assert_plan_is_the_placement(rec, QWEN3, (2, 2), "fsdp", 256)
 
 
 def test_kv_budget_sizes_the_pages():
@@ -70,7 +89,7 @@ def test_kv_budget_sizes_the_pages():
     assert rec["kv"]["num_pages"] == (1 << 20) // per_page
 
 
-def test_model_configs_without_weights(default_model_dir):
+def test_model_configs_without_weights():
     assert {"llama3-8b", "llama3-70b", "qwen3-32b", "smollm2-135m", "mixtral-8x7b", "gpt-oss-120b",
             "deepseek-v3-671b"} <= set(ARCH_PRESETS)
     for name in ARCH_PRESETS:
@@ -84,10 +103,13 @@ def test_model_configs_without_weights(default_model_dir):
     assert factorizations(8) == [(1, 8), (2, 4), (4, 2), (8, 1)]
 
 
-def test_command_end_to_end(tmp_path, capsys):
-    """The command on a fixture over two 4-device meshes (one worker process), two rules,
-    with JSON lines, a markdown report and a plot."""
-    out, md, png = tmp_path / "plan.jsonl", tmp_path / "plan.md", tmp_path / "plan.png"
+@pytest.fixture(scope="module")
+def command_run(tmp_path_factory) -> dict:
+    """The command on a fixture over two 4-device meshes (one worker process), two rules, with
+    JSON lines, a markdown report and a plot: run once for the tests that read its records (its
+    four compiles are a third of this module's time)."""
+    tmp = tmp_path_factory.mktemp("plan")
+    out, md, png = tmp / "plan.jsonl", tmp / "plan.md", tmp / "plan.png"
     argv = ["shard-plan", str(FIXTURE / "qwen3"), "--devices", "4", "--mesh", "2x2,4x1", "--rules", "tp,fsdp",
             "--buckets", "16x8", "--max-model-len", "256", "--dtype", "float32", "--json", str(out),
             "--markdown", str(md)]
@@ -97,13 +119,23 @@ def test_command_end_to_end(tmp_path, capsys):
         argv += ["--plot", str(png)]
     except ImportError:
         png = None
-    assert main(argv) == 0
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        rc = main(argv)
     records = [json.loads(line) for line in out.read_text().splitlines()]
+    return {"rc": rc, "records": records, "by": {(r["mesh"], r["rules"]): r for r in records},
+            "markdown": md.read_text(), "stdout": stdout.getvalue(), "png": png}
+
+
+def test_command_end_to_end(command_run):
+    """The command's records: every mesh with every rule, each a plan of its own (4x1 is four
+    data-parallel ranks), the markdown report and the plot."""
+    assert command_run["rc"] == 0
+    records = command_run["records"]
     assert sorted((r["mesh"], r["rules"]) for r in records) == sorted(
         (m, r) for m in ("2x2", "4x1") for r in ("tp", "fsdp"))
     assert all(not r.get("error") and r["git_sha"] is not None and r["versions"]["jax"] for r in records)
-    by = {(r["mesh"], r["rules"]): r for r in records}
-    SINGLE_PROCESS_2X2_TP["record"] = by[("2x2", "tp")]
+    by = command_run["by"]
     # 4x1 is four data-parallel ranks. fsdp splits the weights over them; tp replicates them (no
     # model axis), so its only collectives are the ranks agreeing on batch-wide branches and
     # the sampled rows gathered, none inside the layers; fsdp gathers its weights besides
@@ -111,23 +143,23 @@ def test_command_end_to_end(tmp_path, capsys):
     assert fsdp41["params"]["per_device"] < tp41["params"]["per_device"]
     assert not tp41["collectives"]["per_layer"] and tp41["collectives"]["count"] > 0
     assert fsdp41["collectives"]["bytes"] > 10 * tp41["collectives"]["bytes"]
-    assert "| cpu x4 | 2x2 | tp |" in md.read_text()
-    assert "cpu x4" in capsys.readouterr().out
-    if png is not None:
-        assert png.stat().st_size > 1000
+    assert "| cpu x4 | 2x2 | tp |" in command_run["markdown"]
+    assert "cpu x4" in command_run["stdout"]
+    if command_run["png"] is not None:
+        assert command_run["png"].stat().st_size > 1000
 
 
-def test_a_mesh_over_two_processes(tmp_path, capsys):
+def test_a_mesh_over_two_processes(tmp_path, capsys, command_run):
     """--hosts 2: the 4 devices are two local processes of two (jax.distributed), the mesh spans
     them; the step compiles and runs (--measure) across the processes, and its plan is the one
-    a single process makes of the same mesh (the end-to-end test's 2x2 tp record, whose
-    arguments these are)."""
+    a single process makes of the same mesh (the command's 2x2 tp record, whose arguments these
+    are)."""
     out = tmp_path / "plan.jsonl"
     common = [str(FIXTURE / "qwen3"), "--devices", "4", "--mesh", "2x2", "--rules", "tp", "--buckets", "16x8",
               "--max-model-len", "256", "--dtype", "float32", "--json", str(out)]
     assert main(["shard-plan", *common, "--hosts", "2", "--measure", "--steps", "2"]) == 0
     (two,) = [json.loads(line) for line in out.read_text().splitlines()]
-    one = SINGLE_PROCESS_2X2_TP.get("record") or _single_process_2x2_tp(tmp_path)
+    one = command_run["by"][("2x2", "tp")]
     assert "2 processes" in two["device_kind"] and "processes" not in one["device_kind"]
     assert not two.get("error") and two["measure"]["decode_ms"] > 0
     assert two["params"] == one["params"] and two["kv"] == one["kv"]
@@ -135,16 +167,6 @@ def test_a_mesh_over_two_processes(tmp_path, capsys):
     assert "cpu x4 over 2 processes" in capsys.readouterr().out
     assert main(["shard-plan", "--hosts", "2", "--topology", "v5e:2x2"]) == 2
     assert "with --devices" in capsys.readouterr().err
-
-
-SINGLE_PROCESS_2X2_TP: dict = {}  # the end-to-end test's record, when it ran in this process
-
-
-def _single_process_2x2_tp(tmp_path) -> dict:
-    out = tmp_path / "one.jsonl"
-    assert main(["shard-plan", str(FIXTURE / "qwen3"), "--devices", "4", "--mesh", "2x2", "--rules", "tp",
-                 "--buckets", "16x8", "--max-model-len", "256", "--dtype", "float32", "--json", str(out)]) == 0
-    return json.loads(out.read_text())
 
 
 def test_bad_arguments_are_refused(capsys):
