@@ -489,9 +489,13 @@ def _raw_logprobs(raw: jax.Array, tok: jax.Array, k: int, native: str | None = N
     tv = jnp.take_along_axis(raw, tok[:, None], axis=1)[:, 0]
     m, tv = _row_values(m, tv)
     # One pass over the row: the log-sum-exp's sum and the rank's count read the same logits
-    # (sibling reductions; rank = #{logit >= tv}, exact in int32).
-    lse = m + jnp.log(jnp.sum(jnp.exp(raw - m[:, None]), axis=-1))  # [R]
-    rank = jnp.sum((raw >= tv[:, None]).astype(jnp.int32), axis=-1)
+    # (one reduction of both: as sibling reductions XLA:GPU may launch them apart, each a pass;
+    # rank = #{logit >= tv}, exact in int32).
+    total, rank = jax.lax.reduce(
+        (jnp.exp(raw - m[:, None]), (raw >= tv[:, None]).astype(jnp.int32)),
+        (jnp.float32(0), jnp.int32(0)), lambda a, b: (a[0] + b[0], a[1] + b[1]), (1,),
+    )
+    lse = m + jnp.log(total)  # [R]
     if k == 0:  # (slicing the TopK outputs would turn them into a full sort)
         ids, vals = jnp.zeros((R, 0), jnp.int32), jnp.zeros((R, 0), jnp.float32)
     return tv - lse, ids, vals - lse[:, None], rank
