@@ -305,7 +305,9 @@ def boundary(
         return nth_equal_index(x, lo, need)
 
     ib = batch_cond(jnp.any(tied), lambda: jnp.where(tied, resolve_ties(), ib), lambda: ib)
-    return jnp.where(tied, lo, tau), ib
+    # (a tie group's value is its extracted elements' own: lo may be a float that only compares
+    # equal to them, a denormal where the backend flushes them to zero)
+    return jnp.where(tied, vals[:, 0], tau), ib
 
 
 def _key(v: jax.Array) -> jax.Array:
