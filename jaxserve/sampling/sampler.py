@@ -380,7 +380,7 @@ def _sample_random(
 
     def with_fallback():
         # Top-p rows that only overflowed the candidates: everything above the smallest
-        # candidate is in the list, so the bisection may start below it.
+        # candidate is in the list, so the search may start below it.
         cmin = c.min(axis=-1)
         above = c > cmin[:, None]
         upper = (
