@@ -221,8 +221,8 @@ def boundary(
     evaluates the weight (and count of positive weights) of {x >= t} at 31 probes t at once
     (one reduction; the weights are computed from x where they are summed, so no [R, V] array
     of them is read or written): the bracket's lower end, 15 values spread evenly over the
-    bracket (they close a smooth distribution's bracket in 2-4 passes) and 15 float32 keys
-    spread evenly over its keys, which divide the bracket's keys (at most 2**32) by 16 a pass,
+    bracket (on rows of 49152 normal logits the search is exact after 4 passes) and 15 spread
+    evenly over its float32 keys (`_key`), which divide its keys (at most 2**32) by 16 a pass,
     so that MAX_PASSES = 8 passes close any bracket onto one value: a bound, not a cap. A
     bracket that closes onto one value held by more than C elements (ties) is resolved by
     counting ties in id order. `upper` = (hi, weight and count of positive weights of
