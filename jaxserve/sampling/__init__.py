@@ -20,7 +20,7 @@ Design notes (measured at R=32, V=49152 on the 2-core development CPU):
 - XLA's CPU backend is slow at variadic reductions and comparator sorts (jnp.argmax ~3 ms,
   lax.top_k(64) ~5 ms, a full sort ~400 ms at this size); ops.py works on [R, V/b, b] blocks
   instead, and top-k / top-p never sort the vocabulary (exact K-candidate list, then an exact
-  bisection on the value for wider nuclei).
+  search on the value for wider nuclei: ops.boundary, 31 probes a pass, at most 8 passes).
 - Random numbers are drawn on the host (one uniform per row, a hash of seed and output
   position), which keeps threefry out of the executable (it cost 2 s of compile time).
 """

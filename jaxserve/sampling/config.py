@@ -21,7 +21,8 @@ class SamplerConfig:
         (single-token bad words live in the dense bias row and are unlimited).
     topk_candidates (K): width of the exact top-K candidate list used by top-k/top-p. A row with
         top_k > K, or whose top-p nucleus holds more than K tokens, takes an exact but slower
-        bisection path over the whole vocabulary (lax.cond on a batch-wide flag).
+        search over the whole vocabulary (ops.boundary: at most 8 passes over the row; lax.cond
+        on a batch-wide flag).
     slot_write_batch (A): rows per call of `write_slot_rows` (admissions with a bias row or bad
         words are written A at a time; padding rows are dropped).
     native: the native implementation (native.py: registered by a backend, e.g. "cpu") that

@@ -308,7 +308,6 @@ def _sample_random(
     nb = V // b
     temp = jnp.where(greedy, 1.0, meta.temperature)  # [R]
     inv_t = (1.0 / temp)[:, None]  # [R, 1]
-    xb = x.reshape(R, nb, b)
     k = meta.top_k
     use_k = ~greedy & (k > 0) & (k < V)
     small_k = use_k & (k <= K)
@@ -351,7 +350,7 @@ def _sample_random(
     def block_mass():  # [R, nb]; tau1 = -inf keeps every token (exp(-inf) = 0 either way)
         t1, m1, it = _row_values(tau1, mx, inv_t)
         arg = jnp.where(x >= t1[:, None], (x - m1[:, None]) * it, NEG_INF)  # [R, V]
-        return jnp.exp(arg).reshape(R, nb, b).sum(-1)
+        return ops.block_reduce(jnp.exp(arg), b, "sum")
 
     block_mass = ops.batch_cond(
         jnp.any(full), block_mass, lambda: jnp.zeros((R, nb), jnp.float32)
@@ -370,7 +369,7 @@ def _sample_random(
     tok_c = jnp.take_along_axis(ci, ops.inverse_cdf(wc, u)[:, None], axis=1)[:, 0]
 
     def kept_block(blk):  # [R] -> [R, b] probabilities of the chosen block
-        g = jnp.take_along_axis(xb, blk[:, None, None], axis=1)[:, 0]
+        g = ops.take_blocks(x, blk[:, None], b)[:, 0]
         return jnp.where(g >= tau1[:, None], jnp.exp((g - mx[:, None]) * inv_t), 0.0)
 
     tok_f = ops.inverse_cdf_blocks(block_mass, kept_block, u, b)
@@ -381,7 +380,7 @@ def _sample_random(
 
     def with_fallback():
         # Top-p rows that only overflowed the candidates: everything above the smallest
-        # candidate is in the list, so the bisection may start below it.
+        # candidate is in the list, so the search may start below it.
         cmin = c.min(axis=-1)
         above = c > cmin[:, None]
         upper = (
@@ -411,14 +410,14 @@ def _sample_bisect(
 ):
     """Exact min_p / top_k / top_p + sampling over the whole row, for rows with top_k > K, a
     tie at the k-th value running past the candidates, or a top-p nucleus wider than them:
-    thresholds by bisection on the value (see ops.boundary), then the block inverse CDF."""
+    thresholds by a search on the value (ops.boundary: at most ops.MAX_PASSES passes over the
+    row), then the block inverse CDF."""
     R, V = x.shape
-    nb = V // b
     f32 = jnp.float32
 
     def kth_value():
         return ops.boundary(x, lambda v: jnp.ones_like(v), jnp.maximum(k, 1).astype(f32),
-                            jnp.min(x, axis=-1), use_k, C)[0]
+                            jnp.full((R,), NEG_INF), use_k, C, top=mx)[0]
 
     tau_k = ops.batch_cond(jnp.any(use_k), kth_value, lambda: jnp.full((R,), NEG_INF))
     tau1 = jnp.maximum(tau_minp, jnp.where(use_k, tau_k, NEG_INF))  # keep x >= tau1
@@ -427,7 +426,7 @@ def _sample_bisect(
         return jnp.where(v >= tau1[:, None], jnp.exp((v - mx[:, None]) * inv_t), 0.0)
 
     # (The probabilities are computed from x where they are summed: the program holds no
-    # [R, V] array of them, though XLA may keep one that two of the sums share.)
+    # [R, V] array of them.)
     z = jnp.sum(prob(x), axis=-1)
     # Start the top-p bracket above the tail: the (at most V) tokens below
     # mx + T * (log((1 - top_p) * z / V) - 1) weigh at most (1 - top_p) * z / e in all (the max
@@ -437,7 +436,7 @@ def _sample_bisect(
     tau_p, ib = ops.batch_cond(
         jnp.any(use_p),
         lambda: ops.boundary(x, prob, top_p * z, jnp.maximum(tau1, tail), use_p, C, upper,
-                             (mx, inv_t[:, 0])),
+                             top=mx),
         lambda: (jnp.full((R,), NEG_INF), jnp.full((R,), V, jnp.int32)),
     )
 
@@ -446,10 +445,10 @@ def _sample_bisect(
         return jnp.where((v >= tau1[:, None]) & (~use_p[:, None] | cut), prob(v), 0.0)
 
     iota = jnp.arange(V, dtype=jnp.int32)[None, :]
-    pf_blocks = kept(x, iota).reshape(R, nb, b).sum(-1)  # [R, nb]
+    pf_blocks = ops.block_reduce(kept(ops.unshared_on_gpu(x), iota), b, "sum")  # [R, nb]
 
     def kept_block(blk):  # [R] -> [R, b]
-        g = jnp.take_along_axis(x.reshape(R, nb, b), blk[:, None, None], axis=1)[:, 0]
+        g = ops.take_blocks(x, blk[:, None], b)[:, 0]
         return kept(g, blk[:, None] * b + jnp.arange(b, dtype=jnp.int32)[None, :])
 
     tok = ops.inverse_cdf_blocks(pf_blocks, kept_block, u, b)
@@ -490,9 +489,13 @@ def _raw_logprobs(raw: jax.Array, tok: jax.Array, k: int, native: str | None = N
     tv = jnp.take_along_axis(raw, tok[:, None], axis=1)[:, 0]
     m, tv = _row_values(m, tv)
     # One pass over the row: the log-sum-exp's sum and the rank's count read the same logits
-    # (sibling reductions; rank = #{logit >= tv}, exact in int32).
-    lse = m + jnp.log(jnp.sum(jnp.exp(raw - m[:, None]), axis=-1))  # [R]
-    rank = jnp.sum((raw >= tv[:, None]).astype(jnp.int32), axis=-1)
+    # (one reduction of both: as sibling reductions XLA:GPU may launch them apart, each a pass;
+    # rank = #{logit >= tv}, exact in int32).
+    total, rank = jax.lax.reduce(
+        (jnp.exp(raw - m[:, None]), (raw >= tv[:, None]).astype(jnp.int32)),
+        (jnp.float32(0), jnp.int32(0)), lambda a, b: (a[0] + b[0], a[1] + b[1]), (1,),
+    )
+    lse = m + jnp.log(total)  # [R]
     if k == 0:  # (slicing the TopK outputs would turn them into a full sort)
         ids, vals = jnp.zeros((R, 0), jnp.int32), jnp.zeros((R, 0), jnp.float32)
     return tv - lse, ids, vals - lse[:, None], rank

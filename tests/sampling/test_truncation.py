@@ -2,7 +2,7 @@
 
 The kept set is compared exactly with a float64 NumPy implementation (cases where float32
 rounding could flip a decision are skipped), on every code path: the top-K candidate list, a
-k-th value tie running past it, top_k > K and wide top-p nuclei (the bisection fallback), and
+k-th value tie running past it, top_k > K and wide top-p nuclei (the value search's fallback), and
 heavy ties. Sampled frequencies are checked against the distribution with a chi-square test."""
 
 from __future__ import annotations
@@ -178,7 +178,7 @@ def test_excluded_tokens_never_sampled():
 @pytest.mark.parametrize("tie_value", [0.0, -0.0, 1e-38, 2.5])
 def test_huge_tie_groups_at_the_boundary(tie_value):
     """The boundary falls inside a group of equal logits far larger than the candidate list
-    (the bisection must collapse onto one float, 0.0 and denormal neighbours included)."""
+    (the value search must close onto one float, 0.0 and denormal neighbours included)."""
     V = 1000
     rng = np.random.default_rng(5)
     x = np.full(V, -5.0, np.float32)

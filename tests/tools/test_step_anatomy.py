@@ -201,22 +201,26 @@ VIOLATIONS = {
         "_heavy",
     ): "sampler 15.7 % of a CPU decode step's bytes on the branches a row with "
     "penalties or logprobs takes (the penalties' pass over the logits and the slot's count and "
-    "bias rows, the masked logits the native kernels read, the native draw and raw logprobs)",
+    "bias rows, the masked logits the native kernels read, the native draw and raw logprobs; "
+    "5 % is three passes over the logits here, and the dense penalties' pass alone moves four)",
     (
         "sampler",
         "v6e:1x1",
         "_heavy",
-    ): "sampler 84.5 % of a v6e:1x1 decode step's bytes on the branches a row with penalties "
-    "or logprobs takes (was 89 %; full-vocabulary passes; hidden until the cache's relayouts "
-    "were gone)",
+    ): "sampler 49.2 % of a v6e:1x1 decode step's bytes on the branches a row with penalties "
+    "or logprobs takes (was 84.5 %: the value search counted at its bound of 100 probes, each a "
+    "pass; now 8 passes, read twice each for top-p: XLA:TPU computes the probabilities into "
+    "VMEM in a kernel of their own; the rest: the penalties' pass, block maxima and masses, "
+    "the logprobs' and prompt logprobs' log-sum-exp and rank)",
     (
         "sampler",
         "h100:1x1",
         "_heavy",
-    ): "sampler 38.5 % of an h100:1x1 decode step's bytes on the branches a "
-    "row with penalties or logprobs takes (was 42 %; full-vocabulary passes: the penalties' "
-    "pass, block maxima, block masses, the top-p bisection's probe and extraction, the "
-    "logprobs' and prompt logprobs' log-sum-exp and rank)",
+    ): "sampler 31.8 % of an h100:1x1 decode step's bytes on the branches a "
+    "row with penalties or logprobs takes (was 38.5 %; full-vocabulary passes: the penalties' "
+    "pass, block maxima and masses, the top-p search's probe (its probabilities written and "
+    "read back) and extraction, the masked logits of the logprobs, the logprobs' and prompt "
+    "logprobs' log-sum-exp and rank)",
 }
 
 
