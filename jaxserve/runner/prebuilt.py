@@ -31,6 +31,13 @@ otherwise one log line names each part that differs, with both values where they
 and the steps are compiled as without it. Loading still checks each entry's checksum and that
 it takes exactly the runner's arguments, shardings included. The directory is read, never
 written or pruned.
+
+With `jaxserve compile --weights` it also holds the weights as the target's start prepares them
+(`weights/`, one weight cache entry: runner/weight_cache.py's format and checks), keyed by
+`weights_material` (the checkpoint by content, the dtype, the quantization at load, the device
+plan, the rules, the model as served, the devices, the code and libraries), whose parts the
+manifest's "weights" holds: a server whose parts differ names them in one log line and prepares
+its weights from the checkpoint (`prebuilt_weights`).
 """
 
 from __future__ import annotations

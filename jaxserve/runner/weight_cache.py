@@ -5,7 +5,8 @@ On the 2-core CPU the default model's weights took ~0.8 s to read from the conve
 checkpoint and convert to bfloat16, and ~0.6 s more to pack (a third of a warm start by then);
 read back from this cache they take the time of one copy. Only backends whose
 `prepare_model` does such work use it (`Backend.lays_out_weights`: the CPU with its product
-kernels), and only for float weights.
+kernels), and only for float weights. `jaxserve compile --weights` writes one entry of this
+format for a target, under a key of its own (runner/prebuilt.py), read with `read_only`.
 
 An entry is one file: a magic, the header's length and checksum, a JSON header (the key, and
 each leaf's path, shape, dtype, place and checksum) and the leaves' bytes, page-aligned, in the

@@ -2,7 +2,7 @@
 that `jaxserve serve --executables DIR` loads on the real devices.
 
     jaxserve compile [MODEL] --topology v6e:2x4|h100:1x8|cpu [--tensor-parallel-size N]
-        [engine flags] --out DIR
+        [engine flags] [--weights] --out DIR
 
 The engine is planned as `serve` plans it (engine/plan.py) on the target's devices: a
 compile-only TPU slice (libtpu), GPU hosts (JAX's CUDA plugin and XLA's description of the
@@ -17,7 +17,10 @@ quantized cache's calibration forward (its shape, the calibration's token count,
 model's tokenizer) and, for an embedding model (`--runner pooling`), the pooling runner's
 executables instead of the steps. No weights are read: only the model's config.json (MODEL may
 be that file, or one of shard-plan's presets), its tokenizer and its checkpoint's tensor names
-(scales it has need no calibration).
+(scales it has need no calibration). With `--weights` the checkpoint is read too, and its
+weights prepared as the target's start prepares them (`write_target_weights`: converted,
+quantized at load, padded, laid out) are written into DIR/weights, which the server then loads
+instead (as large as the served weights: opt-in; DESIGN §4 says where it pays).
 """
 
 from __future__ import annotations

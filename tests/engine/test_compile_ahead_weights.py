@@ -1,5 +1,6 @@
 """`jaxserve compile --weights` (jaxserve/tools/compile_ahead.py, runner/prebuilt.py): the
-weights prepared as the target's start prepares them, written beside the executables, are what
+weights prepared as the target's start prepares them (here: quantized to int8 at load), written
+beside the executables, are what
 an engine served from the directory loads: nothing read from the checkpoint, converted or laid
 out (the loader's `create_model` never runs), the tokens of an engine that prepared them. A
 checkpoint changed since, or another quantization, dtype, plan, rules or model, is named in one
@@ -23,11 +24,12 @@ from jaxserve.runner import prebuilt
 from jaxserve.server.cli import main as cli
 from tests.model_dirs import write_model_dir
 
-# One token bucket, no decode blocks: the fewest executables to compile.
-OPTIONS = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=16, token_buckets=(16,),
+# Quantized at load (int8), where preparing ahead pays most; one token bucket, no decode blocks:
+# the fewest executables to compile.
+OPTIONS = dict(dtype="float32", quantization="int8", max_num_seqs=8, max_num_batched_tokens=16, token_buckets=(16,),
                request_buckets=(8,), show_progress=False, enable_compilation_cache=False, num_decode_steps=1)
-FLAGS = ["--dtype", "float32", "--max-num-seqs", "8", "--max-num-batched-tokens", "16", "--token-buckets", "16",
-         "--request-buckets", "8", "--num-decode-steps", "1"]
+FLAGS = ["--dtype", "float32", "--quantization", "int8", "--max-num-seqs", "8", "--max-num-batched-tokens", "16",
+         "--token-buckets", "16", "--request-buckets", "8", "--num-decode-steps", "1"]
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12]]
 PREBUILT_LOG = "jaxserve.runner.prebuilt"
 
@@ -39,7 +41,7 @@ def model_dir(tmp_path_factory) -> pathlib.Path:
 
 @pytest.fixture(scope="module")
 def weights_dir(model_dir, tmp_path_factory) -> pathlib.Path:
-    """`jaxserve compile MODEL --topology cpu --weights`."""
+    """`jaxserve compile MODEL --topology cpu --quantization int8 --weights`."""
     out = tmp_path_factory.mktemp("exe") / "cpu"
     assert cli(["compile", str(model_dir), "--topology", "cpu", "--out", str(out), "--log-level", "warning",
                 "--weights", *FLAGS]) == 0
@@ -88,7 +90,7 @@ def test_weights_are_loaded_from_the_directory_not_prepared(model_dir, weights_d
     manifest = prebuilt.read_manifest(weights_dir)
     entries = list((weights_dir / prebuilt.WEIGHTS_SUBDIR).iterdir())
     assert len(entries) == 1 and manifest["weights"]["bytes"] > 0
-    assert manifest["weights"]["material"]["weights.quantization"] == "None"
+    assert manifest["weights"]["material"]["weights.quantization"] == "int8"
     files = sorted((p.name, p.stat().st_mtime_ns) for p in weights_dir.rglob("*"))
 
     reference = LLM(str(model_dir), executables=str(without_weights), **OPTIONS)
@@ -128,10 +130,10 @@ def test_a_changed_checkpoint_is_named_and_its_weights_prepared(model_dir, weigh
 
 def test_another_quantization_dtype_or_model_is_named(weights_dir, caplog):
     stored = prebuilt.read_manifest(weights_dir)["weights"]["material"]
-    here = {**stored, "weights.quantization": "int8", "weights.dtype": "bfloat16"}
+    here = {**stored, "weights.quantization": "fp8", "weights.dtype": "bfloat16"}
     with caplog.at_level(logging.WARNING, logger=PREBUILT_LOG):
         assert prebuilt.prebuilt_weights(weights_dir, here, abstract_model=None) is None
     (line,) = _warnings(caplog)
-    assert "weights.quantization: None in the directory, int8 here" in line, line
+    assert "weights.quantization: int8 in the directory, fp8 here" in line, line
     assert "weights.dtype: float32 in the directory, bfloat16 here" in line, line
     assert prebuilt.differences(stored, {**stored, "weights.arch": "sha256:0"}) == ["weights.arch differs"]
