@@ -9,10 +9,14 @@ pad heads (lane-dense KV pages), build act-order permutations, place. Each case 
 checkpoint of Llama-3-8B's shape (hidden 4096, MLP 14336, 32/8 heads of 128) with 1 and with 2
 decoder layers and a 16,384-token vocabulary, then times in one process, alternating:
 
-- `prepare`: `create_model` from the checkpoint, onto this host's CPU device (the transfer to an
-  accelerator's memory is paid by both routes alike and is not in either figure);
+- `prepare`: `create_model` from the checkpoint;
 - `load`: `WeightCache.load` of the same weights stored as prepared (the header checked, every
-  leaf's checksum, the copy into the device buffers).
+  leaf's checksum, the copy into the device buffers);
+
+each onto this host's CPU device (`*_device_s`) and on the host only (`*_host_s`: the device
+transfer replaced by a host copy): what a TPU/GPU host pays besides the transfer to its
+accelerator's memory, which both routes pay alike. A GGUF case also records the conversion
+(`convert_s`: dequantized to a float32 directory, once per host by the GGUF conversion cache).
 
 Files are in the page cache for both (a cold disk adds bytes / bandwidth to each: the bytes are
 recorded). The 8B figure is scaled: the per-layer time (2 layers less 1) x 32, plus the rest
@@ -44,9 +48,17 @@ VOCAB, FULL_VOCAB, FULL_LAYERS = 16384, 128256, 32
 CASES = ("bf16", "bf16-pad16", "int8", "fp8", "int4", "gguf-q8_0", "gguf-q8_0-int8", "ct-w4a16")
 
 
-def config(layers: int) -> dict:
+# The test fixtures' GGUF vocabulary writer makes small vocabularies only: a GGUF case has 128
+# tokens, and its 8B figure is the per-layer time x (32 + the embedding's and LM head's size in
+# layers: 2 x 128256 x 4096 / a layer's 218M parameters).
+GGUF_VOCAB = 128
+LAYER_PARAMS = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336
+GGUF_LAYERS = FULL_LAYERS + 2 * FULL_VOCAB * 4096 / LAYER_PARAMS
+
+
+def config(layers: int, vocab: int = VOCAB) -> dict:
     preset = json.loads((HERE.parent / "jaxserve/tools/arch_presets/llama3-8b.json").read_text())
-    return {**preset, "num_hidden_layers": layers, "vocab_size": VOCAB, "torch_dtype": "bfloat16"}
+    return {**preset, "num_hidden_layers": layers, "vocab_size": vocab, "torch_dtype": "bfloat16"}
 
 
 def float_tensors(cfg: dict, rng: np.random.Generator) -> dict[str, np.ndarray]:
@@ -116,7 +128,7 @@ def write_gguf_q8_0(path: pathlib.Path, cfg: dict, tensors: dict[str, np.ndarray
     from tests.models import gguf_fixtures as fx
 
     w = gguf.GGUFWriter(path, "llama")
-    fx._metadata(w, "llama", cfg)
+    fx._metadata(w, "llama", {**cfg, "rope_parameters": {"rope_theta": cfg["rope_theta"]}})
     fx._vocabulary(w, "llama", cfg["vocab_size"])
     for name, x in fx.llama_cpp_tensors("llama", cfg, tensors).items():
         array, raw = fx._encode(name, x, gguf.GGMLQuantizationType.Q8_0)
@@ -217,7 +229,7 @@ def measure(case: str, ckpt_dir: pathlib.Path, work: pathlib.Path, repeat: int) 
 
 def checkpoint(case: str, layers: int, root: pathlib.Path) -> tuple[pathlib.Path, dict]:
     """The checkpoint directory of `case` with `layers` layers, and what making it cost."""
-    cfg = config(layers)
+    cfg = config(layers, GGUF_VOCAB if case.startswith("gguf") else VOCAB)
     tensors = float_tensors(cfg, np.random.default_rng(layers))
     d = root / f"{case}-{layers}"
     extra: dict = {}
@@ -238,9 +250,11 @@ def checkpoint(case: str, layers: int, root: pathlib.Path) -> tuple[pathlib.Path
     return d, extra
 
 
-def scaled(one: float, two: float) -> float:
-    """The 8B figure from the 1- and 2-layer ones (see the module's doc)."""
+def scaled(one: float, two: float, gguf: bool = False) -> float:
+    """The 8B figure from the 1- and 2-layer ones (see the module's doc and GGUF_LAYERS)."""
     per_layer = max(two - one, 0.0)
+    if gguf:
+        return per_layer * GGUF_LAYERS
     return per_layer * FULL_LAYERS + max(one - per_layer, 0.0) * FULL_VOCAB / VOCAB
 
 
@@ -253,7 +267,6 @@ def main() -> None:
     import jax
 
     jax.config.update("jax_platforms", "cpu")
-    records = []
     for case in args.cases.split(","):
         root = pathlib.Path(tempfile.mkdtemp(prefix="weight-prepare-"))
         try:
@@ -264,20 +277,19 @@ def main() -> None:
                 shutil.rmtree(d, ignore_errors=True)
                 shutil.rmtree(root / f"work-{layers}", ignore_errors=True)
             one, two = by_layers[1], by_layers[2]
-            record = {"benchmark": "weight_prepare", "case": case, "shape": "Llama-3-8B, vocab 16384",
+            g = case.startswith("gguf")
+            names = ("prepare_host_s", "load_host_s", "prepare_device_s", "load_device_s", "convert_s")
+            record = {"benchmark": "weight_prepare", "case": case,
+                      "shape": f"Llama-3-8B, vocab {GGUF_VOCAB if g else VOCAB}",
                       "layers": {str(k): {n: round(v, 3) if isinstance(v, float) else v for n, v in r.items()}
                                  for k, r in by_layers.items()},
-                      "scaled_8b": {n: round(scaled(one[n], two[n]), 1) for n in (
-                          "prepare_host_s", "load_host_s", "prepare_device_s", "load_device_s", "convert_s")
-                                    if n in one},
-                      "scaled_8b_prepared_gib": round(scaled(one["prepared_bytes"], two["prepared_bytes"]) / 2**30, 2),
-                      "scaled_8b_checkpoint_gib": round(scaled(one["checkpoint_bytes"],
-                                                               two["checkpoint_bytes"]) / 2**30, 2)}
-            records.append(record)
+                      "scaled_8b": {n: round(scaled(one[n], two[n], g), 1) for n in names if n in one},
+                      **{f"scaled_8b_{n.split('_')[0]}_gib": round(scaled(one[n], two[n], g) / 2**30, 2)
+                         for n in ("prepared_bytes", "checkpoint_bytes")}}
+            append_results(args.out, record)  # case by case: a failure later keeps these
             print(json.dumps(record), flush=True)
         finally:
             shutil.rmtree(root, ignore_errors=True)
-    append_results(args.out, records)
 
 
 if __name__ == "__main__":
