@@ -221,13 +221,12 @@ def weights_material(ckpt: Any, devices: Iterable[Any], backend: Backend, *, dty
     from jaxserve.runner.weight_cache import checkpoint_identity
 
     devices = list(devices)
-    platform = devices[0].platform if devices else "cpu"
     versions = [f"{m}={_version(m)}" for m in ("jax", "jaxlib", "flax", "numpy", "ml_dtypes")]
     parts = {
         "format": f"{FORMAT}.{MANIFEST_FORMAT}",
         "code": code_fingerprint(),
         "versions": " ".join(versions),
-        "platform": platform,
+        "platform": backend.platform,
         "devices": repr([(d.device_kind, tuple(getattr(d, "coords", None) or ()) or None) for d in devices]),
         "backend": canonical(backend.fingerprint()),
         "weights.checkpoint": "sha256:" + checkpoint_identity(ckpt.path, ckpt.config, mtime=False),
