@@ -460,7 +460,7 @@ def _prepared_model(plan: EnginePlan, start: _Start, timer: StartupTimer):
     engine; else from the weight cache when the backend lays them out (packing for the CPU
     kernels) and they were kept; else from the checkpoint (then kept)."""
     mc, backend, mesh, device, ckpt = plan.config.model, start.backend, start.mesh, plan.device, start.ckpt
-    dtype, rules = jax_dtype(device.dtype), plan.rules
+    rules = plan.rules
     ahead = plan.config.compile.executables
     if ahead is not None:
         with timer.phase("weights"):
