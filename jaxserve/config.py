@@ -367,6 +367,7 @@ class CompileConfig:
     """A directory of executables compiled ahead by `jaxserve compile` (for these devices, maybe on
     another host): the steps it holds are loaded, not compiled, when its manifest matches this
     engine (versions, devices, recipe); else one log line names what differs and they compile.
+    Weights it holds (`jaxserve compile --weights`) are loaded, not prepared, likewise.
     Default: none (every step compiles, or comes from the executable cache)."""
     show_progress: bool = per_process(True, not_a_flag="the command's: on in serve, not generate")
     """Show a progress bar while the steps compile."""

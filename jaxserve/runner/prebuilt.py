@@ -31,6 +31,13 @@ otherwise one log line names each part that differs, with both values where they
 and the steps are compiled as without it. Loading still checks each entry's checksum and that
 it takes exactly the runner's arguments, shardings included. The directory is read, never
 written or pruned.
+
+With `jaxserve compile --weights` it also holds the weights as the target's start prepares them
+(`weights/`, one weight cache entry: runner/weight_cache.py's format and checks), keyed by
+`weights_material` (the checkpoint by content, the dtype, the quantization at load, the device
+plan, the rules, the model as served, the devices, the code and libraries), whose parts the
+manifest's "weights" holds: a server whose parts differ names them in one log line and prepares
+its weights from the checkpoint (`prebuilt_weights`).
 """
 
 from __future__ import annotations
@@ -191,3 +198,88 @@ def prebuilt_scope(directory: str | os.PathLike[str] | None, material: Mapping[s
     logger.info("executables compiled ahead in %s (%s, %d entries) match this engine", directory,
                 manifest.get("topology", "?"), len(manifest.get("entries", ())))
     return ExecutableScope(ExecutableCache(directory, read_only=True), material_key(material), devices)
+
+
+# ---------------------------------------------------------------------------- weights ahead
+# `jaxserve compile --weights`: the weights as the target's start would prepare them (read,
+# dequantized, cast, quantized at load, padded, laid out by the backend), in the weight cache's
+# entry format (runner/weight_cache.py: header, checksums, page-aligned leaves) under
+# DIR/weights/, keyed by `weights_material`; the manifest's "weights" holds those parts.
+
+WEIGHTS_SUBDIR = "weights"
+
+
+def weights_material(ckpt: Any, devices: Iterable[Any], backend: Backend, *, dtype: str,
+                     quantization: str | None, plan: Any, rules: Any, arch: Any) -> dict[str, str]:
+    """The parts the prepared weights of `ckpt` are a function of, equal on the compiling host
+    and the serving one: the loader's code and the libraries that convert, the platform and
+    the mesh's devices (kinds, a TPU's coordinates), the backend (on a CPU its kernels, which
+    pack), the checkpoint by content (config.json; a converted checkpoint's checksums, else each
+    weight file's name, size, first and last MiB: no modification time, which a copy changes),
+    the dtype, the quantization at load, the device plan, the sharding rules and the model's
+    structure as served (padded heads included)."""
+    from jaxserve.runner.weight_cache import checkpoint_identity
+
+    devices = list(devices)
+    versions = [f"{m}={_version(m)}" for m in ("jax", "jaxlib", "flax", "numpy", "ml_dtypes")]
+    parts = {
+        "format": f"{FORMAT}.{MANIFEST_FORMAT}",
+        "code": code_fingerprint(),
+        "versions": " ".join(versions),
+        "platform": backend.platform,
+        "devices": repr([(d.device_kind, tuple(getattr(d, "coords", None) or ()) or None) for d in devices]),
+        "backend": canonical(backend.fingerprint()),
+        "weights.checkpoint": "sha256:" + checkpoint_identity(ckpt.path, ckpt.config, mtime=False),
+        "weights.dtype": str(dtype),
+        "weights.quantization": str(quantization),
+        "weights.plan": canonical(plan),
+        "weights.rules": canonical(rules),
+        "weights.arch": canonical(arch),
+    }
+    return {k: v if len(v) <= _SHORT else "sha256:" + hashlib.sha256(v.encode()).hexdigest() for k, v in parts.items()}
+
+
+def write_weights(directory: str | os.PathLike[str], material: Mapping[str, str], model) -> dict[str, Any]:
+    """Store `model`'s prepared weights in `directory`/weights under `material`'s key; returns
+    the manifest's "weights" entry (its key, parts and size)."""
+    from jaxserve.runner.weight_cache import WeightCache
+
+    key = material_key(material)
+    WeightCache(pathlib.Path(directory) / WEIGHTS_SUBDIR, max_bytes=1 << 62).store(key, model)
+    nbytes = sum(int(x.nbytes) for x in jax.tree.leaves(model))
+    return {"key": key, "bytes": nbytes, "material": dict(material)}
+
+
+def prebuilt_weights(directory: str | os.PathLike[str] | None, material: Mapping[str, str], abstract_model):
+    """The prepared weights `jaxserve compile --weights` wrote into `directory` when its
+    manifest's weights were made from `material` (`abstract_model` given their values, placed
+    by its shardings); else None: a directory without weights says nothing, one whose weights
+    differ is named in one log line with each part that differs, as is one whose entry cannot
+    be read (damaged, another layout). The directory is never written."""
+    from jaxserve.runner.weight_cache import WeightCache
+
+    if directory is None:
+        return None
+    try:
+        manifest = read_manifest(directory)
+    except (OSError, ValueError) as e:
+        logger.warning("weights in %s not used: no readable %s (%s: %s); preparing them from the checkpoint",
+                       directory, MANIFEST, type(e).__name__, e)
+        return None
+    stored = manifest.get("weights")
+    if not isinstance(stored, Mapping) or not isinstance(stored.get("material"), Mapping):
+        return None  # compiled without --weights
+    diff = differences(stored["material"], material)
+    if diff:
+        logger.warning("weights in %s (prepared for %s) not used: %s; preparing them from the checkpoint",
+                       directory, manifest.get("topology", "?"), "; ".join(diff))
+        return None
+    model = WeightCache(pathlib.Path(directory) / WEIGHTS_SUBDIR, read_only=True).load(material_key(material),
+                                                                                      abstract_model)
+    if model is None:
+        logger.warning("weights in %s not used: their entry is missing or unreadable; preparing them from the "
+                       "checkpoint", directory)
+        return None
+    logger.info("weights prepared ahead in %s (%s) match this engine: loaded, not prepared", directory,
+                manifest.get("topology", "?"))
+    return model

@@ -5,7 +5,8 @@ On the 2-core CPU the default model's weights took ~0.8 s to read from the conve
 checkpoint and convert to bfloat16, and ~0.6 s more to pack (a third of a warm start by then);
 read back from this cache they take the time of one copy. Only backends whose
 `prepare_model` does such work use it (`Backend.lays_out_weights`: the CPU with its product
-kernels), and only for float weights.
+kernels), and only for float weights. `jaxserve compile --weights` writes one entry of this
+format for a target, under a key of its own (runner/prebuilt.py), read with `read_only`.
 
 An entry is one file: a magic, the header's length and checksum, a JSON header (the key, and
 each leaf's path, shape, dtype, place and checksum) and the leaves' bytes, page-aligned, in the
@@ -53,10 +54,11 @@ _ALIGN = 4096
 _MIB = 1 << 20
 
 
-def checkpoint_identity(path: pathlib.Path, config: dict) -> str:
+def checkpoint_identity(path: pathlib.Path, config: dict, mtime: bool = True) -> str:
     """config.json, and the converted files' checksums for a checkpoint jaxserve converted (its
     contents); for any other directory each weight file's name, size, modification time and
-    first and last MiB (as the GGUF conversion cache identifies its source)."""
+    first and last MiB (as the GGUF conversion cache identifies its source). mtime=False: without
+    the modification time (weights prepared on another host: a copy changes it)."""
     h = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
     converted = conversion_identity(path)
     if converted is not None:
@@ -64,7 +66,7 @@ def checkpoint_identity(path: pathlib.Path, config: dict) -> str:
         return h.hexdigest()
     for file in sorted(pathlib.Path(path).glob("*.safetensors")):
         stat = file.stat()
-        h.update(f"{file.name}|{stat.st_size}|{stat.st_mtime_ns}|".encode())
+        h.update(f"{file.name}|{stat.st_size}|{stat.st_mtime_ns if mtime else '-'}|".encode())
         with open(file, "rb") as f:
             h.update(f.read(_MIB))
             f.seek(max(0, stat.st_size - _MIB))
@@ -90,9 +92,12 @@ class DamagedEntryError(ValueError):
 
 
 class WeightCache:
-    def __init__(self, directory: str | os.PathLike[str], max_bytes: int = DEFAULT_MAX_BYTES):
+    def __init__(self, directory: str | os.PathLike[str], max_bytes: int = DEFAULT_MAX_BYTES,
+                 read_only: bool = False):
+        """read_only: entries are never removed or touched (a directory `jaxserve compile` wrote)."""
         self.directory = pathlib.Path(directory)
         self.max_bytes = max_bytes
+        self.read_only = read_only
 
     def key(self, checkpoint: pathlib.Path, config: dict, devices: Iterable[jax.Device], **parts: str) -> str:
         material = {**environment_fingerprint(devices), "checkpoint": checkpoint_identity(checkpoint, config),
@@ -150,16 +155,18 @@ class WeightCache:
                                             f"(first: {bad[0]})")
         except DamagedEntryError as e:
             del arrays
-            logger.warning("the cached weights %s are damaged (%s): removing them; the weights are prepared "
-                           "from the checkpoint again", path, e)
-            path.unlink(missing_ok=True)
+            logger.warning("the cached weights %s are damaged (%s): %sthe weights are prepared from the "
+                           "checkpoint again", path, e, "" if self.read_only else "removing them; ")
+            if not self.read_only:
+                path.unlink(missing_ok=True)
             return None
         except Exception as e:  # noqa: BLE001 - any unreadable entry: prepare the weights instead
             del arrays
             logger.warning("ignoring the cached weights %s (%s: %s)", path, type(e).__name__, e)
             return None
         try:
-            os.utime(path)  # recently used: kept longest
+            if not self.read_only:
+                os.utime(path)  # recently used: kept longest
         except OSError:
             pass
         return nnx.merge(graphdef, jax.tree.unflatten(treedef, arrays))

@@ -2,7 +2,7 @@
 that `jaxserve serve --executables DIR` loads on the real devices.
 
     jaxserve compile [MODEL] --topology v6e:2x4|h100:1x8|cpu [--tensor-parallel-size N]
-        [engine flags] --out DIR
+        [engine flags] [--weights] --out DIR
 
 The engine is planned as `serve` plans it (engine/plan.py) on the target's devices: a
 compile-only TPU slice (libtpu), GPU hosts (JAX's CUDA plugin and XLA's description of the
@@ -17,7 +17,10 @@ quantized cache's calibration forward (its shape, the calibration's token count,
 model's tokenizer) and, for an embedding model (`--runner pooling`), the pooling runner's
 executables instead of the steps. No weights are read: only the model's config.json (MODEL may
 be that file, or one of shard-plan's presets), its tokenizer and its checkpoint's tensor names
-(scales it has need no calibration).
+(scales it has need no calibration). With `--weights` the checkpoint is read too, and its
+weights prepared as the target's start prepares them (`write_target_weights`: converted,
+quantized at load, padded, laid out) are written into DIR/weights, which the server then loads
+instead (as large as the served weights: opt-in; DESIGN §4 says where it pays).
 """
 
 from __future__ import annotations
@@ -44,6 +47,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the devices to compile for: a TPU slice (v6e:2x4), GPU hosts (h100:1x8 = hosts x GPUs "
                         "per host) or 'cpu' (this host's CPU devices)")
     p.add_argument("--out", required=True, help="the directory to write (serve it with --executables DIR)")
+    p.add_argument("--weights", action="store_true",
+                   help="also write the weights as the target's start prepares them (read, converted, quantized at "
+                        "load, padded, laid out), which serve --executables DIR then loads instead: as large as "
+                        "the served weights; pays for a checkpoint quantized at load or a GGUF file (docs/DESIGN.md)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"])
     EngineConfig.add_cli_args(p)
 
@@ -87,9 +94,10 @@ def model_config(mc) -> tuple[pathlib.Path | None, dict]:
     return path, load_checkpoint(path).config
 
 
-def compile_for_target(config, target: dict, out: str | os.PathLike[str]) -> dict[str, Any]:
+def compile_for_target(config, target: dict, out: str | os.PathLike[str], weights: bool = False) -> dict[str, Any]:
     """Plan the engine of `config` for `target`'s devices, compile every executable a runner of
-    its recipe holds into `out`, write the manifest; returns the manifest."""
+    its recipe holds into `out`, write the manifest; returns the manifest. weights: also the
+    weights prepared as the target's start prepares them (`write_target_weights`)."""
     import jax
 
     from jaxserve.backends import select_backend
@@ -173,8 +181,45 @@ def compile_for_target(config, target: dict, out: str | os.PathLike[str]) -> dic
         "recipe": {f.name: _plain(getattr(recipe, f.name)) for f in dataclasses.fields(recipe)
                    if f.name not in ("arch", "sampler_config")},
     }
+    if weights:
+        t0 = time.perf_counter()
+        facts["weights"] = write_target_weights(plan, model_path, target, mesh, backend, out)
+        seconds["weights"] = round(time.perf_counter() - t0, 2)
+        logger.info("prepared the weights (%.2f GiB) in %.1fs", facts["weights"]["bytes"] / 2**30, seconds["weights"])
+        facts["total_seconds"] = round(time.perf_counter() - t_start, 2)
     write_manifest(out, material, **facts)
     return {**facts, "material": material}
+
+
+def write_target_weights(plan, model_path: pathlib.Path | None, target: dict, mesh, backend,
+                         out: str | os.PathLike[str]) -> dict[str, Any]:
+    """The weights of `plan` prepared as a start on `target` prepares them (engine/setup.py's
+    `prepare_weights`: read, converted, quantized at load, padded, laid out by the target's
+    backend) into `out`/weights, keyed by `prebuilt.weights_material` (the checkpoint, dtype,
+    quantization, plan, rules, devices); returns the manifest's "weights" entry. On this host's
+    CPU they are placed on its mesh; for a TPU slice or GPU hosts, whose devices this host only
+    describes, on one CPU device (the entry holds each weight whole; the serving host places
+    it by its own sharding)."""
+    import jax
+
+    from jaxserve.engine.setup import prepare_weights
+    from jaxserve.models.loader import load_checkpoint
+    from jaxserve.models.pooling_config import as_causal_lm
+    from jaxserve.parallel.mesh import make_mesh
+    from jaxserve.runner.prebuilt import weights_material, write_weights
+
+    if model_path is None:
+        raise ValueError("--weights needs the model's checkpoint (a directory, a .gguf file or a Hub name), "
+                         "not a config.json or a preset")
+    ckpt = load_checkpoint(model_path)
+    if plan.pooling:
+        ckpt = as_causal_lm(ckpt)
+    material = weights_material(ckpt, mesh.devices.flat, backend, dtype=plan.device.dtype,
+                                quantization=plan.config.model.quantization, plan=plan.device, rules=plan.rules,
+                                arch=plan.arch)
+    host_mesh = mesh if target["kind"] == "cpu" else make_mesh(1, 1, devices=jax.devices("cpu")[:1])
+    model = prepare_weights(plan, ckpt, host_mesh, backend)
+    return write_weights(out, material, model)
 
 
 def compile_steps(recipe, mesh_devices: list, scope, timed) -> list[tuple[int, int]]:
@@ -269,11 +314,13 @@ def run(args: argparse.Namespace) -> int:
     opts.setdefault("show_progress", False)
     config = EngineConfig.from_kwargs(model=args.model, **opts)
     try:
-        manifest = compile_for_target(config, target, args.out)
+        manifest = compile_for_target(config, target, args.out, weights=args.weights)
     except ValueError as e:
         print(f"jaxserve compile: {e}")
         return 2
     print(f"jaxserve compile: {len(manifest['entries'])} executables for {manifest['topology']} "
           f"({manifest['devices'][0]} x{len(manifest['devices'])}, {len(manifest['buckets'])} steps) in "
-          f"{manifest['total_seconds']:.1f}s -> {args.out}")
+          f"{manifest['total_seconds']:.1f}s"
+          + (f", weights {manifest['weights']['bytes'] / 2**30:.2f} GiB" if "weights" in manifest else "")
+          + f" -> {args.out}")
     return 0
