@@ -232,7 +232,7 @@ class ModelRunner:
         shapes = self.grid.shapes()
         scope = self._scope
         self._compile_in_workers(shapes)
-        for i, (T, R) in enumerate(tqdm(shapes, desc="compiling buckets", disable=not show_progress, unit="bucket")):
+        for i, (T, R) in enumerate(tqdm(shapes, desc="step executables (compiled or loaded)", disable=not show_progress, unit="bucket")):
             self.layouts[(T, R)] = self.step_layout(T, R)
             t0, compiled_before = time.perf_counter(), scope.compiled
             self._compiled[(T, R)] = self.program.step_executable(scope, (T, R), params, kv, sstate)
