@@ -350,7 +350,7 @@ def dense(spec: str, x: jax.Array, w: jax.Array | PackedWeight | QuantizedWeight
         return y
     if isinstance(w, QuantizedWeight) and w.product is not None:
         return _dense_quantized(spec, x, w)
-    row = _single_row_axes(spec, x)
+    row = _single_row_axes(spec, x, w.shape)
     if row is not None:
         return _two_rows_on_gpu(x, lambda x: _dense_xla(spec, x, w), *row)
     return _dense_xla(spec, x, w)
@@ -363,14 +363,24 @@ def _dense_xla(spec: str, x: jax.Array, w: jax.Array | QuantizedWeight) -> jax.A
     return jnp.einsum(spec, x.astype(w.dtype), w, preferred_element_type=jnp.float32)
 
 
-def _single_row_axes(spec: str, x: jax.Array) -> tuple[int, int] | None:
+def _single_row_axes(spec: str, x: jax.Array, w_shape) -> tuple[int, int] | None:
     """(x's axis, the output's axis) of the first dim x keeps, where every dim x keeps has
-    size 1 (a one-token step's product: a vector times the weight); else None."""
-    xs, _, out, contract = parse_spec(spec)
+    size 1 (a one-token step's product: a vector times the weight) and the weight is one that
+    XLA:GPU would multiply as a reduction (see `_two_rows_on_gpu`); else None."""
+    xs, ws, out, contract = parse_spec(spec)
     kept = [i for i, c in enumerate(xs) if c not in contract]
     if not kept or xs[kept[0]] not in out or any(x.shape[i] != 1 for i in kept):
         return None
+    k = math.prod(n for c, n in zip(ws, w_shape) if c in contract)
+    if (1 + math.prod(w_shape) // k) * k >= XLA_GPU_STRENGTH_REDUCED:
+        return None
     return kept[0], out.index(xs[kept[0]])
+
+
+# XLA:GPU rewrites a vector times a matrix as a multiply and a reduction when its (rows +
+# columns) x contracted size is under this ("dot strength reduction", its
+# backends/gpu/transforms/dot_strength_reduction.cc); a larger one is a GEMM kernel already.
+XLA_GPU_STRENGTH_REDUCED = 10_000_000
 
 
 def _two_rows_on_gpu(x: jax.Array, product: Callable[[jax.Array], jax.Array],
@@ -379,9 +389,10 @@ def _two_rows_on_gpu(x: jax.Array, product: Callable[[jax.Array], jax.Array],
     first row kept.
 
     XLA:GPU drops a product's size-1 dims, and rewrites a vector times a matrix whose
-    (rows + columns) x contracted size is under 10 million (every decoder-layer weight of a
-    small model: SmolLM2-135M's 576 x 1,536 gives 0.9 million) as a broadcast multiply and a
-    reduction ("dot strength reduction"); its fusion pass leaves most of those multiplies
+    (rows + columns) x contracted size is under 10 million (`XLA_GPU_STRENGTH_REDUCED`: every
+    decoder-layer weight of a small model, SmolLM2-135M's 576 x 1,536 gives 0.9 million;
+    Llama-3-8B's K and V) as a broadcast multiply and a reduction ("dot strength
+    reduction"); its fusion pass leaves most of those multiplies
     outside their reductions, so one kernel writes the float32 product of every weight
     element and a second reads it back to sum it (10 bytes moved a bfloat16 weight element
     instead of 2: a one-token SmolLM2 step's products moved its weights 3.3 times). Two rows
