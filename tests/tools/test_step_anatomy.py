@@ -264,7 +264,6 @@ def test_a_gpu_decode_step_has_one_top_level_conditional_and_no_loop():
     assert "kWhile" not in launches["outside"], launches
 
 
-
 @pytest.mark.skipif(not HAS_GPU, reason="JAX's CUDA plugin is not installed")
 def test_one_row_products_read_each_weight_once_on_a_gpu():
     """A one-sequence decode step's products have one row. XLA:GPU rewrites one with a small
