@@ -343,13 +343,67 @@ def parse_spec(spec: str) -> tuple[str, str, str, str]:
 
 
 def dense(spec: str, x: jax.Array, w: jax.Array | PackedWeight | QuantizedWeight) -> jax.Array:
-    """einsum(spec, x, w) with x cast to w's dtype and a float32 result."""
+    """einsum(spec, x, w) with x cast to w's dtype and a float32 result (a one-row product
+    on a GPU: see `_two_rows_on_gpu`)."""
     if isinstance(w, PackedWeight):
         (y,) = dense_group(spec, x, w)
         return y
+    if isinstance(w, QuantizedWeight) and w.product is not None:
+        return _dense_quantized(spec, x, w)
+    row = _single_row_axes(spec, x, w.shape)
+    if row is not None:
+        return _two_rows_on_gpu(x, lambda x: _dense_xla(spec, x, w), *row)
+    return _dense_xla(spec, x, w)
+
+
+def _dense_xla(spec: str, x: jax.Array, w: jax.Array | QuantizedWeight) -> jax.Array:
+    """`dense`'s product written for XLA (a quantized weight's: `_dense_quantized`)."""
     if isinstance(w, QuantizedWeight):
         return _dense_quantized(spec, x, w)
     return jnp.einsum(spec, x.astype(w.dtype), w, preferred_element_type=jnp.float32)
+
+
+def _single_row_axes(spec: str, x: jax.Array, w_shape) -> tuple[int, int] | None:
+    """(x's axis, the output's axis) of the first dim x keeps, where every dim x keeps has
+    size 1 (a one-token step's product: a vector times the weight) and the weight is one that
+    XLA:GPU would multiply as a reduction (see `_two_rows_on_gpu`); else None."""
+    xs, ws, out, contract = parse_spec(spec)
+    kept = [i for i, c in enumerate(xs) if c not in contract]
+    if not kept or xs[kept[0]] not in out or any(x.shape[i] != 1 for i in kept):
+        return None
+    k = math.prod(n for c, n in zip(ws, w_shape) if c in contract)
+    if (1 + math.prod(w_shape) // k) * k >= XLA_GPU_STRENGTH_REDUCED:
+        return None
+    return kept[0], out.index(xs[kept[0]])
+
+
+# XLA:GPU rewrites a vector times a matrix as a multiply and a reduction when its (rows +
+# columns) x contracted size is under this ("dot strength reduction", its
+# backends/gpu/transforms/dot_strength_reduction.cc); a larger one is a GEMM kernel already.
+XLA_GPU_STRENGTH_REDUCED = 10_000_000
+
+
+def _two_rows_on_gpu(x: jax.Array, product: Callable[[jax.Array], jax.Array],
+                     x_axis: int, out_axis: int) -> jax.Array:
+    """product(x) of a one-row x; on a GPU computed on two rows (x and a zero row) and the
+    first row kept.
+
+    XLA:GPU drops a product's size-1 dims, and rewrites a vector times a matrix whose
+    (rows + columns) x contracted size is under 10 million (`XLA_GPU_STRENGTH_REDUCED`: every
+    decoder-layer weight of a small model, SmolLM2-135M's 576 x 1,536 gives 0.9 million;
+    Llama-3-8B's K and V) as a broadcast multiply and a reduction ("dot strength
+    reduction"); its fusion pass leaves most of those multiplies
+    outside their reductions, so one kernel writes the float32 product of every weight
+    element and a second reads it back to sum it (10 bytes moved a bfloat16 weight element
+    instead of 2: a one-token SmolLM2 step's products moved its weights 3.3 times). Two rows
+    are a matrix: the product is a GEMM kernel that reads the weight once. Other platforms
+    keep the one-row product (their programs are unchanged)."""
+
+    def two_rows(x):
+        y = product(jnp.concatenate([x, jnp.zeros_like(x)], axis=x_axis))
+        return jax.lax.slice_in_dim(y, 0, 1, axis=out_axis)
+
+    return jax.lax.platform_dependent(x, cuda=two_rows, rocm=two_rows, default=product)
 
 
 def _dense_quantized(spec: str, x: jax.Array, w: QuantizedWeight) -> jax.Array:

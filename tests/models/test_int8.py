@@ -1,5 +1,6 @@
 """Weight-only int8: the weights stay int8 on the device, products convert them inside the
-dot, logits stay close to the float model's; sharded == unsharded; packing skips them."""
+dot, logits stay close to the float model's; sharded == unsharded; packing skips them. And a
+GPU's one-row products (computed on two rows) give the one-row values."""
 
 from __future__ import annotations
 
@@ -45,6 +46,33 @@ def test_per_channel_product_equals_dequantized(spec, shape):
     got = dense(spec, x, QuantizedWeight(jnp.asarray(q), jnp.asarray(s), "float32"))
     np.testing.assert_allclose(np.asarray(got), np.asarray(dense(spec, x, jnp.asarray(deq))), rtol=1e-5, atol=1e-4)
 
+
+
+@pytest.mark.parametrize("spec,shape", [("te,ehd->thd", (64, 4, 16)), ("thd,hde->te", (4, 16, 96)),
+                                        ("te,ef->tf", (64, 128))])
+def test_a_gpus_two_row_product_of_one_row_is_the_one_row_product(spec, shape, monkeypatch):
+    """On a GPU `dense` computes a one-row product on two rows (the row and a zero row) and
+    keeps the first (XLA:GPU's one-row products reread their weights): here the GPU's branch is
+    taken on the CPU, for float and int8 weights, and gives the one-row product's values."""
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal(shape).astype(np.float32)
+    q, s = quantize_int8(w, spec)
+    sizes = dict(zip(spec.split(",")[1].split("->")[0], shape))
+    x = jnp.asarray(rng.standard_normal([sizes.get(c, 1) for c in spec.split(",")[0]]), jnp.float32)
+    weights = (jnp.asarray(w), QuantizedWeight(jnp.asarray(q), jnp.asarray(s), "float32"))
+    one_row = [np.asarray(dense(spec, x, wt)) for wt in weights]
+    taken = []
+
+    def the_gpus_branch(*args, cuda, **_):
+        taken.append(cuda)
+        return cuda(*args)
+
+    monkeypatch.setattr(jax.lax, "platform_dependent", the_gpus_branch)
+    for wt, want in zip(weights, one_row):
+        got = np.asarray(dense(spec, x, wt))
+        assert got.shape == want.shape and got.shape[0] == 1
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)  # the order of the sums
+    assert len(taken) == 2
 
 def test_block_scales_like_q8_0():
     rng = np.random.default_rng(1)
