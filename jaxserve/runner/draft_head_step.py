@@ -177,7 +177,8 @@ class DraftHead:
         them (None: nothing)."""
         return None
 
-    def chain_layer(self, head, inputs, tokens, positions, hidden, cache: KVCache, md: AttentionMetadata):
+    def chain_layer(self, head, inputs, tokens, positions, hidden, cache: KVCache,
+                    md: AttentionMetadata):
         """`layer` for a chained pass, whose `tokens` are the drafter's own proposals, with
         `chain_inputs`' `inputs`."""
         return self.layer(head, tokens, positions, hidden, cache, md)
@@ -223,7 +224,8 @@ class Eagle3Head(DraftHead):
 
     def chain_layer(self, head, inputs, tokens, positions, hidden, cache, md):
         embeds = head.draft_embeddings(inputs, tokens)
-        out, k, v = head.paged_layer(tokens, positions, hidden, cache.k[0], cache.v[0], md, embeds=embeds)
+        out, k, v = head.paged_layer(tokens, positions, hidden, cache.k[0], cache.v[0], md,
+                                     embeds=embeds)
         return out, KVCache(k=(k,), v=(v,))
 
     def key(self) -> str:
