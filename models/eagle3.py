@@ -306,13 +306,28 @@ class Eagle3Drafter(nnx.Module):
     def norm(self, x: jax.Array, w: nnx.Param) -> jax.Array:
         return rms_norm(x, w[...], self.config.layer.rms_norm_eps)
 
+    def draft_vocab_embeddings(self) -> jax.Array:
+        """The embedding rows of the draft vocabulary, [Vd, H] float32: row d is the target
+        token d + d2t[d]'s (what `draft_embeddings` reads instead of the whole table)."""
+        return self.embed_tokens(self.draft_to_target(jnp.arange(self.config.draft_vocab_size)))
+
+    def draft_embeddings(self, rows: jax.Array, target_ids: jax.Array) -> jax.Array:
+        """The embeddings [N, H] of tokens `target_ids` [N] that the head drafted (each is in the
+        draft vocabulary), read from `rows` (`draft_vocab_embeddings`): equal to
+        `embed_tokens(target_ids)` for such tokens."""
+        targets = self.draft_to_target(jnp.arange(self.config.draft_vocab_size))
+        return rows[jnp.argmax(target_ids[:, None] == targets[None], axis=1)]
+
     def project_qkv(self, input_ids: jax.Array, positions: jax.Array, hidden: jax.Array,
-                    md: AttentionMetadata | None = None):
+                    md: AttentionMetadata | None = None, embeds: jax.Array | None = None):
         """The layer up to attention: (q [T, Hq, D], k, v [T, Hkv, D] with RoPE at
         `positions`, the residual [T, H]). `md`: the step's attention metadata, which RoPE
-        scalings that depend on the request's length (longrope, dynamic) need."""
+        scalings that depend on the request's length (longrope, dynamic) need. `embeds`: the
+        tokens' embeddings [T, H] float32 when the caller has them (None: looked up)."""
         layer = self.layer
-        embeds = self.norm(self.embed_tokens(input_ids), layer.input_norm)
+        if embeds is None:
+            embeds = self.embed_tokens(input_ids)
+        embeds = self.norm(embeds, layer.input_norm)
         normed = self.norm(hidden, layer.hidden_norm)
         residual = normed if self.config.norm_before_residual else hidden.astype(jnp.float32)
         x = jnp.concatenate([embeds, normed], axis=-1)  # [T, 2H]
@@ -377,10 +392,11 @@ class Eagle3Drafter(nnx.Module):
 
     def paged_layer(self, input_ids: jax.Array, positions: jax.Array, hidden: jax.Array,
                     k_cache: jax.Array, v_cache: jax.Array, md: AttentionMetadata,
-                    mesh: Mesh | None = None, rules: ax.Rules = DEFAULT_RULES
-                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """`paged_step` up to the head: (the layer's output [T, H], the updated caches)."""
-        q, k, v, residual = self.project_qkv(input_ids, positions, hidden, md)
+                    mesh: Mesh | None = None, rules: ax.Rules = DEFAULT_RULES,
+                    embeds: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """`paged_step` up to the head: (the layer's output [T, H], the updated caches).
+        `embeds`: as `project_qkv`'s."""
+        q, k, v, residual = self.project_qkv(input_ids, positions, hidden, md, embeds)
         attn, k_cache, v_cache = paged_attention(
             q.astype(attention_dtype(k_cache.dtype, self.dtype)), k, v, k_cache, v_cache, md,
             self.layer.attn_spec, mesh, rules)

@@ -172,6 +172,17 @@ class DraftHead:
     def propose(self, head, out: jax.Array) -> tuple[jax.Array, jax.Array]:
         raise NotImplementedError
 
+    def chain_inputs(self, head):
+        """What the chained passes read besides the drafter's weights, computed once before
+        them (None: nothing)."""
+        return None
+
+    def chain_layer(self, head, inputs, tokens, positions, hidden, cache: KVCache,
+                    md: AttentionMetadata):
+        """`layer` for a chained pass, whose `tokens` are the drafter's own proposals, with
+        `chain_inputs`' `inputs`."""
+        return self.layer(head, tokens, positions, hidden, cache, md)
+
     def key(self) -> str:
         raise NotImplementedError
 
@@ -203,6 +214,19 @@ class Eagle3Head(DraftHead):
     def propose(self, head, out):
         step = head.head(out)
         return step.target_ids, step.hidden
+
+    def chain_inputs(self, head):
+        """The draft vocabulary's embedding rows: a chained pass feeds a token the head drafted,
+        so it reads them and not the whole table. (A loop that reads the table carries it in
+        its state; where the chip lays the table out other than a row lookup wants (TPU: the
+        vocabulary minor), the compiled step copies the whole table into that state.)"""
+        return head.draft_vocab_embeddings()
+
+    def chain_layer(self, head, inputs, tokens, positions, hidden, cache, md):
+        embeds = head.draft_embeddings(inputs, tokens)
+        out, k, v = head.paged_layer(tokens, positions, hidden, cache.k[0], cache.v[0], md,
+                                     embeds=embeds)
+        return out, KVCache(k=(k,), v=(v,))
 
     def key(self) -> str:
         from jaxserve.runner.executable_cache import canonical
@@ -311,10 +335,12 @@ class DraftingStepFunction(StepFunction):
             _, cache = h.layer(head, input_ids, inputs.positions, first_hidden, cache, md)
             hidden, first, pos = None, 0, inputs.positions[at] + 1
 
+        chain_inputs = h.chain_inputs(head)
+
         def chain(j, carry):
             cache, drafts, token, hidden = carry
             cmd = chain_metadata(md, pos + j, live, d.num_pages, self.page_size)
-            out, cache = h.layer(head, token, pos + j, hidden, cache, cmd)
+            out, cache = h.chain_layer(head, chain_inputs, token, pos + j, hidden, cache, cmd)
             ids, hidden = h.propose(head, out)
             return cache, drafts.at[:, j].set(ids), ids, _float32(hidden)
 

@@ -195,6 +195,17 @@ def test_d2t_maps_draft_ids_to_target_ids(drafter, chain, expected):
                                       np.flatnonzero(t2d)[expected["draft_ids"][k]])
 
 
+def test_draft_embeddings_are_the_drafted_tokens_rows(drafter):
+    """A chained pass reads its tokens' rows from the draft vocabulary's rows (not the whole
+    table): the same rows `embed_tokens` gives, for every draft id, in any order."""
+    vd = drafter.config.draft_vocab_size
+    ids = drafter.draft_to_target(jnp.asarray(np.random.default_rng(0).permutation(vd)))
+    rows = drafter.draft_vocab_embeddings()
+    assert rows.shape == (vd, drafter.config.layer.hidden_size) and rows.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(drafter.draft_embeddings(rows, ids)),
+                                  np.asarray(drafter.embed_tokens(ids)))
+
+
 def test_both_layouts_load_the_same_weights(drafter, tmp_path):
     """The original layout (midlayer.*, the table from the target) gives the same parameters,
     leaf by leaf, as the speculators layout (which ships the target's table)."""

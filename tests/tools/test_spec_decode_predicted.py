@@ -153,3 +153,30 @@ def test_a_draft_models_kv_pages_are_counted_by_its_own_config(tmp_path):
     assert rec["bytes_per_page_per_device"] == plain["bytes_per_page_per_device"] + draft_page
     recipe = plan_recipe(settings, cfg, mesh, rules, resolve_plan(settings, cfg, mesh, rules), num_pages)
     assert (recipe.draft_method, recipe.draft_model, recipe.num_speculative_tokens) == ("draft_model", draft, 3)
+
+
+def test_the_eagle3_chain_does_not_carry_the_embedding_table(tmp_path):
+    """The EAGLE-3 step's chained passes read the draft vocabulary's rows, computed before their
+    loop: no loop of the lowered step takes a [V, E] array (a table in a loop's state is copied
+    whole where the chip lays it out other than a row lookup wants: TPU)."""
+    from jaxserve.models.arch_config import ArchConfig
+    from jaxserve.models.sharding import load_rules, serving_rules
+    from jaxserve.parallel.mesh import make_mesh
+    from jaxserve.runner.compile_pool import abstract_step, lower_bucket
+    from jaxserve.tools.plan_compile import PlanSettings, kv_record, plan_recipe, resolve_plan
+
+    llama = json.loads((ROOT / "tests" / "data" / "arch" / "llama" / "config.json").read_text())
+    head = sdp.eagle3_head_dir(tmp_path, llama, 3, 16)
+    mesh, rules = make_mesh(1, 1), serving_rules(load_rules("tp"), 1)
+    cfg = ArchConfig.from_hf(llama)
+    settings = PlanSettings(arch=llama, platform="cpu", max_model_len=64, max_num_seqs=8,
+                            dtype="float32", kv_cache_dtype="float32", kv_cache_memory=1 << 20,
+                            num_speculative_tokens=3, draft_model=head, draft_method="eagle3")
+    _, num_pages, _ = kv_record(settings, cfg, mesh, rules, "float32")
+    plan = resolve_plan(settings, cfg, mesh, rules)
+    recipe = plan_recipe(settings, cfg, mesh, rules, plan, num_pages)
+    text = lower_bucket(recipe, abstract_step(recipe), (8, 8)).as_text()
+    loops = [line for line in text.splitlines() if "stablehlo.while" in line]
+    table = f"tensor<{cfg.vocab_size}x{cfg.hidden_size}x"
+    assert loops and not [line for line in loops if table in line]
+    assert table in text  # the table is an input of the step
