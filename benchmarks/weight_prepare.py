@@ -125,19 +125,10 @@ def write_ct_w4a16(d: pathlib.Path, cfg: dict, tensors: dict[str, np.ndarray]) -
 def write_gguf_q8_0(path: pathlib.Path, cfg: dict, tensors: dict[str, np.ndarray]) -> pathlib.Path:
     import gguf
 
-    from tests.models import gguf_fixtures as fx
+    from tests.models.gguf_fixtures import write_gguf
 
-    w = gguf.GGUFWriter(path, "llama")
-    fx._metadata(w, "llama", {**cfg, "rope_parameters": {"rope_theta": cfg["rope_theta"]}})
-    fx._vocabulary(w, "llama", cfg["vocab_size"])
-    for name, x in fx.llama_cpp_tensors("llama", cfg, tensors).items():
-        array, raw = fx._encode(name, x, gguf.GGMLQuantizationType.Q8_0)
-        w.add_tensor(name, array, raw_dtype=raw)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    hf = {**cfg, "rope_parameters": {"rope_theta": cfg["rope_theta"]}}
+    return write_gguf(path, "llama", hf, tensors, gguf.GGMLQuantizationType.Q8_0)
 
 
 def _bytes(path: pathlib.Path) -> int:

@@ -49,7 +49,13 @@ def fixture(data_dir: pathlib.Path, name: str) -> tuple[dict, dict[str, np.ndarr
 
 def write_fixture_gguf(data_dir: pathlib.Path, name: str, path: pathlib.Path, qtype: QT = QT.F32) -> pathlib.Path:
     hf, tensors = fixture(data_dir, name)
-    arch = FIXTURES[name]
+    return write_gguf(path, FIXTURES[name], hf, tensors, qtype)
+
+
+def write_gguf(path: pathlib.Path, arch: str, hf: dict, tensors: dict[str, np.ndarray],
+               qtype: QT = QT.F32) -> pathlib.Path:
+    """A GGUF file of `arch` as llama.cpp's converter writes it: `hf`'s config as metadata, a
+    vocabulary, the HF `tensors` renamed (and permuted) as llama.cpp names them, in `qtype`."""
     w = gguf.GGUFWriter(path, arch)
     _metadata(w, arch, hf)
     _vocabulary(w, arch, hf["vocab_size"])
