@@ -91,17 +91,10 @@ def target_material(recipe: StepRecipe, devices: Iterable[Any], backend: Backend
     import dataclasses
 
     devices = list(devices)
-    versions = [f"{m}={_version(m)}" for m in ("jax", "jaxlib", "flax", "numpy", "ml_dtypes")]
-    versions += [f"{d}={_distribution(d)}" for d in _PLUGINS.get(recipe.platform, ())]
     config = {k: v for k, v in sorted(jax.config.values.items()) if not any(w in k for w in _CONFIG_IGNORED)}
     parts = {
-        "format": f"{FORMAT}.{MANIFEST_FORMAT}",
-        "code": code_fingerprint(),
-        "versions": " ".join(versions),
-        "platform": recipe.platform,
-        "devices": repr([(d.device_kind, tuple(getattr(d, "coords", None) or ()) or None) for d in devices]),
+        **_host_parts(recipe.platform, devices, backend, _PLUGINS.get(recipe.platform, ())),
         "processes": str(len({d.process_index for d in devices})),
-        "backend": canonical(backend.fingerprint()),
         "xla_flags": repr([(k, os.environ.get(k, "")) for k in _FLAG_VARIABLES]),
         "jax_config": repr(config),
         "runner": "generate" if pooling is None else f"pooling ({pooling.pooling}, normalize {pooling.normalize})",
@@ -120,6 +113,21 @@ def target_material(recipe: StepRecipe, devices: Iterable[Any], backend: Backend
         else:
             parts[f"recipe.{field.name}"] = canonical(value)
     return {k: v if len(v) <= _SHORT else "sha256:" + hashlib.sha256(v.encode()).hexdigest() for k, v in parts.items()}
+
+
+def _host_parts(platform: str, devices: list, backend: Backend, plugins: Iterable[str] = ()) -> dict[str, str]:
+    """The parts of a key that name the code, the libraries (and `plugins`, the platform's
+    compiler distributions), the platform, its devices and the backend."""
+    versions = [f"{m}={_version(m)}" for m in ("jax", "jaxlib", "flax", "numpy", "ml_dtypes")]
+    versions += [f"{d}={_distribution(d)}" for d in plugins]
+    return {
+        "format": f"{FORMAT}.{MANIFEST_FORMAT}",
+        "code": code_fingerprint(),
+        "versions": " ".join(versions),
+        "platform": platform,
+        "devices": repr([(d.device_kind, tuple(getattr(d, "coords", None) or ()) or None) for d in devices]),
+        "backend": canonical(backend.fingerprint()),
+    }
 
 
 def draft_identity(directory: str) -> str:
@@ -220,15 +228,8 @@ def weights_material(ckpt: Any, devices: Iterable[Any], backend: Backend, *, dty
     structure as served (padded heads included)."""
     from jaxserve.runner.weight_cache import checkpoint_identity
 
-    devices = list(devices)
-    versions = [f"{m}={_version(m)}" for m in ("jax", "jaxlib", "flax", "numpy", "ml_dtypes")]
     parts = {
-        "format": f"{FORMAT}.{MANIFEST_FORMAT}",
-        "code": code_fingerprint(),
-        "versions": " ".join(versions),
-        "platform": backend.platform,
-        "devices": repr([(d.device_kind, tuple(getattr(d, "coords", None) or ()) or None) for d in devices]),
-        "backend": canonical(backend.fingerprint()),
+        **_host_parts(backend.platform, list(devices), backend),
         "weights.checkpoint": "sha256:" + checkpoint_identity(ckpt.path, ckpt.config, mtime=False),
         "weights.dtype": str(dtype),
         "weights.quantization": str(quantization),
