@@ -19,7 +19,6 @@ from collections.abc import Callable
 from typing import Any
 
 from jaxserve.backends import Backend, DevicePlan, select_backend
-from jaxserve.backends.base import log_activation_products
 from jaxserve.backends.devices import DeviceSet
 from jaxserve.config import EngineConfig, jax_dtype
 from jaxserve.speculative_config import STEP_DRAFTERS
@@ -30,6 +29,7 @@ from jaxserve.core.scheduler import Scheduler
 from jaxserve.engine.core import EngineCore
 from jaxserve.engine.generation_config import load_generation_config
 from jaxserve.engine.input_processor import ModelInfo
+from jaxserve.engine.model_weights import prepared_model
 from jaxserve.engine.kv_sizing import (KVSize, confirm_memory, fit_max_model_len, kv_budget_from_programs,
                                        size_kv_cache)
 from jaxserve.engine.plan import DEFAULT_MODEL_NAME, EnginePlan, ModelFiles, plan_engine, with_device_plan
@@ -40,16 +40,15 @@ from jaxserve.models.arch_config import ArchConfig
 from jaxserve.models.loader import load_checkpoint, resolve_model
 from jaxserve.models.pooling_config import as_causal_lm, check_decoder, load_pooling_config
 from jaxserve.models.sharding import check_servable, load_rules, serving_rules
-from jaxserve.models.weights import create_model, sharded_abstract_model
 from jaxserve.parallel import multihost
 from jaxserve.parallel.mesh import bytes_per_device, make_mesh, replicated_axes
-from jaxserve.runner.compile import executable_cache, weight_cache
+from jaxserve.runner.compile import executable_cache
 from jaxserve.reasoning import get_reasoning_parser
 from jaxserve.runner.executable_cache import ExecutableScope, canonical, executable_scope
 from jaxserve.runner.kv_scales import CALIBRATION_TEXT, prepare_kv_scales
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.runner.pooling_runner import PoolingRunner, pooling_num_pages
-from jaxserve.runner.prebuilt import prebuilt_scope, prebuilt_weights, target_material, weights_material
+from jaxserve.runner.prebuilt import prebuilt_scope, target_material
 from jaxserve.runner.recipe import StepRecipe
 from jaxserve.runner.protocol import StepRunner
 from jaxserve.spec_decode import NgramProposer
@@ -276,7 +275,7 @@ def _check_mtp_target(target_config: dict) -> None:
 def _build(plan: EnginePlan, start: _Start, timer: StartupTimer):
     """The model: weights placed and laid out by the backend (a quantized KV cache's scales are
     set next, `_kv_scales`)."""
-    model = _prepared_model(plan, start, timer)
+    model = prepared_model(plan, start.ckpt, start.mesh, start.backend, timer)
     start.load_seconds = time.perf_counter() - start.t0
     return model
 
@@ -453,67 +452,6 @@ def _pooling_engine(plan: EnginePlan, start: _Start, model, pooling,
         logger.info("%s", timer.summary())
     return EngineParts(tokenizer, info, core, start.model_path, plan.arch, start.backend, plan.device,
                        start.load_seconds, engine_plan=plan)
-
-
-def _prepared_model(plan: EnginePlan, start: _Start, timer: StartupTimer):
-    """The model with its weights placed and laid out by the backend: from the directory
-    `jaxserve compile --weights` wrote (`--executables DIR`) when they were prepared for this
-    engine; else from the weight cache when the backend lays them out (packing for the CPU
-    kernels) and they were kept; else from the checkpoint (then kept)."""
-    mc, backend, mesh, device, ckpt = plan.config.model, start.backend, start.mesh, plan.device, start.ckpt
-    rules = plan.rules
-    ahead = plan.config.compile.executables
-    if ahead is not None:
-        with timer.phase("weights"):
-            material = weights_material(ckpt, mesh.devices.flat, backend, dtype=device.dtype,
-                                        quantization=mc.quantization, plan=device, rules=rules, arch=plan.arch)
-            model = prebuilt_weights(ahead, material, _abstract_prepared(plan, mesh, backend))
-        if model is not None:
-            timer.note("weights", "prepared ahead, from the executables' directory")
-            log_activation_products(model, device)
-            return model
-    cache = weight_cache(plan.config.compile) if backend.lays_out_weights(device) and mc.quantization is None else None
-    if cache is not None:
-        with timer.phase("weights"):
-            key = cache.key(ckpt.path, ckpt.config, mesh.devices.flat, **backend.fingerprint(),
-                            dtype=device.dtype, plan=canonical(device),
-                            rules=canonical(rules), arch=canonical(plan.arch))
-            model = cache.load(key, _abstract_prepared(plan, mesh, backend))
-        if model is not None:
-            timer.note("weights", "laid out, from the weight cache")
-            log_activation_products(model, device)  # what prepare_model says when it lays them out
-            return model
-    model = prepare_weights(plan, ckpt, mesh, backend, timer)
-    if cache is not None:
-        with timer.phase("weight cache"):
-            cache.store(key, model)
-    return model
-
-
-def _abstract_prepared(plan: EnginePlan, mesh, backend: Backend):
-    """The model `prepare_weights` gives, without any work: ShapeDtypeStructs placed as its
-    weights are, laid out as the backend lays them out."""
-    mc, device = plan.config.model, plan.device
-    abstract = sharded_abstract_model(plan.arch, dtype=jax_dtype(device.dtype), mesh=mesh,
-                                      attention_impl=mc.attention_impl, rules=plan.rules, moe_impl=device.moe_impl,
-                                      quantization=mc.quantization)
-    backend.prepare_model(abstract, device, abstract=True)
-    return abstract
-
-
-def prepare_weights(plan: EnginePlan, ckpt, mesh, backend: Backend, timer: StartupTimer | None = None):
-    """The start's work on the weights: `ckpt`'s tensors read, converted, quantized where the
-    plan asks, placed on `mesh` (`create_model`), then laid out by the backend
-    (`prepare_model`). `jaxserve compile --weights` does the same ahead."""
-    timer = timer or StartupTimer()
-    mc, device = plan.config.model, plan.device
-    with timer.phase("weights"):
-        model = create_model(plan.arch, dtype=jax_dtype(device.dtype), mesh=mesh, attention_impl=mc.attention_impl,
-                             get_tensor=ckpt.get_tensor, quantization=mc.quantization, rules=plan.rules,
-                             moe_impl=device.moe_impl)
-    with timer.phase("packing"):
-        backend.prepare_model(model, device)
-    return model
 
 
 def _log_placement(model, runner: ModelRunner, mesh, rules) -> None:

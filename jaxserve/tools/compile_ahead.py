@@ -202,7 +202,7 @@ def write_target_weights(plan, model_path: pathlib.Path | None, target: dict, me
     it by its own sharding)."""
     import jax
 
-    from jaxserve.engine.setup import prepare_weights
+    from jaxserve.engine.model_weights import prepare_weights
     from jaxserve.models.loader import load_checkpoint
     from jaxserve.models.pooling_config import as_causal_lm
     from jaxserve.parallel.mesh import make_mesh

@@ -19,7 +19,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.engine import setup
+from jaxserve.engine import model_weights
 from jaxserve.runner import prebuilt
 from jaxserve.server.cli import main as cli
 from tests.model_dirs import write_model_dir
@@ -64,13 +64,13 @@ def without_weights(weights_dir, tmp_path_factory) -> pathlib.Path:
 def prepared(monkeypatch) -> list[str]:
     """Each architecture the loader built a model of from a checkpoint, in order."""
     calls: list[str] = []
-    real = setup.create_model
+    real = model_weights.create_model
 
     def counted(cfg, **kw):
         calls.append(cfg.architecture)
         return real(cfg, **kw)
 
-    monkeypatch.setattr(setup, "create_model", counted)
+    monkeypatch.setattr(model_weights, "create_model", counted)
     return calls
 
 
